@@ -1,0 +1,294 @@
+"""Public encode/decode API of the codec: KV tensors <-> self-describing bitstreams.
+
+CacheGen's encoder/decoder (Liu et al., SIGCOMM 2024, section 5) and the baselines, each
+chunk an independently decodable container (``codec.bitstream``: magic, version, JSON
+header, arrays, payload, CRC32; docs/bitstream.md), so a streamer can send chunk k while
+the receiver decodes chunk k-1 (paper section 5.3).
+
+    import codec
+    data = codec.encode_kv(k, v, codec="cachegen", level=2)   # k, v [L, T, H, D]
+    k2, v2 = codec.decode_kv(data, device="cpu")               # same dtype and shape
+    chunks = codec.encode_chunks(k, v, chunk_tokens=1024)      # list[bytes]
+    codec.peek_header(chunks[0])                               # codec, level, shapes, sizes
+
+Run the tests: .venv/bin/python -m pytest tests/test_codec_api*.py -q
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import bitstream
+from .codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES, DTYPES, get_codec
+from .config import MIN_BLOCK_TOKENS, DEFAULT_CHUNK_TOKENS, CodecConfig
+from .errors import CodecError
+
+__all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_chunk",
+           "decode_chunks", "peek_header", "encode_with_stats"]
+
+CONTAINER_KIND = "kvcodec"   # header["kind"]: what the container holds
+MAX_DIM = {"L": 1 << 12, "T": 1 << 24, "H": 1 << 12, "D": 1 << 13}
+MAX_ELEMENTS = 1 << 33       # per K or V tensor: refuse to allocate more when decoding
+
+
+# ------------------------------------------------------------------------ validation
+def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
+    """ValueError unless k and v are finite fp16/bf16/fp32 tensors of one shape
+    [L, T, H, D] with every dimension >= 1."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 [layers, tokens, kv_heads, head_dim], "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: {sorted(DTYPES)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
+    if min(k.shape) < 1:
+        raise ValueError(f"every dimension must be >= 1, got shape {tuple(k.shape)}")
+    for key, n in zip("LTHD", k.shape):
+        if n > MAX_DIM[key]:
+            raise ValueError(f"dimension {key}={n} exceeds the limit {MAX_DIM[key]}")
+    for name, t in (("k", k), ("v", v)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf")
+    return tuple(k.shape)  # type: ignore[return-value]
+
+
+def _check_level(codec_obj, level: Optional[int]) -> None:
+    if level is None:
+        return
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise ValueError(f"level must be an int or None, got {level!r}")
+    if not codec_obj.uses_level:
+        raise ValueError(f"codec {codec_obj.name!r} has no levels (pass level=None)")
+
+
+def _device(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+
+
+# -------------------------------------------------------------------------- encoding
+def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[int],
+                config: Optional[CodecConfig], token_offset: int, total_tokens: int,
+                chunk_index: int, num_chunks: int) -> tuple[bytes, dict]:
+    c = get_codec(codec)
+    L, T, H, D = k.shape
+    k, v = k.detach().to("cpu"), v.detach().to("cpu")
+    enc = c.encode(k, v, level=level, config=config, token_offset=token_offset,
+                   total_tokens=total_tokens)
+    lvl = level
+    if "config" in enc.header:
+        lvl = enc.header["config"].get("level")
+    dtype_name = DTYPE_NAMES[k.dtype]
+    header = {"kind": CONTAINER_KIND, "codec": c.name, "level": lvl, "L": L, "T": T,
+              "H": H, "D": D, "dtype": dtype_name, "token_offset": token_offset,
+              "total_tokens": total_tokens, "chunk_index": chunk_index,
+              "num_chunks": num_chunks, "codec_header": enc.header}
+    bf16 = [n for n, a in enc.arrays.items()
+            if dtype_name == "bfloat16" and a.dtype == np.uint16 and not n.startswith("ent_")]
+    data = bitstream.pack(header, enc.arrays, enc.payload, bf16=bf16)
+    stats = dict(enc.stats)
+    stats.update(bytes=len(data), elements=2 * L * T * H * D,
+                 dtype_bytes=2 * L * T * H * D * DTYPE_BYTES[dtype_name])
+    return data, stats
+
+
+def encode_with_stats(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
+                      level: Optional[int] = None, config: Optional[CodecConfig] = None
+                      ) -> tuple[bytes, dict]:
+    """``encode_kv`` plus a stats dict (bytes, elements, dtype_bytes, and for cachegen:
+    entropy_bits, ideal_bits, model_bytes, length_table_bytes, payload_bytes, scale_bytes,
+    sink_bytes, symbols) for benchmarks."""
+    codec_obj = get_codec(codec)
+    _check_level(codec_obj, level)
+    _, T, _, _ = _check_kv(k, v)
+    return _encode_one(k, v, codec, level, config, 0, T, 0, 1)
+
+
+def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
+              level: Optional[int] = None, config: Optional[CodecConfig] = None) -> bytes:
+    """Encode a whole KV cache as ONE container.
+
+    Args:
+      k, v: [L, T, H, D] (layers, tokens, KV heads, head_dim), float16/bfloat16/float32,
+        finite, any device (encoding runs on CPU).
+      codec: a name in ``codec.CODECS`` (raw, fp8, quant8, kivi2, kivi4, cachegen,
+        cachegen-ref).
+      level: cachegen level (None = the default level); must be None for other codecs.
+      config: explicit CodecConfig for cachegen codecs (overrides the level preset).
+    Returns: bytes (self-describing: ``decode_kv`` needs nothing else).
+    Raises: ValueError on bad input (rank, shapes, dtype, NaN/inf, unknown codec/level).
+    """
+    return encode_with_stats(k, v, codec, level, config)[0]
+
+
+def encode_blob(kv: torch.Tensor, codec: str = "cachegen", level: Optional[int] = None,
+                config: Optional[CodecConfig] = None) -> bytes:
+    """``encode_kv`` for LMCache's layout: ``kv`` [L, 2, T, H, D] (index 0 = K, 1 = V)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+        raise ValueError(f"kv blob must be a tensor [L, 2, T, H, D], got {shape}")
+    return encode_kv(kv[:, 0], kv[:, 1], codec=codec, level=level, config=config)
+
+
+def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
+                  level: Optional[int] = None, config: Optional[CodecConfig] = None,
+                  chunk_tokens: Optional[int] = None) -> list[bytes]:
+    """Split the tokens into chunks of ``chunk_tokens`` (the last may be shorter) and encode
+    each as an independently decodable container (own header, models, CRC32).
+
+    ``chunk_tokens``: None = ``config.chunk_tokens`` if a config is given, else 1024; must
+    be a positive multiple of 16 (GPU vLLM's KV block; use a multiple of 128 for vLLM
+    CPU). Each chunk's header records ``token_offset``, ``total_tokens``, ``chunk_index``
+    and ``num_chunks``; ``decode_chunks`` concatenates them back to the full KV.
+    Raises ValueError on bad input.
+    """
+    codec_obj = get_codec(codec)
+    _check_level(codec_obj, level)
+    _, T, _, _ = _check_kv(k, v)
+    if chunk_tokens is None:
+        chunk_tokens = config.chunk_tokens if config is not None else DEFAULT_CHUNK_TOKENS
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) \
+            or chunk_tokens < 1 or chunk_tokens % MIN_BLOCK_TOKENS:
+        raise ValueError(f"chunk_tokens must be a positive multiple of {MIN_BLOCK_TOKENS}, "
+                         f"got {chunk_tokens!r}")
+    n = -(-T // chunk_tokens)
+    out = []
+    for i in range(n):
+        a, b = i * chunk_tokens, min(T, (i + 1) * chunk_tokens)
+        out.append(_encode_one(k[:, a:b], v[:, a:b], codec, level, config, a, T, i, n)[0])
+    return out
+
+
+# -------------------------------------------------------------------------- decoding
+def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
+    """unpack + validate the common header; returns (header, arrays, payload, codec)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"expected bytes, got {type(data).__name__}")
+    try:
+        header, arrays, payload = bitstream.unpack(bytes(data))
+    except CodecError:
+        raise
+    except Exception as e:  # the container must only raise CodecError; be defensive
+        raise CodecError(f"cannot parse container: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict) or header.get("kind") != CONTAINER_KIND:
+        raise CodecError("not a KV codec container (header kind mismatch)")
+    name = header.get("codec")
+    if not isinstance(name, str) or name not in CODECS:
+        raise CodecError(f"unknown codec {name!r} in header; known: {sorted(CODECS)}")
+    dims = {}
+    for key in "LTHD":
+        v = header.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DIM[key]:
+            raise CodecError(f"header field {key!r} invalid: {v!r}")
+        dims[key] = v
+    if dims["L"] * dims["T"] * dims["H"] * dims["D"] > MAX_ELEMENTS:
+        raise CodecError("header declares a KV larger than the decoder's limit")
+    if header.get("dtype") not in DTYPES:
+        raise CodecError(f"header dtype {header.get('dtype')!r} not in {sorted(DTYPES)}")
+    for key, lo in (("token_offset", 0), ("total_tokens", 1), ("chunk_index", 0),
+                    ("num_chunks", 1)):
+        v = header.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_DIM["T"]:
+            raise CodecError(f"header field {key!r} invalid: {v!r}")
+    if header["token_offset"] + dims["T"] > header["total_tokens"] or \
+            header["chunk_index"] >= header["num_chunks"]:
+        raise CodecError("header token/chunk positions are inconsistent")
+    lvl = header.get("level")
+    if lvl is not None and (isinstance(lvl, bool) or not isinstance(lvl, int)):
+        raise CodecError(f"header level invalid: {lvl!r}")
+    if not isinstance(header.get("codec_header"), dict):
+        raise CodecError("header lacks the codec_header dict")
+    if not isinstance(arrays, dict):
+        raise CodecError("container arrays are not a dict")
+    return header, arrays, payload, CODECS[name]
+
+
+def decode_kv(data: bytes, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode one container (``encode_kv`` output or one chunk of ``encode_chunks``).
+
+    Returns: (k, v), each [L, T, H, D] in the ORIGINAL dtype, on ``device``.
+    Raises: CodecError on any malformed, truncated or corrupted input (nothing else);
+      ValueError on a bad ``device`` argument.
+    """
+    dev = _device(device)
+    header, arrays, payload, c = _read(data)
+    shape = (header["L"], header["T"], header["H"], header["D"])
+    try:
+        k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"])
+    except CodecError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, RuntimeError,
+            AttributeError) as e:
+        raise CodecError(f"{c.name}: corrupt bitstream ({type(e).__name__}: {e})") from None
+    if k.shape != shape or v.shape != shape:
+        raise CodecError(f"{c.name}: decoded shape {tuple(k.shape)} != header {shape}")
+    return k.to(dev), v.to(dev)
+
+
+def decode_chunk(data: bytes, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode one chunk of ``encode_chunks`` (same as ``decode_kv``); its position in the
+    context is ``peek_header(data)["token_offset"]``."""
+    return decode_kv(data, device)
+
+
+def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode all chunks of one ``encode_chunks`` call and concatenate along tokens.
+    Raises CodecError if chunks are missing, out of order or from different KVs."""
+    if not chunks:
+        raise CodecError("no chunks")
+    ks, vs = [], []
+    pos = 0
+    first = None
+    for i, data in enumerate(chunks):
+        h = peek_header(data)
+        if first is None:
+            first = h
+        if h["token_offset"] != pos or h["chunk_index"] != i:
+            raise CodecError(f"chunk {i} starts at token {h['token_offset']}, expected {pos}")
+        for key in ("codec", "L", "H", "D", "dtype", "total_tokens", "num_chunks"):
+            if h[key] != first[key]:
+                raise CodecError(f"chunk {i} has {key}={h[key]!r}, chunk 0 has {first[key]!r}")
+        k, v = decode_kv(data, device)
+        ks.append(k)
+        vs.append(v)
+        pos += h["T"]
+    if pos != first["total_tokens"] or len(chunks) != first["num_chunks"]:
+        raise CodecError(f"chunks cover {pos} of {first['total_tokens']} tokens")
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def peek_header(data: bytes) -> dict:
+    """The container's validated header fields without dequantizing anything.
+
+    Returns a dict with: codec, level, L, T (tokens in this container), H, D, dtype,
+    token_offset, total_tokens, chunk_index, num_chunks, bytes (len(data)),
+    payload_bytes, array_bytes, elements (2*L*T*H*D), dtype_bytes (the KV's size in its
+    own dtype), ratio_vs_dtype, bits_per_element, config (dict or None).
+    Raises CodecError on bad input.
+    """
+    header, arrays, payload, c = _read(data)
+    L, T, H, D = header["L"], header["T"], header["H"], header["D"]
+    elements = 2 * L * T * H * D
+    dtype_bytes = elements * DTYPE_BYTES[header["dtype"]]
+    out = {key: header[key] for key in ("codec", "level", "L", "T", "H", "D", "dtype",
+                                        "token_offset", "total_tokens", "chunk_index",
+                                        "num_chunks")}
+    cfg = header["codec_header"].get("config")
+    out.update(bytes=len(data), payload_bytes=len(payload),
+               array_bytes=int(sum(getattr(a, "nbytes", 0) for a in arrays.values())),
+               elements=elements, dtype_bytes=dtype_bytes,
+               ratio_vs_dtype=dtype_bytes / len(data),
+               bits_per_element=8 * len(data) / elements,
+               config=cfg if isinstance(cfg, dict) else None)
+    return out

@@ -1,0 +1,341 @@
+"""Generic safe container for codec bitstreams (docs/bitstream.md section 4.1).
+
+Purpose: one self-describing, checksummed byte string per encoded chunk: a JSON header,
+a directory of named little-endian numpy arrays, and an opaque payload - with no pickle
+and no Python-object deserialisation (the peers' pickled bitstreams execute code on
+untrusted input; cachegen.md section 4). Every malformed input raises
+`codec.errors.CodecError` with a clear message; nothing is allocated beyond what the
+input's own length justifies, and parsing is linear in the input size.
+
+Layout (all integers little-endian; details and limits in docs/bitstream.md 4.1):
+  magic "KVCG" | version u16 | flags u16 | header_len u32 | header JSON (UTF-8)
+  | n_arrays u16 | n_arrays x (name_len u8, name, dtype u8, ndim u8, shape ndim x u64)
+  | zero padding to a multiple of 8 | array data (each padded to a multiple of 8)
+  | payload_len u64 | payload | crc32 u32 (zlib.crc32 of every byte before it)
+
+Run the tests: .venv/bin/python -m pytest tests/test_codec_bitstream*.py -q
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CodecError
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "DEFAULT_MAX_BYTES",
+    "DTYPE_CODES",
+    "Container",
+    "pack",
+    "unpack",
+    "unpack_container",
+    "peek_header",
+]
+
+MAGIC = b"KVCG"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # JSON header cap: headers are small (layout, shapes, names)
+DEFAULT_MAX_BYTES = 1 << 36  # 64 GiB: refuse anything larger outright
+MAX_ARRAYS = 256
+MAX_NDIM = 6
+MAX_NAME = 64
+MAX_JSON_DEPTH = 32
+_ALIGN = 8
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# dtype code -> (name, numpy dtype stored). bf16 is stored as its raw 16-bit pattern.
+DTYPE_CODES: dict[int, tuple[str, np.dtype]] = {
+    1: ("u8", np.dtype("<u1")),
+    2: ("i8", np.dtype("<i1")),
+    3: ("u16", np.dtype("<u2")),
+    4: ("i16", np.dtype("<i2")),
+    5: ("u32", np.dtype("<u4")),
+    6: ("i32", np.dtype("<i4")),
+    7: ("u64", np.dtype("<u8")),
+    8: ("i64", np.dtype("<i8")),
+    9: ("f16", np.dtype("<f2")),
+    10: ("bf16", np.dtype("<u2")),
+    11: ("f32", np.dtype("<f4")),
+}
+_CODE_OF = {np.dtype(v[1]).str: k for k, v in DTYPE_CODES.items() if v[0] != "bf16"}
+_FIXED = struct.Struct("<4sHHI")  # magic, version, flags, header_len
+_U16 = struct.Struct("<H")
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+
+
+@dataclass
+class Container:
+    """A parsed container: header (dict), arrays (name -> read-only ndarray), payload
+    (bytes), dtypes (name -> dtype code name, e.g. "bf16" for uint16 bit patterns)."""
+
+    header: dict
+    arrays: dict
+    payload: bytes
+    dtypes: dict
+
+
+def _pad(n: int) -> int:
+    return (-n) % _ALIGN
+
+
+def _check_json_value(v, depth: int = 0) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError("header nested too deeply")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise ValueError(f"header keys must be str, got {type(k).__name__}")
+            _check_json_value(x, depth + 1)
+    elif isinstance(v, list):
+        for x in v:
+            _check_json_value(x, depth + 1)
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError("header floats must be finite")
+    elif v is None or isinstance(v, (str, bool, int)):
+        pass
+    else:
+        raise ValueError(f"header values must be JSON types (dict, list, str, int, float, bool, None), got {type(v).__name__}")
+
+
+def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | set = ()) -> bytes:
+    """Serialise a header, named arrays and a payload into one checksummed byte string.
+
+    Args:
+      header: JSON-able dict (str keys; dict/list/str/int/finite float/bool/None values;
+        depth <= 32); encoded as compact UTF-8 JSON, at most 1 MiB.
+      arrays: name -> np.ndarray. Names: 1-64 chars of [A-Za-z0-9_.-], at most 256
+        arrays, ndim <= 6. Dtypes: uint8/int8/uint16/int16/uint32/int32/uint64/int64/
+        float16/float32 (any byte order; stored little-endian, C order).
+      payload: opaque bytes-like.
+      bf16: names of uint16/int16 arrays holding bfloat16 bit patterns; they are tagged
+        "bf16" (dtype code 10) and come back from `unpack` as uint16 arrays, with the tag
+        in `unpack_container(...).dtypes`.
+    Returns: bytes (docs/bitstream.md section 4.1).
+    Raises: ValueError on any unsupported input.
+    """
+    if not isinstance(header, dict):
+        raise ValueError("header must be a dict")
+    _check_json_value(header)
+    hdr = json.dumps(header, separators=(",", ":"), sort_keys=True, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise ValueError(f"header is {len(hdr)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+    if not isinstance(arrays, dict) or len(arrays) > MAX_ARRAYS:
+        raise ValueError(f"arrays must be a dict of at most {MAX_ARRAYS} entries")
+    bf16 = set(bf16)
+    unknown = bf16 - set(arrays)
+    if unknown:
+        raise ValueError(f"bf16 names {sorted(unknown)} are not in arrays")
+    payload = bytes(payload) if not isinstance(payload, bytes) else payload
+    parts = [_FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(hdr)), hdr, _U16.pack(len(arrays))]
+    datas = []
+    for name, a in arrays.items():
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(f"array name {name!r} must be 1-64 chars of [A-Za-z0-9_.-]")
+        if not isinstance(a, np.ndarray):
+            raise ValueError(f"array {name!r} must be a numpy array, got {type(a).__name__}")
+        if a.ndim > MAX_NDIM:
+            raise ValueError(f"array {name!r} has ndim {a.ndim} > {MAX_NDIM}")
+        le = a.dtype.newbyteorder("<") if a.dtype.byteorder not in ("|",) else a.dtype
+        if name in bf16:
+            if a.dtype.kind not in "ui" or a.dtype.itemsize != 2:
+                raise ValueError(f"bf16 array {name!r} must be uint16/int16 bit patterns, got {a.dtype}")
+            code = 10
+            le = np.dtype("<u2")
+        else:
+            code = _CODE_OF.get(np.dtype(le).str)
+            if code is None:
+                raise ValueError(f"array {name!r}: unsupported dtype {a.dtype} (allowed: "
+                                 + ", ".join(v[0] for v in DTYPE_CODES.values()) + ")")
+        if name in bf16:  # raw 16-bit patterns, whatever the integer kind/byte order
+            raw = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view("<u2")
+        else:
+            raw = np.ascontiguousarray(a).astype(le, copy=False)
+        nb = name.encode("ascii")
+        parts.append(struct.pack("<B", len(nb)) + nb + struct.pack("<BB", code, a.ndim) + b"".join(_U64.pack(int(d)) for d in a.shape))
+        datas.append(raw.tobytes(order="C"))
+    head = b"".join(parts)
+    out = [head, b"\0" * _pad(len(head))]
+    for d in datas:
+        out.append(d)
+        out.append(b"\0" * _pad(len(d)))
+    out.append(_U64.pack(len(payload)))
+    out.append(payload)
+    body = b"".join(out)
+    return body + _U32.pack(zlib.crc32(body) & 0xFFFFFFFF)
+
+
+def _fail(msg: str):
+    raise CodecError(msg)
+
+
+def _json_no_constants(name: str):
+    raise ValueError(f"non-finite number {name} in header")
+
+
+def _parse_fixed(data, n: int) -> int:
+    """Check magic/version/flags/header length; return header_len."""
+    if n < _FIXED.size:
+        _fail(f"container truncated: {n} bytes, the fixed header alone is {_FIXED.size}")
+    magic, version, flags, hlen = _FIXED.unpack_from(data, 0)
+    if magic != MAGIC:
+        _fail(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a KV codec bitstream")
+    if version != FORMAT_VERSION:
+        _fail(f"unsupported format version {version} (this reader supports {FORMAT_VERSION})")
+    if flags != 0:
+        _fail(f"unsupported flags 0x{flags:04x} (version {FORMAT_VERSION} defines none)")
+    if hlen > MAX_HEADER_BYTES:
+        _fail(f"header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if _FIXED.size + hlen > n:
+        _fail(f"container truncated inside the header ({hlen} header bytes declared, {n} total)")
+    return hlen
+
+
+def _parse_header(data, hlen: int) -> dict:
+    raw = bytes(data[_FIXED.size : _FIXED.size + hlen])
+    try:
+        header = json.loads(raw.decode("utf-8"), parse_constant=_json_no_constants)
+        if not isinstance(header, dict):
+            raise ValueError("header JSON must be an object")
+        _check_json_value(header)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise CodecError(f"invalid JSON header: {e}") from None
+    return header
+
+
+def peek_header(data, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+    """Return the JSON header without checking the CRC or reading arrays/payload.
+    Raises CodecError if the fixed part or the header is malformed."""
+    data = _as_buffer(data, max_bytes)
+    hlen = _parse_fixed(data, len(data))
+    return _parse_header(data, hlen)
+
+
+def _as_buffer(data, max_bytes: int):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"expected bytes, got {type(data).__name__}")
+    mv = memoryview(data)
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
+    if len(mv) > max_bytes:
+        _fail(f"container of {len(mv)} bytes exceeds max_bytes={max_bytes}")
+    return mv
+
+
+def unpack_container(data, max_bytes: int = DEFAULT_MAX_BYTES) -> Container:
+    """Parse and verify a container; see `unpack`. Also returns the dtype tags."""
+    mv = _as_buffer(data, max_bytes)
+    n = len(mv)
+    hlen = _parse_fixed(mv, n)
+    if n < _FIXED.size + hlen + 2 + 8 + 4:
+        _fail(f"container truncated: {n} bytes")
+    body_end = n - 4
+    (crc,) = _U32.unpack_from(mv, body_end)
+    actual = zlib.crc32(mv[:body_end]) & 0xFFFFFFFF
+    if crc != actual:
+        _fail(f"CRC32 mismatch (stored 0x{crc:08x}, computed 0x{actual:08x}): corrupt or truncated bitstream")
+    header = _parse_header(mv, hlen)
+    pos = _FIXED.size + hlen
+
+    def need(k: int, what: str) -> None:
+        if pos + k > body_end:
+            _fail(f"container truncated in {what}: need {k} bytes at offset {pos}, {body_end - pos} left")
+
+    need(2, "array count")
+    (n_arrays,) = _U16.unpack_from(mv, pos)
+    pos += 2
+    if n_arrays > MAX_ARRAYS:
+        _fail(f"{n_arrays} arrays declared, limit {MAX_ARRAYS}")
+    directory = []
+    total = 0
+    names = set()
+    for j in range(n_arrays):
+        need(1, f"array {j} name length")
+        name_len = mv[pos]
+        pos += 1
+        if not 1 <= name_len <= MAX_NAME:
+            _fail(f"array {j}: name length {name_len} outside [1, {MAX_NAME}]")
+        need(name_len + 2, f"array {j} entry")
+        try:
+            name = bytes(mv[pos : pos + name_len]).decode("ascii")
+        except UnicodeDecodeError:
+            name = ""
+        if not _NAME_RE.match(name):
+            _fail(f"array {j}: invalid name {bytes(mv[pos:pos + name_len])!r}")
+        if name in names:
+            _fail(f"array {j}: duplicate name {name!r}")
+        names.add(name)
+        pos += name_len
+        code, ndim = mv[pos], mv[pos + 1]
+        pos += 2
+        if code not in DTYPE_CODES:
+            _fail(f"array {name!r}: unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            _fail(f"array {name!r}: ndim {ndim} > {MAX_NDIM}")
+        need(8 * ndim, f"array {name!r} shape")
+        shape = tuple(_U64.unpack_from(mv, pos + 8 * d)[0] for d in range(ndim))
+        pos += 8 * ndim
+        itemsize = DTYPE_CODES[code][1].itemsize
+        bound = itemsize
+        for d in shape:  # Python ints: no overflow; zero dims counted as 1 so that an
+            bound *= max(d, 1)  # empty array cannot declare an absurd shape either
+            if bound > n:
+                _fail(f"array {name!r}: shape {shape} is absurd for a container of {n} bytes")
+        nbytes = itemsize * math.prod(shape)
+        total += nbytes + _pad(nbytes)
+        if total > n:
+            _fail(f"arrays declare {total} bytes, more than the whole container ({n})")
+        directory.append((name, code, shape, nbytes))
+    pad = _pad(pos)
+    need(pad, "directory padding")
+    if any(mv[pos : pos + pad]):
+        _fail("non-zero padding after the array directory")
+    pos += pad
+    need(total + 8, "array data")  # checked BEFORE any array is materialised
+    arrays, dtypes = {}, {}
+    for name, code, shape, nbytes in directory:
+        dt = DTYPE_CODES[code][1]
+        count = nbytes // dt.itemsize
+        try:
+            a = np.frombuffer(mv, dtype=dt, count=count, offset=pos).reshape(shape)  # zero-copy view
+        except ValueError as e:  # pragma: no cover - excluded by the checks above
+            raise CodecError(f"array {name!r}: {e}") from None
+        pos += nbytes
+        p = _pad(nbytes)
+        if any(mv[pos : pos + p]):
+            _fail(f"array {name!r}: non-zero padding")
+        pos += p
+        arrays[name] = a
+        dtypes[name] = DTYPE_CODES[code][0]
+    need(8, "payload length")
+    (plen,) = _U64.unpack_from(mv, pos)
+    pos += 8
+    if plen != body_end - pos:
+        _fail(f"payload length {plen} does not match the {body_end - pos} bytes before the CRC")
+    payload = bytes(mv[pos:body_end])
+    return Container(header=header, arrays=arrays, payload=payload, dtypes=dtypes)
+
+
+def unpack(data, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[dict, dict, bytes]:
+    """Parse and verify a container made by `pack`.
+
+    Args: data: bytes-like; max_bytes: refuse larger inputs outright.
+    Returns: (header dict, arrays: name -> read-only np.ndarray view into `data`
+      (little-endian dtypes; bf16 arrays as uint16), payload bytes).
+    Raises: CodecError on anything wrong: wrong type, size over max_bytes, truncation,
+      bad magic/version/flags, CRC mismatch, invalid JSON or header over 1 MiB, invalid
+      names/dtype codes/ndim, shapes needing more bytes than present, non-zero padding,
+      payload length mismatch. Never allocates more than about len(data) bytes.
+    """
+    c = unpack_container(data, max_bytes)
+    return c.header, c.arrays, c.payload

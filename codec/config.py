@@ -1,0 +1,395 @@
+"""Codec configuration: per-layer bin schedules for keys and values, chunking, quantizer variant.
+
+Implements the layer-wise quantization schedule of CacheGen (Liu et al., SIGCOMM 2024,
+section 5.2 "layer-wise quantization": shallow layers get more bins) as LMCache and the
+CacheGen artifact define it (../shared/reference/cachegen.md section 3), derived for ANY
+layer count, plus the harness's own measured schedules (docs/codec.md).
+
+Presets::
+
+    CodecConfig.for_model(num_layers=30, level=2)                  # harness default quantizer
+    CodecConfig.for_model(30, level=0, variant="reference")        # LMCache default schedule
+    CodecConfig.from_yaml("configs/codec.yaml", num_layers=30)
+
+Levels (schedules; boundaries for the artifact levels are the 7B/32-layer ones scaled to
+the model's depth):
+
+- level 0: LMCache's default schedule, NOT scaled (LMCache uses fixed boundaries):
+  keys [0,10) 32 bins, rest 16; values [0,2) 32 bins, rest 16; < 10 layers: 32 everywhere.
+- level 1 (artifact): keys 16/16/12 on layer thirds, values 16 on the first 1/16 then 12.
+- level 2 (artifact): keys 32/16/16, values 32/16.
+- level 3 (artifact): 32 bins everywhere.
+
+The ``variant`` selects the quantizer: ``"reference"`` is LMCache's (one scale per
+(layer, token) over all channels, scales stored in the model's dtype); ``"harness"`` is
+this project's measured improvement (scales per (layer, token, KV head), log-quantized
+8-bit scales rounded up, the first ``sink_tokens`` tokens stored exactly) with its own
+schedules per level (see ``HARNESS_LEVELS`` and docs/codec.md for the measurements).
+
+Run ``python -m codec.config 30`` to print the schedules of every level for 30 layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = [
+    "QuantizationSpec",
+    "CodecConfig",
+    "LEVELS",
+    "DEFAULT_LEVEL",
+    "SCALE_GROUPS",
+    "SCALE_FORMATS",
+]
+
+# Block sizes of the engines the chunks are fed to: vLLM CPU uses 128-token KV blocks,
+# GPU vLLM 16. Chunks must be a multiple of the smaller one; use 128 multiples for vLLM CPU.
+MIN_BLOCK_TOKENS = 16
+DEFAULT_CHUNK_TOKENS = 1024  # issue 6: 1K tokens per independently decodable chunk
+LEVELS = (0, 1, 2, 3)
+DEFAULT_LEVEL = 2
+SCALE_GROUPS = ("token", "head")     # one scale per (layer, token) | per (layer, token, KV head)
+SCALE_FORMATS = ("dtype", "log8")    # scale stored in the model dtype | log-quantized uint8
+KEY_SCALE_AXES = ("token", "channel")
+VARIANTS = ("reference", "harness")
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """``bins`` quantization bins for layers ``[start_layer, end_layer)``.
+
+    The quantizer uses ``M = bins // 2 - 1`` so symbols lie in ``[0, 2M]`` (LMCache's
+    convention: 32 bins -> 31 symbols -15..15). ``bins`` must be even, 4..256.
+    Raises ValueError on bad values.
+    """
+
+    start_layer: int
+    end_layer: int
+    bins: int
+
+    def __post_init__(self) -> None:
+        for name in ("start_layer", "end_layer", "bins"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"QuantizationSpec.{name} must be an int, got {v!r}")
+        if not 0 <= self.start_layer < self.end_layer:
+            raise ValueError(
+                f"QuantizationSpec needs 0 <= start_layer < end_layer, got "
+                f"[{self.start_layer}, {self.end_layer})")
+        if not (4 <= self.bins <= 256 and self.bins % 2 == 0):
+            raise ValueError(f"QuantizationSpec.bins must be even and in [4, 256], got {self.bins}")
+
+    @property
+    def max_level(self) -> int:
+        """M = bins/2 - 1: symbols are in [0, 2M], the zero point is M."""
+        return self.bins // 2 - 1
+
+
+def _specs(num_layers: int, bounds: list[tuple[float, int]]) -> tuple[QuantizationSpec, ...]:
+    """Build contiguous specs from ``[(end_layer, bins), ...]``; ends are clipped to
+    ``[1, num_layers]`` and empty ranges are dropped, the last range ends at num_layers."""
+    out: list[QuantizationSpec] = []
+    start = 0
+    for i, (end, bins) in enumerate(bounds):
+        end = num_layers if i == len(bounds) - 1 else min(max(int(end), 1), num_layers)
+        if end > start:
+            out.append(QuantizationSpec(start, end, bins))
+            start = end
+    return tuple(out)
+
+
+def _scaled(boundary_7b: int, num_layers: int) -> int:
+    """A 32-layer boundary scaled to ``num_layers`` (round half up, at least 1)."""
+    return max(1, int(boundary_7b * num_layers / 32 + 0.5))
+
+
+def reference_schedule(num_layers: int, level: int) -> tuple[tuple[QuantizationSpec, ...],
+                                                                tuple[QuantizationSpec, ...]]:
+    """(key specs, value specs) of the LMCache default (level 0) and artifact levels 1-3."""
+    n = num_layers
+    if level == 0:
+        if n < 10:
+            return _specs(n, [(n, 32)]), _specs(n, [(n, 32)])
+        return _specs(n, [(10, 32), (n, 16)]), _specs(n, [(2, 32), (n, 16)])
+    a, b, v = _scaled(10, n), _scaled(20, n), _scaled(2, n)
+    if level == 1:
+        return _specs(n, [(a, 16), (b, 16), (n, 12)]), _specs(n, [(v, 16), (n, 12)])
+    if level == 2:
+        return _specs(n, [(a, 32), (b, 16), (n, 16)]), _specs(n, [(v, 32), (n, 16)])
+    if level == 3:
+        return _specs(n, [(n, 32)]), _specs(n, [(n, 32)])
+    raise ValueError(f"unknown level {level!r}; levels are {list(LEVELS)}")
+
+
+# Harness schedules, as fractions of depth: [(end_fraction, bins), ...] for keys, values.
+# Chosen from the measurements in docs/codec.md (SmolLM2-135M, 2K-token contexts).
+HARNESS_LEVELS: dict[int, tuple[list[tuple[float, int]], list[tuple[float, int]]]] = {
+    0: ([(1.0, 12)], [(1.0, 8)]),
+    1: ([(1.0, 16)], [(1.0, 8)]),
+    2: ([(1.0 / 16, 32), (1.0, 16)], [(1.0 / 16, 16), (1.0, 10)]),
+    3: ([(1.0, 32)], [(1.0, 32)]),
+}
+HARNESS_SINK_TOKENS = 4  # attention-sink tokens stored exactly (cachegen.md section 8)
+
+
+def harness_schedule(num_layers: int, level: int):
+    """(key specs, value specs) of the harness variant's level; see ``HARNESS_LEVELS``."""
+    if level not in HARNESS_LEVELS:
+        raise ValueError(f"unknown level {level!r}; levels are {sorted(HARNESS_LEVELS)}")
+    ks, vs = HARNESS_LEVELS[level]
+    n = num_layers
+    conv = lambda bounds: [(max(1, int(f * n + 0.5)) if f < 1.0 else n, b) for f, b in bounds]
+    return _specs(n, conv(ks)), _specs(n, conv(vs))
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Everything the ``cachegen`` quantizer and coder need, besides the KV itself.
+
+    Fields:
+      num_layers: model depth L (>= 1).
+      key_specs / value_specs: contiguous QuantizationSpec ranges covering [0, L) exactly.
+      level: schedule name (int) recorded in headers and results; None for custom schedules.
+      chunk_tokens: tokens per independently decodable chunk (multiple of 16, the GPU
+        vLLM block size; use a multiple of 128 for vLLM CPU).
+      scale_group: "token" = one scale per (layer, token) over all H*D channels (LMCache);
+        "head" = one scale per (layer, token, KV head) over D channels.
+      key_scale_axis: "token" (as above) or "channel" = one key scale per (layer, channel)
+        over the chunk's tokens (KIVI-style; measured worse, kept for the benchmark).
+      scale_format: "dtype" = scales stored in the model's dtype (exact: the max of dtype
+        values); "log8" = uint8 code c, scale = ldexp(MANT[c % 8], e0 + c // 8), rounded UP.
+      sink_tokens: the first ``sink_tokens`` tokens of a context (chunk starting at token 0)
+        are stored exactly in the model dtype (attention sinks carry outliers).
+      anchor_group: 0 = off; else token groups of this size, first token an anchor, others
+        coded as deltas from the dequantized anchor (paper section 5.2). Measured; see docs.
+      channels_per_stream / tokens_per_stream: rANS stream layout (docs/bitstream.md sec. 3).
+    Raises ValueError on inconsistent values.
+    """
+
+    num_layers: int
+    key_specs: tuple[QuantizationSpec, ...]
+    value_specs: tuple[QuantizationSpec, ...]
+    level: Optional[int] = None
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    scale_group: str = "token"
+    key_scale_axis: str = "token"
+    scale_format: str = "dtype"
+    sink_tokens: int = 0
+    anchor_group: int = 0
+    channels_per_stream: int = 4
+    tokens_per_stream: Optional[int] = None
+    variant: str = "custom"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
+                or self.num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        # accept lists / dicts (from YAML or JSON) and normalise to tuples of specs
+        object.__setattr__(self, "key_specs", _coerce_specs(self.key_specs, "key_specs"))
+        object.__setattr__(self, "value_specs", _coerce_specs(self.value_specs, "value_specs"))
+        for name in ("key_specs", "value_specs"):
+            specs = getattr(self, name)
+            if not specs:
+                raise ValueError(f"{name} is empty")
+            pos = 0
+            for s in specs:
+                if s.start_layer != pos:
+                    raise ValueError(
+                        f"{name} must be contiguous from layer 0: expected a spec starting at "
+                        f"{pos}, got [{s.start_layer}, {s.end_layer})")
+                pos = s.end_layer
+            if pos != self.num_layers:
+                raise ValueError(f"{name} cover layers [0, {pos}) but the model has "
+                                 f"{self.num_layers} layers")
+        if self.level is not None and (isinstance(self.level, bool)
+                                       or not isinstance(self.level, int)):
+            raise ValueError(f"level must be an int or None, got {self.level!r}")
+        if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) \
+                or self.chunk_tokens < MIN_BLOCK_TOKENS or self.chunk_tokens % MIN_BLOCK_TOKENS:
+            raise ValueError(f"chunk_tokens must be a positive multiple of {MIN_BLOCK_TOKENS} "
+                             f"(the GPU vLLM KV block size), got {self.chunk_tokens!r}")
+        _choice(self.scale_group, SCALE_GROUPS, "scale_group")
+        _choice(self.key_scale_axis, KEY_SCALE_AXES, "key_scale_axis")
+        _choice(self.scale_format, SCALE_FORMATS, "scale_format")
+        _choice(self.variant, VARIANTS + ("custom",), "variant")
+        for name in ("sink_tokens", "anchor_group"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.anchor_group == 1:
+            raise ValueError("anchor_group must be 0 (off) or >= 2")
+        if isinstance(self.channels_per_stream, bool) or not isinstance(
+                self.channels_per_stream, int) or self.channels_per_stream < 1:
+            raise ValueError(f"channels_per_stream must be an int >= 1, "
+                             f"got {self.channels_per_stream!r}")
+        if self.tokens_per_stream is not None and (
+                isinstance(self.tokens_per_stream, bool)
+                or not isinstance(self.tokens_per_stream, int) or self.tokens_per_stream < 1):
+            raise ValueError(f"tokens_per_stream must be None or an int >= 1, "
+                             f"got {self.tokens_per_stream!r}")
+
+    # ---- derived -----------------------------------------------------------------------
+    @property
+    def key_bins(self) -> list[int]:
+        """Bins per layer for keys, length num_layers."""
+        return _per_layer(self.key_specs, self.num_layers)
+
+    @property
+    def value_bins(self) -> list[int]:
+        """Bins per layer for values, length num_layers."""
+        return _per_layer(self.value_specs, self.num_layers)
+
+    # ---- presets -----------------------------------------------------------------------
+    @classmethod
+    def for_model(cls, num_layers: int, level: Optional[int] = None,
+                  variant: str = "harness", **overrides: Any) -> "CodecConfig":
+        """Preset for a model of ``num_layers`` layers.
+
+        ``level`` None -> DEFAULT_LEVEL. ``variant="reference"``: LMCache's quantizer and
+        the LMCache (level 0) / artifact (1-3) schedules; ``variant="harness"``: this
+        project's quantizer and schedules. ``overrides`` replace any other field.
+        Raises ValueError for unknown levels/variants or bad overrides.
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        level = DEFAULT_LEVEL if level is None else level
+        if variant == "reference":
+            ks, vs = reference_schedule(num_layers, level)
+            base: dict[str, Any] = dict(scale_group="token", scale_format="dtype",
+                                        sink_tokens=0)
+        elif variant == "harness":
+            ks, vs = harness_schedule(num_layers, level)
+            base = dict(scale_group="head", scale_format="log8",
+                        sink_tokens=HARNESS_SINK_TOKENS)
+        else:
+            raise ValueError(f"unknown variant {variant!r}; variants are {list(VARIANTS)}")
+        base.update(overrides)
+        return cls(num_layers=num_layers, key_specs=ks, value_specs=vs, level=level,
+                   variant=variant, **base)
+
+    @classmethod
+    def lmcache(cls, num_layers: int, **overrides: Any) -> "CodecConfig":
+        """LMCache's default schedule and quantizer (level 0, reference variant)."""
+        return cls.for_model(num_layers, 0, variant="reference", **overrides)
+
+    @classmethod
+    def uniform(cls, num_layers: int, key_bins: int, value_bins: int,
+                **overrides: Any) -> "CodecConfig":
+        """Same bins on every layer (custom schedule, level None unless overridden)."""
+        return cls(num_layers=num_layers,
+                   key_specs=(QuantizationSpec(0, num_layers, key_bins),),
+                   value_specs=(QuantizationSpec(0, num_layers, value_bins),), **overrides)
+
+    # ---- (de)serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict; ``CodecConfig.from_dict(c.to_dict()) == c``."""
+        d = dataclasses.asdict(self)
+        d["key_specs"] = [[s.start_layer, s.end_layer, s.bins] for s in self.key_specs]
+        d["value_specs"] = [[s.start_layer, s.end_layer, s.bins] for s in self.value_specs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CodecConfig":
+        """Inverse of ``to_dict``; unknown keys raise ValueError listing the valid ones."""
+        if not isinstance(d, dict):
+            raise ValueError(f"codec config must be a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown codec config keys {sorted(unknown)}; "
+                             f"valid keys are {sorted(names)}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # missing required fields
+            raise ValueError(f"bad codec config: {e}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, num_layers: int, level: Optional[int] = None
+                  ) -> "CodecConfig":
+        """Load ``configs/codec*.yaml``.
+
+        The YAML has ``variant`` and ``level`` (a preset, scaled to ``num_layers``) and
+        optional field overrides (``chunk_tokens``, ``sink_tokens``, ...); or explicit
+        ``key_specs``/``value_specs`` as ``[[start, end, bins], ...]`` or the keyword
+        ``all`` bins: ``key_bins: 16``. ``level`` given here overrides the file's.
+        Raises ValueError on a bad file.
+        """
+        import yaml  # PyYAML; imported lazily so the codec imports without it
+
+        try:
+            doc = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read codec config {path}: {e}") from None
+        doc = dict(doc or {})
+        doc.pop("codec", None)  # the codec name is the API's business
+        variant = doc.pop("variant", "harness")
+        file_level = doc.pop("level", None)
+        lvl = file_level if level is None else level
+        key_bins, value_bins = doc.pop("key_bins", None), doc.pop("value_bins", None)
+        if key_bins is not None or value_bins is not None:
+            if key_bins is None or value_bins is None:
+                raise ValueError(f"{path}: give both key_bins and value_bins")
+            return cls.uniform(num_layers, int(key_bins), int(value_bins),
+                               level=lvl, **doc)
+        if "key_specs" in doc or "value_specs" in doc:
+            return cls(num_layers=num_layers, level=lvl, **doc)
+        return cls.for_model(num_layers, lvl, variant=variant, **doc)
+
+    def replace(self, **changes: Any) -> "CodecConfig":
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line: schedule and variant, e.g. for tables."""
+        f = lambda specs: "/".join(f"{s.bins}@{s.start_layer}" for s in specs)
+        return (f"level={self.level} variant={self.variant} K={f(self.key_specs)} "
+                f"V={f(self.value_specs)} scales={self.scale_group}/{self.scale_format} "
+                f"sinks={self.sink_tokens} anchor={self.anchor_group}")
+
+
+def _choice(v: Any, options: tuple, name: str) -> None:
+    if v not in options:
+        raise ValueError(f"{name} must be one of {list(options)}, got {v!r}")
+
+
+def _coerce_specs(specs: Any, name: str) -> tuple[QuantizationSpec, ...]:
+    out = []
+    if isinstance(specs, QuantizationSpec):
+        specs = (specs,)
+    if not isinstance(specs, (list, tuple)):
+        raise ValueError(f"{name} must be a sequence of QuantizationSpec, got {specs!r}")
+    for s in specs:
+        if isinstance(s, QuantizationSpec):
+            out.append(s)
+        elif isinstance(s, dict):
+            out.append(QuantizationSpec(**s))
+        elif isinstance(s, (list, tuple)) and len(s) == 3:
+            out.append(QuantizationSpec(*s))
+        else:
+            raise ValueError(f"{name}: cannot read spec {s!r} (want [start, end, bins])")
+    return tuple(out)
+
+
+def _per_layer(specs: tuple[QuantizationSpec, ...], num_layers: int) -> list[int]:
+    bins = [0] * num_layers
+    for s in specs:
+        for layer in range(s.start_layer, s.end_layer):
+            bins[layer] = s.bins
+    return bins
+
+
+def main(argv: list[str]) -> int:
+    n = int(argv[0]) if argv else 30
+    for variant in VARIANTS:
+        for level in LEVELS:
+            c = CodecConfig.for_model(n, level, variant=variant)
+            print(c.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,685 @@
+"""CPU rANS coder (numba) for many independent streams, plus a pure-Python reference.
+
+Purpose: the arithmetic-coding stage of CacheGen (Liu et al., SIGCOMM 2024, section 5.2:
+"arithmetic coding with a probability model per (layer, channel)") realised as the
+32-bit-state / 16-bit-word rANS coder of docs/bitstream.md section 2, over the stream
+layout of section 3. rANS itself: J. Duda, "Asymmetric numeral systems" (2013); the
+interleaving/reciprocal tricks follow F. Giesen's ryg_rans.
+
+The numba kernels (`encode_streams`, `decode_streams`) run one stream per `prange`
+iteration (so both cores are busy) and must produce exactly the bytes of the pure-Python
+reference (`rans_encode_ref`, `rans_decode_ref`, `encode_streams_ref`,
+`decode_streams_ref`), which the Triton kernels (codec/triton_kernels.py) also match.
+
+Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
+Run the benchmark: nice -n 5 .venv/bin/python -m codec.rans_cpu   (Msym/s encode/decode)
+
+Shapes and dtypes used throughout:
+  sym_k, sym_v     uint8  [L, T, C]   symbols, sym < nbins of the model used
+  cum              uint32 [n_models, 257]  cumulative frequencies (cum[m][nbins..256] = M)
+  model_index      uint16 [2, L, C]   row of `cum` used by (kv, layer, channel)
+  G, B             channels_per_stream, tokens_per_stream (B >= 1, G >= 1)
+Stream i = ((kv * L + layer) * n_groups + g) * n_blocks + b, n_groups = ceil(C / G),
+n_blocks = ceil(T / B); inside a stream symbols are channel-major (for c in group: for t
+in block). Stream lengths are in bytes (always even, >= 4).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from .errors import CodecError
+
+try:  # numba is a hard requirement for speed, but keep the reference usable without it
+    import numba
+    from numba import njit, prange
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - numba is in requirements.txt
+    HAVE_NUMBA = False
+
+__all__ = [
+    "PROB_BITS",
+    "PROB_SCALE",
+    "RANS_L",
+    "ERR_MESSAGES",
+    "stream_layout",
+    "validate_cum_table",
+    "rans_encode_ref",
+    "rans_decode_ref",
+    "encode_streams_ref",
+    "decode_streams_ref",
+    "encode_streams",
+    "decode_streams",
+]
+
+PROB_BITS = 16
+PROB_SCALE = 1 << PROB_BITS  # M: every model's frequencies sum to exactly this
+RANS_L = 1 << 16  # lower bound of the normalised state interval [L, 2^32)
+_MASK16 = 0xFFFF
+
+# Error codes returned per stream by the numba decoder (0 = ok).
+ERR_OK = 0
+ERR_SHORT = 1  # stream shorter than the 4-byte initial state
+ERR_STATE = 2  # initial state x < L
+ERR_TRUNCATED = 3  # a renormalisation read went past the end of the stream
+ERR_FINAL = 4  # final state != L
+ERR_LEFTOVER = 5  # bytes left over after the last symbol
+ERR_SYMBOL = 6  # (encode) symbol with zero frequency in its model
+ERR_MESSAGES = {
+    ERR_SHORT: "stream shorter than its 4-byte initial state",
+    ERR_STATE: "initial rANS state below L",
+    ERR_TRUNCATED: "stream truncated (renormalisation read past its end)",
+    ERR_FINAL: "final rANS state is not L (corrupt stream)",
+    ERR_LEFTOVER: "bytes left over after the last symbol (corrupt stream)",
+    ERR_SYMBOL: "symbol outside its model's alphabet (zero frequency)",
+}
+
+if sys.byteorder != "little":  # pragma: no cover - the numba kernels write native u16
+    raise ImportError("codec.rans_cpu assumes a little-endian host")
+
+
+# ---------------------------------------------------------------------------------------
+# Layout helpers and validation
+# ---------------------------------------------------------------------------------------
+def stream_layout(L: int, T: int, C: int, G: int, B: int) -> tuple[int, int, int]:
+    """Return (n_groups, n_blocks, n_streams) for a chunk of K and V [L, T, C].
+
+    n_groups = ceil(C / G), n_blocks = ceil(T / B), n_streams = 2 * L * n_groups * n_blocks.
+    Raises ValueError if a dimension or G/B is < 1 (T may be 0 only if... it may not).
+    """
+    for name, v in (("L", L), ("T", T), ("C", C), ("channels_per_stream", G), ("tokens_per_stream", B)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    n_groups = -(-C // G)
+    n_blocks = -(-T // B)
+    return n_groups, n_blocks, 2 * L * n_groups * n_blocks
+
+
+def stream_symbol_counts(L: int, T: int, C: int, G: int, B: int) -> np.ndarray:
+    """int64 [n_streams]: number of symbols in each stream (section 3 order)."""
+    n_groups, n_blocks, _ = stream_layout(L, T, C, G, B)
+    ch = np.full(n_groups, G, dtype=np.int64)
+    ch[-1] = C - G * (n_groups - 1)
+    tk = np.full(n_blocks, B, dtype=np.int64)
+    tk[-1] = T - B * (n_blocks - 1)
+    per = np.outer(ch, tk).reshape(-1)  # [n_groups * n_blocks], group-major
+    return np.tile(per, 2 * L)
+
+
+def validate_cum_table(cum: np.ndarray, nbins: np.ndarray | None = None) -> None:
+    """Check a model table: uint32 [n_models, 257] with cum[:,0]=0, non-decreasing,
+    cum[:,256]=M, and, when `nbins` (int [n_models]) is given, strictly increasing on
+    [0, nbins] with cum[nbins:] == M. Raises CodecError otherwise."""
+    if not isinstance(cum, np.ndarray) or cum.ndim != 2 or cum.shape[1] != 257 or cum.shape[0] < 1:
+        raise CodecError(f"model table must be [n_models, 257], got {getattr(cum, 'shape', None)}")
+    c = cum.astype(np.int64)
+    if np.any(c[:, 0] != 0) or np.any(c[:, 256] != PROB_SCALE):
+        raise CodecError("model table rows must start at 0 and end at 65536")
+    d = np.diff(c, axis=1)
+    if np.any(d < 0):
+        raise CodecError("model table rows must be non-decreasing")
+    if nbins is not None:
+        nb = np.asarray(nbins, dtype=np.int64)
+        if nb.shape != (c.shape[0],) or np.any(nb < 2) or np.any(nb > 256):
+            raise CodecError("model nbins must be in [2, 256], one per model")
+        j = np.arange(256)[None, :]
+        inside = j < nb[:, None]
+        if np.any(d[inside] < 1):
+            raise CodecError("every symbol < nbins must have frequency >= 1")
+        if np.any(d[~inside] != 0):
+            raise CodecError("model table rows must be padded with 65536 past nbins")
+
+
+# ---------------------------------------------------------------------------------------
+# Pure-Python reference (the spec, literally). Slow: for tests and small shapes only.
+# ---------------------------------------------------------------------------------------
+def rans_encode_ref(symbols: Sequence[int], cum_rows: Sequence[Sequence[int]]) -> bytes:
+    """Encode one stream (docs/bitstream.md section 2), literally as specified.
+
+    Args:
+      symbols: ints s_0..s_{n-1}.
+      cum_rows: for each symbol i, the cumulative-frequency row (len >= s_i + 2) of its
+        model, i.e. cum_rows[i][s] = cum[m_i][s].
+    Returns: the stream bytes (4 + 2 * renorm_words).
+    Raises: ValueError if a symbol has zero frequency.
+    """
+    stack: list[int] = []
+    x = RANS_L
+    for i in range(len(symbols) - 1, -1, -1):
+        s = int(symbols[i])
+        row = cum_rows[i]
+        c = int(row[s])
+        f = int(row[s + 1]) - c
+        if f <= 0:
+            raise ValueError(f"symbol {s} at position {i} has zero frequency in its model")
+        x_max = f << 16  # ((L >> PROB_BITS) << 16) * f
+        if x >= x_max:
+            stack.append(x & _MASK16)
+            x >>= 16
+        x = ((x // f) << 16) + (x % f) + c
+    stack.append(x >> 16)
+    stack.append(x & _MASK16)
+    out = bytearray()
+    for w in reversed(stack):
+        out += int(w).to_bytes(2, "little")
+    return bytes(out)
+
+
+def rans_decode_ref(stream: bytes, cum_rows: Sequence[Sequence[int]]) -> list[int]:
+    """Decode one stream (docs/bitstream.md section 2), literally as specified.
+
+    Args: stream bytes; cum_rows as for `rans_encode_ref` (one row per symbol to decode;
+      rows must be valid models: cum[0] = 0, cum[nbins] = 65536, padded with 65536).
+    Returns: the n decoded symbols.
+    Raises: CodecError (truncated stream, x < L at start, final x != L, leftover bytes).
+    """
+    n_bytes = len(stream)
+    if n_bytes < 4:
+        raise CodecError(ERR_MESSAGES[ERR_SHORT])
+    x = int.from_bytes(stream[0:4], "little")
+    pos = 4
+    if x < RANS_L:
+        raise CodecError(ERR_MESSAGES[ERR_STATE])
+    out = []
+    for row in cum_rows:
+        slot = x & _MASK16
+        s = 0
+        while int(row[s + 1]) <= slot:
+            s += 1
+        c = int(row[s])
+        f = int(row[s + 1]) - c
+        x = f * (x >> 16) + slot - c
+        if x < RANS_L:
+            if pos + 2 > n_bytes:
+                raise CodecError(ERR_MESSAGES[ERR_TRUNCATED])
+            x = (x << 16) | int.from_bytes(stream[pos : pos + 2], "little")
+            pos += 2
+        out.append(s)
+    if x != RANS_L:
+        raise CodecError(ERR_MESSAGES[ERR_FINAL])
+    if pos != n_bytes:
+        raise CodecError(ERR_MESSAGES[ERR_LEFTOVER])
+    return out
+
+
+def _iter_stream_positions(L: int, T: int, C: int, G: int, B: int):
+    """Yield (kv, layer, [(t, c), ...]) per stream in section-3 order (reference only)."""
+    n_groups, n_blocks, _ = stream_layout(L, T, C, G, B)
+    for kv in range(2):
+        for layer in range(L):
+            for g in range(n_groups):
+                for b in range(n_blocks):
+                    pos = [
+                        (t, c)
+                        for c in range(g * G, min((g + 1) * G, C))
+                        for t in range(b * B, min((b + 1) * B, T))
+                    ]
+                    yield kv, layer, pos
+
+
+def encode_streams_ref(sym_k, sym_v, cum, model_index, G: int, B: int) -> tuple[bytes, np.ndarray]:
+    """Reference for `encode_streams`: returns (payload bytes, lengths int64 [n_streams])."""
+    sym = (np.asarray(sym_k), np.asarray(sym_v))
+    L, T, C = sym[0].shape
+    cum = np.asarray(cum)
+    mi = np.asarray(model_index)
+    parts, lengths = [], []
+    for kv, layer, pos in _iter_stream_positions(L, T, C, G, B):
+        syms = [int(sym[kv][layer, t, c]) for t, c in pos]
+        rows = [cum[int(mi[kv, layer, c])].tolist() for t, c in pos]
+        st = rans_encode_ref(syms, rows)
+        parts.append(st)
+        lengths.append(len(st))
+    return b"".join(parts), np.asarray(lengths, dtype=np.int64)
+
+
+def decode_streams_ref(payload: bytes, lengths, cum, model_index, L, T, C, G, B):
+    """Reference for `decode_streams`: returns (sym_k, sym_v) uint8 [L, T, C]."""
+    out = np.zeros((2, L, T, C), dtype=np.uint8)
+    cum = np.asarray(cum)
+    mi = np.asarray(model_index)
+    off = 0
+    lengths = [int(v) for v in lengths]
+    for i, (kv, layer, pos) in enumerate(_iter_stream_positions(L, T, C, G, B)):
+        st = payload[off : off + lengths[i]]
+        off += lengths[i]
+        rows = [cum[int(mi[kv, layer, c])].tolist() for t, c in pos]
+        syms = rans_decode_ref(st, rows)
+        for (t, c), s in zip(pos, syms):
+            out[kv, layer, t, c] = s
+    if off != len(payload):
+        raise CodecError("stream lengths do not add up to the payload size")
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------------------
+# numba kernels
+#
+# Every kernel is compiled twice from the same Python source: a `parallel=True` variant
+# (prange over work items, both cores) for big chunks and a serial variant for small ones,
+# where waking the thread pool would cost more than the work (tens of ms on a loaded
+# 2-core machine). Work items bundle up to 4 streams of identical shape (4 consecutive
+# full channel groups of the same kv/layer/token block) that are coded in lockstep, so
+# the 4 independent rANS dependency chains overlap (instruction-level parallelism).
+# ---------------------------------------------------------------------------------------
+LANES = 4
+PARALLEL_MIN_SYMBOLS = 1 << 18  # below this, the serial kernels are used
+LUT_SHIFT = 8  # decode: coarse table of 65536 >> 8 = 256 first-candidate symbols per model
+
+
+def _dual(fn):
+    """(parallel, serial) numba compilations of `fn` (distinct cache entries)."""
+    if not HAVE_NUMBA:  # pragma: no cover
+        return None, None
+    import types
+
+    par = njit(cache=True, nogil=True, parallel=True)(fn)
+    ser_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    ser_fn.__qualname__ = fn.__qualname__ + "_serial"
+    ser = njit(cache=True, nogil=True)(ser_fn)
+    return par, ser
+
+
+if HAVE_NUMBA:
+
+    @njit(inline="always")
+    def _enc_step(x, p, f, cc, scratch):
+        # one rANS encode step (section 2), branch-free renormalisation: the word is
+        # always stored at p-1 and p only moves when the renormalisation happens
+        big = x >= (f << 16)
+        scratch[p - 1] = np.uint16(x & 0xFFFF)
+        p -= np.int64(big)
+        x = (x >> 16) if big else x
+        q = np.int64(np.uint32(x) // np.uint32(f))  # 32-bit division: faster than 64-bit
+        return (q << 16) + (x - q * f) + cc, p
+
+    @njit(inline="always")
+    def _dec_step(x, pos, words, lu, cu, pk_):
+        slot = x & 0xFFFF
+        s = np.int64(lu[slot >> 8])
+        while cu[s + 1] <= slot:  # scan forward from the coarse table's candidate
+            s += 1
+        pk = pk_[s]
+        x = (pk & 0xFFFF) * (x >> 16) + slot - (pk >> 16)
+        small = x < 65536
+        w = np.int64(words[pos])  # padded buffer: always readable (see decode_streams)
+        x = ((x << 16) | w) if small else x
+        pos += np.int64(small)
+        return x, pos, s
+
+
+def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scratch, scr_off, nwords, err):
+    """Encode the streams of every work item into their own regions of `scratch`
+    (uint16), writing words backwards from each region's end (the stack of section 2, so
+    the region's tail is the stream in reading order); nwords[i] = words of stream i;
+    err[i] = 6 if a symbol has zero frequency."""
+    L = sym_k.shape[0]
+    T = sym_k.shape[1]
+    C = sym_k.shape[2]
+    n_groups = (C + G - 1) // G
+    n_blocks = (T + B - 1) // B
+    for it in prange(items.shape[0]):
+        i0 = items[it, 0]
+        nl = items[it, 1]
+        b = i0 % n_blocks
+        r = i0 // n_blocks
+        g = r % n_groups
+        r = r // n_groups
+        layer = r % L
+        kv = r // L
+        sym = sym_k if kv == 0 else sym_v
+        t0 = b * B
+        t1 = min(t0 + B, T)
+        if nl == 4:
+            e0 = scr_off[i0 + 1]
+            e1 = scr_off[i0 + n_blocks + 1]
+            e2 = scr_off[i0 + 2 * n_blocks + 1]
+            e3 = scr_off[i0 + 3 * n_blocks + 1]
+            p0, p1, p2, p3 = e0, e1, e2, e3
+            x0 = np.int64(65536)
+            x1 = np.int64(65536)
+            x2 = np.int64(65536)
+            x3 = np.int64(65536)
+            bad = False
+            for k in range(G - 1, -1, -1):
+                c0 = g * G + k
+                c1 = c0 + G
+                c2 = c1 + G
+                c3 = c2 + G
+                f0r = freq_tab[model_index[kv, layer, c0]]
+                f1r = freq_tab[model_index[kv, layer, c1]]
+                f2r = freq_tab[model_index[kv, layer, c2]]
+                f3r = freq_tab[model_index[kv, layer, c3]]
+                u0r = cum_tab[model_index[kv, layer, c0]]
+                u1r = cum_tab[model_index[kv, layer, c1]]
+                u2r = cum_tab[model_index[kv, layer, c2]]
+                u3r = cum_tab[model_index[kv, layer, c3]]
+                for t in range(t1 - 1, t0 - 1, -1):
+                    s0 = sym[layer, t, c0]
+                    s1 = sym[layer, t, c1]
+                    s2 = sym[layer, t, c2]
+                    s3 = sym[layer, t, c3]
+                    f0 = f0r[s0]
+                    f1 = f1r[s1]
+                    f2 = f2r[s2]
+                    f3 = f3r[s3]
+                    if f0 == 0 or f1 == 0 or f2 == 0 or f3 == 0:
+                        bad = True
+                        break
+                    x0, p0 = _enc_step(x0, p0, f0, u0r[s0], scratch)
+                    x1, p1 = _enc_step(x1, p1, f1, u1r[s1], scratch)
+                    x2, p2 = _enc_step(x2, p2, f2, u2r[s2], scratch)
+                    x3, p3 = _enc_step(x3, p3, f3, u3r[s3], scratch)
+                if bad:
+                    break
+            if bad:
+                err[i0] = 6
+                continue
+            scratch[p0 - 1] = np.uint16(x0 >> 16)
+            scratch[p0 - 2] = np.uint16(x0 & 0xFFFF)
+            scratch[p1 - 1] = np.uint16(x1 >> 16)
+            scratch[p1 - 2] = np.uint16(x1 & 0xFFFF)
+            scratch[p2 - 1] = np.uint16(x2 >> 16)
+            scratch[p2 - 2] = np.uint16(x2 & 0xFFFF)
+            scratch[p3 - 1] = np.uint16(x3 >> 16)
+            scratch[p3 - 2] = np.uint16(x3 & 0xFFFF)
+            nwords[i0] = e0 - p0 + 2
+            nwords[i0 + n_blocks] = e1 - p1 + 2
+            nwords[i0 + 2 * n_blocks] = e2 - p2 + 2
+            nwords[i0 + 3 * n_blocks] = e3 - p3 + 2
+        else:
+            c_lo = g * G
+            c_hi = min(c_lo + G, C)
+            end = scr_off[i0 + 1]
+            p = end
+            x = np.int64(65536)
+            bad = False
+            for c in range(c_hi - 1, c_lo - 1, -1):
+                fr = freq_tab[model_index[kv, layer, c]]
+                cu = cum_tab[model_index[kv, layer, c]]
+                for t in range(t1 - 1, t0 - 1, -1):
+                    s = sym[layer, t, c]
+                    f = fr[s]
+                    if f == 0:
+                        bad = True
+                        break
+                    x, p = _enc_step(x, p, f, cu[s], scratch)
+                if bad:
+                    break
+            if bad:
+                err[i0] = 6
+                continue
+            scratch[p - 1] = np.uint16(x >> 16)
+            scratch[p - 2] = np.uint16(x & 0xFFFF)
+            nwords[i0] = end - p + 2
+
+
+def _compact_impl(scratch, scr_off, nwords, out_off, out):
+    """Copy each stream's words from the tail of its scratch region to `out`."""
+    for i in prange(nwords.shape[0]):
+        src = scr_off[i + 1] - nwords[i]
+        dst = out_off[i]
+        for j in range(nwords[i]):
+            out[dst + j] = scratch[src + j]
+
+
+def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, items, out_k, out_v, err):
+    """Decode the streams of every work item. `words` is the payload as uint16 followed
+    by enough zero padding that the hot loop needs no bounds checks (a stream reads at
+    most one word per symbol): a stream that reads past its end finishes with
+    pos > its end and is reported as truncated; err[i] per stream (0 = ok)."""
+    L = out_k.shape[0]
+    T = out_k.shape[1]
+    C = out_k.shape[2]
+    n_groups = (C + G - 1) // G
+    n_blocks = (T + B - 1) // B
+    for it in prange(items.shape[0]):
+        i0 = items[it, 0]
+        nl = items[it, 1]
+        b = i0 % n_blocks
+        r = i0 // n_blocks
+        g = r % n_groups
+        r = r // n_groups
+        layer = r % L
+        kv = r // L
+        out = out_k if kv == 0 else out_v
+        t0 = b * B
+        t1 = min(t0 + B, T)
+        if nl == 4:
+            i1 = i0 + n_blocks
+            i2 = i1 + n_blocks
+            i3 = i2 + n_blocks
+            q0 = w_off[i0]
+            q1 = w_off[i1]
+            q2 = w_off[i2]
+            q3 = w_off[i3]
+            x0 = np.int64(words[q0]) | (np.int64(words[q0 + 1]) << 16)
+            x1 = np.int64(words[q1]) | (np.int64(words[q1 + 1]) << 16)
+            x2 = np.int64(words[q2]) | (np.int64(words[q2 + 1]) << 16)
+            x3 = np.int64(words[q3]) | (np.int64(words[q3 + 1]) << 16)
+            if x0 < 65536 or x1 < 65536 or x2 < 65536 or x3 < 65536:
+                err[i0] = 2 if x0 < 65536 else 0
+                err[i1] = 2 if x1 < 65536 else 0
+                err[i2] = 2 if x2 < 65536 else 0
+                err[i3] = 2 if x3 < 65536 else 0
+                continue
+            q0 += 2
+            q1 += 2
+            q2 += 2
+            q3 += 2
+            for k in range(G):
+                c0 = g * G + k
+                c1 = c0 + G
+                c2 = c1 + G
+                c3 = c2 + G
+                m0 = model_index[kv, layer, c0]
+                m1 = model_index[kv, layer, c1]
+                m2 = model_index[kv, layer, c2]
+                m3 = model_index[kv, layer, c3]
+                l0r, u0r, k0r = lut_tab[m0], cum_tab[m0], packed_tab[m0]
+                l1r, u1r, k1r = lut_tab[m1], cum_tab[m1], packed_tab[m1]
+                l2r, u2r, k2r = lut_tab[m2], cum_tab[m2], packed_tab[m2]
+                l3r, u3r, k3r = lut_tab[m3], cum_tab[m3], packed_tab[m3]
+                for t in range(t0, t1):
+                    x0, q0, s0 = _dec_step(x0, q0, words, l0r, u0r, k0r)
+                    x1, q1, s1 = _dec_step(x1, q1, words, l1r, u1r, k1r)
+                    x2, q2, s2 = _dec_step(x2, q2, words, l2r, u2r, k2r)
+                    x3, q3, s3 = _dec_step(x3, q3, words, l3r, u3r, k3r)
+                    out[layer, t, c0] = np.uint8(s0)
+                    out[layer, t, c1] = np.uint8(s1)
+                    out[layer, t, c2] = np.uint8(s2)
+                    out[layer, t, c3] = np.uint8(s3)
+            err[i0] = 3 if q0 > w_off[i0 + 1] else (4 if x0 != 65536 else (5 if q0 != w_off[i0 + 1] else 0))
+            err[i1] = 3 if q1 > w_off[i1 + 1] else (4 if x1 != 65536 else (5 if q1 != w_off[i1 + 1] else 0))
+            err[i2] = 3 if q2 > w_off[i2 + 1] else (4 if x2 != 65536 else (5 if q2 != w_off[i2 + 1] else 0))
+            err[i3] = 3 if q3 > w_off[i3 + 1] else (4 if x3 != 65536 else (5 if q3 != w_off[i3 + 1] else 0))
+        else:
+            c_lo = g * G
+            c_hi = min(c_lo + G, C)
+            pos = w_off[i0]
+            end = w_off[i0 + 1]
+            x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
+            pos += 2
+            if x < 65536:
+                err[i0] = 2
+                continue
+            for c in range(c_lo, c_hi):
+                m = model_index[kv, layer, c]
+                lr, ur, kr = lut_tab[m], cum_tab[m], packed_tab[m]
+                for t in range(t0, t1):
+                    x, pos, s = _dec_step(x, pos, words, lr, ur, kr)
+                    out[layer, t, c] = np.uint8(s)
+            err[i0] = 3 if pos > end else (4 if x != 65536 else (5 if pos != end else 0))
+
+
+_encode_par, _encode_ser = _dual(_encode_impl)
+_compact_par, _compact_ser = _dual(_compact_impl)
+_decode_par, _decode_ser = _dual(_decode_impl)
+
+
+# ---------------------------------------------------------------------------------------
+# Python wrappers
+# ---------------------------------------------------------------------------------------
+def _work_items(L: int, T: int, C: int, G: int, B: int) -> np.ndarray:
+    """int64 [n_items, 2]: (first stream, lanes). Lanes are the streams of LANES
+    consecutive FULL channel groups of one (kv, layer, token block) - stream ids
+    i0, i0 + n_blocks, ...; everything else is a single-lane item."""
+    n_groups, n_blocks, _ = stream_layout(L, T, C, G, B)
+    n_full = C // G
+    n_quads = n_full // LANES
+    base = np.arange(2 * L, dtype=np.int64)[:, None] * (n_groups * n_blocks) + np.arange(n_blocks, dtype=np.int64)[None, :]
+    base = base.reshape(-1)  # stream id of group 0 for each (kv, layer, block)
+    quad_g = np.arange(n_quads, dtype=np.int64) * LANES
+    single_g = np.arange(n_quads * LANES, n_groups, dtype=np.int64)
+    quads = (base[:, None] + quad_g[None, :] * n_blocks).reshape(-1)
+    singles = (base[:, None] + single_g[None, :] * n_blocks).reshape(-1)
+    items = np.empty((quads.size + singles.size, 2), dtype=np.int64)
+    items[: quads.size, 0] = quads
+    items[: quads.size, 1] = LANES
+    items[quads.size :, 0] = singles
+    items[quads.size :, 1] = 1
+    return items[np.argsort(items[:, 0], kind="stable")]
+
+
+def _check_common(cum: np.ndarray, model_index: np.ndarray, L: int, C: int) -> tuple[np.ndarray, np.ndarray]:
+    cum = np.ascontiguousarray(cum, dtype=np.uint32)
+    if cum.ndim != 2 or cum.shape[1] != 257 or cum.shape[0] < 1:
+        raise CodecError(f"model table must be uint32 [n_models, 257], got {cum.shape}")
+    mi = np.ascontiguousarray(model_index)
+    if mi.shape != (2, L, C):
+        raise CodecError(f"model index must be [2, {L}, {C}], got {mi.shape}")
+    if mi.dtype.kind not in "ui":
+        raise CodecError("model index must be an integer array")
+    if mi.size and (int(mi.min()) < 0 or int(mi.max()) >= cum.shape[0]):
+        raise CodecError("model index out of range of the model table")
+    return cum, mi.astype(np.uint16, copy=False)
+
+
+def encode_streams(
+    sym_k: np.ndarray, sym_v: np.ndarray, cum: np.ndarray, model_index: np.ndarray, G: int, B: int,
+    parallel: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encode all streams of a chunk (docs/bitstream.md sections 2-3) with numba.
+
+    Args:
+      sym_k, sym_v: uint8 [L, T, C]; every symbol must have frequency >= 1 in its model.
+      cum: uint32 [n_models, 257] (valid rows; see `validate_cum_table`).
+      model_index: integer [2, L, C], values < n_models.
+      G, B: channels_per_stream, tokens_per_stream (>= 1).
+      parallel: force the parallel (True) or serial (False) kernel; None = by size.
+    Returns: (payload uint8 [total_bytes], lengths int64 [n_streams] in bytes).
+    Raises: ValueError on bad shapes or a zero-frequency symbol.
+    Memory: one uint16 scratch of (total symbols + 2 * n_streams) words - the worst case
+      (at most one renormalisation word per symbol plus the 2-word final state), so no
+      stream can overflow its region - then a compaction pass into the output.
+    """
+    sym_k = np.ascontiguousarray(sym_k)
+    sym_v = np.ascontiguousarray(sym_v)
+    if sym_k.dtype != np.uint8 or sym_v.dtype != np.uint8:
+        raise ValueError("symbols must be uint8")
+    if sym_k.ndim != 3 or sym_k.shape != sym_v.shape:
+        raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {sym_k.shape} and {sym_v.shape}")
+    L, T, C = sym_k.shape
+    _, _, n_streams = stream_layout(L, T, C, G, B)
+    try:
+        cum, mi = _check_common(cum, model_index, L, C)
+    except CodecError as e:
+        raise ValueError(str(e)) from None
+    cum64 = cum.astype(np.int64)
+    freq = np.ascontiguousarray(cum64[:, 1:] - cum64[:, :-1])
+    if np.any(freq < 0):
+        raise ValueError("model table rows must be non-decreasing")
+    counts = stream_symbol_counts(L, T, C, G, B)
+    scr_off = np.zeros(n_streams + 1, dtype=np.int64)
+    np.cumsum(counts + 2, out=scr_off[1:])
+    scratch = np.empty(int(scr_off[-1]), dtype=np.uint16)
+    nwords = np.zeros(n_streams, dtype=np.int64)
+    err = np.zeros(n_streams, dtype=np.int64)
+    items = _work_items(L, T, C, G, B)
+    par = (2 * L * T * C >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    enc, comp = (_encode_par, _compact_par) if par else (_encode_ser, _compact_ser)
+    enc(sym_k, sym_v, freq, np.ascontiguousarray(cum64[:, :256]), mi, G, B, items, scratch, scr_off, nwords, err)
+    if np.any(err):
+        i = int(np.flatnonzero(err)[0])
+        raise ValueError(f"stream {i}: {ERR_MESSAGES.get(int(err[i]), 'encode error')}")
+    out_off = np.zeros(n_streams + 1, dtype=np.int64)
+    np.cumsum(nwords, out=out_off[1:])
+    out = np.empty(int(out_off[-1]), dtype=np.uint16)
+    comp(scratch, scr_off, nwords, out_off, out)
+    return out.view(np.uint8), nwords * 2
+
+
+def build_decode_tables(cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-model decode tables from a valid uint32 [n_models, 257] `cum`:
+    packed int64 [n_models, 256] = freq | (cum << 16), and lut uint8 [n_models, 256]:
+    lut[m][j] = the symbol s with cum[s] <= 256*j < cum[s+1] (first candidate for slots
+    in [256*j, 256*j + 256); the decoder scans forward from it)."""
+    c = cum.astype(np.int64)
+    freq = c[:, 1:] - c[:, :-1]
+    packed = freq | (c[:, :256] << 16)
+    starts = np.arange(65536 >> LUT_SHIFT, dtype=np.int64) << LUT_SHIFT
+    # last s with cum[s] <= start: count of cum[1..256] entries <= start (rows non-decreasing)
+    lut = (c[:, None, 1:] <= starts[None, :, None]).sum(axis=2).clip(0, 255).astype(np.uint8)
+    return packed, lut
+
+
+def decode_streams(
+    payload, lengths, cum: np.ndarray, model_index: np.ndarray, L: int, T: int, C: int, G: int, B: int,
+    parallel: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode all streams of a chunk with numba.
+
+    Args:
+      payload: bytes-like, the concatenated streams.
+      lengths: integer [n_streams], bytes per stream (section-3 order).
+      cum: uint32 [n_models, 257], VALID rows (call `validate_cum_table` first on
+        untrusted tables); model_index [2, L, C]; L, T, C, G, B as in `encode_streams`.
+      parallel: force the parallel (True) or serial (False) kernel; None = by size.
+    Returns: (sym_k, sym_v), uint8 [L, T, C] each.
+    Raises: CodecError on any inconsistency (lengths not adding up to the payload, odd or
+      too-short or too-long streams, truncated/corrupt streams).
+    """
+    try:
+        n_groups, n_blocks, n_streams = stream_layout(L, T, C, G, B)
+    except ValueError as e:
+        raise CodecError(str(e)) from None
+    cum, mi = _check_common(cum, model_index, L, C)
+    lengths = np.asarray(lengths)
+    if lengths.shape != (n_streams,) or lengths.dtype.kind not in "ui":
+        raise CodecError(f"stream lengths must be an integer array of {n_streams} entries")
+    lens = lengths.astype(np.int64)
+    counts = stream_symbol_counts(L, T, C, G, B)
+    badmask = (lens < 4) | (lens % 2 == 1) | (lens > 4 + 2 * counts)
+    if np.any(badmask):
+        bad = int(np.flatnonzero(badmask)[0])
+        raise CodecError(f"stream {bad}: invalid length {int(lens[bad])} bytes for {int(counts[bad])} symbols")
+    try:
+        buf = np.frombuffer(payload, dtype=np.uint8)
+    except (TypeError, ValueError):
+        raise CodecError("payload must be a bytes-like object") from None
+    if int(lens.sum()) != buf.size:
+        raise CodecError(f"stream lengths add up to {int(lens.sum())} bytes but the payload has {buf.size}")
+    # zero padding so that unchecked reads stay inside the buffer: a stream starting at
+    # word w reads indices < w + 2 + n_symbols <= len + max(n_symbols) + 2
+    pad = int(counts.max()) + 4
+    words = np.zeros(buf.size // 2 + pad, dtype=np.uint16)
+    if buf.size:
+        words[: buf.size // 2] = buf.view(np.uint16)
+    w_off = np.zeros(n_streams + 1, dtype=np.int64)
+    np.cumsum(lens // 2, out=w_off[1:])
+    packed, lut = build_decode_tables(cum)
+    out_k = np.empty((L, T, C), dtype=np.uint8)
+    out_v = np.empty((L, T, C), dtype=np.uint8)
+    err = np.zeros(n_streams, dtype=np.int64)
+    items = _work_items(L, T, C, G, B)
+    par = (2 * L * T * C >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    dec = _decode_par if par else _decode_ser
+    dec(words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, items, out_k, out_v, err)
+    if np.any(err):
+        i = int(np.flatnonzero(err)[0])
+        raise CodecError(f"stream {i} of {n_streams}: {ERR_MESSAGES.get(int(err[i]), 'decode error')}")
+    return out_k, out_v

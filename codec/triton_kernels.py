@@ -1,0 +1,890 @@
+"""Triton GPU kernels of the CacheGen codec, bit-exact with the CPU backend.
+
+Purpose: the GPU half of "written twice" (DEVELOPERS.md): quantization/dequantization
+with the layer-wise bins (CacheGen, Liu et al., SIGCOMM 2024, section 5.2; arithmetic of
+codec/quantize.py), per-(layer, channel) histograms (the statistics behind the 16-bit
+CDFs of section 5.2), and the 32-bit-state / 16-bit-word rANS coder of
+docs/bitstream.md sections 2-3 (J. Duda, "Asymmetric numeral systems", 2013), one SIMD
+lane per independent stream. Every kernel produces exactly the bytes / symbols of the
+CPU backend (codec/rans_cpu.py, codec/quantize.py, codec/probability.py) for the same
+input, so a KV encoded on a GPU decodes on a CPU and the reverse. See docs/gpu.md.
+
+Design (docs/gpu.md has the long version):
+- rANS, one lane per stream: a program owns BLOCK consecutive channel groups of one
+  (kv, layer, token block); lane j walks its stream's symbols (channel-major, as in
+  section 3) with per-lane gathers of symbols and cum rows and per-lane word pointers.
+  With G = 1 adjacent lanes touch adjacent channels, so symbol loads/stores coalesce.
+- Encoding is two-pass, so no output buffer can overflow: pass 1 runs the exact coder
+  arithmetic without writing and returns each stream's word count; torch.cumsum gives
+  exact offsets and the payload is allocated to the exact size; pass 2 re-runs the coder
+  and writes each stream's words into its own slot from the slot's end backwards
+  (rANS pushes words in reverse), and checks it ends exactly at the slot's start.
+- Decoding reads each stream from the prefix sum of the stored lengths (validated on the
+  host first: even, >= 4, <= 4 + 2 * symbols, summing to the payload size), never reads
+  outside its own slot, and writes a per-stream error code (the codes of
+  codec/rans_cpu.py: truncated, final state != L, leftover bytes); the wrapper turns any
+  non-zero code into CodecError. Symbol lookup: a branch-free binary search over the
+  model's cum row, ceil(log2(max nbins)) gathers (<= 8 for 256 bins).
+- Models (the codebook clustering of codec/probability.py) are built on the HOST from the
+  GPU-computed histograms: that step is tiny (models x bins counts) and running the very
+  same numpy code guarantees identical models, hence identical bytes.
+- Quantization: scales (max |x|, log8 rounding) and `inv = M / s`, `step = s / M` are
+  computed with the same torch expressions as codec/quantize.py on the tensor's device
+  (they are 1/D of the data); the elementwise part runs in Triton. Rounding is
+  round-half-to-even implemented with floor/compare (exact, no libdevice, so it also runs
+  in the interpreter), and fp fusion is disabled so x * inv is rounded before rint.
+
+Integer arithmetic: states are tl.uint32; `x // f`, `x % f` are unsigned 32-bit; the
+decoder's `f * (x >> 16) + slot - c` is < 2^32 for valid tables. Offsets are int64.
+
+Public API (mirrors the CPU functions):
+  available() -> bool
+  quantize_triton(x, scale, max_level) / dequantize_triton(sym, scale, max_level, out_dtype)
+  histogram_triton(sym) -> int64 [L, C, 256]
+  rans_encode_triton(sym_k, sym_v, cum, model_index, G, B) -> (payload uint8, lengths int64)
+  rans_decode_triton(payload, lengths, cum, model_index, L, T, C, G, B) -> (sym_k, sym_v)
+  encode_symbols_triton / decode_symbols_triton: codec.entropy's API on the GPU path.
+Torch/numpy references: codec.quantize.quantize/dequantize, histogram_ref (torch
+bincount), codec.rans_cpu.encode_streams_ref / decode_streams_ref.
+
+Run the tests (CPU, interpreter):
+  TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_codec_triton*.py -q
+Run the benchmark (GPU):  python -m codec.triton_kernels --device cuda
+Whole GPU check (correctness + speed table):  bash scripts/gpu_check.sh
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import CodecError
+
+try:  # Triton is optional: the CPU backend never needs it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - e.g. a CPU-only install without triton
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = [
+    "available",
+    "interpreting",
+    "quantize_triton",
+    "dequantize_triton",
+    "histogram_triton",
+    "histogram_ref",
+    "rans_encode_triton",
+    "rans_decode_triton",
+    "encode_symbols_triton",
+    "decode_symbols_triton",
+]
+
+PROB_BITS = 16
+PROB_SCALE = 1 << PROB_BITS
+RANS_L = 1 << 16
+
+# per-stream error codes, identical to codec/rans_cpu.py
+ERR_OK, ERR_STATE, ERR_TRUNCATED, ERR_FINAL, ERR_LEFTOVER, ERR_SYMBOL, ERR_INTERNAL = 0, 2, 3, 4, 5, 6, 7
+_ERR_MESSAGES = {
+    ERR_STATE: "initial rANS state below L",
+    ERR_TRUNCATED: "stream truncated (renormalisation read past its end)",
+    ERR_FINAL: "final rANS state is not L (corrupt stream)",
+    ERR_LEFTOVER: "bytes left over after the last symbol (corrupt stream)",
+    ERR_SYMBOL: "symbol outside its model's alphabet (zero frequency)",
+    ERR_INTERNAL: "internal error: encoder pass 2 did not fill its slot exactly",
+}
+
+# Lanes (streams) per program for the rANS kernels. On a GPU one lane is one thread
+# (num_warps * 32 == BLOCK); small in the interpreter where each step is a numpy op.
+RANS_BLOCK_GPU = 64
+RANS_WARPS_GPU = 2
+RANS_BLOCK_INTERP = 16
+
+
+# Constants seen by the kernels: Triton only lets a kernel read constexpr globals.
+_constexpr = tl.constexpr if HAVE_TRITON else (lambda v: v)
+K_RANS_L = _constexpr(RANS_L)
+K_PROB_SCALE = _constexpr(PROB_SCALE)
+K_ERR_OK = _constexpr(ERR_OK)
+K_ERR_STATE = _constexpr(ERR_STATE)
+K_ERR_TRUNCATED = _constexpr(ERR_TRUNCATED)
+K_ERR_FINAL = _constexpr(ERR_FINAL)
+K_ERR_LEFTOVER = _constexpr(ERR_LEFTOVER)
+K_ERR_SYMBOL = _constexpr(ERR_SYMBOL)
+K_ERR_INTERNAL = _constexpr(ERR_INTERNAL)
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available() -> bool:
+    """Triton importable AND (a CUDA device present OR TRITON_INTERPRET=1)."""
+    if not HAVE_TRITON:
+        return False
+    return interpreting() or torch.cuda.is_available()
+
+
+def _require(*tensors: torch.Tensor) -> torch.device:
+    """Check that the kernels can run on these tensors; return their device."""
+    if not HAVE_TRITON:
+        raise RuntimeError("Triton is not installed; use the CPU backend (backend='cpu')")
+    devs = {t.device for t in tensors}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+    dev = devs.pop()
+    if interpreting():
+        if dev.type != "cpu":
+            raise ValueError("under TRITON_INTERPRET=1 the Triton kernels take CPU tensors")
+    elif dev.type != "cuda":
+        raise ValueError(f"Triton kernels need CUDA tensors (got {dev}); use the CPU backend "
+                         "or set TRITON_INTERPRET=1")
+    return dev
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels. Plain functions, jitted on first use (so TRITON_INTERPRET is read at call time,
+# and importing this module never needs Triton).
+# ---------------------------------------------------------------------------------------
+def _quantize_kernel(x_ptr, inv_ptr, m_ptr, out_ptr, N, S, DIV, MOD,
+                     BLOCK: tl.constexpr):
+    """x [L, N] (any float dtype) -> uint8 symbols [L, N].
+
+    inv: float32 [L, S], element n of layer l uses inv[l, (n // DIV) % MOD].
+    m: float32 [L], M = bins // 2 - 1. sym = clamp(rint(x32 * inv), -M, M) + M.
+    Grid: (cdiv(N, BLOCK), L).
+    """
+    pid = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    n = pid * BLOCK + tl.arange(0, BLOCK)             # int32: N < 2^31 (checked by the wrapper)
+    mask = n < N
+    x = tl.load(x_ptr + layer * N + n, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.load(inv_ptr + layer * S + (n // DIV) % MOD, mask=mask, other=0.0)
+    m = tl.load(m_ptr + layer)
+    v = x * inv
+    a = tl.minimum(tl.abs(v), m + 1.0)          # rint is monotone: clamp first is exact
+    r = tl.floor(a)
+    d = a - r                                    # exact for a >= 0
+    ri = r.to(tl.int32)
+    up = (d > 0.5) | ((d == 0.5) & ((ri & 1) == 1))   # round half to even
+    ri = tl.minimum(ri + up.to(tl.int32), m.to(tl.int32))
+    q = tl.where(v < 0, -ri, ri) + m.to(tl.int32)
+    tl.store(out_ptr + layer * N + n, q.to(tl.uint8), mask=mask)
+
+
+def _dequantize_kernel(sym_ptr, step_ptr, m_ptr, out_ptr, N, S, DIV, MOD,
+                       OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """uint8 symbols [L, N] -> (float32(sym) - M) * step[l, (n // DIV) % MOD], cast to
+    out's dtype (round to nearest even). OUT_BF16: out is an int16 view of a bfloat16
+    tensor and the rounding is done on the bits (the interpreter truncates otherwise).
+    Grid: (cdiv(N, BLOCK), L)."""
+    pid = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    n = pid * BLOCK + tl.arange(0, BLOCK)             # int32: N < 2^31 (checked by the wrapper)
+    mask = n < N
+    s = tl.load(sym_ptr + layer * N + n, mask=mask, other=0).to(tl.float32)
+    step = tl.load(step_ptr + layer * S + (n // DIV) % MOD, mask=mask, other=0.0)
+    m = tl.load(m_ptr + layer)
+    y = (s - m) * step
+    if OUT_BF16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)          # RNE to the top 16 bits
+        tl.store(out_ptr + layer * N + n, (bits >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
+                 mask=mask)
+    else:
+        tl.store(out_ptr + layer * N + n, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _histogram_kernel(sym_ptr, out_ptr, T, C,
+                      BT: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr):
+    """sym uint8 [L, T, C] -> counts int32 [L, C, NB] (symbols must be < NB).
+
+    One program per (BC channels, layer); it walks the tokens in [BT, BC] tiles and
+    accumulates a register histogram of BC * NB bins (key = channel * NB + symbol), so
+    there are no atomics. Grid: (cdiv(C, BC), L).
+    """
+    pc = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    c = pc * BC + tl.arange(0, BC)                      # [BC]
+    cmask = c < C
+    acc = tl.zeros((BC * NB,), dtype=tl.int32)
+    base = sym_ptr + layer * T * C
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)                       # [BT]
+        m2 = (t[:, None] < T) & cmask[None, :]
+        s = tl.load(base + t[:, None].to(tl.int64) * C + c[None, :], mask=m2, other=0)
+        key = tl.arange(0, BC)[None, :] * NB + s.to(tl.int32)     # [BT, BC]
+        acc += tl.histogram(tl.reshape(key, (BT * BC,)), BC * NB,
+                            mask=tl.reshape(m2, (BT * BC,)))
+    k = tl.arange(0, BC * NB)
+    cc = pc * BC + k // NB
+    tl.store(out_ptr + (layer * C + cc) * NB + k % NB, acc, mask=cc < C)
+
+
+def _rans_encode_kernel(sym_k_ptr, sym_v_ptr, midx_ptr, cum_ptr, woff_ptr, words_ptr,
+                        nwords_ptr, err_ptr, L, T, C, G, B, n_groups, n_blocks,
+                        WRITE: tl.constexpr, BLOCK: tl.constexpr):
+    """rANS-encode BLOCK streams (docs/bitstream.md section 2), one per lane.
+
+    Program (pid0, b, kvl): lanes are channel groups g = pid0 * BLOCK + lane of the
+    (kv, layer) = divmod(kvl, L) and token block b. Stream index
+    i = (kvl * n_groups + g) * n_blocks + b (section 3 order).
+    sym_*: uint8 [L, T, C]; midx: int32 [2, L, C]; cum: int32 [n_models, 257].
+    WRITE=False (pass 1): nwords[i] = 2 + renormalisation words, err[i] = 6 on a
+    zero-frequency symbol. WRITE=True (pass 2): words (int16 view of the payload) receive
+    the stream in [woff[i], woff[i + 1]) written backwards; err[i] = 7 if the slot is
+    not filled exactly.
+    """
+    pid0 = tl.program_id(0)
+    b = tl.program_id(1)
+    kvl = tl.program_id(2)
+    kv = kvl // L
+    layer = kvl - kv * L
+    g = pid0 * BLOCK + tl.arange(0, BLOCK)
+    lane = g < n_groups
+    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
+    t0 = b * B
+    bsize = tl.minimum(B, T - t0)
+    c0 = g * G
+    gsize = tl.minimum(G, C - c0)
+    sym_base = layer.to(tl.int64) * T * C
+    if kv == 0:
+        sym_ptr = sym_k_ptr + sym_base
+    else:
+        sym_ptr = sym_v_ptr + sym_base
+    midx_base = kvl.to(tl.int64) * C
+    x = tl.full((BLOCK,), K_RANS_L, dtype=tl.uint32)
+    nw = tl.zeros((BLOCK,), dtype=tl.int32)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    if WRITE:
+        start = tl.load(woff_ptr + stream, mask=lane, other=0)
+        pos = tl.load(woff_ptr + stream + 1, mask=lane, other=0)
+    for jj in range(0, G):
+        j = G - 1 - jj                                   # channels in reverse
+        act = lane & (j < gsize)
+        c = c0 + j
+        mdl = tl.load(midx_ptr + midx_base + c, mask=act, other=0)
+        row = cum_ptr + mdl.to(tl.int64) * 257
+        for tt in range(0, bsize):
+            t = t0 + bsize - 1 - tt                      # tokens in reverse
+            s = tl.load(sym_ptr + t.to(tl.int64) * C + c, mask=act, other=0).to(tl.int32)
+            lo = tl.load(row + s, mask=act, other=0)
+            hi = tl.load(row + s + 1, mask=act, other=1)
+            f = hi - lo
+            bad = tl.where(act & (f <= 0), K_ERR_SYMBOL, bad)
+            fu = tl.maximum(f, 1).to(tl.uint32)
+            ren = act & (x >= (fu << 16))
+            if WRITE:
+                pos = pos - ren.to(tl.int64)
+                tl.store(words_ptr + pos, (x & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True),
+                         mask=ren)
+            nw += ren.to(tl.int32)
+            x = tl.where(ren, x >> 16, x)
+            xn = ((x // fu) << 16) + (x % fu) + lo.to(tl.uint32)
+            x = tl.where(act, xn, x)
+    if WRITE:
+        pos = pos - 1
+        tl.store(words_ptr + pos, (x >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=lane)
+        pos = pos - 1
+        tl.store(words_ptr + pos, (x & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=lane)
+        bad = tl.where(lane & (pos != start), K_ERR_INTERNAL, bad)
+    else:
+        tl.store(nwords_ptr + stream, nw + 2, mask=lane)
+    tl.store(err_ptr + stream, bad, mask=lane)
+
+
+def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v_ptr,
+                        err_ptr, L, T, C, G, B, n_groups, n_blocks,
+                        SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """rANS-decode BLOCK streams, one per lane (same program/lane mapping as the encoder).
+
+    words: int16 view of the payload; stream i occupies words [woff[i], woff[i + 1])
+    (host-validated: >= 2 words). Symbol lookup: largest s < 2^SEARCH_STEPS with
+    cum[s] <= slot, by a branch-free binary search (rows are padded with M past nbins,
+    and nbins <= 2^SEARCH_STEPS). err[i]: 0 ok, 2 x < L at start, 3 truncated, 4 final
+    state != L, 5 leftover words. Reads never leave the stream's own slot.
+    """
+    pid0 = tl.program_id(0)
+    b = tl.program_id(1)
+    kvl = tl.program_id(2)
+    kv = kvl // L
+    layer = kvl - kv * L
+    g = pid0 * BLOCK + tl.arange(0, BLOCK)
+    lane = g < n_groups
+    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
+    t0 = b * B
+    bsize = tl.minimum(B, T - t0)
+    c0 = g * G
+    gsize = tl.minimum(G, C - c0)
+    sym_base = layer.to(tl.int64) * T * C
+    if kv == 0:
+        out_ptr = out_k_ptr + sym_base
+    else:
+        out_ptr = out_v_ptr + sym_base
+    midx_base = kvl.to(tl.int64) * C
+    start = tl.load(woff_ptr + stream, mask=lane, other=0)
+    end = tl.load(woff_ptr + stream + 1, mask=lane, other=2)
+    w0 = tl.load(words_ptr + start, mask=lane, other=0).to(tl.int32) & 0xFFFF
+    w1 = tl.load(words_ptr + start + 1, mask=lane, other=1).to(tl.int32) & 0xFFFF
+    x = (w0 | (w1 << 16)).to(tl.uint32)
+    bad_state = lane & (x < K_RANS_L)
+    pos = start + 2
+    for j in range(0, G):
+        act = lane & (j < gsize)
+        c = c0 + j
+        mdl = tl.load(midx_ptr + midx_base + c, mask=act, other=0)
+        row = cum_ptr + mdl.to(tl.int64) * 257
+        for tt in range(0, bsize):
+            t = t0 + tt
+            slot = (x & 0xFFFF).to(tl.int32)
+            s = tl.zeros((BLOCK,), dtype=tl.int32)
+            lo = tl.zeros((BLOCK,), dtype=tl.int32)         # cum[s], cum[0] = 0
+            for k in tl.static_range(SEARCH_STEPS):
+                cand = s + (1 << (SEARCH_STEPS - 1 - k))
+                v = tl.load(row + cand, mask=act, other=K_PROB_SCALE)
+                take = v <= slot
+                s = tl.where(take, cand, s)
+                lo = tl.where(take, v, lo)
+            hi = tl.load(row + s + 1, mask=act, other=K_PROB_SCALE)
+            xn = (hi - lo).to(tl.uint32) * (x >> 16) + (slot - lo).to(tl.uint32)
+            need = act & (xn < K_RANS_L)
+            w = tl.load(words_ptr + pos, mask=need & (pos < end), other=0).to(tl.int32) & 0xFFFF
+            xn = tl.where(need, (xn << 16) | w.to(tl.uint32), xn)
+            pos = pos + need.to(tl.int64)
+            x = tl.where(act, xn, x)
+            tl.store(out_ptr + t.to(tl.int64) * C + c, s.to(tl.uint8), mask=act)
+    err = tl.where(pos > end, K_ERR_TRUNCATED,
+                   tl.where(x != K_RANS_L, K_ERR_FINAL, tl.where(pos != end, K_ERR_LEFTOVER, K_ERR_OK)))
+    err = tl.where(bad_state, K_ERR_STATE, err)
+    tl.store(err_ptr + stream, err, mask=lane)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit(name: str, interp: bool):
+    """triton.jit the kernel `name` (cached per interpreter mode)."""
+    if not HAVE_TRITON:  # pragma: no cover
+        raise RuntimeError("Triton is not installed")
+    return triton.jit(globals()[name])
+
+
+def _kernel(name: str):
+    return _jit(name, interpreting())
+
+
+def _launch_opts(num_warps: int = 4) -> dict:
+    return {} if interpreting() else {"num_warps": num_warps}
+
+
+def compile_for_target(arch: int = 90, warp_size: int = 32) -> dict[str, str]:
+    """Ahead-of-time compile every kernel variant for a CUDA target WITHOUT a GPU (Triton's
+    frontend + LLVM + the bundled ptxas): catches compile-only errors (non-constexpr
+    globals, type errors) that the interpreter accepts. Returns {variant: PTX text}.
+    Raises whatever Triton raises on a kernel that does not compile."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, warp_size)
+    i32 = "i32"
+    ints = {k: i32 for k in ("L", "T", "C", "G", "B", "n_groups", "n_blocks")}
+    variants = {}
+    for xt in ("fp32", "fp16", "bf16"):
+        variants[f"quantize_{xt}"] = ("_quantize_kernel", dict(
+            x_ptr=f"*{xt}", inv_ptr="*fp32", m_ptr="*fp32", out_ptr="*u8", N=i32, S=i32,
+            DIV=i32, MOD=i32, BLOCK="constexpr"), dict(BLOCK=1024), 4)
+    for ot, bf in (("fp32", False), ("fp16", False), ("i16", True)):
+        variants[f"dequantize_{ot}"] = ("_dequantize_kernel", dict(
+            sym_ptr="*u8", step_ptr="*fp32", m_ptr="*fp32", out_ptr=f"*{ot}", N=i32, S=i32,
+            DIV=i32, MOD=i32, OUT_BF16="constexpr", BLOCK="constexpr"),
+            dict(OUT_BF16=bf, BLOCK=1024), 4)
+    for nb in (32, 256):
+        variants[f"histogram_nb{nb}"] = ("_histogram_kernel", dict(
+            sym_ptr="*u8", out_ptr="*i32", T=i32, C=i32, BT="constexpr", BC="constexpr",
+            NB="constexpr"), dict(BT=128, BC=1024 // nb, NB=nb), 4)
+    for write in (False, True):
+        variants[f"rans_encode_write{int(write)}"] = ("_rans_encode_kernel", dict(
+            sym_k_ptr="*u8", sym_v_ptr="*u8", midx_ptr="*i32", cum_ptr="*i32",
+            woff_ptr="*i64" if write else "*i32", words_ptr="*i16" if write else "*i32",
+            nwords_ptr="*i32", err_ptr="*i32", **ints, WRITE="constexpr", BLOCK="constexpr"),
+            dict(WRITE=write, BLOCK=RANS_BLOCK_GPU), RANS_WARPS_GPU)
+    for steps in (4, 8):
+        variants[f"rans_decode_steps{steps}"] = ("_rans_decode_kernel", dict(
+            words_ptr="*i16", woff_ptr="*i64", midx_ptr="*i32", cum_ptr="*i32",
+            out_k_ptr="*u8", out_v_ptr="*u8", err_ptr="*i32", **ints,
+            SEARCH_STEPS="constexpr", BLOCK="constexpr"),
+            dict(SEARCH_STEPS=steps, BLOCK=RANS_BLOCK_GPU), RANS_WARPS_GPU)
+    out = {}
+    for vname, (kname, sig, consts, warps) in variants.items():
+        # a compiled-mode JITFunction even under TRITON_INTERPRET=1
+        fn = triton.runtime.jit.JITFunction(globals()[kname])
+        src = ASTSource(fn, signature=sig, constexprs=consts)
+        opts = {"num_warps": warps}
+        if kname in ("_quantize_kernel", "_dequantize_kernel"):
+            opts["enable_fp_fusion"] = False
+        out[vname] = triton.compile(src, target=target, options=opts).asm["ptx"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------
+def _scale_indexing(x_shape: torch.Size, s: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """Express `s` (broadcastable to x_shape, layer dim first) as a [L, S] table indexed
+    by (n // DIV) % MOD over the flattened per-layer index n. Returns (table, S, DIV, MOD).
+    Falls back to a materialised expand when the broadcast dims are not one run."""
+    L = x_shape[0]
+    rest = list(x_shape[1:])
+    if s.dim() > len(x_shape):
+        raise ValueError(f"scale has more dims ({s.dim()}) than x ({len(x_shape)})")
+    s = s.reshape((1,) * (len(x_shape) - s.dim()) + tuple(s.shape))
+    for d, (a, b) in enumerate(zip(s.shape, x_shape)):
+        if a not in (1, b):
+            raise ValueError(f"scale shape {tuple(s.shape)} does not broadcast to x {tuple(x_shape)}")
+    s = s.expand((L,) + tuple(s.shape[1:]))
+    full = [i for i, (a, b) in enumerate(zip(s.shape[1:], rest)) if a == b and b != 1]
+    if not full:
+        return s.reshape(L, -1)[:, :1].contiguous(), 1, 1, 1
+    lo, hi = full[0], full[-1]
+    if all(s.shape[1 + i] == rest[i] for i in range(lo, hi + 1)):
+        mod = int(np.prod(rest[lo:hi + 1]))
+        div = int(np.prod(rest[hi + 1:])) if hi + 1 < len(rest) else 1
+        table = s.reshape(L, *s.shape[1:]).contiguous().reshape(L, -1)
+        return table, mod, div, mod
+    table = s.expand(x_shape).contiguous().reshape(L, -1)   # rare: non-contiguous broadcast
+    n = table.shape[1]
+    return table, n, 1, n
+
+
+def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `codec.quantize.quantize`: the same uint8 symbols, bit for bit.
+
+    Args:
+      x: [L, ...] float16/bfloat16/float32, on CUDA (or CPU under TRITON_INTERPRET=1).
+      scale: float32 (or any float), broadcastable to x with the layer dim first (e.g.
+        [L, T, G, 1] for x [L, T, G, D], [L, 1, C] for per-channel key scales).
+      max_level: float32 [L], M = bins // 2 - 1 per layer.
+    Returns: uint8 [x.shape], symbols in [0, 2M].
+    Raises: ValueError on shape/dtype/device mismatch.
+    Arithmetic: inv = M / s (s > 0, else 0) computed by torch exactly as the reference;
+      the kernel computes clamp(rint(float32(x) * inv), -M, M) + M with round half to even.
+    """
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be float16/bfloat16/float32, got {x.dtype}")
+    if x.dim() < 2 or x.shape[0] != max_level.shape[0]:
+        raise ValueError(f"x [L, ...] with L = len(max_level) required, got {tuple(x.shape)} "
+                         f"and {tuple(max_level.shape)}")
+    scale = scale.to(device=x.device)
+    dev = _require(x, scale)
+    L = x.shape[0]
+    m = max_level.to(device=dev, dtype=torch.float32).contiguous()
+    mb = m.reshape((-1,) + (1,) * (x.dim() - 1))              # [L, 1, ..., 1]
+    s32 = scale.to(torch.float32)
+    # the exact expression of codec.quantize.quantize (broadcasts like it)
+    inv = torch.where(s32 > 0, mb / torch.where(s32 > 0, s32, torch.ones_like(s32)),
+                      torch.zeros_like(s32))
+    table, S, DIV, MOD = _scale_indexing(x.shape, inv)
+    xf = x.contiguous().reshape(L, -1)
+    N = xf.shape[1]
+    if N >= 2**31 - 1024:
+        raise ValueError(f"{N} elements per layer: at most 2^31 - 1024 supported")
+    out = torch.empty((L, N), dtype=torch.uint8, device=dev)
+    if N:
+        BLOCK = 1024
+        opts = _launch_opts(4)
+        if not interpreting():
+            opts["enable_fp_fusion"] = False
+        _kernel("_quantize_kernel")[(triton.cdiv(N, BLOCK), L)](
+            xf, table.to(torch.float32).contiguous(), m, out, N, S, DIV, MOD, BLOCK=BLOCK, **opts)
+    return out.reshape(x.shape)
+
+
+def dequantize_triton(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton twin of `codec.quantize.dequantize`: float32 (sym - M) * (scale / M), then
+    cast (round to nearest even) to `out_dtype` (float32/float16/bfloat16).
+
+    Args: sym uint8 [L, ...]; scale float broadcastable to sym (layer first); max_level
+      float32 [L]. Returns: out_dtype [sym.shape]. Raises ValueError on bad input.
+    """
+    if sym.dtype != torch.uint8:
+        raise ValueError(f"sym must be uint8, got {sym.dtype}")
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be float16/bfloat16/float32, got {out_dtype}")
+    if sym.dim() < 2 or sym.shape[0] != max_level.shape[0]:
+        raise ValueError("sym [L, ...] with L = len(max_level) required")
+    scale = scale.to(device=sym.device)
+    dev = _require(sym, scale)
+    L = sym.shape[0]
+    m = max_level.to(device=dev, dtype=torch.float32).contiguous()
+    step = scale.to(torch.float32) / m.reshape((-1,) + (1,) * (sym.dim() - 1))  # reference
+    table, S, DIV, MOD = _scale_indexing(sym.shape, step)
+    sf = sym.contiguous().reshape(L, -1)
+    N = sf.shape[1]
+    if N >= 2**31 - 1024:
+        raise ValueError(f"{N} elements per layer: at most 2^31 - 1024 supported")
+    out = torch.empty((L, N), dtype=out_dtype, device=dev)
+    if N:
+        BLOCK = 1024
+        opts = _launch_opts(4)
+        if not interpreting():
+            opts["enable_fp_fusion"] = False
+        bf16 = out_dtype == torch.bfloat16
+        _kernel("_dequantize_kernel")[(triton.cdiv(N, BLOCK), L)](
+            sf, table.contiguous(), m, out.view(torch.int16) if bf16 else out, N, S, DIV, MOD,
+            OUT_BF16=bf16, BLOCK=BLOCK, **opts)
+    return out.reshape(sym.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Histograms
+# ---------------------------------------------------------------------------------------
+def histogram_ref(sym: torch.Tensor) -> torch.Tensor:
+    """Torch reference: per-(layer, channel) counts, int64 [L, C, 256] for uint8 [L, T, C]."""
+    L, T, C = sym.shape
+    idx = (torch.arange(L, device=sym.device)[:, None, None] * C
+           + torch.arange(C, device=sym.device)[None, None, :]) * 256 + sym.to(torch.int64)
+    return torch.bincount(idx.reshape(-1), minlength=L * C * 256).reshape(L, C, 256)
+
+
+def histogram_triton(sym: torch.Tensor, nbins_max: int = 256) -> torch.Tensor:
+    """Per-(layer, channel) symbol counts over tokens (twin of codec.probability.histograms).
+
+    Args: sym uint8 [L, T, C] (CUDA, or CPU under the interpreter); nbins_max: an upper
+      bound on the symbols + 1 (smaller = smaller register histograms); symbols >= it
+      raise ValueError.
+    Returns: int64 [L, C, 256] on sym's device (zeros past nbins_max).
+    """
+    if sym.dtype != torch.uint8 or sym.dim() != 3:
+        raise ValueError(f"sym must be uint8 [L, T, C], got {sym.dtype} {tuple(sym.shape)}")
+    if not (1 <= nbins_max <= 256):
+        raise ValueError("nbins_max must be in [1, 256]")
+    dev = _require(sym)
+    L, T, C = sym.shape
+    NB = 1 << max(0, (nbins_max - 1).bit_length())
+    if nbins_max < 256 and sym.numel() and int(sym.max()) >= nbins_max:
+        raise ValueError(f"symbol {int(sym.max())} >= nbins_max={nbins_max}")
+    BC = max(1, 1024 // NB)                      # BC * NB = 1024 register bins
+    BC = min(BC, 1 << max(0, (C - 1).bit_length()))
+    BT = 64 if interpreting() else max(16, 4096 // BC)
+    counts = torch.zeros((L, C, NB), dtype=torch.int32, device=dev)
+    if sym.numel():
+        _kernel("_histogram_kernel")[(triton.cdiv(C, BC), L)](
+            sym.contiguous(), counts, T, C, BT=BT, BC=BC, NB=NB, **_launch_opts(4))
+    out = torch.zeros((L, C, 256), dtype=torch.int64, device=dev)
+    out[:, :, :NB] = counts
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# rANS
+# ---------------------------------------------------------------------------------------
+def _layout(L: int, T: int, C: int, G: int, B: int) -> tuple[int, int, int]:
+    for name, v in (("L", L), ("T", T), ("C", C), ("channels_per_stream", G),
+                     ("tokens_per_stream", B)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    n_groups = -(-C // G)
+    n_blocks = -(-T // B)
+    return n_groups, n_blocks, 2 * L * n_groups * n_blocks
+
+
+def _symbol_counts(L, T, C, G, B, device) -> torch.Tensor:
+    """int64 [n_streams]: symbols per stream (section 3 order)."""
+    n_groups, n_blocks, _ = _layout(L, T, C, G, B)
+    ch = torch.full((n_groups,), G, dtype=torch.int64, device=device)
+    ch[-1] = C - G * (n_groups - 1)
+    tk = torch.full((n_blocks,), B, dtype=torch.int64, device=device)
+    tk[-1] = T - B * (n_blocks - 1)
+    return torch.outer(ch, tk).reshape(-1).repeat(2 * L)
+
+
+def _as_tensor(a, device, dtype=None) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        t = a
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.to(device=device, dtype=dtype if dtype is not None else t.dtype).contiguous()
+
+
+def _tables(cum, model_index, L: int, C: int, device, exc=ValueError):
+    """cum -> int32 [n_models, 257], model_index -> int32 [2, L, C], validated
+    (shapes, index range; rows: cum[0] = 0, non-decreasing, cum[256] = M)."""
+    if isinstance(cum, np.ndarray) and cum.dtype.kind not in "ui":
+        raise exc("model table must be an integer array")
+    cum_t = _as_tensor(cum, device)
+    if cum_t.dim() != 2 or cum_t.shape[1] != 257 or cum_t.shape[0] < 1:
+        raise exc(f"model table must be [n_models, 257], got {tuple(cum_t.shape)}")
+    if cum_t.dtype.is_floating_point or cum_t.dtype == torch.bool:
+        raise exc("model table must be an integer array")
+    c64 = cum_t.to(torch.int64)
+    if bool((c64[:, 0] != 0).any()) or bool((c64[:, 256] != PROB_SCALE).any()) \
+            or bool((c64[:, 1:] < c64[:, :-1]).any()):
+        raise exc("model table rows must start at 0, be non-decreasing and end at 65536")
+    mi = _as_tensor(model_index, device)
+    if tuple(mi.shape) != (2, L, C):
+        raise exc(f"model index must be [2, {L}, {C}], got {tuple(mi.shape)}")
+    if mi.dtype.is_floating_point or mi.dtype == torch.bool:
+        raise exc("model index must be an integer array")
+    mi64 = mi.to(torch.int64)
+    if mi64.numel() and (int(mi64.min()) < 0 or int(mi64.max()) >= cum_t.shape[0]):
+        raise exc("model index out of range of the model table")
+    return c64.to(torch.int32).contiguous(), mi64.to(torch.int32).contiguous()
+
+
+def _grid(n_groups: int, n_blocks: int, L: int, block: int):
+    return (triton.cdiv(n_groups, block), n_blocks, 2 * L)
+
+
+def _rans_block(block: int | None) -> tuple[int, dict]:
+    if block is None:
+        block = RANS_BLOCK_INTERP if interpreting() else RANS_BLOCK_GPU
+    if block < 1 or block & (block - 1):
+        raise ValueError("block must be a power of two")
+    return block, _launch_opts(max(1, min(8, block // 32)) if not interpreting() else 1)
+
+
+def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_index,
+                       G: int, B: int, block: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode all streams of a chunk (docs/bitstream.md sections 2-3) on the GPU; twin of
+    `codec.rans_cpu.encode_streams` (identical bytes).
+
+    Args:
+      sym_k, sym_v: uint8 [L, T, C] on CUDA (CPU under TRITON_INTERPRET=1).
+      cum: [n_models, 257] integer cumulative frequencies (numpy or tensor), valid rows.
+      model_index: integer [2, L, C], values < n_models.
+      G, B: channels_per_stream, tokens_per_stream (>= 1).
+      block: lanes (streams) per program (power of two; default per backend).
+    Returns: (payload uint8 [total_bytes], lengths int64 [n_streams] in bytes), on the
+      symbols' device.
+    Raises: ValueError on bad shapes/tables or a symbol with zero frequency.
+    Memory: exactly the payload (two-pass: count, exclusive prefix sum, write), so no
+      stream can overflow its slot.
+    """
+    if not (isinstance(sym_k, torch.Tensor) and isinstance(sym_v, torch.Tensor)):
+        raise ValueError("sym_k and sym_v must be torch tensors")
+    if sym_k.dtype != torch.uint8 or sym_v.dtype != torch.uint8:
+        raise ValueError("symbols must be uint8")
+    if sym_k.dim() != 3 or sym_k.shape != sym_v.shape:
+        raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {tuple(sym_k.shape)} "
+                         f"and {tuple(sym_v.shape)}")
+    dev = _require(sym_k, sym_v)
+    L, T, C = sym_k.shape
+    n_groups, n_blocks, n_streams = _layout(L, T, C, G, B)
+    cum_t, mi = _tables(cum, model_index, L, C, dev)
+    sk, sv = sym_k.contiguous(), sym_v.contiguous()
+    block, opts = _rans_block(block)
+    grid = _grid(n_groups, n_blocks, L, block)
+    nwords = torch.zeros(n_streams, dtype=torch.int32, device=dev)
+    err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
+    kern = _kernel("_rans_encode_kernel")
+    kern[grid](sk, sv, mi, cum_t, nwords, nwords, nwords, err, L, T, C, G, B,
+               n_groups, n_blocks, WRITE=False, BLOCK=block, **opts)
+    if bool((err != 0).any()):
+        i = int(torch.nonzero(err)[0, 0])
+        raise ValueError(f"stream {i}: {_ERR_MESSAGES.get(int(err[i]), 'encode error')}")
+    woff = torch.zeros(n_streams + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(nwords.to(torch.int64), 0, out=woff[1:])
+    total = int(woff[-1])
+    words = torch.empty(total, dtype=torch.int16, device=dev)
+    kern[grid](sk, sv, mi, cum_t, woff, words, nwords, err, L, T, C, G, B,
+               n_groups, n_blocks, WRITE=True, BLOCK=block, **opts)
+    if bool((err != 0).any()):  # pragma: no cover - would be a kernel bug
+        i = int(torch.nonzero(err)[0, 0])
+        raise AssertionError(f"stream {i}: {_ERR_MESSAGES.get(int(err[i]), 'encode error')}")
+    return words.view(torch.uint8), nwords.to(torch.int64) * 2
+
+
+def _search_steps(cum_t: torch.Tensor) -> int:
+    """ceil(log2(max nbins)) over the models (nbins = first s with cum[s] == M)."""
+    nb = int((cum_t[:, 1:] < PROB_SCALE).sum(dim=1).max()) + 1
+    return max(1, (max(2, nb) - 1).bit_length())
+
+
+def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: int,
+                       G: int, B: int, block: int | None = None, device=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode all streams of a chunk on the GPU; twin of `codec.rans_cpu.decode_streams`.
+
+    Args:
+      payload: the concatenated streams: uint8 tensor, numpy array or bytes-like.
+      lengths: integer [n_streams], bytes per stream (section-3 order).
+      cum: [n_models, 257] valid rows (`codec.rans_cpu.validate_cum_table` for untrusted
+        tables; rows are also checked here for monotonicity); model_index [2, L, C].
+      L, T, C, G, B: chunk shape and stream layout.
+      device: where to decode (default: payload's device if a tensor, else "cuda", or
+        "cpu" under TRITON_INTERPRET=1).
+    Returns: (sym_k, sym_v) uint8 [L, T, C] each, on that device.
+    Raises: CodecError on any inconsistency (bad layout, lengths not adding up to the
+      payload, odd / too short / too long streams, truncated or corrupt streams).
+    """
+    try:
+        n_groups, n_blocks, n_streams = _layout(L, T, C, G, B)
+    except ValueError as e:
+        raise CodecError(str(e)) from None
+    if device is None:
+        device = payload.device if isinstance(payload, torch.Tensor) else (
+            "cpu" if interpreting() else "cuda")
+    device = torch.device(device)
+    if isinstance(payload, torch.Tensor):
+        buf = payload.reshape(-1)
+        if buf.dtype != torch.uint8:
+            raise CodecError("payload tensor must be uint8")
+        buf = buf.to(device)
+    else:
+        arr = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) \
+            else payload.reshape(-1).view(np.uint8)
+        buf = torch.from_numpy(arr.copy()).to(device)
+    dev = _require(buf)
+    cum_t, mi = _tables(cum, model_index, L, C, dev, exc=CodecError)
+    lens = _as_tensor(lengths, dev)
+    if tuple(lens.shape) != (n_streams,) or lens.dtype.is_floating_point or lens.dtype == torch.bool:
+        raise CodecError(f"stream lengths must be an integer array of {n_streams} entries")
+    lens = lens.to(torch.int64)
+    counts = _symbol_counts(L, T, C, G, B, dev)
+    badlen = (lens < 4) | (lens % 2 != 0) | (lens > 4 + 2 * counts)
+    if bool(badlen.any()):
+        i = int(torch.nonzero(badlen)[0, 0])
+        raise CodecError(f"stream {i}: invalid length {int(lens[i])} bytes for "
+                         f"{int(counts[i])} symbols")
+    if int(lens.sum()) != buf.numel():
+        raise CodecError(f"stream lengths add up to {int(lens.sum())} bytes but the payload "
+                         f"has {buf.numel()}")
+    words = buf.view(torch.int16)
+    woff = torch.zeros(n_streams + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(lens // 2, 0, out=woff[1:])
+    out_k = torch.empty((L, T, C), dtype=torch.uint8, device=dev)
+    out_v = torch.empty((L, T, C), dtype=torch.uint8, device=dev)
+    err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
+    block, opts = _rans_block(block)
+    _kernel("_rans_decode_kernel")[_grid(n_groups, n_blocks, L, block)](
+        words, woff, mi, cum_t, out_k, out_v, err, L, T, C, G, B, n_groups, n_blocks,
+        SEARCH_STEPS=_search_steps(cum_t), BLOCK=block, **opts)
+    if bool((err != 0).any()):
+        i = int(torch.nonzero(err)[0, 0])
+        raise CodecError(f"stream {i} of {n_streams}: "
+                         f"{_ERR_MESSAGES.get(int(err[i]), 'decode error')}")
+    return out_k, out_v
+
+
+# ---------------------------------------------------------------------------------------
+# codec.entropy's API on the GPU path (same header, arrays and payload bytes)
+# ---------------------------------------------------------------------------------------
+def encode_symbols_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, nbins_k: Sequence[int],
+                          nbins_v: Sequence[int], channels_per_stream: int = 4,
+                          tokens_per_stream: int | None = None):
+    """GPU twin of `codec.entropy.encode_symbols`: returns an identical `EncodedSymbols`.
+
+    Args: sym_k, sym_v uint8 torch tensors [L, T, C] on CUDA (CPU under the interpreter);
+      the rest as `codec.entropy.encode_symbols`.
+    Steps: histograms (Triton) -> host: codec.probability.build_models (the same numpy
+      code as the CPU path, so the models are identical; it is tiny) -> rANS (Triton,
+      two-pass) -> payload copied to the host as bytes.
+    Raises: ValueError as `encode_symbols` does.
+    """
+    from . import entropy as ent
+    from . import probability as prob
+
+    if not (isinstance(sym_k, torch.Tensor) and isinstance(sym_v, torch.Tensor)):
+        raise ValueError("sym_k and sym_v must be torch tensors (use codec.entropy for numpy)")
+    if sym_k.dtype != torch.uint8 or sym_v.dtype != torch.uint8:
+        raise ValueError(f"symbols must be uint8, got {sym_k.dtype} and {sym_v.dtype}")
+    if sym_k.dim() != 3 or sym_k.shape != sym_v.shape:
+        raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {tuple(sym_k.shape)} "
+                         f"and {tuple(sym_v.shape)}")
+    L, T, C = sym_k.shape
+    if L < 1 or T < 1 or C < 1:
+        raise ValueError(f"empty chunk: [L, T, C] = {tuple(sym_k.shape)}")
+    nbk = [int(v) for v in nbins_k]
+    nbv = [int(v) for v in nbins_v]
+    if len(nbk) != L or len(nbv) != L:
+        raise ValueError(f"nbins_k/nbins_v must have L={L} entries, got {len(nbk)} and {len(nbv)}")
+    if any(not 2 <= v <= 256 for v in nbk + nbv):
+        raise ValueError("nbins must be in [2, 256]")
+    for name, v in (("channels_per_stream", channels_per_stream),
+                    ("tokens_per_stream", 1 if tokens_per_stream is None else tokens_per_stream)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    G = min(int(channels_per_stream), C)
+    B = T if tokens_per_stream is None else min(int(tokens_per_stream), T)
+    hist_k = histogram_triton(sym_k).cpu().numpy()
+    hist_v = histogram_triton(sym_v).cpu().numpy()
+    for name, hist, nbs in (("K", hist_k, nbk), ("V", hist_v, nbv)):
+        for layer in range(L):
+            if hist[layer, :, nbs[layer]:].any():
+                mx = int(np.flatnonzero(hist[layer].sum(axis=0))[-1])
+                raise ValueError(f"{name} layer {layer}: symbol {mx} >= nbins={nbs[layer]}")
+    ms = prob.build_models(hist_k, hist_v, nbk, nbv)
+    payload, lengths = rans_encode_triton(sym_k, sym_v, ms.cum, ms.model_index, G, B)
+    lengths = lengths.cpu().numpy()
+    len_dtype = np.uint16 if int(lengths.max()) < 65536 else np.uint32
+    m_hdr, m_arrays = prob.serialize_models(ms)
+    header = {"coder": ent.CODER_NAME, "channels_per_stream": int(G),
+              "tokens_per_stream": int(B), "n_streams": int(lengths.size), **m_hdr}
+    arrays = dict(m_arrays)
+    arrays["ent_stream_lengths"] = lengths.astype(len_dtype)
+    pay = payload.cpu().numpy().tobytes()
+    return ent.EncodedSymbols(
+        header=header, arrays=arrays, payload=pay,
+        entropy_bits=float(ms.coded_bits), ideal_bits=float(ms.ideal_bits),
+        model_bytes=sum(int(a.nbytes) for a in m_arrays.values()),
+        length_table_bytes=int(arrays["ent_stream_lengths"].nbytes),
+        payload_bytes=len(pay))
+
+
+def decode_symbols_triton(header: dict, arrays: dict, payload, L: int, T: int, C: int,
+                          nbins_k: Sequence[int], nbins_v: Sequence[int], device=None,
+                          max_symbols: int = 1 << 33) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU twin of `codec.entropy.decode_symbols`: same checks, same errors, symbols as
+    uint8 torch tensors [L, T, C] on `device` (default cuda; cpu under the interpreter).
+
+    The header / model-table validation is codec.entropy's and codec.probability's own
+    code (run on the host: it is small); only the rANS decoding runs in Triton.
+    Raises: CodecError on any inconsistency.
+    """
+    from . import entropy as ent
+    from . import probability as prob
+
+    for name, v in (("L", L), ("T", T), ("C", C)):
+        if type(v) not in (int, np.int64, np.int32) or v < 1:
+            raise CodecError(f"{name} must be a positive integer, got {v!r}")
+    L, T, C = int(L), int(T), int(C)
+    if 2 * L * T * C > max_symbols:
+        raise CodecError(f"chunk of 2*{L}*{T}*{C} symbols exceeds max_symbols={max_symbols}")
+    if not isinstance(header, dict) or not isinstance(arrays, dict):
+        raise CodecError("entropy header must be a dict and arrays a dict")
+    if header.get("coder") != ent.CODER_NAME:
+        raise CodecError(f"unknown entropy coder {header.get('coder')!r} "
+                         f"(expected {ent.CODER_NAME!r})")
+    G = ent._hdr_int(header, "channels_per_stream", 1, C)
+    B = ent._hdr_int(header, "tokens_per_stream", 1, T)
+    n_groups, n_blocks, n_streams = _layout(L, T, C, G, B)
+    if ent._hdr_int(header, "n_streams", 1, 1 << 40) != n_streams:
+        raise CodecError(f"header n_streams={header.get('n_streams')} but the layout has "
+                         f"{n_streams}")
+    extra = set(header) - {"coder", "channels_per_stream", "tokens_per_stream", "n_streams",
+                           "model_groups"}
+    if extra:
+        raise CodecError(f"unknown entropy header fields {sorted(extra)}")
+    extra = set(arrays) - {"ent_freqs", "ent_model_index", "ent_stream_lengths"}
+    if extra:
+        raise CodecError(f"unknown entropy arrays {sorted(extra)}")
+    cum, model_index = prob.deserialize_models(header, arrays, nbins_k, nbins_v, L, C)
+    lengths = arrays.get("ent_stream_lengths")
+    if (not isinstance(lengths, np.ndarray) or lengths.dtype not in (np.uint16, np.uint32)
+            or lengths.shape != (n_streams,)):
+        raise CodecError(f"ent_stream_lengths must be uint16/uint32 [{n_streams}]")
+    if not isinstance(payload, (bytes, bytearray, memoryview, torch.Tensor)):
+        raise CodecError("payload must be bytes")
+    if device is None and not isinstance(payload, torch.Tensor):
+        device = "cpu" if interpreting() else "cuda"
+    return rans_decode_triton(payload, lengths.astype(np.int64), cum, model_index,
+                              L, T, C, G, B, device=device)

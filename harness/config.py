@@ -1,0 +1,117 @@
+"""The benchmark's run configuration: YAML defaults (configs/benchmark.yaml) + CLI flags.
+
+Every field maps one-to-one onto a ``run_benchmarks.py`` flag; flags override the YAML.
+``--quick`` shrinks the run to a smoke test of a few minutes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "configs" / "benchmark.yaml"
+ALL_MODES = ("text", "raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "cachegen-adaptive")
+ENGINES = ("vllm", "hf")
+
+
+class ConfigError(ValueError):
+    """An invalid benchmark configuration (bad YAML, unknown key, bad value)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Resolved configuration of one benchmark run (see configs/benchmark.yaml for units)."""
+
+    bandwidth_mbps: tuple[float, ...] = (100.0, 500.0, 1000.0)
+    modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive")
+    levels: tuple[int, ...] | None = None
+    engine: str = "vllm"
+    model: str | None = None
+    tasks: tuple[str, ...] = ("needle",)
+    context_tokens: int = 4096
+    num_contexts: int = 3
+    repeats: int = 2
+    slo_s: float = 1.0
+    chunk_tokens: int = 1024
+    block_tokens: int = 128
+    store: str | None = None
+    link_method: str = "auto"
+    quality: bool = True
+    ppl_contexts: int = 2
+    ppl_context_tokens: int = 2048
+    traces: tuple[str, ...] = ("constant", "step", "artifact")
+    trace_chunks: int = 8
+    seed: int = 0
+    out: str = "benchmarks/results.json"
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in ALL_MODES]
+        if bad:
+            raise ConfigError(f"unknown mode(s) {bad}; available: {', '.join(ALL_MODES)}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; available: {', '.join(ENGINES)}")
+        if not self.bandwidth_mbps or any(b <= 0 or b > 100_000 for b in self.bandwidth_mbps):
+            raise ConfigError("bandwidth_mbps must be positive rates in Mbit/s (at most 100000)")
+        for name in ("context_tokens", "num_contexts", "repeats", "chunk_tokens", "block_tokens",
+                     "trace_chunks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.chunk_tokens % self.block_tokens:
+            raise ConfigError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of "
+                              f"block_tokens ({self.block_tokens})")
+        if self.slo_s <= 0:
+            raise ConfigError("slo_s must be > 0 seconds")
+        if self.link_method not in ("auto", "netns", "userspace"):
+            raise ConfigError("link_method must be auto, netns or userspace")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able snapshot (saved into results.json)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+    def quick_variant(self) -> "RunConfig":
+        """A smoke run: one short context, one repeat, cachegen level 2 only, no traces."""
+        return dataclasses.replace(
+            self, context_tokens=min(self.context_tokens, 1024), num_contexts=1, repeats=1,
+            levels=self.levels or (2,), ppl_contexts=1, ppl_context_tokens=512,
+            traces=("step",) if self.traces else (), trace_chunks=4, quick=True,
+            chunk_tokens=min(self.chunk_tokens, 256) if 256 % self.block_tokens == 0 else self.chunk_tokens)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict; ConfigError on missing/malformed files or unknown keys."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys to values")
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"config {path}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return data
+
+
+def resolve(yaml_path: Path | None, overrides: dict[str, Any]) -> RunConfig:
+    """Merge YAML defaults with CLI overrides (None = not given) into a validated RunConfig."""
+    data = load_yaml(yaml_path or DEFAULT_CONFIG)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    for key in ("bandwidth_mbps", "modes", "levels", "tasks", "traces"):
+        if data.get(key) is not None:
+            data[key] = tuple(data[key])
+    if data.get("bandwidth_mbps"):
+        data["bandwidth_mbps"] = tuple(float(b) for b in data["bandwidth_mbps"])
+    try:
+        cfg = RunConfig(**data)
+    except TypeError as exc:
+        raise ConfigError(f"bad configuration: {exc}") from None
+    return cfg.quick_variant() if cfg.quick else cfg

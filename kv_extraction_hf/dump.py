@@ -1,0 +1,119 @@
+"""KV dumps: one safetensors file per context holding K, V and metadata.
+
+Tensors ``k`` and ``v``, each ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the
+model's own dtype; string metadata with the model id and weights hash, dtype, layer/head
+counts, the token ids and their sha256, the prompt name, plus ``kv_sha256`` (sha256 of the
+raw bytes of k then v) so that a corrupted file is detected on load. safetensors stores no
+code, so loading a dump never executes anything. Files are written under a temporary name
+and renamed (atomic on POSIX), so a half-written dump never exists.
+
+Written by ``python -m kv_extraction_hf ... --out DIR``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kv_extraction_hf.errors import ExtractionError
+
+DUMP_FORMAT = "cachegen-harness-kv"
+DUMP_VERSION = "1"
+
+
+def token_ids_sha256(token_ids) -> str:
+    """sha256 (hex) of token ids written as a JSON list without spaces, e.g. ``[1,2,3]``."""
+    return hashlib.sha256(json.dumps([int(t) for t in token_ids], separators=(",", ":")).encode()).hexdigest()
+
+
+def kv_sha256(k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 (hex) of the raw bytes of ``k`` then ``v`` (their storage dtype, C order)."""
+    h = hashlib.sha256()
+    for t in (k, v):
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def save_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, metadata: dict | None = None) -> Path:
+    """Write ``k`` and ``v`` (each ``[L, T, H_kv, D]``, same shape and dtype) to ``path``.
+
+    ``metadata`` values are stored as strings (non-strings are JSON-encoded). If it holds
+    ``token_ids`` (list or JSON string), their sha256 is added as ``token_ids_sha256``.
+    Atomic: a temporary file in the same folder is renamed over ``path``. Raises
+    ExtractionError for mismatched tensors.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise ExtractionError("k and v must be torch tensors")
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
+        raise ExtractionError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must both be "
+                              "[num_layers, num_tokens, num_kv_heads, head_dim] of one dtype")
+    k = k.detach().cpu().contiguous()
+    v = v.detach().cpu().contiguous()
+    meta = {key: val if isinstance(val, str) else json.dumps(val) for key, val in (metadata or {}).items()}
+    if "token_ids" in meta:
+        meta["token_ids_sha256"] = token_ids_sha256(json.loads(meta["token_ids"]))
+    meta.update({
+        "format": DUMP_FORMAT, "format_version": DUMP_VERSION, "dtype": str(k.dtype).replace("torch.", ""),
+        "num_layers": str(k.shape[0]), "num_tokens": str(k.shape[1]), "num_kv_heads": str(k.shape[2]),
+        "head_dim": str(k.shape[3]), "kv_sha256": kv_sha256(k, v),
+    })
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        save_file({"k": k, "v": v}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def load_kv(path: str | os.PathLike, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, str]]:
+    """Read a dump written by :func:`save_kv`: returns ``(k, v, metadata)``.
+
+    Checks that the file exists and parses, holds ``k`` and ``v`` of equal 4-D shape and one
+    dtype agreeing with the metadata, and (``verify=True``) that the tensor bytes and token
+    ids match their recorded sha256. Raises ExtractionError otherwise.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ExtractionError(f"KV dump not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            names = set(fh.keys())
+            if names != {"k", "v"}:
+                raise ExtractionError(f"KV dump {path} holds tensors {sorted(names)}, expected ['k', 'v']")
+            k = fh.get_tensor("k")
+            v = fh.get_tensor("v")
+    except ExtractionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad files
+        raise ExtractionError(f"corrupt KV dump {path}: {' '.join(str(exc).split())[:200]}") from exc
+    if meta.get("format") != DUMP_FORMAT:
+        raise ExtractionError(f"{path} is not a KV dump of this harness (format={meta.get('format')!r})")
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
+        raise ExtractionError(f"corrupt KV dump {path}: k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
+    expected = [meta.get(f) for f in ("num_layers", "num_tokens", "num_kv_heads", "head_dim")]
+    if expected != [str(n) for n in k.shape] or meta.get("dtype") != str(k.dtype).replace("torch.", ""):
+        raise ExtractionError(f"corrupt KV dump {path}: tensors {tuple(k.shape)} {k.dtype} disagree with metadata")
+    if verify:
+        if meta.get("kv_sha256") != kv_sha256(k, v):
+            raise ExtractionError(f"corrupt KV dump {path}: tensor bytes do not match kv_sha256")
+        if "token_ids" in meta:
+            try:
+                ids = json.loads(meta["token_ids"])
+            except ValueError as exc:
+                raise ExtractionError(f"corrupt KV dump {path}: token_ids is not JSON") from exc
+            if token_ids_sha256(ids) != meta.get("token_ids_sha256") or len(ids) != k.shape[1]:
+                raise ExtractionError(f"corrupt KV dump {path}: token_ids do not match the KV")
+    return k, v, meta

@@ -1,0 +1,79 @@
+"""The main job: TTFT and quality of every KV-reuse mode over a real shaped link.
+
+For each context (offline prompts of the default task), the KV cache is extracted once,
+encoded by every mode's codec into independently decodable chunks and stored in the KV
+store server, which sits behind a real rate-limited link (veth + tc tbf in network
+namespaces as root, else a userspace token-bucket proxy on loopback). Each request then
+loads its prefix KV through the link (decode pipelined with transfer), injects it into the
+engine and prefills only the rest. Modes: text, raw, quant8, kivi2, cachegen (each level),
+cachegen-adaptive (CacheGen section 5: per-chunk level from measured throughput and an
+SLO, text fallback). Results: benchmarks/results.json (docs/results-schema.md).
+
+Run:
+    python run_benchmarks.py                                   # defaults (configs/benchmark.yaml)
+    python run_benchmarks.py --bandwidth-mbps 100 500 1000 --engine hf --quick
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """CLI flags; each maps one-to-one onto a field of harness.config.RunConfig."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python run_benchmarks.py --quick --engine hf\n"
+               "  python run_benchmarks.py --bandwidth-mbps 100 1000 --modes text cachegen "
+               "--context-tokens 2048\n  python visualize_results.py   # figures from the results")
+    p.add_argument("--config", type=Path, help="YAML defaults (default: configs/benchmark.yaml)")
+    p.add_argument("--bandwidth-mbps", type=float, nargs="+", help="link rates, Mbit/s")
+    p.add_argument("--modes", nargs="+", help="text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive")
+    p.add_argument("--levels", type=int, nargs="+", help="cachegen levels (default: all)")
+    p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
+    p.add_argument("--model", help="HF id, local HF folder or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--tasks", nargs="+", help="context tasks (needle, topic_retrieval, longchat_lines, ...)")
+    p.add_argument("--context-tokens", type=int, help="tokens per context")
+    p.add_argument("--num-contexts", type=int, help="distinct contexts per task")
+    p.add_argument("--repeats", type=int, help="repeats per (mode, bandwidth, context)")
+    p.add_argument("--slo-s", type=float, help="SLO of the whole KV load, seconds (adaptive mode)")
+    p.add_argument("--chunk-tokens", type=int, help="tokens per streamed chunk")
+    p.add_argument("--store", help="KV store backend: a folder (default: temporary) or redis://HOST:PORT/DB")
+    p.add_argument("--link-method", choices=["auto", "netns", "userspace"], help="link shaping method")
+    p.add_argument("--no-quality", dest="quality", action="store_const", const=False,
+                   help="skip perplexity/KL with the HF engine")
+    p.add_argument("--traces", nargs="*", help="adaptation traces: constant step artifact (none: skip)")
+    p.add_argument("--seed", type=int, help="seed of the prompt generators")
+    p.add_argument("--out", help="results file (default benchmarks/results.json)")
+    p.add_argument("--quick", action="store_const", const=True, help="smoke run of a few minutes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run the benchmark, print the summary table; exit 2 on bad input."""
+    args = build_parser().parse_args(argv)
+    from harness.config import ConfigError, resolve
+
+    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        cfg = resolve(args.config, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from harness.pipeline import BenchmarkError, run
+
+    try:
+        run(cfg, argv=sys.argv if argv is None else ["run_benchmarks.py", *argv])
+    except BenchmarkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the runs finished so far are in the results file", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,15 @@
+"""Streaming stage of the CacheGen harness: shaped link, KV store, streaming + adaptation.
+
+Paper: CacheGen (Liu et al., SIGCOMM 2024), section 5 (streaming and adaptation).
+Modules (imported lazily; importing this package starts nothing):
+  link      -- ShapedLink: real TCP through netns+veth+tc tbf (root) or a userspace token bucket
+  protocol  -- length-prefixed frames of the KV store protocol
+  backends  -- StoreBackend protocol, LocalFolderBackend, open_backend(url)
+  store     -- context keys, manifests, KVStoreServer, StoreClient, start_store_server
+  client    -- stream_load: pipelined fetch + decode with text fallback
+  adapt     -- AdaptivePolicy: per-chunk level choice from measured throughput and an SLO
+  traces    -- bandwidth traces (constant, step, CacheGen artifact jsonl), apply_trace
+  linkcheck -- goodput benchmark: python -m streaming.linkcheck --bandwidth-mbps 100 500 1000
+  bench     -- pipelined-load and adaptation measurements: python -m streaming.bench --help
+See docs/streaming.md.
+"""

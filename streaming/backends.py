@@ -1,0 +1,165 @@
+"""Storage backends of the KV store: the StoreBackend protocol and a local-folder backend.
+
+Paper: CacheGen section 5 (encoded chunks are stored remotely and fetched on reuse). The
+default backend is embedded (a local folder, nothing to install); `redis://` URLs load
+streaming.redis_backend.RedisBackend lazily. Not runnable by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Iterator, Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+from streaming.errors import StoreError
+
+_OBJ_MAGIC = b"CGOB"  # object file: magic, u32 key length, key (UTF-8), data
+_OBJ_HEAD = struct.Struct("<4sI")
+MAX_KEY_BYTES = 4096
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    """Byte store keyed by str. `put` must be atomic: a reader sees the old value, the new
+    value or nothing, never a partial one."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def keys(self, prefix: str = "") -> Iterator[str]: ...
+
+
+def _check_key(key: str) -> bytes:
+    if not isinstance(key, str) or not key:
+        raise ValueError("store key must be a non-empty str")
+    kb = key.encode("utf-8")
+    if len(kb) > MAX_KEY_BYTES:
+        raise ValueError(f"store key of {len(kb)} bytes exceeds {MAX_KEY_BYTES}")
+    return kb
+
+
+class LocalFolderBackend:
+    """Objects as files under `root/objects/<sha256[:2]>/<sha256(key)>`.
+
+    Each file holds a small header with the key itself (so `keys()` can list keys and a
+    hash collision is detected), then the data. Writes go to a temp file in the same
+    folder, fsync, then os.replace: atomic on POSIX. Thread- and process-safe for
+    concurrent readers and writers of distinct or identical keys (last writer wins).
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.objects = self.root / "objects"
+        self.objects.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"LocalFolderBackend({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        h = hashlib.sha256(_check_key(key)).hexdigest()
+        return self.objects / h[:2] / h
+
+    @staticmethod
+    def _read_header(f) -> str | None:
+        head = f.read(_OBJ_HEAD.size)
+        if len(head) != _OBJ_HEAD.size:
+            return None
+        magic, klen = _OBJ_HEAD.unpack(head)
+        if magic != _OBJ_MAGIC or klen > MAX_KEY_BYTES:
+            return None
+        kb = f.read(klen)
+        if len(kb) != klen:
+            return None
+        try:
+            return kb.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def get(self, key: str) -> bytes | None:
+        """Return the stored bytes or None if absent (or the file is not one of ours)."""
+        p = self._path(key)
+        try:
+            with open(p, "rb") as f:
+                if self._read_header(f) != key:
+                    return None
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store bytes atomically (temp file + fsync + rename)."""
+        kb = _check_key(key)
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=p.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_OBJ_HEAD.pack(_OBJ_MAGIC, len(kb)))
+                f.write(kb)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        """Remove a key (no error if absent)."""
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """Yield stored keys starting with prefix (order unspecified; skips temp files)."""
+        for sub in sorted(self.objects.iterdir()) if self.objects.exists() else []:
+            if not sub.is_dir():
+                continue
+            for p in sub.iterdir():
+                if p.name.startswith(".tmp-"):
+                    continue
+                try:
+                    with open(p, "rb") as f:
+                        k = self._read_header(f)
+                except OSError:
+                    continue
+                if k is not None and k.startswith(prefix):
+                    yield k
+
+
+def open_backend(url: str | os.PathLike) -> StoreBackend:
+    """Open a backend from a URL: `file:///path` or a plain path -> LocalFolderBackend;
+    `redis://host:port/db` -> streaming.redis_backend.RedisBackend (imported lazily).
+
+    Raises ValueError for an unknown scheme, StoreError if the Redis backend is unavailable.
+    """
+    s = os.fspath(url)
+    parsed = urlparse(s)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else s
+        if not path:
+            raise ValueError(f"empty backend path in {s!r}")
+        return LocalFolderBackend(path)
+    if parsed.scheme in ("redis", "rediss", "unix"):
+        try:
+            from streaming.redis_backend import RedisBackend
+        except ImportError as e:
+            raise StoreError(f"redis backend unavailable: {e}") from None
+        return RedisBackend(s)
+    raise ValueError(f"unknown store backend scheme {parsed.scheme!r} in {s!r}: use a path, file:///path or redis://host:port/db")

@@ -1,0 +1,299 @@
+"""Streaming client: fetch a context's chunks in order, decoding chunk k while chunk k+1
+is still arriving; per-chunk levels from a policy (fixed or adaptive); text fallback.
+
+Paper: CacheGen section 5 (streaming with pipelined decoding, per-chunk adaptation, text
+fallback). A receiver thread requests chunk k+1 as soon as chunk k has arrived, puts the
+bytes in a bounded queue, and the calling thread decodes; the total load time approaches
+max(transfer, decode) instead of their sum.
+
+Faults handled here: a chunk whose bytes fail the manifest CRC (or whose decode raises
+ValueError, e.g. codec.CodecError) is refetched once, then falls back to text; a missing
+chunk falls back to text; a dropped connection is reconnected once, after which the
+remaining chunks fall back to text (LoadResult.error says why); an unknown key or an entry
+of another model/config is a clean miss (LoadResult.hit False, .reason).
+
+Not runnable by itself; see `python -m streaming.bench`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from streaming.adapt import FixedPolicy
+from streaming.errors import StreamingError
+
+DecodeFn = Callable[[bytes], Any]
+
+
+def default_decode_fn() -> DecodeFn:
+    """codec.decode_kv on CPU (imported lazily: the link itself knows no codec)."""
+    from codec import decode_kv
+
+    return lambda data: decode_kv(data, device="cpu")
+
+
+@dataclass
+class ChunkStat:
+    """Per-chunk record. Units: bytes, seconds. level None when text_fallback."""
+
+    index: int
+    level: int | None
+    text_fallback: bool
+    bytes: int
+    transfer_s: float
+    decode_s: float
+    crc_ok: bool
+    refetched: bool
+    token_start: int = 0
+    token_end: int = 0
+    fetch_start_s: float = 0.0  # offsets from the start of the load
+    fetch_end_s: float = 0.0
+    decode_end_s: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class LoadResult:
+    """Outcome of stream_load. decoded[i] is decode_fn's output for chunk i, or None for a
+    text chunk (the caller recomputes token ranges text_token_ranges with the engine)."""
+
+    hit: bool
+    key: str
+    reason: str = ""
+    manifest: Any = None
+    chunks: list[ChunkStat] = field(default_factory=list)
+    decoded: list[Any] = field(default_factory=list)
+    total_s: float = 0.0
+    manifest_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    error: str | None = None
+    decisions: list = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.chunks)
+
+    @property
+    def text_token_ranges(self) -> list[tuple[int, int]]:
+        return [(c.token_start, c.token_end) for c in self.chunks if c.text_fallback]
+
+    @property
+    def recompute_tokens(self) -> int:
+        return sum(b - a for a, b in self.text_token_ranges)
+
+    def to_dict(self) -> dict:
+        """JSON-able summary (without the decoded tensors)."""
+        return {
+            "hit": self.hit, "key": self.key, "reason": self.reason, "error": self.error,
+            "total_s": self.total_s, "manifest_s": self.manifest_s, "transfer_s": self.transfer_s,
+            "decode_s": self.decode_s, "bytes": self.bytes, "recompute_tokens": self.recompute_tokens,
+            "chunks": [asdict(c) for c in self.chunks],
+            "decisions": [asdict(d) for d in self.decisions],
+        }
+
+
+@dataclass
+class _Item:
+    index: int
+    level: int | None
+    data: bytes | None
+    transfer_s: float
+    crc_ok: bool
+    refetched: bool
+    fetch_start_s: float
+    fetch_end_s: float
+    note: str = ""
+    exc: BaseException | None = None
+
+
+_DONE = object()
+
+
+def _as_policy(p):
+    if hasattr(p, "choose") and hasattr(p, "start"):
+        return p
+    if isinstance(p, int) or (isinstance(p, Sequence) and not isinstance(p, (str, bytes))):
+        return FixedPolicy(p)
+    raise TypeError("levels_or_policy must be an int level, a per-chunk list of levels, or a policy")
+
+
+def stream_load(
+    client,
+    key: str,
+    levels_or_policy,
+    decode_fn: DecodeFn | None = None,
+    *,
+    model_id: str | None = None,
+    weights_hash: str | None = None,
+    codec_tag: str | None = None,
+    before_chunk: Callable[[int], None] | None = None,
+    on_decoded: Callable[[int, Any], None] | None = None,
+    keep_decoded: bool = True,
+    queue_depth: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> LoadResult:
+    """Load one stored context through `client` (a streaming.store.StoreClient).
+
+    Args:
+        key: context key (streaming.store.context_key).
+        levels_or_policy: an int level, a per-chunk list of levels (None = text), or a policy
+            object (streaming.adapt.AdaptivePolicy / FixedPolicy).
+        decode_fn: bytes -> decoded chunk (default codec.decode_kv, CPU, returning (k, v)
+            [L, T, H, D] tensors). ValueError (incl. codec.CodecError) counts as corruption.
+        model_id, weights_hash, codec_tag: the expectation; a stored entry that differs is a
+            clean miss, never served.
+        before_chunk: hook(k) called by the receiver just before requesting chunk k (e.g.
+            streaming.traces.apply_trace to change the link's rate).
+        on_decoded: callback(k, decoded) in the calling thread as each chunk is decoded.
+        keep_decoded: keep decoded chunks in LoadResult.decoded (False to save memory).
+        queue_depth: chunks buffered between receiver and decoder (memory bound).
+    Returns LoadResult (seconds, bytes). Raises only for programming errors (bad
+    arguments, a decode_fn raising something other than ValueError, a hook failing).
+    """
+    policy = _as_policy(levels_or_policy)
+    if decode_fn is None:
+        decode_fn = default_decode_fn()
+    t0 = clock()
+    try:
+        manifest = client.get_manifest(key, model_id=model_id, weights_hash=weights_hash, codec_tag=codec_tag)
+    except (OSError, StreamingError) as e:
+        return LoadResult(False, key, reason=f"store unreachable: {e}", total_s=clock() - t0, error=str(e))
+    t_man = clock() - t0
+    if manifest is None:
+        return LoadResult(False, key, reason=client.last_miss_reason, total_s=t_man, manifest_s=t_man)
+    policy.start(manifest)
+    n = manifest.chunk_count
+    q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def fetch_verified(cl, k: int, lv: int) -> tuple[bytes | None, float, bool, bool, str]:
+        """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once on CRC failure."""
+        want_crc, want_len = manifest.crc32[lv][k], manifest.sizes[lv][k]
+        total_dt, refetched = 0.0, False
+        for attempt in range(2):
+            t = clock()
+            data = cl.get_chunk(key, lv, k)
+            total_dt += clock() - t
+            if data is None:
+                return None, total_dt, False, refetched, f"chunk missing: {cl.last_miss_reason}"
+            if len(data) == want_len and zlib.crc32(data) == want_crc:
+                return data, total_dt, True, refetched, ""
+            refetched = attempt == 0
+        return None, total_dt, False, True, "CRC mismatch after refetch"
+
+    def receiver() -> None:
+        reconnected = False
+        k = 0
+        try:
+            while k < n and not stop.is_set():
+                if before_chunk is not None:
+                    before_chunk(k)
+                start = clock() - t0
+                lv = policy.choose(k, start)
+                if lv is None:
+                    put(_Item(k, None, None, 0.0, True, False, start, start, "text chosen by policy"))
+                    k += 1
+                    continue
+                try:
+                    data, dt, ok, ref, note = fetch_verified(client, k, lv)
+                except (OSError, StreamingError) as e:
+                    err = e
+                    data = None
+                    if not reconnected:  # retry chunk k once on a fresh connection
+                        reconnected = True
+                        try:
+                            client.reconnect()
+                            data, dt, ok, ref, note = fetch_verified(client, k, lv)
+                            err = None
+                        except (OSError, StreamingError) as e2:
+                            err = e2
+                    if err is not None:
+                        for j in range(k, n):
+                            put(_Item(j, None, None, 0.0, False, False, start, clock() - t0,
+                                      f"connection lost: {err!r}"))
+                        return
+                if data is not None:
+                    policy.observe_transfer(k, lv, len(data), dt)
+                put(_Item(k, lv, data, dt, ok, ref, start, clock() - t0, note))
+                k += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            put(_Item(k, None, None, 0.0, False, False, 0.0, 0.0, "receiver failed", exc=e))
+        finally:
+            put(_DONE)
+
+    rx = threading.Thread(target=receiver, name="cgh-stream-rx", daemon=True)
+    rx.start()
+    res = LoadResult(True, key, manifest=manifest, manifest_s=t_man)
+    res.decoded = [None] * n
+    side = None  # second connection for refetches after a decode failure
+    try:
+        while True:
+            it = q.get()
+            if it is _DONE:
+                break
+            if it.exc is not None:
+                raise it.exc
+            a, b = manifest.token_ranges[it.index]
+            st = ChunkStat(it.index, it.level, True, 0, it.transfer_s, 0.0, it.crc_ok, it.refetched,
+                           a, b, it.fetch_start_s, it.fetch_end_s, 0.0, it.note)
+            if it.note.startswith("connection lost") and res.error is None:
+                res.error = it.note
+            if it.data is not None:
+                st.bytes = len(it.data)
+                td = clock()
+                try:
+                    out = decode_fn(it.data)
+                    ok = True
+                except ValueError as e:
+                    ok, st.note = False, f"decode failed: {e}"
+                if not ok:  # refetch once over a side connection, then text
+                    st.refetched = True
+                    try:
+                        side = side or client.clone()
+                        data2, dt2, crc2, _, note2 = fetch_verified(side, it.index, it.level)
+                        st.transfer_s += dt2
+                        if data2 is not None:
+                            out = decode_fn(data2)
+                            ok, st.note = True, "decode failed once, refetch decoded"
+                    except ValueError as e:
+                        st.note = f"decode failed after refetch: {e}"
+                    except (OSError, StreamingError) as e:
+                        st.note = f"refetch failed: {e!r}"
+                st.decode_s = clock() - td
+                if ok:
+                    st.text_fallback = False
+                    policy.observe_decode(it.index, st.decode_s)
+                    if keep_decoded:
+                        res.decoded[it.index] = out
+                    if on_decoded is not None:
+                        on_decoded(it.index, out)
+                else:
+                    st.level = None
+            else:
+                st.level = None
+            st.decode_end_s = clock() - t0
+            res.chunks.append(st)
+    finally:
+        stop.set()
+        rx.join(timeout=5)
+        if side is not None:
+            side.close()
+    res.total_s = clock() - t0
+    res.transfer_s = sum(c.transfer_s for c in res.chunks)
+    res.decode_s = sum(c.decode_s for c in res.chunks)
+    res.decisions = list(getattr(policy, "decisions", []))
+    return res

@@ -1,0 +1,598 @@
+"""A real rate-limited TCP link between the KV store server and the streaming client.
+
+Paper: CacheGen section 5 streams KV chunks over a bandwidth-limited network; peers simulate
+it with sleep(bytes*8/rate). Here the bytes cross a real TCP connection that is shaped:
+
+* method "netns-tbf" (root + iproute2): the server runs in its own network namespace
+  `cgh-<pid>-<rand>-srv`, joined to the root namespace by a veth pair `cg<pid>-<rnd>h` (root
+  side) / `cg<pid>-<rnd>s` (server side) with a private /30 (10.x.y.z, chosen not to collide
+  with any address or route on the host). A `tc qdisc tbf` on the server-side veth shapes
+  server->client (the KV bytes), one on the root-side veth shapes client->server. The
+  client (the engine process) stays in the root namespace and connects to the server
+  namespace's address, so no engine process needs to enter a namespace.
+* method "userspace-tokenbucket" (no privileges): the server listens on 127.0.0.1 and a
+  loopback TCP proxy thread forwards its bytes to the client through a token bucket at the
+  rate (real TCP on both sides; the bucket paces in quanta of 0.5 ms at the rate, 16-128 KiB).
+
+No latency is added: `netem` is not available in this kernel (see docs/streaming.md).
+Teardown on exit, on error, on SIGINT/SIGTERM/SIGHUP and at interpreter exit; a namespace
+or veth left by a crashed run (owner pid dead) is removed by the next one (cleanup_stale).
+
+Run: `python -m streaming.link --rate-mbps 100` sets up a link, prints it, tears it down;
+`python -m streaming.link --cleanup` removes stale namespaces/veths of dead runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import fcntl
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+from streaming.errors import LinkError
+
+METHOD_NETNS = "netns-tbf"
+METHOD_USERSPACE = "userspace-tokenbucket"
+_METHOD_ALIASES = {
+    "netns": METHOD_NETNS,
+    METHOD_NETNS: METHOD_NETNS,
+    "userspace": METHOD_USERSPACE,
+    METHOD_USERSPACE: METHOD_USERSPACE,
+}
+NS_PREFIX = "cgh-"
+_NS_RE = re.compile(r"^cgh-(\d+)-([0-9a-f]+)-srv$")
+_VETH_RE = re.compile(r"^cg(\d+)-([0-9a-f]{3})[hs]$")
+_LOCK_PATH = "/tmp/cgh-link.lock"
+PACING_QUANTUM = 16 * 1024  # userspace shaper releases bytes in quanta of at least 16 KiB
+MAX_PACING_QUANTUM = 128 * 1024  # ... and at most 128 KiB (1 ms at 1 Gbit/s)
+
+
+def pacing_quantum(rate_bytes_s: float) -> int:
+    """Bytes released per token-bucket step: 0.5 ms at the rate, clamped to [16, 128] KiB
+    (fewer Python steps at high rates keep the userspace shaper off the CPU limit)."""
+    return int(min(MAX_PACING_QUANTUM, max(PACING_QUANTUM, rate_bytes_s * 0.0005)))
+TBF_LATENCY_MS = 50  # tbf queue depth in time: deep enough for TCP at the rate, bounded
+
+
+def default_burst_bytes(rate_mbps: float) -> int:
+    """tbf/token-bucket burst: 2 ms worth of bytes at the rate, at least 32 KiB.
+
+    32 KiB is above a 64 KiB-GSO split into MTU packets' needs for tbf to keep the rate;
+    2 ms keeps the shaper precise at 1 Gbit/s without relying on a fine timer.
+    """
+    return max(32 * 1024, int(rate_mbps * 1e6 / 8 * 0.002))
+
+
+def userspace_burst_bytes(rate_mbps: float) -> int:
+    """Token-bucket burst for the userspace shaper: 10 ms at the rate, at least 64 KiB.
+
+    Larger than tbf's because a Python thread wakes late on a busy machine: tokens that
+    accrue while it oversleeps must not overflow the bucket, or the link runs below rate.
+    """
+    return max(64 * 1024, int(rate_mbps * 1e6 / 8 * 0.010))
+
+
+def _check_rate(rate_mbps: float) -> float:
+    r = float(rate_mbps)
+    if not (r > 0 and r < 1e6):
+        raise ValueError(f"rate must be in (0, 1e6) Mbit/s, got {rate_mbps}")
+    return r
+
+
+# --------------------------------------------------------------------------- shell helpers
+def _run(argv: list[str], check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LinkError(f"{' '.join(argv)}: {e}") from None
+    if check and cp.returncode != 0:
+        raise LinkError(f"{' '.join(argv)} failed ({cp.returncode}): {cp.stderr.strip()}")
+    return cp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def netns_available() -> tuple[bool, str]:
+    """(True, "") if the netns method can be used here, else (False, reason)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False, "not running as root (netns + tc need CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"iproute2 tool {tool!r} not found"
+    return True, ""
+
+
+def _kill_ns_pids(ns: str) -> None:
+    cp = _run(["ip", "netns", "pids", ns], check=False)
+    pids = [int(p) for p in cp.stdout.split() if p.isdigit()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = [p for p in pids if _pid_alive(p)]
+        if not live:
+            return
+        for p in live:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(_pid_alive(p) for p in live):
+            time.sleep(0.05)
+
+
+def cleanup_stale(verbose: bool = False) -> list[str]:
+    """Remove namespaces and veths with our prefix whose owner pid is dead.
+
+    Returns the names removed. Safe to call any time (does nothing without root/iproute2).
+    Limitation: an owner pid reused by an unrelated process keeps its leftovers alive
+    until that process exits.
+    """
+    ok, _ = netns_available()
+    if not ok:
+        return []
+    removed = []
+    cp = _run(["ip", "netns", "list"], check=False)
+    for line in cp.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _NS_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
+            _kill_ns_pids(name)
+            _run(["ip", "netns", "del", name], check=False)
+            removed.append(name)
+    cp = _run(["ip", "-o", "link", "show"], check=False)
+    for line in cp.stdout.splitlines():
+        parts = line.split(":")
+        if len(parts) < 2:
+            continue
+        name = parts[1].strip().split("@")[0]
+        m = _VETH_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
+            _run(["ip", "link", "del", name], check=False)
+            removed.append(name)
+    if verbose and removed:
+        print(f"streaming.link: removed stale {removed}", file=sys.stderr)
+    return removed
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    nets = []
+    cp = _run(["ip", "-o", "-4", "addr", "show"], check=False)
+    for m in re.finditer(r"inet (\d+\.\d+\.\d+\.\d+/\d+)", cp.stdout):
+        nets.append(ipaddress.ip_interface(m.group(1)).network)
+    cp = _run(["ip", "-4", "route", "show", "table", "all"], check=False)
+    for line in cp.stdout.splitlines():
+        tok = line.split()
+        for t in tok[:2]:
+            try:
+                if "/" in t:
+                    nets.append(ipaddress.ip_network(t, strict=False))
+                    break
+            except ValueError:
+                continue
+    return nets
+
+
+def _pick_subnet(rng: secrets.SystemRandom) -> ipaddress.IPv4Network:
+    used = _used_networks()
+    for _ in range(200):
+        net = ipaddress.ip_network(
+            f"10.{rng.randint(200, 254)}.{rng.randint(0, 255)}.{rng.randint(0, 63) * 4}/30"
+        )
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise LinkError("could not find a free 10.x.y.z/30 for the veth pair")
+
+
+# --------------------------------------------------------------------------- userspace shaper
+class TokenBucket:
+    """Thread-safe token bucket: `rate` bytes/s refill, `burst` bytes capacity.
+
+    consume(n) blocks until n tokens are available (n <= burst; callers pass <= 16 KiB).
+    """
+
+    def __init__(self, rate_bytes_s: float, burst: int):
+        self._lock = threading.Lock()
+        self.rate = float(rate_bytes_s)
+        self.burst = int(burst)
+        self._tokens = float(burst)
+        self._t = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+        self._t = now
+
+    def set_rate(self, rate_bytes_s: float, burst: int | None = None) -> None:
+        with self._lock:
+            self._refill()
+            self.rate = float(rate_bytes_s)
+            if burst is not None:
+                self.burst = int(burst)
+                self._tokens = min(self._tokens, self.burst)
+
+    def consume(self, n: int, stop: threading.Event | None = None) -> None:
+        n = min(int(n), self.burst)
+        while True:
+            with self._lock:
+                self._refill()
+                if self._tokens >= n:
+                    self._tokens -= n
+                    return
+                wait = (n - self._tokens) / self.rate
+            if stop is not None and stop.is_set():
+                return
+            # This sleep is the shaper's pacing: it waits for the bucket to hold enough
+            # tokens for the next quantum. The bytes themselves cross a real TCP connection;
+            # this is not a stand-in for a network.
+            time.sleep(min(max(wait, 0.0), 0.05))
+
+
+class _ShapingProxy:
+    """Loopback TCP proxy: client <-> 127.0.0.1:listen_port <-> upstream server.
+
+    Server->client bytes pass the `down` bucket, client->server bytes the `up` bucket; all
+    connections share the buckets, as they would share a real link.
+    """
+
+    def __init__(self, upstream: tuple[str, int], down: TokenBucket, up: TokenBucket):
+        self.upstream = upstream
+        self.down, self.up = down, up
+        self._stop = threading.Event()
+        self._lsock = socket.create_server(("127.0.0.1", 0))
+        self._lsock.settimeout(0.2)
+        self.port = self._lsock.getsockname()[1]
+        self._socks: set[socket.socket] = set()
+        self._slock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="cgh-proxy", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c, _ = self._lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                s = socket.create_connection(self.upstream, timeout=5)
+                s.settimeout(None)
+            except OSError:
+                c.close()
+                continue
+            for sk in (c, s):
+                sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._slock:
+                self._socks.update((c, s))
+            threading.Thread(target=self._pump, args=(s, c, self.down), daemon=True).start()
+            threading.Thread(target=self._pump, args=(c, s, self.up), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, bucket: TokenBucket) -> None:
+        buf = bytearray(MAX_PACING_QUANTUM)
+        view = memoryview(buf)
+        try:
+            while not self._stop.is_set():
+                n = src.recv_into(view, pacing_quantum(bucket.rate))
+                if n == 0:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                bucket.consume(n, self._stop)
+                dst.sendall(view[:n])
+        except OSError:
+            for sk in (src, dst):
+                try:
+                    sk.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        finally:
+            # the other direction's pump closes its pair when it ends too
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._lsock.close()
+        except OSError:
+            pass
+        with self._slock:
+            for sk in self._socks:
+                try:
+                    sk.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sk.close()
+            self._socks.clear()
+        self._thread.join(timeout=2)
+
+
+# --------------------------------------------------------------------------- teardown registry
+_LIVE: "weakref.WeakSet[ShapedLink]" = weakref.WeakSet()
+_HANDLERS_INSTALLED = False
+_PREV_HANDLERS: dict[int, object] = {}
+
+
+def _close_all() -> None:
+    for link in list(_LIVE):
+        try:
+            link.close()
+        except Exception as e:  # noqa: BLE001 - teardown must go on
+            print(f"streaming.link: teardown error: {e}", file=sys.stderr)
+
+
+def _on_signal(signum, frame):
+    _close_all()
+    prev = _PREV_HANDLERS.get(signum)
+    if callable(prev):
+        return prev(signum, frame)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_handlers() -> None:
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED:
+        return
+    atexit.register(_close_all)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            try:
+                _PREV_HANDLERS[sig] = signal.getsignal(sig)
+                signal.signal(sig, _on_signal)
+            except (ValueError, OSError):
+                pass
+    _HANDLERS_INSTALLED = True
+
+
+# --------------------------------------------------------------------------- the link
+class ShapedLink:
+    """A shaped TCP path from a server to this process, as a context manager.
+
+    Args:
+        rate_mbps: shaping rate in Mbit/s (10^6 bit/s), both directions.
+        method: "auto" (netns-tbf when root with iproute2, else userspace-tokenbucket),
+            "netns"/"netns-tbf" or "userspace"/"userspace-tokenbucket".
+        burst_bytes: shaper burst in bytes (default: default_burst_bytes(rate) for tbf,
+            userspace_burst_bytes(rate) for the token bucket).
+
+    Attributes after __enter__: `method` (recorded in results), `bind_host` (address the
+    server must listen on), `server_ns` (namespace name or None), `rate_mbps`.
+    Use `expose(port)` to get the (host, port) a client connects to, `run_in_server_ns(argv)`
+    to start the server, `set_rate(mbps)` to change the rate during a transfer.
+
+    Raises LinkError if the requested method cannot be set up (auto falls back to
+    userspace with a warning on stderr; the reason is kept in `fallback_reason`).
+    """
+
+    def __init__(self, rate_mbps: float, method: str = "auto", burst_bytes: int | None = None):
+        self.rate_mbps = _check_rate(rate_mbps)
+        if method != "auto" and method not in _METHOD_ALIASES:
+            raise ValueError(f"unknown link method {method!r}: use auto, netns or userspace")
+        self.requested_method = method
+        self._fixed_burst = burst_bytes
+        self.burst_bytes = burst_bytes or default_burst_bytes(self.rate_mbps)
+        self.method: str | None = None
+        self.fallback_reason = ""
+        self.server_ns: str | None = None
+        self.veth_host: str | None = None
+        self.veth_srv: str | None = None
+        self.host_ip: str | None = None
+        self.server_ip: str | None = None
+        self.bind_host = "127.0.0.1"
+        self._procs: list[subprocess.Popen] = []
+        self._proxies: dict[int, _ShapingProxy] = {}
+        self._down: TokenBucket | None = None
+        self._up: TokenBucket | None = None
+        self._closed = False
+        self._open = False
+        self._lock = threading.Lock()
+        self._owner_pid = os.getpid()  # a forked child must never tear down its parent's link
+
+    # -- lifecycle
+    def __enter__(self) -> "ShapedLink":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> "ShapedLink":
+        if self._open:
+            return self
+        want = self.requested_method
+        if want == "auto":
+            ok, reason = netns_available()
+            want = METHOD_NETNS if ok else METHOD_USERSPACE
+            if not ok:
+                self.fallback_reason = reason
+        else:
+            want = _METHOD_ALIASES[want]
+        if want == METHOD_NETNS:
+            ok, reason = netns_available()
+            if not ok:
+                raise LinkError(f"netns link unavailable: {reason}")
+            try:
+                self._open_netns()
+            except LinkError as e:
+                self._teardown_netns()
+                if self.requested_method != "auto":
+                    raise
+                self.fallback_reason = str(e)
+                print(f"streaming.link: netns setup failed ({e}); using userspace shaper", file=sys.stderr)
+                want = METHOD_USERSPACE
+        if want == METHOD_USERSPACE:
+            self._open_userspace()
+        self.method = want
+        self._open = True
+        return self
+
+    def _open_userspace(self) -> None:
+        rate_b = self.rate_mbps * 1e6 / 8
+        self.burst_bytes = self._fixed_burst or userspace_burst_bytes(self.rate_mbps)
+        self._down = TokenBucket(rate_b, self.burst_bytes)
+        self._up = TokenBucket(rate_b, self.burst_bytes)
+        self.bind_host = "127.0.0.1"
+        _install_handlers()
+        _LIVE.add(self)
+
+    def _open_netns(self) -> None:
+        _install_handlers()
+        rng = secrets.SystemRandom()
+        pid = os.getpid()
+        with open(_LOCK_PATH, "a+") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)
+            try:
+                cleanup_stale()
+                tag = secrets.token_hex(2)[:3]
+                self.server_ns = f"{NS_PREFIX}{pid}-{secrets.token_hex(3)}-srv"
+                self.veth_host, self.veth_srv = f"cg{pid}-{tag}h", f"cg{pid}-{tag}s"
+                _LIVE.add(self)  # from here on, teardown removes whatever was created
+                net = _pick_subnet(rng)
+                hosts = list(net.hosts())
+                self.host_ip, self.server_ip = str(hosts[0]), str(hosts[1])
+                ns = self.server_ns
+                _run(["ip", "netns", "add", ns])
+                _run(["ip", "link", "add", self.veth_host, "type", "veth", "peer", "name", self.veth_srv, "netns", ns])
+                _run(["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.veth_host])
+                _run(["ip", "link", "set", self.veth_host, "up"])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.server_ip}/30", "dev", self.veth_srv])
+                _run(["ip", "-n", ns, "link", "set", self.veth_srv, "up"])
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            finally:
+                fcntl.flock(lockf, fcntl.LOCK_UN)
+        self._tc("add")
+        self.bind_host = self.server_ip
+
+    def _tbf_args(self) -> list[str]:
+        return ["tbf", "rate", f"{self.rate_mbps:.6g}mbit", "burst", str(self.burst_bytes), "latency", f"{TBF_LATENCY_MS}ms"]
+
+    def _tc(self, verb: str) -> None:
+        _run(["ip", "netns", "exec", self.server_ns, "tc", "qdisc", verb, "dev", self.veth_srv, "root", *self._tbf_args()])
+        _run(["tc", "qdisc", verb, "dev", self.veth_host, "root", *self._tbf_args()])
+
+    def _teardown_netns(self) -> None:
+        if self.server_ns:
+            _kill_ns_pids(self.server_ns)
+            _run(["ip", "netns", "del", self.server_ns], check=False)
+        if self.veth_host:
+            _run(["ip", "link", "del", self.veth_host], check=False)  # usually gone with the ns
+
+    def close(self) -> None:
+        """Stop processes started through the link, remove proxies, namespace and veth.
+        Idempotent; safe from signal handlers and atexit."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if os.getpid() != self._owner_pid:
+            return
+        for p in self._procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self._procs:
+            try:
+                p.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=3)
+        for px in self._proxies.values():
+            px.close()
+        self._proxies.clear()
+        if self.method == METHOD_NETNS or self.server_ns:
+            self._teardown_netns()
+        _LIVE.discard(self)
+
+    # -- use
+    def _require_open(self) -> None:
+        if not self._open or self._closed:
+            raise LinkError("link is not open (use `with ShapedLink(...) as link:`)")
+
+    def run_in_server_ns(self, argv: list[str], **popen_kw) -> subprocess.Popen:
+        """Start a process on the server side of the link (inside the server namespace for
+        netns; a plain child for userspace). It is terminated when the link closes."""
+        self._require_open()
+        full = ["ip", "netns", "exec", self.server_ns, *argv] if self.method == METHOD_NETNS else list(argv)
+        p = subprocess.Popen(full, **popen_kw)
+        self._procs.append(p)
+        return p
+
+    def expose(self, port: int) -> tuple[str, int]:
+        """(host, port) through which this process reaches a server listening on
+        (bind_host, port) behind the shaped link."""
+        self._require_open()
+        if self.method == METHOD_NETNS:
+            return self.server_ip, int(port)
+        with self._lock:
+            px = self._proxies.get(int(port))
+            if px is None:
+                px = _ShapingProxy(("127.0.0.1", int(port)), self._down, self._up)
+                self._proxies[int(port)] = px
+        return "127.0.0.1", px.port
+
+    def set_rate(self, rate_mbps: float) -> None:
+        """Change the shaping rate (Mbit/s) now, e.g. during a transfer (tc qdisc change /
+        token-bucket rate). Burst follows default_burst_bytes unless fixed at construction."""
+        self._require_open()
+        r = _check_rate(rate_mbps)
+        self.rate_mbps = r
+        if self.method == METHOD_NETNS:
+            self.burst_bytes = self._fixed_burst or default_burst_bytes(r)
+            self._tc("change")
+        else:
+            self.burst_bytes = self._fixed_burst or userspace_burst_bytes(r)
+            for b in (self._down, self._up):
+                b.set_rate(r * 1e6 / 8, self.burst_bytes)
+
+    def describe(self) -> dict:
+        """JSON-able description recorded with every result."""
+        return {
+            "method": self.method,
+            "rate_mbps": self.rate_mbps,
+            "burst_bytes": self.burst_bytes,
+            "added_latency_ms": 0,
+            "server_ns": self.server_ns,
+            "server_ip": self.server_ip,
+            "fallback_reason": self.fallback_reason or None,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Set up / inspect / clean the shaped link.")
+    ap.add_argument("--rate-mbps", type=float, default=100.0)
+    ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
+    ap.add_argument("--cleanup", action="store_true", help="only remove stale namespaces/veths")
+    a = ap.parse_args(argv)
+    if a.cleanup:
+        print(json.dumps({"removed": cleanup_stale()}))
+        return 0
+    try:
+        with ShapedLink(a.rate_mbps, a.method) as link:
+            print(json.dumps(link.describe()))
+    except (LinkError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

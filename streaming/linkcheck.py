@@ -1,0 +1,158 @@
+"""Goodput of the shaped link: real TCP bytes through ShapedLink at each requested rate.
+
+Paper: CacheGen section 5 evaluates streaming at fixed bandwidths; this checks that our
+link delivers them (goal: measured goodput within 10% of the setting).
+
+Run: python -m streaming.linkcheck --bandwidth-mbps 100 500 1000 --json linkcheck.json
+Each JSON row: target_mbps, measured_mbps, method, bytes, seconds (median repeat),
+repeats_mbps, within_10pct, burst_bytes. Goodput = payload bytes * 8 / (time from sending the
+request to receiving the last byte), median over --repeats transfers of --seconds each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+_REQ = struct.Struct("<Q")
+_BLOCK = bytes(256 * 1024)
+
+
+def _serve_source(host: str) -> int:
+    """Tiny source server: each connection sends u64 N, gets N bytes back. Prints READY."""
+    srv = socket.create_server((host, 0))
+    print(f"READY {host}:{srv.getsockname()[1]}", flush=True)
+
+    def handle(c: socket.socket) -> None:
+        with c:
+            try:
+                while True:
+                    req = b""
+                    while len(req) < _REQ.size:
+                        d = c.recv(_REQ.size - len(req))
+                        if not d:
+                            return
+                        req += d
+                    (n,) = _REQ.unpack(req)
+                    mv = memoryview(_BLOCK)
+                    while n > 0:
+                        k = min(n, len(_BLOCK))
+                        c.sendall(mv[:k])
+                        n -= k
+            except OSError:
+                return
+
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+
+def start_source(link, timeout: float = 20.0):
+    """Start the source server behind `link` -> (Popen, (host, port) to connect to)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    p = link.run_in_server_ns(
+        [sys.executable, "-m", "streaming.linkcheck", "--serve-source", link.bind_host],
+        stdout=__import__("subprocess").PIPE, env=env, text=True,
+    )
+    line = _readline_timeout(p, timeout)
+    if not line.startswith("READY "):
+        raise RuntimeError(f"source server did not start: {line!r}")
+    port = int(line.split()[1].rsplit(":", 1)[1])
+    return p, link.expose(port)
+
+
+def _readline_timeout(p, timeout: float) -> str:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(p.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    if not out:
+        raise TimeoutError(f"no READY line within {timeout} s")
+    return out[0].strip()
+
+
+def measure_goodput(addr: tuple[str, int], nbytes: int) -> tuple[float, float]:
+    """Fetch nbytes over one TCP connection -> (seconds, Mbit/s)."""
+    with socket.create_connection(addr, timeout=30) as s:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        t0 = time.perf_counter()
+        s.sendall(_REQ.pack(nbytes))
+        got = 0
+        while got < nbytes:
+            r = s.recv_into(view, min(len(buf), nbytes - got))
+            if r == 0:
+                raise ConnectionError(f"source closed after {got} of {nbytes} bytes")
+            got += r
+        dt = time.perf_counter() - t0
+    return dt, nbytes * 8 / dt / 1e6
+
+
+def check_rate(rate_mbps: float, method: str = "auto", seconds: float = 3.0, repeats: int = 3) -> dict:
+    """Set up a link at rate_mbps, measure goodput `repeats` times -> one JSON row."""
+    from streaming.link import ShapedLink
+
+    nbytes = max(2 << 20, int(rate_mbps * 1e6 / 8 * seconds))
+    with ShapedLink(rate_mbps, method=method) as link:
+        proc, addr = start_source(link)
+        measure_goodput(addr, min(nbytes, 1 << 20))  # warm-up (TCP slow start, ARP), excluded
+        runs = [measure_goodput(addr, nbytes) for _ in range(repeats)]
+        desc = link.describe()
+    mbps = [r[1] for r in runs]
+    med = statistics.median(mbps)
+    return {
+        "target_mbps": rate_mbps,
+        "measured_mbps": round(med, 2),
+        "method": desc["method"],
+        "bytes": nbytes,
+        "seconds": round(statistics.median(r[0] for r in runs), 4),
+        "repeats_mbps": [round(x, 2) for x in mbps],
+        "within_10pct": abs(med - rate_mbps) <= 0.1 * rate_mbps,
+        "burst_bytes": desc["burst_bytes"],
+        "added_latency_ms": 0,
+        "fallback_reason": desc["fallback_reason"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bandwidth-mbps", type=float, nargs="+", default=[100.0, 500.0, 1000.0])
+    ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of one transfer at the target rate")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here (atomically)")
+    ap.add_argument("--serve-source", metavar="HOST", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve_source:
+        return _serve_source(a.serve_source)
+    from streaming.errors import LinkError
+
+    rows = []
+    try:
+        for r in a.bandwidth_mbps:
+            row = check_rate(r, a.method, a.seconds, a.repeats)
+            rows.append(row)
+            print(f"{row['target_mbps']:>8.1f} Mbit/s target  {row['measured_mbps']:>8.2f} measured  "
+                  f"method={row['method']}  runs={row['repeats_mbps']}  within10%={row['within_10pct']}", flush=True)
+    except (LinkError, ValueError, OSError, RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        tmp = a.json.with_suffix(a.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(rows, indent=2))
+        os.replace(tmp, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""Redis as the shared KV store backend: opaque bytes under string keys, pipelined reads.
+
+Paper: CacheGen section 5 (encoded KV chunks live in a remote store and are streamed to the
+engine on reuse; decoding chunk k overlaps the transfer of chunk k+1). Issue 8; see
+docs/redis.md. Chosen by URL through streaming.backends.open_backend("redis://HOST:PORT/DB")
+(`--store redis://...`). Benchmark (load through the shaped link: local-folder store vs
+Redis behind the store server vs Redis read directly):
+
+    python -m streaming.redis_backend --rate-mbps 100 1000 --repeats 3
+
+This module stores bytes only. Context keys, the per-context manifest (written last, with a
+CRC32 per chunk) and partial-miss logic live in streaming.store; this backend gives it:
+- `get / put / exists / delete / keys` of the StoreBackend protocol (`put` is one SET:
+  atomic, a reader sees the old value, the new one or nothing);
+- `put_if_absent` (SET NX, for manifests written by concurrent identical writers);
+- `put_many` (all values in one MULTI/EXEC transaction, e.g. chunks then manifest);
+- `get_many_iter(keys, depth)`: a prefetching iterator - a reader thread requests value
+  k+1 (and up to `depth` ahead) while the caller decodes value k.
+- `RedisStoreClient(url)`: the streaming.store.StoreClient interface straight over Redis
+  (stream_load works on it; put_context is one MULTI/EXEC);
+- `open_redis_backend(url, fallback_dir)`: the local store when Redis is down and asked.
+Every socket operation has a timeout; a broken connection is retried once without back-off,
+a timed-out one not at all, so a dead or hung Redis turns into a RedisUnavailableError
+within about `socket_timeout_s`, never a hang. Values are never unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import zlib
+from typing import Iterable, Iterator, NamedTuple, Sequence
+from urllib.parse import urlparse
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from streaming.backends import MAX_KEY_BYTES, LocalFolderBackend
+from streaming.errors import StoreError
+
+DEFAULT_SOCKET_TIMEOUT_S = 10.0  # per socket operation (one recv), not per value: a slow
+# link still delivers bytes well within it; a dead/frozen peer is detected in this time
+DEFAULT_CONNECT_TIMEOUT_S = 3.0
+DEFAULT_PREFETCH_DEPTH = 2  # values fetched ahead of the consumer (memory: depth+1 values)
+SOCKET_READ_SIZE = 1 << 20  # 1 MiB per recv (redis-py default 32 KiB: slow for MB chunks)
+_SCAN_COUNT = 1000
+
+
+class RedisUnavailableError(StoreError):
+    """Redis is not reachable (refused, reset, timed out) or died during a request."""
+
+
+class FetchedValue(NamedTuple):
+    """One value from RedisBackend.get_many_iter(..., with_timing=True).
+
+    key: the requested key; data: its bytes or None when absent (evicted / never stored);
+    fetch_s: seconds from sending GET to the last byte read (transfer over the link);
+    wait_s: seconds the consumer blocked waiting for it (0 when the prefetch was ahead).
+    """
+
+    key: str
+    data: bytes | None
+    fetch_s: float
+    wait_s: float
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError("store key must be a non-empty str")
+    if len(key.encode("utf-8")) > MAX_KEY_BYTES:
+        raise ValueError(f"store key exceeds {MAX_KEY_BYTES} bytes")
+    return key
+
+
+def _glob_escape(s: str) -> str:
+    """Escape Redis glob metacharacters (SCAN MATCH) so a prefix matches literally."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def parse_redis_url(url: str) -> tuple[str, int, int]:
+    """(host, port, db) of redis://HOST[:PORT][/DB]; raises ValueError with the expected form."""
+    p = urlparse(url)
+    if p.scheme not in ("redis", "rediss"):
+        raise ValueError(f"not a Redis URL: {url!r} (expected redis://HOST:PORT/DB)")
+    try:
+        port = p.port or 6379
+    except ValueError:
+        raise ValueError(f"bad port in Redis URL {url!r} (expected redis://HOST:PORT/DB)") from None
+    path = p.path.strip("/")
+    if path and not path.isdigit():
+        raise ValueError(f"bad database number {path!r} in Redis URL {url!r} (expected redis://HOST:PORT/DB)")
+    if not p.hostname:
+        raise ValueError(f"no host in Redis URL {url!r} (expected redis://HOST:PORT/DB)")
+    return p.hostname, port, int(path or 0)
+
+
+class RedisBackend:
+    """StoreBackend over a Redis server (redis-py client, connection pool, thread-safe).
+
+    Args:
+        url: redis://HOST:PORT/DB (rediss:// for TLS; unix:///path.sock?db=N).
+        key_prefix: prepended to every key in Redis (default "cg:"), so the harness's keys
+            are recognisable in a shared Redis; `keys()` returns keys without it.
+        socket_timeout_s: limit on each socket read/write, seconds (default 10).
+        connect_timeout_s: limit on connecting, seconds (default 3).
+        prefetch_depth: default depth of get_many_iter.
+        check: PING at construction (default True) so a down Redis fails here, clearly.
+
+    Raises:
+        ValueError: malformed URL.
+        RedisUnavailableError (a StoreError): Redis not reachable at construction, or a
+            request failed because the connection broke or timed out.
+        StoreError: Redis refused a write (e.g. out of memory under policy noeviction).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "cg:",
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+        check: bool = True,
+    ):
+        if not isinstance(url, str):
+            raise ValueError(f"Redis URL must be a str, got {type(url).__name__}")
+        if url.startswith("unix://"):
+            self.address = url
+        else:
+            host, port, db = parse_redis_url(url)
+            self.address = f"{host}:{port}/{db}"
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self.url = url
+        self.key_prefix = key_prefix
+        self.prefetch_depth = int(prefetch_depth)
+        self.socket_timeout_s = float(socket_timeout_s)
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=self.socket_timeout_s,
+            socket_connect_timeout=float(connect_timeout_s),
+            socket_read_size=SOCKET_READ_SIZE,
+            # one immediate reconnect on a broken connection (e.g. a pooled socket from
+            # before a server restart); a timeout is not retried: fail over instead
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            decode_responses=False,
+        )
+        if check:
+            self.ping()
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self.url!r})"
+
+    # ------------------------------------------------------------------ errors
+    def _unavailable(self, e: Exception, what: str) -> RedisUnavailableError:
+        return RedisUnavailableError(
+            f"Redis at {self.address} unavailable during {what}: {e} "
+            "(start one with `python -m streaming.redis_server`, or use a local store folder)"
+        )
+
+    def _call(self, what: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+            raise self._unavailable(e, what) from None
+        except redis.exceptions.ResponseError as e:
+            msg = str(e)
+            if isinstance(e, redis.exceptions.OutOfMemoryError) or msg.startswith("OOM"):
+                raise StoreError(
+                    f"Redis at {self.address} is full and refused the write ({msg}); "
+                    "raise maxmemory or use an evicting policy such as allkeys-lru"
+                ) from None
+            raise StoreError(f"Redis at {self.address} refused {what}: {msg}") from None
+        except redis.exceptions.RedisError as e:
+            raise StoreError(f"Redis at {self.address} failed {what}: {e}") from None
+
+    def _k(self, key: str) -> bytes:
+        return (self.key_prefix + _check_key(key)).encode("utf-8")
+
+    # ------------------------------------------------------------------ StoreBackend
+    def ping(self) -> None:
+        """Check the server answers; raises RedisUnavailableError."""
+        self._call("PING", self._client.ping)
+
+    def get(self, key: str) -> bytes | None:
+        """Stored bytes of key, or None if absent (never stored, deleted or evicted)."""
+        return self._call("GET", self._client.get, self._k(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store bytes under key (one SET: atomic; overwrites)."""
+        self._call("SET", self._client.set, self._k(key), bytes(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """SET NX: store only if key is absent. True if this call wrote it."""
+        return bool(self._call("SET NX", self._client.set, self._k(key), bytes(data), nx=True))
+
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """Store all (key, bytes) pairs in one MULTI/EXEC transaction, in order: other
+        clients see all of them or none (e.g. a context's chunks followed by its manifest)."""
+        pipe = self._client.pipeline(transaction=True)
+        for key, data in items:
+            pipe.set(self._k(key), bytes(data))
+        self._call("MULTI/EXEC", pipe.execute)
+
+    def exists(self, key: str) -> bool:
+        """True if key is stored (EXISTS)."""
+        return bool(self._call("EXISTS", self._client.exists, self._k(key)))
+
+    def delete(self, key: str) -> None:
+        """Remove key (no error if absent)."""
+        self._call("DEL", self._client.delete, self._k(key))
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """Yield stored keys starting with prefix (SCAN, non-blocking for the server;
+        order unspecified)."""
+        pat = _glob_escape(self.key_prefix + prefix) + "*"
+        n = len(self.key_prefix.encode("utf-8"))
+        cursor = 0
+        while True:
+            cursor, batch = self._call("SCAN", self._client.scan, cursor, match=pat, count=_SCAN_COUNT)
+            for k in batch:
+                yield k[n:].decode("utf-8")
+            if int(cursor) == 0:
+                break
+
+    # ------------------------------------------------------------------ reads in bulk
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """Values of keys in one round trip (MGET); None for absent keys."""
+        ks = [self._k(k) for k in keys]
+        if not ks:
+            return []
+        return self._call("MGET", self._client.mget, ks)
+
+    def get_many_iter(
+        self, keys: Iterable[str], depth: int | None = None, *, with_timing: bool = False
+    ) -> Iterator[tuple[str, bytes | None]] | Iterator[FetchedValue]:
+        """Yield (key, bytes or None) in the order of keys, prefetching ahead.
+
+        A reader thread sends GET for value k+1 as soon as value k has arrived and keeps up
+        to `depth` values (default self.prefetch_depth) ready, so the caller's decode of
+        value k overlaps the transfer of k+1 (CacheGen section 5.3, pipelined loading).
+        Memory held: at most depth + 1 values. With with_timing=True yields FetchedValue
+        (key, data, fetch_s, wait_s).
+
+        Raises RedisUnavailableError in the caller (at the value that failed) if Redis
+        dies or stops answering; values before it were yielded normally. Closing the
+        iterator early (break) stops the reader thread.
+        """
+        depth = self.prefetch_depth if depth is None else int(depth)
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        key_list = [_check_key(k) for k in keys]
+        if not key_list:
+            return
+        ready: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def reader() -> None:
+            for key in key_list:
+                if stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                try:
+                    item = (key, self.get(key), time.perf_counter() - t0)
+                except BaseException as e:  # passed to the consumer, raised there
+                    item = e
+                while not stop.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if isinstance(item, BaseException):
+                    return
+
+        th = threading.Thread(target=reader, name="redis-prefetch", daemon=True)
+        th.start()
+        try:
+            for _ in key_list:
+                t0 = time.perf_counter()
+                item = ready.get()
+                wait_s = time.perf_counter() - t0
+                if isinstance(item, BaseException):
+                    raise item
+                key, data, fetch_s = item
+                yield FetchedValue(key, data, fetch_s, wait_s) if with_timing else (key, data)
+        finally:
+            stop.set()  # the reader exits after its current GET (bounded by the socket timeout)
+            th.join(timeout=0.5)
+
+    # ------------------------------------------------------------------ admin
+    def info(self, section: str = "memory") -> dict:
+        """Redis INFO section as a dict (memory: used_memory, maxmemory; stats: evicted_keys)."""
+        return self._call("INFO", self._client.info, section)
+
+    def close(self) -> None:
+        """Close the client's connections (the server keeps running)."""
+        self._client.close()
+
+    def __enter__(self) -> "RedisBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- opening
+def open_redis_backend(url: str, fallback_dir: str | os.PathLike | None = None, **kw):
+    """RedisBackend(url, **kw); if Redis is unreachable and fallback_dir is given, a
+    LocalFolderBackend(fallback_dir) instead, with a one-line warning on stderr.
+
+    Meant for streaming.backends.open_backend(url, fallback_dir=...). Raises
+    RedisUnavailableError (a StoreError) when unreachable and no fallback_dir is given;
+    ValueError for a malformed URL (never falls back on a typo).
+    """
+    try:
+        return RedisBackend(url, **kw)
+    except RedisUnavailableError as e:
+        if fallback_dir is None:
+            raise
+        print(f"streaming.redis_backend: {e}; falling back to the local store {os.fspath(fallback_dir)}",
+              file=sys.stderr)
+        return LocalFolderBackend(fallback_dir)
+
+
+# --------------------------------------------------------------------------- direct client
+class RedisStoreClient:
+    """The streaming.store.StoreClient interface straight over Redis, for stream_load.
+
+    The engine process talks to Redis itself (through the shaped link when Redis runs in
+    the link's server namespace): no store server in between. Keys, manifest format and
+    checks are streaming.store's (KVStore); a miss sets `last_miss_reason`.
+
+    Writes: `put_context` sends every chunk and then the manifest in ONE MULTI/EXEC
+    transaction, so a reader sees the whole context or nothing, and concurrent writers of
+    the same context cannot interleave (each transaction replaces all keys at once; the
+    content keys make identical writers write identical bytes). Reads: the chunk CRC32 /
+    size are checked against the manifest by stream_load (a mismatch is refetched once,
+    then recomputed from text and reported in ChunkStat.note); a chunk evicted by
+    maxmemory is a clean partial miss (text fallback for its tokens).
+
+    Args: url (redis://HOST:PORT/DB) and RedisBackend keyword arguments. Raises
+    RedisUnavailableError if Redis is not reachable.
+    """
+
+    def __init__(self, url: str, **backend_kw):
+        from streaming.store import KVStore  # lazy: store imports backends, not this module
+
+        self.url = url
+        self._kw = backend_kw
+        self.backend = RedisBackend(url, **backend_kw)
+        self.store = KVStore(self.backend)
+        self.last_miss_reason = ""
+
+    def __repr__(self) -> str:
+        return f"RedisStoreClient({self.url!r})"
+
+    # connection management, as StoreClient
+    def clone(self) -> "RedisStoreClient":
+        return RedisStoreClient(self.url, **self._kw)
+
+    def connect(self) -> None:
+        self.backend.ping()
+
+    def reconnect(self) -> None:
+        """Drop pooled connections and check the server answers (RedisUnavailableError)."""
+        self.backend.close()
+        self.backend.ping()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "RedisStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def ping(self) -> bool:
+        self.backend.ping()
+        return True
+
+    # reads
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None):
+        """streaming.store.Manifest of a stored context, or None (clean miss; reason in
+        last_miss_reason: unknown key, evicted manifest, corrupt or foreign entry)."""
+        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag)
+        if m is None:
+            self.last_miss_reason = why
+        return m
+
+    def get_chunk(self, key: str, level: int, index: int) -> bytes | None:
+        """Bytes of chunk `index` at `level`, or None if absent (evicted or never stored)."""
+        data = self.store.get_chunk(key, level, index)
+        if data is None:
+            self.last_miss_reason = f"no chunk {int(index)} at level {int(level)} (evicted or never stored)"
+        return data
+
+    def iter_chunks(self, key: str, plan: Sequence[tuple[int, int]], depth: int | None = None):
+        """Prefetching reads of chunks [(level, index), ...] in order: yields FetchedValue
+        (key, data or None, fetch_s, wait_s); see RedisBackend.get_many_iter."""
+        from streaming.store import _chunk_key
+
+        return self.backend.get_many_iter([_chunk_key(key, lv, i) for lv, i in plan], depth, with_timing=True)
+
+    def list_contexts(self, limit: int = 10000) -> list[str]:
+        return self.store.list_contexts(limit)
+
+    def has(self, key: str) -> bool:
+        return self.store.get_manifest(key)[0] is not None
+
+    def delete_context(self, key: str) -> None:
+        self.store.delete_context(key)
+
+    # writes
+    def put_context(self, model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
+                    chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                    meta: dict | None = None) -> str:
+        """Store a context (same arguments as streaming.store.StoreClient.put_context):
+        chunks[level][i] = encoded bytes of chunk i at that level, token_ranges[i] =
+        (start, end) of chunk i in token_ids. One MULTI/EXEC: chunks, then the manifest.
+        Returns the context key. Raises (before anything is written) ValueError when a
+        level's chunk count differs from token_ranges, StoreError when the ranges do not
+        tile token_ids (as StoreClient does); StoreError / RedisUnavailableError when Redis
+        refuses or fails (then nothing of the context was written)."""
+        import json
+
+        from streaming.store import MANIFEST_FORMAT, Manifest, _chunk_key, _manifest_key, context_key
+
+        ids = [int(t) for t in token_ids]
+        key = context_key(model_id, weights_hash, codec_tag, ids)
+        levels = sorted(int(lv) for lv in chunks)
+        n = len(token_ranges)
+        for lv in levels:
+            if len(chunks[lv]) != n:
+                raise ValueError(f"level {lv} has {len(chunks[lv])} chunks, token_ranges has {n}")
+        data = {lv: [bytes(c) for c in chunks[lv]] for lv in levels}
+        man = {
+            "format": MANIFEST_FORMAT, "key": key, "model_id": model_id, "weights_hash": weights_hash,
+            "codec_tag": codec_tag, "levels": levels, "chunk_count": n,
+            "token_ranges": [[int(a), int(b)] for a, b in token_ranges],
+            "sizes": {str(lv): [len(c) for c in data[lv]] for lv in levels},
+            "crc32": {str(lv): [zlib.crc32(c) for c in data[lv]] for lv in levels},
+            "text": [ids[int(a):int(b)] for a, b in token_ranges],
+            "meta": dict(meta or {}),
+        }
+        Manifest.from_dict(man)  # bad ranges: StoreError here, before anything is written
+        items = [(_chunk_key(key, lv, i), c) for lv in levels for i, c in enumerate(data[lv])]
+        items.append((_manifest_key(key), json.dumps(man).encode("utf-8")))  # last
+        self.backend.put_many(items)
+        return key
+
+
+# --------------------------------------------------------------------------- benchmark
+def bench(rates_mbps: Sequence[float], chunks: int, chunk_mb: float, repeats: int, method: str,
+          rounds: int = 1) -> list[dict]:
+    """Load time of one stored context (stand-in chunks, real decode work) through a shaped
+    link, three ways side by side per rate: the TCP store server over a local folder (the
+    default), the store server over Redis, and the engine reading Redis directly
+    (RedisStoreClient). Redis and the store server run on the server side of the link.
+    Returns one row per (rate, setup): medians over `repeats` (warm-up excluded)."""
+    import statistics
+    import tempfile as _tf
+
+    from streaming import standin
+    from streaming.client import stream_load
+    from streaming.link import ShapedLink
+    from streaming.redis_server import RedisServer
+    from streaming.store import start_store_server
+
+    size = int(chunk_mb * 1e6)
+    ids = list(range(chunks * 1024))
+    ranges = [(i * 1024, (i + 1) * 1024) for i in range(chunks)]
+    data = {1: [standin.make_chunk(size + 17 * i, seed=i) for i in range(chunks)]}
+    rows = []
+    for rate in rates_mbps:
+        with ShapedLink(rate, method=method) as link, _tf.TemporaryDirectory(prefix="cg-bench-") as tmp, \
+                RedisServer(link=link) as srv:
+            setups = {}
+            local = start_store_server(tmp, link=link)
+            setups["store-server/local-folder"] = (local, local.client(timeout=60))
+            via = start_store_server(srv.direct_url, link=link)
+            setups["store-server/redis"] = (via, via.client(timeout=60))
+            setups["direct/redis"] = (None, RedisStoreClient(srv.url))
+            try:
+                for name, (handle, client) in setups.items():
+                    key = client.put_context("m", "w", "standin", ids, data, ranges)
+                    times = []
+                    for r in range(repeats + 1):
+                        res = stream_load(client, key, 1, standin.decoder(rounds), model_id="m",
+                                          weights_hash="w", codec_tag="standin")
+                        if not res.hit or res.recompute_tokens:
+                            raise StoreError(f"{name}: load incomplete: {res.reason or res.error}")
+                        if r:
+                            times.append(res.total_s)
+                    med = statistics.median(times)
+                    rows.append({"rate_mbps": rate, "link": link.method, "setup": name, "bytes": res.bytes,
+                                 "load_s_median": med, "load_s_min": min(times), "load_s_max": max(times),
+                                 "goodput_mbps": res.bytes * 8 / med / 1e6, "repeats": repeats})
+            finally:
+                for handle, client in setups.values():
+                    client.close()
+                    if handle is not None:
+                        handle.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(
+        prog="python -m streaming.redis_backend",
+        description="Benchmark: load a stored context through the shaped link from the local-folder "
+                    "store, the store server over Redis, and Redis directly (prints JSON lines).",
+    )
+    ap.add_argument("--rate-mbps", type=float, nargs="+", default=[100.0, 1000.0])
+    ap.add_argument("--chunks", type=int, default=4, help="chunks per context (default 4: ~4K tokens)")
+    ap.add_argument("--chunk-mb", type=float, default=3.7,
+                    help="bytes per chunk in MB (default 3.7: a 1024-token SmolLM2 chunk, ~6x under bf16)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-method", default="auto", choices=["auto", "netns", "userspace"])
+    a = ap.parse_args(argv)
+    if a.chunks < 1 or a.repeats < 1 or a.chunk_mb <= 0:
+        print("error: --chunks, --repeats and --chunk-mb must be positive", file=sys.stderr)
+        return 2
+    try:
+        for row in bench(a.rate_mbps, a.chunks, a.chunk_mb, a.repeats, a.link_method):
+            print(json.dumps(row), flush=True)
+    except (StoreError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

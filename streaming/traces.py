@@ -1,0 +1,94 @@
+"""Bandwidth traces for the adaptation experiments (CacheGen section 5 / 7.4).
+
+A trace is a list of Mbit/s values, one per context chunk. Sources:
+* constant(mbps, n) and step(values_mbps, chunks_per_step, n);
+* the CacheGen artifact's traces (/work/shared/data/cachegen-artifact/*.jsonl, one JSON
+  object {"bw": [Gbit/s per chunk]} per line), scaled by `scale` (default 1/10: the
+  artifact's 0.1-10 Gbit/s become 10-1000 Mbit/s for this machine's links - results must
+  say so; the scale is returned with the trace).
+apply_trace(link, trace) returns a hook for stream_load(before_chunk=...): it changes the
+shaper's rate just before chunk k is requested, i.e. during the transfer of the context.
+Not runnable by itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+ARTIFACT_DIR = Path("/work/shared/data/cachegen-artifact")
+DEFAULT_SCALE = 0.1  # artifact Gbit/s * 1000 * 0.1 -> Mbit/s on this machine
+MIN_MBPS = 1.0
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    mbps: tuple[float, ...]
+    source: str = "synthetic"
+    scale: float = 1.0  # factor applied to the source values (after Gbit/s -> Mbit/s)
+
+    def at(self, k: int) -> float:
+        """Rate for chunk k (the last value repeats past the end)."""
+        return self.mbps[min(k, len(self.mbps) - 1)]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": self.source, "scale": self.scale, "mbps": list(self.mbps)}
+
+
+def constant(mbps: float, n: int) -> Trace:
+    return Trace(f"constant-{mbps:g}", tuple([float(mbps)] * n))
+
+
+def step(values_mbps: Sequence[float], chunks_per_step: int, n: int | None = None) -> Trace:
+    """E.g. step([500, 50, 500], 3) -> 3 chunks at 500, 3 at 50, 3 at 500."""
+    if chunks_per_step < 1 or not values_mbps:
+        raise ValueError("step needs values and chunks_per_step >= 1")
+    out = [float(v) for v in values_mbps for _ in range(chunks_per_step)]
+    if n is not None:
+        out = (out + [out[-1]] * n)[:n]
+    return Trace("step-" + "-".join(f"{v:g}" for v in values_mbps), tuple(out))
+
+
+def load_artifact_traces(path: str | Path | None = None, scale: float = DEFAULT_SCALE) -> list[Trace]:
+    """Traces from an artifact jsonl (Gbit/s per chunk) -> Mbit/s * scale, floored at 1 Mbit/s.
+    Default: every *.jsonl in ARTIFACT_DIR. Raises ValueError on a malformed line."""
+    paths = [Path(path)] if path else sorted(ARTIFACT_DIR.glob("*.jsonl"))
+    if not paths:
+        raise ValueError(f"no trace files found ({path or ARTIFACT_DIR})")
+    traces = []
+    for p in paths:
+        for i, line in enumerate(p.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                bw = json.loads(line)["bw"]
+                vals = tuple(max(MIN_MBPS, float(g) * 1000.0 * scale) for g in bw)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{p}:{i + 1}: not a {{'bw': [...]}} trace line: {e}") from None
+            if not vals:
+                raise ValueError(f"{p}:{i + 1}: empty trace")
+            traces.append(Trace(f"{p.stem}-{i}", vals, str(p), scale))
+    return traces
+
+
+@dataclass
+class TraceHook:
+    """Callable hook(k): sets link rate to trace.at(k) before chunk k; records what it set."""
+
+    link: object
+    trace: Trace
+    applied: list[tuple[int, float]] = field(default_factory=list)
+
+    def __call__(self, k: int) -> None:
+        r = self.trace.at(k)
+        if not self.applied or self.applied[-1][1] != r:
+            self.link.set_rate(r)
+        self.applied.append((k, r))
+
+
+def apply_trace(link, trace: Trace) -> TraceHook:
+    """Hook for stream_load(before_chunk=...) that drives `link` (a ShapedLink) by `trace`."""
+    return TraceHook(link, trace)

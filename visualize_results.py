@@ -1,0 +1,787 @@
+"""Draw the benchmark figures from a results.json (and nothing else).
+
+Purpose: turn the records written by ``run_benchmarks.py`` (docs/results-schema.md) into
+the figures of CacheGen's evaluation (Liu et al., SIGCOMM 2024, section 7): TTFT vs link
+bandwidth (Fig. 7-style), KV size and compression ratio, the quality/size trade-off with
+its Pareto front (Fig. 8-style), the TTFT breakdown into transfer/decode/inject/prefill,
+the per-layer reconstruction error of the codec (section 5.2, layer-wise quantization) and
+the per-chunk adaptation timeline (section 5.3: bandwidth, level chosen, SLO).
+
+It reads only the results file: it imports no codec, streaming or model code. Figures
+whose data is missing are skipped and named; a file that is not a JSON object is an error
+(one line on stderr, exit status 2). Each figure is written as PNG and SVG, atomically.
+
+Run:
+    python visualize_results.py                                    # benchmarks/results.json -> benchmarks/
+    python visualize_results.py --results runs/r.json --out figs/ --formats png
+    python visualize_results.py --only ttft_vs_bandwidth kv_size
+
+Exit status: 0 when at least one figure was written, 1 when none could be drawn,
+2 for a missing, unreadable or malformed results file or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+KNOWN_SCHEMA_VERSION = 1
+DEFAULT_RESULTS = Path("benchmarks/results.json")
+DEFAULT_OUT = Path("benchmarks")
+
+# Canonical order of modes in legends and bar charts; unknown modes follow, sorted.
+MODE_ORDER = ["text", "raw", "fp8", "quant8", "kivi4", "kivi2", "cachegen", "cachegen-adaptive"]
+MODE_MARKERS = {"text": "s", "raw": "D", "fp8": "v", "quant8": "^", "kivi4": "<", "kivi2": ">",
+                "cachegen": "o", "cachegen-adaptive": "*"}
+# Direction of each quality field when results.json does not carry "higher_is_better".
+DEFAULT_HIGHER_IS_BETTER = {"accuracy": True, "f1": True, "rouge_l": True, "bleu": True,
+                            "greedy_match": True, "ppl_increase_pct": False, "kl": False}
+# TTFT components in stacking order: (summary column, legend name).
+BREAKDOWN_PARTS = [("lookup_s_median", "lookup"), ("transfer_s_median", "transfer"),
+                   ("decode_s_median", "decode"), ("inject_s_median", "inject"),
+                   ("prefill_s_median", "prefill")]
+NUMERIC_SUMMARY_COLUMNS = [
+    "level", "bandwidth_mbps", "n", "ttft_s_median", "ttft_s_p25", "ttft_s_p75", "lookup_s_median",
+    "transfer_s_median", "decode_s_median", "inject_s_median", "prefill_s_median", "bytes_median",
+    "ratio_vs_dtype", "accuracy", "f1", "rouge_l", "bleu", "greedy_match", "ppl_increase_pct", "kl",
+    "slo_violation_rate",
+]
+MB = 1e6  # figures use MB = 10^6 bytes
+
+
+class ResultsError(ValueError):
+    """The results file is missing, unreadable, not JSON or not a JSON object."""
+
+
+class SkipFigure(Exception):
+    """A figure cannot be drawn from this results file; the message says why."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_results(path: str | os.PathLike) -> dict:
+    """Read and parse a results.json.
+
+    Returns:
+        The top-level JSON object as a dict.
+
+    Raises:
+        ResultsError: the file is missing or unreadable, is not UTF-8 JSON, or its top
+            level is not an object. The message is one line naming the file.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: no such file (run run_benchmarks.py first, or pass --results)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path}: cannot read: {exc}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise ResultsError(f"{path}: not valid JSON (nested too deeply)") from None
+    if not isinstance(doc, dict):
+        raise ResultsError(f"{path}: top level is a JSON {type(doc).__name__}, expected an object "
+                           f"with 'schema_version', 'summaries', ... (docs/results-schema.md)")
+    return doc
+
+
+def schema_warnings(doc: dict) -> list[str]:
+    """Warnings about the schema version (missing or not the version this script knows)."""
+    version = doc.get("schema_version")
+    if version is None:
+        return [f"results file has no schema_version; assuming {KNOWN_SCHEMA_VERSION} and drawing what it can"]
+    if version != KNOWN_SCHEMA_VERSION:
+        return [f"results file has schema_version {version!r}, this script knows {KNOWN_SCHEMA_VERSION}; "
+                f"drawing the figures it can"]
+    return []
+
+
+def plot_label(mode: Any, level: Any) -> str:
+    """Label of a (mode, level) row: ``mode`` if level is null else ``f"{mode}-l{level}"``."""
+    if level is None or (isinstance(level, float) and math.isnan(level)):
+        return str(mode)
+    if isinstance(level, (float, np.floating)) and float(level).is_integer():
+        level = int(level)
+    return f"{mode}-l{level}"
+
+
+def _records(doc: dict, key: str, notes: list[str]) -> list[dict]:
+    value = doc.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        notes.append(f"'{key}' is a {type(value).__name__}, not a list; ignored")
+        return []
+    records = [r for r in value if isinstance(r, dict)]
+    if len(records) != len(value):
+        notes.append(f"'{key}': {len(value) - len(records)} entries are not objects; ignored")
+    return records
+
+
+def _coerce_numeric(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    for col in columns:
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
+    return df
+
+
+def _add_labels(df: pd.DataFrame) -> pd.DataFrame:
+    if "mode" not in df.columns:
+        return df
+    df = df[df["mode"].notna()].copy()
+    df["mode"] = df["mode"].astype(str)
+    if "level" not in df.columns:
+        df["level"] = np.nan
+    df["label"] = [plot_label(m, lv) for m, lv in zip(df["mode"], df["level"])]
+    return df
+
+
+def summaries_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (mode, level, bandwidth_mbps) medians computed from RUN records.
+
+    Used when a results file has runs but no summaries. Column names follow SUMMARY in
+    docs/results-schema.md. Returns an empty frame when runs lack ``mode``.
+    """
+    if runs.empty or "mode" not in runs.columns:
+        return pd.DataFrame()
+    runs = runs.copy()
+    keys = [k for k in ("mode", "level", "bandwidth_mbps") if k in runs.columns]
+    for k in keys[1:]:
+        runs[k] = pd.to_numeric(runs[k], errors="coerce")
+    groups = runs.groupby(keys, dropna=False, sort=False)
+    out = groups.size().rename("n").to_frame()
+
+    def num(col: str) -> pd.Series:
+        return pd.to_numeric(runs[col], errors="coerce").astype(float)
+
+    for col in ("ttft_s", "lookup_s", "transfer_s", "decode_s", "inject_s", "prefill_s", "bytes"):
+        if col in runs.columns:
+            out[f"{col}_median"] = num(col).groupby([runs[k] for k in keys], dropna=False).median()
+    if "ttft_s" in runs.columns:
+        by = num("ttft_s").groupby([runs[k] for k in keys], dropna=False)
+        out["ttft_s_p25"] = by.quantile(0.25)
+        out["ttft_s_p75"] = by.quantile(0.75)
+    if "ratio_vs_dtype" in runs.columns:
+        out["ratio_vs_dtype"] = num("ratio_vs_dtype").groupby([runs[k] for k in keys], dropna=False).median()
+    if "quality.correct" in runs.columns:
+        out["accuracy"] = num("quality.correct").groupby([runs[k] for k in keys], dropna=False).mean()
+    for q in ("f1", "rouge_l", "bleu", "greedy_match", "ppl_increase_pct", "kl"):
+        if f"quality.{q}" in runs.columns:
+            out[q] = num(f"quality.{q}").groupby([runs[k] for k in keys], dropna=False).median()
+    if "slo_violated" in runs.columns:
+        out["slo_violation_rate"] = num("slo_violated").groupby([runs[k] for k in keys], dropna=False).mean()
+    return out.reset_index()
+
+
+@dataclass
+class ResultsData:
+    """A results.json as tidy DataFrames, ready for the figure functions.
+
+    Attributes:
+        doc: the parsed JSON object.
+        summaries: one row per (mode, level, bandwidth_mbps), numeric columns as float,
+            plus ``label``; empty when the file has neither summaries nor runs.
+        runs: ``pandas.json_normalize(doc["runs"])`` (``quality.f1`` etc.), plus ``label``.
+        codec_layers: rows of ``codec_layers`` plus ``label``.
+        adaptation: rows of ``adaptation``.
+        notes: what was ignored or derived while reading (printed as warnings).
+    """
+
+    doc: dict
+    summaries: pd.DataFrame
+    runs: pd.DataFrame
+    codec_layers: pd.DataFrame
+    adaptation: pd.DataFrame
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def caption(self) -> str:
+        """One line naming the run: model, dtype, link method, date, commit, command."""
+        model = self.doc.get("model") if isinstance(self.doc.get("model"), dict) else {}
+        env = self.doc.get("environment") if isinstance(self.doc.get("environment"), dict) else {}
+        parts = [f"model: {model.get('model_id', '?')}"
+                 + (f" ({model['dtype']})" if model.get("dtype") else "")]
+        parts.append(f"link: {env.get('link_method', '?')}")
+        parts.append(f"date: {self.doc.get('created_utc', '?')}")
+        if self.doc.get("git_commit"):
+            parts.append(f"git {str(self.doc['git_commit'])[:10]}")
+        if env.get("gpu"):
+            parts.append(f"gpu: {env['gpu']}")
+        parts.append(f"schema v{self.doc.get('schema_version', '?')}")
+        return "  |  ".join(parts)
+
+    @property
+    def kv_dtype(self) -> str:
+        model = self.doc.get("model") if isinstance(self.doc.get("model"), dict) else {}
+        return str(model.get("dtype") or "model dtype")
+
+    def higher_is_better(self, metric: str) -> bool:
+        hib = self.doc.get("higher_is_better")
+        if isinstance(hib, dict) and isinstance(hib.get(metric), bool):
+            return hib[metric]
+        return DEFAULT_HIGHER_IS_BETTER.get(metric, True)
+
+
+def prepare(doc: dict) -> ResultsData:
+    """Turn a parsed results.json into :class:`ResultsData` (never raises on odd content)."""
+    notes: list[str] = []
+    runs = pd.json_normalize(_records(doc, "runs", notes)) if doc.get("runs") else pd.DataFrame()
+    if "level" in runs.columns:
+        runs = _coerce_numeric(runs, ["level"])
+    summaries = pd.DataFrame(_records(doc, "summaries", notes))
+    if summaries.empty and not runs.empty:
+        summaries = summaries_from_runs(runs)
+        if not summaries.empty:
+            notes.append("no 'summaries' in the file; medians computed from 'runs'")
+    summaries = _add_labels(_coerce_numeric(summaries, NUMERIC_SUMMARY_COLUMNS))
+    runs = _add_labels(runs)
+    layers = pd.DataFrame(_records(doc, "codec_layers", notes))
+    layers = _add_labels(_coerce_numeric(layers, ["level", "layer", "rel_l2"]))
+    adaptation = pd.DataFrame(_records(doc, "adaptation", notes))
+    adaptation = _coerce_numeric(adaptation, ["chunk", "bandwidth_mbps", "throughput_mbps_est", "level",
+                                              "elapsed_s", "slo_s", "bytes"])
+    return ResultsData(doc=doc, summaries=summaries, runs=runs, codec_layers=layers,
+                       adaptation=adaptation, notes=notes)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _require(df: pd.DataFrame, what: str, columns: Sequence[str]) -> None:
+    if df.empty:
+        raise SkipFigure(f"no '{what}' records")
+    missing = [c for c in columns if c not in df.columns or df[c].isna().all()]
+    if missing:
+        raise SkipFigure(f"'{what}' lack {', '.join(missing)}")
+
+
+def label_order(labels: Sequence[str], df: pd.DataFrame) -> list[str]:
+    """Labels sorted by MODE_ORDER, then level descending (higher level = more bits first)."""
+    pairs = df[["label", "mode", "level"]].drop_duplicates("label").set_index("label")
+
+    def key(lab: str) -> tuple:
+        mode = pairs.loc[lab, "mode"]
+        level = pairs.loc[lab, "level"]
+        rank = MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
+        return (rank, mode, -(level if pd.notna(level) else math.inf))
+
+    return sorted(set(labels), key=key)
+
+
+def _colors(labels: Sequence[str]) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if len(labels) <= 10 else "tab20"]
+    return {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+
+
+def _marker(df: pd.DataFrame, label: str) -> str:
+    mode = df.loc[df["label"] == label, "mode"].iloc[0]
+    return MODE_MARKERS.get(mode, "o")
+
+
+def _new_figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _caption(fig, data: ResultsData, note: str = "") -> None:
+    text = data.caption + (f"\n{note}" if note else "")
+    fig.text(0.0, 0.0, text, ha="left", va="top", fontsize=7, color="0.3", wrap=False)
+
+
+def _log_helps(values: Sequence[float]) -> bool:
+    vals = [v for v in values if v is not None and np.isfinite(v) and v > 0]
+    return len(vals) >= 2 and max(vals) / min(vals) >= 10
+
+
+def _plain_log_ticks(axis) -> None:
+    """Log axis with plain numbers (0.2, 0.5, 1, 2, 5, ...) instead of 2x10^-1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_minor_locator(NullLocator())
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+
+
+def _bandwidth_ticks(ax, bandwidths: Sequence[float]) -> None:
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    bws = sorted(set(float(b) for b in bandwidths))
+    ax.xaxis.set_major_locator(FixedLocator(bws))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{b:g}" for b in bws])
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def fig_ttft_vs_bandwidth(data: ResultsData):
+    """TTFT (median, p25-p75 bars) vs link bandwidth, one line per mode/level. Reads summaries."""
+    s = data.summaries
+    _require(s, "summaries", ["mode", "bandwidth_mbps", "ttft_s_median"])
+    s = s.dropna(subset=["bandwidth_mbps", "ttft_s_median"])
+    s = s[s["bandwidth_mbps"] > 0]
+    if s.empty:
+        raise SkipFigure("no summary row has both bandwidth_mbps > 0 and ttft_s_median")
+    labels = label_order(s["label"], s)
+    colors = _colors(labels)
+    fig = _new_figure(7.5, 4.8)
+    ax = fig.add_subplot()
+    for lab in labels:
+        rows = s[s["label"] == lab].sort_values("bandwidth_mbps")
+        x, y = rows["bandwidth_mbps"].to_numpy(), rows["ttft_s_median"].to_numpy()
+        yerr = None
+        if {"ttft_s_p25", "ttft_s_p75"} <= set(rows.columns):
+            lo = np.clip(y - rows["ttft_s_p25"].to_numpy(), 0, None)
+            hi = np.clip(rows["ttft_s_p75"].to_numpy() - y, 0, None)
+            yerr = np.nan_to_num(np.vstack([lo, hi]))
+        ax.errorbar(x, y, yerr=yerr, label=lab, color=colors[lab], marker=_marker(s, lab),
+                    linestyle="--" if lab == "text" else "-", capsize=3, linewidth=1.5, markersize=6)
+    ax.set_xscale("log")
+    _bandwidth_ticks(ax, s["bandwidth_mbps"])
+    if _log_helps(s["ttft_s_median"]):
+        ax.set_yscale("log")
+        _plain_log_ticks(ax.yaxis)
+    ax.set_xlabel("link bandwidth (Mbit/s, log scale)")
+    ax.set_ylabel("TTFT (s" + (", log scale)" if ax.get_yscale() == "log" else ")"))
+    ax.set_title("Time to first token vs link bandwidth")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(title="mode", fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    n = s["n"].dropna() if "n" in s.columns else pd.Series(dtype=float)
+    note = "points: median TTFT"
+    if not n.empty:
+        lo, hi = int(n.min()), int(n.max())
+        note += f" over {lo} requests" if lo == hi else f" over {lo}-{hi} requests"
+    _caption(fig, data, note + "; bars: p25-p75")
+    return fig
+
+
+def _per_label(s: pd.DataFrame, col: str) -> pd.DataFrame:
+    """Median of ``col`` per label over bandwidths, with the per-bandwidth values kept."""
+    rows = s.dropna(subset=[col])
+    agg = rows.groupby("label", sort=False)[col].agg(["median", "min", "max"])
+    return agg
+
+
+def fig_kv_size(data: ResultsData):
+    """KV bytes sent (MB, log) and compression ratio vs the model's dtype, per mode/level."""
+    s = data.summaries
+    if s.empty:
+        raise SkipFigure("no 'summaries' records")
+    has_bytes = "bytes_median" in s.columns and s["bytes_median"].notna().any()
+    has_ratio = "ratio_vs_dtype" in s.columns and s["ratio_vs_dtype"].notna().any()
+    if "mode" not in s.columns or not (has_bytes or has_ratio):
+        raise SkipFigure("'summaries' lack bytes_median and ratio_vs_dtype")
+    panels = [(c, t) for c, t, ok in [("bytes_median", "bytes", has_bytes), ("ratio_vs_dtype", "ratio", has_ratio)] if ok]
+    fig = _new_figure(5.0 * len(panels) + 1.0, 4.6)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    all_labels = label_order(s["label"], s)
+    colors = _colors(all_labels)
+    varying = []
+    for ax, (col, kind) in zip(axes, panels):
+        agg = _per_label(s, col)
+        labels = [lab for lab in all_labels if lab in agg.index]
+        vals = agg.loc[labels, "median"].to_numpy(dtype=float)
+        scale = MB if kind == "bytes" else 1.0
+        x = np.arange(len(labels))
+        bars = ax.bar(x, vals / scale, color=[colors[lab] for lab in labels])
+        for i, lab in enumerate(labels):  # whiskers where the value depends on bandwidth (adaptive)
+            lo, hi = agg.loc[lab, "min"], agg.loc[lab, "max"]
+            if hi > lo * 1.001:
+                ax.vlines(i, lo / scale, hi / scale, color="black", linewidth=1.2)
+                if lab not in varying:
+                    varying.append(lab)
+        fmt = "{:.3g}" if kind == "bytes" else "{:.2f}x"
+        ax.bar_label(bars, labels=[fmt.format(v / scale) for v in vals], fontsize=7, padding=2)
+        ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
+        if kind == "bytes":
+            if _log_helps(vals):
+                ax.set_yscale("log")
+                _plain_log_ticks(ax.yaxis)
+            ax.set_ylabel("KV bytes per context (MB = 10^6 B" + (", log)" if ax.get_yscale() == "log" else ")"))
+            ax.set_title("Size sent per context")
+        else:
+            ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
+            ax.set_ylabel(f"compression ratio vs {data.kv_dtype} KV (x)")
+            ax.set_title(f"Compression ratio vs {data.kv_dtype}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.12)
+    fig.suptitle("KV cache size and compression ratio per mode")
+    note = "bars: median over bandwidths and requests"
+    if varying:
+        note += f"; black whiskers: min-max over bandwidths ({', '.join(varying)})"
+    if "text" in s["label"].values:
+        note += "; text = prompt bytes (no KV sent)"
+    _caption(fig, data, note)
+    return fig
+
+
+QUALITY_PANELS = [("ppl_increase_pct", "perplexity increase vs lossless (%)"),
+                  ("accuracy", "task accuracy (share correct)"),
+                  ("rouge_l", "ROUGE-L F vs lossless generation")]
+
+
+def _pareto(points: list[tuple[float, float]], higher_is_better: bool) -> list[tuple[float, float]]:
+    """Non-dominated points (smaller size, better quality), sorted by size."""
+    front, best = [], -math.inf
+    for size, q in sorted(points, key=lambda p: (p[0], -p[1] if higher_is_better else p[1])):
+        score = q if higher_is_better else -q
+        if score > best:
+            front.append((size, q))
+            best = score
+    return front
+
+
+def fig_quality_vs_size(data: ResultsData):
+    """Quality (ppl increase, accuracy, ROUGE-L) vs KV size per mode/level, with the Pareto front."""
+    s = data.summaries
+    _require(s, "summaries", ["mode", "bytes_median"])
+    metrics = [(m, t) for m, t in QUALITY_PANELS if m in s.columns and s[m].notna().any()]
+    if not metrics:
+        raise SkipFigure("'summaries' lack ppl_increase_pct, accuracy and rouge_l")
+    kv = s[(s["mode"] != "text") & s["bytes_median"].notna() & (s["bytes_median"] > 0)]
+    if kv.empty:
+        raise SkipFigure("no KV mode (other than text) has bytes_median")
+    labels = label_order(kv["label"], kv)
+    colors = _colors(label_order(s["label"], s))
+    fig = _new_figure(4.4 * len(metrics) + 1.6, 4.4)
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    text_rows = s[s["mode"] == "text"]
+    handles = {}
+    for ax, (metric, ylabel) in zip(axes, metrics):
+        hib = data.higher_is_better(metric)
+        points = []
+        for lab in labels:
+            rows = kv[(kv["label"] == lab)].dropna(subset=[metric])
+            if rows.empty:
+                continue
+            # one point per label when size and quality do not depend on bandwidth, else one per bandwidth
+            if rows["bytes_median"].max() <= rows["bytes_median"].min() * 1.001 or "bandwidth_mbps" not in rows:
+                pts = [(rows["bytes_median"].median(), rows[metric].median(), None)]
+            else:
+                pts = [(r.bytes_median, getattr(r, metric), r.bandwidth_mbps) for r in rows.itertuples()]
+            for size, q, bw in pts:
+                h = ax.scatter(size / MB, q, color=colors[lab], marker=_marker(kv, lab), s=55,
+                               edgecolor="black", linewidth=0.5, zorder=3, label=lab)
+                handles.setdefault(lab, h)
+                if bw is not None and np.isfinite(bw):
+                    ax.annotate(f"{bw:g} Mbit/s", (size / MB, q), fontsize=6, xytext=(4, 3),
+                                textcoords="offset points")
+                points.append((size / MB, q))
+        front = _pareto(points, hib)
+        if len(front) >= 2:
+            fx, fy = zip(*front)
+            h = ax.step(fx, fy, where="post", color="0.4", linewidth=1, linestyle="-", zorder=2,
+                        label="Pareto front")[0]
+            handles.setdefault("Pareto front", h)
+        if not text_rows.empty and metric in text_rows and text_rows[metric].notna().any():
+            h = ax.axhline(text_rows[metric].median(), color="0.2", linestyle="--", linewidth=1,
+                           label="text (recompute)")
+            handles.setdefault("text (recompute)", h)
+        ax.set_xscale("log")
+        _plain_log_ticks(ax.xaxis)
+        ax.set_xlabel("KV bytes per context (MB, log scale)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{metric} ({'higher' if hib else 'lower'} is better)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle("Quality vs size trade-off per mode and level")
+    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8)
+    _caption(fig, data, "points: medians over requests; Pareto front: no other point is both smaller "
+                        "and better")
+    return fig
+
+
+def fig_ttft_breakdown(data: ResultsData):
+    """Stacked TTFT components per mode/level, one panel per bandwidth; black marks = measured TTFT."""
+    s = data.summaries
+    _require(s, "summaries", ["mode"])
+    parts = [(c, n) for c, n in BREAKDOWN_PARTS if c in s.columns and s[c].notna().any()]
+    if not parts:
+        raise SkipFigure("'summaries' lack transfer_s_median, decode_s_median, inject_s_median and prefill_s_median")
+    if "bandwidth_mbps" in s.columns and s["bandwidth_mbps"].notna().any():
+        bws = sorted(s["bandwidth_mbps"].dropna().unique())
+    else:
+        bws = [None]
+    fig = _new_figure(min(4.2 * len(bws), 16) + 1.2, 4.8)
+    axes = fig.subplots(1, len(bws), squeeze=False)[0]
+    from matplotlib import colormaps
+
+    part_colors = colormaps["Set2"]
+    for ax, bw in zip(axes, bws):
+        rows = s if bw is None else s[s["bandwidth_mbps"] == bw]
+        labels = label_order(rows["label"], rows)
+        rows = rows.drop_duplicates("label").set_index("label").loc[labels]
+        x = np.arange(len(labels))
+        bottom = np.zeros(len(labels))
+        for i, (col, name) in enumerate(parts):
+            vals = np.nan_to_num(rows[col].to_numpy(dtype=float))
+            ax.bar(x, vals, bottom=bottom, color=part_colors(i), label=name, width=0.7)
+            bottom += vals
+        if "ttft_s_median" in rows.columns:
+            ax.scatter(x, rows["ttft_s_median"], marker="_", s=300, color="black", linewidth=2,
+                       zorder=3, label="measured TTFT (median)")
+        ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
+        ax.set_ylabel("time (s)")
+        ax.set_title("all rows" if bw is None else f"{bw:g} Mbit/s", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right center", fontsize=8)
+    fig.suptitle("TTFT breakdown per mode (medians)")
+    _caption(fig, data, "stacked: median of each component; when decoding overlaps transfer (pipelined), "
+                        "the stack can exceed the measured TTFT")
+    return fig
+
+
+def fig_reconstruction_error(data: ResultsData):
+    """Relative L2 error of the decoded KV per layer, keys and values, per mode/level. Reads codec_layers."""
+    c = data.codec_layers
+    _require(c, "codec_layers", ["mode", "layer", "rel_l2"])
+    c = c.dropna(subset=["layer", "rel_l2"])
+    kvs = sorted(c["kv"].dropna().astype(str).unique()) if "kv" in c.columns else []
+    panels = kvs if kvs else [None]
+    labels = label_order(c["label"], c)
+    colors = _colors(labels)
+    lossless = [lab for lab in labels if (c.loc[c["label"] == lab, "rel_l2"] == 0).all()]
+    drawn = c[~c["label"].isin(lossless)]
+    if drawn.empty:
+        raise SkipFigure("every codec in 'codec_layers' has zero error (nothing to plot)")
+    log = (drawn["rel_l2"] > 0).all() and _log_helps(drawn["rel_l2"])
+    fig = _new_figure(5.0 * len(panels) + 1.6, 4.4)
+    axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
+    names = {"k": "keys", "v": "values"}
+    for ax, kv in zip(axes, panels):
+        rows = drawn if kv is None else drawn[drawn["kv"].astype(str) == kv]
+        for lab in labels:
+            r = rows[rows["label"] == lab].sort_values("layer")
+            if r.empty:
+                continue
+            ax.plot(r["layer"], r["rel_l2"], label=lab, color=colors[lab], marker=_marker(c, lab),
+                    markersize=3, linewidth=1.3)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_title(names.get(kv, str(kv)) if kv is not None else "K and V", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("relative L2 error ||x' - x|| / ||x||" + (" (log)" if log else ""))
+    handles, lnames = axes[0].get_legend_handles_labels()
+    fig.legend(handles, lnames, loc="outside right center", fontsize=8)
+    fig.suptitle("Reconstruction error per layer")
+    note = "error of the decoded KV against the original, per layer"
+    if lossless:
+        note += f"; lossless (error 0, not drawn): {', '.join(lossless)}"
+    _caption(fig, data, note)
+    return fig
+
+
+def fig_adaptation_timeline(data: ResultsData):
+    """Per chunk: link bandwidth and estimate, level chosen (text fallback), elapsed time vs SLO."""
+    a = data.adaptation
+    _require(a, "adaptation", ["chunk"])
+    a = a.dropna(subset=["chunk"])
+    rows_avail = [(col, ok) for col, ok in [
+        ("bandwidth", any(c in a.columns and a[c].notna().any() for c in ("bandwidth_mbps", "throughput_mbps_est"))),
+        ("level", ("level" in a.columns and a["level"].notna().any()) or "text_fallback" in a.columns),
+        ("elapsed", "elapsed_s" in a.columns and a["elapsed_s"].notna().any()),
+    ] if ok]
+    if not rows_avail:
+        raise SkipFigure("'adaptation' records lack bandwidth_mbps, level and elapsed_s")
+    if "trace" not in a.columns:
+        a = a.assign(trace="trace")
+    a = a.assign(trace=a["trace"].fillna("trace").astype(str))
+    traces = list(dict.fromkeys(a["trace"]))[:4]
+    fig = _new_figure(4.8 * len(traces) + 1.8, 2.2 * len(rows_avail) + 1.2)
+    axes = fig.subplots(len(rows_avail), len(traces), squeeze=False, sharex="col")
+    for j, trace in enumerate(traces):
+        t = a[a["trace"] == trace]
+        ctx = None
+        if "context_id" in t.columns and t["context_id"].notna().any():
+            ctx = t["context_id"].dropna().iloc[0]
+            t = t[t["context_id"] == ctx]
+        t = t.sort_values("chunk")
+        x = t["chunk"].to_numpy()
+        for i, (kind, _) in enumerate(rows_avail):
+            ax = axes[i][j]
+            if kind == "bandwidth":
+                if "bandwidth_mbps" in t.columns:
+                    ax.step(x, t["bandwidth_mbps"], where="mid", color="tab:blue", label="link bandwidth")
+                if "throughput_mbps_est" in t.columns:
+                    ax.plot(x, t["throughput_mbps_est"], "o--", color="tab:orange", markersize=4,
+                            label="throughput estimate")
+                ax.set_ylabel("Mbit/s")
+                ax.set_ylim(bottom=0)
+                ax.set_title(f"trace: {trace}" + (f"  (context {ctx})" if ctx else ""), fontsize=10)
+            elif kind == "level":
+                level = t["level"] if "level" in t.columns else pd.Series(np.nan, index=t.index)
+                fallback = (t["text_fallback"].fillna(False).astype(bool) if "text_fallback" in t.columns
+                            else level.isna())
+                y = np.where(fallback, 0, level)
+                ax.step(x, y, where="mid", color="tab:green", alpha=0.5)
+                ax.scatter(x[~fallback.to_numpy()], y[~fallback.to_numpy()], color="tab:green", zorder=3,
+                           label="level sent")
+                if fallback.any():
+                    ax.scatter(x[fallback.to_numpy()], y[fallback.to_numpy()], color="tab:red", marker="x",
+                               s=50, zorder=3, label="text fallback")
+                top = int(np.nanmax(np.append(level.to_numpy(dtype=float), 1)))
+                ax.set_yticks(range(0, top + 1), ["text"] + [str(k) for k in range(1, top + 1)])
+                ax.set_ylim(-0.5, top + 0.5)
+                ax.set_ylabel("level chosen")
+            else:
+                ax.plot(x, t["elapsed_s"], "o-", color="tab:purple", markersize=4, label="elapsed (cumulative)")
+                if "slo_s" in t.columns and t["slo_s"].notna().any():
+                    ax.axhline(t["slo_s"].dropna().iloc[0], color="tab:red", linestyle="--", label="SLO")
+                ax.set_ylabel("time (s)")
+                ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+            if j == 0:
+                ax.legend(fontsize=7, loc="best")
+        axes[-1][j].set_xlabel("chunk index")
+    fig.suptitle("Adaptation timeline per chunk")
+    _caption(fig, data, "one context per trace; level 'text' = the chunk was sent as text and recomputed")
+    return fig
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    """A figure: its output file stem, the results.json fields it reads, and its drawer."""
+
+    name: str
+    reads: str
+    draw: Callable[[ResultsData], Any]
+
+
+FIGURES: dict[str, FigureSpec] = {spec.name: spec for spec in [
+    FigureSpec("ttft_vs_bandwidth", "summaries: mode, level, bandwidth_mbps, ttft_s_median, ttft_s_p25, ttft_s_p75, n",
+               fig_ttft_vs_bandwidth),
+    FigureSpec("kv_size", "summaries: mode, level, bytes_median, ratio_vs_dtype; model.dtype", fig_kv_size),
+    FigureSpec("quality_vs_size", "summaries: mode, level, bandwidth_mbps, bytes_median, ppl_increase_pct, "
+               "accuracy, rouge_l; higher_is_better (optional)", fig_quality_vs_size),
+    FigureSpec("ttft_breakdown", "summaries: mode, level, bandwidth_mbps, lookup_s_median, transfer_s_median, "
+               "decode_s_median, inject_s_median, prefill_s_median, ttft_s_median", fig_ttft_breakdown),
+    FigureSpec("reconstruction_error", "codec_layers: mode, level, layer, kv, rel_l2", fig_reconstruction_error),
+    FigureSpec("adaptation_timeline", "adaptation: trace, context_id, chunk, bandwidth_mbps, throughput_mbps_est, "
+               "level, text_fallback, elapsed_s, slo_s", fig_adaptation_timeline),
+]}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def save_figure(fig, path: Path, fmt: str, dpi: int = 150) -> None:
+    """Write ``fig`` to ``path`` atomically (temp file in the same folder, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".{fmt}", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.15,
+                        metadata={"Date": None} if fmt == "svg" else None)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_all(data: ResultsData, out_dir: Path, formats: Sequence[str], only: Sequence[str] | None = None,
+               dpi: int = 150) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Draw every figure (or those in ``only``) and write it in each format.
+
+    Returns:
+        (written paths, [(figure name, reason skipped)]).
+    """
+    written: list[Path] = []
+    skipped: list[tuple[str, str]] = []
+    for name, spec in FIGURES.items():
+        if only and name not in only:
+            continue
+        try:
+            fig = spec.draw(data)
+        except SkipFigure as exc:
+            skipped.append((name, str(exc)))
+            continue
+        except (KeyError, ValueError, TypeError, IndexError) as exc:  # odd values in an odd file
+            skipped.append((name, f"could not draw from this file ({type(exc).__name__}: {exc})"))
+            continue
+        for fmt in formats:
+            path = out_dir / f"{name}.{fmt}"
+            save_figure(fig, path, fmt, dpi=dpi)
+            written.append(path)
+    return written, skipped
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Draw the benchmark figures (PNG and SVG) from a results.json.",
+        epilog="examples:\n  python visualize_results.py\n"
+               "  python visualize_results.py --results runs/r.json --out figs/ --formats png\n"
+               "  python visualize_results.py --only ttft_vs_bandwidth kv_size\n"
+               f"figures: {', '.join(FIGURES)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
+                        help="results file written by run_benchmarks.py (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="folder for the figures, created if needed (default: %(default)s)")
+    parser.add_argument("--formats", nargs="+", default=["png", "svg"], choices=["png", "svg", "pdf"],
+                        help="image formats to write (default: png svg)")
+    parser.add_argument("--only", nargs="+", choices=list(FIGURES), metavar="FIGURE",
+                        help=f"draw only these figures ({', '.join(FIGURES)})")
+    parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0 ok, 1 nothing drawn, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; set here, not at import time
+    try:
+        doc = load_results(args.results)
+    except ResultsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"error: --out {args.out} exists and is not a folder", file=sys.stderr)
+        return 2
+    if args.dpi <= 0:
+        print(f"error: --dpi must be positive, got {args.dpi}", file=sys.stderr)
+        return 2
+    for msg in schema_warnings(doc):
+        print(f"warning: {msg}", file=sys.stderr)
+    data = prepare(doc)
+    for msg in data.notes:
+        print(f"warning: {msg}", file=sys.stderr)
+    try:
+        written, skipped = render_all(data, args.out, args.formats, args.only, args.dpi)
+    except OSError as exc:
+        print(f"error: cannot write figures to {args.out}: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    for name, reason in skipped:
+        print(f"skipped {name}: {reason}")
+    if not written:
+        print(f"error: no figure could be drawn from {args.results}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
