@@ -133,9 +133,26 @@ def _records(doc: dict, key: str, notes: list[str]) -> list[dict]:
 
 
 def _coerce_numeric(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """Numeric columns as float: non-numbers (strings, lists, bools) and +-inf become NaN."""
     for col in columns:
         if col in df.columns:
-            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
+            values = df[col].map(lambda v: v if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+            df[col] = pd.to_numeric(values, errors="coerce").astype(float).replace([np.inf, -np.inf], np.nan)
+    return df
+
+
+def _coerce_str(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """Name columns keep only string values; anything else becomes None."""
+    for col in columns:
+        if col in df.columns:
+            df[col] = df[col].map(lambda v: v if isinstance(v, str) else None).astype(object)
+    return df
+
+
+def _coerce_bool(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    for col in columns:
+        if col in df.columns:
+            df[col] = df[col].map(lambda v: v if isinstance(v, bool) else None).astype(object)
     return df
 
 
@@ -247,13 +264,14 @@ def prepare(doc: dict) -> ResultsData:
         summaries = summaries_from_runs(runs)
         if not summaries.empty:
             notes.append("no 'summaries' in the file; medians computed from 'runs'")
-    summaries = _add_labels(_coerce_numeric(summaries, NUMERIC_SUMMARY_COLUMNS))
-    runs = _add_labels(runs)
+    summaries = _add_labels(_coerce_str(_coerce_numeric(summaries, NUMERIC_SUMMARY_COLUMNS), ["mode"]))
+    runs = _add_labels(_coerce_str(runs, ["mode"]))
     layers = pd.DataFrame(_records(doc, "codec_layers", notes))
-    layers = _add_labels(_coerce_numeric(layers, ["level", "layer", "rel_l2"]))
+    layers = _add_labels(_coerce_str(_coerce_numeric(layers, ["level", "layer", "rel_l2"]), ["mode", "kv"]))
     adaptation = pd.DataFrame(_records(doc, "adaptation", notes))
     adaptation = _coerce_numeric(adaptation, ["chunk", "bandwidth_mbps", "throughput_mbps_est", "level",
                                               "elapsed_s", "slo_s", "bytes"])
+    adaptation = _coerce_bool(_coerce_str(adaptation, ["trace", "context_id"]), ["text_fallback"])
     return ResultsData(doc=doc, summaries=summaries, runs=runs, codec_layers=layers,
                        adaptation=adaptation, notes=notes)
 

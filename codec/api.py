@@ -193,7 +193,7 @@ def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
         dims[key] = v
     if dims["L"] * dims["T"] * dims["H"] * dims["D"] > MAX_ELEMENTS:
         raise CodecError("header declares a KV larger than the decoder's limit")
-    if header.get("dtype") not in DTYPES:
+    if not isinstance(header.get("dtype"), str) or header["dtype"] not in DTYPES:
         raise CodecError(f"header dtype {header.get('dtype')!r} not in {sorted(DTYPES)}")
     for key, lo in (("token_offset", 0), ("total_tokens", 1), ("chunk_index", 0),
                     ("num_chunks", 1)):
@@ -203,9 +203,12 @@ def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
     if header["token_offset"] + dims["T"] > header["total_tokens"] or \
             header["chunk_index"] >= header["num_chunks"]:
         raise CodecError("header token/chunk positions are inconsistent")
-    lvl = header.get("level")
-    if lvl is not None and (isinstance(lvl, bool) or not isinstance(lvl, int)):
-        raise CodecError(f"header level invalid: {lvl!r}")
+    if "level" not in header:
+        raise CodecError("header lacks the level field")
+    lvl = header["level"]
+    if lvl is not None and (isinstance(lvl, bool) or not isinstance(lvl, int)
+                            or not CODECS[name].uses_level):
+        raise CodecError(f"header level invalid for codec {name!r}: {lvl!r}")
     if not isinstance(header.get("codec_header"), dict):
         raise CodecError("header lacks the codec_header dict")
     if not isinstance(arrays, dict):
@@ -232,6 +235,11 @@ def decode_kv(data: bytes, device: Any = "cpu") -> tuple[torch.Tensor, torch.Ten
         raise CodecError(f"{c.name}: corrupt bitstream ({type(e).__name__}: {e})") from None
     if k.shape != shape or v.shape != shape:
         raise CodecError(f"{c.name}: decoded shape {tuple(k.shape)} != header {shape}")
+    if k.dtype != DTYPES[header["dtype"]] or v.dtype != k.dtype:
+        raise CodecError(f"{c.name}: decoded dtype {k.dtype} != header {header['dtype']}")
+    # encoders refuse NaN/inf, so a decoded NaN/inf can only come from corrupt bytes
+    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        raise CodecError(f"{c.name}: decoded KV contains NaN/inf (corrupt bitstream)")
     return k.to(dev), v.to(dev)
 
 

@@ -49,6 +49,7 @@ MAX_ARRAYS = 256
 MAX_NDIM = 6
 MAX_NAME = 64
 MAX_JSON_DEPTH = 32
+MAX_EMPTY_EXTENT = 1 << 32  # product of the non-zero dims of an EMPTY array (shape sanity)
 _ALIGN = 8
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -146,6 +147,8 @@ def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | 
             raise ValueError(f"array {name!r} must be a numpy array, got {type(a).__name__}")
         if a.ndim > MAX_NDIM:
             raise ValueError(f"array {name!r} has ndim {a.ndim} > {MAX_NDIM}")
+        if a.size == 0 and math.prod(max(d, 1) for d in a.shape) > MAX_EMPTY_EXTENT:
+            raise ValueError(f"empty array {name!r} has an absurd shape {a.shape}")
         le = a.dtype.newbyteorder("<") if a.dtype.byteorder not in ("|",) else a.dtype
         if name in bf16:
             if a.dtype.kind not in "ui" or a.dtype.itemsize != 2:
@@ -286,10 +289,10 @@ def unpack_container(data, max_bytes: int = DEFAULT_MAX_BYTES) -> Container:
         shape = tuple(_U64.unpack_from(mv, pos + 8 * d)[0] for d in range(ndim))
         pos += 8 * ndim
         itemsize = DTYPE_CODES[code][1].itemsize
-        bound = itemsize
+        bound = 1
         for d in shape:  # Python ints: no overflow; zero dims counted as 1 so that an
             bound *= max(d, 1)  # empty array cannot declare an absurd shape either
-            if bound > n:
+            if bound > MAX_EMPTY_EXTENT or (0 not in shape and bound * itemsize > n):
                 _fail(f"array {name!r}: shape {shape} is absurd for a container of {n} bytes")
         nbytes = itemsize * math.prod(shape)
         total += nbytes + _pad(nbytes)

@@ -91,13 +91,17 @@ class QuantizationSpec:
 
 def _specs(num_layers: int, bounds: list[tuple[float, int]]) -> tuple[QuantizationSpec, ...]:
     """Build contiguous specs from ``[(end_layer, bins), ...]``; ends are clipped to
-    ``[1, num_layers]`` and empty ranges are dropped, the last range ends at num_layers."""
+    ``[1, num_layers]``, empty ranges dropped, equal neighbours merged; the last range
+    ends at num_layers."""
     out: list[QuantizationSpec] = []
     start = 0
     for i, (end, bins) in enumerate(bounds):
         end = num_layers if i == len(bounds) - 1 else min(max(int(end), 1), num_layers)
         if end > start:
-            out.append(QuantizationSpec(start, end, bins))
+            if out and out[-1].bins == bins:      # merge equal neighbours
+                out[-1] = QuantizationSpec(out[-1].start_layer, end, bins)
+            else:
+                out.append(QuantizationSpec(start, end, bins))
             start = end
     return tuple(out)
 
@@ -324,8 +328,16 @@ class CodecConfig:
             doc = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise ValueError(f"cannot read codec config {path}: {e}") from None
+        if doc is not None and not isinstance(doc, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
         doc = dict(doc or {})
-        doc.pop("codec", None)  # the codec name is the API's business
+        doc.pop("codec", None)
+        names = {f.name for f in dataclasses.fields(cls)} | {"variant", "level", "key_bins",
+                                                            "value_bins"}
+        unknown = set(doc) - names
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; valid keys are "
+                             f"{sorted(names - {'num_layers'})}")  # the codec name is the API's business
         variant = doc.pop("variant", "harness")
         file_level = doc.pop("level", None)
         lvl = file_level if level is None else level

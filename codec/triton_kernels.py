@@ -54,8 +54,8 @@ Whole GPU check (correctness + speed table):  bash scripts/gpu_check.sh
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import math
 import os
 from typing import Sequence
 
@@ -76,6 +76,7 @@ except Exception:  # pragma: no cover - e.g. a CPU-only install without triton
 
 __all__ = [
     "available",
+    "resolve_backend",
     "interpreting",
     "quantize_triton",
     "dequantize_triton",
@@ -132,6 +133,27 @@ def available() -> bool:
     if not HAVE_TRITON:
         return False
     return interpreting() or torch.cuda.is_available()
+
+
+def resolve_backend(device, backend: str = "auto") -> str:
+    """Which entropy/quantization backend to use for tensors on `device`.
+
+    backend: "auto" -> "triton" when the device is CUDA and `available()`, else "cpu";
+      "cpu" -> "cpu" (always possible: tensors are copied to the host);
+      "triton" -> "triton", or ValueError when Triton cannot run here.
+    Both backends produce identical bytes, so this is a speed choice only.
+    """
+    dev = torch.device(device)
+    if backend == "cpu":
+        return "cpu"
+    if backend == "triton":
+        if not available() or (dev.type != "cuda" and not interpreting()):
+            raise ValueError(f"backend='triton' needs Triton and a CUDA device (got {dev}); "
+                             "use backend='cpu' or 'auto'")
+        return "triton"
+    if backend != "auto":
+        raise ValueError(f"unknown backend {backend!r}; use 'auto', 'cpu' or 'triton'")
+    return "triton" if dev.type == "cuda" and available() else "cpu"
 
 
 def _require(*tensors: torch.Tensor) -> torch.device:
@@ -303,19 +325,25 @@ def _rans_encode_kernel(sym_k_ptr, sym_v_ptr, midx_ptr, cum_ptr, woff_ptr, words
 
 
 def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v_ptr,
-                        err_ptr, L, T, C, G, B, n_groups, n_blocks,
-                        SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+                        err_ptr, kvl_ptr, L, T, C, G, B, n_groups, n_blocks,
+                        SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                        SCAN: tl.constexpr = False):
     """rANS-decode BLOCK streams, one per lane (same program/lane mapping as the encoder).
 
     words: int16 view of the payload; stream i occupies words [woff[i], woff[i + 1])
-    (host-validated: >= 2 words). Symbol lookup: largest s < 2^SEARCH_STEPS with
-    cum[s] <= slot, by a branch-free binary search (rows are padded with M past nbins,
-    and nbins <= 2^SEARCH_STEPS). err[i]: 0 ok, 2 x < L at start, 3 truncated, 4 final
-    state != L, 5 leftover words. Reads never leave the stream's own slot.
+    (host-validated: >= 2 words). Symbol lookup: the largest s < NB = 2^SEARCH_STEPS with
+    cum[s] <= slot (rows are padded with M past nbins, and nbins <= NB), either
+    SCAN=False: a branch-free binary search, SEARCH_STEPS dependent gathers per symbol; or
+    SCAN=True: the lane's row cum[1..NB] is loaded into NB registers once per channel and
+    each symbol is NB compare/selects over them (no memory access; for NB <= 64).
+    err[i]: 0 ok, 2 x < L at start, 3 truncated, 4 final state != L, 5 leftover words.
+    Reads never leave the stream's own slot.
+    kvl: int32 list of the (kv * L + layer) indices this launch covers (program_id(2)
+    indexes it), so layers with small alphabets get a launch with a small NB.
     """
     pid0 = tl.program_id(0)
     b = tl.program_id(1)
-    kvl = tl.program_id(2)
+    kvl = tl.load(kvl_ptr + tl.program_id(2))
     kv = kvl // L
     layer = kvl - kv * L
     g = pid0 * BLOCK + tl.arange(0, BLOCK)
@@ -343,18 +371,35 @@ def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v
         c = c0 + j
         mdl = tl.load(midx_ptr + midx_base + c, mask=act, other=0)
         row = cum_ptr + mdl.to(tl.int64) * 257
+        if SCAN:
+            # the lane's cum[1..NB] as a tuple of NB per-lane registers (a 2D tile would
+            # force shared-memory layout conversions inside the symbol loop)
+            upper = ()
+            for k in tl.static_range(1 << SEARCH_STEPS):
+                upper = upper + (tl.load(row + 1 + k, mask=act, other=K_PROB_SCALE),)
         for tt in range(0, bsize):
             t = t0 + tt
             slot = (x & 0xFFFF).to(tl.int32)
-            s = tl.zeros((BLOCK,), dtype=tl.int32)
-            lo = tl.zeros((BLOCK,), dtype=tl.int32)         # cum[s], cum[0] = 0
-            for k in tl.static_range(SEARCH_STEPS):
-                cand = s + (1 << (SEARCH_STEPS - 1 - k))
-                v = tl.load(row + cand, mask=act, other=K_PROB_SCALE)
-                take = v <= slot
-                s = tl.where(take, cand, s)
-                lo = tl.where(take, v, lo)
-            hi = tl.load(row + s + 1, mask=act, other=K_PROB_SCALE)
+            if SCAN:
+                s = tl.zeros((BLOCK,), dtype=tl.int32)
+                lo = tl.zeros((BLOCK,), dtype=tl.int32)
+                hi = tl.full((BLOCK,), K_PROB_SCALE, dtype=tl.int32)
+                for k in tl.static_range(1 << SEARCH_STEPS):
+                    u = upper[k]                             # cum[k + 1]
+                    le = u <= slot                           # <=> s > k
+                    s += le.to(tl.int32)
+                    lo = tl.where(le, u, lo)                 # -> cum[s]
+                    hi = tl.where(le, hi, tl.minimum(hi, u))  # -> cum[s + 1]
+            else:
+                s = tl.zeros((BLOCK,), dtype=tl.int32)
+                lo = tl.zeros((BLOCK,), dtype=tl.int32)     # cum[s], cum[0] = 0
+                for k in tl.static_range(SEARCH_STEPS):
+                    cand = s + (1 << (SEARCH_STEPS - 1 - k))
+                    v = tl.load(row + cand, mask=act, other=K_PROB_SCALE)
+                    take = v <= slot
+                    s = tl.where(take, cand, s)
+                    lo = tl.where(take, v, lo)
+                hi = tl.load(row + s + 1, mask=act, other=K_PROB_SCALE)
             xn = (hi - lo).to(tl.uint32) * (x >> 16) + (slot - lo).to(tl.uint32)
             need = act & (xn < K_RANS_L)
             w = tl.load(words_ptr + pos, mask=need & (pos < end), other=0).to(tl.int32) & 0xFFFF
@@ -380,8 +425,16 @@ def _kernel(name: str):
     return _jit(name, interpreting())
 
 
+def _on(dev: torch.device):
+    """Launch context: Triton launches on the CURRENT CUDA device, so make it `dev`
+    (tensors on cuda:1 must not be processed by a kernel running on cuda:0)."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
 def _launch_opts(num_warps: int = 4) -> dict:
-    return {} if interpreting() else {"num_warps": num_warps}
+    # fp fusion off everywhere: the quantizer needs x * inv rounded before rint, and the
+    # integer kernels do not care (it also silences Triton 3.9's default-change warning)
+    return {} if interpreting() else {"num_warps": num_warps, "enable_fp_fusion": False}
 
 
 def compile_for_target(arch: int = 90, warp_size: int = 32) -> dict[str, str]:
@@ -415,20 +468,19 @@ def compile_for_target(arch: int = 90, warp_size: int = 32) -> dict[str, str]:
             woff_ptr="*i64" if write else "*i32", words_ptr="*i16" if write else "*i32",
             nwords_ptr="*i32", err_ptr="*i32", **ints, WRITE="constexpr", BLOCK="constexpr"),
             dict(WRITE=write, BLOCK=RANS_BLOCK_GPU), RANS_WARPS_GPU)
-    for steps in (4, 8):
-        variants[f"rans_decode_steps{steps}"] = ("_rans_decode_kernel", dict(
-            words_ptr="*i16", woff_ptr="*i64", midx_ptr="*i32", cum_ptr="*i32",
-            out_k_ptr="*u8", out_v_ptr="*u8", err_ptr="*i32", **ints,
-            SEARCH_STEPS="constexpr", BLOCK="constexpr"),
-            dict(SEARCH_STEPS=steps, BLOCK=RANS_BLOCK_GPU), RANS_WARPS_GPU)
+    for steps, scan in ((4, False), (8, False), (5, True)):
+        variants[f"rans_decode_steps{steps}" + ("_scan" if scan else "")] = (
+            "_rans_decode_kernel", dict(
+                words_ptr="*i16", woff_ptr="*i64", midx_ptr="*i32", cum_ptr="*i32",
+                out_k_ptr="*u8", out_v_ptr="*u8", err_ptr="*i32", kvl_ptr="*i32", **ints,
+                SEARCH_STEPS="constexpr", BLOCK="constexpr", SCAN="constexpr"),
+            dict(SEARCH_STEPS=steps, BLOCK=RANS_BLOCK_GPU, SCAN=scan), RANS_WARPS_GPU)
     out = {}
     for vname, (kname, sig, consts, warps) in variants.items():
         # a compiled-mode JITFunction even under TRITON_INTERPRET=1
         fn = triton.runtime.jit.JITFunction(globals()[kname])
         src = ASTSource(fn, signature=sig, constexprs=consts)
-        opts = {"num_warps": warps}
-        if kname in ("_quantize_kernel", "_dequantize_kernel"):
-            opts["enable_fp_fusion"] = False
+        opts = {"num_warps": warps, "enable_fp_fusion": False}
         out[vname] = triton.compile(src, target=target, options=opts).asm["ptx"]
     return out
 
@@ -499,10 +551,10 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tenso
     if N:
         BLOCK = 1024
         opts = _launch_opts(4)
-        if not interpreting():
-            opts["enable_fp_fusion"] = False
-        _kernel("_quantize_kernel")[(triton.cdiv(N, BLOCK), L)](
-            xf, table.to(torch.float32).contiguous(), m, out, N, S, DIV, MOD, BLOCK=BLOCK, **opts)
+        with _on(dev):
+            _kernel("_quantize_kernel")[(triton.cdiv(N, BLOCK), L)](
+                xf, table.to(torch.float32).contiguous(), m, out, N, S, DIV, MOD, BLOCK=BLOCK,
+                **opts)
     return out.reshape(x.shape)
 
 
@@ -534,12 +586,11 @@ def dequantize_triton(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.T
     if N:
         BLOCK = 1024
         opts = _launch_opts(4)
-        if not interpreting():
-            opts["enable_fp_fusion"] = False
         bf16 = out_dtype == torch.bfloat16
-        _kernel("_dequantize_kernel")[(triton.cdiv(N, BLOCK), L)](
-            sf, table.contiguous(), m, out.view(torch.int16) if bf16 else out, N, S, DIV, MOD,
-            OUT_BF16=bf16, BLOCK=BLOCK, **opts)
+        with _on(dev):
+            _kernel("_dequantize_kernel")[(triton.cdiv(N, BLOCK), L)](
+                sf, table.contiguous(), m, out.view(torch.int16) if bf16 else out, N, S, DIV,
+                MOD, OUT_BF16=bf16, BLOCK=BLOCK, **opts)
     return out.reshape(sym.shape)
 
 
@@ -576,8 +627,9 @@ def histogram_triton(sym: torch.Tensor, nbins_max: int = 256) -> torch.Tensor:
     BT = 64 if interpreting() else max(16, 4096 // BC)
     counts = torch.zeros((L, C, NB), dtype=torch.int32, device=dev)
     if sym.numel():
-        _kernel("_histogram_kernel")[(triton.cdiv(C, BC), L)](
-            sym.contiguous(), counts, T, C, BT=BT, BC=BC, NB=NB, **_launch_opts(4))
+        with _on(dev):
+            _kernel("_histogram_kernel")[(triton.cdiv(C, BC), L)](
+                sym.contiguous(), counts, T, C, BT=BT, BC=BC, NB=NB, **_launch_opts(4))
     out = torch.zeros((L, C, 256), dtype=torch.int64, device=dev)
     out[:, :, :NB] = counts
     return out
@@ -610,7 +662,10 @@ def _as_tensor(a, device, dtype=None) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         t = a
     else:
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        arr = np.ascontiguousarray(a)
+        if arr.dtype.kind == "u":            # torch's unsigned dtypes are thin on CUDA
+            arr = arr.astype(np.int64)
+        t = torch.from_numpy(arr)
     return t.to(device=device, dtype=dtype if dtype is not None else t.dtype).contiguous()
 
 
@@ -686,8 +741,9 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     nwords = torch.zeros(n_streams, dtype=torch.int32, device=dev)
     err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
     kern = _kernel("_rans_encode_kernel")
-    kern[grid](sk, sv, mi, cum_t, nwords, nwords, nwords, err, L, T, C, G, B,
-               n_groups, n_blocks, WRITE=False, BLOCK=block, **opts)
+    with _on(dev):
+        kern[grid](sk, sv, mi, cum_t, nwords, nwords, nwords, err, L, T, C, G, B,
+                   n_groups, n_blocks, WRITE=False, BLOCK=block, **opts)
     if bool((err != 0).any()):
         i = int(torch.nonzero(err)[0, 0])
         raise ValueError(f"stream {i}: {_ERR_MESSAGES.get(int(err[i]), 'encode error')}")
@@ -695,23 +751,26 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     torch.cumsum(nwords.to(torch.int64), 0, out=woff[1:])
     total = int(woff[-1])
     words = torch.empty(total, dtype=torch.int16, device=dev)
-    kern[grid](sk, sv, mi, cum_t, woff, words, nwords, err, L, T, C, G, B,
-               n_groups, n_blocks, WRITE=True, BLOCK=block, **opts)
+    with _on(dev):
+        kern[grid](sk, sv, mi, cum_t, woff, words, nwords, err, L, T, C, G, B,
+                   n_groups, n_blocks, WRITE=True, BLOCK=block, **opts)
     if bool((err != 0).any()):  # pragma: no cover - would be a kernel bug
         i = int(torch.nonzero(err)[0, 0])
         raise AssertionError(f"stream {i}: {_ERR_MESSAGES.get(int(err[i]), 'encode error')}")
     return words.view(torch.uint8), nwords.to(torch.int64) * 2
 
 
-def _search_steps(cum_t: torch.Tensor) -> int:
-    """ceil(log2(max nbins)) over the models (nbins = first s with cum[s] == M)."""
-    nb = int((cum_t[:, 1:] < PROB_SCALE).sum(dim=1).max()) + 1
-    return max(1, (max(2, nb) - 1).bit_length())
+def _steps_per_kvl(cum_t: torch.Tensor, mi: torch.Tensor) -> list[int]:
+    """For each (kv, layer): ceil(log2(max nbins of the models it uses)), nbins of a
+    model = 1 + #{s >= 1: cum[s] < M} (rows are validated non-decreasing)."""
+    nb = (cum_t[:, 1:] < PROB_SCALE).sum(dim=1) + 1                 # [n_models]
+    per = nb[mi.reshape(mi.shape[0] * mi.shape[1], -1).long()].amax(dim=1)   # [2L]
+    return [max(1, (max(2, int(v)) - 1).bit_length()) for v in per.cpu().tolist()]
 
 
 def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: int,
-                       G: int, B: int, block: int | None = None, device=None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       G: int, B: int, block: int | None = None, device=None,
+                       lookup: str = "search") -> tuple[torch.Tensor, torch.Tensor]:
     """Decode all streams of a chunk on the GPU; twin of `codec.rans_cpu.decode_streams`.
 
     Args:
@@ -722,6 +781,10 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
       L, T, C, G, B: chunk shape and stream layout.
       device: where to decode (default: payload's device if a tensor, else "cuda", or
         "cpu" under TRITON_INTERPRET=1).
+      block: lanes (streams) per program (power of two; default per backend).
+      lookup: symbol lookup strategy, "search" (binary search over the cum row in memory,
+        any nbins) or "scan" (row held in registers, compare-and-reduce; nbins <= 64,
+        falls back to "search" above). Same output; a speed choice for the GPU.
     Returns: (sym_k, sym_v) uint8 [L, T, C] each, on that device.
     Raises: CodecError on any inconsistency (bad layout, lengths not adding up to the
       payload, odd / too short / too long streams, truncated or corrupt streams).
@@ -758,6 +821,8 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
     if int(lens.sum()) != buf.numel():
         raise CodecError(f"stream lengths add up to {int(lens.sum())} bytes but the payload "
                          f"has {buf.numel()}")
+    if buf.storage_offset() % 2:             # an odd-offset slice: int16 view needs alignment
+        buf = buf.clone()
     words = buf.view(torch.int16)
     woff = torch.zeros(n_streams + 1, dtype=torch.int64, device=dev)
     torch.cumsum(lens // 2, 0, out=woff[1:])
@@ -765,9 +830,18 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
     out_v = torch.empty((L, T, C), dtype=torch.uint8, device=dev)
     err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
     block, opts = _rans_block(block)
-    _kernel("_rans_decode_kernel")[_grid(n_groups, n_blocks, L, block)](
-        words, woff, mi, cum_t, out_k, out_v, err, L, T, C, G, B, n_groups, n_blocks,
-        SEARCH_STEPS=_search_steps(cum_t), BLOCK=block, **opts)
+    if lookup not in ("search", "scan"):
+        raise ValueError(f"lookup must be 'search' or 'scan', got {lookup!r}")
+    steps = _steps_per_kvl(cum_t, mi)
+    kern = _kernel("_rans_decode_kernel")
+    for st in sorted(set(steps)):               # one launch per alphabet size class
+        kvls = torch.tensor([i for i, v in enumerate(steps) if v == st], dtype=torch.int32,
+                            device=dev)
+        with _on(dev):
+            kern[(triton.cdiv(n_groups, block), n_blocks, kvls.numel())](
+                words, woff, mi, cum_t, out_k, out_v, err, kvls, L, T, C, G, B, n_groups,
+                n_blocks, SEARCH_STEPS=st, BLOCK=block, SCAN=lookup == "scan" and st <= 6,
+                **opts)
     if bool((err != 0).any()):
         i = int(torch.nonzero(err)[0, 0])
         raise CodecError(f"stream {i} of {n_streams}: "

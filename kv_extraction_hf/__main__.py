@@ -57,6 +57,15 @@ def extract(args) -> list[Path]:
         raise ExtractionError(f"unknown task '{args.task}' (available: {', '.join(TASKS)})")
     if args.num_contexts < 1:
         raise ExtractionError("--num-contexts must be at least 1")
+    if args.context_tokens < 1:
+        raise ExtractionError("--context-tokens must be at least 1")
+    if args.task in ("triviaqa", "narrativeqa", "wikitext2"):  # check the data before loading the model
+        from kv_extraction_hf import datasets_loaders
+
+        if args.task == "wikitext2":
+            datasets_loaders.load_wikitext2(args.data_path)
+        else:
+            datasets_loaders.load_longbench(args.task, args.data_path)
     bundle = load_model(args.model, args.dtype, log=lambda msg: print(msg, file=sys.stderr))
     check_length(bundle, args.context_tokens)
     out = Path(args.out)
@@ -92,7 +101,7 @@ def generate(args) -> None:
 
     dumps = [load_kv(p) for p in args.generate]  # validate every file before loading the model
     bundle = load_model(args.model, args.dtype, log=lambda msg: print(msg, file=sys.stderr))
-    for path, (k, v, meta) in zip(args.generate, dumps):
+    for path, (k, v, meta) in zip(args.generate, dumps, strict=True):
         if meta.get("model_weights_hash") not in (None, bundle.info.weights_hash):
             raise ExtractionError(f"{path} was dumped from other weights ({meta.get('model_id')}) than "
                                   f"{bundle.info.model_id}")

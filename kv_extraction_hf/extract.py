@@ -21,7 +21,7 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers") and cache.layers and hasattr(cache.layers[0], "keys"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     if hasattr(cache, "key_cache"):
-        return list(zip(cache.key_cache, cache.value_cache))
+        return list(zip(cache.key_cache, cache.value_cache, strict=True))
     if isinstance(cache, (tuple, list)):
         return [(kv[0], kv[1]) for kv in cache]
     raise ExtractionError(f"unsupported KV cache object {type(cache).__name__}")

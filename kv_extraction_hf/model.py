@@ -295,7 +295,7 @@ def resolve_model(spec: str | os.PathLike | None, log=print) -> tuple[str, Path]
     path = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
         folder = gguf_model_dir(path, log=log)
-        model_id = DEFAULT_MODEL_ID if folder == default_model_dir(log=log) else path.stem
+        model_id = DEFAULT_MODEL_ID if folder == cache_dir() / "models" / DEFAULT_DIR_NAME else path.stem
         return model_id, folder
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -230,7 +230,7 @@ def longchat_lines_prompt(tokenizer, context_tokens: int, seed: int = 0, index: 
     else:
         names = [str(i) for i in rng.sample(range(1, 10 * max_lines + 1), max_lines)]
     values = [rng.randint(1, 50000) for _ in range(max_lines)]
-    lines = [f"line {name}: REGISTER_CONTENT is <{val}>" for name, val in zip(names, values)]
+    lines = [f"line {name}: REGISTER_CONTENT is <{val}>" for name, val in zip(names, values, strict=True)]
 
     def body(chosen):
         return head + "\n".join(lines[i] for i in chosen)
@@ -290,7 +290,7 @@ def topic_retrieval_prompt(tokenizer, context_tokens: int, seed: int = 0, index:
         return head + "".join(("\n\n" if is_header[i] and i else " " if i else "") + pieces[i] for i in chosen)
 
     chosen, part, ids = _fit(tokenizer, lambda c: _wrap(tokenizer, body(c), "")[::2], pieces, context_tokens,
-                             "topic_retrieval")
+                             "topic_retrieval", skip=True)
     num_topics = sum(is_header[i] for i in chosen) - int(bool(chosen) and is_header[chosen[-1]])
     if num_topics < 1 or len(chosen) < 2:
         raise ExtractionError(f"context_tokens={context_tokens} holds no conversation turn for topic_retrieval")

@@ -36,9 +36,9 @@ class Decision:
     chunk: int
     level: int | None
     reason: str  # "fits", "text-fits", "cheapest-overshoot", "fixed"
-    budget_s: float
-    est_cost_s: float
-    throughput_mbps_est: float
+    budget_s: float | None  # None for a fixed policy
+    est_cost_s: float | None
+    throughput_mbps_est: float | None
     elapsed_s: float
 
     @property
@@ -149,7 +149,7 @@ class FixedPolicy:
 
     def choose(self, k: int, elapsed_s: float) -> int | None:
         lv = self.level if isinstance(self.level, int) else self.level[k]
-        self.decisions.append(Decision(k, lv, "fixed", float("inf"), 0.0, 0.0, elapsed_s))
+        self.decisions.append(Decision(k, lv, "fixed", None, None, None, elapsed_s))
         return lv
 
     def observe_transfer(self, k, level, nbytes, transfer_s) -> None:

@@ -17,6 +17,7 @@ import os
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -28,7 +29,10 @@ _BLOCK = bytes(256 * 1024)
 
 def _serve_source(host: str) -> int:
     """Tiny source server: each connection sends u64 N, gets N bytes back. Prints READY."""
+    from streaming.store import watch_parent
+
     srv = socket.create_server((host, 0))
+    watch_parent(lambda: os._exit(0))  # never outlive the measuring process
     print(f"READY {host}:{srv.getsockname()[1]}", flush=True)
 
     def handle(c: socket.socket) -> None:
@@ -62,7 +66,7 @@ def start_source(link, timeout: float = 20.0):
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     p = link.run_in_server_ns(
         [sys.executable, "-m", "streaming.linkcheck", "--serve-source", link.bind_host],
-        stdout=__import__("subprocess").PIPE, env=env, text=True,
+        stdout=subprocess.PIPE, env=env, text=True,
     )
     line = _readline_timeout(p, timeout)
     if not line.startswith("READY "):

@@ -19,13 +19,13 @@ List contexts:  python -m streaming.store list --backend DIR
 from __future__ import annotations
 
 import argparse
+import array
 import hashlib
 import json
 import os
 import signal
 import socket
 import socketserver
-import struct
 import subprocess
 import sys
 import threading
@@ -55,13 +55,18 @@ def context_key(model_id: str, weights_hash: str, codec_tag: str, token_ids: Seq
     for name, v in (("model_id", model_id), ("weights_hash", weights_hash), ("codec_tag", codec_tag)):
         if not isinstance(v, str) or not v or "\x00" in v:
             raise ValueError(f"{name} must be a non-empty str without NUL, got {v!r}")
-    ids = [int(t) for t in token_ids]
+    try:
+        ids = array.array("q", token_ids)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"token_ids must be int64 integers: {e}") from None
     if not ids:
         raise ValueError("token_ids must not be empty")
+    if sys.byteorder != "little":
+        ids.byteswap()
     h = hashlib.sha256(_KEY_DOMAIN)
     for v in (model_id, weights_hash, codec_tag):
         h.update(v.encode("utf-8") + b"\x00")
-    h.update(struct.pack(f"<{len(ids)}q", *ids))
+    h.update(ids.tobytes())
     return h.hexdigest()
 
 
@@ -134,7 +139,7 @@ class Manifest:
             ranges = tuple((int(a), int(b)) for a, b in d["token_ranges"])
             sizes = {int(k): tuple(int(x) for x in v) for k, v in d["sizes"].items()}
             crcs = {int(k): tuple(int(x) for x in v) for k, v in d["crc32"].items()}
-            text = tuple(tuple(int(t) for t in ids) for ids in d["text"])
+            text = tuple(tuple(map(int, ids)) for ids in d["text"])
             m = cls(
                 key=_check_hex_key(d["key"]), model_id=str(d["model_id"]),
                 weights_hash=str(d["weights_hash"]), codec_tag=str(d["codec_tag"]),
@@ -511,7 +516,7 @@ def start_store_server(backend: str | os.PathLike, link=None, timeout: float = 3
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     bind = link.bind_host if link is not None else "127.0.0.1"
     argv = [sys.executable, "-m", "streaming.store", "serve", "--backend", os.fspath(backend),
-            "--host", bind, "--port", "0", *extra_args]
+            "--host", bind, "--port", "0", "--exit-with-parent", *extra_args]
     kw = dict(stdout=subprocess.PIPE, env=env, text=True)
     proc = link.run_in_server_ns(argv, **kw) if link is not None else subprocess.Popen(argv, **kw)
     line = _readline_timeout(proc.stdout, timeout)
@@ -524,6 +529,21 @@ def start_store_server(backend: str | os.PathLike, link=None, timeout: float = 3
     return StoreServerHandle(proc, host, cport, link.method if link is not None else "direct-loopback")
 
 
+def watch_parent(on_orphan: Callable[[], None], poll_s: float = 1.0) -> threading.Thread:
+    """Call on_orphan() once the parent process is gone (getppid changes), polling every
+    poll_s seconds in a daemon thread. Keeps a crashed harness from leaving servers behind."""
+    ppid = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == ppid:
+            threading.Event().wait(poll_s)
+        on_orphan()
+
+    t = threading.Thread(target=run, name="cgh-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="KV store server (CacheGen section 5).")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -532,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=0)
     sp.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY >> 20)
+    sp.add_argument("--exit-with-parent", action="store_true",
+                    help="shut down when the parent process dies (no orphan servers after a crash)")
     lp = sub.add_parser("list", help="list stored context keys")
     lp.add_argument("--backend", required=True)
     a = ap.parse_args(argv)
@@ -555,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    if a.exit_with_parent:
+        watch_parent(srv.shutdown)
     h, p = srv.address
     print(f"READY {h}:{p}", flush=True)
     try:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from codec import bitstream as bs
 from codec.errors import CodecError
 
-HYP = settings(derandomize=True, deadline=None, max_examples=150, suppress_health_check=list(HealthCheck))
+HYP = settings(derandomize=True, database=None, deadline=None, max_examples=150, suppress_health_check=list(HealthCheck))
 
 
 def _sample_containers() -> list[bytes]:
@@ -153,6 +153,21 @@ def test_absurd_shape_rejected_before_allocation():
         bs.unpack(_refresh_crc(d))
 
 
+def test_empty_arrays():
+    arrays = {"a": np.zeros((0, 2, 4), np.uint64), "b": np.zeros((3, 0), np.float32), "c": np.zeros(0, np.uint8)}
+    h, a, p = bs.unpack(bs.pack({}, arrays, b""))
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in arrays.items()}
+    with pytest.raises(ValueError):
+        bs.pack({}, {"x": np.zeros((0, 2**20, 2**20), np.uint8)})
+    # a crafted empty array with an absurd extent is refused by the reader as well
+    data = bytearray(bs.pack({}, {"x": np.zeros((0, 4), np.uint8)}, b""))
+    off = 12 + 2 + 2 + 1 + 1 + 2 + 8
+    assert struct.unpack_from("<Q", data, off)[0] == 4
+    struct.pack_into("<Q", data, off, 2**40)
+    with pytest.raises(CodecError, match="absurd"):
+        bs.unpack(_refresh_crc(data))
+
+
 def test_fuzz_random_corruptions_raise_codec_error_only():
     """Thousands of seeded random mutations: only CodecError, never another exception."""
     rng = random.Random(1234)
@@ -217,12 +232,15 @@ _json = st.recursive(
 @given(
     header=st.dictionaries(st.text(max_size=10), _json, max_size=5),
     specs=st.dictionaries(_names, st.tuples(_dtypes, st.lists(st.integers(0, 5), max_size=4)), max_size=5),
+    big_empty=st.booleans(),
     payload=st.binary(max_size=300),
     seed=st.integers(0, 2**31),
 )
-def test_property_round_trip(header, specs, payload, seed):
+def test_property_round_trip(header, specs, payload, seed, big_empty):
     rng = np.random.default_rng(seed)
     arrays = {k: rng.integers(0, 100, tuple(shape)).astype(dt) for k, (dt, shape) in specs.items()}
+    if big_empty:
+        arrays["big_empty"] = np.zeros((1000, 0, 1000), np.uint64)
     data = bs.pack(header, arrays, payload)
     h, a, p = bs.unpack(data)
     assert h == header and p == payload

@@ -18,7 +18,7 @@ from codec import rans_cpu as rc
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
 
-HYP = settings(derandomize=True, deadline=None, max_examples=60, suppress_health_check=list(HealthCheck))
+HYP = settings(derandomize=True, database=None, deadline=None, max_examples=60, suppress_health_check=list(HealthCheck))
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,3 +353,65 @@ def test_decode_rejects_bad_call_arguments():
         decode_symbols({**enc.header, "extra": 1}, enc.arrays, enc.payload, L, T, C, nbk, nbv)
     with pytest.raises(CodecError):
         decode_symbols(enc.header, enc.arrays, "str", L, T, C, nbk, nbv)
+
+
+def _normalize_spec(counts):
+    """docs/bitstream.md 4.3, literally (pure Python integers)."""
+    nb = len(counts)
+    c = [int(v) for v in counts]
+    if sum(c) == 0:
+        c = [1] * nb
+    N = sum(c)
+    spare = 65536 - nb
+    f = [1 + (v * spare) // N for v in c]
+    rem = [(v * spare) % N for v in c]
+    r = 65536 - sum(f)
+    for s in sorted(range(nb), key=lambda s: (-rem[s], s))[:r]:
+        f[s] += 1
+    return f
+
+
+def test_normalize_matches_documented_formula():
+    rng = np.random.default_rng(21)
+    for nb in (2, 3, 15, 31, 256):
+        for _ in range(5):
+            c = rng.integers(0, 50, nb) * (rng.random(nb) < 0.6)
+            assert prob.normalize_freqs(c).tolist() == _normalize_spec(c)
+    assert prob.normalize_freqs(np.zeros(7, np.int64)).tolist() == _normalize_spec([0] * 7)
+
+
+def test_encoding_is_deterministic_and_stats_consistent():
+    (L, T, C, nbk, nbv), sk, sv, enc = _small_encoded()
+    enc2 = encode_symbols(sk, sv, nbk, nbv, channels_per_stream=2, tokens_per_stream=64)
+    assert enc2.payload == enc.payload and enc2.header == enc.header
+    for k in enc.arrays:
+        assert np.array_equal(enc.arrays[k], enc2.arrays[k])
+    assert enc.payload_bytes == len(enc.payload)
+    assert enc.length_table_bytes == enc.arrays["ent_stream_lengths"].nbytes
+    assert enc.model_bytes == enc.arrays["ent_freqs"].nbytes + enc.arrays["ent_model_index"].nbytes
+    # entropy_bits is exactly the code length of the symbols under the transmitted models
+    cum, mi = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
+    f = np.diff(cum.astype(np.int64), axis=1)
+    bits = 0.0
+    for kv, s in enumerate((sk, sv)):
+        m = np.broadcast_to(mi[kv][:, None, :], s.shape)
+        bits += float(-np.log2(f[m, s] / 65536).sum())
+    assert abs(bits - enc.entropy_bits) < 1e-6 * bits
+
+
+def test_validate_cum_table():
+    rng = np.random.default_rng(2)
+    cum = np.stack([_random_cum(rng, 5), _random_cum(rng, 256)]).astype(np.uint32)
+    rc.validate_cum_table(cum, np.array([5, 256]))
+    bad = cum.copy()
+    bad[0, 3] = bad[0, 2]  # zero frequency inside the alphabet
+    with pytest.raises(CodecError):
+        rc.validate_cum_table(bad, np.array([5, 256]))
+    with pytest.raises(CodecError):
+        rc.validate_cum_table(cum, np.array([4, 256]))  # padding check
+    bad = cum.copy()
+    bad[1, 256] = 65535
+    with pytest.raises(CodecError):
+        rc.validate_cum_table(bad)
+    with pytest.raises(CodecError):
+        rc.validate_cum_table(cum[:, :256])

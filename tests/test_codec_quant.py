@@ -120,14 +120,16 @@ def _bound_check(x, bins, group_dims):
 
 
 def test_reference_formula_matches_lmcache_definition():
-    """symbol = round(x * M / max + M) (ties to even) and dequant (s - M) / M * max."""
+    """symbol = round(x * (M / max)) + M (ties to even, symmetric around 0: LMCache's
+    round(x * M / max + M) only differs on exact ties) and dequant (s - M) / M * max."""
     x = torch.tensor([[[-2.0, -1.0, 0.0, 0.5, 1.0, 2.0, 0.26, -0.74]]])  # [1, 1, 8]
     m = Q.max_levels([8])                                                  # M = 3
     s = x.abs().amax(-1, keepdim=True)
     sym = Q.quantize(x, s, m)
-    expect = torch.round(x * 3 / 2.0 + 3).to(torch.uint8)
+    expect = (torch.round(x * (3 / 2.0)) + 3).to(torch.uint8)
     assert torch.equal(sym, expect)
-    assert sym.tolist() == [[[0, 2, 3, 4, 4, 6, 3, 2]]]   # 0.75 -> 0.0 rounds to even (0)
+    # -1.5 -> -2 and 1.5 -> 2 (ties to even, symmetric); 0.75 -> 1; 0.39 -> 0
+    assert sym.tolist() == [[[0, 1, 3, 4, 5, 6, 3, 2]]]
     assert torch.allclose(Q.dequantize(sym, s, m), (sym.float() - 3) / 3 * 2.0)
 
 

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_extraction_hf import datasets_loaders, model as model_mod
+from kv_extraction_hf import datasets_loaders
+from kv_extraction_hf import model as model_mod
 from kv_extraction_hf.dump import kv_sha256, load_kv, save_kv, token_ids_sha256
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import SYNTHETIC_TASKS, build_prompt, natural_paragraphs
@@ -326,17 +327,28 @@ def test_cli_help():
         assert flag in proc.stdout
 
 
-def test_cli_errors_are_one_line(tmp_path):
+def test_cli_error_exit_code_in_a_process(tmp_path):
+    proc = _cli("--task", "nope", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: unknown task 'nope' (available: needle, longchat_lines, "
+                                                "topic_retrieval, pydoc_ppl, triviaqa, narrativeqa, wikitext2)"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from kv_extraction_hf.__main__ import main
+
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     for args, pattern in [
         (("--task", "nope", "--out", str(tmp_path)), "unknown task 'nope'"),
         (("--task", "needle"), "--out DIR is required"),
         (("--generate", str(tmp_path / "missing.safetensors")), "KV dump not found"),
+        (("--generate", str(tmp_path / "corrupt.safetensors")), "corrupt KV dump"),
         (("--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path)), "GGUF file not found"),
+        (("--model", "not a model!", "--out", str(tmp_path)), "unknown model"),
+        (("--task", "triviaqa", "--data-path", str(tmp_path / "no.jsonl"), "--out", str(tmp_path)), "not found"),
     ]:
-        proc = _cli(*args)
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0], proc.stderr
-    (tmp_path / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
-    proc = _cli("--generate", str(tmp_path / "corrupt.safetensors"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "corrupt" in proc.stderr
+        assert main(list(args)) == 2
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.safetensors"]  # nothing written

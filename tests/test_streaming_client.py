@@ -74,19 +74,21 @@ def test_adaptive_levels_follow_a_rate_step(tmp_path, method):
     with ShapedLink(200, method=method) as link:
         with start_store_server(tmp_path / "s", link) as h, h.client(timeout=20) as c:
             key, _ = put_context(c, n=n, nbytes=400_000, levels=(1, 2, 3))
-            # sizes ~133/267/400 KB: at 200 Mbit/s level 3 takes 0.016 s per chunk; chunk 3 is
-            # fetched at level 3 but crosses at 5 Mbit/s (0.64 s), which overruns the whole
-            # 0.6 s SLO: the rest goes as text (0.005 s recompute each, cheaper than any level)
-            trace = step([200, 5], 3)
-            pol = AdaptivePolicy(slo_s=0.1 * n, prefill_tokens_per_s=20_000, initial_throughput_mbps=200)
+            # Chunk sizes ~133/267/400 KB. At 200 Mbit/s level 3 takes 0.016 s, ~8x below the
+            # per-chunk budget of a 0.8 s SLO (margin for a busy machine). Chunk 3 is fetched at
+            # level 3 but crosses at 4 Mbit/s (>= 0.67 s even after the shaper's burst), so at
+            # chunk 4 less than 0.1 s is left while level 1 needs >= 0.22 s at the measured rate;
+            # the text (100 tokens at 20K tokens/s = 0.005 s) fits or is cheaper in any case.
+            trace = step([200, 4], 3)
+            pol = AdaptivePolicy(slo_s=0.8, prefill_tokens_per_s=20_000, initial_throughput_mbps=200)
             r = stream_load(c, key, pol, standin.decoder(1), model_id="m", before_chunk=apply_trace(link, trace))
     levels = [ch.level for ch in r.chunks]
-    assert levels[:3] == [3, 3, 3]
-    assert levels[3] == 3  # the drop is measured on chunk 3 itself
-    assert levels[4:] == [None, None] and all(ch.text_fallback for ch in r.chunks[4:])
+    info = [(d.level, d.reason, round(d.elapsed_s, 3), round(d.budget_s, 3), round(d.throughput_mbps_est, 1)) for d in r.decisions]
+    assert levels[:4] == [3, 3, 3, 3], info  # the drop is measured on chunk 3 itself
+    assert [d.reason for d in r.decisions[:4]] == ["fits"] * 4, info
+    assert levels[4:] == [None, None] and all(ch.text_fallback for ch in r.chunks[4:]), info
     assert r.recompute_tokens == 200 and r.text_token_ranges == [(400, 500), (500, 600)]
-    assert r.decisions[4].throughput_mbps_est < 6 and r.decisions[4].reason == "cheapest-overshoot"
-    assert [d.reason for d in r.decisions[:4]] == ["fits"] * 4
+    assert r.decisions[4].throughput_mbps_est < 6, info
 
 
 def test_unknown_key_and_other_model_are_clean_misses(inproc):

@@ -157,3 +157,36 @@ def test_kvstore_direct(tmp_path):
     st = KVStore(LocalFolderBackend(tmp_path))
     m, why = st.get_manifest("nothex")
     assert m is None and "64 lowercase hex" in why
+
+
+def test_server_exits_when_its_parent_is_killed(tmp_path):
+    """A crashed harness (SIGKILL: no atexit) must not leave a store server behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import os,sys\nfrom streaming.store import start_store_server\n"
+            "h = start_store_server(sys.argv[1])\nprint(h.proc.pid, flush=True)\nos.kill(os.getpid(), 9)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(root)), timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    pid = int(p.stdout.split()[0])
+
+    def gone():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie awaiting its reaper counts as gone
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 20
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gone()

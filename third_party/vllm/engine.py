@@ -155,20 +155,27 @@ def run_one(
 
 def _demo(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description="Demo: plain prefill vs. KV load through CacheGenConnector (one engine).",
+        description="Demo/measurement: TTFT of plain prefill vs. KV loads through "
+        "CacheGenConnector on ONE engine (needle prompt, HF-transformers KV encoded by the "
+        "codec, served by the KV store server on loopback or behind a shaped link).",
         epilog="example: python -m third_party.vllm.engine --model-dir /tmp/smollm2-hf "
-        "--tokens 2000 --codec raw",
+        "--tokens 2000 --codecs raw quant8 cachegen --rate-mbps 1000",
     )
     p.add_argument("--model-dir", default=None, help="HF model folder (default: "
                    "kv_extraction_hf.model.default_model_dir(), else /tmp/smollm2-hf)")
     p.add_argument("--tokens", type=int, default=2000, help="context tokens (default 2000)")
-    p.add_argument("--codec", default="raw", help="codec of the stored chunks (default raw)")
-    p.add_argument("--level", type=int, default=None, help="codec level (cachegen)")
+    p.add_argument("--codecs", nargs="+", default=["raw"], help="codecs stored (default raw)")
+    p.add_argument("--level", type=int, default=None, help="cachegen level")
     p.add_argument("--chunk-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=16, help="new tokens to generate")
+    p.add_argument("--rate-mbps", type=float, default=None,
+                   help="serve the store through streaming.link.ShapedLink at this rate")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens compared")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
     p.add_argument("--workdir", default="/tmp/cachegen_vllm_demo")
     args = p.parse_args(argv)
+    if args.tokens < 130 or args.repeats < 1:
+        p.error("--tokens must be >= 130 and --repeats >= 1")
+    sys.path.insert(0, str(REPO_ROOT))
     from third_party.vllm import demo_support
 
     try:

@@ -235,6 +235,16 @@ class LocalDirSource:
             acc += t
         st = LoadStats()
         q: queue.Queue = queue.Queue(maxsize=2)  # reader runs at most 2 chunks ahead
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def reader():
             for i, start, t in needed:
@@ -242,9 +252,10 @@ class LocalDirSource:
                 try:
                     data = (d / f"chunk_{i}.bin").read_bytes()
                 except OSError as e:
-                    q.put((i, start, t, None, 0.0, e))
+                    put((i, start, t, None, 0.0, e))
                     return
-                q.put((i, start, t, data, time.perf_counter() - t0, None))
+                if not put((i, start, t, data, time.perf_counter() - t0, None)):
+                    return
 
         th = threading.Thread(target=reader, name="kv-local-reader", daemon=True)
         th.start()
@@ -266,6 +277,7 @@ class LocalDirSource:
                 st.chunks.append({"index": i, "tokens": t, "bytes": len(data),
                                   "transfer_s": tr_s, "decode_s": dec_s})
         finally:
+            stop.set()  # a reader blocked on a full queue gives up within 0.1 s
             th.join(timeout=5)
         return st
 
@@ -403,7 +415,10 @@ class StoreSource:
         return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
                 "bytes": sum(len(c) for c in chunks), "context_key": key}
 
-    def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink) -> LoadStats:
+    def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink,
+             before_chunk=None) -> LoadStats:
+        """See KVSource.load; before_chunk(k) (in-process callers only, e.g. a bandwidth
+        trace driving the link) runs just before chunk k is requested."""
         from streaming.client import stream_load
 
         decode = self._decode_fn or default_decode_fn()
@@ -425,7 +440,8 @@ class StoreSource:
             delivered[0] = starts[i + 1]
 
         res = stream_load(client, params["context_key"], policy, decode,
-                          on_decoded=on_decoded, keep_decoded=False, **self._expect(params))
+                          on_decoded=on_decoded, keep_decoded=False, before_chunk=before_chunk,
+                          **self._expect(params))
         if not res.hit:
             raise SourceError(f"store miss at load time: {res.reason}")
         for c in res.chunks:

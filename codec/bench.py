@@ -1,0 +1,402 @@
+"""Codec benchmark: size, entropy overhead, speed, reconstruction error and perplexity cost
+of every codec / level on real KV caches (CacheGen, Liu et al., SIGCOMM 2024, section 7's
+size-vs-quality trade-off; metrics of ../shared/reference/cachegen.md section 6).
+
+Not a test: it prints a table and writes JSON. Figures measured on a busy machine are
+not final (timings especially); the lead reruns it on a quiet one.
+
+    python -m codec.bench                       # default model, 4 pydoc contexts of 2K tokens
+    python -m codec.bench --contexts 8 --out benchmarks/codec_bench.json
+    python -m codec.bench --kv dumps/*.safetensors   # KV dumped by python -m kv_extraction_hf
+    python -m codec.bench --quick               # synthetic KV, no model (ppl columns null)
+
+Per (codec, level) row: bytes, bits_per_element, ratio_vs_dtype (vs the KV's own dtype,
+never fp32), payload_over_entropy (coded payload / empirical entropy per (layer, channel)),
+model/scale/sink/header shares, encode/decode Msym/s and MB/s (medians over --repeats after
+one warm-up run), relative L2 error per layer, and with a model: perplexity increase (%)
+of the held-out 256-token continuation when the context KV is replaced by the decoded one,
+mean KL(lossless || decoded) in nats and top-1 agreement, averaged over contexts.
+
+This entry point may import ``kv_extraction_hf`` (model, prompts); nothing else in
+``codec`` imports a model, engine or network package.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from . import api
+from .codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES
+from .config import CodecConfig, DEFAULT_CHUNK_TOKENS
+
+# (codec, level) rows run by default. cachegen-ref level 0 = LMCache's default schedule,
+# 1-3 the CacheGen artifact's levels; cachegen = this project's quantizer.
+DEFAULT_ROWS = [("raw", None), ("fp8", None), ("quant8", None), ("kivi4", None),
+                ("kivi2", None), ("cachegen-ref", 3), ("cachegen-ref", 2),
+                ("cachegen-ref", 0), ("cachegen-ref", 1), ("cachegen", 3), ("cachegen", 2),
+                ("cachegen", 1), ("cachegen", 0)]
+QUICK_SHAPE = (8, 1024, 2, 64)   # synthetic KV for --quick: L, T, H, D
+
+
+# ------------------------------------------------------------------------- KV sources
+def synthetic_kv(L: int, T: int, H: int, D: int, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
+    """A KV with the structure of real ones: keys with a few large RoPE channel pairs
+    rotating with position, a huge first (attention-sink) token, per-layer magnitudes;
+    values smoother, heavier-tailed. [L, T, H, D] each."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(T, dtype=torch.float32)
+    freqs = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))       # [D/2]
+    ang = pos[:, None] * freqs[None]                                                # [T, D/2]
+    base = torch.randn(L, 1, H, D // 2, generator=g) * torch.linspace(4, 0.5, D // 2)
+    drift = torch.randn(L, T, H, D // 2, generator=g) * 0.6
+    amp = base + drift                                                              # [L,T,H,D/2]
+    k = torch.cat([amp * torch.cos(ang)[None, :, None], amp * torch.sin(ang)[None, :, None]], -1)
+    k = k * torch.linspace(1.0, 2.0, L).reshape(L, 1, 1, 1)
+    k[:, 0] *= 6
+    v = torch.distributions.StudentT(4.0).sample((L, T, H, D)) * 0.3
+    v = v + 0.2 * torch.randn(L, 1, H, D, generator=g)
+    v[:, 0] *= 0.1
+    return k.to(dtype).contiguous(), v.to(dtype).contiguous()
+
+
+def load_contexts(args, log) -> tuple[list[dict], Optional[Any], dict]:
+    """Returns (contexts [{name, k, v, context_ids, continuation_ids}], model bundle or
+    None, model info dict)."""
+    if args.quick:
+        L, T, H, D = QUICK_SHAPE
+        ctxs = [{"name": f"synthetic-{i}", "seed": args.seed + i,
+                 **dict(zip(("k", "v"), synthetic_kv(L, T, H, D, seed=args.seed + i))),
+                 "context_ids": None, "continuation_ids": None}
+                for i in range(args.contexts)]
+        return ctxs, None, {"model_id": "synthetic", "dtype": "bfloat16", "num_layers": L,
+                            "num_kv_heads": H, "head_dim": D}
+    bundle = None
+    info: dict = {}
+    if not args.no_model:
+        from kv_extraction_hf.model import load_model
+
+        log("loading model ...")
+        bundle = load_model(args.model, log=lambda m: None)
+        info = {key: getattr(bundle.info, key) for key in ("model_id", "weights_hash", "dtype",
+                                                            "num_layers", "num_kv_heads",
+                                                            "head_dim")}
+    ctxs = []
+    if args.kv:
+        from kv_extraction_hf.dump import load_kv
+
+        for path in args.kv:
+            k, v, meta = load_kv(path)
+            ids = json.loads(meta["token_ids"]) if "token_ids" in meta else None
+            cont = json.loads(meta["continuation_ids"]) if meta.get("continuation_ids") else None
+            ctxs.append({"name": Path(path).stem, "k": k, "v": v, "context_ids": ids,
+                         "continuation_ids": cont or None})
+            info = info or {"model_id": meta.get("model_id"), "dtype": meta.get("dtype")}
+        return ctxs, bundle, info
+    if bundle is None:
+        raise SystemExit("error: without --kv the benchmark needs the model (drop --no-model)"
+                         " or use --quick")
+    from kv_extraction_hf.extract import prefill_kv
+    from kv_extraction_hf.prompts import build_prompt
+
+    for i in range(args.contexts):
+        p = build_prompt(args.task, bundle.tokenizer, args.context_tokens, args.seed, i)
+        log(f"prefill {p.name} ({len(p.context_ids)} tokens)")
+        k, v = prefill_kv(bundle, p.context_ids)
+        ctxs.append({"name": p.name, "k": k, "v": v, "context_ids": list(p.context_ids),
+                     "continuation_ids": list(p.continuation_ids) or None})
+    return ctxs, bundle, info
+
+
+# ----------------------------------------------------------------------------- metrics
+def _median_time(fn, repeats: int) -> float:
+    fn()                                            # warm-up (JIT, allocator), excluded
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rel_l2_per_layer(x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """||x - y|| / ||x|| per layer (x, y [L, T, H, D]); 0 where ||x|| = 0."""
+    x32, y32 = x.float().flatten(1), y.float().flatten(1)
+    num = (x32 - y32).norm(dim=1)
+    den = x32.norm(dim=1)
+    return [float(n / d) if d > 0 else 0.0 for n, d in zip(num, den)]
+
+
+def continuation_stats(bundle, k, v, ctx) -> dict:
+    from kv_extraction_hf.inject import continuation_logits
+
+    logits = continuation_logits(bundle, k, v, ctx["context_ids"], ctx["continuation_ids"])
+    return {"logp": torch.log_softmax(logits.float(), -1)}
+
+
+def quality(base: dict, test: dict, cont: list[int]) -> dict:
+    """Perplexity increase (%), KL(base || test) (nats, mean over positions), top-1 match."""
+    tgt = torch.tensor(cont, dtype=torch.long)[:, None]
+    lb, lt = base["logp"], test["logp"]
+    nll_b = float(-lb.gather(1, tgt).mean())
+    nll_t = float(-lt.gather(1, tgt).mean())
+    kl = float((lb.exp() * (lb - lt)).sum(-1).mean())
+    top1 = float((lb.argmax(-1) == lt.argmax(-1)).float().mean())
+    return {"ppl_base": math.exp(nll_b), "ppl": math.exp(nll_t),
+            "ppl_increase_pct": (math.exp(nll_t - nll_b) - 1) * 100, "kl": kl, "top1_match": top1}
+
+
+# --------------------------------------------------------------------------------- run
+def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: list,
+            args) -> tuple[dict, list[dict]]:
+    """Encode/decode every context with one (codec, level); aggregate one JSON row."""
+    tot = {"bytes": 0, "elements": 0, "dtype_bytes": 0, "payload_bytes": 0, "ideal_bits": 0.0,
+           "entropy_bits": 0.0, "model_bytes": 0, "length_table_bytes": 0, "scale_bytes": 0,
+           "sink_bytes": 0}
+    enc_s = dec_s = 0.0
+    q_rows, layer_rows = [], []
+    rel_k_all, rel_v_all = [], []
+    for ci, ctx in enumerate(ctxs):
+        k, v = ctx["k"], ctx["v"]
+        # encode chunk by chunk exactly as api.encode_chunks does, keeping coder stats
+        T = k.shape[1]
+        n_chunks = -(-T // args.chunk_tokens)
+        chunks = []
+        for i in range(n_chunks):
+            a, b = i * args.chunk_tokens, min(T, (i + 1) * args.chunk_tokens)
+            data, st = api._encode_one(k[:, a:b], v[:, a:b], name, level, None, a, T, i,
+                                       n_chunks)
+            chunks.append(data)
+            for key in tot:
+                tot[key] += st.get(key, 0) or 0
+        enc_s += _median_time(lambda: api.encode_chunks(k, v, codec=name, level=level,
+                                                        chunk_tokens=args.chunk_tokens),
+                              args.repeats)
+        dec_s += _median_time(lambda: [api.decode_kv(c) for c in chunks], args.repeats)
+        k2, v2 = api.decode_chunks(chunks)
+        rk, rv = rel_l2_per_layer(k, k2), rel_l2_per_layer(v, v2)
+        rel_k_all.append(rk)
+        rel_v_all.append(rv)
+        if bundle is not None and ctx["continuation_ids"] and ctx["context_ids"]:
+            q = quality(bases[ci], continuation_stats(bundle, k2, v2, ctx),
+                        ctx["continuation_ids"])
+            q["context"] = ctx["name"]
+            q_rows.append(q)
+    L = ctxs[0]["k"].shape[0]
+    mean_k = [statistics.fmean(r[layer] for r in rel_k_all) for layer in range(L)]
+    mean_v = [statistics.fmean(r[layer] for r in rel_v_all) for layer in range(L)]
+    for layer in range(L):
+        for kv, vals in (("k", mean_k), ("v", mean_v)):
+            layer_rows.append({"mode": name, "level": level, "layer": layer, "kv": kv,
+                               "rel_l2": vals[layer]})
+    n_el, by = tot["elements"], tot["bytes"]
+    row = {
+        "codec": name, "level": level,
+        "label": name if level is None else f"{name}-l{level}",
+        "contexts": len(ctxs), "tokens": int(ctxs[0]["k"].shape[1]),
+        "chunk_tokens": args.chunk_tokens,
+        "bytes": by / len(ctxs),
+        "bits_per_element": 8 * by / n_el,
+        "ratio_vs_dtype": tot["dtype_bytes"] / by,
+        "payload_over_entropy": (8 * tot["payload_bytes"] / tot["ideal_bits"]
+                                 if tot["ideal_bits"] else None),
+        "payload_over_coded_entropy": (8 * tot["payload_bytes"] / tot["entropy_bits"]
+                                       if tot["entropy_bits"] else None),
+        "payload_share": tot["payload_bytes"] / by if tot["payload_bytes"] else None,
+        "model_share": tot["model_bytes"] / by,
+        "length_table_share": tot["length_table_bytes"] / by,
+        "scale_share": tot["scale_bytes"] / by,
+        "sink_share": tot["sink_bytes"] / by,
+        "encode_s": enc_s / len(ctxs), "decode_s": dec_s / len(ctxs),
+        "encode_msym_s": n_el / enc_s / 1e6, "decode_msym_s": n_el / dec_s / 1e6,
+        "encode_mb_s": tot["dtype_bytes"] / enc_s / 1e6,
+        "decode_mb_s": tot["dtype_bytes"] / dec_s / 1e6,
+        "rel_l2_k": statistics.fmean(mean_k), "rel_l2_v": statistics.fmean(mean_v),
+        "rel_l2_per_layer": {"k": mean_k, "v": mean_v},
+        "ppl_increase_pct": None, "kl": None, "top1_match": None,
+    }
+    if q_rows:
+        row.update(
+            ppl_increase_pct=statistics.fmean(q["ppl_increase_pct"] for q in q_rows),
+            ppl_increase_pct_each=[q["ppl_increase_pct"] for q in q_rows],
+            kl=statistics.fmean(q["kl"] for q in q_rows),
+            kl_each=[q["kl"] for q in q_rows],
+            top1_match=statistics.fmean(q["top1_match"] for q in q_rows),
+            ppl_base=[q["ppl_base"] for q in q_rows])
+    if name in ("cachegen", "cachegen-ref"):
+        row["config"] = CODECS[name].resolve_config(L, level, None).describe()
+    return row, layer_rows
+
+
+def _fmt(v, nd=2):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def print_table(rows: list[dict], out=sys.stdout) -> None:
+    cols = [("label", "codec", 0), ("bytes", "bytes", 0), ("bits_per_element", "bits/el", 3),
+            ("ratio_vs_dtype", "ratio", 2), ("payload_over_entropy", "pay/H", 4),
+            ("model_share", "model%", 1), ("scale_share", "scale%", 1),
+            ("encode_msym_s", "enc Msym/s", 1), ("decode_msym_s", "dec Msym/s", 1),
+            ("encode_mb_s", "enc MB/s", 1), ("decode_mb_s", "dec MB/s", 1),
+            ("rel_l2_k", "relL2 K", 4), ("rel_l2_v", "relL2 V", 4),
+            ("ppl_increase_pct", "ppl +%", 2), ("kl", "KL", 4), ("top1_match", "top1", 3)]
+    table = [[h for _, h, _ in cols]]
+    for r in rows:
+        cells = []
+        for key, _, nd in cols:
+            v = r.get(key)
+            if key in ("model_share", "scale_share") and v is not None:
+                v = 100 * v
+            if key == "bytes":
+                v = int(v)
+            cells.append(_fmt(v, nd))
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    for i, row in enumerate(table):
+        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in
+                        enumerate(zip(row, widths))), file=out)
+        if i == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+
+
+def _environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    import numpy
+
+    pk = {"torch": torch.__version__, "numpy": numpy.__version__}
+    try:
+        import numba
+
+        pk["numba"] = numba.__version__
+    except ImportError:
+        pass
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "packages": pk,
+            "git_commit": commit or None,
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
+    """``["raw", "cachegen:2", "cachegen-ref:0"]`` -> [(codec, level), ...]."""
+    if not spec:
+        return list(DEFAULT_ROWS)
+    out = []
+    for s in spec:
+        name, _, lv = s.partition(":")
+        if name not in CODECS:
+            raise SystemExit(f"error: unknown codec {name!r}; available: {sorted(CODECS)}")
+        out.append((name, int(lv) if lv else None))
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m codec.bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m codec.bench --quick\n"
+               "  python -m codec.bench --contexts 4 --out benchmarks/codec_bench.json\n"
+               "  python -m codec.bench --kv d/*.safetensors --rows cachegen:2 quant8")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"synthetic KV {QUICK_SHAPE} (L,T,H,D), no model, ppl columns null")
+    ap.add_argument("--kv", nargs="+", help="KV dumps (python -m kv_extraction_hf); with the "
+                    "model loaded, their continuation_ids give perplexity")
+    ap.add_argument("--no-model", action="store_true", help="do not load a model (no ppl)")
+    ap.add_argument("--model", default=None, help="model spec for kv_extraction_hf.load_model "
+                    "(default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--task", default="pydoc_ppl", help="prompt task (default pydoc_ppl: "
+                    "natural text + held-out 256-token continuation)")
+    ap.add_argument("--contexts", type=int, default=4,
+                    help="contexts to average over (ppl of one context moves ~0.5%% by noise)")
+    ap.add_argument("--context-tokens", type=int, default=2048)
+    ap.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
+    ap.add_argument("--rows", nargs="+", help="codec[:level] rows (default: all codecs and "
+                    "levels)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats after a warm-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default=None, help="JSON output (default benchmarks/"
+                    "codec_bench.json, --quick: benchmarks/tmp/codec_bench_quick.json)")
+    args = ap.parse_args(argv)
+    if args.contexts < 1 or args.repeats < 1 or args.context_tokens < 2:
+        ap.error("--contexts, --repeats must be >= 1 and --context-tokens >= 2")
+    if args.chunk_tokens < 16 or args.chunk_tokens % 16:
+        ap.error("--chunk-tokens must be a positive multiple of 16")
+    rows_spec = parse_rows(args.rows)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    log = lambda m: print(m, file=sys.stderr, flush=True)
+    out = Path(args.out or ("benchmarks/tmp/codec_bench_quick.json" if args.quick
+                            else "benchmarks/codec_bench.json"))
+    try:
+        ctxs, bundle, info = load_contexts(args, log)
+    except Exception as e:  # model / dump problems: one line, exit 2
+        if isinstance(e, SystemExit):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    bases = []
+    if bundle is not None:
+        for ctx in ctxs:
+            if ctx["context_ids"] and ctx["continuation_ids"]:
+                bases.append(continuation_stats(bundle, ctx["k"], ctx["v"], ctx))
+            else:
+                bases.append(None)
+    rows, layer_rows = [], []
+    started = time.time()
+    for name, level in rows_spec:
+        log(f"{name} level={level} ...")
+        try:
+            row, lr = run_row(name, level, ctxs, bundle if bases else None, bases, args)
+        except ValueError as e:
+            print(f"error: {name} level {level}: {e}", file=sys.stderr)
+            return 2
+        rows.append(row)
+        layer_rows.extend(lr)
+        log(f"  ratio {row['ratio_vs_dtype']:.2f}x  ppl+ {_fmt(row['ppl_increase_pct'])}%  "
+            f"KL {_fmt(row['kl'], 4)}")
+    k0 = ctxs[0]["k"]
+    doc = {
+        "schema": "codec_bench/1",
+        "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python -m codec.bench " + " ".join(argv if argv is not None
+                                                       else sys.argv[1:]),
+        "config": vars(args), "environment": _environment(), "model": info,
+        "kv_shape": list(k0.shape), "kv_dtype": DTYPE_NAMES[k0.dtype],
+        "contexts": [c["name"] for c in ctxs], "elapsed_s": time.time() - started,
+        "notes": "ratio_vs_dtype is vs the KV's own dtype; timings are medians of --repeats "
+                 "after one warm-up on this machine (busy machines give low figures).",
+        "rows": rows, "codec_layers": layer_rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, out)
+    print_table(rows)
+    print(f"\nwrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

