@@ -1,11 +1,12 @@
 """Draw the benchmark figures from a results.json (and nothing else).
 
 Purpose: turn the records written by ``run_benchmarks.py`` (docs/results-schema.md) into
-the figures of CacheGen's evaluation (Liu et al., SIGCOMM 2024, section 7): TTFT vs link
-bandwidth (Fig. 7-style), KV size and compression ratio, the quality/size trade-off with
-its Pareto front (Fig. 8-style), the TTFT breakdown into transfer/decode/inject/prefill,
-the per-layer reconstruction error of the codec (section 5.2, layer-wise quantization) and
-the per-chunk adaptation timeline (section 5.3: bandwidth, level chosen, SLO).
+the figures of a CacheGen-style evaluation (Liu et al., SIGCOMM 2024; see
+../shared/reference/cachegen.md): TTFT vs link bandwidth per mode, KV size and compression
+ratio, the quality/size trade-off with its Pareto front, the TTFT breakdown into
+lookup/transfer/decode/inject/prefill, the per-layer reconstruction error of the codec
+(the paper's layer-wise quantization, cachegen.md section 2) and the per-chunk adaptation
+timeline (streaming adaptation: bandwidth, level chosen or text fallback, SLO).
 
 It reads only the results file: it imports no codec, streaming or model code. Figures
 whose data is missing are skipped and named; a file that is not a JSON object is an error
@@ -141,6 +142,15 @@ def _coerce_numeric(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     return df
 
 
+def _keep_small_ints(df: pd.DataFrame, columns: Sequence[str], upper: float) -> pd.DataFrame:
+    """Index-like columns (level, layer, chunk): keep integers in [0, upper], else NaN."""
+    for col in columns:
+        if col in df.columns:
+            v = df[col]
+            df[col] = v.where((v >= 0) & (v <= upper) & (v % 1 == 0))
+    return df
+
+
 def _coerce_str(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     """Name columns keep only string values; anything else becomes None."""
     for col in columns:
@@ -177,13 +187,12 @@ def summaries_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     runs = runs.copy()
     keys = [k for k in ("mode", "level", "bandwidth_mbps") if k in runs.columns]
-    for k in keys[1:]:
-        runs[k] = pd.to_numeric(runs[k], errors="coerce")
     groups = runs.groupby(keys, dropna=False, sort=False)
     out = groups.size().rename("n").to_frame()
 
-    def num(col: str) -> pd.Series:
-        return pd.to_numeric(runs[col], errors="coerce").astype(float)
+    def num(col: str) -> pd.Series:  # JSON numbers and bools (correct, slo_violated) as float
+        values = runs[col].map(lambda v: float(v) if isinstance(v, (int, float)) else None)
+        return pd.to_numeric(values, errors="coerce").astype(float).replace([np.inf, -np.inf], np.nan)
 
     for col in ("ttft_s", "lookup_s", "transfer_s", "decode_s", "inject_s", "prefill_s", "bytes"):
         if col in runs.columns:
@@ -254,24 +263,31 @@ class ResultsData:
 
 
 def prepare(doc: dict) -> ResultsData:
-    """Turn a parsed results.json into :class:`ResultsData` (never raises on odd content)."""
+    """Turn a parsed results.json into :class:`ResultsData` (never raises on odd content).
+
+    Values of the wrong type become missing: numbers that are not JSON numbers, names that
+    are not strings, levels that are not small non-negative integers.
+    """
     notes: list[str] = []
     runs = pd.json_normalize(_records(doc, "runs", notes)) if doc.get("runs") else pd.DataFrame()
-    if "level" in runs.columns:
-        runs = _coerce_numeric(runs, ["level"])
+    runs = _keep_small_ints(_coerce_str(_coerce_numeric(runs, ["level", "bandwidth_mbps"]), ["mode"]),
+                            ["level"], 64)
     summaries = pd.DataFrame(_records(doc, "summaries", notes))
     if summaries.empty and not runs.empty:
         summaries = summaries_from_runs(runs)
         if not summaries.empty:
             notes.append("no 'summaries' in the file; medians computed from 'runs'")
-    summaries = _add_labels(_coerce_str(_coerce_numeric(summaries, NUMERIC_SUMMARY_COLUMNS), ["mode"]))
-    runs = _add_labels(_coerce_str(runs, ["mode"]))
+    summaries = _coerce_str(_coerce_numeric(summaries, NUMERIC_SUMMARY_COLUMNS), ["mode"])
+    summaries = _add_labels(_keep_small_ints(summaries, ["level"], 64))
+    runs = _add_labels(runs)
     layers = pd.DataFrame(_records(doc, "codec_layers", notes))
-    layers = _add_labels(_coerce_str(_coerce_numeric(layers, ["level", "layer", "rel_l2"]), ["mode", "kv"]))
+    layers = _coerce_str(_coerce_numeric(layers, ["level", "layer", "rel_l2"]), ["mode", "kv"])
+    layers = _add_labels(_keep_small_ints(_keep_small_ints(layers, ["level"], 64), ["layer"], 100_000))
     adaptation = pd.DataFrame(_records(doc, "adaptation", notes))
     adaptation = _coerce_numeric(adaptation, ["chunk", "bandwidth_mbps", "throughput_mbps_est", "level",
                                               "elapsed_s", "slo_s", "bytes"])
     adaptation = _coerce_bool(_coerce_str(adaptation, ["trace", "context_id"]), ["text_fallback"])
+    adaptation = _keep_small_ints(_keep_small_ints(adaptation, ["level"], 64), ["chunk"], 10_000_000)
     return ResultsData(doc=doc, summaries=summaries, runs=runs, codec_layers=layers,
                        adaptation=adaptation, notes=notes)
 
@@ -666,9 +682,14 @@ def fig_adaptation_timeline(data: ResultsData):
                 ax.set_ylabel("time (s)")
                 ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
-            if j == 0:
-                ax.legend(fontsize=7, loc="best")
         axes[-1][j].set_xlabel("chunk index")
+    for row in axes:  # one legend per row, with the entries of all its panels
+        entries: dict[str, Any] = {}
+        for ax in row:
+            for handle, name in zip(*ax.get_legend_handles_labels()):
+                entries.setdefault(name, handle)
+        if entries:
+            row[-1].legend(list(entries.values()), list(entries.keys()), fontsize=7, loc="best")
     fig.suptitle("Adaptation timeline per chunk")
     _caption(fig, data, "one context per trace; level 'text' = the chunk was sent as text and recomputed")
     return fig

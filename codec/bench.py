@@ -45,8 +45,8 @@ from .config import CodecConfig, DEFAULT_CHUNK_TOKENS
 # 1-3 the CacheGen artifact's levels; cachegen = this project's quantizer.
 DEFAULT_ROWS = [("raw", None), ("fp8", None), ("quant8", None), ("kivi4", None),
                 ("kivi2", None), ("cachegen-ref", 3), ("cachegen-ref", 2),
-                ("cachegen-ref", 0), ("cachegen-ref", 1), ("cachegen", 3), ("cachegen", 2),
-                ("cachegen", 1), ("cachegen", 0)]
+                ("cachegen-ref", 0), ("cachegen-ref", 1), ("cachegen", 4), ("cachegen", 3),
+                ("cachegen", 2), ("cachegen", 1), ("cachegen", 0)]
 QUICK_SHAPE = (8, 1024, 2, 64)   # synthetic KV for --quick: L, T, H, D
 
 

@@ -137,6 +137,8 @@ def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | 
     unknown = bf16 - set(arrays)
     if unknown:
         raise ValueError(f"bf16 names {sorted(unknown)} are not in arrays")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ValueError(f"payload must be bytes-like, got {type(payload).__name__}")
     payload = bytes(payload) if not isinstance(payload, bytes) else payload
     parts = [_FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(hdr)), hdr, _U16.pack(len(arrays))]
     datas = []
@@ -186,6 +188,13 @@ def _json_no_constants(name: str):
     raise ValueError(f"non-finite number {name} in header")
 
 
+def _no_duplicates(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("duplicate keys in a JSON object")
+    return d
+
+
 def _parse_fixed(data, n: int) -> int:
     """Check magic/version/flags/header length; return header_len."""
     if n < _FIXED.size:
@@ -207,7 +216,7 @@ def _parse_fixed(data, n: int) -> int:
 def _parse_header(data, hlen: int) -> dict:
     raw = bytes(data[_FIXED.size : _FIXED.size + hlen])
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_json_no_constants)
+        header = json.loads(raw.decode("utf-8"), parse_constant=_json_no_constants, object_pairs_hook=_no_duplicates)
         if not isinstance(header, dict):
             raise ValueError("header JSON must be an object")
         _check_json_value(header)

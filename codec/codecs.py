@@ -273,34 +273,30 @@ class CacheGenCodec(Codec):
 
     # ---- quantization (shared by encoder, decoder and the benchmark) ---------------
     @staticmethod
-    def _grouped(x: torch.Tensor, cfg: CodecConfig, is_key: bool) -> torch.Tensor:
-        """[L, T, H, D] -> the view whose last axis one scale covers:
-        per-token [L, T, 1, H*D]; per-head [L, T, H, D]; per-channel keys [L, T, H*D]."""
-        L, T, H, D = x.shape
-        if is_key and cfg.key_scale_axis == "channel":
-            return x.reshape(L, T, H * D)
-        if cfg.scale_group == "head":
-            return x
-        return x.reshape(L, T, 1, H * D)
+    def _layout(shape: tuple, cfg: CodecConfig, is_key: bool):
+        """How scales cover x [L, T, H, D]: (view shape of x, dims reduced by max |x|,
+        stored scale array shape, broadcastable effective-scale shape).
 
-    @staticmethod
-    def _scale_shape(L: int, T: int, H: int, D: int, cfg: CodecConfig, is_key: bool):
-        """Shape of the stored scale array (without the trailing keepdim axis)."""
-        if is_key and cfg.key_scale_axis == "channel":
-            return (L, H * D)
-        return (L, T, H) if cfg.scale_group == "head" else (L, T, 1)
+        token: one scale per (layer, token) over H*D channels (LMCache);
+        head: per (layer, token, KV head) over D; chunk_head: per (layer, KV head) over
+        the chunk's tokens and D (a uniform step per head). (Per-channel key scales and
+        anchor/delta groups were measured and dropped: docs/codec.md section 4.)"""
+        L, T, H, D = shape
+        if cfg.scale_group == "head":
+            return (L, T, H, D), (3,), (L, T, H), (L, T, H, 1)
+        if cfg.scale_group == "chunk_head":
+            return (L, T, H, D), (1, 3), (L, H), (L, 1, H, 1)
+        return (L, T, 1, H * D), (3,), (L, T, 1), (L, T, 1, 1)
 
     def quantize_tensor(self, x: torch.Tensor, cfg: CodecConfig, is_key: bool):
         """x [L, T, H, D] (tokens to quantize) -> (symbols uint8 [L, T, H*D], header dict,
-        arrays dict, effective float32 scales broadcastable to the grouped view)."""
+        arrays dict, effective float32 scales broadcastable to the ``_layout`` view)."""
         L, T, H, D = x.shape
         bins = cfg.key_bins if is_key else cfg.value_bins
         m = Q.max_levels(bins)
-        xg = self._grouped(x, cfg, is_key)
-        if is_key and cfg.key_scale_axis == "channel":
-            s = Q.row_scales(xg, dim=1)                       # [L, 1, C]
-        else:
-            s = Q.row_scales(xg)                              # [L, T, G, 1]
+        view, dims, sshape, eshape = self._layout(tuple(x.shape), cfg, is_key)
+        xg = x.reshape(view)
+        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape)
         tag = "k" if is_key else "v"
         hdr: dict[str, Any] = {}
         arrays: dict[str, np.ndarray] = {}
@@ -309,14 +305,12 @@ class CacheGenCodec(Codec):
             codes, e0, eff = enc
             hdr[f"scale_{tag}"] = "log8"
             hdr[f"e0_{tag}"] = e0
-            arrays[f"scale_{tag}"] = codes.reshape(self._scale_shape(L, T, H, D, cfg, is_key)
-                                                   ).numpy()
+            arrays[f"scale_{tag}"] = codes.reshape(sshape).numpy()
         else:
             st = s.to(x.dtype)                                # exact: max of dtype values
             eff = st.to(torch.float32)
             hdr[f"scale_{tag}"] = "dtype"
-            arrays[f"scale_{tag}"] = to_bits(st.reshape(self._scale_shape(L, T, H, D, cfg,
-                                                                          is_key)))
+            arrays[f"scale_{tag}"] = to_bits(st.reshape(sshape))
         sym = Q.quantize(xg, eff, m).reshape(L, T, H * D)     # [L, T, C]
         return sym, hdr, arrays, eff
 
@@ -327,7 +321,7 @@ class CacheGenCodec(Codec):
         tag = "k" if is_key else "v"
         bins = cfg.key_bins if is_key else cfg.value_bins
         m = Q.max_levels(bins)
-        sshape = self._scale_shape(L, T, H, D, cfg, is_key)
+        view, _, sshape, eshape = self._layout(shape, cfg, is_key)
         fmt = hdr.get(f"scale_{tag}")
         if fmt == "log8":
             e0 = need_int(hdr, f"e0_{tag}", *Q.LOG8_E0_RANGE)
@@ -342,13 +336,7 @@ class CacheGenCodec(Codec):
                 raise CodecError(f"scales of {tag} are negative or not finite")
         else:
             raise CodecError(f"unknown scale format {fmt!r} for {tag}")
-        if is_key and cfg.key_scale_axis == "channel":
-            eff = eff.reshape(L, 1, H * D)
-            symg = sym.reshape(L, T, H * D)
-        else:
-            eff = eff.reshape(sshape + (1,))
-            symg = sym.reshape((L, T, H, D) if cfg.scale_group == "head" else (L, T, 1, H * D))
-        return Q.dequantize(symg, eff, m).reshape(L, T, H, D)
+        return Q.dequantize(sym.reshape(view), eff.reshape(eshape), m).reshape(L, T, H, D)
 
     def n_sink(self, cfg: CodecConfig, T: int, token_offset: int) -> int:
         return max(0, min(T, cfg.sink_tokens - token_offset))
@@ -357,9 +345,6 @@ class CacheGenCodec(Codec):
     def encode(self, k, v, *, level, config, token_offset, total_tokens):
         L, T, H, D = k.shape
         cfg = self.resolve_config(L, level, config)
-        if cfg.anchor_group:
-            raise ValueError("anchor_group (delta encoding) is a measured-only variant "
-                             "(docs/codec.md): it made the output larger; use 0")
         ns = self.n_sink(cfg, T, token_offset)
         header: dict[str, Any] = {"config": cfg.to_dict(), "n_sink": ns}
         arrays: dict[str, np.ndarray] = {}
@@ -407,8 +392,6 @@ class CacheGenCodec(Codec):
             raise CodecError(f"bad codec config in header: {e}") from None
         if cfg.num_layers != L:
             raise CodecError(f"header config has {cfg.num_layers} layers, KV has {L}")
-        if cfg.anchor_group:
-            raise CodecError("anchor_group is not a decodable variant")
         if not self.entropy and (cfg.key_bins != [256] * L or cfg.value_bins != [256] * L):
             raise CodecError("quant8 needs 256 bins on every layer")
         ns = need_int(header, "n_sink", 0, T)

@@ -23,7 +23,7 @@ Arrays: ent_freqs (uint16), ent_model_index (uint8 [2, L, C], absent if every K 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np

@@ -7,7 +7,8 @@ warm-up excluded and medians over repeats:
   encode: quantize (Triton) + histograms (Triton) + rANS encode, two passes (Triton);
           the host-side model build (codec.probability.build_models) and the payload's
           device-to-host copy are timed separately and reported as "end to end";
-  decode: rANS decode (Triton) + dequantize to fp16 (Triton), payload already on device;
+  decode: rANS decode (Triton) + dequantize to fp16 (Triton), payload already on device
+          (both symbol lookups of the decoder are timed: "auto"/scan and "search");
 and the CPU backend (numba, codec/rans_cpu.py) on ONE layer (K and V), scaled by the layer
 count (said so in the table). Throughput is GB/s of the fp16-equivalent KV
 (2 tensors x L x T x H x D x 2 bytes) per second, and Msym/s. It also checks on the big
@@ -163,6 +164,12 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
                 rows.append(Row(f"rANS decode [{btag}]", t_d, gb / t_d, n_sym / t_d / 1e6))
                 continue
 
+            t_ds, (sk2, sv2) = timeit(lambda: tk.rans_decode_triton(
+                pay, lens, ms.cum, ms.model_index, L, T, C, Gv, Bv, lookup="search"), dev, reps)
+            checks[f"gpu_roundtrip_search_{tag}"] = bool(torch.equal(sk2, sym_k)
+                                                         and torch.equal(sv2, sym_v))
+            del sk2, sv2
+
             def dequant():
                 return (tk.dequantize_triton(dk, sc_k, mk, torch.float16),
                         tk.dequantize_triton(dv, sc_v, mv, torch.float16))
@@ -177,7 +184,10 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
             dec = t_d + t_dq
             rows.append(Row(f"rANS encode [{btag}]", t_e, gb / t_e, n_sym / t_e / 1e6,
                             f"{n_streams} streams"))
-            rows.append(Row(f"rANS decode [{btag}]", t_d, gb / t_d, n_sym / t_d / 1e6))
+            rows.append(Row(f"rANS decode [{btag}]", t_d, gb / t_d, n_sym / t_d / 1e6,
+                            "lookup=auto (scan <= 32 symbols)"))
+            rows.append(Row(f"rANS decode [{btag},search]", t_ds, gb / t_ds, n_sym / t_ds / 1e6,
+                            "lookup=search"))
             rows.append(Row(f"ENCODE GPU kernels [{btag}]", enc, gb / enc, n_sym / enc / 1e6,
                             "quant+hist+rANS"))
             rows.append(Row(f"DECODE GPU [{btag}]", dec, gb / dec, n_sym / dec / 1e6,
@@ -193,7 +203,9 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
             ck = sym_k[:nl].cpu().numpy()
             cv = sym_v[:nl].cpu().numpy()
             mi = np.ascontiguousarray(ms.model_index[:, :nl])
-            rans_cpu.encode_streams(ck[:, :8], cv[:, :8], ms.cum, mi, Gv, min(Bv, 8))  # JIT
+            wb = min(Bv, 8)                                    # JIT warm-up, both ways
+            wp, wl = rans_cpu.encode_streams(ck[:, :8], cv[:, :8], ms.cum, mi, Gv, wb)
+            rans_cpu.decode_streams(wp, wl, ms.cum, mi, nl, min(T, 8), C, Gv, wb)
             t_ce, (cpay, clen) = timeit(lambda: rans_cpu.encode_streams(ck, cv, ms.cum, mi, Gv, Bv),
                                         "cpu", 1, 0)
             t_cd, (rk, rv) = timeit(lambda: rans_cpu.decode_streams(cpay, clen, ms.cum, mi, nl, T,

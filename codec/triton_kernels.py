@@ -23,8 +23,10 @@ Design (docs/gpu.md has the long version):
   host first: even, >= 4, <= 4 + 2 * symbols, summing to the payload size), never reads
   outside its own slot, and writes a per-stream error code (the codes of
   codec/rans_cpu.py: truncated, final state != L, leftover bytes); the wrapper turns any
-  non-zero code into CodecError. Symbol lookup: a branch-free binary search over the
-  model's cum row, ceil(log2(max nbins)) gathers (<= 8 for 256 bins).
+  non-zero code into CodecError. Symbol lookup (`lookup=`): "search", a branch-free
+  binary search over the model's cum row, ceil(log2(nbins)) gathers (<= 8 for 256
+  bins), or "scan", the row held in registers and NB compare/selects per symbol;
+  "auto" scans alphabets <= 32 symbols. One launch per alphabet-size class of layers.
 - Models (the codebook clustering of codec/probability.py) are built on the HOST from the
   GPU-computed histograms: that step is tiny (models x bins counts) and running the very
   same numpy code guarantees identical models, hence identical bytes.
@@ -38,18 +40,19 @@ Integer arithmetic: states are tl.uint32; `x // f`, `x % f` are unsigned 32-bit;
 decoder's `f * (x >> 16) + slot - c` is < 2^32 for valid tables. Offsets are int64.
 
 Public API (mirrors the CPU functions):
-  available() -> bool
+  available() -> bool; resolve_backend(device, backend="auto") -> "cpu" | "triton"
   quantize_triton(x, scale, max_level) / dequantize_triton(sym, scale, max_level, out_dtype)
   histogram_triton(sym) -> int64 [L, C, 256]
   rans_encode_triton(sym_k, sym_v, cum, model_index, G, B) -> (payload uint8, lengths int64)
   rans_decode_triton(payload, lengths, cum, model_index, L, T, C, G, B) -> (sym_k, sym_v)
+  compile_for_target(arch=90) -> {variant: PTX}: AOT compile check, no GPU needed
   encode_symbols_triton / decode_symbols_triton: codec.entropy's API on the GPU path.
 Torch/numpy references: codec.quantize.quantize/dequantize, histogram_ref (torch
 bincount), codec.rans_cpu.encode_streams_ref / decode_streams_ref.
 
 Run the tests (CPU, interpreter):
-  TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_codec_triton*.py -q
-Run the benchmark (GPU):  python -m codec.triton_kernels --device cuda
+  TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_codec_triton.py -q
+Run the benchmark (GPU):  python -m codec.triton_bench --device cuda
 Whole GPU check (correctness + speed table):  bash scripts/gpu_check.sh
 """
 from __future__ import annotations
@@ -245,8 +248,11 @@ def _histogram_kernel(sym_ptr, out_ptr, T, C,
         m2 = (t[:, None] < T) & cmask[None, :]
         s = tl.load(base + t[:, None].to(tl.int64) * C + c[None, :], mask=m2, other=0)
         key = tl.arange(0, BC)[None, :] * NB + s.to(tl.int32)     # [BT, BC]
-        acc += tl.histogram(tl.reshape(key, (BT * BC,)), BC * NB,
-                            mask=tl.reshape(m2, (BT * BC,)))
+        key = tl.where(m2, key, 0)              # masked-out elements land in bin 0 ...
+        acc += tl.histogram(tl.reshape(key, (BT * BC,)), BC * NB)
+        n_out = BT * BC - tl.sum(tl.sum(m2.to(tl.int32), axis=1), axis=0)
+        acc -= tl.where(tl.arange(0, BC * NB) == 0, n_out, 0)   # ... and are taken out
+        # (histogram's mask= argument is missing from older Triton releases)
     k = tl.arange(0, BC * NB)
     cc = pc * BC + k // NB
     tl.store(out_ptr + (layer * C + cc) * NB + k % NB, acc, mask=cc < C)
@@ -760,6 +766,19 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     return words.view(torch.uint8), nwords.to(torch.int64) * 2
 
 
+_SCAN_BROKEN = False
+
+
+def _scan_failed(e: Exception) -> None:
+    """The register-scan decoder did not compile here: warn once, use the search."""
+    global _SCAN_BROKEN
+    if not _SCAN_BROKEN:
+        import warnings
+        warnings.warn(f"Triton rANS decoder: lookup='scan' unavailable ({type(e).__name__}: "
+                      f"{str(e)[:200]}); falling back to lookup='search'", RuntimeWarning)
+    _SCAN_BROKEN = True
+
+
 def _steps_per_kvl(cum_t: torch.Tensor, mi: torch.Tensor) -> list[int]:
     """For each (kv, layer): ceil(log2(max nbins of the models it uses)), nbins of a
     model = 1 + #{s >= 1: cum[s] < M} (rows are validated non-decreasing)."""
@@ -770,7 +789,7 @@ def _steps_per_kvl(cum_t: torch.Tensor, mi: torch.Tensor) -> list[int]:
 
 def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: int,
                        G: int, B: int, block: int | None = None, device=None,
-                       lookup: str = "search") -> tuple[torch.Tensor, torch.Tensor]:
+                       lookup: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Decode all streams of a chunk on the GPU; twin of `codec.rans_cpu.decode_streams`.
 
     Args:
@@ -783,8 +802,10 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
         "cpu" under TRITON_INTERPRET=1).
       block: lanes (streams) per program (power of two; default per backend).
       lookup: symbol lookup strategy, "search" (binary search over the cum row in memory,
-        any nbins) or "scan" (row held in registers, compare-and-reduce; nbins <= 64,
-        falls back to "search" above). Same output; a speed choice for the GPU.
+        any nbins), "scan" (row held in registers, compare/select over it; used for
+        alphabets <= 64 symbols, "search" above) or "auto" (scan up to 32 symbols, the
+        CacheGen schedules' 31 and 15). Same output; a speed choice for the GPU, not yet
+        measured on one (docs/gpu.md).
     Returns: (sym_k, sym_v) uint8 [L, T, C] each, on that device.
     Raises: CodecError on any inconsistency (bad layout, lengths not adding up to the
       payload, odd / too short / too long streams, truncated or corrupt streams).
@@ -830,18 +851,27 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
     out_v = torch.empty((L, T, C), dtype=torch.uint8, device=dev)
     err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
     block, opts = _rans_block(block)
-    if lookup not in ("search", "scan"):
-        raise ValueError(f"lookup must be 'search' or 'scan', got {lookup!r}")
+    if lookup not in ("auto", "search", "scan"):
+        raise ValueError(f"lookup must be 'auto', 'search' or 'scan', got {lookup!r}")
+    scan_max = {"auto": 5, "scan": 6, "search": 0}[lookup]
     steps = _steps_per_kvl(cum_t, mi)
     kern = _kernel("_rans_decode_kernel")
     for st in sorted(set(steps)):               # one launch per alphabet size class
         kvls = torch.tensor([i for i, v in enumerate(steps) if v == st], dtype=torch.int32,
                             device=dev)
+        grid = (triton.cdiv(n_groups, block), n_blocks, kvls.numel())
+        args = (words, woff, mi, cum_t, out_k, out_v, err, kvls, L, T, C, G, B, n_groups,
+                n_blocks)
         with _on(dev):
-            kern[(triton.cdiv(n_groups, block), n_blocks, kvls.numel())](
-                words, woff, mi, cum_t, out_k, out_v, err, kvls, L, T, C, G, B, n_groups,
-                n_blocks, SEARCH_STEPS=st, BLOCK=block, SCAN=lookup == "scan" and st <= 6,
-                **opts)
+            if st <= scan_max and not _SCAN_BROKEN:
+                try:
+                    kern[grid](*args, SEARCH_STEPS=st, BLOCK=block, SCAN=True, **opts)
+                    continue
+                except Exception as e:  # e.g. a Triton without tuples in kernels
+                    if interpreting():  # tests must exercise the scan, not the fallback
+                        raise
+                    _scan_failed(e)     # compile errors happen before anything runs
+            kern[grid](*args, SEARCH_STEPS=st, BLOCK=block, SCAN=False, **opts)
     if bool((err != 0).any()):
         i = int(torch.nonzero(err)[0, 0])
         raise CodecError(f"stream {i} of {n_streams}: "
@@ -916,7 +946,8 @@ def encode_symbols_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, nbins_k: Seq
 
 def decode_symbols_triton(header: dict, arrays: dict, payload, L: int, T: int, C: int,
                           nbins_k: Sequence[int], nbins_v: Sequence[int], device=None,
-                          max_symbols: int = 1 << 33) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_symbols: int = 1 << 33, lookup: str = "auto"
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPU twin of `codec.entropy.decode_symbols`: same checks, same errors, symbols as
     uint8 torch tensors [L, T, C] on `device` (default cuda; cpu under the interpreter).
 
@@ -961,4 +992,4 @@ def decode_symbols_triton(header: dict, arrays: dict, payload, L: int, T: int, C
     if device is None and not isinstance(payload, torch.Tensor):
         device = "cpu" if interpreting() else "cuda"
     return rans_decode_triton(payload, lengths.astype(np.int64), cum, model_index,
-                              L, T, C, G, B, device=device)
+                              L, T, C, G, B, device=device, lookup=lookup)

@@ -2,8 +2,8 @@
 
 Purpose: score what a request produced when its context came back through a lossy KV
 codec, against the task's answer (task skill) or against the lossless run (fidelity).
-Implements the evaluation of CacheGen (Liu et al., SIGCOMM 2024, section 7.1 "Quality
-metrics"): LongChat line retrieval accuracy as LongEval scores it, token-level F1 as
+Implements the quality side of CacheGen's evaluation (Liu et al., SIGCOMM 2024, the
+evaluation's quality metrics): LongChat line retrieval accuracy as LongEval scores it, token-level F1 as
 LongBench scores TriviaQA/NarrativeQA, perplexity as on WikiText, plus the fidelity
 metrics that need no task skill (KL divergence of next-token distributions, share of
 greedy tokens identical to the lossless run, ROUGE-L and BLEU against the lossless
@@ -325,7 +325,7 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
     Row ``i`` of ``logits`` is the model's prediction FOR ``targets[i]`` (the caller has
     already shifted by one: logits of positions t-1 predict token t). Computed in float64
-    from ``log_softmax``. As on WikiText (CacheGen section 7.1).
+    from ``log_softmax``. As CacheGen reports it on WikiText (cachegen.md section 6).
 
     Args:
         logits: ``[n, vocab]`` float (fp16/bf16/fp32/fp64), any device.
@@ -381,7 +381,7 @@ def kl_divergence(logits_ref: torch.Tensor, logits: torch.Tensor) -> float:
     ``KL = sum_v p_ref(v) * (log p_ref(v) - log p(v))`` per row, computed in float64
     from ``log_softmax`` of each side; terms with ``p_ref(v) = 0`` count 0. ``logits_ref``
     comes from the lossless KV, ``logits`` from the decoded KV (the fidelity metric of
-    cachegen.md section 6; KVQuant/KIVI report it the same way).
+    cachegen.md section 6).
 
     Args:
         logits_ref: ``[n, vocab]`` float, reference (lossless) logits.

@@ -346,6 +346,9 @@ def _request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunC
 def _run_record(var: Variant, bw: float, engine: str, ctx: Context, rep: int, t: RequestTiming,
                 quality: dict, output_text: str, slo_s: float | None) -> dict[str, Any]:
     size = ctx.sizes.get((var.codec, var.level if var.level is not None else -1)) if var.codec else None
+    # ratio vs the model's dtype (never fp32) of the KV actually loaded over the bytes moved
+    per_token = ctx.dtype_bytes / ctx.load_tokens
+    ratio = (per_token * t.loaded_tokens / t.bytes) if t.bytes and t.loaded_tokens else None
     slo_violated = None
     if slo_s is not None:
         slo_violated = (t.ttft_s - (t.first_token_s or 0.0)) > slo_s
@@ -359,7 +362,7 @@ def _run_record(var: Variant, bw: float, engine: str, ctx: Context, rep: int, t:
         "prefill_s": t.prefill_s, "first_token_s": t.first_token_s, "e2e_s": t.e2e_s,
         "output_tokens": len(t.output_ids), "output_tokens_per_s": t.output_tokens_per_s,
         "bytes": t.bytes, "stored_bytes": size,
-        "ratio_vs_dtype": (ctx.dtype_bytes / size) if size else None,
+        "ratio_vs_dtype": ratio,
         "slo_s": slo_s, "slo_violated": slo_violated, "chunks": t.chunks,
         "quality": quality, "output_text": output_text,
     }

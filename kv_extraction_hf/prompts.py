@@ -260,28 +260,53 @@ TOPICS = (
 )
 
 
+TOPIC_SENTENCES = (
+    "{T} is a subject that many people find fascinating.",
+    "There is a long history behind {t}, and it has changed a lot over the years.",
+    "One of the most interesting things about {t} is how much there is to learn.",
+    "People who enjoy {t} often spend years studying the details.",
+    "If you are new to {t}, it helps to start with the basics.",
+    "Experts in {t} often disagree about the best approach.",
+    "Books, films and museums have all helped to make {t} more widely known.",
+    "Some of the questions about {t} are still open today.",
+    "A good way to understand {t} is to look at a few concrete examples.",
+    "Many communities around the world have their own traditions connected with {t}.",
+    "The vocabulary of {t} can be confusing at first, but it becomes familiar with practice.",
+    "Patience matters a great deal when it comes to {t}.",
+    "Teachers who explain {t} well usually start with a simple story.",
+    "The future of {t} depends on the people who keep it alive.",
+    "Whenever I think about {t}, I remember how much effort goes into it.",
+    "It is easy to underestimate how much work {t} requires.",
+    "Newcomers to {t} are often surprised by how welcoming the community is.",
+    "There are many myths about {t}, and not all of them are true.",
+    "The best resources on {t} are written by people with real experience.",
+    "Over time, technology has changed the way people approach {t}.",
+)
+
+
 def topic_retrieval_prompt(tokenizer, context_tokens: int, seed: int = 0, index: int = 0,
                            turn_tokens: int | None = None) -> Prompt:
     """CacheGen's LongChat topic retrieval: a conversation over several topics (each a user
-    turn naming the topic and an assistant reply of about ``turn_tokens`` tokens of natural
-    text, default ``context_tokens // 5``, so about 4-5 topics at any size), then "What is
+    turn naming the topic and an assistant reply of about ``turn_tokens`` tokens of sentences
+    about that topic (shuffled templates), default ``context_tokens // 5``, so about 4-5 topics at any size), then "What is
     the first topic we discussed?". Scored by substring match of the topic."""
     rng = _rng("topic_retrieval", seed, index)
     turn_tokens = turn_tokens or max(40, context_tokens // 5)
     topics = rng.sample(TOPICS, len(TOPICS))
-    filler = _filler(rng, 4 * context_tokens // 10 + 50)
-    pieces, is_header, pos = [], [], 0
+    pieces, is_header = [], []
     for topic in topics:
         pieces.append(f"USER: I would like to discuss the topic of {topic}.\nASSISTANT: Sure, let us talk "
                       f"about {topic}.")
         is_header.append(True)
         size = 0
-        while size < turn_tokens:
-            sent = filler[pos % len(filler)]
-            pos += 1
-            pieces.append(sent)
-            is_header.append(False)
-            size += len(sent) // 4
+        while size < turn_tokens:  # a reply about the topic: shuffled template sentences
+            for template in rng.sample(TOPIC_SENTENCES, len(TOPIC_SENTENCES)):
+                sent = template.format(t=topic, T=topic[0].upper() + topic[1:])
+                pieces.append(sent)
+                is_header.append(False)
+                size += len(sent) // 4
+                if size >= turn_tokens:
+                    break
     head = "Below is a record of our previous conversation on many different topics.\n\n"
 
     def body(chosen):
@@ -294,7 +319,8 @@ def topic_retrieval_prompt(tokenizer, context_tokens: int, seed: int = 0, index:
     num_topics = sum(is_header[i] for i in chosen) - int(bool(chosen) and is_header[chosen[-1]])
     if num_topics < 1 or len(chosen) < 2:
         raise ExtractionError(f"context_tokens={context_tokens} holds no conversation turn for topic_retrieval")
-    question = "\n\nWhat is the first topic we discussed? Only give me the topic name."
+    question = ("\n\nWhat is the first topic we discussed? Only give me the topic name. "
+                "Do not summarize yourself.")
     return _finish("topic_retrieval", tokenizer, context_tokens, seed, index, body(chosen), part, ids, question,
                    topics[0], 40, meta={"num_topics": num_topics, "turn_tokens": turn_tokens})
 

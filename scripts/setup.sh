@@ -74,9 +74,9 @@ if [ -n "$BROKEN" ]; then
 else
     say "no broken torchvision/torchaudio/torchcodec"
 fi
-"$PY" -c "import torch, transformers, safetensors, gguf, constriction" || {
-    echo "[setup] error: core imports fail in .venv" >&2; exit 1; }
-say "imports ok: torch $("$PY" -c 'import torch; print(torch.__version__)'), transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
+VERSIONS="$("$PY" -c "import torch, transformers, safetensors, gguf, constriction; print('torch', torch.__version__ + ',', 'transformers', transformers.__version__)")" || {
+    echo "[setup] error: core imports (torch, transformers, safetensors, gguf, constriction) fail in .venv" >&2; exit 1; }
+say "imports ok: $VERSIONS"
 if [ "$INSTALLED" = 1 ]; then
     "$PY" -c "import vllm" >/dev/null 2>&1 && say "vllm imports" || say "warning: 'import vllm' fails in .venv"
     echo "$WANT" > "$STAMP"

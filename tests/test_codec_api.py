@@ -35,10 +35,11 @@ def cachegen_bound(x: torch.Tensor, cfg, is_key: bool, n_sink: int) -> torch.Ten
     xq = x[:, n_sink:]
     _, _, _, eff = cg.quantize_tensor(xq, cfg, is_key)
     bins = cfg.key_bins if is_key else cfg.value_bins
-    m = Q.max_levels(bins).reshape(-1, 1, 1, 1)
+    m = Q.max_levels(bins)
     L, T, H, D = xq.shape
-    b = (eff / (2 * m.reshape((-1,) + (1,) * (eff.dim() - 1)))).expand(
-        cg._grouped(xq, cfg, is_key).shape).reshape(L, T, H, D)
+    view, _, _, eshape = cg._layout(tuple(xq.shape), cfg, is_key)
+    b = (eff.reshape(eshape) / (2 * m.reshape((-1,) + (1,) * (len(eshape) - 1))))
+    b = b.expand(view).reshape(L, T, H, D)
     eps = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8, torch.float32: 2 ** -23}[x.dtype]
     b = b * (1 + 1e-5) + eps * (xq.float().abs() + b)
     return torch.cat([torch.zeros(L, n_sink, H, D), b], 1)
@@ -272,11 +273,12 @@ def test_unknown_codec_and_level_errors():
 @given(L=st.integers(1, 6), T=st.integers(1, 70), H=st.integers(1, 4),
        D=st.sampled_from([1, 3, 8, 24, 64, 80]),
        dtype=st.sampled_from(DTYPES), kb=st.sampled_from([4, 8, 16, 32, 256]),
-       vb=st.sampled_from([4, 6, 12, 64]), per_head=st.booleans(),
+       vb=st.sampled_from([4, 6, 12, 64]),
+       group=st.sampled_from(["token", "head", "chunk_head"]),
        log8=st.booleans(), sinks=st.integers(0, 5), seed=st.integers(0, 10**6))
-def test_cachegen_property(L, T, H, D, dtype, kb, vb, per_head, log8, sinks, seed):
+def test_cachegen_property(L, T, H, D, dtype, kb, vb, group, log8, sinks, seed):
     k, v = make_kv(L=L, T=T, H=H, D=D, dtype=dtype, seed=seed)
-    cfg = codec.CodecConfig.uniform(L, kb, vb, scale_group="head" if per_head else "token",
+    cfg = codec.CodecConfig.uniform(L, kb, vb, scale_group=group,
                                     scale_format="log8" if log8 else "dtype",
                                     sink_tokens=sinks)
     data = codec.encode_kv(k, v, config=cfg)

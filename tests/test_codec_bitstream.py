@@ -98,6 +98,10 @@ def test_pack_rejects_bad_arrays():
         bs.pack({}, {"x": np.zeros(3, np.float32)}, bf16=["x"])
     with pytest.raises(ValueError):
         bs.pack({"h": "x" * (bs.MAX_HEADER_BYTES + 1)}, {})
+    with pytest.raises(ValueError):
+        bs.pack({}, {}, "text payload")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        bs.pack({}, {"b": np.zeros(2, bool)})
 
 
 def _refresh_crc(b: bytearray) -> bytes:
@@ -134,6 +138,17 @@ def test_specific_corruptions():
         bs.unpack(data, max_bytes=len(data) - 1)
     with pytest.raises(CodecError):
         bs.unpack("not bytes")  # type: ignore[arg-type]
+
+
+def test_bad_json_headers_rejected():
+    base = bytearray(bs.pack({"a": 1}, {}, b""))
+    for js in (b'{"a":1,"a":2}', b'[1,2,3,4,5]', b'{"a":NaN}', b'{"a":Infinity}', b'{"a":1', b'\xff\xfe\x00\x01\x02',
+               b'{"a":' + b"[" * 40 + b"]" * 40 + b"}", b"[" * 100000):
+        d = bytearray(base[:8]) + struct.pack("<I", len(js)) + js + base[12 + 7:]
+        with pytest.raises(CodecError):
+            bs.unpack(_refresh_crc(d))
+    d = bytearray(base[:8]) + struct.pack("<I", 7) + b'{"b":2}' + base[12 + 7:]
+    assert bs.unpack(_refresh_crc(d))[0] == {"b": 2}
 
 
 def test_absurd_shape_rejected_before_allocation():

@@ -61,10 +61,11 @@ def test_rans_bytes_equal_cpu_and_decode_both_ways(L, T, C, G, B):
     pay_t, len_t = tk.rans_encode_triton(_t(sk), _t(sv), ms.cum, ms.model_index, G, B)
     assert np.array_equal(len_t.cpu().numpy(), len_c)
     assert pay_t.cpu().numpy().tobytes() == pay_c.tobytes()
-    # CPU bytes -> Triton decoder
-    dk, dv = tk.rans_decode_triton(pay_c.tobytes(), len_c, ms.cum, ms.model_index,
-                                   L, T, C, G, B, device=DEV)
-    assert np.array_equal(dk.cpu().numpy(), sk) and np.array_equal(dv.cpu().numpy(), sv)
+    # CPU bytes -> Triton decoder, both symbol lookups (binary search / register scan)
+    for lookup in ("search", "scan"):
+        dk, dv = tk.rans_decode_triton(pay_c.tobytes(), len_c, ms.cum, ms.model_index,
+                                       L, T, C, G, B, device=DEV, lookup=lookup)
+        assert np.array_equal(dk.cpu().numpy(), sk) and np.array_equal(dv.cpu().numpy(), sv)
     # Triton bytes -> CPU decoder
     ck, cv = rans_cpu.decode_streams(pay_t.cpu().numpy().tobytes(), len_t.cpu().numpy(),
                                      ms.cum, ms.model_index, L, T, C, G, B)
@@ -163,7 +164,7 @@ def test_rans_decode_rejects_bad_input_like_cpu():
     both_raise(pay, ln)
     # every single-byte corruption of the payload is caught or decodes to the same answer
     # as the CPU decoder (rANS has no redundancy; the container's CRC32 catches the rest)
-    for i in range(0, len(pay), 3):
+    for i in range(0, len(pay), max(1, len(pay) // 10)):
         q = bytearray(pay)
         q[i] ^= 0x5A
         try:
@@ -304,8 +305,8 @@ import json, sys
 from codec import triton_kernels as tk
 try:
     ptx = tk.compile_for_target(90)
-except FileNotFoundError as e:
-    print(json.dumps({"skip": str(e)})); sys.exit(0)
+except (FileNotFoundError, ImportError, TypeError) as e:  # no ptxas / other Triton API
+    print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
 print(json.dumps({
     "n": len(ptx),
     "entries": all(".entry" in p for p in ptx.values()),
@@ -314,6 +315,7 @@ print(json.dumps({
     "div_u32": "div.u32" in ptx["rans_encode_write1"],
     "div64": [k for k in ("rans_encode_write1", "rans_decode_steps8")
               if "div.u64" in ptx[k] or "div.s64" in ptx[k]],
+    "barriers": [k for k in ptx if k.startswith("rans_") and "bar.sync" in ptx[k]],
 }))
 """
 
@@ -341,6 +343,7 @@ def test_kernels_compile_for_h100_class_gpu_without_a_gpu():
     assert res["fma"] == []                 # x * inv rounded before rint, no contraction
     assert res["div_u32"]                   # unsigned 32-bit x // f in the encoder
     assert res["div64"] == []               # no 64-bit division in the rANS hot loops
+    assert res["barriers"] == []            # no shared-memory layout shuffles in the rANS loops
 
 
 def test_resolve_backend():
@@ -351,3 +354,17 @@ def test_resolve_backend():
     if DEV == "cuda":
         assert tk.resolve_backend("cuda") == "triton"
         assert tk.resolve_backend("cuda", "cpu") == "cpu"
+
+
+def test_encode_symbols_triton_rejects_like_cpu():
+    from codec import entropy
+
+    sk = np.zeros((1, 4, 3), np.uint8)
+    sk[0, 1, 2] = 9                                             # >= nbins = 8
+    sv = np.zeros_like(sk)
+    for fn, a, b in ((entropy.encode_symbols, sk, sv),
+                     (tk.encode_symbols_triton, _t(sk), _t(sv))):
+        with pytest.raises(ValueError, match="symbol 9 >= nbins=8"):
+            fn(a, b, [8], [8])
+        with pytest.raises(ValueError):
+            fn(a, b, [8], [8], channels_per_stream=0)

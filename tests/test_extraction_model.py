@@ -49,9 +49,13 @@ def test_info_and_prefill_shape(default_bundle, needle):
     p, k, v = needle
     assert k.shape == v.shape == (30, len(p.context_ids), 3, 64)
     assert k.dtype == v.dtype == torch.bfloat16 and k.is_contiguous()
-    # prefill is deterministic, and the KV of a prefix is the prefix of the KV (causal)
+    # prefill is deterministic, and the KV of a prefix is the prefix of the KV (causal), up to
+    # bf16 rounding of differently shaped matmuls
+    k1, v1 = prefill_kv(default_bundle, p.context_ids)
+    assert torch.equal(k1, k) and torch.equal(v1, v)
     k2, v2 = prefill_kv(default_bundle, p.context_ids[:50])
-    assert torch.allclose(k2.float(), k[:, :50].float(), atol=0.05) and torch.allclose(v2.float(), v[:, :50].float(), atol=0.05)
+    for short, full in ((k2, k[:, :50]), (v2, v[:, :50])):
+        assert (short.float() - full.float()).norm() / full.float().norm() < 0.01
 
 
 def test_generation_from_injected_kv_equals_generation_from_prompt(default_bundle, needle, tmp_path):
@@ -69,11 +73,25 @@ def test_generation_from_injected_kv_equals_generation_from_prompt(default_bundl
     assert torch.equal(k2, k)
 
 
-def test_generation_equal_on_a_second_task(default_bundle):
-    p = build_prompt("topic_retrieval", default_bundle.tokenizer, 256, seed=1, index=0)
-    k, v = prefill_kv(default_bundle, p.context_ids)
-    ref = _reference_generate(default_bundle, p.input_ids, 16)
-    assert generate_from_kv(default_bundle, k, v, p.context_ids, p.question_ids, 16) == ref
+@pytest.fixture(scope="module")
+def fp32_bundle():
+    """The default model computing in float32 (its bf16 weights upcast exactly)."""
+    from kv_extraction_hf.model import load_model
+
+    return load_model(dtype="float32", log=lambda msg: None)
+
+
+@pytest.mark.parametrize("task", ["topic_retrieval", "longchat_lines", "needle"])
+def test_generation_equal_token_for_token_in_float32(fp32_bundle, task):
+    """In bf16, prefilling the context alone or inside the whole prompt rounds differently
+    (last-position logits differ by up to ~0.3 here), so a near-tie can flip a greedy token
+    (topic_retrieval-256t-s1-i0 does, at its 2nd token). In float32 the two paths agree to
+    ~1e-5 and every greedy token must be equal."""
+    p = build_prompt(task, fp32_bundle.tokenizer, 256, seed=1, index=0)
+    k, v = prefill_kv(fp32_bundle, p.context_ids)
+    assert k.dtype == torch.float32
+    ref = _reference_generate(fp32_bundle, p.input_ids, 16)
+    assert generate_from_kv(fp32_bundle, k, v, p.context_ids, p.question_ids, 16) == ref
 
 
 def test_continuation_logits_match_a_full_forward(default_bundle):

@@ -357,3 +357,52 @@ def test_reads_results_only_and_sets_backend_in_main():
     assert "matplotlib.use" in calls_in_main
     module_level = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     assert all("matplotlib.use" not in ast.unparse(n) for n in module_level)
+
+
+# ----------------------------------------------------------------------------- odd values
+
+
+BAD_VALUES = [None, "n/a", -1, 0, 1e300, [], {}, True, "", 2.5]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 1e300 on a log axis
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_odd_values_never_crash(doc, tmp_path, seed):
+    """Seeded random corruption of field values: figures are drawn or named as skipped, never a crash."""
+    import random
+
+    rng = random.Random(seed)
+    bad = copy.deepcopy(doc)
+    for _ in range(150):
+        records = bad[rng.choice(["summaries", "codec_layers", "adaptation", "runs"])]
+        record = rng.choice(records)
+        key = rng.choice(list(record))
+        if rng.random() < 0.3:
+            del record[key]
+        else:
+            record[key] = rng.choice(BAD_VALUES)
+    if seed % 2:
+        del bad["summaries"]  # exercise the medians computed from corrupted runs
+    data = vr.prepare(json.loads(json.dumps(bad)))
+    written, skipped = vr.render_all(data, tmp_path, ["png"], dpi=20)
+    assert len(written) + len(skipped) == len(vr.FIGURES)
+    assert len(written) >= 3
+    for path in written:
+        assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_adaptation_several_traces_without_estimate(doc):
+    """The shape run_benchmarks writes: traces constant/step/artifact, no throughput estimate."""
+    rows = []
+    for trace, bws in [("constant", [1000] * 4), ("step", [1000, 100, 100, 1000]), ("artifact", [430, 40, 990, 300])]:
+        for i, bw in enumerate(bws):
+            rows.append({"trace": trace, "context_id": "c0", "chunk": i, "bandwidth_mbps": bw,
+                         "level": None if bw < 60 else (3 if bw > 500 else 1), "text_fallback": bw < 60,
+                         "elapsed_s": 0.3 * (i + 1), "slo_s": 1.0, "trace_scale": 0.1})
+    fig = vr.fig_adaptation_timeline(vr.prepare({**doc, "adaptation": rows}))
+    assert len(fig.axes) == 9  # 3 rows (bandwidth, level, elapsed) x 3 traces
+    assert [ax.get_title() for ax in fig.axes[:3]] == [
+        "trace: constant  (context c0)", "trace: step  (context c0)", "trace: artifact  (context c0)"]
+    level_legend = _legend_texts(fig.axes[5])  # rightmost panel of the level row
+    assert level_legend == ["level sent", "text fallback"]
+    np.testing.assert_allclose(fig.axes[5].get_lines()[0].get_ydata(), [1, 0, 3, 1])

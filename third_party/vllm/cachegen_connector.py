@@ -17,13 +17,14 @@ Per request (the harness runs every mode on ONE engine):
         "source": "store" | "local",   # default: extra config "source", else "store"
         "context_key": "...",          # the stored context (streaming.store.context_key)
         "store": "host:port",          # store source; or "source_dir" for the local one
-        "mode": "cachegen", "level": 2, "adaptive": false, ...  # passed to the source
+        "mode": "cachegen", "level": 2,  # mode: a label; level: stored level to fetch
+        "policy": {...},               # or streaming.adapt.AdaptivePolicy arguments
         "load_tokens": N,              # optional cap on loaded tokens
         "stats_tag": "..."}})          # copied into the stats record
 A request without kv_transfer_params (mode "text") loads nothing: plain prefill.
 
 Engine-wide extra config keys (all optional): "source", "source_dir", "store",
-"stats_path" (JSON-lines file the worker appends one record per load to), "decode_fn"
+"stats_path" (JSON-lines file: one record per load, save or miss), "decode_fn"
 ("module:function" replacing codec.decode_kv, tests only), "key_fn" ("module:function"
 (model_id, weights_hash, codec_tag, token_ids) -> key, used when a request gives
 "context_tokens" but no "context_key"), "model_id", "weights_hash".
@@ -41,8 +42,13 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
 * Tokens that could not be loaded (text fallback of a chunk, lost connection, corrupt
   chunk) are reported through `get_block_ids_with_load_errors`; with
   kv_load_failure_policy="recompute" vLLM recomputes from the first failed block.
-* Load-only: the harness fills the store from HF-transformers KV (kv_extraction_hf); the
-  save hooks are no-ops (documented in docs/vllm-connector.md).
+* Save (optional, kv_transfer_params {"save": {...}}): after the step whose forward computes
+  the last token to save, the worker reads the KV back from the paged cache with gather
+  maps PROBED through the same cache-write op (no layout assumed), encodes it with the
+  codec and writes it to a local folder or the KV store. The harness normally fills the
+  store from HF-transformers KV instead (kv_extraction_hf).
+Stats: one JSON line per load / save / miss in extra config "stats_path".
+Docs: docs/vllm-connector.md. Tests: tests/test_vllm_connector*.py.
 """
 
 from __future__ import annotations
@@ -62,13 +68,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-
-try:  # label external hits for vLLM's metrics (present in this build)
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-    _HIT_SOURCE = getattr(CacheHitSource, "DISK", None)
-except ImportError:  # pragma: no cover
-    _HIT_SOURCE = None
 
 from third_party.vllm.sources import Lookup, SourceError, load_callable, make_source
 
@@ -148,10 +147,10 @@ def _layer_index(name: str) -> int:
 
 
 class CacheGenConnector(KVConnectorBase_V1):
-    """Load-only KV connector: KV of a stored context prefix -> vLLM's paged KV cache."""
+    """KV of a stored context prefix -> vLLM's paged KV cache (and optional save back).
 
-    if _HIT_SOURCE is not None:
-        _cache_hit_source = _HIT_SOURCE
+    External hits keep the base class's EXTERNAL_UNSPECIFIED label (vLLM's label for a
+    remote store)."""
 
     def __init__(
         self,
@@ -226,11 +225,24 @@ class CacheGenConnector(KVConnectorBase_V1):
             except (SourceError, ValueError, OSError) as e:
                 logger.warning("KV lookup failed for %s: %s", request.request_id, e)
                 lk = Lookup(0, info={"miss": f"lookup error: {e}"})
-            self._lookups[request.request_id] = lk
+            first = True
+        else:
+            first = False
+        self._lookups[request.request_id] = lk
         n = min(lk.num_tokens, len(prompt) - 1)
         if params.get("load_tokens") is not None:
             n = min(n, int(params["load_tokens"]))
         n = n // self._block_size * self._block_size
+        if first and n <= num_computed_tokens:
+            # a KV mode that loads nothing runs as a plain prefill: say so in the stats, a
+            # benchmark must not report it as a KV load
+            self._write_stats({"kind": "miss", "req_id": request.request_id,
+                               "stats_tag": params.get("stats_tag"), "mode": params.get("mode"),
+                               "context_key": params.get("context_key"),
+                               "stored_tokens": lk.num_tokens, "prompt_tokens": len(prompt),
+                               "local_hits": num_computed_tokens, "lookup_s": lk.lookup_s,
+                               "reason": lk.info.get("miss", "fewer than one block to load"),
+                               "time": time.time()})
         self._local_hits[request.request_id] = num_computed_tokens
         return max(0, n - num_computed_tokens), False
 
@@ -395,6 +407,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             last = (lr.end - 1) // lr.block_size
             self._failed_blocks.update(lr.block_ids[first_bad: last + 1])
         rec = {
+            "kind": "load",
             "req_id": lr.req_id,
             "stats_tag": lr.params.get("stats_tag"),
             "mode": lr.params.get("mode"),

@@ -1,8 +1,10 @@
-"""Helpers for the connector's demo and tests: an offline prompt, HF-transformers KV of a
-context, encoding it into a local chunk folder, and the demo run (plain prefill vs. load).
+"""Helpers for the connector's demo and tests: offline prompts (needle, lines), HF-transformers
+KV of a context and greedy reference, the TTFT demo (plain prefill vs. KV loads) and the
+self-check that tests/test_vllm_connector.py runs in a subprocess.
 
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 (TTFT of text prefill vs. KV load).
-Run: `python -m third_party.vllm.engine --help` (this module is its implementation).
+Run: `python -m third_party.vllm.engine --help` (the demo) or
+     `python -m third_party.vllm.demo_support --out report.json` (the self-check).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import os
 import random
 import shutil
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -130,24 +131,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def encode_to_local(root: Path, key: str, context_ids: list[int], k, v, codec_name: str = "raw",
-                    level: int | None = None, chunk_tokens: int = 1024) -> dict[str, Any]:
-    """Encode k, v with codec.encode_chunks and write a LocalDirSource folder; returns
-    {"bytes", "chunks", "encode_s"}."""
-    import codec
-
-    from third_party.vllm.sources import save_local_context
-
-    t0 = time.perf_counter()
-    chunks = codec.encode_chunks(k, v, codec=codec_name, level=level, chunk_tokens=chunk_tokens)
-    enc_s = time.perf_counter() - t0
-    T = k.shape[1]
-    sizes = [min(chunk_tokens, T - i) for i in range(0, T, chunk_tokens)]
-    save_local_context(root, key, context_ids, chunks, sizes,
-                       info={"codec": codec_name, "level": level})
-    return {"bytes": sum(len(c) for c in chunks), "chunks": len(chunks), "encode_s": enc_s}
-
-
 def run_demo(args) -> int:
     """TTFT of plain prefill vs. KV loads through the connector on one engine (see engine.py
     --help). Modes are interleaved round by round; round 0 is a warm-up, not counted."""
@@ -228,8 +211,11 @@ def run_demo(args) -> int:
           f"of counted runs, ms): lookup transfer decode inject load | same greedy as text")
     for m in modes:
         xs = ttft[m]
-        line = f"{m:14s} {statistics.median(xs) * 1e3:11.1f} {min(xs) * 1e3:7.1f} {max(xs) * 1e3:7.1f}"
-        rs = [x for x in recs if x.get("stats_tag") == m][1:args.repeats + 1]
+        line = (f"{m:14s} {statistics.median(xs) * 1e3:11.1f} {min(xs) * 1e3:7.1f} "
+                f"{max(xs) * 1e3:7.1f}")
+        # records of mode m: warm-up round, the counted rounds, then the greedy run
+        rs = [x for x in recs if x.get("stats_tag") == m and x.get("kind") == "load"]
+        rs = rs[1:args.repeats + 1]
         if rs:
             parts = [statistics.median(x[f] or 0.0 for x in rs) * 1e3
                      for f in ("lookup_s", "transfer_s", "decode_s", "inject_s", "load_s")]
@@ -298,8 +284,11 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
             ranges = [(i, i + t) for i, t in zip(range(0, len(ctx), chunk_tokens), sizes)]
             skey = cl.put_context("selfcheck-model", "0" * 16, "raw", ctx, {0: chunks}, ranges)
         store = f"{srv.host}:{srv.port}"
+        # prefix caching ON here (reset before every case) so that vLLM's own partial
+        # prefill from its local prefix cache can be compared with the connector's load
         llm = make_llm(mdir, {"source": "local", "source_dir": str(work / "kv"),
-                              "stats_path": str(stats)}, max_model_len=4096)
+                              "stats_path": str(stats)}, max_model_len=4096,
+                       enable_prefix_caching=True)
         try:
             cases = {
                 "text": None,
@@ -317,11 +306,20 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
                 "miss": {"source": "local", "context_key": "nothing_here", "mode": "raw",
                          "stats_tag": "miss"},
             }
-            run_one(llm, prompt, 1, None)  # warm-up
+            report["logprobs"], report["num_cached_tokens"] = {}, {}
             for name, kp in cases.items():
-                toks, ttft, e2e = run_one(llm, prompt, max_tokens, kp)
-                report["outputs"][name] = toks
-                report["ttft_s"][name] = ttft
+                llm.reset_prefix_cache()  # every case starts without local hits
+                toks, lps, ncached, ttft = _generate_lp(llm, prompt, max_tokens, kp)
+                report["outputs"][name], report["logprobs"][name] = toks, lps
+                report["num_cached_tokens"][name], report["ttft_s"][name] = ncached, ttft
+            # vLLM's own partial prefill: the same prompt again hits the local prefix cache
+            # left by the previous (plain) request
+            llm.reset_prefix_cache()
+            _generate_lp(llm, prompt, max_tokens, None)
+            toks, lps, ncached, ttft = _generate_lp(llm, prompt, max_tokens, None)
+            report["outputs"]["prefix_hit"], report["logprobs"]["prefix_hit"] = toks, lps
+            report["num_cached_tokens"]["prefix_hit"], report["ttft_s"]["prefix_hit"] = \
+                ncached, ttft
         finally:
             shutdown_llm(llm)
     report["stats"] = [json.loads(x) for x in stats.read_text().splitlines()] \
@@ -349,6 +347,20 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
         }
     Path(out_path).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _generate_lp(llm, prompt: list[int], max_tokens: int, kp: dict | None):
+    """Greedy run -> (token ids, logprob of each chosen token, num_cached_tokens, ttft_s)."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kp} if kp else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, extra_args=extra)
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    c = out.outputs[0]
+    lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
+    m = getattr(out, "metrics", None)
+    return list(c.token_ids), lps, out.num_cached_tokens, \
+        float(getattr(m, "first_token_latency", float("nan")))
 
 
 def shutdown_llm(llm) -> None:

@@ -331,7 +331,8 @@ class StoreSource:
 
     params (per request, from kv_transfer_params; engine defaults fill the gaps):
       store: "host:port"; context_key: 64-hex key (streaming.store.context_key);
-      level: stored quality level to fetch (default: the highest stored);
+      level: stored quality level to fetch (default: the highest stored), or a per-chunk
+        list of levels with None = text fallback (experiments, tests);
       policy: {"slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", ...} -> an
         streaming.adapt.AdaptivePolicy (per-chunk level or text fallback) instead of `level`;
       model_id / weights_hash / codec_tag: optional expectation checked against the manifest.
@@ -394,6 +395,8 @@ class StoreSource:
                 raise SourceError("'policy' must be a dict of streaming.adapt.AdaptivePolicy args")
             return AdaptivePolicy(**pol)
         level = params.get("level")
+        if isinstance(level, (list, tuple)):  # per-chunk levels, None = text (experiments)
+            return FixedPolicy([None if x is None else int(x) for x in level])
         if level is None:
             levels = lookup.info.get("levels") or [0]
             level = max(levels)
@@ -432,7 +435,9 @@ class StoreSource:
         delivered = [0]
 
         def on_decoded(i: int, out) -> None:
-            if policy.stopped or starts[i] != delivered[0]:
+            # (policy.stopped may already be set by the receiver, which runs ahead: chunks
+            # before the first text chunk are still part of the prefix)
+            if starts[i] != delivered[0]:
                 policy.stopped = True  # a gap before chunk i: it is useless to vLLM
                 return
             k, v = out
