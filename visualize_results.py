@@ -29,9 +29,10 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -173,7 +174,7 @@ def _add_labels(df: pd.DataFrame) -> pd.DataFrame:
     df["mode"] = df["mode"].astype(str)
     if "level" not in df.columns:
         df["level"] = np.nan
-    df["label"] = [plot_label(m, lv) for m, lv in zip(df["mode"], df["level"])]
+    df["label"] = [plot_label(m, lv) for m, lv in zip(df["mode"], df["level"], strict=True)]
     return df
 
 
@@ -428,7 +429,7 @@ def fig_kv_size(data: ResultsData):
     all_labels = label_order(s["label"], s)
     colors = _colors(all_labels)
     varying = []
-    for ax, (col, kind) in zip(axes, panels):
+    for ax, (col, kind) in zip(axes, panels, strict=True):
         agg = _per_label(s, col)
         labels = [lab for lab in all_labels if lab in agg.index]
         vals = agg.loc[labels, "median"].to_numpy(dtype=float)
@@ -498,7 +499,7 @@ def fig_quality_vs_size(data: ResultsData):
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     text_rows = s[s["mode"] == "text"]
     handles = {}
-    for ax, (metric, ylabel) in zip(axes, metrics):
+    for ax, (metric, ylabel) in zip(axes, metrics, strict=True):
         hib = data.higher_is_better(metric)
         points = []
         for lab in labels:
@@ -520,7 +521,7 @@ def fig_quality_vs_size(data: ResultsData):
                 points.append((size / MB, q))
         front = _pareto(points, hib)
         if len(front) >= 2:
-            fx, fy = zip(*front)
+            fx, fy = zip(*front, strict=True)
             h = ax.step(fx, fy, where="post", color="0.4", linewidth=1, linestyle="-", zorder=2,
                         label="Pareto front")[0]
             handles.setdefault("Pareto front", h)
@@ -557,7 +558,7 @@ def fig_ttft_breakdown(data: ResultsData):
     from matplotlib import colormaps
 
     part_colors = colormaps["Set2"]
-    for ax, bw in zip(axes, bws):
+    for ax, bw in zip(axes, bws, strict=True):
         rows = s if bw is None else s[s["bandwidth_mbps"] == bw]
         labels = label_order(rows["label"], rows)
         rows = rows.drop_duplicates("label").set_index("label").loc[labels]
@@ -599,7 +600,7 @@ def fig_reconstruction_error(data: ResultsData):
     fig = _new_figure(5.0 * len(panels) + 1.6, 4.4)
     axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
     names = {"k": "keys", "v": "values"}
-    for ax, kv in zip(axes, panels):
+    for ax, kv in zip(axes, panels, strict=True):
         rows = drawn if kv is None else drawn[drawn["kv"].astype(str) == kv]
         for lab in labels:
             r = rows[rows["label"] == lab].sort_values("layer")
@@ -686,7 +687,7 @@ def fig_adaptation_timeline(data: ResultsData):
     for row in axes:  # one legend per row, with the entries of all its panels
         entries: dict[str, Any] = {}
         for ax in row:
-            for handle, name in zip(*ax.get_legend_handles_labels()):
+            for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
                 entries.setdefault(name, handle)
         if entries:
             row[-1].legend(list(entries.values()), list(entries.keys()), fontsize=7, loc="best")

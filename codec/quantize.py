@@ -2,9 +2,11 @@
 
 Implements CacheGen's layer-wise symmetric quantization (Liu et al., SIGCOMM 2024,
 section 5.2; LMCache's serde, ../shared/reference/cachegen.md section 3) and the variants
-measured in docs/codec.md: scales per (layer, token, KV head), per-channel key scales,
-log-quantized 8-bit scales, anchor/delta token groups, plus the KIVI (Liu et al., ICML
-2024) asymmetric group quantizer and an FP8 (e4m3) cast used by the baselines.
+measured in docs/codec.md section 4 (scales per (layer, token), per (layer, token, KV
+head) or per (layer, KV head) over a chunk are all just a choice of the ``scale`` tensor
+below; log-quantized 8-bit scales; anchor/delta token groups, measured and not used by
+the codec), plus the KIVI (Liu et al., ICML 2024) asymmetric group quantizer and an FP8
+(e4m3) cast used by the baselines.
 
 The arithmetic is specified so another backend (the Triton kernels) can reproduce the
 symbols bit for bit. For a tensor ``x`` (any float dtype), a float32 scale ``s`` that

@@ -25,9 +25,10 @@ import math
 import re
 import string
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -447,7 +448,7 @@ def greedy_match(tokens: Sequence[int] | torch.Tensor, tokens_ref: Sequence[int]
     ref = _as_token_list(tokens_ref, "tokens_ref")
     if not ref:
         return 1.0 if not pred else 0.0
-    same = sum(1 for a, b in zip(pred, ref) if a == b)
+    same = sum(1 for a, b in zip(pred, ref, strict=False) if a == b)
     return same / len(ref)
 
 

@@ -156,6 +156,16 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
 
 
 # ----------------------------------------------------------------------------- quality
+def higher_is_better() -> dict[str, bool]:
+    """Direction of every quality and speed column of results.json (lm-eval-harness habit)."""
+    from evaluation import metrics as M
+
+    out = {name: M.get_metric(name).higher_is_better for name in M.list_metrics()}
+    out.update(correct=True, accuracy=True, f1=True, kl=False, ttft_s=False, bytes=False,
+               ratio_vs_dtype=True, output_tokens_per_s=True, slo_violation_rate=False)
+    return out
+
+
 def score_output(prompt, output_text: str, output_ids: list[int], ref_text: str | None,
                  ref_ids: list[int] | None) -> dict[str, Any]:
     """Task score of one output + its fidelity to the lossless output (evaluation.metrics)."""
@@ -268,6 +278,12 @@ def hf_load(params: dict, prompt_ids: list[int], load_tokens: int, before_chunk=
     stats = src.load(params, lk, n, lambda start, k, v: (ks.append(k), vs.append(v)),
                      before_chunk=before_chunk)
     load_s = time.perf_counter() - t0
+    decisions = {d["chunk"]: d for d in stats.extra.get("decisions", [])}
+    for ch in stats.chunks:  # what the adaptive policy saw when it chose this chunk's level
+        d = decisions.get(ch["index"])
+        if d:
+            ch.update(throughput_mbps_est=d.get("throughput_mbps_est"), decision=d.get("reason"),
+                      budget_s=d.get("budget_s"))
     got = stats.loaded_tokens
     k = torch.cat(ks, dim=1)[:, :got] if got else None
     v = torch.cat(vs, dim=1)[:, :got] if got else None
@@ -302,8 +318,8 @@ class _VLLM(_Engine):
         self._new_stats()
         t0 = time.perf_counter()
         out_ids, ttft, e2e = run_one(self.llm, ctx.prompt.input_ids, max_new_tokens, params)
-        recs = self._new_stats()
-        rec = recs[-1] if recs else {}
+        recs = [r for r in self._new_stats() if r.get("kind", "load") == "load"]
+        rec = recs[-1] if recs else {}  # none: a miss or text mode, the engine prefilled all
         if not math.isfinite(ttft):
             ttft = e2e
         lookup = float(rec.get("lookup_s") or 0.0)
@@ -451,7 +467,7 @@ def run(cfg: RunConfig, argv: list[str]) -> dict[str, Any]:
                   "environment": environment(link.method),
                   "model": {k: getattr(info, k) for k in ("model_id", "weights_hash", "dtype",
                                                           "num_layers", "num_kv_heads", "head_dim")},
-                  "config": cfg.to_dict()}
+                  "config": cfg.to_dict(), "higher_is_better": higher_is_better()}
         writer = ResultsWriter(out_path, header)
         ppl: dict[str, dict] = {}
         if cfg.quality:
@@ -554,6 +570,8 @@ def adaptation_experiment(cfg: RunConfig, bundle, link, store_addr: str, info,
                 rows.append({"trace": trace.name, "trace_source": trace.source,
                              "trace_scale": trace.scale, "context_id": ctx.cid, "chunk": ch["index"],
                              "bandwidth_mbps": trace.at(ch["index"]),
+                             "throughput_mbps_est": ch.get("throughput_mbps_est"),
+                             "decision": ch.get("decision"),
                              "level": ch.get("level"), "text_fallback": bool(ch.get("text_fallback")),
                              "bytes": ch.get("bytes"), "transfer_s": ch.get("transfer_s"),
                              "elapsed_s": elapsed, "slo_s": cfg.slo_s,

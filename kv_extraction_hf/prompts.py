@@ -286,12 +286,12 @@ TOPIC_SENTENCES = (
 
 def topic_retrieval_prompt(tokenizer, context_tokens: int, seed: int = 0, index: int = 0,
                            turn_tokens: int | None = None) -> Prompt:
-    """CacheGen's LongChat topic retrieval: a conversation over several topics (each a user
-    turn naming the topic and an assistant reply of about ``turn_tokens`` tokens of sentences
-    about that topic (shuffled templates), default ``context_tokens // 5``, so about 4-5 topics at any size), then "What is
-    the first topic we discussed?". Scored by substring match of the topic."""
+    """CacheGen's LongChat topic retrieval: a conversation over several topics, then "What is
+    the first topic we discussed?". Each topic is a user turn naming it and an assistant
+    reply of about ``turn_tokens`` tokens of sentences about it (shuffled templates; default
+    ``context_tokens // 4``, so 3-4 topics at any size). Scored by substring match."""
     rng = _rng("topic_retrieval", seed, index)
-    turn_tokens = turn_tokens or max(40, context_tokens // 5)
+    turn_tokens = turn_tokens or max(40, context_tokens // 4)
     topics = rng.sample(TOPICS, len(TOPICS))
     pieces, is_header = [], []
     for topic in topics:

@@ -141,7 +141,7 @@ def test_all_zero_rows_no_nan():
     assert bool((sym[0] == 15).all())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(L=st.integers(1, 4), T=st.integers(1, 20), H=st.integers(1, 4), D=st.integers(1, 33),
        bins=st.sampled_from([4, 6, 8, 12, 16, 32, 64, 256]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
@@ -164,7 +164,7 @@ def test_per_layer_bins_respected():
 
 
 # ------------------------------------------------------------------------ log8 scales
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1), spread=st.floats(0.0, 25.0), zeros=st.booleans())
 def test_log8_rounds_up_and_roundtrips(seed, spread, zeros):
     g = torch.Generator().manual_seed(seed)

