@@ -45,8 +45,8 @@ from .config import CodecConfig, DEFAULT_CHUNK_TOKENS
 # 1-3 the CacheGen artifact's levels; cachegen = this project's quantizer.
 DEFAULT_ROWS = [("raw", None), ("fp8", None), ("quant8", None), ("kivi4", None),
                 ("kivi2", None), ("cachegen-ref", 3), ("cachegen-ref", 2),
-                ("cachegen-ref", 0), ("cachegen-ref", 1), ("cachegen", 4), ("cachegen", 3),
-                ("cachegen", 2), ("cachegen", 1), ("cachegen", 0)]
+                ("cachegen-ref", 0), ("cachegen-ref", 1), ("cachegen", 5), ("cachegen", 4),
+                ("cachegen", 3), ("cachegen", 2), ("cachegen", 1), ("cachegen", 0)]
 QUICK_SHAPE = (8, 1024, 2, 64)   # synthetic KV for --quick: L, T, H, D
 
 
@@ -106,8 +106,9 @@ def load_contexts(args, log) -> tuple[list[dict], Optional[Any], dict]:
             info = info or {"model_id": meta.get("model_id"), "dtype": meta.get("dtype")}
         return ctxs, bundle, info
     if bundle is None:
-        raise SystemExit("error: without --kv the benchmark needs the model (drop --no-model)"
-                         " or use --quick")
+        print("error: without --kv the benchmark needs the model (drop --no-model) or use "
+              "--quick", file=sys.stderr)
+        raise SystemExit(2)
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.prompts import build_prompt
 
@@ -189,7 +190,7 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         rk, rv = rel_l2_per_layer(k, k2), rel_l2_per_layer(v, v2)
         rel_k_all.append(rk)
         rel_v_all.append(rv)
-        if bundle is not None and ctx["continuation_ids"] and ctx["context_ids"]:
+        if bundle is not None and bases[ci] is not None:
             q = quality(bases[ci], continuation_stats(bundle, k2, v2, ctx),
                         ctx["continuation_ids"])
             q["context"] = ctx["name"]
@@ -305,7 +306,9 @@ def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
     for s in spec:
         name, _, lv = s.partition(":")
         if name not in CODECS:
-            raise SystemExit(f"error: unknown codec {name!r}; available: {sorted(CODECS)}")
+            print(f"error: unknown codec {name!r}; available: {sorted(CODECS)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
         out.append((name, int(lv) if lv else None))
     return out
 
@@ -360,7 +363,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bundle is not None:
         for ctx in ctxs:
             if ctx["context_ids"] and ctx["continuation_ids"]:
-                bases.append(continuation_stats(bundle, ctx["k"], ctx["v"], ctx))
+                try:
+                    bases.append(continuation_stats(bundle, ctx["k"], ctx["v"], ctx))
+                except ValueError as e:   # ExtractionError: the dump does not fit the model
+                    print(f"error: {ctx['name']}: {e}", file=sys.stderr)
+                    return 2
             else:
                 bases.append(None)
     rows, layer_rows = [], []
@@ -368,8 +375,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, level in rows_spec:
         log(f"{name} level={level} ...")
         try:
-            row, lr = run_row(name, level, ctxs, bundle if bases else None, bases, args)
-        except ValueError as e:
+            row, lr = run_row(name, level, ctxs, bundle, bases, args)
+        except ValueError as e:  # includes kv_extraction_hf.ExtractionError (model mismatch)
             print(f"error: {name} level {level}: {e}", file=sys.stderr)
             return 2
         rows.append(row)

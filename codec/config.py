@@ -11,7 +11,7 @@ Presets::
     CodecConfig.for_model(30, level=0, variant="reference")        # LMCache default schedule
     CodecConfig.from_yaml("configs/codec.yaml", num_layers=30)
 
-Levels (schedules; boundaries for the artifact levels are the 7B/32-layer ones scaled to
+Reference-variant levels (boundaries of the artifact levels are the 7B/32-layer ones scaled to
 the model's depth):
 
 - level 0: LMCache's default schedule, NOT scaled (LMCache uses fixed boundaries):
@@ -24,7 +24,7 @@ The ``variant`` selects the quantizer: ``"reference"`` is LMCache's (one scale p
 (layer, token) over all channels, scales stored in the model's dtype) with the levels
 above; ``"harness"`` is this project's measured improvement: one quantization step per
 (layer, KV head) over the chunk ("chunk_head"), the first ``sink_tokens`` tokens stored
-exactly, uniform bins per level 0-4 (``HARNESS_LEVELS``; docs/codec.md has the
+exactly, uniform bins per level 0-5 (``HARNESS_LEVELS``; docs/codec.md has the
 measurements behind every choice).
 
 Run ``python -m codec.config 30`` to print the schedules of every level for 30 layers.
@@ -138,10 +138,11 @@ def reference_schedule(num_layers: int, level: int) -> tuple[tuple[QuantizationS
 # level 1 (the default) is ~8x smaller than bf16 at <= 1% perplexity increase.
 HARNESS_LEVELS: dict[int, tuple[int, int]] = {   # level -> (key bins, value bins)
     0: (24, 8),      # smallest
-    1: (32, 12),     # default: ~8.0x, ppl -0.9% / KL 0.032 (4 contexts)
-    2: (48, 12),     # ~7.0x, KL 0.024
-    3: (64, 16),     # ~5.9x, KL 0.016
-    4: (128, 64),    # ~3.8x, KL 0.003 (near lossless)
+    1: (32, 10),     # default: ideal 8.6x (coded ~8.3x), ppl -0.4% / KL 0.036 (4 contexts)
+    2: (32, 12),     # coded 7.75x, ppl -0.4% / KL 0.031
+    3: (48, 12),     # ideal 7.0x, KL 0.024
+    4: (64, 16),     # ideal 5.9x, KL 0.016
+    5: (128, 64),    # ideal 3.8x, KL 0.003 (near lossless)
 }
 HARNESS_DEFAULT_LEVEL = 1
 REFERENCE_DEFAULT_LEVEL = 0     # LMCache's default schedule
@@ -254,7 +255,7 @@ class CodecConfig:
         ``level`` None -> the variant's default (harness: HARNESS_DEFAULT_LEVEL = 1;
         reference: 0). ``variant="reference"``: LMCache's quantizer and the LMCache
         (level 0) / artifact (1-3) schedules; ``variant="harness"``: this project's
-        quantizer and levels 0-4 (``HARNESS_LEVELS``). ``overrides`` replace any other
+        quantizer and levels 0-5 (``HARNESS_LEVELS``). ``overrides`` replace any other
         field.
         Raises ValueError for unknown levels/variants or bad overrides.
         """

@@ -74,10 +74,10 @@ class RunConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
     def quick_variant(self) -> "RunConfig":
-        """A smoke run: one short context, one repeat, cachegen level 2 only, no traces."""
+        """A smoke run: one short context, one repeat, at most two cachegen levels, one trace."""
         return dataclasses.replace(
             self, context_tokens=min(self.context_tokens, 1024), num_contexts=1, repeats=1,
-            levels=self.levels or (2,), ppl_contexts=1, ppl_context_tokens=512,
+            levels=(self.levels or (1,))[:2], ppl_contexts=1, ppl_context_tokens=512,
             traces=("step",) if self.traces else (), trace_chunks=4, quick=True,
             chunk_tokens=min(self.chunk_tokens, 256) if 256 % self.block_tokens == 0 else self.chunk_tokens)
 

@@ -420,7 +420,9 @@ def run(cfg: RunConfig, argv: list[str]) -> dict[str, Any]:
     except ExtractionError as exc:
         raise BenchmarkError(str(exc)) from None
     info = bundle.info
-    from codec.config import LEVELS as codec_levels_all
+    from codec.config import HARNESS_LEVELS
+
+    codec_levels_all = tuple(sorted(HARNESS_LEVELS))
     vlist = variants(cfg, codec_levels_all)
     store_levels: dict[str, list[int | None]] = {}
     for var in vlist:

@@ -289,9 +289,9 @@ def topic_retrieval_prompt(tokenizer, context_tokens: int, seed: int = 0, index:
     """CacheGen's LongChat topic retrieval: a conversation over several topics, then "What is
     the first topic we discussed?". Each topic is a user turn naming it and an assistant
     reply of about ``turn_tokens`` tokens of sentences about it (shuffled templates; default
-    ``context_tokens // 4``, so 3-4 topics at any size). Scored by substring match."""
+    ``context_tokens // 5``, so 4-5 topics at any size). Scored by substring match."""
     rng = _rng("topic_retrieval", seed, index)
-    turn_tokens = turn_tokens or max(40, context_tokens // 4)
+    turn_tokens = turn_tokens or max(40, context_tokens // 5)
     topics = rng.sample(TOPICS, len(TOPICS))
     pieces, is_header = [], []
     for topic in topics:
