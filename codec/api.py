@@ -11,6 +11,12 @@ the receiver decodes chunk k-1 (paper section 5.3).
     chunks = codec.encode_chunks(k, v, chunk_tokens=1024)      # list[bytes]
     codec.peek_header(chunks[0])                               # codec, level, shapes, sizes
 
+Backends: ``backend="auto"`` (default) runs the cachegen codecs' quantization and rANS
+coding in Triton when the tensors (encode) or the target ``device`` (decode) are on CUDA,
+and on the CPU otherwise; ``"cpu"`` / ``"triton"`` force one (docs/gpu.md). Both produce
+the same bytes and the same decoded values, so a KV encoded on a GPU decodes on a CPU and
+the reverse.
+
 Run the tests: .venv/bin/python -m pytest tests/test_codec_api*.py -q
 """
 from __future__ import annotations
@@ -31,6 +37,7 @@ __all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_chu
 CONTAINER_KIND = "kvcodec"   # header["kind"]: what the container holds
 MAX_DIM = {"L": 1 << 12, "T": 1 << 24, "H": 1 << 12, "D": 1 << 13}
 MAX_ELEMENTS = 1 << 33       # per K or V tensor: refuse to allocate more when decoding
+BACKENDS = ("auto", "cpu", "triton")
 
 
 # ------------------------------------------------------------------------ validation
@@ -76,15 +83,36 @@ def _device(device: Any) -> torch.device:
         raise ValueError(f"bad device {device!r}: {e}") from None
 
 
+def _resolve_backend(device: torch.device, backend: Any) -> str:
+    """"cpu" or "triton" for tensors on ``device`` (``codec.triton_kernels.resolve_backend``).
+    ValueError on an unknown name (listing the options) or on "triton" where Triton
+    cannot run. "auto" on a non-CUDA device is "cpu" without importing Triton."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available backends: {list(BACKENDS)}")
+    if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
+        return "cpu"
+    from . import triton_kernels as tk
+
+    return tk.resolve_backend(device, backend)
+
+
 # -------------------------------------------------------------------------- encoding
 def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[int],
                 config: Optional[CodecConfig], token_offset: int, total_tokens: int,
-                chunk_index: int, num_chunks: int) -> tuple[bytes, dict]:
+                chunk_index: int, num_chunks: int, backend: str = "cpu"
+                ) -> tuple[bytes, dict]:
+    """``backend``: already resolved ("cpu" | "triton"). Codecs without Triton kernels
+    (raw, fp8, quant8, kivi) always run on CPU copies; the cachegen codecs with "triton"
+    keep K/V on their device."""
     c = get_codec(codec)
     L, T, H, D = k.shape
-    k, v = k.detach().to("cpu"), v.detach().to("cpu")
+    if backend == "triton" and c.supports_triton:
+        k, v = k.detach(), v.detach()
+    else:
+        backend = "cpu"
+        k, v = k.detach().to("cpu"), v.detach().to("cpu")
     enc = c.encode(k, v, level=level, config=config, token_offset=token_offset,
-                   total_tokens=total_tokens)
+                   total_tokens=total_tokens, backend=backend)
     lvl = level
     if "config" in enc.header:
         lvl = enc.header["config"].get("level")
@@ -103,46 +131,55 @@ def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[in
 
 
 def encode_with_stats(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
-                      level: Optional[int] = None, config: Optional[CodecConfig] = None
-                      ) -> tuple[bytes, dict]:
+                      level: Optional[int] = None, config: Optional[CodecConfig] = None,
+                      backend: str = "auto") -> tuple[bytes, dict]:
     """``encode_kv`` plus a stats dict (bytes, elements, dtype_bytes, and for cachegen:
     entropy_bits, ideal_bits, model_bytes, length_table_bytes, payload_bytes, scale_bytes,
     sink_bytes, symbols) for benchmarks."""
     codec_obj = get_codec(codec)
     _check_level(codec_obj, level)
     _, T, _, _ = _check_kv(k, v)
-    return _encode_one(k, v, codec, level, config, 0, T, 0, 1)
+    b = _resolve_backend(k.device, backend)
+    return _encode_one(k, v, codec, level, config, 0, T, 0, 1, backend=b)
 
 
 def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
-              level: Optional[int] = None, config: Optional[CodecConfig] = None) -> bytes:
+              level: Optional[int] = None, config: Optional[CodecConfig] = None,
+              backend: str = "auto") -> bytes:
     """Encode a whole KV cache as ONE container.
 
     Args:
       k, v: [L, T, H, D] (layers, tokens, KV heads, head_dim), float16/bfloat16/float32,
-        finite, any device (encoding runs on CPU).
+        finite, any device.
       codec: a name in ``codec.CODECS`` (raw, fp8, quant8, kivi2, kivi4, cachegen,
         cachegen-ref).
       level: cachegen level (None = the default level); must be None for other codecs.
       config: explicit CodecConfig for cachegen codecs (overrides the level preset).
+      backend: "auto" (default: Triton when k is on CUDA and Triton is usable, else CPU),
+        "cpu" (copies to the host) or "triton" (the Triton kernels of
+        ``codec.triton_kernels``, on k's device). Same bytes either way. Only cachegen
+        and cachegen-ref have Triton kernels; other codecs always encode on a CPU copy.
     Returns: bytes (self-describing: ``decode_kv`` needs nothing else).
-    Raises: ValueError on bad input (rank, shapes, dtype, NaN/inf, unknown codec/level).
+    Raises: ValueError on bad input (rank, shapes, dtype, NaN/inf, unknown
+      codec/level/backend, backend="triton" where Triton cannot run).
     """
-    return encode_with_stats(k, v, codec, level, config)[0]
+    return encode_with_stats(k, v, codec, level, config, backend=backend)[0]
 
 
 def encode_blob(kv: torch.Tensor, codec: str = "cachegen", level: Optional[int] = None,
-                config: Optional[CodecConfig] = None) -> bytes:
+                config: Optional[CodecConfig] = None, backend: str = "auto") -> bytes:
     """``encode_kv`` for LMCache's layout: ``kv`` [L, 2, T, H, D] (index 0 = K, 1 = V)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
         shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"kv blob must be a tensor [L, 2, T, H, D], got {shape}")
-    return encode_kv(kv[:, 0], kv[:, 1], codec=codec, level=level, config=config)
+    return encode_kv(kv[:, 0], kv[:, 1], codec=codec, level=level, config=config,
+                     backend=backend)
 
 
 def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
                   level: Optional[int] = None, config: Optional[CodecConfig] = None,
-                  chunk_tokens: Optional[int] = None) -> list[bytes]:
+                  chunk_tokens: Optional[int] = None, backend: str = "auto"
+                  ) -> list[bytes]:
     """Split the tokens into chunks of ``chunk_tokens`` (the last may be shorter) and encode
     each as an independently decodable container (own header, models, CRC32).
 
@@ -150,11 +187,13 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     be a positive multiple of 16 (GPU vLLM's KV block; use a multiple of 128 for vLLM
     CPU). Each chunk's header records ``token_offset``, ``total_tokens``, ``chunk_index``
     and ``num_chunks``; ``decode_chunks`` concatenates them back to the full KV.
+    ``backend``: as ``encode_kv``.
     Raises ValueError on bad input.
     """
     codec_obj = get_codec(codec)
     _check_level(codec_obj, level)
     _, T, _, _ = _check_kv(k, v)
+    bk = _resolve_backend(k.device, backend)
     if chunk_tokens is None:
         chunk_tokens = config.chunk_tokens if config is not None else DEFAULT_CHUNK_TOKENS
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) \
@@ -165,7 +204,8 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     out = []
     for i in range(n):
         a, b = i * chunk_tokens, min(T, (i + 1) * chunk_tokens)
-        out.append(_encode_one(k[:, a:b], v[:, a:b], codec, level, config, a, T, i, n)[0])
+        out.append(_encode_one(k[:, a:b], v[:, a:b], codec, level, config, a, T, i, n,
+                               backend=bk)[0])
     return out
 
 
@@ -216,18 +256,28 @@ def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
     return header, arrays, payload, CODECS[name]
 
 
-def decode_kv(data: bytes, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode one container (``encode_kv`` output or one chunk of ``encode_chunks``).
 
+    ``backend``: "auto" (default: Triton when ``device`` is CUDA and Triton is usable,
+    else CPU), "cpu" (decode on the host, then copy to ``device``) or "triton" (rANS
+    decoding and dequantization by ``codec.triton_kernels`` on ``device``). The decoded
+    values are identical either way. Only cachegen / cachegen-ref use Triton.
     Returns: (k, v), each [L, T, H, D] in the ORIGINAL dtype, on ``device``.
     Raises: CodecError on any malformed, truncated or corrupted input (nothing else);
-      ValueError on a bad ``device`` argument.
+      ValueError on a bad ``device`` or ``backend`` argument.
     """
     dev = _device(device)
+    b = _resolve_backend(dev, backend)
     header, arrays, payload, c = _read(data)
     shape = (header["L"], header["T"], header["H"], header["D"])
     try:
-        k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"])
+        if b == "triton" and c.supports_triton:
+            k, v = c.decode(header["codec_header"], arrays, payload, shape,
+                            header["dtype"], backend="triton", device=dev)
+        else:
+            k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"])
     except CodecError:
         raise
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, RuntimeError,
@@ -243,16 +293,20 @@ def decode_kv(data: bytes, device: Any = "cpu") -> tuple[torch.Tensor, torch.Ten
     return k.to(dev), v.to(dev)
 
 
-def decode_chunk(data: bytes, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def decode_chunk(data: bytes, device: Any = "cpu", backend: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode one chunk of ``encode_chunks`` (same as ``decode_kv``); its position in the
     context is ``peek_header(data)["token_offset"]``."""
-    return decode_kv(data, device)
+    return decode_kv(data, device, backend=backend)
 
 
-def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu"
+def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "auto"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode all chunks of one ``encode_chunks`` call and concatenate along tokens.
-    Raises CodecError if chunks are missing, out of order or from different KVs."""
+    """Decode all chunks of one ``encode_chunks`` call and concatenate along tokens
+    (``backend`` as ``decode_kv``).
+    Raises CodecError if chunks are missing, out of order or from different KVs;
+    ValueError on a bad ``device`` or ``backend``."""
+    _resolve_backend(_device(device), backend)   # argument errors before any decoding
     if not chunks:
         raise CodecError("no chunks")
     ks, vs = [], []
@@ -267,7 +321,7 @@ def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu"
         for key in ("codec", "L", "H", "D", "dtype", "total_tokens", "num_chunks"):
             if h[key] != first[key]:
                 raise CodecError(f"chunk {i} has {key}={h[key]!r}, chunk 0 has {first[key]!r}")
-        k, v = decode_kv(data, device)
+        k, v = decode_kv(data, device, backend=backend)
         ks.append(k)
         vs.append(v)
         pos += h["T"]

@@ -125,19 +125,27 @@ class Codec:
     """Base class. ``encode(k, v, ...)`` -> EncodedChunk; ``decode(header, arrays,
     payload, shape, dtype_name)`` -> (k, v) float tensors [L, T, H, D] of that dtype on CPU.
     ``shape`` = (L, T, H, D) is already validated by the API; decoders raise CodecError
-    on anything inconsistent."""
+    on anything inconsistent.
+
+    ``backend`` ("cpu" | "triton", already resolved by ``codec.api`` with
+    ``codec.triton_kernels.resolve_backend``): only codecs with ``supports_triton`` get
+    "triton"; they then take K/V on the device (encode) and return K/V on ``device``
+    (decode), with the same bytes / values as the CPU backend. The others always get CPU
+    tensors and "cpu"."""
 
     name = "base"
     lossless = False
     uses_level = False
+    supports_triton = False
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, level: Optional[int],
                config: Optional[CodecConfig], token_offset: int,
-               total_tokens: int) -> EncodedChunk:
+               total_tokens: int, backend: str = "cpu") -> EncodedChunk:
         raise NotImplementedError
 
     def decode(self, header: dict, arrays: dict, payload: bytes, shape: tuple,
-               dtype_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype_name: str, *, backend: str = "cpu", device: Any = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -150,10 +158,11 @@ class RawCodec(Codec):
     name = "raw"
     lossless = True
 
-    def encode(self, k, v, *, level, config, token_offset, total_tokens):
+    def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": to_bits(k), "v": to_bits(v)})
 
-    def decode(self, header, arrays, payload, shape, dtype_name):
+    def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
+               device=None):
         if payload:
             raise CodecError("raw codec: unexpected payload")
         return (from_bits(arrays.get("k"), dtype_name, shape, "k"),
@@ -165,10 +174,11 @@ class Fp8Codec(Codec):
 
     name = "fp8"
 
-    def encode(self, k, v, *, level, config, token_offset, total_tokens):
+    def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": Q.fp8_quantize(k).numpy(), "v": Q.fp8_quantize(v).numpy()})
 
-    def decode(self, header, arrays, payload, shape, dtype_name):
+    def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
+               device=None):
         out = []
         for name in ("k", "v"):
             a = need_array(arrays.get(name), np.uint8, shape, name)
@@ -197,7 +207,7 @@ class KiviCodec(Codec):
     def _vgroup(D: int) -> int:
         return KIVI_GROUP if D % KIVI_GROUP == 0 else D
 
-    def encode(self, k, v, *, level, config, token_offset, total_tokens):
+    def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         L, T, H, D = k.shape
         nq = self._split(T, token_offset, total_tokens)
         arrays = {"k_full": to_bits(k[:, nq:]), "v_full": to_bits(v[:, nq:])}
@@ -211,7 +221,8 @@ class KiviCodec(Codec):
                           v_lo=to_bits(lov), v_step=to_bits(stv))
         return EncodedChunk({"nq": nq}, arrays)
 
-    def decode(self, header, arrays, payload, shape, dtype_name):
+    def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
+               device=None):
         L, T, H, D = shape
         nq = need_int(header, "nq", 0, T)
         if nq % KIVI_GROUP:
@@ -253,6 +264,9 @@ class CacheGenCodec(Codec):
         self.name = name
         self.variant = variant
         self.entropy = entropy
+        # the Triton kernels implement quantization + rANS; quant8 (no entropy coding)
+        # stays on the CPU like the other baselines
+        self.supports_triton = entropy
 
     # ---- config ------------------------------------------------------------------
     def resolve_config(self, num_layers: int, level: Optional[int],
@@ -288,15 +302,20 @@ class CacheGenCodec(Codec):
             return (L, T, H, D), (1, 3), (L, H), (L, 1, H, 1)
         return (L, T, 1, H * D), (3,), (L, T, 1), (L, T, 1, 1)
 
-    def quantize_tensor(self, x: torch.Tensor, cfg: CodecConfig, is_key: bool):
+    def quantize_tensor(self, x: torch.Tensor, cfg: CodecConfig, is_key: bool,
+                        backend: str = "cpu"):
         """x [L, T, H, D] (tokens to quantize) -> (symbols uint8 [L, T, H*D], header dict,
-        arrays dict, effective float32 scales broadcastable to the ``_layout`` view)."""
+        arrays dict, effective float32 scales broadcastable to the ``_layout`` view).
+
+        Scales are computed by torch on x's device (exact: max |x| and a searchsorted);
+        ``backend="triton"`` quantizes with ``codec.triton_kernels.quantize_triton`` (the
+        same symbols bit for bit) and returns symbols and scales on x's device."""
         L, T, H, D = x.shape
         bins = cfg.key_bins if is_key else cfg.value_bins
         m = Q.max_levels(bins)
         view, dims, sshape, eshape = self._layout(tuple(x.shape), cfg, is_key)
         xg = x.reshape(view)
-        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape)
+        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape, device=x.device)
         tag = "k" if is_key else "v"
         hdr: dict[str, Any] = {}
         arrays: dict[str, np.ndarray] = {}
@@ -305,18 +324,26 @@ class CacheGenCodec(Codec):
             codes, e0, eff = enc
             hdr[f"scale_{tag}"] = "log8"
             hdr[f"e0_{tag}"] = e0
-            arrays[f"scale_{tag}"] = codes.reshape(sshape).numpy()
+            arrays[f"scale_{tag}"] = codes.reshape(sshape).cpu().numpy()
         else:
             st = s.to(x.dtype)                                # exact: max of dtype values
             eff = st.to(torch.float32)
             hdr[f"scale_{tag}"] = "dtype"
             arrays[f"scale_{tag}"] = to_bits(st.reshape(sshape))
-        sym = Q.quantize(xg, eff, m).reshape(L, T, H * D)     # [L, T, C]
+        if backend == "triton" and xg.numel():
+            from . import triton_kernels as tk
+
+            sym = tk.quantize_triton(xg, eff, m).reshape(L, T, H * D)
+        else:
+            sym = Q.quantize(xg, eff, m.to(xg.device)).reshape(L, T, H * D)   # [L, T, C]
         return sym, hdr, arrays, eff
 
     def dequantize_tensor(self, sym: torch.Tensor, hdr: dict, arrays: dict, cfg: CodecConfig,
-                          shape: tuple, dtype_name: str, is_key: bool) -> torch.Tensor:
-        """Inverse of ``quantize_tensor``; sym [L, T, C] -> float32 [L, T, H, D]."""
+                          shape: tuple, dtype_name: str, is_key: bool, backend: str = "cpu",
+                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Inverse of ``quantize_tensor``; sym [L, T, C] -> ``out_dtype`` [L, T, H, D] on
+        sym's device (float32 arithmetic, then rounded to ``out_dtype``). ``backend=
+        "triton"``: ``codec.triton_kernels.dequantize_triton`` (bit-identical)."""
         L, T, H, D = shape
         tag = "k" if is_key else "v"
         bins = cfg.key_bins if is_key else cfg.value_bins
@@ -336,13 +363,19 @@ class CacheGenCodec(Codec):
                 raise CodecError(f"scales of {tag} are negative or not finite")
         else:
             raise CodecError(f"unknown scale format {fmt!r} for {tag}")
-        return Q.dequantize(sym.reshape(view), eff.reshape(eshape), m).reshape(L, T, H, D)
+        if backend == "triton" and sym.numel():
+            from . import triton_kernels as tk
+
+            return tk.dequantize_triton(sym.reshape(view), eff.reshape(eshape).to(sym.device),
+                                        m, out_dtype=out_dtype).reshape(L, T, H, D)
+        return Q.dequantize(sym.reshape(view), eff.reshape(eshape).to(sym.device), m).reshape(
+            L, T, H, D).to(out_dtype)
 
     def n_sink(self, cfg: CodecConfig, T: int, token_offset: int) -> int:
         return max(0, min(T, cfg.sink_tokens - token_offset))
 
     # ---- encode / decode -----------------------------------------------------------
-    def encode(self, k, v, *, level, config, token_offset, total_tokens):
+    def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         L, T, H, D = k.shape
         cfg = self.resolve_config(L, level, config)
         ns = self.n_sink(cfg, T, token_offset)
@@ -351,16 +384,22 @@ class CacheGenCodec(Codec):
         if ns:
             arrays["sink_k"] = to_bits(k[:, :ns])
             arrays["sink_v"] = to_bits(v[:, :ns])
+        triton = backend == "triton" and self.supports_triton
         syms = []
         scale_bytes = 0
         for x, is_key in ((k[:, ns:], True), (v[:, ns:], False)):
-            sym, h, a, _ = self.quantize_tensor(x, cfg, is_key)
+            sym, h, a, _ = self.quantize_tensor(x, cfg, is_key,
+                                                backend="triton" if triton else "cpu")
             header.update(h)
             arrays.update(a)
             scale_bytes += sum(int(arr.nbytes) for arr in a.values())
-            syms.append(sym.numpy())
+            # Triton path: symbols stay on the device for the Triton rANS encoder, except
+            # a chunk of only sink tokens (T = 0 symbols), which the CPU coder handles
+            syms.append(sym if triton and sym.shape[1] else sym.cpu().numpy())
         stats: dict[str, Any] = {"scale_bytes": scale_bytes,
-                                 "symbols": int(syms[0].size + syms[1].size),
+                                 "symbols": int(syms[0].size + syms[1].size)
+                                 if isinstance(syms[0], np.ndarray)
+                                 else int(syms[0].numel() + syms[1].numel()),
                                  "sink_bytes": int(sum(arrays[n].nbytes for n in arrays
                                                        if n.startswith("sink_")))}
         payload = b""
@@ -369,9 +408,16 @@ class CacheGenCodec(Codec):
 
             nk = [b - 1 for b in cfg.key_bins]       # 2M + 1 = bins - 1 symbols per layer
             nv = [b - 1 for b in cfg.value_bins]
-            es = encode_symbols(syms[0], syms[1], nk, nv,
-                                channels_per_stream=cfg.channels_per_stream,
-                                tokens_per_stream=cfg.tokens_per_stream)
+            if isinstance(syms[0], torch.Tensor):
+                from .triton_kernels import encode_symbols_triton
+
+                es = encode_symbols_triton(syms[0], syms[1], nk, nv,
+                                           channels_per_stream=cfg.channels_per_stream,
+                                           tokens_per_stream=cfg.tokens_per_stream)
+            else:
+                es = encode_symbols(syms[0], syms[1], nk, nv,
+                                    channels_per_stream=cfg.channels_per_stream,
+                                    tokens_per_stream=cfg.tokens_per_stream)
             header["entropy"] = es.header
             arrays.update(es.arrays)
             payload = es.payload
@@ -384,7 +430,8 @@ class CacheGenCodec(Codec):
             stats.update(payload_bytes=int(syms[0].nbytes + syms[1].nbytes))
         return EncodedChunk(header, arrays, payload, stats)
 
-    def decode(self, header, arrays, payload, shape, dtype_name):
+    def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
+               device=None):
         L, T, H, D = shape
         try:
             cfg = CodecConfig.from_dict(header.get("config"))
@@ -398,6 +445,8 @@ class CacheGenCodec(Codec):
         Tq = T - ns
         C = H * D
         dt = DTYPES[dtype_name]
+        triton = backend == "triton" and self.supports_triton
+        dev = torch.device(device) if device is not None else torch.device("cpu")
         if self.entropy:
             from .entropy import decode_symbols
 
@@ -408,7 +457,13 @@ class CacheGenCodec(Codec):
                 raise CodecError("missing entropy-coder header")
             ent_arrays = {n: a for n, a in arrays.items() if n.startswith("ent_")}
             try:
-                sk, sv = decode_symbols(ent, ent_arrays, payload, L, Tq, C, nk, nv)
+                if triton and Tq:   # symbols decoded on (and left on) the device
+                    from .triton_kernels import decode_symbols_triton
+
+                    sk, sv = decode_symbols_triton(ent, ent_arrays, payload, L, Tq, C, nk,
+                                                   nv, device=dev, max_symbols=1 << 32)
+                else:
+                    sk, sv = decode_symbols(ent, ent_arrays, payload, L, Tq, C, nk, nv)
             except CodecError:
                 raise
             except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
@@ -420,20 +475,28 @@ class CacheGenCodec(Codec):
             sv = need_array(arrays.get("sym_v"), np.uint8, (L, Tq, C), "sym_v")
         out = []
         for sym, is_key, tag in ((sk, True, "k"), (sv, False, "v")):
-            sym = torch.from_numpy(np.array(sym, dtype=np.uint8, copy=True))
+            if isinstance(sym, torch.Tensor):
+                if sym.dtype != torch.uint8:
+                    raise CodecError(f"decoded {tag} symbols have dtype {sym.dtype}")
+            else:
+                sym = torch.from_numpy(np.array(sym, dtype=np.uint8, copy=True))
+            if triton:
+                sym = sym.to(dev)
             if sym.shape != (L, Tq, C):
                 raise CodecError(f"decoded {tag} symbols have shape {tuple(sym.shape)}")
             bins = cfg.key_bins if is_key else cfg.value_bins
             if Tq and C:
-                lim = torch.tensor([2 * (b // 2 - 1) for b in bins]).reshape(L, 1, 1)
+                lim = torch.tensor([2 * (b // 2 - 1) for b in bins],
+                                   device=sym.device).reshape(L, 1, 1)
                 if bool((sym.to(torch.int64) > lim).any()):
                     raise CodecError(f"{tag} symbols exceed 2M")
             x = self.dequantize_tensor(sym, header, arrays, cfg, (L, Tq, H, D), dtype_name,
-                                       is_key).to(dt)
+                                       is_key, backend="triton" if triton else "cpu",
+                                       out_dtype=dt)
             if ns:
                 sink = from_bits(arrays.get(f"sink_{tag}"), dtype_name, (L, ns, H, D),
                                  f"sink_{tag}")
-                x = torch.cat([sink, x], 1)
+                x = torch.cat([sink.to(x.device), x], 1)
             out.append(x)
         return out[0], out[1]
 
