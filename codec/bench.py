@@ -9,6 +9,8 @@ not final (timings especially); the lead reruns it on a quiet one.
     python -m codec.bench --contexts 8 --out benchmarks/codec_bench.json
     python -m codec.bench --kv dumps/*.safetensors   # KV dumped by python -m kv_extraction_hf
     python -m codec.bench --quick               # synthetic KV, no model (ppl columns null)
+    python -m codec.bench --device cuda         # the Triton GPU benchmark (codec.triton_bench;
+                                                # further options are passed to it)
 
 Per (codec, level) row: bytes, bits_per_element, ratio_vs_dtype (vs the KV's own dtype,
 never fp32), payload_over_entropy (coded payload / empirical entropy per (layer, channel)),
@@ -313,13 +315,41 @@ def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
     return out
 
 
+def _gpu_bench(device: str, rest: list[str]) -> int:
+    """``--device cuda``: hand over to ``codec.triton_bench`` (speed of the Triton kernels
+    vs the CPU backend, docs/gpu.md); exit 2 with one line when CUDA is not available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        print(f"error: bad --device {device!r}: {e}", file=sys.stderr)
+        return 2
+    if dev.type != "cuda":
+        print(f"error: --device must be cpu or cuda, got {device!r}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"error: --device {device} but CUDA is not available on this machine "
+              "(the Triton GPU benchmark needs a CUDA GPU)", file=sys.stderr)
+        return 2
+    from . import triton_bench
+
+    return triton_bench.main(["--device", device, *rest])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    known, rest = pre.parse_known_args(argv)
+    if known.device != "cpu":
+        return _gpu_bench(known.device, rest)
     ap = argparse.ArgumentParser(
         prog="python -m codec.bench", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m codec.bench --quick\n"
                "  python -m codec.bench --contexts 4 --out benchmarks/codec_bench.json\n"
                "  python -m codec.bench --kv d/*.safetensors --rows cachegen:2 quant8")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (this benchmark) or cuda: run the Triton GPU benchmark "
+                    "(python -m codec.triton_bench --device cuda; other options go to it)")
     ap.add_argument("--quick", action="store_true",
                     help=f"synthetic KV {QUICK_SHAPE} (L,T,H,D), no model, ppl columns null")
     ap.add_argument("--kv", nargs="+", help="KV dumps (python -m kv_extraction_hf); with the "

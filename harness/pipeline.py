@@ -78,6 +78,7 @@ class Context:
     keys: dict[str, str] = field(default_factory=dict)
     sizes: dict[tuple[str, int], int] = field(default_factory=dict)
     dtype_bytes: int = 0
+    hf_prefill_tps: float = 0.0  # tokens/s of the HF prefill that extracted this context
 
 
 def variants(cfg: RunConfig, codec_levels: tuple[int, ...]) -> list[Variant]:
@@ -128,9 +129,12 @@ def build_contexts(cfg: RunConfig, bundle) -> list[Context]:
         if load < cfg.block_tokens:
             raise BenchmarkError(f"context of {task} has {len(p.context_ids)} tokens, fewer "
                                  f"than one KV block ({cfg.block_tokens}); raise --context-tokens")
+        t0 = time.perf_counter()
         k, v = prefill_kv(bundle, p.context_ids)
-        out.append(Context(f"{task}-{i}", p, k[:, :load].contiguous(), v[:, :load].contiguous(),
-                           load, dtype_bytes=2 * k[:, :load].numel() * k.element_size()))
+        ctx = Context(f"{task}-{i}", p, k[:, :load].contiguous(), v[:, :load].contiguous(),
+                      load, dtype_bytes=2 * k[:, :load].numel() * k.element_size())
+        ctx.hf_prefill_tps = len(p.context_ids) / (time.perf_counter() - t0)
+        out.append(ctx)
     return out
 
 
@@ -208,13 +212,13 @@ def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant]) -> tuple[dict,
         k, v = prefill_kv(bundle, p.context_ids)
         cont = torch.tensor(p.continuation_ids, dtype=torch.long)
         ref_logits = continuation_logits(bundle, k, v, p.context_ids, p.continuation_ids)
-        ppl_ref = M.perplexity(ref_logits[:-1], cont[1:])
+        ppl_ref = M.perplexity(ref_logits, cont)  # row i predicts continuation_ids[i]
         for var in kv_variants:
             chunks = codec_pkg.encode_chunks(k, v, codec=var.codec, level=var.level,
                                              chunk_tokens=cfg.chunk_tokens)
             k2, v2 = codec_pkg.decode_chunks(chunks)
             logits = continuation_logits(bundle, k2, v2, p.context_ids, p.continuation_ids)
-            ppl = M.perplexity(logits[:-1], cont[1:])
+            ppl = M.perplexity(logits, cont)
             per[var.label].append((M.ppl_increase_pct(ppl, ppl_ref), M.kl_divergence(ref_logits, logits)))
             if i == 0:
                 for kv_name, a, b in (("k", k, k2), ("v", v, v2)):
@@ -334,12 +338,16 @@ class _VLLM(_Engine):
             slo_violated=None)
 
     def close(self):
+        """Shut the engine (and its engine-core process) down; safe to call twice."""
+        if self.llm is None:
+            return
         try:
             from third_party.vllm.demo_support import shutdown_llm
 
             shutdown_llm(self.llm)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+        self.llm = None
 
 
 # ----------------------------------------------------------------------------- the run
@@ -510,9 +518,13 @@ def run(cfg: RunConfig, argv: list[str]) -> dict[str, Any]:
             writer.add_run(_run_record(var, bw, engine.name, ctx, rep, t, q, text,
                                        cfg.slo_s if var.mode == "cachegen-adaptive" else None))
 
+        engine.close()  # a live vLLM engine would compete for the CPU with the HF engine below
         if cfg.traces and "cachegen" in store_levels:
+            import statistics
+
+            hf_tps = statistics.median(c.hf_prefill_tps for c in contexts)
             writer.extend("adaptation", adaptation_experiment(cfg, bundle, link, store_addr, info,
-                                                              contexts, prefill_tps))
+                                                              contexts, hf_tps))
     doc = writer.doc
     doc["wall_s"] = time.perf_counter() - t_run
     writer.flush()

@@ -2,7 +2,7 @@
 
 A trace is a list of Mbit/s values, one per context chunk. Sources:
 * constant(mbps, n) and step(values_mbps, chunks_per_step, n);
-* the CacheGen artifact's traces (/work/shared/data/cachegen-artifact/*.jsonl, one JSON
+* the CacheGen artifact's traces (../shared/data/cachegen-artifact/*.jsonl beside the repo, one JSON
   object {"bw": [Gbit/s per chunk]} per line), scaled by `scale` (default 1/10: the
   artifact's 0.1-10 Gbit/s become 10-1000 Mbit/s for this machine's links - results must
   say so; the scale is returned with the trace).
@@ -14,11 +14,14 @@ Not runnable by itself.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-ARTIFACT_DIR = Path("/work/shared/data/cachegen-artifact")
+_REPO = Path(__file__).resolve().parent.parent
+# shared/ lies beside the repository (the checkout's ../shared); CACHEGEN_SHARED overrides.
+ARTIFACT_DIR = Path(os.environ.get("CACHEGEN_SHARED", _REPO.parent / "shared")) / "data" / "cachegen-artifact"
 DEFAULT_SCALE = 0.1  # artifact Gbit/s * 1000 * 0.1 -> Mbit/s on this machine
 MIN_MBPS = 1.0
 
