@@ -26,6 +26,7 @@ import numpy as np
 from .errors import CodecError
 
 try:
+    from . import rans_cpu as _rans_cpu  # noqa: F401  (sets numba's threading layer first)
     from numba import njit, prange
 except ImportError:  # pragma: no cover
     njit = None

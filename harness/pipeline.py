@@ -367,15 +367,24 @@ def _request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunC
     return params
 
 
+def _slo_violated(t: RequestTiming, slo_s: float, prefill_tps: float) -> bool:
+    """CacheGen section 5's SLO covers loading the context: fetch + decode (load_s), writing
+    the KV into the engine (inject_s) and recomputing the text-fallback tokens (their
+    count / the engine's measured prefill speed). The question's own prefill is not part
+    of it. Returns True when that total exceeds ``slo_s`` seconds."""
+    fallback_tokens = sum(int(c.get("token_end", 0)) - int(c.get("token_start", 0))
+                          for c in t.chunks if c.get("text_fallback"))
+    return t.load_s + t.inject_s + fallback_tokens / max(prefill_tps, 1e-9) > slo_s
+
+
 def _run_record(var: Variant, bw: float, engine: str, ctx: Context, rep: int, t: RequestTiming,
-                quality: dict, output_text: str, slo_s: float | None) -> dict[str, Any]:
+                quality: dict, output_text: str, slo_s: float | None,
+                prefill_tps: float = 1.0) -> dict[str, Any]:
     size = ctx.sizes.get((var.codec, var.level if var.level is not None else -1)) if var.codec else None
     # ratio vs the model's dtype (never fp32) of the KV actually loaded over the bytes moved
     per_token = ctx.dtype_bytes / ctx.load_tokens
     ratio = (per_token * t.loaded_tokens / t.bytes) if t.bytes and t.loaded_tokens else None
-    slo_violated = None
-    if slo_s is not None:
-        slo_violated = (t.ttft_s - (t.first_token_s or 0.0)) > slo_s
+    slo_violated = _slo_violated(t, slo_s, prefill_tps) if slo_s is not None else None
     return {
         "mode": var.mode, "level": var.level, "label": var.label, "bandwidth_mbps": bw,
         "engine": engine, "task": ctx.prompt.task, "context_id": ctx.cid,
@@ -516,7 +525,8 @@ def run(cfg: RunConfig, argv: list[str]) -> dict[str, Any]:
                              ref[1] if ref else None)
             q.update(ppl.get(var.label, {}))
             writer.add_run(_run_record(var, bw, engine.name, ctx, rep, t, q, text,
-                                       cfg.slo_s if var.mode == "cachegen-adaptive" else None))
+                                       cfg.slo_s if var.mode == "cachegen-adaptive" else None,
+                                       prefill_tps))
 
         engine.close()  # a live vLLM engine would compete for the CPU with the HF engine below
         if cfg.traces and "cachegen" in store_levels:
@@ -589,7 +599,9 @@ def adaptation_experiment(cfg: RunConfig, bundle, link, store_addr: str, info,
                              "level": ch.get("level"), "text_fallback": bool(ch.get("text_fallback")),
                              "bytes": ch.get("bytes"), "transfer_s": ch.get("transfer_s"),
                              "elapsed_s": elapsed, "slo_s": cfg.slo_s,
-                             "ttft_s": t.ttft_s, "slo_violated": t.ttft_s > cfg.slo_s})
+                             "ttft_s": t.ttft_s, "load_s": t.load_s, "inject_s": t.inject_s,
+                             "prefill_s": t.prefill_s, "loaded_tokens": t.loaded_tokens,
+                             "slo_violated": _slo_violated(t, cfg.slo_s, prefill_tps)})
     link.set_rate(max(cfg.bandwidth_mbps))
     return rows
 
