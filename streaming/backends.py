@@ -143,9 +143,10 @@ class LocalFolderBackend:
                     yield k
 
 
-def open_backend(url: str | os.PathLike) -> StoreBackend:
+def open_backend(url: str | os.PathLike, fallback_dir: str | os.PathLike | None = None) -> StoreBackend:
     """Open a backend from a URL: `file:///path` or a plain path -> LocalFolderBackend;
-    `redis://host:port/db` -> streaming.redis_backend.RedisBackend (imported lazily).
+    `redis://host:port/db` -> streaming.redis_backend.RedisBackend (imported lazily); with
+    `fallback_dir`, a Redis that is down at start gives a LocalFolderBackend there (warned).
 
     Raises ValueError for an unknown scheme, StoreError if the Redis backend is unavailable.
     """
@@ -158,8 +159,8 @@ def open_backend(url: str | os.PathLike) -> StoreBackend:
         return LocalFolderBackend(path)
     if parsed.scheme in ("redis", "rediss", "unix"):
         try:
-            from streaming.redis_backend import RedisBackend
+            from streaming.redis_backend import open_redis_backend
         except ImportError as e:
             raise StoreError(f"redis backend unavailable: {e}") from None
-        return RedisBackend(s)
+        return open_redis_backend(s, fallback_dir=fallback_dir)
     raise ValueError(f"unknown store backend scheme {parsed.scheme!r} in {s!r}: use a path, file:///path or redis://host:port/db")
