@@ -19,6 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from kv_extraction_hf.dataflags import DATA_FLAG_DESTS, add_data_flags, data_map_from_args
+from kv_extraction_hf.errors import ExtractionError
+
 
 def build_parser() -> argparse.ArgumentParser:
     """CLI flags; each maps one-to-one onto a field of harness.config.RunConfig."""
@@ -34,20 +37,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--levels", type=int, nargs="+", help="cachegen levels (default: all)")
     p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
     p.add_argument("--model", help="HF id, local HF folder or .gguf (default: embedded SmolLM2-135M)")
-    p.add_argument("--tasks", nargs="+", help="context tasks (needle, topic_retrieval, longchat_lines, ...)")
+    p.add_argument("--tasks", nargs="+",
+                   help="context tasks (needle, topic_retrieval, longchat_lines; your data: longchat, "
+                        "longbench, jsonl with --data-path; docs/tasks.md)")
     p.add_argument("--context-tokens", type=int, help="tokens per context")
     p.add_argument("--num-contexts", type=int, help="distinct contexts per task")
     p.add_argument("--repeats", type=int, help="repeats per (mode, bandwidth, context)")
     p.add_argument("--slo-s", type=float, help="SLO of the whole KV load, seconds (adaptive mode)")
     p.add_argument("--chunk-tokens", type=int, help="tokens per streamed chunk")
+    p.add_argument("--block-tokens", type=int,
+                   help="engine KV block size; loaded prefixes are whole blocks (128 on vLLM CPU)")
     p.add_argument("--store", help="KV store backend: a folder (default: temporary) or redis://HOST:PORT/DB")
     p.add_argument("--link-method", choices=["auto", "netns", "userspace"], help="link shaping method")
     p.add_argument("--no-quality", dest="quality", action="store_const", const=False,
                    help="skip perplexity/KL with the HF engine")
+    p.add_argument("--ppl-contexts", type=int, help="natural-text contexts of the perplexity/KL pass")
+    p.add_argument("--ppl-context-tokens", type=int, help="tokens per perplexity/KL context")
     p.add_argument("--traces", nargs="*", help="adaptation traces: constant step artifact (none: skip)")
     p.add_argument("--seed", type=int, help="seed of the prompt generators")
     p.add_argument("--out", help="results file (default benchmarks/results.json)")
+    add_data_flags(p)
     p.add_argument("--quick", action="store_const", const=True, help="smoke run of a few minutes")
+    p.add_argument("--verbose", action="store_true",
+                   help="keep vLLM's own logs on the console (default: <results>.engine.log)")
     return p
 
 
@@ -56,23 +68,40 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from harness.config import ConfigError, resolve
 
-    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("config", "verbose", *DATA_FLAG_DESTS)}
     try:
+        overrides["data_map"] = data_map_from_args(args)
         cfg = resolve(args.config, overrides)
-    except ConfigError as exc:
+    except (ConfigError, ExtractionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from harness.pipeline import BenchmarkError, run
+    from harness.contexts import BenchmarkError
+    from harness.lifecycle import Terminated, install_signal_handlers
+    from harness.run import run
 
+    install_signal_handlers()
     try:
-        run(cfg, argv=sys.argv if argv is None else ["run_benchmarks.py", *argv])
+        run(cfg, argv=sys.argv if argv is None else ["run_benchmarks.py", *argv],
+            verbose=args.verbose)
     except BenchmarkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: the runs finished so far are in the results file", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as exc:
+        print(interrupted_message(exc), file=sys.stderr)
+        return exc.code if isinstance(exc, Terminated) else 130
     return 0
+
+
+def interrupted_message(exc: BaseException) -> str:
+    """One line saying what an interrupted run left: the results file (marked incomplete)
+    with its finished runs, or that no results file was written."""
+    what = str(exc) if str(exc) else "interrupted"
+    path = getattr(exc, "results_path", None)
+    if path is None:
+        return f"{what}: no run had finished; no results file was written"
+    return (f"{what}: {getattr(exc, 'n_runs', 0)} finished run(s) are in {path} "
+            "(marked \"complete\": false)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """Draw the benchmark figures from a results.json (and nothing else).
 
 Purpose: turn the records written by ``run_benchmarks.py`` (docs/results-schema.md) into
-the figures of a CacheGen-style evaluation (Liu et al., SIGCOMM 2024; see
-../shared/reference/cachegen.md): TTFT vs link bandwidth per mode, KV size and compression
+the figures of a CacheGen-style evaluation (Liu et al., SIGCOMM 2024, sections 5-7): TTFT vs link bandwidth per mode, KV size and compression
 ratio, the quality/size trade-off with its Pareto front, the TTFT breakdown into
 lookup/transfer/decode/inject/prefill, the per-layer reconstruction error of the codec
-(the paper's layer-wise quantization, cachegen.md section 2) and the per-chunk adaptation
+(the paper's layer-wise quantization, section 5.2) and the per-chunk adaptation
 timeline (streaming adaptation: bandwidth, level chosen or text fallback, SLO).
 
-It reads only the results file: it imports no codec, streaming or model code. Figures
+It reads only the results file: it imports no codec, streaming, engine or model code
+(only ``evaluation.summary``, the summary and label rules run_benchmarks.py writes with).
+A file an interrupted run left (``"complete": false``) is drawn with "INCOMPLETE" in
+every figure's title. Figures
 whose data is missing are skipped and named; a file that is not a JSON object is an error
 (one line on stderr, exit status 2). Each figure is written as PNG and SVG, atomically.
 
@@ -37,6 +39,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
+
 KNOWN_SCHEMA_VERSION = 1
 DEFAULT_RESULTS = Path("benchmarks/results.json")
 DEFAULT_OUT = Path("benchmarks")
@@ -46,8 +50,7 @@ MODE_ORDER = ["text", "raw", "fp8", "quant8", "kivi4", "kivi2", "cachegen", "cac
 MODE_MARKERS = {"text": "s", "raw": "D", "fp8": "v", "quant8": "^", "kivi4": "<", "kivi2": ">",
                 "cachegen": "o", "cachegen-adaptive": "*"}
 # Direction of each quality field when results.json does not carry "higher_is_better".
-DEFAULT_HIGHER_IS_BETTER = {"accuracy": True, "f1": True, "rouge_l": True, "bleu": True,
-                            "greedy_match": True, "ppl_increase_pct": False, "kl": False}
+DEFAULT_HIGHER_IS_BETTER = summary_rules.higher_is_better()
 # TTFT components in stacking order: (summary column, legend name).
 BREAKDOWN_PARTS = [("lookup_s_median", "lookup"), ("transfer_s_median", "transfer"),
                    ("decode_s_median", "decode"), ("inject_s_median", "inject"),
@@ -113,12 +116,13 @@ def schema_warnings(doc: dict) -> list[str]:
 
 
 def plot_label(mode: Any, level: Any) -> str:
-    """Label of a (mode, level) row: ``mode`` if level is null else ``f"{mode}-l{level}"``."""
-    if level is None or (isinstance(level, float) and math.isnan(level)):
-        return str(mode)
-    if isinstance(level, (float, np.floating)) and float(level).is_integer():
-        level = int(level)
-    return f"{mode}-l{level}"
+    """Label of a (mode, level) row: ``mode`` if level is null else ``f"{mode}-l{level}"``
+    (:func:`evaluation.summary.plot_label`, the one rule shared with run_benchmarks.py)."""
+    if isinstance(level, np.floating):
+        level = float(level)
+    if isinstance(level, float) and not math.isnan(level) and not level.is_integer():
+        return f"{mode}-l{level}"
+    return summary_rules.plot_label(mode, level)
 
 
 def _records(doc: dict, key: str, notes: list[str]) -> list[dict]:
@@ -179,39 +183,34 @@ def _add_labels(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def summaries_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per (mode, level, bandwidth_mbps) medians computed from RUN records.
+    """Per (mode, level, bandwidth_mbps) summaries computed from RUN records with
+    :func:`evaluation.summary.summarize`, the function run_benchmarks.py writes them with
+    (medians; accuracy = share correct).
 
     Used when a results file has runs but no summaries. Column names follow SUMMARY in
     docs/results-schema.md. Returns an empty frame when runs lack ``mode``.
     """
     if runs.empty or "mode" not in runs.columns:
         return pd.DataFrame()
-    runs = runs.copy()
-    keys = [k for k in ("mode", "level", "bandwidth_mbps") if k in runs.columns]
-    groups = runs.groupby(keys, dropna=False, sort=False)
-    out = groups.size().rename("n").to_frame()
 
-    def num(col: str) -> pd.Series:  # JSON numbers and bools (correct, slo_violated) as float
-        values = runs[col].map(lambda v: float(v) if isinstance(v, (int, float)) else None)
-        return pd.to_numeric(values, errors="coerce").astype(float).replace([np.inf, -np.inf], np.nan)
+    def value(v: Any) -> Any:  # JSON numbers and bools only; NaN/inf/other types -> None
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, (int, float, np.integer, np.floating)) and np.isfinite(v):
+            return float(v)
+        return None
 
-    for col in ("ttft_s", "lookup_s", "transfer_s", "decode_s", "inject_s", "prefill_s", "bytes"):
-        if col in runs.columns:
-            out[f"{col}_median"] = num(col).groupby([runs[k] for k in keys], dropna=False).median()
-    if "ttft_s" in runs.columns:
-        by = num("ttft_s").groupby([runs[k] for k in keys], dropna=False)
-        out["ttft_s_p25"] = by.quantile(0.25)
-        out["ttft_s_p75"] = by.quantile(0.75)
-    if "ratio_vs_dtype" in runs.columns:
-        out["ratio_vs_dtype"] = num("ratio_vs_dtype").groupby([runs[k] for k in keys], dropna=False).median()
-    if "quality.correct" in runs.columns:
-        out["accuracy"] = num("quality.correct").groupby([runs[k] for k in keys], dropna=False).mean()
-    for q in ("f1", "rouge_l", "bleu", "greedy_match", "ppl_increase_pct", "kl"):
-        if f"quality.{q}" in runs.columns:
-            out[q] = num(f"quality.{q}").groupby([runs[k] for k in keys], dropna=False).median()
-    if "slo_violated" in runs.columns:
-        out["slo_violation_rate"] = num("slo_violated").groupby([runs[k] for k in keys], dropna=False).mean()
-    return out.reset_index()
+    records = []
+    for row in runs.to_dict("records"):
+        level = value(row.get("level"))
+        rec = {"mode": row.get("mode"), "level": None if level is None else int(level),
+               "bandwidth_mbps": value(row.get("bandwidth_mbps")),
+               "quality": {k[len("quality."):]: value(v) for k, v in row.items()
+                           if k.startswith("quality.")}}
+        rec.update({k: value(v) for k, v in row.items()
+                    if k not in rec and not k.startswith("quality.")})
+        records.append(rec)
+    return pd.DataFrame(summary_rules.summarize(records))
 
 
 @dataclass
@@ -255,6 +254,11 @@ class ResultsData:
     def kv_dtype(self) -> str:
         model = self.doc.get("model") if isinstance(self.doc.get("model"), dict) else {}
         return str(model.get("dtype") or "model dtype")
+
+    @property
+    def incomplete(self) -> bool:
+        """True when the file says ``"complete": false`` (an interrupted run's records)."""
+        return self.doc.get("complete") is False
 
     def higher_is_better(self, metric: str) -> bool:
         hib = self.doc.get("higher_is_better")
@@ -739,6 +743,18 @@ def save_figure(fig, path: Path, fmt: str, dpi: int = 150) -> None:
         raise
 
 
+INCOMPLETE_MARK = "INCOMPLETE RUN"
+
+
+def mark_incomplete(fig, data: ResultsData) -> None:
+    """Prefix the figure's title with "INCOMPLETE RUN (n runs)": the file was left by an
+    interrupted run (``"complete": false``), so its figures lack the runs never made."""
+    title = fig.get_suptitle()
+    n = len(data.doc.get("runs") or []) if isinstance(data.doc.get("runs"), list) else 0
+    mark = f"{INCOMPLETE_MARK} ({n} runs written)"
+    fig.suptitle(f"{mark}: {title}" if title else mark, color="firebrick")
+
+
 def render_all(data: ResultsData, out_dir: Path, formats: Sequence[str], only: Sequence[str] | None = None,
                dpi: int = 150) -> tuple[list[Path], list[tuple[str, str]]]:
     """Draw every figure (or those in ``only``) and write it in each format.
@@ -759,11 +775,242 @@ def render_all(data: ResultsData, out_dir: Path, formats: Sequence[str], only: S
         except (KeyError, ValueError, TypeError, IndexError) as exc:  # odd values in an odd file
             skipped.append((name, f"could not draw from this file ({type(exc).__name__}: {exc})"))
             continue
+        if data.incomplete:
+            mark_incomplete(fig, data)
         for fmt in formats:
             path = out_dir / f"{name}.{fmt}"
             save_figure(fig, path, fmt, dpi=dpi)
             written.append(path)
     return written, skipped
+
+
+# ----------------------------------------------------------------------------- quality.json (bench.quality)
+DEFAULT_QUALITY = Path("benchmarks/quality.json")
+
+
+def fig_quality_divergence(doc: dict):
+    """KL(lossless || decoded) and top-1 agreement vs bits per element, from a quality.json
+    written by ``python -m bench.quality``: one line per codec family (levels joined), 95%
+    bootstrap CI bars over windows, the Pareto front (no other row both smaller and better)
+    drawn as a grey step line. Raises SkipFigure when the file has no lossy rows."""
+    rows = [r for r in (doc.get("rows") or []) if isinstance(r, dict) and r.get("codec") != "raw"
+            and all(k in r for k in ("bits_per_element", "kl", "kl_ci", "top1_agreement", "top1_agreement_ci"))]
+    if not rows:
+        raise SkipFigure("quality.json has no lossy rows with bits_per_element, kl and top1_agreement")
+    families = list(dict.fromkeys(r["codec"] for r in rows))
+    colors = _colors(families)
+    fig = _new_figure(11.5, 4.6)
+    axes = fig.subplots(1, 2, squeeze=False)[0]
+    handles = {}
+    panels = [("kl", "kl_ci", "KL(lossless || decoded), nats/token", False),
+              ("top1_agreement", "top1_agreement_ci", "top-1 agreement with lossless", True)]
+    for ax, (key, ci_key, ylabel, hib) in zip(axes, panels, strict=True):
+        points = []
+        for fam in families:
+            fr = sorted((r for r in rows if r["codec"] == fam), key=lambda r: r["bits_per_element"])
+            x = np.array([r["bits_per_element"] for r in fr], dtype=float)
+            y = np.array([r[key] for r in fr], dtype=float)
+            lo = np.array([r[ci_key][0] for r in fr], dtype=float)
+            hi = np.array([r[ci_key][1] for r in fr], dtype=float)
+            h = ax.errorbar(x, y, yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)], color=colors[fam],
+                            marker="o", markersize=4, capsize=3, linewidth=1.2, label=fam)
+            handles.setdefault(fam, h)
+            for r, xi, yi in zip(fr, x, y, strict=True):
+                if r.get("level") is not None:
+                    ax.annotate(str(r["level"]), (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                if r.get("default"):
+                    ax.scatter([xi], [yi], s=120, facecolor="none", edgecolor="black", zorder=4)
+            points.extend(zip(x.tolist(), y.tolist()))
+        front = _pareto(points, hib)
+        if len(front) >= 2:
+            fx, fy = zip(*front, strict=True)
+            h = ax.step(fx, fy, where="post", color="0.45", linewidth=3, alpha=0.35, zorder=1,
+                        label="Pareto front")[0]
+            handles.setdefault("Pareto front", h)
+        if key == "kl" and _log_helps([p[1] for p in points if p[1] > 0]):
+            ax.set_yscale("log")
+        ax.set_xlabel("bits per element (KV dtype = 16)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel.split(',')[0]} ({'higher' if hib else 'lower'} is better)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    cfg = doc.get("config") or {}
+    data = doc.get("data") or {}
+    fig.suptitle("Decoded KV vs lossless KV on the same windows (95% bootstrap CIs)\n"
+                 f"{cfg.get('n_windows', '?')} windows x ({cfg.get('context_tokens', '?')} + "
+                 f"{cfg.get('continuation_tokens', '?')}) tokens of WikiText-2 {data.get('split', '')}; "
+                 f"model {(doc.get('model') or {}).get('id', '?')}; circled: default codec/level; "
+                 "numbers: levels", fontsize=10)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8)
+    return fig
+
+
+def render_quality(path: Path, out_dir: Path, formats: Sequence[str], dpi: int = 150) -> list[Path]:
+    """Draw ``quality_divergence.<fmt>`` from a quality.json into ``out_dir``. Raises
+    ResultsError for an unreadable file, SkipFigure when it holds no lossy rows."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResultsError(f"cannot read quality results {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ResultsError(f"{path} is not a quality.json object")
+    fig = fig_quality_divergence(doc)
+    written = []
+    for fmt in formats:
+        out = Path(out_dir) / f"quality_divergence.{fmt}"
+        save_figure(fig, out, fmt, dpi=dpi)
+        written.append(out)
+    return written
+
+
+# ----------------------------------------------------------------------------- adaptation.json
+# Figures of `python -m bench.adapt` (benchmarks/adaptation.json, docs/results-schema.md
+# "adaptation.json"): self-contained, they read only that file.
+DEFAULT_ADAPTATION = Path("benchmarks/adaptation.json")
+_ADAPT_ORDER = ["oracle", "adaptive", "text"] + [f"fixed-l{i}" for i in range(10)]
+
+
+def _adapt_rows(doc: dict, link: str | None = None) -> list[dict]:
+    rows = [r for r in doc.get("rows", []) if isinstance(r, dict)]
+    if link:
+        rows = [r for r in rows if r.get("link") == link]
+    if not rows:
+        raise SkipFigure(f"adaptation.json has no rows{' for link ' + link if link else ''}")
+    return rows
+
+
+def _adapt_policies(rows: list[dict]) -> list[str]:
+    pols = {r["policy"] for r in rows}
+    return [p for p in _ADAPT_ORDER if p in pols] + sorted(pols - set(_ADAPT_ORDER))
+
+
+def fig_adapt_violation_vs_slo(doc: dict, trace_set: str = "artifact"):
+    """SLO violation rate (%) vs SLO (s) per policy on one trace set (simulated clock model),
+    with the real-link points of the same set as hollow markers."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _adapt_rows(doc) if r.get("trace_set") == trace_set]
+    if not rows:
+        raise SkipFigure(f"no rows for trace set {trace_set!r}")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for pol in _adapt_policies(rows):
+        pts = sorted((r["slo_s"], 100 * r["violation_rate"]) for r in rows
+                     if r["policy"] == pol and r.get("link") == "simulated")
+        if pts:
+            style = dict(lw=2.5, color="black") if pol == "oracle" else dict(lw=2.0, color="tab:red") \
+                if pol == "adaptive" else dict(lw=1.0, alpha=0.7)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol, **style)
+        real = [(r["slo_s"], 100 * r["violation_rate"], r["n"]) for r in rows
+                if r["policy"] == pol and r.get("link") == "real"]
+        for x, y, n in real:
+            ax.plot([x], [y], marker="s", mfc="none", mec="tab:red", ms=11, ls="none",
+                    label=f"{pol} (real link, n={n})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("SLO for loading the context (s)")
+    ax.set_ylabel("SLO violation rate (%)")
+    ns = sorted({r["n"] for r in rows if r.get("link") == "simulated"})
+    ax.set_title(f"Violations vs SLO, trace set '{trace_set}' (simulated, n={ns} per point)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return fig
+
+
+def fig_adapt_quality_vs_violation(doc: dict, trace_set: str = "artifact"):
+    """Quality (mean KL, lower is better; or utility regret vs the oracle when KL is not
+    available) vs violation rate, one point per policy and SLO; the oracle's points joined."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _adapt_rows(doc, "simulated") if r.get("trace_set") == trace_set]
+    if not rows:
+        raise SkipFigure(f"no simulated rows for trace set {trace_set!r}")
+    use_kl = all(r.get("quality_kl") is not None for r in rows)
+    key, ylab = ("quality_kl", "mean KL per token (lower is better)") if use_kl else \
+        ("regret_vs_oracle", "regret vs oracle (ordinal utility per token; KL unavailable)")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for pol in _adapt_policies(rows):
+        pts = sorted((100 * r["violation_rate"], r[key], r["slo_s"]) for r in rows
+                     if r["policy"] == pol and r.get(key) is not None)
+        if not pts:
+            continue
+        if pol == "oracle":
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "k-o", lw=2, label="oracle (front)")
+        else:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=pol, s=40 if pol == "adaptive" else 18,
+                       color="tab:red" if pol == "adaptive" else None, zorder=3)
+        if pol in ("oracle", "adaptive"):
+            for x, y, slo in pts:
+                ax.annotate(f"{slo:g}s", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("SLO violation rate (%)")
+    ax.set_ylabel(ylab)
+    ax.set_title(f"Quality vs violations, trace set '{trace_set}' (each point: a policy at one SLO)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return fig
+
+
+def fig_adapt_timeline(doc: dict):
+    """Per-chunk timeline of one load (the first real-link artifact trace, else the first
+    timeline): bandwidth and estimate (Mbit/s), level chosen (or text), budget vs actual
+    wire seconds, abandoned attempts."""
+    import matplotlib.pyplot as plt
+
+    tls = [t for t in doc.get("timelines", []) if isinstance(t, dict) and t.get("chunks")]
+    if not tls:
+        raise SkipFigure("adaptation.json has no timelines")
+    pick = next((t for t in tls if t.get("link") == "real" and t.get("trace_set") == "artifact"), tls[0])
+    ch = [c for c in pick["chunks"] if not c.get("abandoned")]
+    k = [c["chunk"] for c in ch]
+    fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    a1.step(k, [c["bandwidth_mbps"] for c in ch], where="mid", label="shaped rate (trace)")
+    a1.plot(k, [c.get("est_mbps") if c.get("est_mbps") is not None else np.nan for c in ch], "o--",
+            label="policy's estimate")
+    a1.set_ylabel("Mbit/s")
+    a1.set_yscale("log")
+    a1.legend(fontsize=7)
+    a2.plot(k, [-1 if c["level"] is None else c["level"] for c in ch], "s", ms=8)
+    a2.set_yticks(range(-1, 6), ["text"] + [str(i) for i in range(6)])
+    a2.set_ylabel("level chosen")
+    a3.bar([x - 0.2 for x in k], [c.get("budget_s") or 0 for c in ch], width=0.4, label="budget (deadline) s")
+    a3.bar([x + 0.2 for x in k], [c.get("wire_s") or 0 for c in ch], width=0.4, label="actual wire s")
+    ab = pick.get("abandoned") or [c for c in pick["chunks"] if c.get("abandoned")]
+    for a in ab:
+        a3.plot([a["chunk"]], [a.get("wire_s", 0)], "rx", ms=10)
+    if ab:
+        a3.plot([], [], "rx", label="abandoned attempt")
+    a3.set_ylabel("seconds")
+    a3.set_xlabel("chunk")
+    a3.legend(fontsize=7)
+    fig.suptitle(f"Adaptation timeline: {pick.get('trace')} ({pick.get('link')} link, SLO {pick.get('slo_s')} s)")
+    return fig
+
+
+ADAPT_FIGURES = {"adaptation_violation_vs_slo": fig_adapt_violation_vs_slo,
+                 "adaptation_quality_vs_violation": fig_adapt_quality_vs_violation,
+                 "adaptation_chunk_timeline": fig_adapt_timeline}
+
+
+def render_adaptation(path: Path, out_dir: Path, formats: Sequence[str], dpi: int = 150) -> list[Path]:
+    """Draw the adaptation figures from an adaptation.json into ``out_dir``. Raises
+    ResultsError for an unreadable file; figures without data are skipped (stderr)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResultsError(f"cannot read adaptation results {path}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise ResultsError(f"{path} is not an adaptation.json object (no 'rows' list)")
+    written = []
+    for name, draw in ADAPT_FIGURES.items():
+        try:
+            fig = draw(doc)
+        except SkipFigure as exc:
+            print(f"skipped {name}: {exc}", file=sys.stderr)
+            continue
+        for fmt in formats:
+            out = Path(out_dir) / f"{name}.{fmt}"
+            save_figure(fig, out, fmt, dpi=dpi)
+            written.append(out)
+    if not written:
+        raise SkipFigure(f"no adaptation figure could be drawn from {path}")
+    return written
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -783,6 +1030,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="+", choices=list(FIGURES), metavar="FIGURE",
                         help=f"draw only these figures ({', '.join(FIGURES)})")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    parser.add_argument("--quality", type=Path, nargs="?", const=DEFAULT_QUALITY, default=None,
+                        help="draw only quality_divergence from a quality.json of python -m bench.quality "
+                             f"(default file: {DEFAULT_QUALITY})")
+    parser.add_argument("--adaptation", type=Path, nargs="?", const=DEFAULT_ADAPTATION, default=None,
+                        help="draw only the adaptation figures from an adaptation.json of python -m bench.adapt "
+                             f"(default file: {DEFAULT_ADAPTATION})")
     return parser
 
 
@@ -792,6 +1045,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; set here, not at import time
+    if args.adaptation is not None:
+        try:
+            for path in render_adaptation(args.adaptation, args.out, args.formats, args.dpi):
+                print(f"wrote {path}")
+        except ResultsError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except SkipFigure as exc:
+            print(f"nothing drawn: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.quality is not None:
+        if args.out.exists() and not args.out.is_dir():
+            print(f"error: --out {args.out} exists and is not a folder", file=sys.stderr)
+            return 2
+        try:
+            for path in render_quality(args.quality, args.out, args.formats, args.dpi):
+                print(f"wrote {path}")
+        except ResultsError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except SkipFigure as exc:
+            print(f"nothing drawn: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         doc = load_results(args.results)
     except ResultsError as exc:

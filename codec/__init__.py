@@ -9,14 +9,18 @@ KIVI-2/4 and FP8 behind one API. Knows no model, engine or network.
     k2, v2 = codec.decode_kv(data, device="cpu")
     codec.peek_header(data)["ratio_vs_dtype"]
 
-Benchmark: python -m codec.bench --quick  (see docs/codec.md)
+Benchmark: python -m bench.codec --quick  (see docs/codec.md)
 """
-from .api import (decode_chunk, decode_chunks, decode_kv, encode_blob, encode_chunks,
-                  encode_kv, encode_with_stats, peek_header)
+from .api import (CODEC_VERSION, DEFAULT_CHUNK_TOKENS, chunk_bounds, config_hash,
+                  decode_chunk, decode_chunks, decode_kv, decode_kv_into, default_level, encode_blob,
+                  encode_chunks, encode_kv, encode_with_stats, levels, peek_header,
+                  resolve_level)
 from .codecs import CODECS, get_codec
 from .config import CodecConfig, QuantizationSpec
 from .errors import CodecError
 
-__all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_chunk",
+__all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_kv_into", "decode_chunk",
            "decode_chunks", "peek_header", "encode_with_stats", "CODECS", "get_codec",
-           "CodecConfig", "QuantizationSpec", "CodecError"]
+           "CodecConfig", "QuantizationSpec", "CodecError", "CODEC_VERSION",
+           "DEFAULT_CHUNK_TOKENS", "chunk_bounds", "config_hash", "default_level", "levels",
+           "resolve_level"]

@@ -26,13 +26,25 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+import hashlib
+import json
+
 from . import bitstream
-from .codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES, DTYPES, get_codec
+from .codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES, DTYPES, get_codec, resolve_level
 from .config import MIN_BLOCK_TOKENS, DEFAULT_CHUNK_TOKENS, CodecConfig
 from .errors import CodecError
 
-__all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_chunk",
-           "decode_chunks", "peek_header", "encode_with_stats"]
+__all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_kv_into", "decode_chunk",
+           "decode_chunks", "peek_header", "encode_with_stats", "CODEC_VERSION",
+           "DEFAULT_CHUNK_TOKENS", "chunk_bounds", "config_hash", "default_level",
+           "levels", "resolve_level"]
+
+# Version of the bytes the codecs produce: bumped whenever the same KV and config would
+# encode to different bytes (quantizer, coder, layout or container change). Part of
+# ``config_hash`` so that a store never serves bytes made by another codec version.
+# 1: format version 1. 2: cachegen outlier side list (docs/bitstream.md 4.4), KIVI in
+# float64, container format version 2, chunk_tokens in the container header.
+CODEC_VERSION = 2
 
 CONTAINER_KIND = "kvcodec"   # header["kind"]: what the container holds
 MAX_DIM = {"L": 1 << 12, "T": 1 << 24, "H": 1 << 12, "D": 1 << 13}
@@ -67,20 +79,150 @@ def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
     return tuple(k.shape)  # type: ignore[return-value]
 
 
-def _check_level(codec_obj, level: Optional[int]) -> None:
-    if level is None:
-        return
-    if isinstance(level, bool) or not isinstance(level, int):
-        raise ValueError(f"level must be an int or None, got {level!r}")
-    if not codec_obj.uses_level:
-        raise ValueError(f"codec {codec_obj.name!r} has no levels (pass level=None)")
+def _check_level(codec_obj, level: Optional[int], config: Optional[CodecConfig] = None
+                 ) -> Optional[int]:
+    """The level to encode with: ``resolve_level`` (None -> the codec's default) when no
+    config is given; with a config, None stays None (the config's own level counts)."""
+    if config is not None and level is None:
+        return None
+    return resolve_level(codec_obj.name, level)
 
 
 def _device(device: Any) -> torch.device:
+    """``torch.device(device)``, checked to be usable HERE, before any work (issue 12.9).
+    Raises ValueError (one line) on a malformed device, a CUDA device with a CPU-only
+    torch or without that GPU, a device type this torch cannot allocate on, or "meta"."""
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"bad device {device!r}: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"bad device {device!r} ({first}); use e.g. 'cpu' or 'cuda:0'") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ValueError(f"device {device!r} holds no data; use 'cpu' or 'cuda'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but this torch has no usable CUDA "
+                             f"(CPU-only build or no GPU); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} requested but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) are visible")
+        return dev
+    try:  # other device types (xpu, mps, ...): usable iff torch can allocate there
+        torch.empty(0, device=dev)
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        raise ValueError(f"device {device!r} is not usable with this torch: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return dev
+
+
+# ------------------------------------------------------------------ levels, chunks, ids
+def default_level(codec: str) -> Optional[int]:
+    """What ``level=None`` means for ``codec`` (cachegen: 1, cachegen-ref: 0, codecs
+    without levels: None). ValueError on an unknown codec."""
+    return get_codec(codec).default_level
+
+
+def levels(codec: str) -> tuple:
+    """The valid levels of ``codec`` (() for codecs without levels; docs/codec.md
+    "Levels" gives each codec's scale). ValueError on an unknown codec."""
+    return tuple(get_codec(codec).levels)
+
+
+def chunk_bounds(num_tokens: int, chunk_tokens: Optional[int] = None
+                 ) -> list[tuple[int, int]]:
+    """The chunk boundaries of a context: half-open token ranges ``[(0, c), (c, 2c), ...,
+    (k*c, num_tokens)]``, the last one possibly shorter (paper section 5.3: chunks are
+    independently decodable units of ``chunk_tokens`` tokens).
+
+    ``chunk_tokens``: None = ``DEFAULT_CHUNK_TOKENS`` (1024); otherwise a positive multiple
+    of ``MIN_BLOCK_TOKENS`` (16, the GPU vLLM KV block; use a multiple of 128 for vLLM
+    CPU). ``encode_chunks`` splits with exactly this function.
+    Raises ValueError on num_tokens < 1 or a bad chunk_tokens."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+    if chunk_tokens is None:
+        chunk_tokens = DEFAULT_CHUNK_TOKENS
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) \
+            or chunk_tokens < 1 or chunk_tokens % MIN_BLOCK_TOKENS:
+        raise ValueError(f"chunk_tokens must be a positive multiple of {MIN_BLOCK_TOKENS}, "
+                         f"got {chunk_tokens!r}")
+    return [(a, min(num_tokens, a + chunk_tokens)) for a in range(0, num_tokens, chunk_tokens)]
+
+
+# depths over which a preset is hashed when the caller does not give num_layers
+_HASH_DEPTHS = (1, 2, 4, 8, 12, 16, 24, 28, 30, 32, 36, 40, 48, 60, 64, 80, 96, 128)
+
+
+def _config_identity(c, level: Optional[int], config: Optional[CodecConfig],
+                     num_layers: Optional[int]) -> Any:
+    """The JSON-able part of ``config_hash`` that depends on the codec's config."""
+    if config is not None:
+        if not hasattr(c, "resolve_config"):
+            raise ValueError(f"codec {c.name!r} takes no config")
+        n = getattr(config, "num_layers", None)
+        if num_layers is not None and n is not None and num_layers != n:
+            raise ValueError(f"config is for {n} layers, not {num_layers}")
+        depth = n if n is not None else (num_layers or 1)
+        # validates level/config, and fills in what the codec derives from them
+        return [_stored_config(c.resolve_config(depth, level, config))]
+    if not hasattr(c, "resolve_config"):
+        return None
+    depths = _HASH_DEPTHS if num_layers is None else (num_layers,)
+    return [_stored_config(c.resolve_config(n, level, None)) for n in depths]
+
+
+def _stored_config(cfg: Any) -> Any:
+    """The config as recorded in a chunk's header: everything but ``chunk_tokens`` (the
+    split size, recorded in the container header; it does not change a chunk's bytes).
+    Any codec's config object works: ``to_dict()``, else a dataclass, else ``repr``."""
+    import dataclasses
+
+    if hasattr(cfg, "to_dict"):
+        d = cfg.to_dict()
+    elif dataclasses.is_dataclass(cfg):
+        d = dataclasses.asdict(cfg)
+    else:
+        return repr(cfg)
+    d = dict(d)
+    d.pop("chunk_tokens", None)
+    return json.loads(json.dumps(d, sort_keys=True, default=repr))
+
+
+def config_hash(codec: str, level: Optional[int] = None,
+                config: Optional[CodecConfig] = None, *,
+                num_layers: Optional[int] = None) -> str:
+    """Identity of everything that changes the encoded bytes, for store keys (issue 11.4,
+    12.1): a 16-hex-digit prefix of the SHA-256 of the codec name, the resolved level
+    (``resolve_level``: None and the default level give the same hash), the full resolved
+    config (bins schedule per layer, scale group and format, sink tokens, stream layout,
+    variant; not ``chunk_tokens``, which only decides the split that the token range of
+    a chunk already identifies), ``CODEC_VERSION`` and the container format version.
+
+    ``num_layers``: the model's depth when known (hash of the exact schedule for it);
+    without it the presets are hashed at a fixed set of depths, so any change of a
+    schedule table still changes the hash. ``config``: an explicit CodecConfig (cachegen
+    codecs), hashed instead of the preset.
+    Raises ValueError on an unknown codec, a bad level, or a config that contradicts
+    ``level``/``num_layers``."""
+    c = get_codec(codec)
+    if num_layers is not None and (isinstance(num_layers, bool)
+                                   or not isinstance(num_layers, int) or num_layers < 1):
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    lvl = _check_level(c, level, config)
+    if config is not None and lvl is None:
+        lvl = config.level
+    ident = {"codec": c.name, "level": lvl, "codec_version": CODEC_VERSION,
+             "format_version": bitstream.FORMAT_VERSION,
+             "config": _config_identity(c, level, config, num_layers)}
+    # codecs with inputs beyond the config (kvtc: its calibration) add them with an
+    # ``identity(level, config, num_layers) -> JSON-able`` method
+    extra = getattr(c, "identity", None)
+    if callable(extra):
+        ident["codec_identity"] = extra(level=lvl, config=config, num_layers=num_layers)
+    blob = json.dumps(ident, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _resolve_backend(device: torch.device, backend: Any) -> str:
@@ -99,8 +241,8 @@ def _resolve_backend(device: torch.device, backend: Any) -> str:
 # -------------------------------------------------------------------------- encoding
 def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[int],
                 config: Optional[CodecConfig], token_offset: int, total_tokens: int,
-                chunk_index: int, num_chunks: int, backend: str = "cpu"
-                ) -> tuple[bytes, dict]:
+                chunk_index: int, num_chunks: int, backend: str = "cpu",
+                chunk_tokens: Optional[int] = None) -> tuple[bytes, dict]:
     """``backend``: already resolved ("cpu" | "triton"). Codecs without Triton kernels
     (raw, fp8, quant8, kivi) always run on CPU copies; the cachegen codecs with "triton"
     keep K/V on their device."""
@@ -120,7 +262,9 @@ def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[in
     header = {"kind": CONTAINER_KIND, "codec": c.name, "level": lvl, "L": L, "T": T,
               "H": H, "D": D, "dtype": dtype_name, "token_offset": token_offset,
               "total_tokens": total_tokens, "chunk_index": chunk_index,
-              "num_chunks": num_chunks, "codec_header": enc.header}
+              "num_chunks": num_chunks, "codec_header": enc.header,
+              "chunk_tokens": T if chunk_tokens is None else chunk_tokens,
+              "codec_version": CODEC_VERSION}
     bf16 = [n for n, a in enc.arrays.items()
             if dtype_name == "bfloat16" and a.dtype == np.uint16 and not n.startswith("ent_")]
     data = bitstream.pack(header, enc.arrays, enc.payload, bf16=bf16)
@@ -137,7 +281,7 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     entropy_bits, ideal_bits, model_bytes, length_table_bytes, payload_bytes, scale_bytes,
     sink_bytes, symbols) for benchmarks."""
     codec_obj = get_codec(codec)
-    _check_level(codec_obj, level)
+    level = _check_level(codec_obj, level, config)
     _, T, _, _ = _check_kv(k, v)
     b = _resolve_backend(k.device, backend)
     return _encode_one(k, v, codec, level, config, 0, T, 0, 1, backend=b)
@@ -153,7 +297,8 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
         finite, any device.
       codec: a name in ``codec.CODECS`` (raw, fp8, quant8, kivi2, kivi4, cachegen,
         cachegen-ref).
-      level: cachegen level (None = the default level); must be None for other codecs.
+      level: the codec's level (None = its default, ``resolve_level``: cachegen 1 of
+        0-5, cachegen-ref 0 of 0-3); must be None for codecs without levels.
       config: explicit CodecConfig for cachegen codecs (overrides the level preset).
       backend: "auto" (default: Triton when k is on CUDA and Triton is usable, else CPU),
         "cpu" (copies to the host) or "triton" (the Triton kernels of
@@ -161,7 +306,10 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
         and cachegen-ref have Triton kernels; other codecs always encode on a CPU copy.
     Returns: bytes (self-describing: ``decode_kv`` needs nothing else).
     Raises: ValueError on bad input (rank, shapes, dtype, NaN/inf, unknown
-      codec/level/backend, backend="triton" where Triton cannot run).
+      codec/level/backend, backend="triton" where Triton cannot run). Values up to the
+      dtype's max are accepted by every codec (issue 12.2); fp8 saturates at +-448.
+    Thread safety: every encode/decode function may be called from several threads at
+      once (``codec.threads``); results are identical to serial calls.
     """
     return encode_with_stats(k, v, codec, level, config, backend=backend)[0]
 
@@ -183,30 +331,26 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     """Split the tokens into chunks of ``chunk_tokens`` (the last may be shorter) and encode
     each as an independently decodable container (own header, models, CRC32).
 
-    ``chunk_tokens``: None = ``config.chunk_tokens`` if a config is given, else 1024; must
-    be a positive multiple of 16 (GPU vLLM's KV block; use a multiple of 128 for vLLM
-    CPU). Each chunk's header records ``token_offset``, ``total_tokens``, ``chunk_index``
-    and ``num_chunks``; ``decode_chunks`` concatenates them back to the full KV.
+    ``chunk_tokens``: None = ``config.chunk_tokens`` if a config is given, else
+    ``DEFAULT_CHUNK_TOKENS`` (1024); must be a positive multiple of 16 (GPU vLLM's KV
+    block; use a multiple of 128 for vLLM CPU); boundaries from ``chunk_bounds``. Each
+    chunk's header records ``T`` (its real length), ``chunk_tokens`` (the split size),
+    ``token_offset``, ``total_tokens``, ``chunk_index`` and ``num_chunks``;
+    ``decode_chunks`` concatenates them back to the full KV.
     ``backend``: as ``encode_kv``.
     Raises ValueError on bad input.
     """
     codec_obj = get_codec(codec)
-    _check_level(codec_obj, level)
+    level = _check_level(codec_obj, level, config)
     _, T, _, _ = _check_kv(k, v)
     bk = _resolve_backend(k.device, backend)
-    if chunk_tokens is None:
-        chunk_tokens = config.chunk_tokens if config is not None else DEFAULT_CHUNK_TOKENS
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) \
-            or chunk_tokens < 1 or chunk_tokens % MIN_BLOCK_TOKENS:
-        raise ValueError(f"chunk_tokens must be a positive multiple of {MIN_BLOCK_TOKENS}, "
-                         f"got {chunk_tokens!r}")
-    n = -(-T // chunk_tokens)
-    out = []
-    for i in range(n):
-        a, b = i * chunk_tokens, min(T, (i + 1) * chunk_tokens)
-        out.append(_encode_one(k[:, a:b], v[:, a:b], codec, level, config, a, T, i, n,
-                               backend=bk)[0])
-    return out
+    if chunk_tokens is None and config is not None:
+        chunk_tokens = config.chunk_tokens
+    bounds = chunk_bounds(T, chunk_tokens)
+    ct = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    return [_encode_one(k[:, a:b], v[:, a:b], codec, level, config, a, T, i, len(bounds),
+                        backend=bk, chunk_tokens=ct)[0]
+            for i, (a, b) in enumerate(bounds)]
 
 
 # -------------------------------------------------------------------------- decoding
@@ -256,7 +400,19 @@ def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
     return header, arrays, payload, CODECS[name]
 
 
-def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto"
+def decode_kv_into(data: bytes, k_out: torch.Tensor, v_out: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode one container on the CPU straight into caller-provided tensors (issue 14.2).
+
+    k_out, v_out: contiguous CPU tensors [L, T, H, D] of the container's dtype (see
+    ``peek_header``). cachegen / cachegen-ref / quant8 decode into them with no
+    intermediate full-size tensor (``codec.fused``); the other codecs decode, then copy.
+    Returns: (k_out, v_out). Raises: CodecError on a corrupt container; ValueError when
+    the destination does not match the header's shape/dtype."""
+    return decode_kv(data, "cpu", backend="cpu", out=(k_out, v_out))
+
+
+def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode one container (``encode_kv`` output or one chunk of ``encode_chunks``).
 
@@ -272,10 +428,14 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto"
     b = _resolve_backend(dev, backend)
     header, arrays, payload, c = _read(data)
     shape = (header["L"], header["T"], header["H"], header["D"])
+    outp = _check_out(out, shape, header["dtype"])   # ValueError on a bad destination
     try:
         if b == "triton" and c.supports_triton:
             k, v = c.decode(header["codec_header"], arrays, payload, shape,
                             header["dtype"], backend="triton", device=dev)
+        elif getattr(c, "fused_cpu", False):   # codec.fused: into ``out`` if given
+            k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"],
+                            out=outp)
         else:
             k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"])
     except CodecError:
@@ -287,10 +447,27 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto"
         raise CodecError(f"{c.name}: decoded shape {tuple(k.shape)} != header {shape}")
     if k.dtype != DTYPES[header["dtype"]] or v.dtype != k.dtype:
         raise CodecError(f"{c.name}: decoded dtype {k.dtype} != header {header['dtype']}")
-    # encoders refuse NaN/inf, so a decoded NaN/inf can only come from corrupt bytes
-    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+    # encoders refuse NaN/inf, so a decoded NaN/inf can only come from corrupt bytes (the
+    # fused CPU decoders check their tables, sinks and outliers instead: finite by
+    # construction, no extra pass over the output)
+    fused = b != "triton" and getattr(c, "fused_cpu", False)
+    if not fused and not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
         raise CodecError(f"{c.name}: decoded KV contains NaN/inf (corrupt bitstream)")
+    if outp is not None and not fused:
+        ko, vo = outp
+        ko.copy_(k)
+        vo.copy_(v)
+        return ko, vo
     return k.to(dev), v.to(dev)
+
+
+def _check_out(out, shape: tuple, dtype_name: str):
+    """None, or the validated (k_out, v_out) pair (ValueError if it does not match)."""
+    if out is None:
+        return None
+    from .fused import check_out
+
+    return check_out(out, shape, DTYPES[dtype_name])
 
 
 def decode_chunk(data: bytes, device: Any = "cpu", backend: str = "auto"
@@ -333,8 +510,10 @@ def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "
 def peek_header(data: bytes) -> dict:
     """The container's validated header fields without dequantizing anything.
 
-    Returns a dict with: codec, level, L, T (tokens in this container), H, D, dtype,
-    token_offset, total_tokens, chunk_index, num_chunks, bytes (len(data)),
+    Returns a dict with: codec, level, L, T (tokens in this container: the real chunk
+    length), H, D, dtype, token_offset, total_tokens, chunk_index, num_chunks,
+    chunk_tokens (the split size of ``encode_chunks``; T for ``encode_kv``; None in
+    format-1 containers), codec_version (1 for format-1 containers), bytes (len(data)),
     payload_bytes, array_bytes, elements (2*L*T*H*D), dtype_bytes (the KV's size in its
     own dtype), ratio_vs_dtype, bits_per_element, config (dict or None).
     Raises CodecError on bad input.
@@ -346,6 +525,10 @@ def peek_header(data: bytes) -> dict:
     out = {key: header[key] for key in ("codec", "level", "L", "T", "H", "D", "dtype",
                                         "token_offset", "total_tokens", "chunk_index",
                                         "num_chunks")}
+    ct = header.get("chunk_tokens")          # absent in format-1 containers
+    out["chunk_tokens"] = ct if isinstance(ct, int) and not isinstance(ct, bool) else None
+    cv = header.get("codec_version")
+    out["codec_version"] = cv if isinstance(cv, int) and not isinstance(cv, bool) else 1
     cfg = header["codec_header"].get("config")
     out.update(bytes=len(data), payload_bytes=len(payload),
                array_bytes=int(sum(getattr(a, "nbytes", 0) for a in arrays.values())),

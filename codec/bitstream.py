@@ -3,7 +3,7 @@
 Purpose: one self-describing, checksummed byte string per encoded chunk: a JSON header,
 a directory of named little-endian numpy arrays, and an opaque payload - with no pickle
 and no Python-object deserialisation (the peers' pickled bitstreams execute code on
-untrusted input; cachegen.md section 4). Every malformed input raises
+untrusted input: the Python docs' warning on the pickle module). Every malformed input raises
 `codec.errors.CodecError` with a clear message; nothing is allocated beyond what the
 input's own length justifies, and parsing is linear in the input size.
 
@@ -31,6 +31,7 @@ from .errors import CodecError
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
     "MAX_HEADER_BYTES",
     "DEFAULT_MAX_BYTES",
     "DTYPE_CODES",
@@ -42,7 +43,8 @@ __all__ = [
 ]
 
 MAGIC = b"KVCG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # written; docs/bitstream.md section 4.1 "Versions"
+READ_VERSIONS = (1, 2)      # read: 1 = before the outlier side list (decodes unchanged)
 MAX_HEADER_BYTES = 1 << 20  # JSON header cap: headers are small (layout, shapes, names)
 DEFAULT_MAX_BYTES = 1 << 36  # 64 GiB: refuse anything larger outright
 MAX_ARRAYS = 256
@@ -202,10 +204,11 @@ def _parse_fixed(data, n: int) -> int:
     magic, version, flags, hlen = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         _fail(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a KV codec bitstream")
-    if version != FORMAT_VERSION:
-        _fail(f"unsupported format version {version} (this reader supports {FORMAT_VERSION})")
+    if version not in READ_VERSIONS:
+        _fail(f"unsupported format version {version} (this reader supports versions "
+              f"{', '.join(map(str, READ_VERSIONS))}; a newer writer made it: upgrade the codec)")
     if flags != 0:
-        _fail(f"unsupported flags 0x{flags:04x} (version {FORMAT_VERSION} defines none)")
+        _fail(f"unsupported flags 0x{flags:04x} (version {version} defines none)")
     if hlen > MAX_HEADER_BYTES:
         _fail(f"header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if _FIXED.size + hlen > n:

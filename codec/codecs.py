@@ -3,7 +3,8 @@
 Each codec turns one chunk of KV (K and V, each [L, T, H, D], fp16/bf16/fp32) into a
 codec-specific header dict, named numpy arrays and a payload, which ``codec.api`` wraps in
 the safe container of ``codec.bitstream`` (magic, version, CRC32; docs/bitstream.md), and
-back. Baselines follow ../shared/reference/cachegen.md section 5:
+back. Baselines as the CacheGen paper compares against (Liu et al., SIGCOMM 2024, section 7.1)
+plus KIVI and an FP8 cast:
 
 - ``raw``: the KV in the model's dtype (lossless).
 - ``quant8``: CacheGen's 8-bit baseline: the reference quantizer with 256 bins, one scale
@@ -29,10 +30,11 @@ import numpy as np
 import torch
 
 from . import quantize as Q
-from .config import CodecConfig
+from .config import (HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, LEVELS as REF_LEVELS,
+                     REFERENCE_DEFAULT_LEVEL, CodecConfig)
 from .errors import CodecError
 
-__all__ = ["Codec", "CODECS", "get_codec", "DTYPES", "EncodedChunk"]
+__all__ = ["Codec", "CODECS", "get_codec", "resolve_level", "DTYPES", "EncodedChunk"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -135,8 +137,16 @@ class Codec:
 
     name = "base"
     lossless = False
-    uses_level = False
     supports_triton = False
+    # ``levels``: the codec's quality levels (one documented scale per codec, docs/codec.md
+    # "Levels"); () = the codec has no levels and takes level=None only.
+    # ``default_level``: what level=None means (``resolve_level``).
+    levels: tuple = ()
+    default_level: Optional[int] = None
+
+    @property
+    def uses_level(self) -> bool:
+        return bool(self.levels)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, level: Optional[int],
                config: Optional[CodecConfig], token_offset: int,
@@ -173,12 +183,19 @@ class Fp8Codec(Codec):
     """float8 e4m3 cast (saturating at +-448), 1 byte per element."""
 
     name = "fp8"
+    fused_cpu = True   # codec.fused.decode_fp8_cpu (issue 14.5)
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": Q.fp8_quantize(k).numpy(), "v": Q.fp8_quantize(v).numpy()})
 
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
-               device=None):
+               device=None, fused=True, out=None):
+        if payload:
+            raise CodecError("fp8: unexpected payload")
+        if fused or out is not None:
+            from .fused import decode_fp8_cpu
+
+            return decode_fp8_cpu(arrays, shape, dtype_name, out=out)
         out = []
         for name in ("k", "v"):
             a = need_array(arrays.get(name), np.uint8, shape, name)
@@ -221,8 +238,16 @@ class KiviCodec(Codec):
                           v_lo=to_bits(lov), v_step=to_bits(stv))
         return EncodedChunk({"nq": nq}, arrays)
 
+    fused_cpu = True   # codec.fused.decode_kivi_cpu (issue 14.5)
+
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
-               device=None):
+               device=None, fused=True, out=None):
+        if fused or out is not None:
+            from .fused import decode_kivi_cpu
+
+            if payload:
+                raise CodecError("kivi: unexpected payload")
+            return decode_kivi_cpu(self, header, arrays, shape, dtype_name, out=out)
         L, T, H, D = shape
         nq = need_int(header, "nq", 0, T)
         if nq % KIVI_GROUP:
@@ -258,12 +283,19 @@ class CacheGenCodec(Codec):
     symbols are stored as bytes (this is ``quant8``: 256 bins, reference quantizer).
     """
 
-    uses_level = True
-
     def __init__(self, name: str, variant: str, entropy: bool = True):
         self.name = name
         self.variant = variant
         self.entropy = entropy
+        # levels: cachegen 0 (smallest) .. 5 (near lossless), default 1 (HARNESS_LEVELS);
+        # cachegen-ref: 0 = LMCache's default schedule, 1-3 = the CacheGen artifact's
+        # levels, default 0; quant8: one fixed config (256 bins), no levels.
+        if not entropy:
+            self.levels, self.default_level = (), None
+        elif variant == "harness":
+            self.levels, self.default_level = tuple(sorted(HARNESS_LEVELS)), HARNESS_DEFAULT_LEVEL
+        else:
+            self.levels, self.default_level = tuple(REF_LEVELS), REFERENCE_DEFAULT_LEVEL
         # the Triton kernels implement quantization + rANS; quant8 (no entropy coding)
         # stays on the CPU like the other baselines
         self.supports_triton = entropy
@@ -315,10 +347,26 @@ class CacheGenCodec(Codec):
         m = Q.max_levels(bins)
         view, dims, sshape, eshape = self._layout(tuple(x.shape), cfg, is_key)
         xg = x.reshape(view)
-        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape, device=x.device)
         tag = "k" if is_key else "v"
         hdr: dict[str, Any] = {}
         arrays: dict[str, np.ndarray] = {}
+        if cfg.scale_group == "chunk_head" and xg.numel():
+            # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
+            # a sparse side list and set to 0 before the scale is taken (issue 12.3;
+            # docs/bitstream.md section 4.4)
+            thr = Q.outlier_thresholds(xg, dims)
+            mask = xg.to(torch.float32).abs() > thr
+            if bool(mask.any()):
+                flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
+                idx = flat.cpu().numpy()
+                n_all = xg.numel()
+                arrays[f"out_{tag}_idx"] = idx.astype(np.uint32 if n_all <= 1 << 32
+                                                      else np.uint64)
+                arrays[f"out_{tag}_val"] = to_bits(xg.reshape(-1)[flat])
+                hdr[f"n_out_{tag}"] = int(idx.size)
+                xg = torch.where(mask, torch.zeros_like(xg), xg)
+        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape, device=x.device)
+        s = Q.flush_tiny_scales(s)      # M / s must not overflow float32 (issue 12.2)
         enc = Q.encode_log8(s) if cfg.scale_format == "log8" and s.numel() else None
         if enc is not None:
             codes, e0, eff = enc
@@ -346,6 +394,26 @@ class CacheGenCodec(Codec):
         "triton"``: ``codec.triton_kernels.dequantize_triton`` (bit-identical)."""
         L, T, H, D = shape
         tag = "k" if is_key else "v"
+        view, _, _, eshape = self._layout(shape, cfg, is_key)
+        eff, m = self.decode_scales(hdr, arrays, cfg, shape, dtype_name, is_key)
+        if backend == "triton" and sym.numel():
+            from . import triton_kernels as tk
+
+            x = tk.dequantize_triton(sym.reshape(view), eff.reshape(eshape).to(sym.device),
+                                     m, out_dtype=out_dtype).reshape(L, T, H, D)
+        else:
+            x = Q.to_dtype_clamped(Q.dequantize(sym.reshape(view),
+                                                eff.reshape(eshape).to(sym.device), m),
+                                   out_dtype).reshape(L, T, H, D)
+        return self.apply_outliers(x, hdr, arrays, dtype_name, tag)
+
+    def decode_scales(self, hdr: dict, arrays: dict, cfg: CodecConfig, shape: tuple,
+                      dtype_name: str, is_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validated effective float32 scales of K (``is_key``) or V of x [L, T, H, D],
+        shaped as ``_layout``'s ``eshape``, and M per layer (float32 [L]); shared by
+        ``dequantize_tensor`` and the fused decoder (``codec.fused``).
+        Raises CodecError on a bad scale array or format."""
+        tag = "k" if is_key else "v"
         bins = cfg.key_bins if is_key else cfg.value_bins
         m = Q.max_levels(bins)
         view, _, sshape, eshape = self._layout(shape, cfg, is_key)
@@ -363,13 +431,35 @@ class CacheGenCodec(Codec):
                 raise CodecError(f"scales of {tag} are negative or not finite")
         else:
             raise CodecError(f"unknown scale format {fmt!r} for {tag}")
-        if backend == "triton" and sym.numel():
-            from . import triton_kernels as tk
+        return eff.reshape(eshape), m
 
-            return tk.dequantize_triton(sym.reshape(view), eff.reshape(eshape).to(sym.device),
-                                        m, out_dtype=out_dtype).reshape(L, T, H, D)
-        return Q.dequantize(sym.reshape(view), eff.reshape(eshape).to(sym.device), m).reshape(
-            L, T, H, D).to(out_dtype)
+    @staticmethod
+    def apply_outliers(x: torch.Tensor, hdr: dict, arrays: dict, dtype_name: str,
+                       tag: str) -> torch.Tensor:
+        """Scatter the exact outlier values of ``tag`` ("k" | "v") into the dequantized
+        ``x`` [L, Tq, H, D] (in place; docs/bitstream.md section 4.4): ``x.view(-1)[idx] =
+        val`` with ``idx`` strictly increasing flat C-order indices into x and ``val`` in
+        the model dtype. No side list (``n_out_<tag>`` absent) = no outliers.
+        Raises CodecError on an inconsistent list."""
+        n = hdr.get(f"n_out_{tag}")
+        if n is None:
+            if f"out_{tag}_idx" in arrays or f"out_{tag}_val" in arrays:
+                raise CodecError(f"outlier arrays of {tag} without n_out_{tag}")
+            return x
+        n = need_int(hdr, f"n_out_{tag}", 1, x.numel())
+        idx = arrays.get(f"out_{tag}_idx")
+        if not isinstance(idx, np.ndarray) or idx.dtype not in (np.uint32, np.uint64) \
+                or idx.shape != (n,):
+            raise CodecError(f"outlier index array of {tag} must be uint32/uint64 [{n}]")
+        val = from_bits(arrays.get(f"out_{tag}_val"), dtype_name, (n,), f"out_{tag}_val")
+        idx64 = idx.astype(np.int64)
+        if int(idx.max()) >= x.numel() or (n > 1 and bool(np.any(np.diff(idx64) <= 0))):
+            raise CodecError(f"outlier indices of {tag} are out of range or not increasing")
+        if not bool(torch.isfinite(val).all()):
+            raise CodecError(f"outlier values of {tag} are not finite")
+        x = x.contiguous()
+        x.view(-1)[torch.from_numpy(idx64).to(x.device)] = val.to(x.device, x.dtype)
+        return x
 
     def n_sink(self, cfg: CodecConfig, T: int, token_offset: int) -> int:
         return max(0, min(T, cfg.sink_tokens - token_offset))
@@ -379,7 +469,9 @@ class CacheGenCodec(Codec):
         L, T, H, D = k.shape
         cfg = self.resolve_config(L, level, config)
         ns = self.n_sink(cfg, T, token_offset)
-        header: dict[str, Any] = {"config": cfg.to_dict(), "n_sink": ns}
+        cfg_d = cfg.to_dict()
+        cfg_d.pop("chunk_tokens", None)   # the split size lives in the container header
+        header: dict[str, Any] = {"config": cfg_d, "n_sink": ns}
         arrays: dict[str, np.ndarray] = {}
         if ns:
             arrays["sink_k"] = to_bits(k[:, :ns])
@@ -430,8 +522,15 @@ class CacheGenCodec(Codec):
             stats.update(payload_bytes=int(syms[0].nbytes + syms[1].nbytes))
         return EncodedChunk(header, arrays, payload, stats)
 
+    # the CPU decode is fused (codec.fused): symbols -> model dtype straight into the
+    # destination, finite by construction (tables, sinks and outliers are checked)
+    fused_cpu = True
+
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
-               device=None):
+               device=None, fused=True, out=None):
+        """``fused`` (default): on the CPU, decode with ``codec.fused`` (bit-identical to
+        the reference path kept below, which ``fused=False`` selects); ``out``: optional
+        (k_out, v_out) destination tensors for the fused path (``codec.decode_kv_into``)."""
         L, T, H, D = shape
         try:
             cfg = CodecConfig.from_dict(header.get("config"))
@@ -447,6 +546,11 @@ class CacheGenCodec(Codec):
         dt = DTYPES[dtype_name]
         triton = backend == "triton" and self.supports_triton
         dev = torch.device(device) if device is not None else torch.device("cpu")
+        if (fused or out is not None) and not triton and dev.type == "cpu":
+            from .fused import decode_cachegen_cpu   # issue 14.2
+
+            return decode_cachegen_cpu(self, cfg, header, arrays, payload, shape, dtype_name,
+                                       ns, out=out)
         if self.entropy:
             from .entropy import decode_symbols
 
@@ -505,10 +609,34 @@ def _build_registry() -> dict[str, Codec]:
     regs = [RawCodec(), Fp8Codec(), CacheGenCodec("quant8", "reference", entropy=False),
             KiviCodec(2), KiviCodec(4), CacheGenCodec("cachegen", "harness"),
             CacheGenCodec("cachegen-ref", "reference")]
+    from .kvtc import KvtcCodec   # transform coding (arXiv 2511.01815), codec/kvtc.py
+
+    regs.append(KvtcCodec())
     return {c.name: c for c in regs}
 
 
 CODECS: dict[str, Codec] = _build_registry()
+
+
+def resolve_level(codec: str, level: Optional[int] = None) -> Optional[int]:
+    """THE one place where "default level" is resolved (issue 11.4).
+
+    ``level=None`` means the codec's default (``default_level``: cachegen 1, cachegen-ref 0;
+    codecs without levels: None); an int must be one of the codec's ``levels``.
+    Returns the level (int) or None for codecs without levels.
+    Raises ValueError on an unknown codec, a non-int level, a level outside the codec's
+    scale, or any level for a codec without levels."""
+    c = get_codec(codec)
+    if level is None:
+        return c.default_level
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise ValueError(f"level must be an int or None, got {level!r}")
+    if not c.levels:
+        raise ValueError(f"codec {c.name!r} has no levels (pass level=None)")
+    if level not in c.levels:
+        raise ValueError(f"unknown level {level} for codec {c.name!r}; levels are "
+                         f"{list(c.levels)} (default {c.default_level})")
+    return level
 
 
 def get_codec(name: str) -> Codec:

@@ -2,8 +2,9 @@
 
 Implements the layer-wise quantization schedule of CacheGen (Liu et al., SIGCOMM 2024,
 section 5.2 "layer-wise quantization": shallow layers get more bins) as LMCache and the
-CacheGen artifact define it (../shared/reference/cachegen.md section 3), derived for ANY
-layer count, plus the harness's own measured schedules (docs/codec.md).
+CacheGen artifact define it (LMCache's ``lmcache/storage_backend/serde/cachegen_basics.py``;
+the artifact's levels in github.com/UChi-JCL/CacheGen, config/quantization*.json),
+derived for ANY layer count, plus the harness's own measured schedules (docs/codec.md).
 
 Presets::
 
@@ -27,13 +28,12 @@ above; ``"harness"`` is this project's measured improvement: one quantization st
 exactly, uniform bins per level 0-5 (``HARNESS_LEVELS``; docs/codec.md has the
 measurements behind every choice).
 
-Run ``python -m codec.config 30`` to print the schedules of every level for 30 layers.
+``python -m bench.schedules 30`` prints the schedules of every level for 30 layers.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -146,7 +146,8 @@ HARNESS_LEVELS: dict[int, tuple[int, int]] = {   # level -> (key bins, value bin
 }
 HARNESS_DEFAULT_LEVEL = 1
 REFERENCE_DEFAULT_LEVEL = 0     # LMCache's default schedule
-HARNESS_SINK_TOKENS = 4  # attention-sink tokens stored exactly (cachegen.md section 8)
+HARNESS_SINK_TOKENS = 4  # attention-sink tokens stored exactly (attention sinks: Xiao et al.,
+#                          StreamingLLM, arXiv:2309.17453; measured gain in docs/codec.md)
 
 
 def harness_schedule(num_layers: int, level: int):
@@ -394,16 +395,3 @@ def _per_layer(specs: tuple[QuantizationSpec, ...], num_layers: int) -> list[int
         for layer in range(s.start_layer, s.end_layer):
             bins[layer] = s.bins
     return bins
-
-
-def main(argv: list[str]) -> int:
-    n = int(argv[0]) if argv else 30
-    for variant in VARIANTS:
-        for level in (LEVELS if variant == "reference" else sorted(HARNESS_LEVELS)):
-            c = CodecConfig.for_model(n, level, variant=variant)
-            print(c.describe())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

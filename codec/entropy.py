@@ -7,7 +7,7 @@ per (layer, channel) (Liu et al., SIGCOMM 2024, section 5.2) with a per-chunk co
 models (codec/probability.py) and the rANS coder of codec/rans_cpu.py.
 
 Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
-Run the benchmark: .venv/bin/python -m codec.entropy   (prints Msym/s and overheads)
+Run the benchmark: .venv/bin/python -m bench.coder entropy   (prints Msym/s and overheads)
 
 Stats: `entropy_bits` is the cross-entropy of the symbols under the coded (codebook,
 16-bit) models - what an ideal coder would need with the models we transmit; the rANS
@@ -24,17 +24,44 @@ Arrays: ent_freqs (uint16), ent_model_index (uint8 [2, L, C], absent if every K 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from . import probability as prob
 from . import rans_cpu
 from .errors import CodecError
+from .rans_spec import ARRAY_NAMES, CODER_NAME, HEADER_FIELDS, stream_layout
 
-__all__ = ["EncodedSymbols", "encode_symbols", "decode_symbols", "CodecError", "CODER_NAME"]
+__all__ = ["EncodedSymbols", "CoderBackend", "encode_symbols", "decode_symbols",
+           "decode_symbols_into", "CodecError", "CODER_NAME"]
 
-CODER_NAME = "rans32x16"
+
+class CoderBackend(Protocol):
+    """What the entropy stage needs from a coder backend (issue 11.3). Implemented by
+    ``codec.rans_cpu.CPU_CODER`` (numba, numpy arrays) and
+    ``codec.triton_kernels.TRITON_CODER`` (Triton, torch tensors on a GPU); both code the
+    rANS streams of ``codec.rans_spec`` and produce identical bytes.
+
+    check_symbols(sym_k, sym_v) -> (sym_k, sym_v): the backend's uint8 [L, T, C] arrays;
+      ValueError on a wrong type/dtype/rank or differing shapes.
+    histograms(sym) -> numpy int64 [L, C, 256]: per-(layer, channel) symbol counts.
+    encode_streams(sym_k, sym_v, cum, model_index, G, B) -> (payload numpy uint8,
+      lengths numpy int64 [n_streams]) on the host.
+    decode_streams(payload, lengths, cum, model_index, L, T, C, G, B, **kw) -> (sym_k,
+      sym_v) uint8 [L, T, C] in the backend's array type; CodecError on corrupt streams.
+    """
+
+    name: str
+
+    def check_symbols(self, sym_k, sym_v): ...
+
+    def histograms(self, sym) -> np.ndarray: ...
+
+    def encode_streams(self, sym_k, sym_v, cum, model_index, G: int, B: int): ...
+
+    def decode_streams(self, payload, lengths, cum, model_index, L: int, T: int, C: int,
+                       G: int, B: int, **kw): ...
 
 
 @dataclass
@@ -79,6 +106,7 @@ def encode_symbols(
     nbins_v: Sequence[int],
     channels_per_stream: int = 4,
     tokens_per_stream: int | None = None,
+    backend: CoderBackend | None = None,
 ) -> EncodedSymbols:
     """Entropy-code the K and V symbols of one chunk.
 
@@ -88,17 +116,16 @@ def encode_symbols(
       channels_per_stream: G, channels per rANS stream (default 4: ~6 bytes of per-stream
         overhead amortised over 4*T symbols; smaller G = more parallel streams for a GPU).
       tokens_per_stream: B, tokens per stream (None = all T tokens of the chunk).
+      backend: the coder backend (default ``rans_cpu.CPU_CODER``: numpy arrays; pass
+        ``triton_kernels.TRITON_CODER`` for torch tensors on a GPU). The models are built
+        on the host by the same code either way, so the bytes are identical.
     Returns: EncodedSymbols (see its docstring).
     Raises: ValueError on bad arguments (shape/dtype mismatch, symbol >= nbins, nbins out
       of range, G or B < 1).
     """
-    sym_k = np.asarray(sym_k)
-    sym_v = np.asarray(sym_v)
-    if sym_k.dtype != np.uint8 or sym_v.dtype != np.uint8:
-        raise ValueError(f"symbols must be uint8, got {sym_k.dtype} and {sym_v.dtype}")
-    if sym_k.ndim != 3 or sym_k.shape != sym_v.shape:
-        raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {sym_k.shape} and {sym_v.shape}")
-    L, T, C = sym_k.shape
+    backend = rans_cpu.CPU_CODER if backend is None else backend
+    sym_k, sym_v = backend.check_symbols(sym_k, sym_v)
+    L, T, C = (int(d) for d in sym_k.shape)
     if L < 1 or C < 1:
         raise ValueError(f"L and C must be >= 1: [L, T, C] = {sym_k.shape}")
     nbk = _int_list(nbins_k, "nbins_k")
@@ -118,15 +145,15 @@ def encode_symbols(
             payload=b"",
         )
 
-    hist_k = prob.histograms(sym_k)  # [L, C, 256]
-    hist_v = prob.histograms(sym_v)
+    hist_k = backend.histograms(sym_k)  # [L, C, 256], host
+    hist_v = backend.histograms(sym_v)
     for name, hist, nbs in (("K", hist_k, nbk), ("V", hist_v, nbv)):
         for layer in range(L):
             if hist[layer, :, nbs[layer]:].any():
                 mx = int(np.flatnonzero(hist[layer].sum(axis=0))[-1])
                 raise ValueError(f"{name} layer {layer}: symbol {mx} >= nbins={nbs[layer]}")
     ms = prob.build_models(hist_k, hist_v, nbk, nbv)
-    payload, lengths = rans_cpu.encode_streams(sym_k, sym_v, ms.cum, ms.model_index, G, B)
+    payload, lengths = backend.encode_streams(sym_k, sym_v, ms.cum, ms.model_index, G, B)
     len_dtype = np.uint16 if int(lengths.max()) < 65536 else np.uint32
     m_hdr, m_arrays = prob.serialize_models(ms)
     header = {
@@ -151,25 +178,10 @@ def encode_symbols(
     )
 
 
-def decode_symbols(
-    header: dict,
-    arrays: dict,
-    payload: bytes,
-    L: int,
-    T: int,
-    C: int,
-    nbins_k: Sequence[int],
-    nbins_v: Sequence[int],
-    max_symbols: int = 1 << 32,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Decode what `encode_symbols` produced.
-
-    Args: header/arrays/payload as produced (e.g. after a bitstream round trip); L, T, C
-      the chunk shape; nbins_k/nbins_v the bins per layer (from the caller's config).
-    Returns: (sym_k, sym_v), uint8 [L, T, C] each.
-    Raises: CodecError on any inconsistency (bad header fields, wrong array shapes/dtypes,
-      model table not matching nbins, truncated/corrupt streams, leftover bytes).
-    """
+def _parse_streams(header, arrays, payload, L, T, C, nbins_k, nbins_v, max_symbols,
+                   allow_tensor=False):
+    """Validate an entropy header/arrays/payload for a chunk [L, T, C] (T >= 0).
+    Returns None for T == 0 (no streams), else (cum, model_index, lengths, G, B)."""
     for name, v, lo in (("L", L, 1), ("T", T, 0), ("C", C, 1)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
             raise CodecError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -178,7 +190,8 @@ def decode_symbols(
         raise CodecError(f"chunk of 2*{L}*{T}*{C} symbols exceeds max_symbols={max_symbols}")
     if not isinstance(header, dict) or not isinstance(arrays, dict):
         raise CodecError("entropy header must be a dict and arrays a dict")
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
+    if not isinstance(payload, (bytes, bytearray, memoryview)) and not (
+            allow_tensor and type(payload).__name__ == "Tensor"):
         raise CodecError("payload must be bytes")
     if header.get("coder") != CODER_NAME:
         raise CodecError(f"unknown entropy coder {header.get('coder')!r} (expected {CODER_NAME!r})")
@@ -189,17 +202,16 @@ def decode_symbols(
                 or any(not isinstance(a, np.ndarray) or a.size != 0 for a in arrays.values()) or len(payload) != 0):
             raise CodecError("a chunk with T=0 tokens must have no streams, no models and an empty payload")
         _hdr_int(header, "channels_per_stream", 1, C)
-        return np.zeros((L, 0, C), np.uint8), np.zeros((L, 0, C), np.uint8)
+        return None
     G = _hdr_int(header, "channels_per_stream", 1, C)
     B = _hdr_int(header, "tokens_per_stream", 1, T)
-    n_groups, n_blocks, n_streams = rans_cpu.stream_layout(L, T, C, G, B)
+    n_groups, n_blocks, n_streams = stream_layout(L, T, C, G, B)
     if _hdr_int(header, "n_streams", 1, 1 << 40) != n_streams:
         raise CodecError(f"header n_streams={header.get('n_streams')} but the layout has {n_streams}")
-    known = {"coder", "channels_per_stream", "tokens_per_stream", "n_streams", "model_groups"}
-    extra = set(header) - known
+    extra = set(header) - set(HEADER_FIELDS)
     if extra:
         raise CodecError(f"unknown entropy header fields {sorted(extra)}")
-    extra = set(arrays) - {"ent_freqs", "ent_model_index", "ent_stream_lengths"}
+    extra = set(arrays) - set(ARRAY_NAMES)
     if extra:
         raise CodecError(f"unknown entropy arrays {sorted(extra)}")
     cum, model_index = prob.deserialize_models(header, arrays, nbins_k, nbins_v, L, C)
@@ -207,7 +219,79 @@ def decode_symbols(
     if (not isinstance(lengths, np.ndarray) or lengths.dtype not in (np.uint16, np.uint32)
             or lengths.shape != (n_streams,)):
         raise CodecError(f"ent_stream_lengths must be uint16/uint32 [{n_streams}]")
-    return rans_cpu.decode_streams(payload, lengths, cum, model_index, L, T, C, G, B)
+    return cum, model_index, lengths, G, B
+
+
+def decode_symbols(
+    header: dict,
+    arrays: dict,
+    payload: bytes,
+    L: int,
+    T: int,
+    C: int,
+    nbins_k: Sequence[int],
+    nbins_v: Sequence[int],
+    max_symbols: int = 1 << 32,
+    backend: CoderBackend | None = None,
+    **backend_kw,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode what `encode_symbols` produced.
+
+    Args: header/arrays/payload as produced (e.g. after a bitstream round trip); L, T, C
+      the chunk shape; nbins_k/nbins_v the bins per layer (from the caller's config);
+      backend: the coder backend (default ``rans_cpu.CPU_CODER``), ``backend_kw`` passed
+      to its ``decode_streams`` (e.g. ``device`` for Triton). The header and model
+      tables are validated here, on the host, for every backend.
+    Returns: (sym_k, sym_v), uint8 [L, T, C] each (numpy for the CPU backend).
+    Raises: CodecError on any inconsistency (bad header fields, wrong array shapes/dtypes,
+      model table not matching nbins, truncated/corrupt streams, leftover bytes).
+    """
+    backend = rans_cpu.CPU_CODER if backend is None else backend
+    parsed = _parse_streams(header, arrays, payload, L, T, C, nbins_k, nbins_v, max_symbols,
+                            allow_tensor=backend is not rans_cpu.CPU_CODER)
+    if parsed is None:
+        return np.zeros((int(L), 0, int(C)), np.uint8), np.zeros((int(L), 0, int(C)), np.uint8)
+    cum, model_index, lengths, G, B = parsed
+    return backend.decode_streams(payload, lengths, cum, model_index, int(L), int(T), int(C),
+                                  G, B, **backend_kw)
+
+
+def decode_symbols_into(
+    header: dict,
+    arrays: dict,
+    payload: bytes,
+    L: int,
+    T: int,
+    C: int,
+    nbins_k: Sequence[int],
+    nbins_v: Sequence[int],
+    out_k: np.ndarray,
+    out_v: np.ndarray,
+    deq_k: np.ndarray,
+    deq_v: np.ndarray,
+    t_stride: int,
+    hd: int,
+    t_off: int = 0,
+    max_symbols: int = 1 << 32,
+) -> None:
+    """Fused decode + dequantization of what `encode_symbols` produced, straight into a
+    destination (issue 14.2): symbol s of (kv, layer, t, c) becomes
+    ``out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s]`` in one numba pass
+    over the streams, both cores (`codec.rans_cpu.decode_streams_into`).
+
+    Args: header .. nbins_v as `decode_symbols`; out_k/out_v writable C-contiguous arrays
+      [L, T_out, C] (e.g. the uint16 view of a bf16 destination [L, T_out, H, D]);
+      deq_k/deq_v [L, R, NS] tables of out's dtype (values of each symbol per scale row);
+      t_stride, hd, t_off as in `codec.rans_cpu.decode_streams_into`.
+    Raises: CodecError on any inconsistency of the bitstream (as `decode_symbols`);
+      ValueError on inconsistent destination/table arguments.
+    """
+    parsed = _parse_streams(header, arrays, payload, L, T, C, nbins_k, nbins_v, max_symbols)
+    if parsed is None:
+        return
+    cum, model_index, lengths, G, B = parsed
+    rans_cpu.decode_streams_into(payload, lengths, cum, model_index, int(L), int(T), int(C), G, B,
+                                 out_k, out_v, deq_k, deq_v, t_stride, hd, t_off)
 
 
 def _int_list(v, name: str) -> list[int]:
@@ -231,66 +315,3 @@ def _hdr_int(header: dict, key: str, lo: int, hi: int) -> int:
     if type(v) is not int or not lo <= v <= hi:
         raise CodecError(f"entropy header field {key!r} must be an int in [{lo}, {hi}], got {v!r}")
     return v
-
-
-def _bench(argv=None) -> None:
-    """python -m codec.entropy [--npz FILE] : sizes and Msym/s of encode/decode_symbols.
-
-    FILE (optional) holds sym_k, sym_v (uint8 [L, T, C]) and nbins_k, nbins_v (int [L]);
-    default: a synthetic chunk (30 layers x 1024 tokens x 192 channels, Laplace symbols
-    with per-channel widths and offsets, LMCache's 32/16-bin schedule as 31/15 symbols).
-    """
-    import argparse
-    import time
-
-    ap = argparse.ArgumentParser(description=_bench.__doc__)
-    ap.add_argument("--npz", default=None)
-    ap.add_argument("--channels-per-stream", type=int, default=4)
-    ap.add_argument("--tokens-per-stream", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args(argv)
-    if a.npz:
-        d = np.load(a.npz)
-        sk, sv = d["sym_k"], d["sym_v"]
-        nbk, nbv = [int(x) for x in d["nbins_k"]], [int(x) for x in d["nbins_v"]]
-    else:
-        rng = np.random.default_rng(0)
-        L, T, C = 30, 1024, 192
-        nbk = [31] * 10 + [15] * 20
-        nbv = [31] * 2 + [15] * 28
-        syms = []
-        for nbs in (nbk, nbv):
-            s = np.empty((L, T, C), np.uint8)
-            for layer, nb in enumerate(nbs):
-                width = rng.lognormal(0.0, 0.5, C) * nb / 12
-                centre = nb // 2 + rng.integers(-2, 3, C)
-                s[layer] = np.clip(np.round(rng.laplace(0.0, width, (T, C)) + centre), 0, nb - 1)
-            syms.append(s)
-        sk, sv = syms
-    L, T, C = sk.shape
-    n = 2 * sk.size
-    encode_symbols(sk[:, :2], sv[:, :2], nbk, nbv)  # compile / warm up
-    te, td = [], []
-    for _ in range(a.reps):
-        t0 = time.perf_counter()
-        enc = encode_symbols(sk, sv, nbk, nbv, a.channels_per_stream, a.tokens_per_stream)
-        t1 = time.perf_counter()
-        dk, dv = decode_symbols(enc.header, enc.arrays, enc.payload, L, T, C, nbk, nbv)
-        t2 = time.perf_counter()
-        te.append(t1 - t0)
-        td.append(t2 - t1)
-    assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
-    tot = enc.total_bytes
-    print(f"chunk [L={L}, T={T}, C={C}] x K/V = {n} symbols; groups (nbins, K) = {enc.header['model_groups']}")
-    print(f"ideal (per-channel empirical entropy): {enc.ideal_bits / n:.4f} bits/sym = {enc.ideal_bits / 8:.0f} B")
-    print(f"coded-model cross-entropy: {enc.entropy_bits / 8:.0f} B ({100 * (enc.entropy_bits / enc.ideal_bits - 1):+.2f}% vs ideal)")
-    print(f"payload {enc.payload_bytes} B + length table {enc.length_table_bytes} B "
-          f"({100 * ((enc.payload_bytes + enc.length_table_bytes) * 8 / enc.entropy_bits - 1):+.2f}% vs cross-entropy)")
-    print(f"models {enc.model_bytes} B = {100 * enc.model_bytes / tot:.2f}% of {tot} B; "
-          f"total {100 * (tot * 8 / enc.ideal_bits - 1):+.2f}% vs ideal")
-    print(f"encode_symbols {n / np.median(te) / 1e6:.1f} Msym/s, decode_symbols {n / np.median(td) / 1e6:.1f} Msym/s "
-          f"(median of {a.reps}; both include model building / table validation)")
-
-
-if __name__ == "__main__":
-    _bench()

@@ -24,9 +24,10 @@ from typing import Sequence
 import numpy as np
 
 from .errors import CodecError
+from .threads import run_kernel
 
 try:
-    from . import rans_cpu as _rans_cpu  # noqa: F401  (sets numba's threading layer first)
+    from . import rans_cpu as _rans_cpu  # noqa: F401  (the threading layer: codec.threads)
     from numba import njit, prange
 except ImportError:  # pragma: no cover
     njit = None
@@ -199,8 +200,8 @@ PARALLEL_MIN_WORK = 1 << 24  # n * K * nbins multiply-adds above which both core
 
 def _assign_kernel(H, W, assign, best):
     """Serial or parallel (by problem size) `_assign_py`; results are identical."""
-    k = _assign_par if H.shape[0] * H.shape[1] * W.shape[1] >= PARALLEL_MIN_WORK else _assign_ser
-    k(H, W, assign, best)
+    run_kernel(_assign_par, _assign_ser, H.shape[0] * H.shape[1] * W.shape[1] >= PARALLEL_MIN_WORK,
+               H, W, assign, best)   # thread-safe dispatch (codec.threads)
 
 
 @_numba_or_py

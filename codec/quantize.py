@@ -1,7 +1,8 @@
 """Reference quantizers of the codec, as pure torch functions with exact arithmetic.
 
 Implements CacheGen's layer-wise symmetric quantization (Liu et al., SIGCOMM 2024,
-section 5.2; LMCache's serde, ../shared/reference/cachegen.md section 3) and the variants
+section 5.2; as LMCache's cachegen serde implements it, lmcache/storage_backend/serde/
+cachegen_encoder.py and cachegen_basics.py) and the variants
 measured in docs/codec.md section 4 (scales per (layer, token), per (layer, token, KV
 head) or per (layer, KV head) over a chunk are all just a choice of the ``scale`` tensor
 below; log-quantized 8-bit scales; anchor/delta token groups, measured and not used by
@@ -24,6 +25,23 @@ broadcasts against it and ``M = bins // 2 - 1`` (per layer, float32):
 
 so |x32 - x_hat| <= s / (2M) (plus float32 rounding, <= 2 ulp of |x|) for every element
 with |x| <= s. An all-zero row has s = 0 -> inv = 0 -> every symbol M -> x_hat = 0 (no NaN).
+
+Limits of the dtype (issue 12.2): ``x_hat`` is clamped to the output dtype's finite range
+before the cast (``to_dtype_clamped``: float32 rounding of ``M * (s / M)`` can exceed
+float32's max when s is near it); scales below ``TINY_SCALE`` = 2^-100 are flushed to 0 by
+the codecs (``flush_tiny_scales``) so that ``M / s`` cannot overflow float32 (bf16/fp32
+subnormal groups decode as zeros: absolute error < 2^-100). KIVI computes its range and
+step in float64 (``max - min`` of two finite values can overflow float32).
+
+Outliers (issue 12.3, cachegen's "chunk_head" groups): ``outlier_thresholds`` gives per
+group ``OUTLIER_RATIO * median(|x|)`` (the median of a fixed strided sample of at most
+``OUTLIER_SAMPLE`` elements, so that it is cheap and identical on every backend); values
+with ``|x| > threshold`` are stored exactly in a sparse side list and the group's scale is
+the max |x| of the rest (docs/bitstream.md section 4.4). The rule follows the outlier
+handling of LLM.int8() (Dettmers et al., NeurIPS 2022, section 3.2: "mixed-precision
+decomposition", outliers kept in 16 bit) and SpQR (Dettmers et al., ICLR 2024, section
+4.1: sparse exact outliers beside a dense low-bit matrix), with a median-based threshold
+as in robust statistics (median absolute value, Hampel's rule).
 
 Scales: ``row_scales`` = max |x| over the grouped channels, computed in float32 (exact:
 the max of dtype values is a dtype value). ``log8`` scales replace it by the smallest
@@ -54,7 +72,65 @@ __all__ = [
     "fp8_quantize",
     "fp8_dequantize",
     "empirical_entropy_bits",
+    "TINY_SCALE",
+    "OUTLIER_RATIO",
+    "OUTLIER_SAMPLE",
+    "to_dtype_clamped",
+    "flush_tiny_scales",
+    "outlier_thresholds",
 ]
+
+TINY_SCALE = 2.0 ** -100   # smaller group scales are flushed to 0 (M / s would overflow)
+# |x| > OUTLIER_RATIO * median(|x|) of its group is an outlier. Measured on the default
+# model's KV (needle, 1022 tokens, 90 (layer, KV head) groups per tensor): max/median is
+# 7.2-32.2 (K median 15.4, V 10.6), so 64 (2x the largest seen) extracts nothing from
+# normal KV, while a value 100x the typical magnitude is always taken out.
+OUTLIER_RATIO = 64.0
+OUTLIER_SAMPLE = 4096      # at most this many elements per group enter the median
+
+
+def to_dtype_clamped(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32/float64 -> ``dtype``, clamping to the dtype's finite range first (so float
+    rounding at the dtype's max gives max, never inf)."""
+    big = torch.finfo(dtype).max
+    return x32.clamp(-big, big).to(dtype)
+
+
+def flush_tiny_scales(s: torch.Tensor) -> torch.Tensor:
+    """Scales (float32, >= 0) below ``TINY_SCALE`` -> 0 (the group decodes to zeros)."""
+    return torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
+
+
+def _sample_stride(n: int, inner: int) -> int:
+    """Stride of the median sample: >= n / OUTLIER_SAMPLE, odd and coprime with the
+    innermost (channel) size so that every channel is sampled (an outlier CHANNEL cannot
+    fill the sample)."""
+    st = max(1, -(-n // OUTLIER_SAMPLE))
+    if st > 1:
+        st |= 1
+        while math.gcd(st, inner) != 1:
+            st += 2
+    return st
+
+
+def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
+    """Per-group outlier thresholds ``OUTLIER_RATIO * median(|x|)`` (float32, keepdim over
+    ``dims``, e.g. x [L, T, H, D] with dims (1, 3) -> [L, 1, H, 1]).
+
+    The median is torch's lower median of the strided sample ``|x|.flatten()[::stride]``
+    of each group (``_sample_stride``): exact selection, so the same on CPU and CUDA.
+    A group whose median is 0 gets threshold 0 (every non-zero value is an outlier)."""
+    dims = tuple(sorted(d % x.dim() for d in dims))
+    keep = [d for d in range(x.dim()) if d not in dims]
+    a = x.to(torch.float32).abs().permute(*keep, *dims)
+    gshape = [x.shape[d] for d in keep]
+    a = a.reshape(math.prod(gshape), -1)
+    st = _sample_stride(a.shape[1], x.shape[dims[-1]])
+    med = a[:, ::st].median(dim=1).values
+    thr = med * OUTLIER_RATIO
+    out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
+    return thr.reshape(out_shape)
+
 
 # float32 constants 2^(j/8) rounded UP to float32 (j = 0..7), written exactly in hex.
 LOG8_MANTISSA = torch.tensor([float.fromhex(h) for h in (
@@ -108,7 +184,8 @@ def dequantize(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor
     """Inverse of ``quantize``: float32 ``(sym - M) * (scale / M)``, shape of ``sym``."""
     m = _bcast_levels(max_level, sym.dim()).to(sym.device)
     step = scale.to(torch.float32) / m
-    return (sym.to(torch.float32) - m) * step
+    # float32 rounding of M * (s / M) may exceed float32's max for s near it: clamp
+    return to_dtype_clamped((sym.to(torch.float32) - m) * step, torch.float32)
 
 
 # ---------------------------------------------------------------------------- log8 scales
@@ -146,6 +223,8 @@ def encode_log8(scale: torch.Tensor):
     codes = torch.where(pos.reshape(-1), codes, torch.zeros_like(codes)).reshape(s.shape)
     codes = codes.to(torch.uint8)
     eff = grid[codes.long()]
+    if not bool(torch.isfinite(eff).all()):
+        return None      # a rounded-up scale overflows float32: keep dtype scales
     assert bool((eff >= s).all())
     return codes, e0, eff
 
@@ -191,9 +270,9 @@ def anchor_delta_quantize(x: torch.Tensor, max_level: torch.Tensor, group: int,
 
 # ------------------------------------------------------------------------------ KIVI
 def _round_up_to(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 -> dtype, rounded UP (so a stored step never shrinks the range)."""
+    """float32/float64 -> dtype, rounded UP (so a stored step never shrinks the range)."""
     y = x32.to(dtype)
-    low = y.to(torch.float32) < x32
+    low = y.to(x32.dtype) < x32
     if bool(low.any()):
         y = torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
     return y
@@ -204,37 +283,41 @@ def kivi_quantize(x: torch.Tensor, bits: int, dim: int, group: int):
     (keys: dim = token axis, "per-channel"; values: dim = channel axis, "per-token").
 
     x: [..., N, ...] float; N (the size along ``dim``) must be a multiple of ``group``.
-    Per group: ``lo = min``, ``step = (max - lo) / (2^bits - 1)`` rounded UP to x.dtype,
-    ``q = clamp(round((x32 - lo) / step), 0, 2^bits - 1)`` (step 0 -> q = 0).
+    Per group: ``lo = min``, ``step = (max - lo) / (2^bits - 1)`` computed in float64 (the
+    range of two finite values can overflow float32) and rounded UP to x.dtype,
+    ``q = clamp(round((x64 - lo) / step), 0, 2^bits - 1)`` (step 0 -> q = 0).
     Returns ``(q uint8 shape of x, lo x.dtype, step x.dtype)`` where lo/step have ``dim``
-    replaced by N // group. Dequant: ``q * step + lo`` (float32).
+    replaced by N // group. Dequant (``kivi_dequantize``): ``q * step + lo`` in float64,
+    clamped to [lo, the dtype's max]: |x - x_hat| <= step / 2 (+ the dtype's rounding).
     """
     dim = dim % x.dim()
     n = x.shape[dim]
     if n % group:
         raise ValueError(f"size {n} along dim {dim} is not a multiple of group {group}")
-    xg = x.to(torch.float32).unflatten(dim, (n // group, group))   # [..., n/g, g, ...]
-    lo32 = xg.amin(dim=dim + 1, keepdim=True)
-    hi32 = xg.amax(dim=dim + 1, keepdim=True)
+    xg = x.to(torch.float64).unflatten(dim, (n // group, group))   # [..., n/g, g, ...]
+    lo64 = xg.amin(dim=dim + 1, keepdim=True)
+    hi64 = xg.amax(dim=dim + 1, keepdim=True)
     qmax = float((1 << bits) - 1)
-    step = _round_up_to((hi32 - lo32) / qmax, x.dtype)
-    lo = lo32.to(x.dtype)                     # exact: the min of dtype values
-    step32 = step.to(torch.float32)
-    safe = torch.where(step32 > 0, step32, torch.ones_like(step32))
-    q = torch.round((xg - lo32) / safe)
-    q = torch.where(step32 > 0, q, torch.zeros_like(q)).clamp(0, qmax)
+    step = _round_up_to((hi64 - lo64) / qmax, x.dtype)   # <= 2/3 of the dtype's max: finite
+    lo = lo64.to(x.dtype)                     # exact: the min of dtype values
+    step64 = step.to(torch.float64)
+    safe = torch.where(step64 > 0, step64, torch.ones_like(step64))
+    q = torch.round((xg - lo64) / safe)
+    q = torch.where(step64 > 0, q, torch.zeros_like(q)).clamp(0, qmax)
     return (q.to(torch.uint8).flatten(dim, dim + 1), lo.squeeze(dim + 1),
             step.squeeze(dim + 1))
 
 
 def kivi_dequantize(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, dim: int,
                     group: int) -> torch.Tensor:
-    """Inverse of ``kivi_quantize``: float32 ``q * step + lo``."""
+    """Inverse of ``kivi_quantize``: ``q * step + lo`` in float64, clamped to the finite
+    range of ``lo``'s dtype, returned as float32 (the caller casts to the dtype: no inf)."""
     dim = dim % q.dim()
     n = q.shape[dim]
-    qg = q.to(torch.float32).unflatten(dim, (n // group, group))
-    out = qg * step.to(torch.float32).unsqueeze(dim + 1) + lo.to(torch.float32).unsqueeze(dim + 1)
-    return out.flatten(dim, dim + 1)
+    qg = q.to(torch.float64).unflatten(dim, (n // group, group))
+    out = qg * step.to(torch.float64).unsqueeze(dim + 1) + lo.to(torch.float64).unsqueeze(dim + 1)
+    big = torch.finfo(lo.dtype).max
+    return out.clamp(-big, big).flatten(dim, dim + 1).to(torch.float32)
 
 
 # ------------------------------------------------------------------------------- FP8

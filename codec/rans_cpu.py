@@ -9,7 +9,7 @@ several independent streams in lockstep (interleaving) follows F. Giesen's ryg_r
 Measured on this 2-core AMD EPYC (Zen 4) VM under heavy load from other jobs, real KV
 symbols (30 layers x 1024 tokens x 192 channels x K/V, 2.4 bits/symbol), per CPU-second
 of one core: encode ~300 Msym, decode ~375 Msym; constriction's RangeCoder on the same
-symbols with ONE model: ~190 / ~50 (see `python -m codec.rans_cpu --npz ...`).
+symbols with ONE model: ~190 / ~50 (see `python -m bench.coder rans --npz ...`).
 
 The numba kernels (`encode_streams`, `decode_streams`) run one work item (4 streams of
 identical shape coded in lockstep, or 1 stream) per `prange` iteration (so both cores are
@@ -18,7 +18,7 @@ reference (`rans_encode_ref`, `rans_decode_ref`, `encode_streams_ref`,
 `decode_streams_ref`), which the Triton kernels (codec/triton_kernels.py) also match.
 
 Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
-Run the benchmark: nice -n 5 .venv/bin/python -m codec.rans_cpu   (Msym/s encode/decode)
+Run the benchmark: nice -n 5 .venv/bin/python -m bench.coder rans   (Msym/s encode/decode)
 
 Shapes and dtypes used throughout:
   sym_k, sym_v     uint8  [L, T, C]   symbols, sym < nbins of the model used
@@ -37,20 +37,14 @@ from typing import Sequence
 import numpy as np
 
 from .errors import CodecError
+from .threads import run_kernel
 
 try:  # numba is a hard requirement for speed, but keep the reference usable without it
-    import os as _os
-
-    import numba
     from numba import njit, prange
 
-    # numba's default OpenMP threading layer clashes with torch's own OpenMP runtime in
-    # one process: after a parallel decode, every later torch op ran ~13x slower here
-    # (HF forward of 128 tokens: 0.47 s -> 6.3 s; measured, see docs/codec.md). numba's
-    # own "workqueue" layer has no such effect. A user's NUMBA_THREADING_LAYER wins.
-    if "NUMBA_THREADING_LAYER" not in _os.environ:
-        numba.config.THREADING_LAYER = "workqueue"
-
+    # numba's threading layer is chosen at the first parallel kernel call, not here:
+    # codec.threads.run_kernel calls codec.threads.configure_threading_layer() first
+    # (no import-time side effects).
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - numba is in requirements.txt
     HAVE_NUMBA = False
@@ -68,29 +62,17 @@ __all__ = [
     "decode_streams_ref",
     "encode_streams",
     "decode_streams",
+    "decode_streams_into",
+    "gather_into",
+    "CPU_CODER",
 ]
 
-PROB_BITS = 16
-PROB_SCALE = 1 << PROB_BITS  # M: every model's frequencies sum to exactly this
-RANS_L = 1 << 16  # lower bound of the normalised state interval [L, 2^32)
-_MASK16 = 0xFFFF
-
-# Error codes returned per stream by the numba decoder (0 = ok).
-ERR_OK = 0
-ERR_SHORT = 1  # stream shorter than the 4-byte initial state
-ERR_STATE = 2  # initial state x < L
-ERR_TRUNCATED = 3  # a renormalisation read went past the end of the stream
-ERR_FINAL = 4  # final state != L
-ERR_LEFTOVER = 5  # bytes left over after the last symbol
-ERR_SYMBOL = 6  # (encode) symbol with zero frequency in its model
-ERR_MESSAGES = {
-    ERR_SHORT: "stream shorter than its 4-byte initial state",
-    ERR_STATE: "initial rANS state below L",
-    ERR_TRUNCATED: "stream truncated (renormalisation read past its end)",
-    ERR_FINAL: "final rANS state is not L (corrupt stream)",
-    ERR_LEFTOVER: "bytes left over after the last symbol (corrupt stream)",
-    ERR_SYMBOL: "symbol outside its model's alphabet (zero frequency)",
-}
+# The coder's constants, error codes and stream layout are specified once, in
+# codec.rans_spec (docs/bitstream.md sections 2-4); re-exported here for callers.
+from .rans_spec import (ERR_FINAL, ERR_LEFTOVER, ERR_MESSAGES, ERR_OK, ERR_SHORT,  # noqa: E402,F401
+                        ERR_STATE, ERR_SYMBOL, ERR_TRUNCATED, PROB_BITS, PROB_SCALE, RANS_L,
+                        WORD_MASK as _MASK16, bad_stream_lengths, stream_layout,
+                        stream_symbol_counts)
 
 if sys.byteorder != "little":  # pragma: no cover - the numba kernels write native u16
     raise ImportError("codec.rans_cpu assumes a little-endian host")
@@ -99,31 +81,6 @@ if sys.byteorder != "little":  # pragma: no cover - the numba kernels write nati
 # ---------------------------------------------------------------------------------------
 # Layout helpers and validation
 # ---------------------------------------------------------------------------------------
-def stream_layout(L: int, T: int, C: int, G: int, B: int) -> tuple[int, int, int]:
-    """Return (n_groups, n_blocks, n_streams) for a chunk of K and V [L, T, C].
-
-    n_groups = ceil(C / G), n_blocks = ceil(T / B), n_streams = 2 * L * n_groups * n_blocks.
-    Raises ValueError if a dimension or G/B is < 1 (T may be 0 only if... it may not).
-    """
-    for name, v in (("L", L), ("T", T), ("C", C), ("channels_per_stream", G), ("tokens_per_stream", B)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    n_groups = -(-C // G)
-    n_blocks = -(-T // B)
-    return n_groups, n_blocks, 2 * L * n_groups * n_blocks
-
-
-def stream_symbol_counts(L: int, T: int, C: int, G: int, B: int) -> np.ndarray:
-    """int64 [n_streams]: number of symbols in each stream (section 3 order)."""
-    n_groups, n_blocks, _ = stream_layout(L, T, C, G, B)
-    ch = np.full(n_groups, G, dtype=np.int64)
-    ch[-1] = C - G * (n_groups - 1)
-    tk = np.full(n_blocks, B, dtype=np.int64)
-    tk[-1] = T - B * (n_blocks - 1)
-    per = np.outer(ch, tk).reshape(-1)  # [n_groups * n_blocks], group-major
-    return np.tile(per, 2 * L)
-
-
 def validate_cum_table(cum: np.ndarray, nbins: np.ndarray | None = None) -> None:
     """Check a model table: uint32 [n_models, 257] with cum[:,0]=0, non-decreasing,
     cum[:,256]=M, and, when `nbins` (int [n_models]) is given, strictly increasing on
@@ -443,13 +400,20 @@ def _compact_impl(scratch, scr_off, nwords, out_off, out):
             out[dst + j] = scratch[src + j]
 
 
-def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, items, out_k, out_v, err):
-    """Decode the streams of every work item. `words` is the payload as uint16 followed
-    by enough zero padding that the hot loop needs no bounds checks (a stream reads at
-    most one word per symbol): a stream that reads past its end finishes with
-    pos > its end and is reported as truncated; err[i] per stream (0 = ok)."""
+def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+                 out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err):
+    """Decode the streams of every work item and write each symbol s of (kv, layer, t, c)
+    as out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s] (out = out_k for
+    kv 0, out_v for kv 1; deq likewise): with an identity table (deq[l, 0, s] = s,
+    t_stride 0, hd = C) this is plain symbol decoding; with a table of dequantized values
+    in the model dtype's bit pattern it is the fused decode + dequantize + cast of
+    `decode_streams_into` (one pass, no intermediate tensor).
+
+    `words` is the payload as uint16 followed by enough zero padding that the hot loop
+    needs no bounds checks (a stream reads at most one word per symbol): a stream that
+    reads past its end finishes with pos > its end and is reported as truncated; err[i]
+    per stream (0 = ok)."""
     L = out_k.shape[0]
-    T = out_k.shape[1]
     C = out_k.shape[2]
     n_groups = (C + G - 1) // G
     n_blocks = (T + B - 1) // B
@@ -462,7 +426,8 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
         r = r // n_groups
         layer = r % L
         kv = r // L
-        out = out_k if kv == 0 else out_v
+        out = out_k[layer] if kv == 0 else out_v[layer]
+        dq = deq_k[layer] if kv == 0 else deq_v[layer]
         t0 = b * B
         t1 = min(t0 + B, T)
         if nl == 4:
@@ -500,15 +465,21 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
                 l1r, u1r, k1r = lut_tab[m1], cum_tab[m1], packed_tab[m1]
                 l2r, u2r, k2r = lut_tab[m2], cum_tab[m2], packed_tab[m2]
                 l3r, u3r, k3r = lut_tab[m3], cum_tab[m3], packed_tab[m3]
+                h0 = c0 // hd
+                h1 = c1 // hd
+                h2 = c2 // hd
+                h3 = c3 // hd
                 for t in range(t0, t1):
                     x0, q0, s0 = _dec_step(x0, q0, words, l0r, u0r, k0r)
                     x1, q1, s1 = _dec_step(x1, q1, words, l1r, u1r, k1r)
                     x2, q2, s2 = _dec_step(x2, q2, words, l2r, u2r, k2r)
                     x3, q3, s3 = _dec_step(x3, q3, words, l3r, u3r, k3r)
-                    out[layer, t, c0] = np.uint8(s0)
-                    out[layer, t, c1] = np.uint8(s1)
-                    out[layer, t, c2] = np.uint8(s2)
-                    out[layer, t, c3] = np.uint8(s3)
+                    rt = t * t_stride
+                    ot = t + t_off
+                    out[ot, c0] = dq[rt + h0, s0]
+                    out[ot, c1] = dq[rt + h1, s1]
+                    out[ot, c2] = dq[rt + h2, s2]
+                    out[ot, c3] = dq[rt + h3, s3]
             err[i0] = 3 if q0 > w_off[i0 + 1] else (4 if x0 != 65536 else (5 if q0 != w_off[i0 + 1] else 0))
             err[i1] = 3 if q1 > w_off[i1 + 1] else (4 if x1 != 65536 else (5 if q1 != w_off[i1 + 1] else 0))
             err[i2] = 3 if q2 > w_off[i2 + 1] else (4 if x2 != 65536 else (5 if q2 != w_off[i2 + 1] else 0))
@@ -526,15 +497,72 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
             for c in range(c_lo, c_hi):
                 m = model_index[kv, layer, c]
                 lr, ur, kr = lut_tab[m], cum_tab[m], packed_tab[m]
+                h = c // hd
                 for t in range(t0, t1):
                     x, pos, s = _dec_step(x, pos, words, lr, ur, kr)
-                    out[layer, t, c] = np.uint8(s)
+                    out[t + t_off, c] = dq[t * t_stride + h, s]
             err[i0] = 3 if pos > end else (4 if x != 65536 else (5 if pos != end else 0))
+
+
+def _gather_impl(sym, out, deq, t_stride, hd, t_off):
+    """Dequantize stored symbols (no entropy coding: quant8) in one pass:
+    out[l, t_off + t, c] = deq[l, t * t_stride + c // hd, sym[l, t, c]], parallel over
+    (layer, token)."""
+    L = sym.shape[0]
+    T = sym.shape[1]
+    C = sym.shape[2]
+    for lt in prange(L * T):
+        layer = lt // T
+        t = lt % T
+        dq = deq[layer]
+        rt = t * t_stride
+        for c in range(C):
+            out[layer, t + t_off, c] = dq[rt + c // hd, sym[layer, t, c]]
 
 
 _encode_par, _encode_ser = _dual(_encode_impl)
 _compact_par, _compact_ser = _dual(_compact_impl)
 _decode_par, _decode_ser = _dual(_decode_impl)
+
+
+def _lut8_impl(codes, tab, flag, out):
+    """out[i] = tab[codes[i]] over flat arrays; returns how many codes have flag[c] != 0
+    (fp8: NaN codes)."""
+    n = codes.shape[0]
+    bad = 0
+    for i in prange(n):
+        c = codes[i]
+        out[i] = tab[c]
+        bad += flag[c]
+    return bad
+
+
+def _kivi_impl(qb, bits, tab, sL, sT, gt, sH, sD, gd, sQ, out, nq):
+    """KIVI dequantization by table (codec.fused.decode_kivi_cpu): element (l, t, h, d)
+    of the packed codes (``bits`` per code, little-endian in bytes, C order over
+    [L, nq, H, D]) becomes tab[l*sL + (t//gt)*sT + h*sH + (d//gd)*sD + q*sQ], written to
+    out[l, t, h, d]; parallel over (layer, token)."""
+    L = out.shape[0]
+    H = out.shape[2]
+    D = out.shape[3]
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    for lt in prange(L * nq):
+        layer = lt // nq
+        t = lt % nq
+        base = layer * sL + (t // gt) * sT
+        i0 = (layer * nq + t) * H * D
+        for h in range(H):
+            bh = base + h * sH
+            for d in range(D):
+                i = i0 + h * D + d
+                q = (np.int64(qb[i // per]) >> ((i % per) * bits)) & mask
+                out[layer, t, h, d] = tab[bh + (d // gd) * sD + q * sQ]
+
+
+_lut8_par, _lut8_ser = _dual(_lut8_impl)
+_kivi_par, _kivi_ser = _dual(_kivi_impl)
+_gather_par, _gather_ser = _dual(_gather_impl)
 
 
 # ---------------------------------------------------------------------------------------
@@ -617,15 +645,15 @@ def encode_streams(
     err = np.zeros(n_streams, dtype=np.int64)
     items = _work_items(L, T, C, G, B)
     par = (2 * L * T * C >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
-    enc, comp = (_encode_par, _compact_par) if par else (_encode_ser, _compact_ser)
-    enc(sym_k, sym_v, freq, np.ascontiguousarray(cum64[:, :256]), mi, G, B, items, scratch, scr_off, nwords, err)
+    # run_kernel: thread-safe parallel/serial dispatch (codec.threads, issue 12.4)
+    run_kernel(_encode_par, _encode_ser, par, sym_k, sym_v, freq, np.ascontiguousarray(cum64[:, :256]), mi, G, B, items, scratch, scr_off, nwords, err)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
         raise ValueError(f"stream {i}: {ERR_MESSAGES.get(int(err[i]), 'encode error')}")
     out_off = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum(nwords, out=out_off[1:])
     out = np.empty(int(out_off[-1]), dtype=np.uint16)
-    comp(scratch, scr_off, nwords, out_off, out)
+    run_kernel(_compact_par, _compact_ser, par, scratch, scr_off, nwords, out_off, out)
     return out.view(np.uint8), nwords * 2
 
 
@@ -672,17 +700,83 @@ def decode_streams(
     Raises: CodecError on any inconsistency (lengths not adding up to the payload, odd or
       too-short or too-long streams, truncated/corrupt streams).
     """
+    out_k = np.empty((L, T, C), dtype=np.uint8) if _dims_ok(L, T, C) else None
+    out_v = np.empty((L, T, C), dtype=np.uint8) if out_k is not None else None
+    ident = np.ascontiguousarray(np.broadcast_to(np.arange(256, dtype=np.uint8), (max(int(L), 1) if out_k is not None else 1, 1, 256)))
+    decode_streams_into(payload, lengths, cum, model_index, L, T, C, G, B, out_k, out_v,
+                        ident, ident, 0, C, 0, parallel=parallel)
+    return out_k, out_v
+
+
+def _dims_ok(L, T, C) -> bool:
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in (L, T, C))
+
+
+def max_symbols_of(cum: np.ndarray) -> np.ndarray:
+    """int64 [n_models]: the largest symbol a valid model row can decode to (the last s
+    with cum[s + 1] > cum[s])."""
+    c = np.asarray(cum, dtype=np.int64)
+    pos = np.diff(c, axis=1) > 0                                  # [n_models, 256]
+    return 255 - np.argmax(pos[:, ::-1], axis=1)
+
+
+def decode_streams_into(
+    payload, lengths, cum: np.ndarray, model_index: np.ndarray, L: int, T: int, C: int, G: int, B: int,
+    out_k: np.ndarray, out_v: np.ndarray, deq_k: np.ndarray, deq_v: np.ndarray,
+    t_stride: int, hd: int, t_off: int = 0, parallel: bool | None = None,
+) -> None:
+    """Fused rANS decode + table dequantization of all streams of a chunk (numba, one
+    pass, both cores): symbol s of (kv, layer, t, c) is written as
+    ``out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s]``.
+
+    Used by the cachegen decoder with ``deq`` = the dequantized values of every symbol for
+    each scale row, already rounded to the model dtype and given as its bit pattern
+    (uint16 for bf16/fp16, uint32 for fp32; computed by the reference torch arithmetic, so
+    the result is bit-identical to decode -> dequantize -> cast), and ``out`` = a view of
+    the destination tensor [L, T_out, C] (C = H * D). No full-size intermediate is made.
+
+    Args:
+      payload, lengths, cum, model_index, L, T, C, G, B: as `decode_streams`.
+      out_k, out_v: C-contiguous writable arrays [L, T_out, C] of one dtype,
+        T_out >= t_off + T (tokens [t_off, t_off + T) are written, the rest untouched).
+      deq_k, deq_v: C-contiguous arrays [L, R, NS] of out's dtype; R > (T - 1) * t_stride
+        + (C - 1) // hd; NS > the largest symbol any model used by that kv can decode.
+      t_stride: table rows per token (0 = one row set for the whole chunk).
+      hd: channels per scale row (head_dim for per-head scales, C for one row).
+      t_off: first destination token.
+    Raises: CodecError on corrupt input (as `decode_streams`, and a model whose alphabet
+      exceeds the table); ValueError on inconsistent destination/table arguments.
+    """
     try:
         n_groups, n_blocks, n_streams = stream_layout(L, T, C, G, B)
     except ValueError as e:
         raise CodecError(str(e)) from None
+    L, T, C = int(L), int(T), int(C)
     cum, mi = _check_common(cum, model_index, L, C)
+    for name, o in (("out_k", out_k), ("out_v", out_v)):
+        if (not isinstance(o, np.ndarray) or o.ndim != 3 or o.shape[0] != L or o.shape[2] != C
+                or not o.flags.c_contiguous or not o.flags.writeable):
+            raise ValueError(f"{name} must be a writable C-contiguous array [{L}, T_out, {C}]")
+    if out_k.dtype != out_v.dtype or out_k.shape != out_v.shape:
+        raise ValueError("out_k and out_v must have one dtype and shape")
+    t_stride, hd, t_off = int(t_stride), int(hd), int(t_off)
+    if t_stride < 0 or hd < 1 or t_off < 0 or t_off + T > out_k.shape[1]:
+        raise ValueError(f"bad t_stride={t_stride} / hd={hd} / t_off={t_off} for {out_k.shape[1]} tokens")
+    msym = max_symbols_of(cum)
+    for kv, (name, d) in enumerate((("deq_k", deq_k), ("deq_v", deq_v))):
+        if (not isinstance(d, np.ndarray) or d.ndim != 3 or d.shape[0] != L or d.dtype != out_k.dtype
+                or not d.flags.c_contiguous):
+            raise ValueError(f"{name} must be a C-contiguous array [{L}, R, NS] of {out_k.dtype}")
+        if d.shape[1] <= (T - 1) * t_stride + (C - 1) // hd:
+            raise ValueError(f"{name} has {d.shape[1]} rows, the layout needs {(T - 1) * t_stride + (C - 1) // hd + 1}")
+        if int(msym[mi[kv]].max()) >= d.shape[2]:
+            raise CodecError(f"a model decodes symbol {int(msym[mi[kv]].max())} but {name} has {d.shape[2]}")
     lengths = np.asarray(lengths)
     if lengths.shape != (n_streams,) or lengths.dtype.kind not in "ui":
         raise CodecError(f"stream lengths must be an integer array of {n_streams} entries")
     lens = lengths.astype(np.int64)
     counts = stream_symbol_counts(L, T, C, G, B)
-    badmask = (lens < 4) | (lens % 2 == 1) | (lens > 4 + 2 * counts)
+    badmask = bad_stream_lengths(lens, counts)
     if np.any(badmask):
         bad = int(np.flatnonzero(badmask)[0])
         raise CodecError(f"stream {bad}: invalid length {int(lens[bad])} bytes for {int(counts[bad])} symbols")
@@ -701,164 +795,104 @@ def decode_streams(
     w_off = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum(lens // 2, out=w_off[1:])
     packed, lut = build_decode_tables(cum)
-    out_k = np.empty((L, T, C), dtype=np.uint8)
-    out_v = np.empty((L, T, C), dtype=np.uint8)
     err = np.zeros(n_streams, dtype=np.int64)
     items = _work_items(L, T, C, G, B)
     par = (2 * L * T * C >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
-    dec = _decode_par if par else _decode_ser
-    dec(words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, items, out_k, out_v, err)
+    # run_kernel: thread-safe parallel/serial dispatch (codec.threads, issue 12.4)
+    run_kernel(_decode_par, _decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
+               items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
         raise CodecError(f"stream {i} of {n_streams}: {ERR_MESSAGES.get(int(err[i]), 'decode error')}")
-    return out_k, out_v
 
 
-# ---------------------------------------------------------------------------------------
-# Benchmark: python -m codec.rans_cpu [--layers 30 --tokens 1024 --channels 192 --reps 5]
-# ---------------------------------------------------------------------------------------
-def _synthetic_chunk(L: int, T: int, C: int, nbins: int, n_models: int, seed: int = 0):
-    """Laplace-like symbols per (kv, layer, channel) drawn from `n_models` quantized tables
-    of varying width (a stand-in for real KV symbols; the figures depend on the symbol
-    statistics only through the renormalisation rate)."""
-    rng = np.random.default_rng(seed)
-    xs = np.arange(nbins) - (nbins - 1) / 2
-    cums = []
-    for sc in np.linspace(0.4, 3.0, n_models):
-        p = np.exp(-np.abs(xs) / sc)
-        p /= p.sum()
-        f = 1 + np.floor(p * (PROB_SCALE - nbins)).astype(np.int64)
-        f[np.argmax(f)] += PROB_SCALE - f.sum()
-        c = np.full(257, PROB_SCALE, np.int64)
-        c[0] = 0
-        c[1 : nbins + 1] = np.cumsum(f)
-        cums.append(c)
-    cum = np.stack(cums).astype(np.uint32)
-    mi = rng.integers(0, n_models, size=(2, L, C)).astype(np.uint16)
-    syms = []
-    for kv in range(2):
-        cdf = cum[mi[kv]].astype(np.float64)[..., 1 : nbins + 1] / PROB_SCALE  # [L, C, nbins]
-        u = rng.random((L, C, T))
-        s = (u[..., None] >= cdf[:, :, None, :]).sum(axis=-1).clip(0, nbins - 1)
-        syms.append(np.ascontiguousarray(s.transpose(0, 2, 1)).astype(np.uint8))  # [L, T, C]
-    return syms[0], syms[1], cum, mi
+def gather_into(sym: np.ndarray, out: np.ndarray, deq: np.ndarray, t_stride: int, hd: int,
+                t_off: int = 0, parallel: bool | None = None) -> None:
+    """Table dequantization of stored symbols (quant8) in one pass, both cores:
+    ``out[l, t_off + t, c] = deq[l, t * t_stride + c // hd, sym[l, t, c]]``.
 
-
-def _bench(argv=None) -> None:
-    import argparse
-    import time
-
-    ap = argparse.ArgumentParser(description="rANS CPU coder throughput (Msym/s) vs constriction")
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--channels", type=int, default=192)
-    ap.add_argument("--nbins", type=int, default=16)
-    ap.add_argument("--channels-per-stream", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-constriction", action="store_true")
-    ap.add_argument("--npz", default=None, help="real symbols: sym_k, sym_v [L, T, C], nbins_k, nbins_v "
-                    "(models from codec.probability.build_models); default: synthetic")
-    a = ap.parse_args(argv)
-    if a.npz:
-        from . import probability as prob
-
-        d = np.load(a.npz)
-        sk, sv = np.ascontiguousarray(d["sym_k"]), np.ascontiguousarray(d["sym_v"])
-        ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), list(d["nbins_k"]), list(d["nbins_v"]))
-        cum, mi = ms.cum, ms.model_index
-        L, T, C = sk.shape
-    else:
-        L, T, C = a.layers, a.tokens, a.channels
-        sk, sv, cum, mi = _synthetic_chunk(L, T, C, a.nbins, 64)
-    G = a.channels_per_stream
-    n = 2 * sk.size
-    freq = np.diff(cum.astype(np.int64), axis=1)
-    nbins_of = (freq > 0).sum(axis=1)
-    bits = 0.0
-    for kv, s in enumerate((sk, sv)):
-        m = np.broadcast_to(mi[kv][:, None, :], s.shape)
-        bits += float(-np.log2(freq[m, s] / PROB_SCALE).sum())
-    print(f"chunk: {L} layers x {T} tokens x {C} channels x K/V = {n} symbols, "
-          f"{bits / n:.3f} bits/symbol, {G} channels per stream, numba threads={numba.get_num_threads()}")
-    for par in (False, True):
-        encode_streams(sk, sv, cum, mi, G, T, parallel=par)  # warm-up / compile
-        te, td, ce, cd = [], [], [], []
-        for _ in range(a.reps):
-            c0, t0 = time.process_time(), time.perf_counter()
-            pay, lens = encode_streams(sk, sv, cum, mi, G, T, parallel=par)
-            c1, t1 = time.process_time(), time.perf_counter()
-            dk, dv = decode_streams(pay, lens, cum, mi, L, T, C, G, T, parallel=par)
-            c2, t2 = time.process_time(), time.perf_counter()
-            te.append(t1 - t0)
-            td.append(t2 - t1)
-            ce.append(c1 - c0)
-            cd.append(c2 - c1)
-        assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
-        tag = "parallel" if par else "1 thread"
-        # CPU seconds are reported beside wall time: on a shared machine they show what
-        # the code costs per core regardless of how long it waited for one
-        print(f"numba rANS {tag:8s}: encode {n / np.median(te) / 1e6:7.1f} Msym/s wall "
-              f"({n / np.median(ce) / 1e6:5.0f} Msym per CPU-s), decode {n / np.median(td) / 1e6:7.1f} Msym/s wall "
-              f"({n / np.median(cd) / 1e6:5.0f} Msym per CPU-s) (median of {a.reps}); payload "
-              f"{pay.size} B = {100 * (pay.size * 8 / bits - 1):+.3f}% vs cross-entropy, "
-              f"+{lens.size * 2} B length table")
-    if a.no_constriction:
+    Args: sym uint8 [L, T, C]; out, deq, t_stride, hd, t_off as `decode_streams_into`
+      (deq [L, R, NS] of out's dtype, NS > sym.max()).
+    Raises: CodecError if a symbol is outside the table; ValueError on bad arguments.
+    """
+    if not isinstance(sym, np.ndarray) or sym.dtype != np.uint8 or sym.ndim != 3:
+        raise ValueError("sym must be uint8 [L, T, C]")
+    sym = np.ascontiguousarray(sym)
+    L, T, C = sym.shape
+    if (not isinstance(out, np.ndarray) or out.ndim != 3 or out.shape[0] != L or out.shape[2] != C
+            or not out.flags.c_contiguous or not out.flags.writeable or t_off + T > out.shape[1] or t_off < 0):
+        raise ValueError(f"out must be a writable C-contiguous array [{L}, >= {t_off + T}, {C}]")
+    if (not isinstance(deq, np.ndarray) or deq.ndim != 3 or deq.shape[0] != L or deq.dtype != out.dtype
+            or not deq.flags.c_contiguous or t_stride < 0 or hd < 1
+            or (T and deq.shape[1] <= (T - 1) * t_stride + (C - 1) // hd)):
+        raise ValueError("deq must be a C-contiguous [L, R, NS] table of out's dtype covering the layout")
+    if sym.size == 0:
         return
-    try:
-        import constriction
-    except ImportError:  # pragma: no cover
-        print("constriction not installed: skipped")
-        return
-    # constriction on the same symbols and models: one model per (kv, layer, channel),
-    # i.e. one encode call per channel of T symbols (its per-model API), single thread.
-    probs = [freq[m, : nbins_of[m]].astype(np.float64) / PROB_SCALE for m in range(cum.shape[0])]
-    models = [constriction.stream.model.Categorical(p, perfect=False) for p in probs]
-    chans = [(np.ascontiguousarray(s[layer, :, c]).astype(np.int32), int(mi[kv, layer, c]))
-             for kv, s in enumerate((sk, sv)) for layer in range(L) for c in range(C)]
-    for coder_name in ("RangeEncoder", "AnsCoder"):
-        te, td = [], []
-        for _ in range(max(2, a.reps // 2)):
-            if coder_name == "RangeEncoder":
-                enc = constriction.stream.queue.RangeEncoder()
-                t0 = time.perf_counter()
-                for sym, m in chans:
-                    enc.encode(sym, models[m])
-                comp = enc.get_compressed()
-                t1 = time.perf_counter()
-                dec = constriction.stream.queue.RangeDecoder(comp)
-                for sym, m in chans:
-                    dec.decode(models[m], T)
-                t2 = time.perf_counter()
-            else:
-                enc = constriction.stream.stack.AnsCoder()
-                t0 = time.perf_counter()
-                for sym, m in reversed(chans):
-                    enc.encode_reverse(sym, models[m])
-                comp = enc.get_compressed()
-                t1 = time.perf_counter()
-                dec = constriction.stream.stack.AnsCoder(comp)
-                for sym, m in chans:
-                    dec.decode(models[m], T)
-                t2 = time.perf_counter()
-            te.append(t1 - t0)
-            td.append(t2 - t1)
-        print(f"constriction {coder_name:12s} 1 thread, one call per channel: encode "
-              f"{n / np.median(te) / 1e6:7.1f} Msym/s, decode {n / np.median(td) / 1e6:7.1f} Msym/s; "
-              f"{comp.nbytes} B")
-    # constriction's best case: one model, one call (no per-channel switching)
-    flat = np.ascontiguousarray(sk.reshape(-1)).astype(np.int32)
-    pooled = constriction.stream.model.Categorical(np.bincount(flat).astype(np.float64) + 0.5, perfect=False)
-    enc = constriction.stream.queue.RangeEncoder()
-    c0, t0 = time.process_time(), time.perf_counter()
-    enc.encode(flat, pooled)
-    comp = enc.get_compressed()
-    c1, t1 = time.process_time(), time.perf_counter()
-    constriction.stream.queue.RangeDecoder(comp).decode(pooled, flat.size)
-    c2, t2 = time.process_time(), time.perf_counter()
-    print(f"constriction RangeEncoder   1 thread, ONE model, one call ({flat.size} symbols): encode "
-          f"{flat.size / (t1 - t0) / 1e6:7.1f} Msym/s wall ({flat.size / (c1 - c0) / 1e6:5.0f} per CPU-s), decode "
-          f"{flat.size / (t2 - t1) / 1e6:7.1f} Msym/s wall ({flat.size / (c2 - c1) / 1e6:5.0f} per CPU-s)")
+    if int(sym.max()) >= deq.shape[2]:
+        raise CodecError(f"symbol {int(sym.max())} outside the dequantization table ({deq.shape[2]} entries)")
+    par = (sym.size >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    run_kernel(_gather_par, _gather_ser, par, sym, out, deq, int(t_stride), int(hd), int(t_off))
 
 
-if __name__ == "__main__":
-    _bench()
+def lut8_into(codes: np.ndarray, tab: np.ndarray, flag: np.ndarray, out: np.ndarray,
+              parallel: bool | None = None) -> int:
+    """Byte-code table lookup in one pass, both cores (fp8 decode): out.flat[i] =
+    tab[codes.flat[i]]. codes uint8 (any shape, C-contiguous), tab [256] of out's dtype,
+    flag uint8 [256]; out C-contiguous with codes' size. Returns the number of codes c
+    with flag[c] != 0."""
+    c = np.ascontiguousarray(codes).reshape(-1)
+    o = out.reshape(-1)
+    if c.dtype != np.uint8 or tab.shape != (256,) or flag.shape != (256,) or o.size != c.size \
+            or tab.dtype != out.dtype:
+        raise ValueError("lut8_into: codes uint8, tab/flag [256], out of codes' size and tab's dtype")
+    par = (c.size >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    return int(run_kernel(_lut8_par, _lut8_ser, par, c, tab, flag.astype(np.int64), o))
+
+
+def kivi_into(qb: np.ndarray, bits: int, tab: np.ndarray, strides: tuple, out: np.ndarray,
+              nq: int, parallel: bool | None = None) -> None:
+    """KIVI table dequantization in one pass, both cores (see ``_kivi_impl``); ``strides`` =
+    (sL, sT, gt, sH, sD, gd, sQ) into the flat table ``tab`` (out's dtype); out [L, T, H,
+    D] C-contiguous, tokens [0, nq) written. Callers check the table covers every index."""
+    if tab.dtype != out.dtype or tab.ndim != 1 or out.ndim != 4 or not out.flags.c_contiguous:
+        raise ValueError("kivi_into: flat table of out's dtype and a C-contiguous [L, T, H, D] out")
+    n = out.shape[0] * nq * out.shape[2] * out.shape[3]
+    if qb.dtype != np.uint8 or qb.size * (8 // bits) < n:
+        raise ValueError("kivi_into: packed codes too short")
+    par = (n >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    run_kernel(_kivi_par, _kivi_ser, par, np.ascontiguousarray(qb), int(bits), tab,
+               *[int(v) for v in strides], out, int(nq))
+
+
+class _CpuCoder:
+    """The numba coder backend of ``codec.entropy`` (``entropy.CoderBackend``): numpy
+    uint8 arrays in, host arrays out."""
+
+    name = "cpu"
+
+    @staticmethod
+    def check_symbols(sym_k, sym_v):
+        sym_k = np.asarray(sym_k)
+        sym_v = np.asarray(sym_v)
+        if sym_k.dtype != np.uint8 or sym_v.dtype != np.uint8:
+            raise ValueError(f"symbols must be uint8, got {sym_k.dtype} and {sym_v.dtype}")
+        if sym_k.ndim != 3 or sym_k.shape != sym_v.shape:
+            raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {sym_k.shape} and {sym_v.shape}")
+        return sym_k, sym_v
+
+    @staticmethod
+    def histograms(sym):
+        from .probability import histograms
+
+        return histograms(sym)
+
+    @staticmethod
+    def encode_streams(sym_k, sym_v, cum, model_index, G, B):
+        return encode_streams(sym_k, sym_v, cum, model_index, G, B)
+
+    @staticmethod
+    def decode_streams(payload, lengths, cum, model_index, L, T, C, G, B, **kw):
+        return decode_streams(payload, lengths, cum, model_index, L, T, C, G, B, **kw)
+
+
+CPU_CODER = _CpuCoder()

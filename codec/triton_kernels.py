@@ -52,7 +52,7 @@ bincount), codec.rans_cpu.encode_streams_ref / decode_streams_ref.
 
 Run the tests (CPU, interpreter):
   TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_codec_triton.py -q
-Run the benchmark (GPU):  python -m codec.triton_bench --device cuda
+Run the benchmark (GPU):  python -m bench.triton --device cuda
 Whole GPU check (correctness + speed table):  bash scripts/gpu_check.sh
 """
 from __future__ import annotations
@@ -89,22 +89,14 @@ __all__ = [
     "rans_decode_triton",
     "encode_symbols_triton",
     "decode_symbols_triton",
+    "TRITON_CODER",
 ]
 
-PROB_BITS = 16
-PROB_SCALE = 1 << PROB_BITS
-RANS_L = 1 << 16
-
-# per-stream error codes, identical to codec/rans_cpu.py
-ERR_OK, ERR_STATE, ERR_TRUNCATED, ERR_FINAL, ERR_LEFTOVER, ERR_SYMBOL, ERR_INTERNAL = 0, 2, 3, 4, 5, 6, 7
-_ERR_MESSAGES = {
-    ERR_STATE: "initial rANS state below L",
-    ERR_TRUNCATED: "stream truncated (renormalisation read past its end)",
-    ERR_FINAL: "final rANS state is not L (corrupt stream)",
-    ERR_LEFTOVER: "bytes left over after the last symbol (corrupt stream)",
-    ERR_SYMBOL: "symbol outside its model's alphabet (zero frequency)",
-    ERR_INTERNAL: "internal error: encoder pass 2 did not fill its slot exactly",
-}
+# The coder's constants, error codes and stream layout: codec.rans_spec (specified once,
+# shared with the numba backend codec.rans_cpu; docs/bitstream.md sections 2-4).
+from .rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_MESSAGES as _ERR_MESSAGES,  # noqa: E402
+                        ERR_OK, ERR_STATE, ERR_SYMBOL, ERR_TRUNCATED, PROB_BITS, PROB_SCALE,
+                        RANS_L, bad_stream_lengths, stream_layout)
 
 # Lanes (streams) per program for the rANS kernels. On a GPU one lane is one thread
 # (num_warps * 32 == BLOCK); small in the interpreter where each step is a numpy op.
@@ -645,13 +637,7 @@ def histogram_triton(sym: torch.Tensor, nbins_max: int = 256) -> torch.Tensor:
 # rANS
 # ---------------------------------------------------------------------------------------
 def _layout(L: int, T: int, C: int, G: int, B: int) -> tuple[int, int, int]:
-    for name, v in (("L", L), ("T", T), ("C", C), ("channels_per_stream", G),
-                     ("tokens_per_stream", B)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    n_groups = -(-C // G)
-    n_blocks = -(-T // B)
-    return n_groups, n_blocks, 2 * L * n_groups * n_blocks
+    return stream_layout(L, T, C, G, B)
 
 
 def _symbol_counts(L, T, C, G, B, device) -> torch.Tensor:
@@ -834,7 +820,7 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
         raise CodecError(f"stream lengths must be an integer array of {n_streams} entries")
     lens = lens.to(torch.int64)
     counts = _symbol_counts(L, T, C, G, B, dev)
-    badlen = (lens < 4) | (lens % 2 != 0) | (lens > 4 + 2 * counts)
+    badlen = bad_stream_lengths(lens, counts)
     if bool(badlen.any()):
         i = int(torch.nonzero(badlen)[0, 0])
         raise CodecError(f"stream {i}: invalid length {int(lens[i])} bytes for "
@@ -882,6 +868,45 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
 # ---------------------------------------------------------------------------------------
 # codec.entropy's API on the GPU path (same header, arrays and payload bytes)
 # ---------------------------------------------------------------------------------------
+class _TritonCoder:
+    """The Triton coder backend of ``codec.entropy`` (``entropy.CoderBackend``): uint8
+    torch tensors [L, T, C] on CUDA (CPU under TRITON_INTERPRET=1); histograms and rANS
+    in Triton, results the entropy stage needs on the host copied back."""
+
+    name = "triton"
+
+    @staticmethod
+    def check_symbols(sym_k, sym_v):
+        if not (isinstance(sym_k, torch.Tensor) and isinstance(sym_v, torch.Tensor)):
+            raise ValueError("sym_k and sym_v must be torch tensors (use codec.entropy for numpy)")
+        if sym_k.dtype != torch.uint8 or sym_v.dtype != torch.uint8:
+            raise ValueError(f"symbols must be uint8, got {sym_k.dtype} and {sym_v.dtype}")
+        if sym_k.dim() != 3 or sym_k.shape != sym_v.shape:
+            raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {tuple(sym_k.shape)} "
+                             f"and {tuple(sym_v.shape)}")
+        return sym_k, sym_v
+
+    @staticmethod
+    def histograms(sym):
+        return histogram_triton(sym).cpu().numpy()
+
+    @staticmethod
+    def encode_streams(sym_k, sym_v, cum, model_index, G, B):
+        payload, lengths = rans_encode_triton(sym_k, sym_v, cum, model_index, G, B)
+        return payload.cpu().numpy(), lengths.cpu().numpy()
+
+    @staticmethod
+    def decode_streams(payload, lengths, cum, model_index, L, T, C, G, B, device=None,
+                       lookup="auto"):
+        if device is None and not isinstance(payload, torch.Tensor):
+            device = "cpu" if interpreting() else "cuda"
+        return rans_decode_triton(payload, np.asarray(lengths).astype(np.int64), cum,
+                                  model_index, L, T, C, G, B, device=device, lookup=lookup)
+
+
+TRITON_CODER = _TritonCoder()
+
+
 def encode_symbols_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, nbins_k: Sequence[int],
                           nbins_v: Sequence[int], channels_per_stream: int = 4,
                           tokens_per_stream: int | None = None):
@@ -889,59 +914,19 @@ def encode_symbols_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, nbins_k: Seq
 
     Args: sym_k, sym_v uint8 torch tensors [L, T, C] on CUDA (CPU under the interpreter);
       the rest as `codec.entropy.encode_symbols`.
-    Steps: histograms (Triton) -> host: codec.probability.build_models (the same numpy
-      code as the CPU path, so the models are identical; it is tiny) -> rANS (Triton,
-      two-pass) -> payload copied to the host as bytes.
-    Raises: ValueError as `encode_symbols` does.
+    Steps (codec.entropy.encode_symbols with ``backend=TRITON_CODER``): histograms
+      (Triton) -> host: codec.probability.build_models (the same numpy code as the CPU
+      path, so the models are identical; it is tiny) -> rANS (Triton, two-pass) ->
+      payload copied to the host as bytes.
+    Raises: ValueError as `encode_symbols` does (and on an empty chunk).
     """
     from . import entropy as ent
-    from . import probability as prob
 
-    if not (isinstance(sym_k, torch.Tensor) and isinstance(sym_v, torch.Tensor)):
-        raise ValueError("sym_k and sym_v must be torch tensors (use codec.entropy for numpy)")
-    if sym_k.dtype != torch.uint8 or sym_v.dtype != torch.uint8:
-        raise ValueError(f"symbols must be uint8, got {sym_k.dtype} and {sym_v.dtype}")
-    if sym_k.dim() != 3 or sym_k.shape != sym_v.shape:
-        raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {tuple(sym_k.shape)} "
-                         f"and {tuple(sym_v.shape)}")
-    L, T, C = sym_k.shape
-    if L < 1 or T < 1 or C < 1:
+    sym_k, sym_v = TRITON_CODER.check_symbols(sym_k, sym_v)
+    if min(sym_k.shape) < 1:
         raise ValueError(f"empty chunk: [L, T, C] = {tuple(sym_k.shape)}")
-    nbk = [int(v) for v in nbins_k]
-    nbv = [int(v) for v in nbins_v]
-    if len(nbk) != L or len(nbv) != L:
-        raise ValueError(f"nbins_k/nbins_v must have L={L} entries, got {len(nbk)} and {len(nbv)}")
-    if any(not 2 <= v <= 256 for v in nbk + nbv):
-        raise ValueError("nbins must be in [2, 256]")
-    for name, v in (("channels_per_stream", channels_per_stream),
-                    ("tokens_per_stream", 1 if tokens_per_stream is None else tokens_per_stream)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    G = min(int(channels_per_stream), C)
-    B = T if tokens_per_stream is None else min(int(tokens_per_stream), T)
-    hist_k = histogram_triton(sym_k).cpu().numpy()
-    hist_v = histogram_triton(sym_v).cpu().numpy()
-    for name, hist, nbs in (("K", hist_k, nbk), ("V", hist_v, nbv)):
-        for layer in range(L):
-            if hist[layer, :, nbs[layer]:].any():
-                mx = int(np.flatnonzero(hist[layer].sum(axis=0))[-1])
-                raise ValueError(f"{name} layer {layer}: symbol {mx} >= nbins={nbs[layer]}")
-    ms = prob.build_models(hist_k, hist_v, nbk, nbv)
-    payload, lengths = rans_encode_triton(sym_k, sym_v, ms.cum, ms.model_index, G, B)
-    lengths = lengths.cpu().numpy()
-    len_dtype = np.uint16 if int(lengths.max()) < 65536 else np.uint32
-    m_hdr, m_arrays = prob.serialize_models(ms)
-    header = {"coder": ent.CODER_NAME, "channels_per_stream": int(G),
-              "tokens_per_stream": int(B), "n_streams": int(lengths.size), **m_hdr}
-    arrays = dict(m_arrays)
-    arrays["ent_stream_lengths"] = lengths.astype(len_dtype)
-    pay = payload.cpu().numpy().tobytes()
-    return ent.EncodedSymbols(
-        header=header, arrays=arrays, payload=pay,
-        entropy_bits=float(ms.coded_bits), ideal_bits=float(ms.ideal_bits),
-        model_bytes=sum(int(a.nbytes) for a in m_arrays.values()),
-        length_table_bytes=int(arrays["ent_stream_lengths"].nbytes),
-        payload_bytes=len(pay))
+    return ent.encode_symbols(sym_k, sym_v, nbins_k, nbins_v, channels_per_stream,
+                              tokens_per_stream, backend=TRITON_CODER)
 
 
 def decode_symbols_triton(header: dict, arrays: dict, payload, L: int, T: int, C: int,
@@ -951,45 +936,16 @@ def decode_symbols_triton(header: dict, arrays: dict, payload, L: int, T: int, C
     """GPU twin of `codec.entropy.decode_symbols`: same checks, same errors, symbols as
     uint8 torch tensors [L, T, C] on `device` (default cuda; cpu under the interpreter).
 
-    The header / model-table validation is codec.entropy's and codec.probability's own
-    code (run on the host: it is small); only the rANS decoding runs in Triton.
+    codec.entropy.decode_symbols with ``backend=TRITON_CODER``: the header / model-table
+    validation is codec.entropy's and codec.probability's own code (run on the host: it
+    is small); only the rANS decoding runs in Triton.
     Raises: CodecError on any inconsistency.
     """
     from . import entropy as ent
-    from . import probability as prob
 
     for name, v in (("L", L), ("T", T), ("C", C)):
         if type(v) not in (int, np.int64, np.int32) or v < 1:
             raise CodecError(f"{name} must be a positive integer, got {v!r}")
-    L, T, C = int(L), int(T), int(C)
-    if 2 * L * T * C > max_symbols:
-        raise CodecError(f"chunk of 2*{L}*{T}*{C} symbols exceeds max_symbols={max_symbols}")
-    if not isinstance(header, dict) or not isinstance(arrays, dict):
-        raise CodecError("entropy header must be a dict and arrays a dict")
-    if header.get("coder") != ent.CODER_NAME:
-        raise CodecError(f"unknown entropy coder {header.get('coder')!r} "
-                         f"(expected {ent.CODER_NAME!r})")
-    G = ent._hdr_int(header, "channels_per_stream", 1, C)
-    B = ent._hdr_int(header, "tokens_per_stream", 1, T)
-    n_groups, n_blocks, n_streams = _layout(L, T, C, G, B)
-    if ent._hdr_int(header, "n_streams", 1, 1 << 40) != n_streams:
-        raise CodecError(f"header n_streams={header.get('n_streams')} but the layout has "
-                         f"{n_streams}")
-    extra = set(header) - {"coder", "channels_per_stream", "tokens_per_stream", "n_streams",
-                           "model_groups"}
-    if extra:
-        raise CodecError(f"unknown entropy header fields {sorted(extra)}")
-    extra = set(arrays) - {"ent_freqs", "ent_model_index", "ent_stream_lengths"}
-    if extra:
-        raise CodecError(f"unknown entropy arrays {sorted(extra)}")
-    cum, model_index = prob.deserialize_models(header, arrays, nbins_k, nbins_v, L, C)
-    lengths = arrays.get("ent_stream_lengths")
-    if (not isinstance(lengths, np.ndarray) or lengths.dtype not in (np.uint16, np.uint32)
-            or lengths.shape != (n_streams,)):
-        raise CodecError(f"ent_stream_lengths must be uint16/uint32 [{n_streams}]")
-    if not isinstance(payload, (bytes, bytearray, memoryview, torch.Tensor)):
-        raise CodecError("payload must be bytes")
-    if device is None and not isinstance(payload, torch.Tensor):
-        device = "cpu" if interpreting() else "cuda"
-    return rans_decode_triton(payload, lengths.astype(np.int64), cum, model_index,
-                              L, T, C, G, B, device=device, lookup=lookup)
+    return ent.decode_symbols(header, arrays, payload, int(L), int(T), int(C), nbins_k,
+                              nbins_v, max_symbols=max_symbols, backend=TRITON_CODER,
+                              device=device, lookup=lookup)

@@ -7,7 +7,7 @@ evaluation's quality metrics): LongChat line retrieval accuracy as LongEval scor
 LongBench scores TriviaQA/NarrativeQA, perplexity as on WikiText, plus the fidelity
 metrics that need no task skill (KL divergence of next-token distributions, share of
 greedy tokens identical to the lossless run, ROUGE-L and BLEU against the lossless
-generation). See ../shared/reference/cachegen.md section 6.
+generation). Source: CacheGen (Liu et al., SIGCOMM 2024) section 7.1 (quality metrics).
 
 This module knows no model, engine or network. Metrics are plain functions registered
 by name with ``higher_is_better`` (as lm-evaluation-harness does); look them up with
@@ -31,7 +31,9 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import torch
+
+# torch is imported inside the logit metrics only: the registry (directions, aggregation
+# rules) is read by the figures and the notebook, which must not need torch.
 
 __all__ = [
     "Metric",
@@ -40,6 +42,8 @@ __all__ = [
     "register_metric",
     "get_metric",
     "list_metrics",
+    "result_metrics",
+    "AGGREGATIONS",
     "normalize_answer",
     "retrieval_accuracy",
     "qa_f1",
@@ -59,24 +63,50 @@ __all__ = [
 # --------------------------------------------------------------------------- registry
 
 
+AGGREGATIONS = ("median", "share", "mean")
+"""How a metric's per-request values become one summary value: ``median`` (robust to the
+few outlier requests of a small benchmark), ``share`` (mean of 0/1 flags: the share of
+correct answers), ``mean``."""
+
+
 @dataclass(frozen=True)
 class Metric:
-    """One registered metric.
+    """One registered metric: its compute function, direction and aggregation together.
 
     Attributes:
-        name: registry name (also the key used in results.json where one exists).
+        name: registry name.
         fn: the scoring function.
         higher_is_better: True when a larger value means better quality.
         unit: human-readable unit of the value ("fraction 0-1", "nats", "%", ...).
+        aggregation: one of :data:`AGGREGATIONS`; how summaries combine requests.
+        column: key of the value in a run record's ``quality`` object (None: the metric
+            is not written to results.json, e.g. raw perplexity).
+        summary: key of the aggregated value in a summary row (default: ``column``).
+        inputs: names of the arguments ``fn`` takes, from what a request provides:
+            ``prediction`` (output text), ``answer`` (gold answer), ``answers`` (all
+            accepted answers), ``reference`` (the lossless run's output text),
+            ``tokens`` / ``tokens_ref`` (output / lossless output token ids). Empty for
+            metrics computed by a separate pass (perplexity, KL).
+        task: True for a task metric (scored only when the prompt names it as its metric).
     """
 
     name: str
     fn: Callable[..., Any]
     higher_is_better: bool
     unit: str
+    aggregation: str = "median"
+    column: str | None = None
+    summary: str | None = None
+    inputs: tuple[str, ...] = ()
+    task: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+    @property
+    def summary_key(self) -> str | None:
+        """Key of the aggregated value in summaries (None when not in results.json)."""
+        return self.summary or self.column
 
 
 METRICS: dict[str, Metric] = {}
@@ -95,20 +125,31 @@ class UnknownMetricError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def register_metric(name: str, *, higher_is_better: bool, unit: str) -> Callable:
-    """Decorator registering ``fn`` in :data:`METRICS` under ``name``.
+def register_metric(name: str, *, higher_is_better: bool, unit: str, aggregation: str = "median",
+                    column: str | None = None, summary: str | None = None,
+                    inputs: tuple[str, ...] = (), task: bool = False) -> Callable:
+    """Decorator registering ``fn`` in :data:`METRICS` under ``name`` (see :class:`Metric`).
 
     Raises:
-        ValueError: ``name`` already registered.
+        ValueError: ``name`` already registered, or an unknown ``aggregation``.
     """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
     def decorator(fn: Callable) -> Callable:
         if name in METRICS:
             raise ValueError(f"metric {name!r} is already registered")
-        METRICS[name] = Metric(name=name, fn=fn, higher_is_better=higher_is_better, unit=unit)
+        METRICS[name] = Metric(name=name, fn=fn, higher_is_better=higher_is_better, unit=unit,
+                               aggregation=aggregation, column=column, summary=summary,
+                               inputs=tuple(inputs), task=task)
         return fn
 
     return decorator
+
+
+def result_metrics() -> list[Metric]:
+    """The registered metrics written to results.json (``column`` set), in registry order."""
+    return [m for m in METRICS.values() if m.column is not None]
 
 
 def list_metrics() -> list[str]:
@@ -162,7 +203,9 @@ def _check_str(value: Any, what: str) -> str:
     return value
 
 
-@register_metric("retrieval_accuracy", higher_is_better=True, unit="bool (share correct when aggregated)")
+@register_metric("retrieval_accuracy", higher_is_better=True, unit="bool (share correct when aggregated)",
+                 aggregation="share", column="correct", summary="accuracy",
+                 inputs=("prediction", "answer"), task=True)
 def retrieval_accuracy(prediction: str, answer: str) -> bool:
     """Is a retrieval answer correct, as LongEval scores LongChat "lines"?
 
@@ -205,7 +248,8 @@ def _token_f1(prediction_tokens: list[str], truth_tokens: list[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-@register_metric("qa_f1", higher_is_better=True, unit="fraction 0-1")
+@register_metric("qa_f1", higher_is_better=True, unit="fraction 0-1", column="f1",
+                 inputs=("prediction", "answers"), task=True)
 def qa_f1(prediction: str, answers: Sequence[str] | str, *, first_line: bool = False) -> float:
     """Token-level F1 of a QA answer, max over the reference answers (LongBench).
 
@@ -249,7 +293,8 @@ def _rouge_l_scorer():
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
 
 
-@register_metric("rouge_l", higher_is_better=True, unit="fraction 0-1")
+@register_metric("rouge_l", higher_is_better=True, unit="fraction 0-1", column="rouge_l",
+                 inputs=("prediction", "reference"))
 def rouge_l(prediction: str, reference: str) -> float:
     """ROUGE-L F-measure of ``prediction`` against ``reference`` (the ``rouge-score`` package).
 
@@ -272,7 +317,8 @@ def rouge_l(prediction: str, reference: str) -> float:
     return float(_rouge_l_scorer().score(reference, prediction)["rougeL"].fmeasure)
 
 
-@register_metric("bleu", higher_is_better=True, unit="BLEU 0-100")
+@register_metric("bleu", higher_is_better=True, unit="BLEU 0-100", column="bleu",
+                 inputs=("prediction", "reference"))
 def bleu(prediction: str, reference: str) -> float:
     """Sentence BLEU of ``prediction`` against one ``reference`` (``sacrebleu``, 0-100).
 
@@ -301,6 +347,8 @@ def bleu(prediction: str, reference: str) -> float:
 
 
 def _as_tensor(x: Any, what: str) -> torch.Tensor:
+    import torch
+
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
     try:
@@ -310,6 +358,8 @@ def _as_tensor(x: Any, what: str) -> torch.Tensor:
 
 
 def _check_logits(logits: torch.Tensor, what: str) -> None:
+    import torch
+
     if logits.dim() != 2:
         raise ValueError(f"{what} must have shape [n, vocab], got {tuple(logits.shape)}")
     if logits.shape[0] == 0 or logits.shape[1] == 0:
@@ -326,7 +376,7 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
     Row ``i`` of ``logits`` is the model's prediction FOR ``targets[i]`` (the caller has
     already shifted by one: logits of positions t-1 predict token t). Computed in float64
-    from ``log_softmax``. As CacheGen reports it on WikiText (cachegen.md section 6).
+    from ``log_softmax``. As CacheGen reports it on WikiText (Liu et al., SIGCOMM 2024, section 7.1).
 
     Args:
         logits: ``[n, vocab]`` float (fp16/bf16/fp32/fp64), any device.
@@ -338,6 +388,8 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
     Raises:
         ValueError: wrong ranks, mismatched n, empty input, NaN, ids out of range.
     """
+    import torch
+
     logits = _as_tensor(logits, "logits")
     targets = _as_tensor(targets, "targets")
     _check_logits(logits, "logits")
@@ -356,13 +408,14 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(torch.exp(nll.mean()).item())
 
 
-@register_metric("ppl_increase_pct", higher_is_better=False, unit="% vs lossless")
+@register_metric("ppl_increase_pct", higher_is_better=False, unit="% vs lossless",
+                 column="ppl_increase_pct")
 def ppl_increase_pct(ppl: float, ppl_ref: float) -> float:
     """Relative perplexity change in percent: ``100 * (ppl - ppl_ref) / ppl_ref``.
 
     ``ppl_ref`` is the perplexity with the original (lossless) KV, ``ppl`` with the
-    decoded KV. Negative values happen (noise); see cachegen.md section 8: about +-0.5%
-    over 256 tokens of one context.
+    decoded KV. Negative values happen (noise): about +-0.5% over 256 tokens of one context
+    with the default model (docs/codec.md).
 
     Raises:
         ValueError: ``ppl_ref`` not a positive finite number, or ``ppl`` NaN/negative.
@@ -375,14 +428,14 @@ def ppl_increase_pct(ppl: float, ppl_ref: float) -> float:
     return 100.0 * (ppl - ppl_ref) / ppl_ref
 
 
-@register_metric("kl_divergence", higher_is_better=False, unit="nats")
+@register_metric("kl_divergence", higher_is_better=False, unit="nats", column="kl")
 def kl_divergence(logits_ref: torch.Tensor, logits: torch.Tensor) -> float:
     """Mean over positions of KL(P_ref || P) between next-token distributions, in nats.
 
     ``KL = sum_v p_ref(v) * (log p_ref(v) - log p(v))`` per row, computed in float64
     from ``log_softmax`` of each side; terms with ``p_ref(v) = 0`` count 0. ``logits_ref``
-    comes from the lossless KV, ``logits`` from the decoded KV (the fidelity metric of
-    cachegen.md section 6).
+    comes from the lossless KV, ``logits`` from the decoded KV (a fidelity metric that needs
+    no task skill of the model).
 
     Args:
         logits_ref: ``[n, vocab]`` float, reference (lossless) logits.
@@ -394,6 +447,8 @@ def kl_divergence(logits_ref: torch.Tensor, logits: torch.Tensor) -> float:
     Raises:
         ValueError: shapes differ or are not ``[n, vocab]``, empty, NaN.
     """
+    import torch
+
     logits_ref = _as_tensor(logits_ref, "logits_ref")
     logits = _as_tensor(logits, "logits")
     _check_logits(logits_ref, "logits_ref")
@@ -409,7 +464,7 @@ def kl_divergence(logits_ref: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def _as_token_list(tokens: Any, what: str) -> list[int]:
-    if isinstance(tokens, torch.Tensor):
+    if type(tokens).__module__ == "torch" and hasattr(tokens, "dim"):  # a torch.Tensor
         if tokens.dim() != 1:
             raise ValueError(f"{what} must be 1-D, got shape {tuple(tokens.shape)}")
         return [int(t) for t in tokens.tolist()]
@@ -425,7 +480,8 @@ def _as_token_list(tokens: Any, what: str) -> list[int]:
         raise ValueError(f"{what} must be a sequence of integer token ids: {exc}") from None
 
 
-@register_metric("greedy_match", higher_is_better=True, unit="fraction 0-1")
+@register_metric("greedy_match", higher_is_better=True, unit="fraction 0-1", column="greedy_match",
+                 inputs=("tokens", "tokens_ref"))
 def greedy_match(tokens: Sequence[int] | torch.Tensor, tokens_ref: Sequence[int] | torch.Tensor) -> float:
     """Share of reference positions where the greedy tokens equal the lossless run's.
 

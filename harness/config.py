@@ -12,10 +12,18 @@ from typing import Any
 
 import yaml
 
+from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.prompts import check_data_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "benchmark.yaml"
 ALL_MODES = ("text", "raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "cachegen-adaptive")
 ENGINES = ("vllm", "hf")
+# --quick: sizes of a smoke run of a few minutes on 2 CPU cores
+QUICK_CONTEXT_TOKENS = 1024  # about a second of HF prefill per context for the default model
+QUICK_CHUNK_TOKENS = 256  # 4 chunks of a 1024-token context: the step trace changes rate mid-load
+QUICK_PPL_CONTEXT_TOKENS = 512  # the perplexity pass encodes every variant once per context
+QUICK_LEVELS = (1,)  # codec.config.HARNESS_DEFAULT_LEVEL (not imported: parsing flags must not load torch)
 
 
 class ConfigError(ValueError):
@@ -44,8 +52,10 @@ class RunConfig:
     ppl_contexts: int = 2
     ppl_context_tokens: int = 2048
     traces: tuple[str, ...] = ("constant", "step", "artifact")
-    trace_chunks: int = 8
     seed: int = 0
+    data_path: str | None = None
+    data_map: dict[str, str] | None = None
+    truncate: bool = True
     out: str = "benchmarks/results.json"
     quick: bool = False
 
@@ -58,7 +68,7 @@ class RunConfig:
         if not self.bandwidth_mbps or any(b <= 0 or b > 100_000 for b in self.bandwidth_mbps):
             raise ConfigError("bandwidth_mbps must be positive rates in Mbit/s (at most 100000)")
         for name in ("context_tokens", "num_contexts", "repeats", "chunk_tokens", "block_tokens",
-                     "trace_chunks"):
+                     "ppl_contexts", "ppl_context_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.chunk_tokens % self.block_tokens:
@@ -68,6 +78,10 @@ class RunConfig:
             raise ConfigError("slo_s must be > 0 seconds")
         if self.link_method not in ("auto", "netns", "userspace"):
             raise ConfigError("link_method must be auto, netns or userspace")
+        try:
+            check_data_flags(self.tasks, self.data_path, self.data_map)
+        except ExtractionError as exc:
+            raise ConfigError(str(exc)) from None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able snapshot (saved into results.json)."""
@@ -75,11 +89,13 @@ class RunConfig:
 
     def quick_variant(self) -> "RunConfig":
         """A smoke run: one short context, one repeat, at most two cachegen levels, one trace."""
+        chunk = QUICK_CHUNK_TOKENS if QUICK_CHUNK_TOKENS % self.block_tokens == 0 else self.chunk_tokens
         return dataclasses.replace(
-            self, context_tokens=min(self.context_tokens, 1024), num_contexts=1, repeats=1,
-            levels=(self.levels or (1,))[:2], ppl_contexts=1, ppl_context_tokens=512,
-            traces=("step",) if self.traces else (), trace_chunks=4, quick=True,
-            chunk_tokens=min(self.chunk_tokens, 256) if 256 % self.block_tokens == 0 else self.chunk_tokens)
+            self, context_tokens=min(self.context_tokens, QUICK_CONTEXT_TOKENS), num_contexts=1,
+            repeats=1, levels=(self.levels or QUICK_LEVELS)[:2], ppl_contexts=1,
+            ppl_context_tokens=min(self.ppl_context_tokens, QUICK_PPL_CONTEXT_TOKENS),
+            traces=("step",) if self.traces else (), quick=True,
+            chunk_tokens=min(self.chunk_tokens, chunk))
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

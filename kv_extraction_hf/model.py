@@ -334,13 +334,132 @@ def _torch_dtype(dtype):
     return getattr(torch, name)
 
 
+class UnsupportedModelError(ExtractionError):
+    """The model's architecture has a feature the harness cannot extract or inject (the
+    message names it). The harness handles decoder-only causal LMs whose every layer caches
+    full-length K and V of one shape ``[num_kv_heads, T, head_dim]``."""
+
+
+# Layer types whose cache holds K and V of every token (transformers' ``layer_types``).
+FULL_ATTENTION_TYPES = ("full_attention",)
+
+
+def _cfg_dict(config) -> dict:
+    """The config's fields as a plain dict, without the per-layer attribute guard of
+    heterogeneous configs (transformers raises on a global read of a per-layer field)."""
+    try:
+        return config.to_dict()
+    except Exception as exc:  # noqa: BLE001 - a config that cannot even serialize itself
+        raise UnsupportedModelError(f"unreadable model config ({type(exc).__name__}: {_one_line(exc)})") from exc
+
+
+def _positive_int(d: dict, key: str, model_type: str):
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UnsupportedModelError(f"model type {model_type}: config field {key}={v!r} is not a positive int")
+    return v
+
+
+def kv_shape(config) -> tuple[int, int, int, int | None]:
+    """The KV cache shape of a transformers config: ``(num_layers, num_kv_heads, head_dim,
+    max_context)`` (``max_context`` None when the config does not give one).
+
+    Every model-dependent read of the harness goes through here, so an architecture it
+    cannot handle fails with ONE line naming the feature, before any weights load. Raises
+    UnsupportedModelError (an ExtractionError: CLIs print it and exit 2) for:
+    encoder-decoder models (T5, BART: two caches, cross-attention); per-layer K/V shapes
+    (transformers' heterogeneous ``per_layer_config``, e.g. Gemma-4-style global layers with
+    a larger head_dim); multi-head latent attention (DeepSeek-V2/V3 ``kv_lora_rank``: a
+    compressed latent, not per-head K/V); keys and values of different head dims; layers
+    that are not full attention (``layer_types`` with sliding-window, chunked or linear
+    attention: their caches hold fewer tokens); a sliding window shorter than the model's
+    context on every layer (Mistral-7B-v0.1 style); models without attention heads
+    (state-space models).
+    """
+    top = _cfg_dict(config)
+    model_type = str(top.get("model_type") or type(config).__name__)
+    if top.get("is_encoder_decoder"):
+        raise UnsupportedModelError(
+            f"encoder-decoder models are not supported (model type {model_type}): the harness needs a "
+            "decoder-only causal LM with one self-attention KV cache")
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except Exception as exc:  # noqa: BLE001
+        raise UnsupportedModelError(f"model type {model_type}: no text model config ({_one_line(exc)})") from exc
+    d = _cfg_dict(text)
+    model_type = str(d.get("model_type") or model_type)
+    num_layers = _positive_int(d, "num_hidden_layers", model_type)
+    if num_layers is None:
+        raise UnsupportedModelError(f"model type {model_type}: the config gives no num_hidden_layers")
+    per_layer = d.get("per_layer_config") or {}
+    if per_layer:
+        fields = sorted({f for o in per_layer.values() if isinstance(o, dict) for f in o})
+        detail = []
+        for f in fields:
+            vals: dict = {}
+            for i in range(num_layers):
+                o = per_layer.get(str(i), per_layer.get(f"{i:02d}", per_layer.get(i, {})))
+                vals.setdefault(repr(o.get(f, d.get(f)) if isinstance(o, dict) else d.get(f)), []).append(i)
+            if len(vals) > 1:
+                detail.append(f"{f} " + ", ".join(f"{v} on {len(ls)} layer{'s' * (len(ls) > 1)}"
+                                                  for v, ls in vals.items()))
+        raise UnsupportedModelError(
+            f"per-layer K/V shapes are not supported (model type {model_type}: "
+            f"{'; '.join(detail) or 'per_layer_config ' + ', '.join(fields)}): the harness needs "
+            "one [num_kv_heads, head_dim] for every layer")
+    if d.get("kv_lora_rank"):
+        raise UnsupportedModelError(
+            f"multi-head latent attention (MLA, kv_lora_rank={d['kv_lora_rank']}, model type {model_type}) "
+            "is not supported: its KV cache is a compressed latent, not per-head K and V")
+    vdim, qkdim = d.get("v_head_dim"), d.get("qk_head_dim") or d.get("head_dim")
+    if vdim and qkdim and vdim != qkdim:
+        raise UnsupportedModelError(
+            f"keys and values of different head dims (K {qkdim}, V {vdim}; model type {model_type}) are not "
+            "supported")
+    layer_types = d.get("layer_types")
+    if layer_types:
+        other = [t for t in layer_types if t not in FULL_ATTENTION_TYPES]
+        if other:
+            kinds = ", ".join(f"{t} on {other.count(t)} of {len(layer_types)} layers" for t in sorted(set(other)))
+            window = d.get("sliding_window")
+            raise UnsupportedModelError(
+                f"layers that are not full attention are not supported ({kinds}"
+                f"{f', window {window}' if window else ''}; model type {model_type}): their caches do not "
+                "hold every context token")
+    num_heads = _positive_int(d, "num_attention_heads", model_type)
+    if num_heads is None:
+        raise UnsupportedModelError(
+            f"model type {model_type} has no attention heads (num_attention_heads missing): no KV cache to "
+            "extract")
+    num_kv_heads = _positive_int(d, "num_key_value_heads", model_type) or num_heads
+    head_dim = _positive_int(d, "head_dim", model_type)
+    if head_dim is None:
+        hidden = _positive_int(d, "hidden_size", model_type)
+        if hidden is None or hidden % num_heads:
+            raise UnsupportedModelError(
+                f"model type {model_type}: head_dim missing and hidden_size {hidden} is not a multiple of "
+                f"{num_heads} heads")
+        head_dim = hidden // num_heads
+    max_context = _positive_int(d, "max_position_embeddings", model_type)
+    window = d.get("sliding_window")
+    if window and d.get("use_sliding_window", True) is not False and (max_context is None or window < max_context):
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {window} tokens < context {max_context}; model type "
+            f"{model_type}) is not supported: the cache keeps only the last {window} tokens")
+    return num_layers, num_kv_heads, head_dim, max_context
+
+
 def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> ModelBundle:
     """Load a causal LM and its tokenizer on the CPU, in eval mode.
 
     ``spec``: see :func:`resolve_model` (None = the embedded default model). ``dtype``: a
     torch dtype or its name; None keeps the checkpoint's own dtype (bf16 for the default).
     Attention is ``sdpa`` everywhere (prefill, injection and generation use the same path).
-    ``$CACHEGEN_TORCH_THREADS`` sets torch's intra-op threads. Raises ExtractionError.
+    ``$CACHEGEN_TORCH_THREADS`` sets torch's intra-op threads. The architecture is checked
+    (:func:`kv_shape`) before any weights are read. Raises ExtractionError
+    (UnsupportedModelError for an architecture the harness cannot handle).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -351,6 +470,11 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
     torch_dtype = _torch_dtype(dtype)
     try:
         config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001
+        raise ExtractionError(f"could not read the model config in {folder}: {type(exc).__name__}: "
+                              f"{_one_line(exc)}") from exc
+    num_layers, num_kv_heads, head_dim, max_context = kv_shape(config)
+    try:
         if torch_dtype is None:
             torch_dtype = _torch_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
                                        or "float32")
@@ -361,17 +485,19 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
     except Exception as exc:  # noqa: BLE001
         raise ExtractionError(f"could not load model from {folder}: {type(exc).__name__}: {_one_line(exc)}") from exc
     model.eval()
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    if max_context is None:
+        max_context = getattr(tokenizer, "model_max_length", None)
+        if not isinstance(max_context, int) or not 0 < max_context < 10**9:
+            raise UnsupportedModelError(f"model {model_id}: neither the config (max_position_embeddings) nor the "
+                                        "tokenizer gives the context length")
     info = ModelInfo(
         model_id=model_id,
         weights_hash=weights_hash(folder),
         dtype=str(torch_dtype).replace("torch.", ""),
-        num_layers=int(cfg.num_hidden_layers),
-        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
-        head_dim=int(head_dim),
-        max_context=int(getattr(cfg, "max_position_embeddings", None) or tokenizer.model_max_length),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_context=int(max_context),
         path=str(folder),
     )
     return ModelBundle(model=model, tokenizer=tokenizer, info=info)

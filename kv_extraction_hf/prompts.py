@@ -18,6 +18,11 @@ Tasks (see docs/tasks.md for the default model's measured lossless scores):
 - ``triviaqa``, ``narrativeqa`` (LongBench, Bai et al. 2023, its prompts) and ``wikitext2``
   (perplexity) through :mod:`kv_extraction_hf.datasets_loaders`: need the data (a local
   file via ``data_path`` or a reachable hub).
+- ``longchat``, ``longbench``, ``jsonl``: the user's own JSONL file (``data_path``, the
+  one ``--data-path`` flag of every entry point): the CacheGen artifact's LongChat rows,
+  LongBench rows, or any rows with a ``data_map`` of fields. Contexts over the budget are
+  truncated in the middle (LongBench's rule), recorded as ``truncated_from_tokens``, or
+  refused with the limit named when ``truncate`` is False.
 
 Each prompt is a pure function of (task, tokenizer, context_tokens, seed, index[, data]).
 Run: ``python -m kv_extraction_hf --task needle --context-tokens 1024 --num-contexts 4 --out DIR``.
@@ -35,7 +40,9 @@ from kv_extraction_hf.errors import ExtractionError
 CONTINUATION_TOKENS = 256
 SYNTHETIC_TASKS = ("needle", "longchat_lines", "topic_retrieval", "pydoc_ppl")
 DATASET_TASKS = ("triviaqa", "narrativeqa", "wikitext2")
-TASKS = SYNTHETIC_TASKS + DATASET_TASKS
+USER_DATA_TASKS = ("longchat", "longbench", "jsonl")  # read only the user's --data-path file
+TASKS = SYNTHETIC_TASKS + DATASET_TASKS + USER_DATA_TASKS
+DATA_PATH_TASKS = DATASET_TASKS + USER_DATA_TASKS  # the tasks --data-path is used by
 NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 _CTX = "@@CACHEGEN_CONTEXT@@"
@@ -410,19 +417,129 @@ def longbench_prompt(tokenizer, task: str, rows, context_tokens: int, seed: int,
 # ---------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------
+# the user's own data (datasets_loaders.load_user_data)
+
+USER_DATA_TEMPLATES = {
+    # LongChat topic retrieval: the row's own conversation and question, no extra words
+    "longchat": ("{context}", "{input}", 32, "retrieval_accuracy"),
+    # LongBench's generic single-document QA template (config/dataset2prompt.json, multifieldqa_en)
+    "longbench": ("Read the following text and answer briefly.\n\n{context}\n\n",
+                  "Now, answer the following question based on the above text, only give me the "
+                  "answer and do not output any other words.\n\nQuestion: {input}\nAnswer:", 64, "qa_f1"),
+}
+USER_DATA_TEMPLATES["jsonl"] = USER_DATA_TEMPLATES["longbench"]
+MIN_DOC_TOKENS = 16  # fewer context tokens than this left after the template: refuse, nothing to test
+
+
+def check_data_flags(tasks, data_path=None, data_map=None) -> None:
+    """Refuse a data flag no task uses and a user-data task without its flags.
+
+    ``--data-path`` is used by :data:`DATA_PATH_TASKS` only (every task given must read
+    it); ``data_map`` (``--data-map`` / ``--data-field-*``) by ``jsonl`` and ``longbench``;
+    ``longchat``/``longbench``/``jsonl`` need ``--data-path``. Raises ExtractionError.
+    """
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    if data_path:
+        unused = [t for t in tasks if t not in DATA_PATH_TASKS]
+        if unused:
+            raise ExtractionError(f"--data-path is not used by task(s) {', '.join(unused)} (it is read by "
+                                  f"{', '.join(DATA_PATH_TASKS)})")
+    if data_map:
+        unused = [t for t in tasks if t not in ("jsonl", "longbench")]
+        if unused:
+            raise ExtractionError(f"--data-map / --data-field-* are not used by task(s) {', '.join(unused)} "
+                                  "(they map the fields of --task jsonl or longbench)")
+    for t in tasks:
+        if t in USER_DATA_TASKS and not data_path:
+            raise ExtractionError(f"task {t} reads your own JSONL file: pass --data-path FILE")
+
+
+def context_budget(context_tokens: int, question_tokens: int, max_new_tokens: int,
+                   max_prompt_tokens: int | None) -> int:
+    """Tokens the context part may take: ``context_tokens``, and no more than the model's
+    context minus the question and the generation budget."""
+    if max_prompt_tokens is None:
+        return context_tokens
+    return min(context_tokens, max_prompt_tokens - question_tokens - max_new_tokens)
+
+
+def user_data_prompt(tokenizer, task: str, records, context_tokens: int, index: int,
+                     max_prompt_tokens: int | None = None, truncate: bool = True) -> Prompt:
+    """Prompt of row ``index % len(records)`` (file order) of the user's data.
+
+    The context part holds at most :func:`context_budget` tokens; a longer context is
+    truncated in the middle (its first and last halves kept, LongBench's rule) and
+    ``meta["truncated_from_tokens"]`` records its full length (None when it fit), or,
+    with ``truncate`` False, refused naming the limit. Scored by
+    :func:`evaluation.retrieval_accuracy` (longchat: the first label) or
+    :func:`evaluation.qa_f1` (longbench, jsonl: all answers).
+
+    Raises:
+        ExtractionError: no rows, a budget too small, or an over-long context with
+            ``truncate`` False.
+    """
+    if not records:
+        raise ExtractionError(f"the data of task {task} has no rows")
+    rec = records[index % len(records)]
+    ctx_tmpl, q_tmpl, max_new, metric = USER_DATA_TEMPLATES[task]
+    question_body = q_tmpl.format(input=rec.question)
+    _, question_part, _ = _wrap(tokenizer, "", question_body)
+    budget = context_budget(context_tokens, len(_encode(tokenizer, question_part)), max_new,
+                            max_prompt_tokens)
+    doc_ids = _encode(tokenizer, rec.context)
+    body = ctx_tmpl.format(context=rec.context)
+    part, plain = _wrap(tokenizer, body, "")[::2]
+    ids = _context_ids(tokenizer, part, plain)
+    truncated_from = None
+    if len(ids) > budget:
+        limit = (f"{budget} tokens (--context-tokens {context_tokens}"
+                 + (f"; the model's context {max_prompt_tokens} minus the question and "
+                    f"{max_new} generated tokens" if max_prompt_tokens is not None else "") + ")")
+        if not truncate:
+            raise ExtractionError(f"row {rec.row_id} of task {task}: the context has {len(ids)} tokens, more "
+                                  f"than the {limit}; allow middle truncation or raise --context-tokens")
+        truncated_from = len(ids)
+        room = len(doc_ids) - (len(ids) - budget) - 2
+        while True:
+            if room < MIN_DOC_TOKENS:
+                raise ExtractionError(f"row {rec.row_id} of task {task}: a context of at most {limit} leaves "
+                                      "no room for the document after the prompt template")
+            half = room // 2  # LongBench: keep the first and the last half
+            doc = tokenizer.decode(doc_ids[:half]) + tokenizer.decode(doc_ids[len(doc_ids) - (room - half):])
+            body = ctx_tmpl.format(context=doc)
+            part, plain = _wrap(tokenizer, body, "")[::2]
+            ids = _context_ids(tokenizer, part, plain)
+            if len(ids) <= budget:
+                break
+            room -= len(ids) - budget + 2
+    answers = list(rec.answers)
+    return _finish(task, tokenizer, context_tokens, 0, index, body, part, ids, question_body,
+                   answers[0], max_new, answers=answers, metric=metric,
+                   meta={"row_id": rec.row_id, "truncated_from_tokens": truncated_from})
+
+
+# ---------------------------------------------------------------------------------------
+
+
 def build_prompt(task: str, tokenizer, context_tokens: int, seed: int = 0, index: int = 0,
-                 data_path: str | None = None) -> Prompt:
+                 data_path: str | None = None, data_map: dict | None = None, truncate: bool = True,
+                 max_prompt_tokens: int | None = None) -> Prompt:
     """Build prompt number ``index`` of ``task`` for seed ``seed``, its context part at most
     ``context_tokens`` tokens (exactly that many for the perplexity tasks).
 
     ``task`` is one of :data:`TASKS`; dataset tasks read ``data_path`` (a local file) or the
-    hub. Deterministic: the same arguments give the same token ids. Raises ExtractionError
-    for an unknown task, a size too small for the task, or data that cannot be loaded.
+    hub; user-data tasks (``longchat``, ``longbench``, ``jsonl``) read ``data_path`` with
+    ``data_map`` (see :func:`user_data_prompt` for ``truncate`` and ``max_prompt_tokens``,
+    the model's context in tokens). Deterministic: the same arguments give the same token
+    ids. Raises ExtractionError for an unknown task, a data flag the task does not use, a
+    size too small for the task, or data that cannot be loaded.
     """
     if task not in TASKS:
         raise ExtractionError(f"unknown task '{task}' (available: {', '.join(TASKS)})")
     if context_tokens <= 0:
         raise ExtractionError(f"context_tokens must be positive, got {context_tokens}")
+    check_data_flags(task, data_path, data_map)
     if task == "needle":
         return needle_prompt(tokenizer, context_tokens, seed, index)
     if task == "longchat_lines":
@@ -433,6 +550,9 @@ def build_prompt(task: str, tokenizer, context_tokens: int, seed: int = 0, index
         return text_ppl_prompt(tokenizer, natural_paragraphs(), context_tokens, seed, index, task)
     from kv_extraction_hf import datasets_loaders
 
+    if task in USER_DATA_TASKS:
+        return user_data_prompt(tokenizer, task, datasets_loaders.load_user_data(task, data_path, data_map),
+                                context_tokens, index, max_prompt_tokens, truncate)
     if task == "wikitext2":
         text = datasets_loaders.load_wikitext2(data_path)
         paras = [p.strip() for p in text.split("\n") if p.strip()]

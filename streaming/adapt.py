@@ -1,45 +1,242 @@
-"""Per-chunk quality adaptation to the measured bandwidth and an SLO (CacheGen section 5.2).
+"""Per-chunk quality adaptation to the measured bandwidth and an SLO (CacheGen section 5.2),
+with an offline oracle and a clock model to judge it.
 
-For each chunk, in order, the policy picks the highest quality level whose estimated
-transfer time fits the chunk's share of the remaining time budget, else sends the chunk's
-text for the engine to recompute (its cost: tokens / the engine's measured prefill speed).
-The throughput estimate is the goodput measured on the previous KV chunk (paper: "the
-throughput of the previous chunk"); the first chunk uses `initial_throughput_mbps`
-(e.g. the link's nominal rate).
+The policy (AdaptivePolicy) decides, before each chunk is requested, the chunk's level or
+text fallback, keeping two clocks apart:
 
-Budget for chunk k of n, at elapsed time t since the load started:
-    remaining = slo_s - t - recompute_s(text chunks chosen so far) - decode_tail_s
-    budget_k  = remaining / (n - k)
-where decode_tail_s is the decode time of one chunk (the last chunk's decode cannot overlap
-a transfer; measured on earlier chunks, `initial_decode_s` before that). In the pipeline a
-chunk costs max(transfer, decode), so a level fits when max(size/throughput, decode) <=
-budget_k. If neither a level nor the text fits, the cheaper of (lowest level, text) is
-taken (the paper's goal is the smallest SLO overshoot; this deviates from "always text").
+* link goodput: bytes / wire seconds of each KV chunk (request to last byte; the time the
+  receiver waits on a full decode queue is never counted), corrected for the shaper's burst
+  when the link states it (ThroughputEstimator). The estimate is the harmonic mean of the
+  last few samples, the robust estimator of video ABR (FESTIVE, Jiang et al. CoNEXT 2012;
+  MPC, Yin et al. SIGCOMM 2015); transfers too short to be above the burst are ignored.
+  When the link has not been measured for a while (after text fallbacks) a cheap probe
+  fetches the chunk at the lowest level with a deadline no longer than its text recompute.
+* decode cost: seconds per token per level (DecodeTable), measured once at start on this
+  machine and refined per chunk by an EWMA.
 
-Pure functions (choose_level, simulate) are unit-tested on synthetic bandwidth.
-Not runnable by itself; `python -m streaming.bench adapt` runs it on a real link.
+Planning is model-predictive (MPC, Yin et al. 2015): for chunk k the policy evaluates the
+plans "chunk k at option o, then m chunks at level u, the rest as text" under the current
+estimate with ClockModel.finish_s (transfer, pipelined decode, the last chunk's decode not
+overlapped, injection, then recompute of text chunks at the measured prefill speed) and
+takes the first step of the best plan that fits the SLO; if none fits, of the plan with the
+smallest predicted finish (smallest expected overshoot). Each KV transfer carries a
+deadline (planned wire time * (1 + abandon_margin) + abandon_slack_s); the client cancels a
+chunk that runs past it (streaming.client) and the policy re-plans that chunk with the
+upper bound it learned (rate < bytes / deadline).
+
+oracle() knows the whole trace: an exact label-setting DP over chunks (Pareto labels of
+receive clock, decode clock, recompute time, quality) picks per-chunk options maximizing
+quality subject to the SLO, else minimizing the finish time. simulate() drives any policy
+with ClockModel on a per-chunk rate trace, with the same abandon rule as the real client.
+
+Run: `python -m bench.adapt` (real shaped link and simulated sweep); pure functions here are
+unit-tested in tests/test_adapt_policy.py.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-MIN_BYTES_FOR_ESTIMATE = 64 * 1024  # smaller transfers are latency-bound: keep the old estimate
+MIN_BYTES_FOR_ESTIMATE = 64 * 1024  # below this a transfer is latency-bound: not a sample
+BURST_SAMPLE_FACTOR = 4  # a sample must be >= this many shaper bursts (correction error bounded)
+TEXT = None  # the option "send the chunk's text, recompute it"
 
 
+# --------------------------------------------------------------------------- estimators
+class ThroughputEstimator:
+    """Harmonic mean of the last `window` goodput samples (bytes/s) - FESTIVE/MPC style.
+
+    Args:
+        initial_bytes_s: estimate before any sample (bytes/s), or None (unknown -> probe).
+        window: samples kept (default 5).
+        burst_bytes: the shaper's token-bucket burst, when the link states it (0 = unknown).
+            A transfer of N bytes started with a full bucket takes (N - burst)/rate on the
+            wire, so the sample is (N - burst) / wire_s (exact for a full bucket, low for a
+            partly drained one, i.e. conservative).
+        burst_s: when the burst follows the rate, burst = max(burst_bytes, rate * burst_s)
+            (streaming.link's rule); the sample solves wire_s = (N - burst(rate)) / rate.
+        min_sample_bytes: smaller transfers are ignored (default max(64 KiB, 4 * burst)).
+    observe(nbytes, wire_s) -> bool (sample accepted); observe_upper_bound(rate) after an
+    abandoned transfer (the true rate is below it); estimate() -> bytes/s or None.
+    """
+
+    def __init__(self, initial_bytes_s: float | None = None, window: int = 5, burst_bytes: int = 0,
+                 min_sample_bytes: int | None = None, max_discount: float = 2.0, burst_s: float = 0.0):
+        if window < 1 or max_discount < 1:
+            raise ValueError("window must be >= 1 and max_discount >= 1")
+        self.max_discount = float(max_discount)
+        self.initial = initial_bytes_s
+        self.burst = max(0, int(burst_bytes))
+        self.burst_s = max(0.0, float(burst_s))
+        self.min_bytes = int(min_sample_bytes if min_sample_bytes is not None
+                             else max(MIN_BYTES_FOR_ESTIMATE, BURST_SAMPLE_FACTOR * self.burst))
+        self.samples: deque[float] = deque(maxlen=window)
+        self.errors: deque[float] = deque(maxlen=window)  # |predicted - actual| / actual
+        self.ignored = 0
+
+    def observe(self, nbytes: int, wire_s: float) -> bool:
+        if nbytes < self.min_bytes or wire_s <= 0 or wire_s < BURST_SAMPLE_FACTOR * self.burst_s:
+            self.ignored += 1
+            return False
+        x = self.rate_from(nbytes, wire_s)
+        pred = self.estimate()
+        if pred is not None:
+            self.errors.append(abs(pred - x) / x)
+        self.samples.append(x)
+        return True
+
+    def rate_from(self, nbytes: int, wire_s: float) -> float:
+        """Rate (bytes/s) that moves nbytes in wire_s after a full bucket of
+        max(burst_bytes, rate * burst_s)."""
+        r_time = nbytes / (wire_s + self.burst_s) if self.burst_s > 0 else 0.0
+        if r_time * self.burst_s >= self.burst and r_time > 0:
+            return r_time
+        return max(1.0, nbytes - self.burst) / wire_s
+
+    def robust_estimate(self) -> float | None:
+        """RobustMPC's discounted estimate (Yin et al. 2015): estimate / (1 + the largest
+        relative prediction error over the window), the error capped at `max_discount` - 1
+        (an outlier chunk must not collapse the plan: at most a 2x discount by default)."""
+        e = self.estimate()
+        if e is None or not self.errors:
+            return e
+        return e / min(self.max_discount, 1.0 + max(self.errors))
+
+    def observe_upper_bound(self, rate_bytes_s: float) -> None:
+        """An abandoned transfer: the link delivered fewer than rate_bytes_s. Enter it as a
+        sample and drop older samples above it (they describe a link that is gone)."""
+        r = max(1.0, float(rate_bytes_s))
+        kept = [s for s in self.samples if s <= r]
+        self.samples.clear()
+        self.samples.extend(kept)
+        self.samples.append(r)
+
+    def estimate(self) -> float | None:
+        if not self.samples:
+            return self.initial
+        return len(self.samples) / sum(1.0 / s for s in self.samples)
+
+
+class DecodeTable:
+    """Decode seconds per token per level, EWMA-refined per chunk.
+
+    Args: s_per_token {level: s/token} measured at start (e.g. bench.adapt measures the real
+    codec on a real KV), alpha: EWMA weight of a new observation (0..1].
+    """
+
+    def __init__(self, s_per_token: dict[int, float], alpha: float = 0.3):
+        if not s_per_token or any(v < 0 for v in s_per_token.values()):
+            raise ValueError("decode table needs >= 0 s/token for at least one level")
+        self.table = {int(k): float(v) for k, v in s_per_token.items()}
+        self.alpha = float(alpha)
+
+    def seconds(self, level: int, tokens: int) -> float:
+        if level in self.table:
+            return self.table[level] * tokens
+        return max(self.table.values()) * tokens
+
+    def observe(self, level: int, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds < 0:
+            return
+        x = seconds / tokens
+        old = self.table.get(level)
+        self.table[level] = x if old is None else (1 - self.alpha) * old + self.alpha * x
+
+
+# --------------------------------------------------------------------------- clock model
+@dataclass
+class ClockModel:
+    """What one context load costs: the same arithmetic the policy plans with, the simulator
+    runs and the oracle optimizes.
+
+    sizes[level][k]: bytes of chunk k at level; tokens[k]: tokens of chunk k;
+    decode_s_per_token[level]; prefill_tps: engine prefill tokens/s for text chunks;
+    inject_s_per_token: injection of loaded KV; request_overhead_s: per-request latency on
+    top of bytes/rate (calibrated from real runs); start_s: manifest lookup before chunk 0.
+    utility[level] per token (higher is better; TEXT's utility is `text_utility`).
+    """
+
+    sizes: dict[int, Sequence[int]]
+    tokens: Sequence[int]
+    decode_s_per_token: dict[int, float]
+    prefill_tps: float
+    inject_s_per_token: float = 0.0
+    request_overhead_s: float = 0.0
+    start_s: float = 0.0
+    utility: dict[int, float] | None = None
+    text_utility: float | None = None
+
+    def __post_init__(self):
+        if self.prefill_tps <= 0:
+            raise ValueError("prefill_tps must be > 0")
+        self.levels = sorted(int(x) for x in self.sizes)
+        self.n = len(self.tokens)
+        if self.utility is None:  # ordinal proxy: higher level better, text (exact) best
+            self.utility = {lv: float(i + 1) for i, lv in enumerate(self.levels)}
+        if self.text_utility is None:
+            self.text_utility = max(self.utility.values()) + 1.0
+
+    @property
+    def options(self) -> list[int | None]:
+        return [TEXT] + list(self.levels)
+
+    def util(self, k: int, opt: int | None) -> float:
+        return self.tokens[k] * (self.text_utility if opt is TEXT else self.utility[opt])
+
+    def transfer_s(self, k: int, level: int, rate_bytes_s: float) -> float:
+        return self.sizes[level][k] / rate_bytes_s + self.request_overhead_s
+
+    def decode_s(self, k: int, level: int) -> float:
+        return self.decode_s_per_token[level] * self.tokens[k]
+
+    def recompute_s(self, k: int) -> float:
+        return self.tokens[k] / self.prefill_tps
+
+    def step(self, state: tuple[float, float, float], k: int, opt: int | None,
+             rate_bytes_s: float) -> tuple[float, float, float]:
+        """(recv_clock, decode_clock, recompute_s) after chunk k with option opt."""
+        r, d, rc = state
+        if opt is TEXT:
+            return r, d, rc + self.recompute_s(k)
+        r = r + self.transfer_s(k, opt, rate_bytes_s)
+        d = max(d, r) + self.decode_s(k, opt)
+        return r, d, rc
+
+    def finish(self, state: tuple[float, float, float], kv_tokens: int) -> float:
+        r, d, rc = state
+        return max(r, d) + kv_tokens * self.inject_s_per_token + rc
+
+    def finish_s(self, options: Sequence[int | None], rates_bytes_s: Sequence[float],
+                 start: tuple[float, float, float] | None = None, first: int = 0,
+                 kv_tokens_before: int = 0) -> float:
+        """Predicted load finish (s from the load's start) of chunks first.. with options."""
+        st = start if start is not None else (self.start_s, self.start_s, 0.0)
+        kv = kv_tokens_before
+        for i, opt in enumerate(options):
+            k = first + i
+            st = self.step(st, k, opt, rates_bytes_s[i])
+            if opt is not TEXT:
+                kv += self.tokens[k]
+        return self.finish(st, kv)
+
+
+# --------------------------------------------------------------------------- decisions
 @dataclass(frozen=True)
 class Decision:
-    """One per-chunk choice. level None means text fallback."""
+    """One per-chunk choice. level None means text fallback. Units: s, Mbit/s."""
 
     chunk: int
     level: int | None
-    reason: str  # "fits", "text-fits", "cheapest-overshoot", "fixed"
-    budget_s: float | None  # None for a fixed policy
-    est_cost_s: float | None
+    reason: str  # "fits", "cheapest-overshoot", "probe", "replan-after-abandon", "fixed"
+    budget_s: float | None  # planned time this chunk may take (wire deadline for KV)
+    est_cost_s: float | None  # planned wire time (KV) or recompute time (text)
     throughput_mbps_est: float | None
     elapsed_s: float
+    predicted_finish_s: float | None = None
 
     @property
     def text_fallback(self) -> bool:
@@ -55,15 +252,13 @@ def choose_level(
     decode_s_est: float,
     prefill_tokens_per_s: float,
 ) -> tuple[int | None, str, float]:
-    """Pick a level (or None = text) for one chunk -> (level, reason, estimated cost in s).
-
-    sizes[level] = bytes of this chunk at that level; levels ascending in quality.
-    Raises ValueError on non-positive throughput or prefill speed.
-    """
+    """Single-chunk rule: the highest level whose max(transfer, decode) fits budget_s, else
+    text if it fits, else the option with the smallest cost -> (level or None, reason, cost s).
+    Raises ValueError on non-positive throughput or prefill speed."""
     if throughput_bytes_s <= 0 or prefill_tokens_per_s <= 0:
         raise ValueError("throughput and prefill speed must be > 0")
     costs = {lv: max(sizes[lv] / throughput_bytes_s, decode_s_est) for lv in levels}
-    for lv in sorted(levels, reverse=True):  # highest quality first
+    for lv in sorted(levels, reverse=True):
         if costs[lv] <= budget_s:
             return lv, "fits", costs[lv]
     text_cost = n_tokens / prefill_tokens_per_s
@@ -75,32 +270,162 @@ def choose_level(
     return None, "cheapest-overshoot", text_cost
 
 
+def plan_mpc(model: ClockModel, k: int, state: tuple[float, float, float], kv_tokens: int,
+             rate_bytes_s: float, slo_s: float, levels: Sequence[int] | None = None,
+             allow_kv: bool = True, return_plan: bool = False, first_rate_bytes_s: float | None = None):
+    """Best first step for chunks k..n-1 under a constant predicted rate.
+
+    Candidate plans: chunk k at option o, then m chunks at level u, then text (all o, u, m).
+    first_rate_bytes_s: a different predicted rate for chunk k alone (e.g. the bound learned
+    from its abandoned transfer).
+    Returns (option for chunk k, predicted finish s, fits SLO), plus the plan's options for
+    chunks k..n-1 when return_plan. Highest utility among the
+    plans that fit (ties: a KV option now, keeping text for later as insurance, then the
+    earlier finish); if none fits, the smallest predicted finish (ties: higher utility).
+    """
+    lvls = list(levels) if levels is not None else model.levels
+    n = model.n
+    rest = n - k - 1
+    firsts = [TEXT] + (lvls if allow_kv else [])
+    best_fit = None  # (utility, -finish, opt)
+    best_any = None  # (-finish, utility, opt)
+    tail_rc = [model.recompute_s(j) for j in range(k + 1, n)]
+    tail_ut = [model.util(j, TEXT) for j in range(k + 1, n)]
+    suffix_rc = [0.0] * (rest + 1)
+    suffix_ut = [0.0] * (rest + 1)
+    for i in range(rest - 1, -1, -1):
+        suffix_rc[i] = suffix_rc[i + 1] + tail_rc[i]
+        suffix_ut[i] = suffix_ut[i + 1] + tail_ut[i]
+    for o in firsts:
+        st0 = model.step(state, k, o, first_rate_bytes_s or rate_bytes_s)
+        kv0 = kv_tokens + (0 if o is TEXT else model.tokens[k])
+        u0 = model.util(k, o)
+        for u in lvls:
+            st, kv, ut = st0, kv0, u0
+            for m in range(rest + 1):  # m chunks at level u, then text
+                if m > 0:
+                    j = k + m
+                    st = model.step(st, j, u, rate_bytes_s)
+                    kv += model.tokens[j]
+                    ut += model.util(j, u)
+                fin = model.finish((st[0], st[1], st[2] + suffix_rc[m]), kv)
+                tot_u = ut + suffix_ut[m]
+                kvfirst = o is not TEXT
+                if fin <= slo_s and (best_fit is None or (round(tot_u, 9), kvfirst, -fin) > best_fit[:3]):
+                    best_fit = (round(tot_u, 9), kvfirst, -fin, o, (u, m))
+                if best_any is None or (-fin, tot_u) > best_any[:2]:
+                    best_any = (-fin, tot_u, o, (u, m))
+    if best_fit is not None:
+        o, fin, fits, (u, m) = best_fit[3], -best_fit[2], True, best_fit[4]
+    else:
+        o, fin, fits, (u, m) = best_any[2], -best_any[0], False, best_any[3]
+    if not return_plan:
+        return o, fin, fits
+    return o, fin, fits, [o] + [u] * m + [TEXT] * (rest - m)
+
+
+def overrun_allowance_s(model: ClockModel, k: int, state: tuple[float, float, float], kv_tokens: int,
+                        plan: Sequence[int | None], rate_bytes_s: float, slo_s: float) -> float:
+    """Largest extra wire time (s) chunk k (plan[0], a level) may take with the rest of the
+    plan still finishing within slo_s (0 if it already does not). Bisection; the finish is
+    monotone in chunk k's wire time. Decode running behind the link gives slack here."""
+    lv = plan[0]
+    cost = model.transfer_s(k, lv, rate_bytes_s)
+    rates = [rate_bytes_s] * (len(plan) - 1)
+
+    def finish(x: float) -> float:
+        r, d, rc = state
+        r = r + cost + x
+        d = max(d, r) + model.decode_s(k, lv)
+        return model.finish_s(plan[1:], rates, (r, d, rc), k + 1, kv_tokens + model.tokens[k])
+
+    if finish(0.0) > slo_s:
+        return 0.0
+    lo, hi = 0.0, max(slo_s, 1e-3)
+    if finish(hi) <= slo_s:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if finish(mid) <= slo_s else (lo, mid)
+    return lo
+
+
 class AdaptivePolicy:
-    """Stateful per-load policy used by streaming.client.stream_load.
+    """Stateful per-load policy used by streaming.client.stream_load and simulate().
 
     Args:
-        slo_s: time budget (s) for loading the whole context (fetch + decode + recompute).
+        slo_s: time budget (s) for loading the whole context (transfer + decode + injection
+            + recompute of text chunks), measured from the load's start.
         prefill_tokens_per_s: the engine's measured prefill speed (tokens/s) for text chunks.
-        initial_throughput_mbps: throughput guess for the first chunk (Mbit/s).
-        initial_decode_s: decode time guess per chunk before one is measured (s).
+        initial_throughput_mbps: first estimate (Mbit/s), or None: probe first.
+        initial_decode_s: decode seconds per chunk before any is measured (used when no
+            decode_s_per_token table is given; spread over the chunk's tokens).
         levels: restrict to these levels (default: all levels of the manifest).
-    Call start(manifest) before use; choose(k, elapsed_s) before fetching chunk k;
-    observe_transfer / observe_decode after. Thread-safe.
+        decode_s_per_token: {level: s/token} measured at start (DecodeTable).
+        inject_s_per_token: injection cost per loaded token (s).
+        burst_bytes, burst_s: the link's stated shaper burst rule, max(burst_bytes, rate *
+            burst_s) (ThroughputEstimator; streaming.link.ShapedLink.describe()).
+        window: estimator window. abandon_margin / abandon_slack_s: a KV transfer is cut
+            at planned wire time * (1 + margin) + slack. probe_after: chunks without a
+            sample after which the link counts as unmeasured. utility: {level: utility per
+            token} for planning (e.g. -KL); default ordinal.
+        request_overhead_s: per-request latency added to bytes/rate in planning.
+        probe_rate_mbps: the optimistic rate a probe tests (default: max(initial, 1000 Mbit/s),
+            the top of this project's link range; pass the link's nominal rate).
+        max_abandons: abandons per chunk after which its transfer runs without a deadline.
+        overrun_share: the fraction of the plan's slack (overrun_allowance_s) one chunk's
+            transfer may use before it is cut.
+        robust: plan with ThroughputEstimator.robust_estimate (RobustMPC discount) instead of
+            the plain harmonic mean.
+        abandon_backoff: an abandoned transfer enters the estimator as this fraction of the
+            upper bound bytes/elapsed (multiplicative decrease, as in TCP).
+    Call start(manifest) first; choose(k, elapsed_s) before chunk k; transfer_deadline_s(k)
+    for the chunk just chosen; observe_transfer / observe_abandon / observe_decode after.
+    Thread-safe. Raises ValueError on non-positive SLO or speeds.
     """
 
-    def __init__(self, slo_s: float, prefill_tokens_per_s: float, initial_throughput_mbps: float,
-                 initial_decode_s: float = 0.0, levels: Sequence[int] | None = None):
-        if slo_s <= 0 or prefill_tokens_per_s <= 0 or initial_throughput_mbps <= 0:
+    def __init__(self, slo_s: float, prefill_tokens_per_s: float, initial_throughput_mbps: float | None,
+                 initial_decode_s: float = 0.0, levels: Sequence[int] | None = None, *,
+                 decode_s_per_token: dict[int, float] | None = None, inject_s_per_token: float = 0.0,
+                 burst_bytes: int = 0, window: int = 5, abandon_margin: float = 0.5,
+                 abandon_slack_s: float = 0.01, probe_after: int = 2,
+                 utility: dict[int, float] | None = None, text_utility: float = 0.0,
+                 request_overhead_s: float = 0.001, min_sample_bytes: int | None = None,
+                 probe_rate_mbps: float | None = None, max_abandons: int = 3, abandon_backoff: float = 0.5,
+                 robust: bool = True, burst_s: float = 0.0, overrun_share: float = 0.5):
+        if slo_s <= 0 or prefill_tokens_per_s <= 0 or (initial_throughput_mbps is not None and initial_throughput_mbps <= 0):
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
         self.slo_s = float(slo_s)
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
-        self.throughput_bytes_s = initial_throughput_mbps * 1e6 / 8
-        self.decode_s_est = float(initial_decode_s)
+        init = None if initial_throughput_mbps is None else initial_throughput_mbps * 1e6 / 8
+        self.est = ThroughputEstimator(init, window=window, burst_bytes=burst_bytes,
+                                       min_sample_bytes=min_sample_bytes, burst_s=burst_s)
+        self.initial_decode_s = float(initial_decode_s)
+        self._decode_table_arg = decode_s_per_token
+        self.inject_s_per_token = float(inject_s_per_token)
+        self.abandon_margin = float(abandon_margin)
+        self.abandon_slack_s = float(abandon_slack_s)
+        self.probe_after = int(probe_after)
+        self._utility = utility
+        self.text_utility = float(text_utility)
+        pr = probe_rate_mbps or max(initial_throughput_mbps or 0.0, 1000.0)
+        self.probe_rate_bytes_s = float(pr) * 1e6 / 8
+        self.max_abandons = int(max_abandons)
+        self.robust = bool(robust)
+        self.overrun_share = float(overrun_share)
+        self.abandon_backoff = float(abandon_backoff)
+        self.request_overhead_s = float(request_overhead_s)
         self._only = list(levels) if levels is not None else None
         self.decisions: list[Decision] = []
         self.recompute_s = 0.0
+        self.abandons = 0
         self._lock = threading.Lock()
         self.manifest = None
+
+    # -- compatibility with the previous policy's attributes
+    @property
+    def throughput_bytes_s(self) -> float | None:
+        return self.est.estimate()
 
     def start(self, manifest) -> None:
         self.manifest = manifest
@@ -108,36 +433,135 @@ class AdaptivePolicy:
         if not lv:
             raise ValueError(f"none of the levels {self._only} is stored (stored: {list(manifest.levels)})")
         self.levels = sorted(lv)
+        tokens = [b - a for a, b in manifest.token_ranges]
+        if self._decode_table_arg is not None:
+            table = dict(self._decode_table_arg)
+        else:
+            per_tok = self.initial_decode_s / max(1, max(tokens))
+            table = {x: per_tok for x in self.levels}
+        for x in self.levels:  # a level missing from the table: the slowest known
+            table.setdefault(x, max(table.values()))
+        self.decode = DecodeTable(table)
+        util = None if self._utility is None else {x: float(self._utility[x]) for x in self.levels}
+        self.model = ClockModel({x: manifest.sizes[x] for x in self.levels}, tokens, self.decode.table,
+                                self.prefill_tokens_per_s, self.inject_s_per_token, self.request_overhead_s,
+                                0.0, util, None if util is None else self.text_utility)
+        self.decisions = []
+        self.history = []
+        self.recompute_s = 0.0
+        self._dec_free = 0.0  # predicted time the decoder has finished every received chunk
+        self._kv_tokens = 0
+        self._since_sample = 0
+        self._last_choice: dict[int, tuple[int | None, float]] = {}
+        self._abandoned: dict[int, int] = {}
+        self._bound: dict[int, float] = {}
+
+    def _state(self, elapsed_s: float) -> tuple[float, float, float]:
+        return elapsed_s, max(self._dec_free, elapsed_s), self.recompute_s
 
     def choose(self, k: int, elapsed_s: float) -> int | None:
-        m = self.manifest
-        n = m.chunk_count
+        """Option for chunk k (a level, or None = text) given the seconds since the load
+        started. Records a Decision (the last one per chunk stays in .decisions)."""
         with self._lock:
-            remaining = self.slo_s - elapsed_s - self.recompute_s - self.decode_s_est
-            budget = remaining / (n - k)
-            a, b = m.token_ranges[k]
-            lv, why, cost = choose_level({x: m.sizes[x][k] for x in self.levels}, self.levels, b - a,
-                                         budget, self.throughput_bytes_s, self.decode_s_est,
-                                         self.prefill_tokens_per_s)
-            if lv is None:
-                self.recompute_s += cost
-            self.decisions.append(Decision(k, lv, why, budget, cost, self.throughput_bytes_s * 8 / 1e6, elapsed_s))
-        return lv
+            m = self.model
+            rate = self.est.robust_estimate() if self.robust else self.est.estimate()
+            st = self._state(elapsed_s)
+            text_s = m.recompute_s(k)
+            n_ab = self._abandoned.get(k, 0)
+            stale = rate is None or self._since_sample >= self.probe_after
+            plan_rate = rate if rate is not None else self.probe_rate_bytes_s
+            bound = self._bound.get(k)  # chunk k's own rate bound after an abandoned transfer
+            first_rate = min(plan_rate, bound) if bound else None
+            opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.slo_s, self.levels,
+                                            return_plan=True, first_rate_bytes_s=first_rate)
+            reason = "fits" if fits else "cheapest-overshoot"
+            deadline_cap = None
+            if n_ab:
+                reason = "replan-after-abandon" if fits else "cheapest-overshoot"
+            if stale and opt is TEXT and n_ab == 0:
+                # the link is unmeasured: would a good link change this choice? then probe at
+                # that option, cut at one chunk's recompute time, if the plan can absorb it
+                o2, _, fits2 = plan_mpc(m, k, st, self._kv_tokens, self.probe_rate_bytes_s, self.slo_s,
+                                        self.levels)
+                if o2 is not TEXT and (fin + text_s <= self.slo_s or not fits):
+                    opt, reason, deadline_cap = o2, "probe", text_s
+            elif stale and opt is not TEXT:
+                reason = "probe"
+            no_deadline = n_ab >= self.max_abandons
+            if opt is TEXT:
+                self.recompute_s += text_s
+                budget, cost = text_s, text_s
+            else:
+                cost = m.transfer_s(k, opt, first_rate or plan_rate)
+                budget = None if no_deadline else cost * (1 + self.abandon_margin) + self.abandon_slack_s
+                if budget is not None and fits and reason != "probe":
+                    # the plan's own slack (e.g. a decoder behind the link) may absorb an overrun
+                    budget = max(budget, cost + self.overrun_share * overrun_allowance_s(
+                        m, k, st, self._kv_tokens, plan, first_rate or plan_rate, self.slo_s))
+                if budget is not None and not fits:
+                    # nothing fits: cut a transfer only once it has cost more than recomputing
+                    budget = max(budget, text_s)
+                if deadline_cap is not None:
+                    budget = min(budget, deadline_cap) if budget is not None else deadline_cap
+            self._last_choice[k] = (opt, budget)
+            if self.decisions and self.decisions[-1].chunk == k:  # re-plan: keep the final one
+                self.decisions.pop()
+            d = Decision(k, opt, reason, budget, cost, (first_rate or plan_rate) * 8 / 1e6, elapsed_s, fin)
+            self.decisions.append(d)
+            self.history.append(d)
+        return opt
 
-    def observe_transfer(self, k: int, level: int | None, nbytes: int, transfer_s: float) -> None:
-        if nbytes >= MIN_BYTES_FOR_ESTIMATE and transfer_s > 0:
-            with self._lock:
-                self.throughput_bytes_s = nbytes / transfer_s
+    def transfer_deadline_s(self, k: int) -> float | None:
+        """Wire seconds after which the transfer of chunk k (as last chosen) is abandoned."""
+        with self._lock:
+            opt, budget = self._last_choice.get(k, (TEXT, None))
+            return None if opt is TEXT else budget
+
+    def observe_transfer(self, k: int, level: int | None, nbytes: int, transfer_s: float,
+                         elapsed_end_s: float | None = None) -> None:
+        with self._lock:
+            if self.est.observe(nbytes, transfer_s):
+                self._since_sample = 0
+            if level is not None and self.manifest is not None:
+                tok = self.model.tokens[k]
+                end = elapsed_end_s
+                if end is None:  # request start + wire time
+                    end = (self.decisions[-1].elapsed_s if self.decisions else 0.0) + transfer_s
+                self._dec_free = max(self._dec_free, end) + self.decode.seconds(level, tok)
+                self._kv_tokens += tok
+
+    def observe_abandon(self, k: int, level: int, elapsed_wire_s: float) -> None:
+        """Chunk k's transfer at `level` was cut after elapsed_wire_s: the rate is below
+        bytes / elapsed_wire_s. The next choose(k, ...) re-plans the chunk."""
+        with self._lock:
+            self.abandons += 1
+            self._abandoned[k] = self._abandoned.get(k, 0) + 1
+            nbytes = self.manifest.sizes[level][k]
+            ub = self.est.rate_from(nbytes, max(elapsed_wire_s, 1e-6))
+            # chunk k's rate is below ub: re-plan it with ub * backoff; later chunks see ub as
+            # one more (optimistic) sample, the harmonic mean weighs it heavily
+            prev = self._bound.get(k, math.inf)
+            self._bound[k] = min(prev, ub * self.abandon_backoff)
+            self.est.samples.append(ub)
+            self._since_sample = 0
+            self.history.append(Decision(k, level, "abandoned", self._last_choice.get(k, (None, None))[1],
+                                         elapsed_wire_s, self.est.estimate() * 8 / 1e6, -1.0))
+
+    def observe_text(self, k: int) -> None:
+        with self._lock:
+            self._since_sample += 1
 
     def observe_decode(self, k: int, decode_s: float) -> None:
         with self._lock:
-            self.decode_s_est = float(decode_s)
+            opt = self._last_choice.get(k, (TEXT, None))[0]
+            if opt is not TEXT and self.manifest is not None:
+                self.decode.observe(opt, self.model.tokens[k], decode_s)
 
 
 class FixedPolicy:
     """Always the same level (or a per-chunk list of levels; None entries = text)."""
 
-    def __init__(self, level: int | Sequence[int | None]):
+    def __init__(self, level: int | Sequence[int | None] | None):
         self.level = level
         self.decisions: list[Decision] = []
         self.recompute_s = 0.0
@@ -146,46 +570,173 @@ class FixedPolicy:
         self.manifest = manifest
         if isinstance(self.level, int) and self.level not in manifest.levels:
             raise ValueError(f"level {self.level} is not stored (stored: {list(manifest.levels)})")
+        self.decisions = []
 
     def choose(self, k: int, elapsed_s: float) -> int | None:
-        lv = self.level if isinstance(self.level, int) else self.level[k]
+        lv = self.level if (self.level is None or isinstance(self.level, int)) else self.level[k]
         self.decisions.append(Decision(k, lv, "fixed", None, None, None, elapsed_s))
         return lv
 
-    def observe_transfer(self, k, level, nbytes, transfer_s) -> None:
+    def transfer_deadline_s(self, k: int) -> float | None:
+        return None
+
+    def observe_transfer(self, k, level, nbytes, transfer_s, elapsed_end_s=None) -> None:
+        pass
+
+    def observe_abandon(self, k, level, elapsed_wire_s) -> None:
+        pass
+
+    def observe_text(self, k) -> None:
         pass
 
     def observe_decode(self, k, decode_s) -> None:
         pass
 
 
+# --------------------------------------------------------------------------- oracle
+@dataclass
+class OracleResult:
+    options: list[int | None]
+    finish_s: float
+    utility: float
+    fits: bool
+
+
+def oracle(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float,
+           max_labels: int = 20000) -> OracleResult:
+    """Offline optimum with the whole trace known: per-chunk options maximizing total
+    utility subject to finish <= slo_s; if nothing fits, the options with the smallest
+    finish. Exact label-setting DP: a label (recv clock, decode clock, recompute s,
+    kv tokens, utility) is dropped only when another is no worse in all of them.
+    Raises ValueError if the label set exceeds max_labels (use fewer chunks/levels)."""
+    labels = [((model.start_s, model.start_s, 0.0), 0, 0.0, ())]
+    for k in range(model.n):
+        new = []
+        for st, kv, ut, path in labels:
+            for o in model.options:
+                st2 = model.step(st, k, o, rates_bytes_s[k])
+                kv2 = kv + (0 if o is TEXT else model.tokens[k])
+                new.append((st2, kv2, ut + model.util(k, o), path + (o,)))
+        labels = _pareto(new, model.inject_s_per_token)
+        if len(labels) > max_labels:
+            raise ValueError(f"oracle: {len(labels)} labels exceed max_labels={max_labels}")
+    best_fit, best_any = None, None
+    for st, kv, ut, path in labels:
+        fin = model.finish(st, kv)
+        if fin <= slo_s and (best_fit is None or (ut, -fin) > (best_fit[1], -best_fit[0])):
+            best_fit = (fin, ut, path)
+        if best_any is None or (-fin, ut) > (-best_any[0], best_any[1]):
+            best_any = (fin, ut, path)
+    fin, ut, path = best_fit or best_any
+    return OracleResult(list(path), fin, ut, best_fit is not None)
+
+
+def _pareto(labels, inject_s_per_token: float):
+    """Non-dominated labels. Minimize recv, decode, recompute, (kv tokens when injection
+    costs time); maximize utility. Exact (no rounding)."""
+    import numpy as np
+
+    if len(labels) <= 1:
+        return labels
+    inj = inject_s_per_token > 0
+    a = np.array([[st[0], st[1], st[2], kv if inj else 0, -ut] for st, kv, ut, _ in labels])
+    order = np.lexsort(a.T[::-1])
+    a = a[order]
+    keep = []
+    kept = np.empty((0, a.shape[1]))
+    eps = 1e-12
+    for i in range(len(a)):
+        row = a[i]
+        if len(kept) and np.any(np.all(kept <= row + eps, axis=1)):
+            continue
+        keep.append(order[i])
+        kept = np.vstack([kept, row])
+    return [labels[i] for i in keep]
+
+
+def brute_force(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float) -> OracleResult:
+    """Exhaustive search over all option sequences (small n only; used to test oracle())."""
+    import itertools
+
+    best_fit, best_any = None, None
+    for path in itertools.product(model.options, repeat=model.n):
+        fin = model.finish_s(path, rates_bytes_s)
+        ut = sum(model.util(k, o) for k, o in enumerate(path))
+        if fin <= slo_s and (best_fit is None or (ut, -fin) > (best_fit[1], -best_fit[0])):
+            best_fit = (fin, ut, path)
+        if best_any is None or (-fin, ut) > (-best_any[0], best_any[1]):
+            best_any = (fin, ut, path)
+    fin, ut, path = best_fit or best_any
+    return OracleResult(list(path), fin, ut, best_fit is not None)
+
+
+# --------------------------------------------------------------------------- simulation
 @dataclass
 class SimResult:
     levels: list[int | None]
     total_s: float
     slo_violated: bool
     decisions: list[Decision] = field(default_factory=list)
+    abandons: int = 0
+    timeline: list[dict] = field(default_factory=list)
 
 
-def simulate(policy: AdaptivePolicy, manifest, bandwidth_mbps: Sequence[float], decode_s: float) -> SimResult:
-    """Run the policy against a synthetic link (chunk k transfers at bandwidth_mbps[k]) with
-    a pipelined decoder of `decode_s` per chunk; text chunks cost tokens/prefill speed after
-    the load. Pure arithmetic (no clock): used by unit tests and to sanity-check traces."""
+def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float | None = None,
+             model: ClockModel | None = None, max_abandons_per_chunk: int = 10) -> SimResult:
+    """Drive `policy` with the clock model on a per-chunk rate trace (Mbit/s, chunk k's
+    transfer runs at bandwidth_mbps[k]; the last value repeats). The same rules as the real
+    client: wire time = bytes/rate + request overhead; a transfer past the policy's
+    transfer_deadline_s is cut at the deadline and the chunk re-chosen; decode is pipelined
+    (decode clock) at model.decode_s_per_token (or `decode_s` per chunk when no model is
+    given); text chunks are recomputed after the load at the prefill speed.
+    Pure arithmetic (no clock, no sleeps)."""
+    if model is None:
+        tokens = [b - a for a, b in manifest.token_ranges]
+        per_tok = (decode_s or 0.0) / max(1, max(tokens))
+        model = ClockModel({lv: manifest.sizes[lv] for lv in manifest.levels}, tokens,
+                           {lv: per_tok for lv in manifest.levels}, policy.prefill_tokens_per_s
+                           if hasattr(policy, "prefill_tokens_per_s") else 1e9)
     policy.start(manifest)
-    t_recv = 0.0  # when the receiver finishes chunk k
-    t_dec = 0.0  # when the decoder finishes chunk k
-    levels = []
-    for k in range(manifest.chunk_count):
-        lv = policy.choose(k, t_recv)
+    n = manifest.chunk_count
+    r, d, rc, kv = model.start_s, model.start_s, 0.0, 0
+    levels, timeline = [], []
+    ab_total = 0
+    for k in range(n):
+        rate = bandwidth_mbps[min(k, len(bandwidth_mbps) - 1)] * 1e6 / 8
+        tries = 0
+        while True:
+            lv = policy.choose(k, r)
+            dec = policy.decisions[-1] if policy.decisions else None
+            if lv is TEXT:
+                rc += model.recompute_s(k)
+                if hasattr(policy, "observe_text"):
+                    policy.observe_text(k)
+                timeline.append({"chunk": k, "level": None, "start_s": r, "wire_s": 0.0, "abandoned": False,
+                                 "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dec.budget_s if dec else None,
+                                 "est_mbps": dec.throughput_mbps_est if dec else None})
+                break
+            wire = model.transfer_s(k, lv, rate)
+            dl = policy.transfer_deadline_s(k) if hasattr(policy, "transfer_deadline_s") else None
+            if dl is not None and wire > dl and tries < max_abandons_per_chunk:
+                timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": dl, "abandoned": True,
+                                 "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dl,
+                                 "est_mbps": dec.throughput_mbps_est if dec else None})
+                r += dl
+                policy.observe_abandon(k, lv, dl)
+                tries += 1
+                ab_total += 1
+                continue
+            timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": wire, "abandoned": False,
+                             "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dl,
+                             "est_mbps": dec.throughput_mbps_est if dec else None})
+            r += wire
+            policy.observe_transfer(k, lv, manifest.sizes[lv][k], wire - model.request_overhead_s, r)
+            ds = model.decode_s(k, lv)
+            d = max(d, r) + ds
+            policy.observe_decode(k, ds)
+            kv += model.tokens[k]
+            break
         levels.append(lv)
-        if lv is None:
-            continue
-        nbytes = manifest.sizes[lv][k]
-        dt = nbytes / (bandwidth_mbps[k] * 1e6 / 8)
-        t_recv += dt
-        policy.observe_transfer(k, lv, nbytes, dt)
-        t_dec = max(t_dec, t_recv) + decode_s
-        policy.observe_decode(k, decode_s)
-    recompute = sum((b - a) for (a, b), lv in zip(manifest.token_ranges, levels) if lv is None) / policy.prefill_tokens_per_s
-    total = max(t_recv, t_dec) + recompute
-    return SimResult(levels, total, total > policy.slo_s, list(policy.decisions))
+    total = max(r, d) + kv * model.inject_s_per_token + rc
+    return SimResult(levels, total, total > getattr(policy, "slo_s", math.inf), list(policy.decisions),
+                     ab_total, timeline)

@@ -7,6 +7,7 @@ streaming.redis_backend.RedisBackend lazily. Not runnable by itself.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import struct
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-from streaming.errors import StoreError
+from streaming.errors import StoreError, StoreFullError, StoreReadOnlyError, StoreTooLargeError
 
 _OBJ_MAGIC = b"CGOB"  # object file: magic, u32 key length, key (UTF-8), data
 _OBJ_HEAD = struct.Struct("<4sI")
@@ -47,6 +48,23 @@ def _check_key(key: str) -> bytes:
     return kb
 
 
+def classify_os_error(e: OSError, where: str, what: str) -> StoreError | OSError:
+    """A classified StoreError for a file-system failure of a store folder (disk full ->
+    StoreFullError, read-only / permission -> StoreReadOnlyError, file too large ->
+    StoreTooLargeError), or `e` itself when it is none of these."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFullError(f"{where}: {what} failed, disk full ({why}): free space or use "
+                              "another store folder")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StoreReadOnlyError(f"{where}: {what} failed, not writable ({why}): use a writable "
+                                  "store folder or fix its permissions")
+    if e.errno == errno.EFBIG:
+        return StoreTooLargeError(f"{where}: {what} failed, file too large for this file system "
+                                  f"({why}): store smaller chunks or use another file system")
+    return e
+
+
 class LocalFolderBackend:
     """Objects as files under `root/objects/<sha256[:2]>/<sha256(key)>`.
 
@@ -59,7 +77,10 @@ class LocalFolderBackend:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.objects = self.root / "objects"
-        self.objects.mkdir(parents=True, exist_ok=True)
+        try:
+            self.objects.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise classify_os_error(e, f"store folder {self.root}", "creating it") from None
 
     def __repr__(self) -> str:
         return f"LocalFolderBackend({str(self.root)!r})"
@@ -96,7 +117,15 @@ class LocalFolderBackend:
             return None
 
     def put(self, key: str, data: bytes) -> None:
-        """Store bytes atomically (temp file + fsync + rename)."""
+        """Store bytes atomically (temp file + fsync + rename). Raises StoreFullError (disk
+        full), StoreReadOnlyError (not writable), StoreTooLargeError (file too large) or
+        OSError."""
+        try:
+            self._put(key, data)
+        except OSError as e:
+            raise classify_os_error(e, f"store folder {self.root}", f"writing {len(data)} bytes") from None
+
+    def _put(self, key: str, data: bytes) -> None:
         kb = _check_key(key)
         p = self._path(key)
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -10,14 +10,20 @@ Faults handled here: a chunk whose bytes fail the manifest CRC (or whose decode 
 ValueError, e.g. codec.CodecError) is refetched once, then falls back to text; a missing
 chunk falls back to text; a dropped connection is reconnected once, after which the
 remaining chunks fall back to text (LoadResult.error says why); an unknown key or an entry
-of another model/config is a clean miss (LoadResult.hit False, .reason).
+of another model/config is a clean miss (LoadResult.hit False, .reason). A policy with a
+transfer_deadline_s(k) (streaming.adapt.AdaptivePolicy) gets its overrunning transfers cut:
+the connection is shut, nothing of the chunk is kept, the client reconnects and the policy
+re-plans that chunk (LoadResult.abandoned lists the cut attempts).
 
-Not runnable by itself; see `python -m streaming.bench`.
+Not runnable by itself; see `python -m bench.streaming`.
 """
 
 from __future__ import annotations
 
+import inspect
 import queue
+import socket
+import struct
 import threading
 import time
 import zlib
@@ -74,6 +80,7 @@ class LoadResult:
     decode_s: float = 0.0
     error: str | None = None
     decisions: list = field(default_factory=list)
+    abandoned: list = field(default_factory=list)  # transfers cut on overrun: chunk, level, deadline_s, wire_s
 
     @property
     def bytes(self) -> int:
@@ -95,6 +102,7 @@ class LoadResult:
             "decode_s": self.decode_s, "bytes": self.bytes, "recompute_tokens": self.recompute_tokens,
             "chunks": [asdict(c) for c in self.chunks],
             "decisions": [asdict(d) for d in self.decisions],
+            "abandoned": list(self.abandoned),
         }
 
 
@@ -113,6 +121,102 @@ class _Item:
 
 
 _DONE = object()
+MAX_ABANDONS_PER_CHUNK = 5  # after this many cut attempts a chunk's transfer runs to the end
+
+
+class _WireClock:
+    """Socket wrapper timing a response on the wire: kernel receive timestamps
+    (SO_TIMESTAMPNS, Linux) of the first and the last read that returned bytes, so the
+    goodput sample excludes the request latency, the server's read of the chunk and the
+    receiver thread's own scheduling delays (CacheGen section 5.2 needs the network's
+    throughput, not the receiver's back-pressure). Falls back to perf_counter at each read
+    where the kernel gives no timestamp. Everything else is delegated to the socket."""
+
+    def __init__(self, sock: socket.socket):
+        self._s = sock
+        self.first: float | None = None
+        self.last: float | None = None
+        self.first_bytes = 0
+        self.nbytes = 0
+        self.kernel = False
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_TIMESTAMPNS, 1)
+            self._ts = True
+        except (OSError, AttributeError):
+            self._ts = False
+
+    def recv_into(self, buf, nbytes: int = 0, flags: int = 0) -> int:
+        view = memoryview(buf)
+        if nbytes:
+            view = view[:nbytes]
+        if not self._ts:
+            n = self._s.recv_into(view, 0, flags)
+            t = time.perf_counter()
+        else:
+            n, anc, _, _ = self._s.recvmsg_into([view], 64, flags)
+            t = None
+            for level, typ, data in anc:
+                if level == socket.SOL_SOCKET and typ == getattr(socket, "SCM_TIMESTAMPNS", -1) and len(data) >= 16:
+                    sec, nsec = struct.unpack("qq", data[:16])
+                    t = sec + nsec * 1e-9
+                    self.kernel = True
+            if t is None:
+                t = time.time()
+        if n:
+            if self.first is None:
+                self.first, self.first_bytes = t, n
+            self.last = t
+            self.nbytes += n
+        return n
+
+    def recv(self, n: int, flags: int = 0) -> bytes:
+        buf = bytearray(n)
+        got = self.recv_into(buf, n, flags)
+        return bytes(buf[:got])
+
+    def wire_s(self) -> float | None:
+        """Seconds from the first to the last byte of the response (None if < 2 reads)."""
+        if self.first is None or self.last is None or self.last <= self.first:
+            return None
+        return self.last - self.first
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+def _timed_get_chunk(cl, key: str, lv: int, k: int):
+    """cl.get_chunk with the wire clock around its socket -> (data, wire_s or None,
+    bytes after the first read). Uses the StoreClient's socket when it exposes one."""
+    if not hasattr(cl, "_sock") or not hasattr(cl, "connect"):
+        return cl.get_chunk(key, lv, k), None, 0
+    cl.connect()
+    raw = cl._sock
+    if not isinstance(raw, socket.socket):
+        return cl.get_chunk(key, lv, k), None, 0
+    w = _WireClock(raw)
+    cl._sock = w
+    try:
+        data = cl.get_chunk(key, lv, k)
+    finally:
+        if cl._sock is w:  # the client closes (sets None) on errors; keep that
+            cl._sock = raw
+    return data, w.wire_s(), w.nbytes - w.first_bytes
+
+
+def _abort_connection(client, fired: threading.Event) -> None:
+    """Timer callback: cut the client's connection so a blocked get_chunk returns at once
+    (ConnectionClosed/OSError). The client's own abort() is used when it has one."""
+    fired.set()
+    ab = getattr(client, "abort", None)
+    if callable(ab):
+        ab()
+        return
+    sock = getattr(client, "_sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _as_policy(p):
@@ -132,6 +236,7 @@ def stream_load(
     model_id: str | None = None,
     weights_hash: str | None = None,
     codec_tag: str | None = None,
+    identity=None,
     before_chunk: Callable[[int], None] | None = None,
     on_decoded: Callable[[int, Any], None] | None = None,
     keep_decoded: bool = True,
@@ -146,6 +251,8 @@ def stream_load(
             object (streaming.adapt.AdaptivePolicy / FixedPolicy).
         decode_fn: bytes -> decoded chunk (default codec.decode_kv, CPU, returning (k, v)
             [L, T, H, D] tensors). ValueError (incl. codec.CodecError) counts as corruption.
+        identity: a streaming.identity.EntryIdentity (or its dict) the entry must match
+            (streaming.identity.check_entry); a mismatch is a clean miss with the reason.
         model_id, weights_hash, codec_tag: the expectation; a stored entry that differs is a
             clean miss, never served.
         before_chunk: hook(k) called by the receiver just before requesting chunk k (e.g.
@@ -161,7 +268,9 @@ def stream_load(
         decode_fn = default_decode_fn()
     t0 = clock()
     try:
-        manifest = client.get_manifest(key, model_id=model_id, weights_hash=weights_hash, codec_tag=codec_tag)
+        exp = {"identity": identity} if identity is not None else {}
+        manifest = client.get_manifest(key, model_id=model_id, weights_hash=weights_hash, codec_tag=codec_tag,
+                                       **exp)
     except (OSError, StreamingError) as e:
         return LoadResult(False, key, reason=f"store unreachable: {e}", total_s=clock() - t0, error=str(e))
     t_man = clock() - t0
@@ -186,8 +295,9 @@ def stream_load(
         total_dt, refetched = 0.0, False
         for attempt in range(2):
             t = clock()
-            data = cl.get_chunk(key, lv, k)
+            data, wire, wire_bytes = _timed_get_chunk(cl, key, lv, k)
             total_dt += clock() - t
+            wire_of[k] = (wire, wire_bytes)
             if data is None:
                 return None, total_dt, False, refetched, f"chunk missing: {cl.last_miss_reason}"
             if len(data) == want_len and zlib.crc32(data) == want_crc:
@@ -195,9 +305,18 @@ def stream_load(
             refetched = attempt == 0
         return None, total_dt, False, True, "CRC mismatch after refetch"
 
+    deadline_of = getattr(policy, "transfer_deadline_s", None)
+    wire_of: dict[int, tuple[float | None, int]] = {}  # chunk -> (wire seconds, bytes timed)
+    try:
+        takes_end = len(inspect.signature(policy.observe_transfer).parameters) >= 5
+    except (TypeError, ValueError):
+        takes_end = False
+    abandoned: list[dict] = []
+
     def receiver() -> None:
         reconnected = False
         k = 0
+        tries = 0  # abandoned attempts of chunk k
         try:
             while k < n and not stop.is_set():
                 if before_chunk is not None:
@@ -205,12 +324,40 @@ def stream_load(
                 start = clock() - t0
                 lv = policy.choose(k, start)
                 if lv is None:
+                    if hasattr(policy, "observe_text"):
+                        policy.observe_text(k)
                     put(_Item(k, None, None, 0.0, True, False, start, start, "text chosen by policy"))
-                    k += 1
+                    k, tries = k + 1, 0
                     continue
+                # abandon on overrun (CacheGen section 5.2 re-plans per chunk): a timer cuts the
+                # connection when the transfer runs past the policy's deadline for it
+                dl = deadline_of(k) if (deadline_of is not None and tries < MAX_ABANDONS_PER_CHUNK) else None
+                fired = threading.Event()
+                timer = None
+                if dl is not None:
+                    timer = threading.Timer(max(0.0, dl), _abort_connection, args=(client, fired))
+                    timer.daemon = True
+                    timer.start()
+                t_req = clock()
                 try:
                     data, dt, ok, ref, note = fetch_verified(client, k, lv)
                 except (OSError, StreamingError) as e:
+                    if timer is not None:
+                        timer.cancel()
+                    if fired.is_set():  # abandoned by us: reconnect and re-plan chunk k
+                        wire = clock() - t_req
+                        abandoned.append({"chunk": k, "level": lv, "deadline_s": dl, "wire_s": wire,
+                                          "start_s": start})
+                        try:
+                            client.reconnect()
+                        except (OSError, StreamingError) as e2:
+                            for j in range(k, n):
+                                put(_Item(j, None, None, 0.0, False, False, start, clock() - t0,
+                                          f"connection lost: {e2!r}"))
+                            return
+                        policy.observe_abandon(k, lv, wire)
+                        tries += 1
+                        continue
                     err = e
                     data = None
                     if not reconnected:  # retry chunk k once on a fresh connection
@@ -226,10 +373,25 @@ def stream_load(
                             put(_Item(j, None, None, 0.0, False, False, start, clock() - t0,
                                       f"connection lost: {err!r}"))
                         return
+                if timer is not None:
+                    timer.cancel()
+                    if fired.is_set():  # the timer fired as the last byte arrived: fresh socket
+                        try:
+                            client.reconnect()
+                        except (OSError, StreamingError):
+                            pass  # the next request connects again
                 if data is not None:
-                    policy.observe_transfer(k, lv, len(data), dt)
-                put(_Item(k, lv, data, dt, ok, ref, start, clock() - t0, note))
-                k += 1
+                    # goodput sample: bytes after the first read / first-to-last byte on the wire
+                    # (kernel timestamps); the request-to-last-byte time when not available
+                    wire, wbytes = wire_of.get(k, (None, 0))
+                    s_bytes, s_dt = (wbytes, wire) if wire else (len(data), dt)
+                    if takes_end:
+                        policy.observe_transfer(k, lv, s_bytes, s_dt, clock() - t0)
+                    else:  # a policy wrapper with the older 4-argument signature
+                        policy.observe_transfer(k, lv, s_bytes, s_dt)
+                put(_Item(k, lv, data, dt, ok, ref, start, clock() - t0,
+                          note or (f"after {tries} abandoned attempt(s)" if tries else "")))
+                k, tries = k + 1, 0
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             put(_Item(k, None, None, 0.0, False, False, 0.0, 0.0, "receiver failed", exc=e))
         finally:
@@ -296,4 +458,5 @@ def stream_load(
     res.transfer_s = sum(c.transfer_s for c in res.chunks)
     res.decode_s = sum(c.decode_s for c in res.chunks)
     res.decisions = list(getattr(policy, "decisions", []))
+    res.abandoned = abandoned
     return res

@@ -34,6 +34,7 @@ HEADER_SIZE = HEADER.size  # 17 bytes
 DEFAULT_MAX_META = 4 << 20  # 4 MiB: a manifest of a 100K-token context with its token ids fits
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: far above one encoded chunk (tens of MB raw at 1.5K tokens)
 RECV_QUANTUM = 1 << 18  # 256 KiB per recv_into call
+SEND_QUANTUM = 1 << 20  # at most 1 MiB offered per send call (each call has the full timeout)
 
 
 class FrameType(IntEnum):
@@ -53,6 +54,14 @@ class FrameType(IntEnum):
 
 
 _VALID_TYPES = frozenset(int(t) for t in FrameType)
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's metadata or body length exceeds the receiver's limit (`limit`, `size`, bytes)."""
+
+    def __init__(self, message: str, limit: int, size: int):
+        super().__init__(message)
+        self.limit, self.size = limit, size
 
 
 class ConnectionClosed(StreamingError):
@@ -93,9 +102,11 @@ def parse_header(
     if ftype not in _VALID_TYPES:
         raise ProtocolError(f"unknown frame type {ftype}")
     if meta_len > max_meta:
-        raise ProtocolError(f"frame metadata of {meta_len} bytes exceeds the limit of {max_meta}")
+        raise FrameTooLarge(f"frame metadata of {meta_len} bytes exceeds the limit of {max_meta}",
+                            max_meta, meta_len)
     if body_len > max_body:
-        raise ProtocolError(f"frame body of {body_len} bytes exceeds the limit of {max_body}")
+        raise FrameTooLarge(f"frame body of {body_len} bytes exceeds the limit of {max_body}",
+                            max_body, body_len)
     return FrameType(ftype), meta_len, body_len
 
 
@@ -127,21 +138,37 @@ def decode_frame(
     return Frame(ftype, meta, bytes(buf[HEADER_SIZE + ml : end])), end
 
 
+def send_progress(sock: socket.socket, data) -> None:
+    """Send all of `data` (bytes-like) with the socket's timeout applied to each send call,
+    i.e. to lack of progress: a large value over a slow link never times out while bytes
+    keep moving (socket.sendall's timeout covers the whole value since Python 3.5).
+    Raises socket.timeout when no byte could be sent for the timeout, OSError on failure."""
+    view = memoryview(data).cast("B")
+    off, n = 0, len(view)
+    while off < n:
+        sent = sock.send(view[off:off + SEND_QUANTUM])
+        if sent <= 0:  # pragma: no cover - a blocking send returns >0 or raises
+            raise ConnectionError("socket send made no progress")
+        off += sent
+
+
 def send_frame(sock: socket.socket, ftype: int, meta: dict | None = None, body: bytes = b"") -> int:
-    """Send one frame on a connected socket; returns bytes sent. Raises OSError on failure."""
+    """Send one frame on a connected socket; returns bytes sent. The socket timeout bounds
+    each send call (no progress), not the frame. Raises OSError / socket.timeout."""
     mb = json.dumps(meta or {}, separators=(",", ":")).encode("utf-8")
     head = encode_header(ftype, len(mb), len(body)) + mb
     if len(body) <= 65536:
-        sock.sendall(head + bytes(body))
+        send_progress(sock, head + bytes(body))
     else:  # avoid copying a large chunk body
-        sock.sendall(head)
-        sock.sendall(memoryview(body))
+        send_progress(sock, head)
+        send_progress(sock, body)
     return len(head) + len(body)
 
 
 def recv_exact(sock: socket.socket, n: int, *, at_frame_start: bool = False) -> bytearray:
-    """Receive exactly n bytes. Raises ConnectionClosed on EOF (truncated unless at_frame_start
-    and nothing arrived); socket.timeout / OSError propagate."""
+    """Receive exactly n bytes; the socket timeout bounds each recv call (no progress), not
+    the n bytes. Raises ConnectionClosed on EOF (truncated unless at_frame_start and
+    nothing arrived); socket.timeout / OSError propagate."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0

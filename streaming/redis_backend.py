@@ -4,9 +4,9 @@ Paper: CacheGen section 5 (encoded KV chunks live in a remote store and are stre
 engine on reuse; decoding chunk k overlaps the transfer of chunk k+1). Issue 8; see
 docs/redis.md. Chosen by URL through streaming.backends.open_backend("redis://HOST:PORT/DB")
 (`--store redis://...`). Benchmark (load through the shaped link: local-folder store vs
-Redis behind the store server vs Redis read directly):
+Redis behind the store server vs Redis read directly), in the measurement package:
 
-    python -m streaming.redis_backend --rate-mbps 100 1000 --repeats 3
+    python -m bench.redis --rate-mbps 100 1000 --repeats 3
 
 This module stores bytes only. Context keys, the per-context manifest (written last, with a
 CRC32 per chunk) and partial-miss logic live in streaming.store; this backend gives it:
@@ -19,39 +19,96 @@ CRC32 per chunk) and partial-miss logic live in streaming.store; this backend gi
 - `RedisStoreClient(url)`: the streaming.store.StoreClient interface straight over Redis
   (stream_load works on it; put_context is one MULTI/EXEC);
 - `open_redis_backend(url, fallback_dir)`: the local store when Redis is down and asked.
-Every socket operation has a timeout; a broken connection is retried once without back-off,
-a timed-out one not at all, so a dead or hung Redis turns into a RedisUnavailableError
-within about `socket_timeout_s`, never a hang. Values are never unpickled.
+Every socket operation has a timeout that applies to lack of progress (each send and recv
+call, never a whole value: a large value over a slow link does not time out while bytes
+move); a broken connection is retried once without back-off, a timed-out one not at all,
+so a dead or hung Redis turns into a RedisTimeoutError / RedisUnavailableError within about
+`socket_timeout_s`, never a hang. Failures are classified (streaming.errors: too large,
+full, read-only, auth, unavailable, timeout). Values are never unpickled.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import socket
 import sys
 import threading
 import time
-import zlib
 from typing import Iterable, Iterator, NamedTuple, Sequence
 from urllib.parse import urlparse
 
 import redis
+import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from streaming.backends import MAX_KEY_BYTES, LocalFolderBackend
-from streaming.errors import StoreError
+from streaming.errors import (
+    StoreAuthError,
+    StoreError,
+    StoreFullError,
+    StoreReadOnlyError,
+    StoreTimeoutError,
+    StoreTooLargeError,
+    StoreUnavailableError,
+)
+from streaming.protocol import send_progress
 
-DEFAULT_SOCKET_TIMEOUT_S = 10.0  # per socket operation (one recv), not per value: a slow
-# link still delivers bytes well within it; a dead/frozen peer is detected in this time
+DEFAULT_SOCKET_TIMEOUT_S = 10.0  # per socket operation (one send or recv call), not per
+# value: a slow link still moves bytes well within it; a dead/frozen peer is detected in this time
+REDIS_DEFAULT_BULK_LIMIT = 512 << 20  # Redis's default proto-max-bulk-len (512mb): the
+# largest value a client may send, assumed when CONFIG GET is not allowed
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
 DEFAULT_PREFETCH_DEPTH = 2  # values fetched ahead of the consumer (memory: depth+1 values)
 SOCKET_READ_SIZE = 1 << 20  # 1 MiB per recv (redis-py default 32 KiB: slow for MB chunks)
 _SCAN_COUNT = 1000
 
 
-class RedisUnavailableError(StoreError):
-    """Redis is not reachable (refused, reset, timed out) or died during a request."""
+class RedisUnavailableError(StoreUnavailableError):
+    """Redis is not reachable (refused, reset, closed) or died during a request."""
+
+
+class RedisTimeoutError(RedisUnavailableError, StoreTimeoutError):
+    """No byte moved to or from Redis for socket_timeout_s (a stalled server or link)."""
+
+    kind = "timeout"
+
+
+class _ProgressSendMixin:
+    """redis-py connection whose writes apply the socket timeout to each send call (lack of
+    progress) instead of socket.sendall's deadline for the whole value (Python >= 3.5), so a
+    large SET over a slow link does not fail while bytes keep moving. Reads are already per
+    recv call in redis-py."""
+
+    def send_packed_command(self, command, check_health=True):
+        if not self._sock:
+            self.connect_check_health(check_health=False)
+        if check_health:
+            self.check_health()
+        try:
+            if isinstance(command, (str, bytes)):
+                command = [command]
+            for item in command:
+                send_progress(self._sock, item.encode() if isinstance(item, str) else item)
+        except socket.timeout:
+            self.disconnect()
+            raise redis.exceptions.TimeoutError(
+                f"no progress writing to the socket for {self.socket_timeout} s") from None
+        except OSError as e:
+            self.disconnect()
+            raise redis.exceptions.ConnectionError(f"error while writing to the socket: {e}") from None
+        except BaseException:
+            self.disconnect()  # the command may be half sent: never reuse this connection
+            raise
+
+
+_CONNECTION_CLASSES = {
+    scheme: type(f"Progress{base.__name__}", (_ProgressSendMixin, base), {})
+    for scheme, base in (("redis", redis.connection.Connection),
+                         ("rediss", redis.connection.SSLConnection),
+                         ("unix", redis.connection.UnixDomainSocketConnection))
+}
 
 
 class FetchedValue(NamedTuple):
@@ -105,16 +162,23 @@ class RedisBackend:
         url: redis://HOST:PORT/DB (rediss:// for TLS; unix:///path.sock?db=N).
         key_prefix: prepended to every key in Redis (default "cg:"), so the harness's keys
             are recognisable in a shared Redis; `keys()` returns keys without it.
-        socket_timeout_s: limit on each socket read/write, seconds (default 10).
+        socket_timeout_s: seconds without progress on a socket (each send and each recv
+            call), default 10 - never a limit on a whole value's transfer time.
         connect_timeout_s: limit on connecting, seconds (default 3).
         prefetch_depth: default depth of get_many_iter.
         check: PING at construction (default True) so a down Redis fails here, clearly.
 
-    Raises:
+    Raises (classified, streaming.errors; message = cause and fix):
         ValueError: malformed URL.
-        RedisUnavailableError (a StoreError): Redis not reachable at construction, or a
-            request failed because the connection broke or timed out.
-        StoreError: Redis refused a write (e.g. out of memory under policy noeviction).
+        RedisUnavailableError (a StoreUnavailableError): Redis not reachable at
+            construction, or the connection broke during a request.
+        RedisTimeoutError (a RedisUnavailableError and StoreTimeoutError): no progress for
+            socket_timeout_s.
+        StoreTooLargeError: a value above Redis's proto-max-bulk-len (refused before sending).
+        StoreFullError: out of memory under policy noeviction.
+        StoreReadOnlyError: a read-only replica, NOREPLICAS or MISCONF.
+        StoreAuthError: password missing or wrong.
+        StoreError: any other refusal.
     """
 
     def __init__(
@@ -140,8 +204,10 @@ class RedisBackend:
         self.key_prefix = key_prefix
         self.prefetch_depth = int(prefetch_depth)
         self.socket_timeout_s = float(socket_timeout_s)
+        self._bulk_limit: int | None = None  # proto-max-bulk-len, read at the first write
         self._client = redis.Redis.from_url(
             url,
+            connection_class=_CONNECTION_CLASSES[urlparse(url).scheme or "redis"],
             socket_timeout=self.socket_timeout_s,
             socket_connect_timeout=float(connect_timeout_s),
             socket_read_size=SOCKET_READ_SIZE,
@@ -159,27 +225,101 @@ class RedisBackend:
         return f"RedisBackend({self.url!r})"
 
     # ------------------------------------------------------------------ errors
-    def _unavailable(self, e: Exception, what: str) -> RedisUnavailableError:
-        return RedisUnavailableError(
-            f"Redis at {self.address} unavailable during {what}: {e} "
-            "(start one with `python -m streaming.redis_server`, or use a local store folder)"
-        )
+    def _classify(self, e: Exception, what: str) -> StoreError:
+        """One classified StoreError (cause and fix in the message) for a redis-py error."""
+        at = f"Redis at {self.address}"
+        msg = str(e)
+        up = msg.upper()
+        if isinstance(e, redis.exceptions.TimeoutError) or isinstance(e, socket.timeout):
+            return RedisTimeoutError(
+                f"{at}: timeout without progress during {what}: no byte moved for "
+                f"{self.socket_timeout_s:g} s ({msg}); the server or the link stalled (a slow "
+                "transfer that keeps moving does not time out): check the server, or raise "
+                "socket_timeout_s")
+        if isinstance(e, (redis.exceptions.AuthenticationError,
+                          redis.exceptions.AuthenticationWrongNumberOfArgsError,
+                          redis.exceptions.NoPermissionError)) \
+                or any(t in up for t in ("NOAUTH", "WRONGPASS", "INVALID PASSWORD", "NOPERM",
+                                          "INVALID USERNAME-PASSWORD")):
+            return StoreAuthError(
+                f"{at} refused {what}: authentication required or refused ({msg}); give the "
+                "password in the URL: redis://:PASSWORD@HOST:PORT/DB (or redis://USER:PASSWORD@...)")
+        if isinstance(e, (redis.exceptions.ConnectionError, OSError)):
+            return RedisUnavailableError(
+                f"{at} unavailable during {what}: {msg} (start one with "
+                "`python -m streaming.redis_server`, or use a local store folder)")
+        if isinstance(e, redis.exceptions.OutOfMemoryError) or up.startswith("OOM") or " OOM " in up:
+            return StoreFullError(
+                f"{at} is full (out of memory) and refused {what} ({msg}): raise maxmemory "
+                "(CONFIG SET maxmemory / --maxmemory) or use an evicting policy such as allkeys-lru")
+        if isinstance(e, redis.exceptions.ReadOnlyError) or "READONLY" in up:
+            return StoreReadOnlyError(
+                f"{at} is a read-only replica and refused {what} ({msg}): point the store URL "
+                "at the primary, or set replica-read-only no")
+        if "NOREPLICAS" in up:
+            return StoreReadOnlyError(
+                f"{at} refuses writes: not enough replicas ({msg}): start the replicas or lower "
+                "min-replicas-to-write")
+        if "MISCONF" in up:
+            return StoreReadOnlyError(
+                f"{at} refuses writes because it cannot persist ({msg}): fix its disk / dir, or "
+                "set stop-writes-on-bgsave-error no")
+        if "BULK LENGTH" in up or "EXCEEDS MAXIMUM ALLOWED SIZE" in up:
+            return StoreTooLargeError(
+                f"{at} refused {what}: value above its proto-max-bulk-len ({msg}): raise it with "
+                "CONFIG SET proto-max-bulk-len BYTES (or --proto-max-bulk-len), or store smaller chunks")
+        if isinstance(e, redis.exceptions.ResponseError):
+            return StoreError(f"{at} refused {what}: {msg}")
+        return StoreError(f"{at} failed {what}: {msg}")
+
+    def _unavailable(self, e: Exception, what: str) -> StoreError:
+        return self._classify(e, what)
 
     def _call(self, what: str, fn, *args, **kw):
         try:
             return fn(*args, **kw)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-            raise self._unavailable(e, what) from None
-        except redis.exceptions.ResponseError as e:
-            msg = str(e)
-            if isinstance(e, redis.exceptions.OutOfMemoryError) or msg.startswith("OOM"):
-                raise StoreError(
-                    f"Redis at {self.address} is full and refused the write ({msg}); "
-                    "raise maxmemory or use an evicting policy such as allkeys-lru"
-                ) from None
-            raise StoreError(f"Redis at {self.address} refused {what}: {msg}") from None
-        except redis.exceptions.RedisError as e:
-            raise StoreError(f"Redis at {self.address} failed {what}: {e}") from None
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise self._classify(e, what) from None
+
+    def bulk_limit(self) -> int:
+        """The largest value Redis accepts from a client, bytes: its proto-max-bulk-len
+        (CONFIG GET, read once), or Redis's default 512 MiB when CONFIG is not allowed."""
+        if self._bulk_limit is None:
+            try:
+                got = self._client.config_get("proto-max-bulk-len")
+                self._bulk_limit = int(got.get("proto-max-bulk-len") or got.get(b"proto-max-bulk-len"))
+            except (redis.exceptions.ResponseError, TypeError, ValueError):
+                self._bulk_limit = REDIS_DEFAULT_BULK_LIMIT  # CONFIG disabled / renamed / no permission
+            except (redis.exceptions.RedisError, OSError) as e:
+                raise self._classify(e, "CONFIG GET proto-max-bulk-len") from None
+        return self._bulk_limit
+
+    def _check_sizes(self, sizes: Iterable[int]) -> None:
+        """Refuse values above proto-max-bulk-len before anything is sent: Redis would close
+        the connection mid-value ("invalid bulk length"), which reads like a dead server."""
+        big = max(sizes, default=0)
+        if big <= 1 << 20:  # Redis's smallest possible limit is 1 MiB
+            return
+        limit = self.bulk_limit()
+        if big > limit:
+            raise StoreTooLargeError(
+                f"a value of {big} bytes exceeds the proto-max-bulk-len of Redis at {self.address} "
+                f"({limit} bytes, the largest value Redis accepts): raise it with CONFIG SET "
+                f"proto-max-bulk-len {big} (or --proto-max-bulk-len in redis.conf), or store "
+                "smaller chunks (--chunk-tokens)", limit, big)
+
+    def _write(self, what: str, sizes: list[int], fn, *args, **kw):
+        self._check_sizes(sizes)
+        try:
+            return self._call(what, fn, *args, **kw)
+        except RedisUnavailableError:
+            if max(sizes, default=0) > 1 << 20:  # the limit may have been lowered since we read it
+                self._bulk_limit = None
+                try:
+                    self._check_sizes(sizes)  # raises StoreTooLargeError if that was the cause
+                except RedisUnavailableError:
+                    pass
+            raise
 
     def _k(self, key: str) -> bytes:
         return (self.key_prefix + _check_key(key)).encode("utf-8")
@@ -194,20 +334,26 @@ class RedisBackend:
         return self._call("GET", self._client.get, self._k(key))
 
     def put(self, key: str, data: bytes) -> None:
-        """Store bytes under key (one SET: atomic; overwrites)."""
-        self._call("SET", self._client.set, self._k(key), bytes(data))
+        """Store bytes under key (one SET: atomic; overwrites). Raises StoreTooLargeError
+        (above proto-max-bulk-len, before sending), StoreFullError, StoreReadOnlyError,
+        StoreAuthError, RedisTimeoutError (no progress), RedisUnavailableError."""
+        self._write(f"SET of {len(data)} bytes", [len(data)], self._client.set, self._k(key), bytes(data))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """SET NX: store only if key is absent. True if this call wrote it."""
-        return bool(self._call("SET NX", self._client.set, self._k(key), bytes(data), nx=True))
+        """SET NX: store only if key is absent. True if this call wrote it (errors as put)."""
+        return bool(self._write(f"SET NX of {len(data)} bytes", [len(data)], self._client.set,
+                                self._k(key), bytes(data), nx=True))
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         """Store all (key, bytes) pairs in one MULTI/EXEC transaction, in order: other
-        clients see all of them or none (e.g. a context's chunks followed by its manifest)."""
+        clients see all of them or none (e.g. a context's chunks followed by its manifest).
+        Errors as put."""
         pipe = self._client.pipeline(transaction=True)
+        sizes = []
         for key, data in items:
             pipe.set(self._k(key), bytes(data))
-        self._call("MULTI/EXEC", pipe.execute)
+            sizes.append(len(data))
+        self._write(f"MULTI/EXEC of {len(sizes)} values, {sum(sizes)} bytes", sizes, pipe.execute)
 
     def exists(self, key: str) -> bool:
         """True if key is stored (EXISTS)."""
@@ -388,10 +534,11 @@ class RedisStoreClient:
         return True
 
     # reads
-    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None):
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None, identity=None):
         """streaming.store.Manifest of a stored context, or None (clean miss; reason in
-        last_miss_reason: unknown key, evicted manifest, corrupt or foreign entry)."""
-        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag)
+        last_miss_reason: unknown key, evicted manifest, corrupt or foreign entry - another
+        model or codec config, checked with streaming.identity.check_entry)."""
+        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag, identity)
         if m is None:
             self.last_miss_reason = why
         return m
@@ -422,123 +569,29 @@ class RedisStoreClient:
     # writes
     def put_context(self, model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
                     chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
-                    meta: dict | None = None) -> str:
+                    meta: dict | None = None, identity=None) -> str:
         """Store a context (same arguments as streaming.store.StoreClient.put_context):
         chunks[level][i] = encoded bytes of chunk i at that level, token_ranges[i] =
         (start, end) of chunk i in token_ids. One MULTI/EXEC: chunks, then the manifest.
         Returns the context key. Raises (before anything is written) ValueError when a
         level's chunk count differs from token_ranges, StoreError when the ranges do not
-        tile token_ids (as StoreClient does); StoreError / RedisUnavailableError when Redis
-        refuses or fails (then nothing of the context was written)."""
+        tile token_ids (as StoreClient does); a streaming.errors.StoreError subclass when
+        Redis refuses or fails (then nothing of the context was written)."""
         import json
 
-        from streaming.store import MANIFEST_FORMAT, Manifest, _chunk_key, _manifest_key, context_key
+        from streaming.store import _chunk_key, _manifest_key, build_manifest
 
-        ids = [int(t) for t in token_ids]
-        key = context_key(model_id, weights_hash, codec_tag, ids)
-        levels = sorted(int(lv) for lv in chunks)
-        n = len(token_ranges)
-        for lv in levels:
-            if len(chunks[lv]) != n:
-                raise ValueError(f"level {lv} has {len(chunks[lv])} chunks, token_ranges has {n}")
-        data = {lv: [bytes(c) for c in chunks[lv]] for lv in levels}
-        man = {
-            "format": MANIFEST_FORMAT, "key": key, "model_id": model_id, "weights_hash": weights_hash,
-            "codec_tag": codec_tag, "levels": levels, "chunk_count": n,
-            "token_ranges": [[int(a), int(b)] for a, b in token_ranges],
-            "sizes": {str(lv): [len(c) for c in data[lv]] for lv in levels},
-            "crc32": {str(lv): [zlib.crc32(c) for c in data[lv]] for lv in levels},
-            "text": [ids[int(a):int(b)] for a, b in token_ranges],
-            "meta": dict(meta or {}),
-        }
-        Manifest.from_dict(man)  # bad ranges: StoreError here, before anything is written
-        items = [(_chunk_key(key, lv, i), c) for lv in levels for i, c in enumerate(data[lv])]
+        key, man = build_manifest(model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
+                                  meta, identity)
+        items = [(_chunk_key(key, lv, i), bytes(c)) for lv in man["levels"] for i, c in enumerate(chunks[lv])]
         items.append((_manifest_key(key), json.dumps(man).encode("utf-8")))  # last
         self.backend.put_many(items)
         return key
 
-
-# --------------------------------------------------------------------------- benchmark
-def bench(rates_mbps: Sequence[float], chunks: int, chunk_mb: float, repeats: int, method: str,
-          rounds: int = 1) -> list[dict]:
-    """Load time of one stored context (stand-in chunks, real decode work) through a shaped
-    link, three ways side by side per rate: the TCP store server over a local folder (the
-    default), the store server over Redis, and the engine reading Redis directly
-    (RedisStoreClient). Redis and the store server run on the server side of the link.
-    Returns one row per (rate, setup): medians over `repeats` (warm-up excluded)."""
-    import statistics
-    import tempfile as _tf
-
-    from streaming import standin
-    from streaming.client import stream_load
-    from streaming.link import ShapedLink
-    from streaming.redis_server import RedisServer
-    from streaming.store import start_store_server
-
-    size = int(chunk_mb * 1e6)
-    ids = list(range(chunks * 1024))
-    ranges = [(i * 1024, (i + 1) * 1024) for i in range(chunks)]
-    data = {1: [standin.make_chunk(size + 17 * i, seed=i) for i in range(chunks)]}
-    rows = []
-    for rate in rates_mbps:
-        with ShapedLink(rate, method=method) as link, _tf.TemporaryDirectory(prefix="cg-bench-") as tmp, \
-                RedisServer(link=link) as srv:
-            setups = {}
-            local = start_store_server(tmp, link=link)
-            setups["store-server/local-folder"] = (local, local.client(timeout=60))
-            via = start_store_server(srv.direct_url, link=link)
-            setups["store-server/redis"] = (via, via.client(timeout=60))
-            setups["direct/redis"] = (None, RedisStoreClient(srv.url))
-            try:
-                for name, (handle, client) in setups.items():
-                    key = client.put_context("m", "w", "standin", ids, data, ranges)
-                    times = []
-                    for r in range(repeats + 1):
-                        res = stream_load(client, key, 1, standin.decoder(rounds), model_id="m",
-                                          weights_hash="w", codec_tag="standin")
-                        if not res.hit or res.recompute_tokens:
-                            raise StoreError(f"{name}: load incomplete: {res.reason or res.error}")
-                        if r:
-                            times.append(res.total_s)
-                    med = statistics.median(times)
-                    rows.append({"rate_mbps": rate, "link": link.method, "setup": name, "bytes": res.bytes,
-                                 "load_s_median": med, "load_s_min": min(times), "load_s_max": max(times),
-                                 "goodput_mbps": res.bytes * 8 / med / 1e6, "repeats": repeats})
-            finally:
-                for handle, client in setups.values():
-                    client.close()
-                    if handle is not None:
-                        handle.stop()
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(
-        prog="python -m streaming.redis_backend",
-        description="Benchmark: load a stored context through the shaped link from the local-folder "
-                    "store, the store server over Redis, and Redis directly (prints JSON lines).",
-    )
-    ap.add_argument("--rate-mbps", type=float, nargs="+", default=[100.0, 1000.0])
-    ap.add_argument("--chunks", type=int, default=4, help="chunks per context (default 4: ~4K tokens)")
-    ap.add_argument("--chunk-mb", type=float, default=3.7,
-                    help="bytes per chunk in MB (default 3.7: a 1024-token SmolLM2 chunk, ~6x under bf16)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--link-method", default="auto", choices=["auto", "netns", "userspace"])
-    a = ap.parse_args(argv)
-    if a.chunks < 1 or a.repeats < 1 or a.chunk_mb <= 0:
-        print("error: --chunks, --repeats and --chunk-mb must be positive", file=sys.stderr)
-        return 2
-    try:
-        for row in bench(a.rate_mbps, a.chunks, a.chunk_mb, a.repeats, a.link_method):
-            print(json.dumps(row), flush=True)
-    except (StoreError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def put_entry(self, identity, token_ids: Sequence[int], chunks: dict[int, Sequence[bytes]],
+                  token_ranges: Sequence[tuple[int, int]], meta: dict | None = None) -> str:
+        """put_context keyed by a full streaming.identity.EntryIdentity (see
+        streaming.store.StoreClient.put_entry)."""
+        identity.require_complete()
+        return self.put_context(identity.model_id, identity.weights_hash, identity.codec_tag(),
+                                token_ids, chunks, token_ranges, meta, identity)

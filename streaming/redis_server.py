@@ -192,6 +192,10 @@ class RedisServer:
         persistence: False (default) = no RDB snapshots, no AOF; True = AOF every second.
         startup_timeout_s: seconds to wait for PING after start (default 10).
         tmp_root: parent of the unique data folder (default: the system temp folder).
+        password: require this password (`requirepass`); `.url` then carries it
+            (redis://:PASSWORD@HOST:PORT/0).
+        extra_config: more redis.conf directives, one per string (e.g.
+            "proto-max-bulk-len 1mb", "replicaof 127.0.0.1 6379"), appended last.
 
     Raises:
         RedisNotInstalledError: redis-server is not installed (message says how to install).
@@ -212,6 +216,8 @@ class RedisServer:
         persistence: bool = False,
         startup_timeout_s: float = 10.0,
         tmp_root: str | os.PathLike | None = None,
+        password: str | None = None,
+        extra_config: Sequence[str] = (),
     ):
         if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
             raise ValueError(f"port must be an int in 1..65535 or None, got {port!r}")
@@ -240,6 +246,12 @@ class RedisServer:
         self.persistence = bool(persistence)
         self.startup_timeout_s = float(startup_timeout_s)
         self.tmp_root = tmp_root
+        if password is not None and (not password or any(c in password for c in " \n\r\"@:/")):
+            raise ValueError("password must be non-empty without spaces, quotes, '@', ':' or '/'")
+        self.password = password
+        self.extra_config = [str(x) for x in extra_config]
+        if any("\n" in x or "\r" in x for x in self.extra_config):
+            raise ValueError("extra_config entries must be single lines")
         self.dir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self._log_file = None
@@ -252,9 +264,10 @@ class RedisServer:
         shaped link (link.expose: the namespace address, or the userspace shaper's port)."""
         if self.port is None:
             raise RedisServerError("RedisServer not started: no port yet")
+        auth = f":{self.password}@" if self.password else ""
         if self.link is not None:
             h, p = self.link.expose(self.port)
-            return f"redis://{h}:{p}/0"
+            return f"redis://{auth}{h}:{p}/0"
         return self.direct_url
 
     @property
@@ -263,7 +276,8 @@ class RedisServer:
         userspace shaper; in a namespace this already crosses the shaped veth)."""
         if self.port is None:
             raise RedisServerError("RedisServer not started: no port yet")
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -301,6 +315,9 @@ class RedisServer:
         if self.maxmemory is not None:
             lines.append(f"maxmemory {self.maxmemory}")
         lines.append(f"maxmemory-policy {self.policy}")
+        if self.password:
+            lines.append(f'requirepass "{self.password}"')
+        lines += self.extra_config
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ lifecycle
@@ -380,7 +397,7 @@ class RedisServer:
             if self.proc.poll() is not None:
                 return False, f"exited with code {self.proc.returncode}: {self._read_logs()}"
             try:
-                c = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
+                c = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0, password=self.password,
                                 socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
                 try:
                     if c.ping():
@@ -440,7 +457,8 @@ class RedisServer:
         """Redis INFO section as a dict (e.g. used_memory, evicted_keys in "stats")."""
         import redis
 
-        c = redis.Redis(host=self.host, port=self.port, socket_timeout=5.0, socket_connect_timeout=2.0)
+        c = redis.Redis(host=self.host, port=self.port, socket_timeout=5.0, socket_connect_timeout=2.0,
+                        password=self.password)
         try:
             return c.info(section)
         finally:

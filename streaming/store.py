@@ -2,9 +2,13 @@
 
 Paper: CacheGen section 5 - each context's KV cache is split into chunks, each chunk
 encoded at several quality levels and kept with its text; the streamer fetches chunk by
-chunk. Keys hash model id + weights hash + codec tag + the prefix's token ids, and the
-manifest repeats them, so an entry written for another model or codec config is never
-served (a clean miss with a reason), even if the store is reused across runs.
+chunk. Keys hash model id + weights hash + codec tag + the prefix's token ids; with an
+entry identity (streaming.identity.EntryIdentity: tokenizer, dtype, KV shape, codec name,
+version, the full config hash of every level, calibration) the codec tag is
+`identity.codec_tag()`, a hash of all of it (`entry_key`), and the manifest repeats the
+identity. Every reader checks it (streaming.identity.check_entry), so an entry written for
+another model or codec config is never served (a clean miss with a reason), even if the
+store is reused across runs with a changed codec schedule.
 
 Layout in a backend (keys):
     ctx/<key>/chunk/<level>/<index>   encoded chunk bytes (written first)
@@ -35,10 +39,21 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from streaming.backends import StoreBackend, open_backend
-from streaming.errors import ProtocolError, StoreError, StreamingError
+from streaming.errors import (
+    ProtocolError,
+    StoreError,
+    StoreTimeoutError,
+    StoreTooLargeError,
+    StoreUnavailableError,
+    StreamingError,
+    store_error,
+)
+from streaming.identity import EntryIdentity, check_entry
 from streaming.protocol import (
     DEFAULT_MAX_BODY,
+    DEFAULT_MAX_META,
     ConnectionClosed,
+    FrameTooLarge,
     FrameType,
     recv_frame,
     send_frame,
@@ -49,9 +64,11 @@ _KEY_DOMAIN = b"cgh-context-key-v1\x00"
 
 
 def context_key(model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int]) -> str:
-    """SHA-256 hex key of a context: model id, weights hash, codec tag (codec name + config
-    fingerprint) and the prefix's token ids (as little-endian int64). Raises ValueError on
-    empty ids or non-str fields."""
+    """SHA-256 hex key of a context: model id, weights hash, codec tag and the prefix's token
+    ids (as little-endian int64). Writers with a full streaming.identity.EntryIdentity use
+    `entry_key` (codec_tag = identity.codec_tag(): a hash of the tokenizer, dtype, KV shape,
+    codec name, version and per-level config hashes). Raises ValueError on empty ids or
+    non-str fields."""
     for name, v in (("model_id", model_id), ("weights_hash", weights_hash), ("codec_tag", codec_tag)):
         if not isinstance(v, str) or not v or "\x00" in v:
             raise ValueError(f"{name} must be a non-empty str without NUL, got {v!r}")
@@ -68,6 +85,15 @@ def context_key(model_id: str, weights_hash: str, codec_tag: str, token_ids: Seq
         h.update(v.encode("utf-8") + b"\x00")
     h.update(ids.tobytes())
     return h.hexdigest()
+
+
+def entry_key(identity: EntryIdentity, token_ids: Sequence[int]) -> str:
+    """context_key of an entry with a full identity: model id, weights hash and
+    identity.codec_tag() (a hash of every other field: tokenizer, dtype, shape, codec name,
+    version, per-level config hashes, calibration). Raises ValueError when the identity
+    lacks model_id, weights_hash, codec or level_configs."""
+    identity.require_complete()
+    return context_key(identity.model_id, identity.weights_hash, identity.codec_tag(), token_ids)
 
 
 def _chunk_key(key: str, level: int, index: int) -> str:
@@ -90,7 +116,10 @@ class Manifest:
 
     levels: quality levels stored, ascending quality (and size); sizes[level][i] and
     crc32[level][i] are the byte size and CRC-32 of chunk i at that level; token_ranges[i]
-    = (start, end) token positions of chunk i; text[i] = its token ids (the text fallback).
+    = (start, end) token positions of chunk i; text[i] = its token ids (the text fallback);
+    identity: streaming.identity.EntryIdentity.to_dict() of what made the entry (None for
+    entries written without one; such an entry misses for any reader that knows an
+    identity field).
     """
 
     key: str
@@ -103,6 +132,7 @@ class Manifest:
     crc32: dict[int, tuple[int, ...]]
     text: tuple[tuple[int, ...], ...]
     meta: dict = field(default_factory=dict)
+    identity: dict | None = None  # EntryIdentity.to_dict() of what made the entry (None: legacy)
 
     @property
     def chunk_count(self) -> int:
@@ -126,6 +156,7 @@ class Manifest:
             "crc32": {str(lv): list(v) for lv, v in self.crc32.items()},
             "text": [list(t) for t in self.text],
             "meta": self.meta,
+            **({"identity": self.identity} if self.identity is not None else {}),
         }
 
     @classmethod
@@ -145,6 +176,7 @@ class Manifest:
                 weights_hash=str(d["weights_hash"]), codec_tag=str(d["codec_tag"]),
                 levels=levels, token_ranges=ranges, sizes=sizes, crc32=crcs, text=text,
                 meta=dict(d.get("meta") or {}),
+                identity=dict(d["identity"]) if d.get("identity") is not None else None,
             )
         except StoreError:
             raise
@@ -164,15 +196,36 @@ class Manifest:
                 raise StoreError(f"manifest sizes/crc32 of level {lv} do not cover {n} chunks")
         if context_key(m.model_id, m.weights_hash, m.codec_tag, m.token_ids) != m.key:
             raise StoreError("manifest key does not match its model/config/token ids")
+        if m.identity is not None:
+            try:
+                ident = EntryIdentity.from_dict(m.identity)
+                tag = ident.codec_tag()
+            except ValueError as e:
+                raise StoreError(f"manifest identity malformed: {e}") from None
+            if (ident.model_id, ident.weights_hash, tag) != (m.model_id, m.weights_hash, m.codec_tag):
+                raise StoreError("manifest identity does not match its model id, weights hash "
+                                 "and codec tag (the key would not commit to it)")
+            if set(ident.levels) != set(levels):
+                raise StoreError(f"manifest levels {sorted(levels)} differ from its identity's "
+                                 f"level configs {sorted(ident.levels)}")
         return m
 
-    def mismatch(self, model_id=None, weights_hash=None, codec_tag=None) -> str | None:
-        """Reason why this entry must not be served for the given expectation, or None."""
+    def mismatch(self, model_id=None, weights_hash=None, codec_tag=None,
+                 identity: EntryIdentity | dict | None = None) -> str | None:
+        """Reason why this entry must not be served for the given expectation, or None.
+        `identity` (streaming.identity.EntryIdentity or its dict) is checked with
+        streaming.identity.check_entry: an entry without an identity misses whenever the
+        reader knows any identity field. A codec_tag that is a bare codec name matches the
+        identity's codec name (older callers)."""
         for name, want in (("model_id", model_id), ("weights_hash", weights_hash), ("codec_tag", codec_tag)):
             have = getattr(self, name)
-            if want is not None and want != have:
-                return f"{name} mismatch: stored {have!r}, requested {want!r}"
-        return None
+            if want is None or want == have:
+                continue
+            if name == "codec_tag" and "#" not in want and self.identity is not None \
+                    and self.identity.get("codec") == want:
+                continue
+            return f"{name} mismatch: stored {have!r}, requested {want!r}"
+        return check_entry(identity, self.identity)
 
 
 class KVStore:
@@ -201,8 +254,10 @@ class KVStore:
         self.backend.put(_manifest_key(m.key), json.dumps(m.to_dict()).encode("utf-8"))
         return m
 
-    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None) -> tuple[Manifest | None, str]:
-        """(manifest, "") or (None, reason) - unknown key, corrupt or mismatched entry."""
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None,
+                     identity: EntryIdentity | dict | None = None) -> tuple[Manifest | None, str]:
+        """(manifest, "") or (None, reason) - unknown key, corrupt or mismatched entry
+        (model/codec expectation and identity checked by Manifest.mismatch)."""
         try:
             _check_hex_key(key)
         except ValueError as e:
@@ -216,7 +271,7 @@ class KVStore:
             return None, f"stored manifest unusable: {e}"
         if m.key != key:
             return None, "stored manifest belongs to another key"
-        why = m.mismatch(model_id, weights_hash, codec_tag)
+        why = m.mismatch(model_id, weights_hash, codec_tag, identity)
         if why:
             return None, why
         return m, ""
@@ -254,6 +309,12 @@ class _Handler(socketserver.BaseRequestHandler):
         while True:
             try:
                 f = recv_frame(sock, max_body=srv.max_body)
+            except FrameTooLarge as e:
+                self._reply(FrameType.ERR, {
+                    "error": f"{e}: the store server refuses values above {e.limit} bytes "
+                             f"(start it with a larger --max-body-mb)",
+                    "kind": StoreTooLargeError.kind, "limit": e.limit})
+                return  # the stream position is lost: close the connection
             except ProtocolError as e:
                 self._reply(FrameType.ERR, {"error": f"protocol error: {e}"})
                 return  # the stream position is lost: close the connection
@@ -261,7 +322,9 @@ class _Handler(socketserver.BaseRequestHandler):
                 return  # client went away (or idle timeout): nothing to clean up
             try:
                 rtype, meta, body = srv.dispatch(f.type, f.meta, f.body)
-            except (StoreError, ValueError, KeyError, TypeError) as e:
+            except StoreError as e:  # classified (full, read-only, ...): the client re-raises the kind
+                rtype, meta, body = FrameType.ERR, {"error": str(e), "kind": e.kind}, b""
+            except (ValueError, KeyError, TypeError) as e:
                 rtype, meta, body = FrameType.ERR, {"error": str(e)}, b""
             except Exception as e:  # noqa: BLE001 - the server must keep serving others
                 rtype, meta, body = FrameType.ERR, {"error": f"internal error: {e!r}"}, b""
@@ -301,11 +364,12 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
 
     def dispatch(self, ftype: FrameType, meta: dict, body: bytes):
         st = self.store
-        if ftype == FrameType.PING:
-            return FrameType.OK, {"pong": True}, b""
+        if ftype == FrameType.PING:  # with the limits, so a client refuses too large values up front
+            return FrameType.OK, {"pong": True, "max_body": self.max_body, "max_meta": DEFAULT_MAX_META}, b""
         if ftype == FrameType.GET_MANIFEST:
             exp = meta.get("expect") or {}
-            m, why = st.get_manifest(meta.get("key"), exp.get("model_id"), exp.get("weights_hash"), exp.get("codec_tag"))
+            m, why = st.get_manifest(meta.get("key"), exp.get("model_id"), exp.get("weights_hash"),
+                                     exp.get("codec_tag"), exp.get("identity"))
             if m is None:
                 return FrameType.MISS, {"reason": why}, b""
             return FrameType.OK, {"manifest": m.to_dict()}, b""
@@ -345,22 +409,45 @@ class StoreClient:
     """Client of KVStoreServer over one persistent TCP connection (not thread-safe: use
     one per thread, see clone()).
 
-    Raises StoreError for an ERR reply, ConnectionClosed/OSError/socket.timeout when the
-    connection fails. Misses are not errors: get_manifest/get_chunk return None and set
-    `last_miss_reason`.
+    timeout: seconds WITHOUT PROGRESS (no byte sent or received) before a request fails;
+    a large chunk over a slow link does not time out while bytes keep moving.
+
+    Raises classified streaming.errors.StoreError subclasses: StoreUnavailableError (not
+    reachable, connection lost), StoreTimeoutError (no progress for `timeout` s),
+    StoreTooLargeError (a chunk above the server's --max-body-mb, refused before sending),
+    StoreFullError / StoreReadOnlyError (the server's backend refused the write), StoreError
+    (other ERR replies); ProtocolError for a malformed reply. Misses are not errors:
+    get_manifest/get_chunk return None and set `last_miss_reason`.
     """
 
     def __init__(self, host: str, port: int, timeout: float = 30.0, max_body: int = DEFAULT_MAX_BODY):
         self.host, self.port, self.timeout, self.max_body = host, int(port), timeout, max_body
         self._sock: socket.socket | None = None
+        self._server_max_body: int | None = None
         self.last_miss_reason = ""
 
     def clone(self) -> "StoreClient":
         return StoreClient(self.host, self.port, self.timeout, self.max_body)
 
+    @property
+    def _where(self) -> str:
+        return f"store server at {self.host}:{self.port}"
+
     def connect(self) -> None:
+        """Open the connection if needed. Raises StoreUnavailableError / StoreTimeoutError."""
         if self._sock is None:
-            s = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            try:
+                s = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except socket.timeout:
+                raise StoreTimeoutError(
+                    f"{self._where}: no answer to connect within {self.timeout:g} s "
+                    "(host down or the link dropping packets?)") from None
+            except socket.gaierror as e:
+                raise StoreUnavailableError(f"{self._where}: unknown host ({e})") from None
+            except OSError as e:
+                raise StoreUnavailableError(
+                    f"{self._where} unreachable: {e.strerror or e} (is it running? start one with "
+                    "`python -m streaming.store serve --backend DIR`)") from None
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = s
 
@@ -384,23 +471,59 @@ class StoreClient:
 
     def _call(self, ftype: FrameType, meta: dict, body: bytes = b""):
         self.connect()
+        phase = f"sending {ftype.name}"
         try:
             send_frame(self._sock, ftype, meta, body)
+            phase = f"waiting for the reply to {ftype.name}"
             f = recv_frame(self._sock, max_body=self.max_body)
-        except (OSError, StreamingError):
+        except socket.timeout:
             self.close()  # position in the stream unknown: never reuse this connection
+            raise StoreTimeoutError(
+                f"{self._where}: no progress for {self.timeout:g} s while {phase} (timeout without "
+                "progress: the server or the link stalled; a slow transfer that keeps moving does "
+                "not time out - check the server, or raise the client's timeout)") from None
+        except ConnectionClosed as e:
+            self.close()
+            raise StoreUnavailableError(f"{self._where} closed the connection while {phase}: {e}") from None
+        except OSError as e:
+            self.close()
+            raise StoreUnavailableError(f"{self._where}: connection lost while {phase}: "
+                                        f"{e.strerror or e}") from None
+        except StreamingError:
+            self.close()
             raise
         if f.type == FrameType.ERR:
-            raise StoreError(str(f.meta.get("error", "server error")))
+            raise store_error(f.meta.get("kind"), f"{self._where}: {f.meta.get('error', 'server error')}")
         return f
+
+    def server_max_body(self) -> int | None:
+        """The server's largest accepted chunk in bytes (from its PING reply; None for a
+        server that does not say). Cached per client."""
+        if self._server_max_body is None:
+            mb = self._call(FrameType.PING, {}).meta.get("max_body")
+            self._server_max_body = int(mb) if mb else 0
+        return self._server_max_body or None
+
+    def _check_size(self, n: int) -> None:
+        limit = self.server_max_body()
+        if limit is not None and n > limit:
+            raise StoreTooLargeError(
+                f"chunk of {n} bytes exceeds the {self._where}'s limit of {limit} bytes: start the "
+                f"server with --max-body-mb {-(-n // (1 << 20))} or more, or store smaller chunks "
+                "(--chunk-tokens)", limit, n)
 
     def ping(self) -> bool:
         return self._call(FrameType.PING, {}).type == FrameType.OK
 
-    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None) -> Manifest | None:
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None,
+                     identity: EntryIdentity | dict | None = None) -> Manifest | None:
         """Manifest of a stored context, or None (clean miss; reason in last_miss_reason).
-        The expectation is checked by the server and again here."""
-        exp = {"model_id": model_id, "weights_hash": weights_hash, "codec_tag": codec_tag}
+        The expectation (and `identity`, see streaming.identity.check_entry) is checked by
+        the server and again here."""
+        if isinstance(identity, EntryIdentity):
+            identity = identity.to_dict()
+        exp = {"model_id": model_id, "weights_hash": weights_hash, "codec_tag": codec_tag,
+               "identity": identity}
         f = self._call(FrameType.GET_MANIFEST, {"key": key, "expect": exp})
         if f.type == FrameType.MISS:
             self.last_miss_reason = str(f.meta.get("reason", "miss"))
@@ -410,7 +533,7 @@ class StoreClient:
         except (StoreError, KeyError, TypeError) as e:
             self.last_miss_reason = f"server sent an unusable manifest: {e}"
             return None
-        why = m.mismatch(model_id, weights_hash, codec_tag) or (None if m.key == key else "wrong key")
+        why = m.mismatch(model_id, weights_hash, codec_tag, identity) or (None if m.key == key else "wrong key")
         if why:
             self.last_miss_reason = why
             return None
@@ -435,33 +558,70 @@ class StoreClient:
 
     def put_context(self, model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
                     chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
-                    meta: dict | None = None) -> str:
+                    meta: dict | None = None, identity: EntryIdentity | None = None) -> str:
         """Store a context: chunks[level][i] = encoded bytes of chunk i at that level (levels
         in ascending quality), token_ranges[i] = (start, end) of chunk i in token_ids.
         Chunks are sent first, the manifest last (commit). Returns the context key.
-        Raises ValueError on inconsistent arguments, StoreError if the server refuses."""
-        ids = [int(t) for t in token_ids]
-        key = context_key(model_id, weights_hash, codec_tag, ids)
-        levels = sorted(int(lv) for lv in chunks)
-        n = len(token_ranges)
-        for lv in levels:
-            if len(chunks[lv]) != n:
-                raise ValueError(f"level {lv} has {len(chunks[lv])} chunks, token_ranges has {n}")
-        for lv in levels:
+        With `identity`, prefer put_entry. Raises ValueError on inconsistent arguments,
+        StoreError if the server refuses."""
+        key, man = build_manifest(model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
+                                  meta, identity)
+        self._check_size(max(len(c) for lv in man["levels"] for c in chunks[lv]))  # before any write
+        for lv in man["levels"]:
             for i, data in enumerate(chunks[lv]):
                 self._call(FrameType.PUT_CHUNK, {"key": key, "level": lv, "index": i}, bytes(data))
-        man = {
-            "format": MANIFEST_FORMAT, "key": key, "model_id": model_id, "weights_hash": weights_hash,
-            "codec_tag": codec_tag, "levels": levels, "chunk_count": n,
-            "token_ranges": [[int(a), int(b)] for a, b in token_ranges],
-            "sizes": {str(lv): [len(c) for c in chunks[lv]] for lv in levels},
-            "crc32": {str(lv): [zlib.crc32(bytes(c)) for c in chunks[lv]] for lv in levels},
-            "text": [ids[int(a):int(b)] for a, b in token_ranges],
-            "meta": dict(meta or {}),
-        }
-        Manifest.from_dict(man)  # fail here, before the server, on bad ranges
         self._call(FrameType.PUT_MANIFEST, {"manifest": man})
         return key
+
+    def put_entry(self, identity: EntryIdentity, token_ids: Sequence[int],
+                  chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                  meta: dict | None = None) -> str:
+        """put_context keyed by a full identity (streaming.store.entry_key): the manifest
+        records it, readers check it. Raises ValueError for an incomplete identity or
+        levels that differ from identity.level_configs."""
+        identity.require_complete()
+        return self.put_context(identity.model_id, identity.weights_hash, identity.codec_tag(),
+                                token_ids, chunks, token_ranges, meta, identity)
+
+
+def build_manifest(model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
+                   chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                   meta: dict | None = None, identity: EntryIdentity | None = None) -> tuple[str, dict]:
+    """(context key, manifest dict) of a context to store (every client builds it here).
+
+    With `identity`, model_id / weights_hash / codec_tag must equal the identity's (or
+    codec_tag be its bare codec name) and chunks' levels must equal its level_configs.
+    Raises ValueError on inconsistent arguments, StoreError when ranges do not tile the ids.
+    """
+    ids = [int(t) for t in token_ids]
+    if identity is not None:
+        identity.require_complete()
+        if (model_id, weights_hash) != (identity.model_id, identity.weights_hash) or \
+                codec_tag not in (identity.codec_tag(), identity.codec):
+            raise ValueError("model_id/weights_hash/codec_tag differ from the entry identity")
+        codec_tag = identity.codec_tag()
+        if set(int(lv) for lv in chunks) != set(identity.levels):
+            raise ValueError(f"chunk levels {sorted(chunks)} differ from the identity's level "
+                             f"configs {list(identity.levels)}")
+    key = context_key(model_id, weights_hash, codec_tag, ids)
+    levels = sorted(int(lv) for lv in chunks)
+    n = len(token_ranges)
+    for lv in levels:
+        if len(chunks[lv]) != n:
+            raise ValueError(f"level {lv} has {len(chunks[lv])} chunks, token_ranges has {n}")
+    man = {
+        "format": MANIFEST_FORMAT, "key": key, "model_id": model_id, "weights_hash": weights_hash,
+        "codec_tag": codec_tag, "levels": levels, "chunk_count": n,
+        "token_ranges": [[int(a), int(b)] for a, b in token_ranges],
+        "sizes": {str(lv): [len(c) for c in chunks[lv]] for lv in levels},
+        "crc32": {str(lv): [zlib.crc32(bytes(c)) for c in chunks[lv]] for lv in levels},
+        "text": [ids[int(a):int(b)] for a, b in token_ranges],
+        "meta": dict(meta or {}),
+    }
+    if identity is not None:
+        man["identity"] = identity.to_dict()
+    Manifest.from_dict(man)  # fail here, before anything is sent, on bad ranges
+    return key, man
 
 
 # --------------------------------------------------------------------------- process handle

@@ -2,10 +2,12 @@
 
 A trace is a list of Mbit/s values, one per context chunk. Sources:
 * constant(mbps, n) and step(values_mbps, chunks_per_step, n);
-* the CacheGen artifact's traces (../shared/data/cachegen-artifact/*.jsonl beside the repo, one JSON
-  object {"bw": [Gbit/s per chunk]} per line), scaled by `scale` (default 1/10: the
-  artifact's 0.1-10 Gbit/s become 10-1000 Mbit/s for this machine's links - results must
-  say so; the scale is returned with the trace).
+* the CacheGen artifact's traces, carried in this repository (streaming/traces_data/, copied
+  from the public artifact github.com/UChi-JCL/CacheGen test_data/; source and license in
+  its README): one JSON object {"bw": [Gbit/s per chunk]} per line, scaled by `scale`
+  (default 1/10: the artifact's 0.1-10 Gbit/s become 10-1000 Mbit/s for this machine's
+  links - results must say so; the scale is returned with the trace). The 10 recorded
+  traces are bw_traces_gbps.jsonl, the generated ones generated_trace_gbps.jsonl.
 apply_trace(link, trace) returns a hook for stream_load(before_chunk=...): it changes the
 shaper's rate just before chunk k is requested, i.e. during the transfer of the context.
 Not runnable by itself.
@@ -14,14 +16,13 @@ Not runnable by itself.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-_REPO = Path(__file__).resolve().parent.parent
-# shared/ lies beside the repository (the checkout's ../shared); CACHEGEN_SHARED overrides.
-ARTIFACT_DIR = Path(os.environ.get("CACHEGEN_SHARED", _REPO.parent / "shared")) / "data" / "cachegen-artifact"
+ARTIFACT_DIR = Path(__file__).resolve().parent / "traces_data"
+RECORDED_FILE = "bw_traces_gbps.jsonl"
+GENERATED_FILE = "generated_trace_gbps.jsonl"
 DEFAULT_SCALE = 0.1  # artifact Gbit/s * 1000 * 0.1 -> Mbit/s on this machine
 MIN_MBPS = 1.0
 
@@ -39,6 +40,16 @@ class Trace:
 
     def describe(self) -> dict:
         return {"name": self.name, "source": self.source, "scale": self.scale, "mbps": list(self.mbps)}
+
+
+def artifact_recorded(scale: float = DEFAULT_SCALE) -> list[Trace]:
+    """The artifact's 10 recorded traces (Mbit/s after scale)."""
+    return load_artifact_traces(ARTIFACT_DIR / RECORDED_FILE, scale)
+
+
+def artifact_generated(scale: float = DEFAULT_SCALE) -> list[Trace]:
+    """The artifact's generated traces (Mbit/s after scale)."""
+    return load_artifact_traces(ARTIFACT_DIR / GENERATED_FILE, scale)
 
 
 def constant(mbps: float, n: int) -> Trace:

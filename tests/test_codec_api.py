@@ -1,5 +1,5 @@
-"""Public codec API: round trips of every codec, the peers' known faults (cachegen.md
-section 4), chunking, sizes, input validation (codec/api.py, codec/codecs.py)."""
+"""Public codec API: round trips of every codec, the faults known from peer implementations
+(LMCache's cachegen serde, the CacheGen artifact), chunking, sizes, input validation (codec/api.py, codec/codecs.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,6 +27,17 @@ def make_kv(L=3, T=40, H=2, D=16, dtype=torch.bfloat16, seed=0, zero_token=None)
         k[:, zero_token] = 0
         v[:, zero_token] = 0
     return k.to(dtype), v.to(dtype)
+
+
+def encode_or_skip(k, v, name, **kw) -> bytes:
+    """``codec.encode_kv``, skipping the test for codecs that need a calibration artifact
+    for this shape (kvtc) rather than failing."""
+    try:
+        return codec.encode_kv(k, v, codec=name, **kw)
+    except ValueError as e:
+        if "calibration" in str(e):
+            pytest.skip(f"{name} needs a calibration artifact for this shape")
+        raise
 
 
 def cachegen_bound(x: torch.Tensor, cfg, is_key: bool, n_sink: int) -> torch.Tensor:
@@ -60,7 +71,7 @@ def test_raw_is_exact(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_codec_roundtrip_dtype_shape(name, dtype):
     k, v = make_kv(L=2, T=200, H=3, D=24, dtype=dtype, zero_token=5)
-    data = codec.encode_kv(k, v, codec=name)
+    data = encode_or_skip(k, v, name)
     k2, v2 = codec.decode_kv(data)
     for a, b in ((k, k2), (v, v2)):
         assert b.dtype == dtype and b.shape == a.shape and b.device.type == "cpu"
@@ -83,7 +94,10 @@ def test_cachegen_error_bound(name, level, dtype):
     k2, v2 = codec.decode_kv(data)
     variant = "harness" if name == "cachegen" else "reference"
     cfg = codec.CodecConfig.for_model(4, level, variant=variant)
-    assert codec.peek_header(data)["config"] == cfg.to_dict()
+    want = cfg.to_dict()
+    want.pop("chunk_tokens")        # the split size is in the container header (T = 50)
+    assert codec.peek_header(data)["config"] == want
+    assert codec.peek_header(data)["chunk_tokens"] == 50
     for x, y, is_key in ((k, k2, True), (v, v2, False)):
         bound = cachegen_bound(x, cfg, is_key, cfg.sink_tokens)
         err = (y.float() - x.float()).abs()
@@ -309,10 +323,10 @@ def test_baselines_property(L, T, H, D, dtype, name, seed):
 
 # ------------------------------------------------------------------------ bench smoke
 def test_bench_quick_writes_rows(tmp_path, capsys, monkeypatch):
-    """``python -m codec.bench --quick`` runs without a model and writes the JSON rows."""
+    """``python -m bench.codec --quick`` runs without a model and writes the JSON rows."""
     import json
 
-    from codec import bench
+    from bench import codec as bench
 
     monkeypatch.setattr(bench, "QUICK_SHAPE", (3, 512, 2, 32))
     out = tmp_path / "b.json"
@@ -331,6 +345,8 @@ def test_bench_quick_writes_rows(tmp_path, capsys, monkeypatch):
     assert rows["raw"]["ratio_vs_dtype"] == pytest.approx(1.0, abs=1e-3)
     assert 1.9 < rows["quant8"]["ratio_vs_dtype"] < 2.0
     assert rows["cachegen-l1"]["ratio_vs_dtype"] > 4
-    assert 1.0 <= rows["cachegen-l1"]["payload_over_entropy"] < 1.05
+    # 1.047 before the outlier side list; 1.051 with it (one V outlier of this synthetic
+    # KV is taken out, so that head's step is finer and its symbols spread more)
+    assert 1.0 <= rows["cachegen-l1"]["payload_over_entropy"] < 1.06
     assert len(doc["codec_layers"]) == 3 * 2 * bench.QUICK_SHAPE[0]
     assert "cachegen-l1" in capsys.readouterr().out

@@ -60,7 +60,7 @@ def test_round_trip_all_dtypes():
         assert np.array_equal(c.arrays[k], a), k
     # CRC over everything before it, at the end
     assert struct.unpack("<I", data[-4:])[0] == zlib.crc32(data[:-4])
-    assert data[:4] == b"KVCG" and struct.unpack("<H", data[4:6])[0] == 1
+    assert data[:4] == b"KVCG" and struct.unpack("<H", data[4:6])[0] == bs.FORMAT_VERSION == 2
     assert bs.peek_header(data) == hdr
 
 
@@ -123,9 +123,12 @@ def test_specific_corruptions():
         with pytest.raises(CodecError):
             bs.unpack(d)
     b = bytearray(data)
-    b[4] = 2  # version 2 (CRC refreshed so the version check itself is exercised)
+    b[4] = 3  # version 3 (CRC refreshed so the version check itself is exercised)
     with pytest.raises(CodecError, match="version"):
         bs.unpack(_refresh_crc(b))
+    b = bytearray(data)
+    b[4] = 1  # format version 1 containers (before the outlier side list) still read
+    assert bs.unpack(_refresh_crc(b))[0] == bs.unpack(data)[0]
     b = bytearray(data)
     b[6] = 1  # flags
     with pytest.raises(CodecError, match="flags"):

@@ -227,7 +227,8 @@ def test_corrupt_payload_and_lengths_same_outcome_on_both_decoders():
 
 # ------------------------------------------------------------- bench --device cuda
 def test_bench_device_cuda_hands_over_to_triton_bench(monkeypatch, capsys):
-    from codec import bench, triton_bench
+    from bench import codec as bench
+    from bench import triton as triton_bench
 
     seen = []
     monkeypatch.setattr(triton_bench, "main", lambda argv=None: seen.append(argv) or 0)

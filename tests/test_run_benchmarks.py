@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,45 @@ def test_results_writer_is_atomic_and_summarises(tmp_path):
     assert not list(tmp_path.glob(".r.json.*"))  # no temp file left behind
     assert summarize([]) == []
     assert validate([]) == ["top level is not a JSON object"]
+
+
+@pytest.mark.parametrize("sig,when,code", [
+    (signal.SIGTERM, "prefill speed", 143),  # during the TTFT runs: a results file exists
+    (signal.SIGINT, "link:", 130),           # before any run finished: no results file
+])
+def test_signal_leaves_nothing_behind(tmp_path, sig, when, code):
+    from harness.lifecycle import descendants
+
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, str(ROOT / "run_benchmarks.py"), *TINY, "--engine", "hf",
+                          "--no-quality", "--traces", "--repeats", "1", "--out", str(out)],
+                         cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in p.stderr:
+        seen.append(line)
+        if when in line:
+            break
+    else:
+        pytest.fail(f"the run ended before {when!r}: {''.join(seen)[-2000:]}")
+    children = descendants(p.pid)
+    assert children, "the run has no child process (store server) to clean up"
+    assert list(tmp_path.glob("cachegen-run-*"))
+    p.send_signal(sig)
+    rest = p.stderr.read()
+    p.wait(timeout=300)
+    assert p.returncode == code, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    assert "Traceback" not in rest
+    assert not list(tmp_path.glob("cachegen-run-*"))
+    from harness.lifecycle import proc_start_time
+
+    assert [c for c in children if proc_start_time(c) is not None] == []
+    if out.exists():
+        doc = json.loads(out.read_text())
+        assert doc["complete"] is False
+        assert f"{len(doc['runs'])} finished run(s) are in {out}" in last
+    else:
+        assert "no results file was written" in last
+    if sig == signal.SIGINT:
+        assert not out.exists()

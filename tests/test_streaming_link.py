@@ -54,8 +54,21 @@ def test_userspace_bytes_intact_and_shaped():
         port = _echo_upper_server(link.bind_host)
         data, dt = _fetch(link.expose(port), 1_000_000)
     assert data == bytes(i % 251 for i in range(1_000_000))
-    # 1 MB at 20 Mbit/s is 0.4 s on the wire; only the 64 KiB bucket burst may pass early
-    assert link.burst_bytes == 65536 and dt >= (1_000_000 - 70_000) * 8 / 20e6
+    # 1 MB at 20 Mbit/s is 0.4 s on the wire; only the 32 KiB bucket burst (2 pacing quanta)
+    # may pass early
+    assert link.burst_bytes == 32768 and dt >= (1_000_000 - 40_000) * 8 / 20e6
+    d = link.describe()
+    assert d["burst_bytes"] == 32768 and d["burst_s"] == pytest.approx(32768 / 2.5e6, abs=1e-6) and "quanta" in d["burst_rule"]
+
+
+def test_burst_sized_to_the_rate():
+    from streaming.link import default_burst_bytes, userspace_burst_bytes
+
+    # tbf: max(10 MTU frames, 1 ms at the rate)
+    assert default_burst_bytes(10) == 15140 and default_burst_bytes(100) == 15140
+    assert default_burst_bytes(1000) == 125_000
+    # userspace bucket: max(2 pacing quanta, 5 ms at the rate)
+    assert userspace_burst_bytes(20) == 32768 and userspace_burst_bytes(1000) == 625_000
 
 
 def test_token_bucket_rate_change():
@@ -118,7 +131,7 @@ def test_netns_torn_down_on_error():
 
 
 @needs_root
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_netns_torn_down_on_signal(sig):
     code = ("import time\nfrom streaming.link import ShapedLink\n"
             "with ShapedLink(50, method='netns') as l:\n    print(l.server_ns, flush=True)\n    time.sleep(60)\n")
@@ -129,8 +142,8 @@ def test_netns_torn_down_on_signal(sig):
     p.send_signal(sig)
     p.wait(timeout=20)
     assert not _ns_exists(ns)
-    if sig == signal.SIGTERM:
-        assert p.returncode == -signal.SIGTERM
+    if sig != signal.SIGINT:  # SIGTERM/SIGHUP unwind as SystemExit(128 + signal number)
+        assert p.returncode == 128 + sig
 
 
 @needs_root

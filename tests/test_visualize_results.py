@@ -406,3 +406,24 @@ def test_adaptation_several_traces_without_estimate(doc):
     level_legend = _legend_texts(fig.axes[5])  # rightmost panel of the level row
     assert level_legend == ["level sent", "text fallback"]
     np.testing.assert_allclose(fig.axes[5].get_lines()[0].get_ydata(), [1, 0, 3, 1])
+
+
+def test_incomplete_file_is_marked_in_every_title(doc, tmp_path, monkeypatch):
+    titles = []
+    real_save = vr.save_figure
+
+    def spy(fig, path, fmt, dpi=150):
+        titles.append(fig.get_suptitle())
+        real_save(fig, path, fmt, dpi)
+
+    monkeypatch.setattr(vr, "save_figure", spy)
+    data = vr.prepare(dict(doc, complete=False))
+    assert data.incomplete
+    written, _ = vr.render_all(data, tmp_path, ["png"], dpi=30)
+    assert written and len(titles) == len(written)
+    n = len(doc["runs"])
+    assert all(t.startswith(f"{vr.INCOMPLETE_MARK} ({n} runs written)") for t in titles)
+    titles.clear()
+    vr.render_all(vr.prepare(dict(doc, complete=True)), tmp_path, ["png"], dpi=30)
+    assert titles and not any(vr.INCOMPLETE_MARK in t for t in titles)
+    assert not vr.prepare({k: v for k, v in doc.items() if k != "complete"}).incomplete

@@ -2,8 +2,9 @@
 
 One engine run (a subprocess: vLLM's LLM() must be created under __main__, and the
 subprocess's exit guarantees no engine process outlives the test) executes the scenarios
-of third_party.vllm.demo_support.selfcheck on a ~600-token needle-in-a-haystack prompt of
-the default model (SmolLM2-135M-Instruct, bf16); the tests assert on its JSON report.
+of tests/vllm_selfcheck.py on a ~600-token needle-in-a-haystack prompt of the default
+model (SmolLM2-135M-Instruct, bf16; prompt, model and HF KV from kv_extraction_hf); the
+tests assert on its JSON report.
 Slow (~1-3 minutes on 2 shared cores: engine start-up dominates) but run by default.
 
 Run: .venv/bin/python -m pytest tests/test_vllm_connector.py -q
@@ -28,22 +29,25 @@ MAX_TOKENS = 16
 
 
 def _model_dir() -> str | None:
-    from third_party.vllm.demo_support import resolve_model_dir
+    """CGH_MODEL_DIR, else the default model's converted folder; None if neither exists."""
+    from kv_extraction_hf.errors import ExtractionError
+    from kv_extraction_hf.model import default_model_dir
 
     try:
-        return str(resolve_model_dir(os.environ.get("CGH_MODEL_DIR")))
-    except ValueError:
+        mdir = Path(os.environ.get("CGH_MODEL_DIR") or default_model_dir(log=lambda m: None))
+    except ExtractionError:  # offline and not yet fetched
         return None
+    return str(mdir) if (mdir / "config.json").is_file() else None
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     mdir = _model_dir()
     if mdir is None:
-        pytest.skip("no converted model folder (kv_extraction_hf default or /tmp/smollm2-hf)")
+        pytest.skip("no converted model folder (CGH_MODEL_DIR or kv_extraction_hf's default)")
     out = tmp_path_factory.mktemp("vllm_conn") / "report.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "third_party.vllm.demo_support", "--model-dir", mdir,
+    cmd = [sys.executable, str(REPO / "tests" / "vllm_selfcheck.py"), "--model-dir", mdir,
            "--out", str(out), "--context-tokens", "600", "--max-tokens", str(MAX_TOKENS)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -141,3 +145,14 @@ def test_unknown_context_is_plain_prefill(report):
     assert _rec(report, "miss") is None  # nothing was loaded
     miss = _rec(report, "miss", kind="miss")
     assert miss is not None and "no manifest" in miss["reason"]
+
+
+def test_other_models_entry_is_a_miss(report):
+    """An entry recorded for another model (other weights hash) is never loaded, even
+    though the request names only its context key: the connector checks the entry's
+    identity against its own model (issue 12.1) and runs a plain prefill."""
+    assert report["outputs"]["foreign"] == report["outputs"]["text"]
+    assert _rec(report, "foreign") is None
+    miss = _rec(report, "foreign", kind="miss")
+    assert miss is not None and "weights_hash mismatch" in miss["reason"]
+

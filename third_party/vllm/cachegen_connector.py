@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from third_party.vllm.sources import Lookup, SourceError, load_callable, make_source
+from third_party.vllm.sources import Lookup, SourceError, engine_identity, load_callable, make_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -163,6 +163,9 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._sources: dict[str, Any] = {}
         self._key_fn = load_callable(self._extra["key_fn"]) if self._extra.get("key_fn") else None
+        # this engine's model (name, dtype, shape, weights + tokenizer hash): every stored
+        # entry is checked against it (streaming.identity.check_entry); hashed once at start
+        self._identity = engine_identity(vllm_config, self._extra)
         # scheduler side
         self._lookups: dict[str, Lookup] = {}
         self._local_hits: dict[str, int] = {}
@@ -192,7 +195,7 @@ class CacheGenConnector(KVConnectorBase_V1):
     def _source(self, kind: str):
         src = self._sources.get(kind)
         if src is None:
-            src = make_source(kind, self._extra)
+            src = make_source(kind, self._extra, self._identity)
             self._sources[kind] = src
         return src
 
@@ -382,6 +385,7 @@ class CacheGenConnector(KVConnectorBase_V1):
 
     def _load_one(self, lr: LoadRequest) -> None:
         t_wall = time.perf_counter()
+        t_cpu = time.process_time()   # issue 14.1 probe: CPU-s / wall-s = cores the load got
         slots = lr.slot_mapping()
         inject_s = [0.0]
         written = [lr.start]  # next token not yet written (contiguous prefix)
@@ -423,6 +427,8 @@ class CacheGenConnector(KVConnectorBase_V1):
             "decode_s": stats.decode_s if stats else None,
             "inject_s": inject_s[0],
             "load_s": time.perf_counter() - t_wall,
+            "load_cpu_s": time.process_time() - t_cpu,
+            "decode_threads": _thread_probe(),
             "bytes": stats.bytes if stats else None,
             "fallback": bool(stats.fallback) if stats else None,
             "error": err or (stats.error if stats else None),
@@ -547,3 +553,23 @@ class CacheGenConnector(KVConnectorBase_V1):
             ks.append(k.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
             vs.append(v.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
         return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
+
+
+def _thread_probe() -> dict[str, Any]:
+    """Cores and threads the decode gets in this (worker) process (issue 14.1): the CPU
+    affinity the worker's threads inherit, torch's and numba's thread counts."""
+    import sys
+
+    out: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
+    try:
+        out["affinity"] = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        out["affinity"] = None
+    nb = sys.modules.get("numba")
+    if nb is not None:
+        out["numba_threads"] = nb.get_num_threads()
+        try:
+            out["numba_layer"] = nb.threading_layer()
+        except ValueError:   # no parallel kernel has run yet in this process
+            out["numba_layer"] = None
+    return out

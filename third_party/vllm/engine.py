@@ -1,13 +1,11 @@
-"""Launch a pip-installed vLLM engine (CPU build) with or without our CacheGen KV connector.
+"""Create a pip-installed vLLM engine (CPU build) with or without our CacheGen KV connector.
 
 Purpose: one place that creates `vllm.LLM` with the SAME thread/memory settings for every
-benchmark mode (text prefill and every KV-loading mode), and times one request (TTFT, e2e).
-Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 measures TTFT of a serving engine that
-either prefills the context text or loads its (compressed) KV cache; this is that engine.
-
-Run (a demo: plain prefill, then a load through the connector from a local chunk folder):
-    python -m third_party.vllm.engine --help
-    python -m third_party.vllm.engine --model-dir /tmp/smollm2-hf --tokens 2000
+benchmark mode (text prefill and every KV-loading mode), times one request (TTFT, e2e) and
+stops the engine. Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 measures TTFT of a
+serving engine that either prefills the context text or loads its (compressed) KV cache;
+this is that engine. A library module (no command): the harness (run_benchmarks.py), the
+demo (`python -m bench.vllm_demo --help`) and the connector's tests use it.
 
 vLLM spawns an engine-core process; any script that calls `make_llm` must do so under
 `if __name__ == "__main__":`.
@@ -15,7 +13,6 @@ vLLM spawns an engine-core process; any script that calls `make_llm` must do so 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -153,37 +150,9 @@ def run_one(
     return toks, ttft, e2e
 
 
-def _demo(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description="Demo/measurement: TTFT of plain prefill vs. KV loads through "
-        "CacheGenConnector on ONE engine (needle prompt, HF-transformers KV encoded by the "
-        "codec, served by the KV store server on loopback or behind a shaped link).",
-        epilog="example: python -m third_party.vllm.engine --model-dir /tmp/smollm2-hf "
-        "--tokens 2000 --codecs raw quant8 cachegen --rate-mbps 1000",
-    )
-    p.add_argument("--model-dir", default=None, help="HF model folder (default: "
-                   "kv_extraction_hf.model.default_model_dir(), else /tmp/smollm2-hf)")
-    p.add_argument("--tokens", type=int, default=2000, help="context tokens (default 2000)")
-    p.add_argument("--codecs", nargs="+", default=["raw"], help="codecs stored (default raw)")
-    p.add_argument("--level", type=int, default=None, help="cachegen level")
-    p.add_argument("--chunk-tokens", type=int, default=1024)
-    p.add_argument("--rate-mbps", type=float, default=None,
-                   help="serve the store through streaming.link.ShapedLink at this rate")
-    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens compared")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
-    p.add_argument("--workdir", default="/tmp/cachegen_vllm_demo")
-    args = p.parse_args(argv)
-    if args.tokens < 130 or args.repeats < 1:
-        p.error("--tokens must be >= 130 and --repeats >= 1")
-    sys.path.insert(0, str(REPO_ROOT))
-    from third_party.vllm import demo_support
-
+def shutdown_llm(llm) -> None:
+    """Stop the engine-core and worker processes of an LLM now (not at interpreter exit)."""
     try:
-        return demo_support.run_demo(args)
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_demo())
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # older/newer layouts: fall back to garbage collection
+        pass

@@ -18,13 +18,14 @@ Sources:
     fetched and decoded by `streaming.client.stream_load` (pipelined, adaptive, with text
     fallback). Imported lazily.
 
-Not runnable by itself; see `python -m third_party.vllm.engine --help`.
+Not runnable by itself; see `python -m bench.vllm_demo --help`.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -32,6 +33,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
+
+from streaming.identity import (
+    EntryIdentity,
+    check_entry,
+    codec_identity,
+    folder_tokenizer_hash,
+    folder_weights_hash,
+    merge_expected,
+)
+
+logger = logging.getLogger("cachegen.sources")
 
 # on_chunk(start_token, k [L, T, H, D], v [L, T, H, D]) -> None; raises to abort the load.
 ChunkSink = Callable[[int, Any, Any], None]
@@ -112,6 +124,56 @@ def load_callable(path: str) -> Callable:
     return fn
 
 
+def expected_identity(own: EntryIdentity | None, params: dict[str, Any]) -> EntryIdentity:
+    """What a stored entry must match for this request: the reader's own model identity
+    (`own`, set by the connector from its model config) merged with the request's
+    "identity" dict and "model_id" / "weights_hash". Raises ValueError when they conflict
+    (the request names another model than the engine's)."""
+    req = {k: params[k] for k in ("model_id", "weights_hash") if params.get(k)}
+    return merge_expected(own, params.get("identity") or None, req)
+
+
+def _identity_miss(source: str, params: dict[str, Any], why: str, t0: float) -> "Lookup":
+    logger.warning("%s source: miss for context %s: %s", source, params.get("context_key"), why)
+    return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"identity: {why}"})
+
+
+def engine_identity(vllm_config: Any, extra: dict[str, Any] | None = None,
+                    hash_weights: bool = True) -> EntryIdentity:
+    """Model part of the identity of a vLLM engine (duck-typed, no vLLM import): model path
+    or name, KV dtype, layers, total KV heads, head size from `vllm_config.model_config`;
+    weights hash from extra config "weights_hash", else computed once from the model folder
+    (streaming.identity.folder_weights_hash); tokenizer hash from the tokenizer folder;
+    model_id only from extra config "model_id" (the name the store writer used);
+    hash_weights=False skips hashing (the worker side, which re-checks what the scheduler
+    already matched, does not pay for reading the weights again). Fields
+    that cannot be read stay unknown ("" / 0) and are logged."""
+    extra = extra or {}
+    mc = getattr(vllm_config, "model_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    f: dict[str, Any] = {"model_id": str(extra.get("model_id") or "")}
+    try:
+        f["dtype"] = str(getattr(mc, "dtype", "") or "").replace("torch.", "")
+        total = getattr(mc, "get_total_num_kv_heads", None)
+        f["num_kv_heads"] = int(total() if total else mc.get_num_kv_heads(pc))
+        layers = getattr(mc, "get_total_num_hidden_layers", None)
+        f["num_layers"] = int(layers() if layers else mc.get_num_layers(pc))
+        f["head_dim"] = int(mc.get_head_size())
+    except Exception as e:  # noqa: BLE001 - an unknown field is checked no further
+        logger.warning("connector: cannot read the model shape for identity checks: %s", e)
+    folder = Path(str(getattr(mc, "model", "") or ""))
+    tok = Path(str(getattr(mc, "tokenizer", "") or folder))
+    f["weights_hash"] = str(extra.get("weights_hash") or "")
+    try:
+        if not f["weights_hash"] and hash_weights and folder.is_dir():
+            f["weights_hash"] = folder_weights_hash(folder)
+        if tok.is_dir():
+            f["tokenizer_hash"] = folder_tokenizer_hash(tok)
+    except OSError as e:
+        logger.warning("connector: cannot hash the model folder %s: %s", folder, e)
+    return EntryIdentity(**f)
+
+
 def _prefix_match(prompt: list[int], stored: list[int] | None, n: int) -> bool:
     return stored is not None and len(stored) >= n and list(prompt[:n]) == list(stored[:n])
 
@@ -141,12 +203,15 @@ def save_local_context(
     chunks: list[bytes],
     chunk_tokens: list[int],
     info: dict[str, Any] | None = None,
+    identity: EntryIdentity | None = None,
 ) -> Path:
     """Write encoded chunks of one context for LocalDirSource; returns its folder.
 
     token_ids: the context's token ids (len == sum(chunk_tokens)); chunks: encoded bytes,
     one per chunk, in token order (e.g. `codec.encode_chunks(k, v, codec="raw")`). The
     manifest is written last (atomically), so a reader never sees a half-written context.
+    `identity` (streaming.identity.EntryIdentity of the model and codec config that made
+    the chunks) is recorded; LocalDirSource serves the entry only to a matching reader.
     Raises ValueError on inconsistent lengths or a key that is not a plain name.
     """
     if not context_key or "/" in context_key or context_key.startswith("."):
@@ -167,6 +232,8 @@ def save_local_context(
         "token_ids": [int(t) for t in token_ids],
         "info": dict(info or {}),
     }
+    if identity is not None:
+        man["identity"] = identity.to_dict()
     tmp = d / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(man))
     os.replace(tmp, d / MANIFEST)
@@ -177,13 +244,18 @@ class LocalDirSource:
     """KV chunks from a local folder (see save_local_context). params: {"context_key"}.
 
     root: the folder; a request may override it with params["source_dir"].
+    identity: the reader's own model identity (the connector sets it from its model
+    config); an entry whose recorded identity differs (streaming.identity.check_entry),
+    or that records none while the reader knows its model, is a miss with the reason.
     """
 
     name = "local"
 
-    def __init__(self, root: str | os.PathLike | None, decode_fn: DecodeFn | None = None):
+    def __init__(self, root: str | os.PathLike | None, decode_fn: DecodeFn | None = None,
+                 identity: EntryIdentity | None = None):
         self.root = Path(root) if root else None
         self._decode_fn = decode_fn
+        self.identity = identity
 
     def _dir(self, params: dict[str, Any]) -> Path:
         root = params.get("source_dir") or self.root
@@ -204,6 +276,12 @@ class LocalDirSource:
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": "no manifest"})
         except (OSError, ValueError) as e:
             raise SourceError(f"unreadable manifest in {d}: {e}") from e
+        try:
+            why = check_entry(expected_identity(self.identity, params), man.get("identity"))
+        except ValueError as e:
+            why = str(e)
+        if why:
+            return _identity_miss("local", params, why, t0)
         n = int(man.get("num_tokens", 0))
         n_match = min(n, len(prompt_token_ids))
         if not _prefix_match(prompt_token_ids, man.get("token_ids"), n_match):
@@ -217,9 +295,12 @@ class LocalDirSource:
         chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
         d = self._dir(params)
         chunks, sizes, enc_s = encode_for_save(params, k, v)
+        ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
+                               [params.get("level")])
         t0 = time.perf_counter()
         save_local_context(d.parent, d.name, token_ids, chunks, sizes,
-                           info={"codec": params.get("codec", "raw"), "level": params.get("level")})
+                           info={"codec": params.get("codec", "raw"), "level": params.get("level")},
+                           identity=ident)
         return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
                 "bytes": sum(len(c) for c in chunks), "context_key": d.name}
 
@@ -335,7 +416,10 @@ class StoreSource:
         list of levels with None = text fallback (experiments, tests);
       policy: {"slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", ...} -> an
         streaming.adapt.AdaptivePolicy (per-chunk level or text fallback) instead of `level`;
-      model_id / weights_hash / codec_tag: optional expectation checked against the manifest.
+      model_id / weights_hash / codec_tag: optional expectation checked against the manifest;
+      identity: optional streaming.identity.EntryIdentity dict (the HF engine path gives the
+        full identity it stored with), merged with the source's own `identity` (the
+        connector's model); any mismatch is a miss with the reason, never data.
     The scheduler-side lookup reads the manifest (one round trip over the link) and checks
     that the stored token ids equal the prompt's prefix. The worker-side load runs
     streaming.client.stream_load (receiver thread fetching chunk k+1 while chunk k is decoded
@@ -344,10 +428,12 @@ class StoreSource:
 
     name = "store"
 
-    def __init__(self, decode_fn: DecodeFn | None = None, timeout_s: float = 30.0):
+    def __init__(self, decode_fn: DecodeFn | None = None, timeout_s: float = 30.0,
+                 identity: EntryIdentity | None = None):
         self._decode_fn = decode_fn
         self.timeout_s = timeout_s
         self._clients: dict[tuple[str, int], Any] = {}
+        self.identity = identity
 
     def _client(self, params):
         from streaming.store import StoreClient
@@ -359,9 +445,14 @@ class StoreSource:
             self._clients[addr] = c
         return c
 
-    @staticmethod
-    def _expect(params) -> dict[str, Any]:
-        return {k: params.get(k) or None for k in ("model_id", "weights_hash", "codec_tag")}
+    def _expect(self, params) -> dict[str, Any]:
+        """Keyword expectation for get_manifest / stream_load. Raises ValueError when the
+        request's identity conflicts with the source's own."""
+        exp = {k: params.get(k) or None for k in ("model_id", "weights_hash", "codec_tag")}
+        ident = expected_identity(self.identity, params)
+        if ident != EntryIdentity():
+            exp["identity"] = ident.to_dict()
+        return exp
 
     def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup:
         from streaming.errors import StreamingError
@@ -372,12 +463,19 @@ class StoreSource:
             raise SourceError("store source needs 'context_key'")
         client = self._client(params)
         try:
-            man = client.get_manifest(key, **self._expect(params))
+            expect = self._expect(params)
+        except ValueError as e:
+            return _identity_miss("store", params, str(e), t0)
+        try:
+            man = client.get_manifest(key, **expect)
         except (OSError, StreamingError) as e:
             raise SourceError(f"store {params.get('store')} unreachable: {e}") from e
         dt = time.perf_counter() - t0
         if man is None:
-            return Lookup(0, lookup_s=dt, info={"miss": client.last_miss_reason or "not in store"})
+            why = client.last_miss_reason or "not in store"
+            if why != "unknown key":
+                logger.warning("store source: miss for context %s: %s", key, why)
+            return Lookup(0, lookup_s=dt, info={"miss": why})
         stored = man.token_ids
         n_match = min(len(stored), len(prompt_token_ids))
         if not _prefix_match(prompt_token_ids, stored, n_match):
@@ -408,13 +506,18 @@ class StoreSource:
         default 0), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
         chunks, sizes, enc_s = encode_for_save(params, k, v)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        ranges = [(a, a + t) for a, t in zip(starts, sizes)]
+        ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
+                               [params.get("level")])
         t0 = time.perf_counter()
-        key = self._client(params).put_context(
-            str(params.get("model_id") or "unknown-model"),
-            str(params.get("weights_hash") or "unknown-weights"),
-            str(params.get("codec_tag") or params.get("codec", "raw")), token_ids,
-            {int(params.get("level") or 0): chunks},
-            [(a, a + t) for a, t in zip(starts, sizes)])
+        if ident.model_id and ident.weights_hash:  # full identity: the key commits to it
+            key = self._client(params).put_entry(ident, token_ids, {ident.levels[0]: chunks}, ranges)
+        else:
+            key = self._client(params).put_context(
+                str(params.get("model_id") or "unknown-model"),
+                str(params.get("weights_hash") or "unknown-weights"),
+                str(params.get("codec_tag") or params.get("codec", "raw")), token_ids,
+                {int(params.get("level") or 0): chunks}, ranges)
         return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
                 "bytes": sum(len(c) for c in chunks), "context_key": key}
 
@@ -468,11 +571,13 @@ class StoreSource:
         return st
 
 
-def make_source(kind: str, extra: dict[str, Any]) -> KVSource:
-    """Source registry: "local" (LocalDirSource) or "store" (StoreSource). Raises ValueError."""
+def make_source(kind: str, extra: dict[str, Any], identity: EntryIdentity | None = None) -> KVSource:
+    """Source registry: "local" (LocalDirSource) or "store" (StoreSource); `identity` is the
+    reader's own model identity (engine_identity) every entry is checked against. Raises
+    ValueError."""
     decode_fn = load_callable(extra["decode_fn"]) if extra.get("decode_fn") else None
     if kind == "local":
-        return LocalDirSource(extra.get("source_dir"), decode_fn)
+        return LocalDirSource(extra.get("source_dir"), decode_fn, identity)
     if kind == "store":
-        return StoreSource(decode_fn)
+        return StoreSource(decode_fn, identity=identity)
     raise ValueError(f"unknown KV source {kind!r}; available: local, store")

@@ -15,9 +15,9 @@ count (said so in the table). Throughput is GB/s of the fp16-equivalent KV
 KV that the GPU decodes its own stream exactly, and that the GPU's bytes for layer 0 equal
 the CPU backend's bytes for the same symbols and models.
 
-Run (GPU):   python -m codec.triton_bench --device cuda
+Run (GPU):   python -m bench.triton --device cuda
 Run (tiny, CPU interpreter, for testing the script):
-             TRITON_INTERPRET=1 .venv/bin/python -m codec.triton_bench --device cpu --tiny
+             TRITON_INTERPRET=1 .venv/bin/python -m bench.triton --device cpu --tiny
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import triton_kernels as tk
+from codec import triton_kernels as tk
 
-# LMCache/CacheGen default schedule for a 7B model (../shared/reference/cachegen.md sec. 3)
+# LMCache/CacheGen default schedule for a 7B model (LMCache cachegen_basics.py)
 LAYERS_7B, HEADS_7B, HEAD_DIM_7B, TOKENS_7B = 32, 8, 128, 4096
 
 
@@ -104,7 +104,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
     extra_blocks: further lanes-per-program values to time the rANS kernels with (the
       default block gets the full set of rows; these only rANS encode/decode rows).
     """
-    from . import probability as prob
+    from codec import probability as prob
 
     dev = torch.device(device)
     C = H * D
@@ -135,7 +135,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
     t_models = time.perf_counter() - t0
     checks = {}
     # the quantizer against the torch reference on a slice (exactness)
-    from . import quantize as Q
+    from codec import quantize as Q
     ref = Q.quantize(k3[:2], sc_k[:2], mk[:2].to(dev))
     checks["quantize_equals_reference"] = bool(torch.equal(ref, sym_k[:2]))
     ideal_bits = float(ms.ideal_bits)
@@ -198,7 +198,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
                             "+models+D2H"))
         # CPU backend on `cpu_layers` layers of K and V, same models, same layout
         try:
-            from . import rans_cpu
+            from codec import rans_cpu
             nl = min(cpu_layers, L)
             ck = sym_k[:nl].cpu().numpy()
             cv = sym_v[:nl].cpu().numpy()
@@ -283,7 +283,7 @@ def format_table(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="example: python -m codec.triton_bench --device cuda")
+                                 epilog="example: python -m bench.triton --device cuda")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1")
     ap.add_argument("--tiny", action="store_true", help="tiny shape (interpreter smoke run)")
     ap.add_argument("--tokens", type=int, default=TOKENS_7B)

@@ -4,7 +4,7 @@ Used to choose task variants and sizes on which the model's lossless score is cl
 above chance (docs/tasks.md records the results), since a quality column is only
 informative when the uncompressed KV already gets answers right.
 
-    python -m kv_extraction_hf.taskcheck --task needle --context-tokens 1024 --num-contexts 6
+    python -m bench.taskcheck --task needle --context-tokens 1024 --num-contexts 6
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def run(task: str, context_tokens: int, num_contexts: int, seed: int = 0, model=
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kv_extraction_hf.taskcheck", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.taskcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="needle")
     parser.add_argument("--context-tokens", type=int, nargs="+", default=[1024])
     parser.add_argument("--num-contexts", type=int, default=6)

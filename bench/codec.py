@@ -1,15 +1,15 @@
 """Codec benchmark: size, entropy overhead, speed, reconstruction error and perplexity cost
 of every codec / level on real KV caches (CacheGen, Liu et al., SIGCOMM 2024, section 7's
-size-vs-quality trade-off; metrics of ../shared/reference/cachegen.md section 6).
+size-vs-quality trade-off; metrics of its section 7.1: size, quality drop, speed).
 
 Not a test: it prints a table and writes JSON. Figures measured on a busy machine are
 not final (timings especially); the lead reruns it on a quiet one.
 
-    python -m codec.bench                       # default model, 4 pydoc contexts of 2K tokens
-    python -m codec.bench --contexts 8 --out benchmarks/codec_bench.json
-    python -m codec.bench --kv dumps/*.safetensors   # KV dumped by python -m kv_extraction_hf
-    python -m codec.bench --quick               # synthetic KV, no model (ppl columns null)
-    python -m codec.bench --device cuda         # the Triton GPU benchmark (codec.triton_bench;
+    python -m bench.codec                       # default model, 4 pydoc contexts of 2K tokens
+    python -m bench.codec --contexts 8 --out benchmarks/codec_bench.json
+    python -m bench.codec --kv dumps/*.safetensors   # KV dumped by python -m kv_extraction_hf
+    python -m bench.codec --quick               # synthetic KV, no model (ppl columns null)
+    python -m bench.codec --device cuda         # the Triton GPU benchmark (bench.triton;
                                                 # further options are passed to it)
 
 Per (codec, level) row: bytes, bits_per_element, ratio_vs_dtype (vs the KV's own dtype,
@@ -19,8 +19,9 @@ one warm-up run), relative L2 error per layer, and with a model: perplexity incr
 of the held-out 256-token continuation when the context KV is replaced by the decoded one,
 mean KL(lossless || decoded) in nats and top-1 agreement, averaged over contexts.
 
-This entry point may import ``kv_extraction_hf`` (model, prompts); nothing else in
-``codec`` imports a model, engine or network package.
+This measurement module is the one place that joins the codec with the model loader
+(``kv_extraction_hf``); the ``codec`` package itself imports no model, engine or network
+package (tests/test_architecture.py checks it).
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import api
-from .codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES
-from .config import CodecConfig, DEFAULT_CHUNK_TOKENS
+from codec import api
+from codec.codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES
+from codec.config import CodecConfig, DEFAULT_CHUNK_TOKENS
 
 # (codec, level) rows run by default. cachegen-ref level 0 = LMCache's default schedule,
 # 1-3 the CacheGen artifact's levels; cachegen = this project's quantizer.
@@ -134,6 +135,72 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _threads(n: Optional[int]):
+    """Set torch's and numba's thread counts (None = the machine's); returns the old pair."""
+    import numba
+
+    old = (torch.get_num_threads(), numba.get_num_threads())
+    want = n or os.cpu_count() or 1
+    torch.set_num_threads(max(1, min(want, os.cpu_count() or 1)))
+    numba.set_num_threads(max(1, min(want, numba.config.NUMBA_NUM_THREADS)))
+    return old
+
+
+def _median_cpu(fn, repeats: int) -> float:
+    """Median CPU seconds (all threads of this process) of ``fn`` after a warm-up."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        c0 = time.process_time()
+        fn()
+        times.append(time.process_time() - c0)
+    return statistics.median(times)
+
+
+def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, float]:
+    """Seconds to decode ``chunks`` (issue 14.4): ``e2e_1thread`` (container -> tensors
+    in the model dtype, torch and numba on one thread), ``e2e_cpu`` (CPU seconds of the
+    default multi-threaded decode: Msym per CPU-second), ``ref`` (the reference unfused
+    path of cachegen/cachegen-ref/quant8: symbols, float32 dequantization, cast) and
+    ``coder`` (rANS decoding of the symbols alone, entropy-coded codecs only)."""
+    from codec import entropy
+
+    out = {"e2e_cpu": _median_cpu(lambda: [api.decode_kv(c) for c in chunks], repeats)}
+    old = _threads(1)
+    try:
+        out["e2e_1thread"] = _median_time(lambda: [api.decode_kv(c) for c in chunks], repeats)
+    finally:
+        torch.set_num_threads(old[0])
+        import numba
+
+        numba.set_num_threads(old[1])
+    if getattr(CODECS[name], "fused_cpu", False):
+        parsed = []
+        for c in chunks:
+            h, arrays, payload, cobj = api._read(c)
+            parsed.append((h, arrays, payload, cobj))
+
+        def ref():
+            for h, arrays, payload, cobj in parsed:
+                cobj.decode(h["codec_header"], arrays, payload,
+                            (h["L"], h["T"], h["H"], h["D"]), h["dtype"], fused=False)
+
+        out["ref"] = _median_time(ref, repeats)
+        if getattr(CODECS[name], "entropy", False):
+            def coder():
+                for h, arrays, payload, _ in parsed:
+                    ch = h["codec_header"]
+                    cfg = CodecConfig.from_dict(ch["config"])
+                    tq = h["T"] - ch["n_sink"]
+                    ea = {n: a for n, a in arrays.items() if n.startswith("ent_")}
+                    entropy.decode_symbols(ch["entropy"], ea, payload, h["L"], tq,
+                                           h["H"] * h["D"], [b - 1 for b in cfg.key_bins],
+                                           [b - 1 for b in cfg.value_bins])
+
+            out["coder"] = _median_time(coder, repeats)
+    return out
+
+
 def rel_l2_per_layer(x: torch.Tensor, y: torch.Tensor) -> list[float]:
     """||x - y|| / ||x|| per layer (x, y [L, T, H, D]); 0 where ||x|| = 0."""
     x32, y32 = x.float().flatten(1), y.float().flatten(1)
@@ -169,6 +236,7 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
            "entropy_bits": 0.0, "model_bytes": 0, "length_table_bytes": 0, "scale_bytes": 0,
            "sink_bytes": 0}
     enc_s = dec_s = 0.0
+    dec_extra: dict[str, float] = {}
     q_rows, layer_rows = [], []
     rel_k_all, rel_v_all = [], []
     for ci, ctx in enumerate(ctxs):
@@ -188,6 +256,8 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
                                                         chunk_tokens=args.chunk_tokens),
                               args.repeats)
         dec_s += _median_time(lambda: [api.decode_kv(c) for c in chunks], args.repeats)
+        for key, val in decode_breakdown(name, chunks, args.repeats).items():
+            dec_extra[key] = dec_extra.get(key, 0.0) + val
         k2, v2 = api.decode_chunks(chunks)
         rk, rv = rel_l2_per_layer(k, k2), rel_l2_per_layer(v, v2)
         rel_k_all.append(rk)
@@ -224,6 +294,11 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         "sink_share": tot["sink_bytes"] / by,
         "encode_s": enc_s / len(ctxs), "decode_s": dec_s / len(ctxs),
         "encode_msym_s": n_el / enc_s / 1e6, "decode_msym_s": n_el / dec_s / 1e6,
+        # issue 14.4: end-to-end decode (container -> tensors in the model dtype) with
+        # every core (the figure above), with one thread, per CPU-second (robust on a
+        # busy machine), the reference unfused path, and the rANS coder alone
+        "decode_e2e_msym_s": n_el / dec_s / 1e6,
+        **{f"decode_{key}_msym_s": n_el / val / 1e6 for key, val in dec_extra.items() if val > 0},
         "encode_mb_s": tot["dtype_bytes"] / enc_s / 1e6,
         "decode_mb_s": tot["dtype_bytes"] / dec_s / 1e6,
         "rel_l2_k": statistics.fmean(mean_k), "rel_l2_v": statistics.fmean(mean_v),
@@ -255,7 +330,10 @@ def print_table(rows: list[dict], out=sys.stdout) -> None:
     cols = [("label", "codec", 0), ("bytes", "bytes", 0), ("bits_per_element", "bits/el", 3),
             ("ratio_vs_dtype", "ratio", 2), ("payload_over_entropy", "pay/H", 4),
             ("model_share", "model%", 1), ("scale_share", "scale%", 1),
-            ("encode_msym_s", "enc Msym/s", 1), ("decode_msym_s", "dec Msym/s", 1),
+            ("encode_msym_s", "enc Msym/s", 1), ("decode_e2e_msym_s", "dec Msym/s", 1),
+            ("decode_e2e_1thread_msym_s", "dec 1t", 1),
+            ("decode_e2e_cpu_msym_s", "dec /CPU-s", 1), ("decode_ref_msym_s", "dec ref", 1),
+            ("decode_coder_msym_s", "rANS only", 1),
             ("encode_mb_s", "enc MB/s", 1), ("decode_mb_s", "dec MB/s", 1),
             ("rel_l2_k", "relL2 K", 4), ("rel_l2_v", "relL2 V", 4),
             ("ppl_increase_pct", "ppl +%", 2), ("kl", "KL", 4), ("top1_match", "top1", 3)]
@@ -316,7 +394,7 @@ def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
 
 
 def _gpu_bench(device: str, rest: list[str]) -> int:
-    """``--device cuda``: hand over to ``codec.triton_bench`` (speed of the Triton kernels
+    """``--device cuda``: hand over to ``bench.triton`` (speed of the Triton kernels
     vs the CPU backend, docs/gpu.md); exit 2 with one line when CUDA is not available."""
     try:
         dev = torch.device(device)
@@ -330,7 +408,7 @@ def _gpu_bench(device: str, rest: list[str]) -> int:
         print(f"error: --device {device} but CUDA is not available on this machine "
               "(the Triton GPU benchmark needs a CUDA GPU)", file=sys.stderr)
         return 2
-    from . import triton_bench
+    from bench import triton as triton_bench
 
     return triton_bench.main(["--device", device, *rest])
 
@@ -342,14 +420,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if known.device != "cpu":
         return _gpu_bench(known.device, rest)
     ap = argparse.ArgumentParser(
-        prog="python -m codec.bench", description=__doc__.split("\n\n")[0],
+        prog="python -m bench.codec", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m codec.bench --quick\n"
-               "  python -m codec.bench --contexts 4 --out benchmarks/codec_bench.json\n"
-               "  python -m codec.bench --kv d/*.safetensors --rows cachegen:2 quant8")
+        epilog="examples:\n  python -m bench.codec --quick\n"
+               "  python -m bench.codec --contexts 4 --out benchmarks/codec_bench.json\n"
+               "  python -m bench.codec --kv d/*.safetensors --rows cachegen:2 quant8")
     ap.add_argument("--device", default="cpu",
                     help="cpu (this benchmark) or cuda: run the Triton GPU benchmark "
-                    "(python -m codec.triton_bench --device cuda; other options go to it)")
+                    "(python -m bench.triton --device cuda; other options go to it)")
     ap.add_argument("--quick", action="store_true",
                     help=f"synthetic KV {QUICK_SHAPE} (L,T,H,D), no model, ppl columns null")
     ap.add_argument("--kv", nargs="+", help="KV dumps (python -m kv_extraction_hf); with the "
@@ -417,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     doc = {
         "schema": "codec_bench/1",
         "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python -m codec.bench " + " ".join(argv if argv is not None
+        "command": "python -m bench.codec " + " ".join(argv if argv is not None
                                                        else sys.argv[1:]),
         "config": vars(args), "environment": _environment(), "model": info,
         "kv_shape": list(k0.shape), "kv_dtype": DTYPE_NAMES[k0.dtype],

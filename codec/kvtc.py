@@ -1,0 +1,757 @@
+"""KVTC: transform coding of the KV cache (decorrelate, allocate bits, entropy-code).
+
+Implements the transform-coding KV codec of Staniszewski et al., "KV Cache Transform
+Coding for Compact Storage in LLM Inference" (arXiv 2511.01815, 2025), sections 3.1-3.3,
+with this project's rANS coder and probability model as the entropy stage:
+
+1. Decorrelation: per layer and per K/V, an orthonormal PCA basis of the H*D features
+   (all KV heads of the layer together; block-diagonal per-head bases are a fitting
+   option) and a mean, learned once on calibration text (``fit_calibration``). Keys can be
+   decorrelated BEFORE rotary position embedding: the encoder undoes RoPE (rotate-half
+   convention, the calibration's ``rope_theta``) at the token's absolute position and the
+   decoder redoes it, so the codec stays model-free (docs/codec.md section "KVTC").
+2. Bit allocation: reverse water-filling over the component variances (Cover & Thomas,
+   Elements of Information Theory, 2nd ed., theorem 10.3.3): per (K/V, layer) a water
+   level theta; components with variance <= theta get zero bits and are dropped, the
+   others are quantized uniformly with the same step sqrt(12 theta) (entropy-coded
+   uniform scalar quantization has equal-step optimal allocation at high rate). Each
+   level's theta scale is solved on the calibration data so that the measured empirical
+   entropy meets the level's target bits per element.
+3. Entropy coding: the quantized coefficients [L, T, n] of K and V go through
+   ``codec.entropy.encode_symbols`` (per-(layer, component) models clustered into a
+   codebook, 32-bit rANS; docs/bitstream.md sections 1-4) - the same coder as cachegen.
+4. The first ``sink_tokens`` tokens of the context (attention sinks) and optionally the
+   last ``recent_tokens`` are stored exactly, as KVTC and CacheGen's variant do.
+
+The calibration (bases, means, variances, per-level allocation) is a versioned
+safetensors artifact named by the sha256 of its content (``KvtcCalibration.hash``). The
+bitstream header names that hash; ``decode_kv`` finds the calibration among those
+registered with ``register_calibration`` or in the cache folder
+(``$CACHEGEN_CACHE`` or ``~/.cache/cachegen-harness``)/kvtc/<hash>.safetensors, and raises
+CodecError naming the hash otherwise.
+
+    from codec import kvtc
+    cal = kvtc.fit_calibration(k_samples, v_samples)          # [L, N, H, D] each
+    path = cal.save(kvtc.default_calibration_dir())           # <dir>/<hash>.safetensors
+    kvtc.register_calibration(path)
+    data = codec.encode_kv(k, v, codec="kvtc", level=2)       # uses the registered one
+    k2, v2 = codec.decode_kv(data)
+
+Make a calibration for a model: python -m kv_extraction_hf.calibrate --model default --out FILE
+Run the tests: .venv/bin/python -m pytest tests/test_codec_kvtc.py -q
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .errors import CodecError
+
+__all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
+           "register_calibration", "registered_calibrations", "get_calibration",
+           "load_calibration", "default_calibration_dir", "apply_rope", "undo_rope",
+           "CALIBRATION_FORMAT", "CALIBRATION_VERSION", "DEFAULT_LEVEL_TARGETS"]
+
+CALIBRATION_FORMAT = "kvtc-calibration"
+CALIBRATION_VERSION = 1
+# level -> target bits per coded element (empirical entropy on the calibration data);
+# bf16 is 16 bits per element, so level 0 aims at ~32x and level 4 at ~8x before the
+# exact sink/recent tokens and the container's overhead. Chosen by the measurements in
+# docs/codec.md ("KVTC").
+DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.4, 1: 0.55, 2: 0.75, 3: 1.0, 4: 1.5, 5: 2.2}
+DEFAULT_LEVEL = 2
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_RECENT_TOKENS = 0
+MAX_Q = 127                      # |quantized coefficient| <= 127: symbols fit in 255 bins
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_RATE_SAMPLE_TOKENS = 1024       # calibration tokens used to solve the per-level scale
+
+
+# ------------------------------------------------------------------------------ RoPE
+def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [T, 1, D] of the rotate-half RoPE (Su et al., RoFormer, 2021, eq.
+    34; the layout of HF transformers' LlamaRotaryEmbedding, computed the same way in
+    float32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate x float32 [L, T, H, D] (D even) by RoPE at ``positions`` int64 [T]."""
+    cos, sin = _rope_cos_sin(positions, x.shape[-1], theta)
+    return x * cos + _rotate_half(x) * sin
+
+
+def undo_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Inverse of ``apply_rope`` (rotation by the negative angle)."""
+    cos, sin = _rope_cos_sin(positions, x.shape[-1], theta)
+    return x * cos - _rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------- calibration
+def default_calibration_dir() -> Path:
+    """``$CACHEGEN_CACHE/kvtc`` or ``~/.cache/cachegen-harness/kvtc`` (not created)."""
+    root = os.environ.get("CACHEGEN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "cachegen-harness")
+    return Path(root) / "kvtc"
+
+
+@dataclass
+class KvtcCalibration:
+    """A fitted KVTC calibration. Shapes (C = H * D):
+
+    mean [2, L, C] float32 (index 0 = K, 1 = V); basis [2, L, C, C] float32, column j of
+    basis[kv, l] is component j (orthonormal, variances descending); var [2, L, C]
+    float32 (component variances on the calibration data); step [NL, 2, L, C] float32:
+    quantization step per level (row order = ``levels``), 0 = component dropped (a
+    suffix, since components are sorted by variance).
+    ``key_space``: "pre_rope" (keys are decorrelated with RoPE undone; ``rope_theta``
+    > 0) or "post_rope". ``meta``: free-form provenance (model, weights hash, data,
+    tokens). ``hash``: sha256 hex of the canonical content (``content_hash``).
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    mean: np.ndarray
+    basis: np.ndarray
+    var: np.ndarray
+    step: np.ndarray
+    levels: tuple
+    targets: tuple
+    default_level: int = DEFAULT_LEVEL
+    key_space: str = "post_rope"
+    rope_theta: float = 0.0
+    per_head: bool = False
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    recent_tokens: int = DEFAULT_RECENT_TOKENS
+    meta: dict = field(default_factory=dict)
+    hash: str = ""
+    _torch: dict = field(default_factory=dict, repr=False)
+
+    # ---- identity ------------------------------------------------------------------
+    def _header_meta(self) -> dict:
+        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+                "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "head_dim": self.head_dim, "levels": list(self.levels),
+                "targets": list(self.targets), "default_level": self.default_level,
+                "key_space": self.key_space, "rope_theta": float(self.rope_theta),
+                "per_head": bool(self.per_head), "sink_tokens": self.sink_tokens,
+                "recent_tokens": self.recent_tokens, "meta": self.meta}
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {"mean": self.mean, "basis": self.basis, "var": self.var, "step": self.step}
+
+    def content_hash(self) -> str:
+        """sha256 hex over the canonical JSON of the parameters and the little-endian
+        bytes of each tensor (name, dtype, shape, data; names sorted)."""
+        h = hashlib.sha256()
+        h.update(json.dumps(self._header_meta(), sort_keys=True).encode())
+        for name, a in sorted(self.tensors().items()):
+            a = np.ascontiguousarray(a, dtype="<f4")
+            h.update(f"\0{name}\0{a.dtype.str}\0{list(a.shape)}\0".encode())
+            h.update(a.tobytes())
+        return h.hexdigest()
+
+    @property
+    def C(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def n_keep(self, level: int) -> np.ndarray:
+        """int [2, L]: components kept per (K/V, layer) at ``level``."""
+        return (self.step[self.levels.index(level)] > 0).sum(-1)
+
+    def describe(self) -> dict:
+        return {"calibration": self.hash, "key_space": self.key_space,
+                "per_head": self.per_head, "levels": list(self.levels),
+                "targets_bits_per_element": list(self.targets)}
+
+    def torch_params(self, level: int) -> dict:
+        """Cached float32 torch tensors for ``level``: mean [2, L, 1, C], basis_n
+        [2, L, C, n] (n = max kept components; columns beyond a layer's own count are
+        zero), step [2, L, 1, n] (1 where dropped), n (int)."""
+        if level not in self._torch:
+            i = self.levels.index(level)
+            keep = self.n_keep(level)
+            n = max(1, int(keep.max()))
+            basis = torch.from_numpy(np.array(self.basis[:, :, :, :n], np.float32))
+            step = np.array(self.step[i][:, :, :n], np.float32)
+            mask = step > 0
+            basis = basis * torch.from_numpy(mask)[:, :, None, :]
+            step[~mask] = 1.0
+            self._torch[level] = {
+                "mean": torch.from_numpy(np.array(self.mean, np.float32))[:, :, None, :],
+                "basis": basis.contiguous(),
+                "basis_t": basis.transpose(-1, -2).contiguous(),
+                "step": torch.from_numpy(step)[:, :, None, :], "n": n}
+        return self._torch[level]
+
+    # ---- file ----------------------------------------------------------------------
+    def save(self, out: Union[str, os.PathLike]) -> Path:
+        """Write the artifact. ``out``: a file path, or an existing folder (the file is
+        then ``<folder>/<hash>.safetensors``). Atomic (temp file + rename). Returns the
+        path."""
+        from safetensors.numpy import save_file
+
+        p = Path(out)
+        if p.is_dir():
+            p = p / f"{self.hash}.safetensors"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        md = {"kvtc": json.dumps(self._header_meta(), sort_keys=True), "hash": self.hash}
+        tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+        save_file({k: np.ascontiguousarray(v, np.float32) for k, v in self.tensors().items()},
+                  str(tmp), metadata=md)
+        os.replace(tmp, p)
+        return p
+
+
+def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
+    """Read and verify a calibration artifact (safetensors; no pickle).
+    Raises CodecError if the file is missing, not a KVTC calibration, of another version,
+    inconsistent, or its content does not match its recorded hash."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise CodecError(f"KVTC calibration file not found: {p}")
+    try:
+        with safe_open(str(p), framework="numpy") as f:
+            md = f.metadata() or {}
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        info = json.loads(md.get("kvtc", "null"))
+    except CodecError:
+        raise
+    except Exception as e:   # safetensors/JSON parse errors of a damaged file
+        raise CodecError(f"cannot read KVTC calibration {p}: {type(e).__name__}: {e}") from None
+    if not isinstance(info, dict) or info.get("format") != CALIBRATION_FORMAT:
+        raise CodecError(f"{p} is not a KVTC calibration artifact")
+    if info.get("version") != CALIBRATION_VERSION:
+        raise CodecError(f"{p}: calibration version {info.get('version')!r}, this codec "
+                         f"reads version {CALIBRATION_VERSION}")
+    try:
+        L, H, D = int(info["num_layers"]), int(info["num_heads"]), int(info["head_dim"])
+        levels = tuple(int(x) for x in info["levels"])
+        cal = KvtcCalibration(
+            L, H, D, t["mean"], t["basis"], t["var"], t["step"], levels,
+            tuple(float(x) for x in info["targets"]), int(info["default_level"]),
+            str(info["key_space"]), float(info["rope_theta"]), bool(info["per_head"]),
+            int(info["sink_tokens"]), int(info["recent_tokens"]), dict(info["meta"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CodecError(f"{p}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
+    _check_calibration(cal, str(p))
+    cal.hash = cal.content_hash()
+    if md.get("hash") != cal.hash:
+        raise CodecError(f"{p}: content hash {cal.hash[:16]}... does not match the "
+                         f"recorded {str(md.get('hash'))[:16]}... (damaged file)")
+    return cal
+
+
+def _check_calibration(cal: KvtcCalibration, where: str) -> None:
+    L, C, NL = cal.num_layers, cal.C, len(cal.levels)
+    want = {"mean": (2, L, C), "basis": (2, L, C, C), "var": (2, L, C), "step": (NL, 2, L, C)}
+    for name, shape in want.items():
+        a = getattr(cal, name)
+        if not isinstance(a, np.ndarray) or a.shape != shape:
+            raise CodecError(f"{where}: calibration tensor {name!r} has shape "
+                             f"{getattr(a, 'shape', None)}, expected {shape}")
+        if not np.isfinite(a).all():
+            raise CodecError(f"{where}: calibration tensor {name!r} is not finite")
+    if min(L, cal.num_heads, cal.head_dim) < 1 or NL < 1 or len(cal.targets) != NL \
+            or len(set(cal.levels)) != NL or cal.default_level not in cal.levels:
+        raise CodecError(f"{where}: calibration dimensions or levels are invalid")
+    if cal.key_space not in ("pre_rope", "post_rope") or \
+            (cal.key_space == "pre_rope" and (cal.rope_theta <= 0 or cal.head_dim % 2)):
+        raise CodecError(f"{where}: bad key_space {cal.key_space!r} / rope_theta "
+                         f"{cal.rope_theta}")
+    if (cal.step < 0).any() or cal.sink_tokens < 0 or cal.recent_tokens < 0:
+        raise CodecError(f"{where}: negative steps or token counts")
+
+
+# registry of loaded calibrations, keyed by hash (most recently registered last)
+_CALIBRATIONS: dict[str, KvtcCalibration] = {}
+_LOCK = threading.Lock()
+
+
+def register_calibration(cal: Union[KvtcCalibration, str, os.PathLike]) -> str:
+    """Make a calibration (object or artifact path) available to encode/decode; returns
+    its hash. The most recently registered calibration of a KV shape is the encoder's
+    default for that shape. Raises CodecError for an unreadable artifact."""
+    if not isinstance(cal, KvtcCalibration):
+        cal = load_calibration(cal)
+    if not cal.hash:
+        cal.hash = cal.content_hash()
+    with _LOCK:
+        _CALIBRATIONS.pop(cal.hash, None)
+        _CALIBRATIONS[cal.hash] = cal
+    return cal.hash
+
+
+def registered_calibrations() -> list[str]:
+    """Hashes of the registered calibrations, oldest first."""
+    with _LOCK:
+        return list(_CALIBRATIONS)
+
+
+def get_calibration(h: str, search_dir: Optional[Union[str, os.PathLike]] = None
+                    ) -> KvtcCalibration:
+    """The calibration with hash ``h``: a registered one, else
+    ``<search_dir or default_calibration_dir()>/<h>.safetensors`` (then registered).
+    Raises CodecError naming the hash when it cannot be found or does not verify."""
+    if not isinstance(h, str) or not _HASH_RE.match(h):
+        raise CodecError(f"invalid KVTC calibration hash {h!r}")
+    with _LOCK:
+        cal = _CALIBRATIONS.get(h)
+    if cal is not None:
+        return cal
+    folder = Path(search_dir) if search_dir is not None else default_calibration_dir()
+    p = folder / f"{h}.safetensors"
+    if not p.is_file():
+        raise CodecError(
+            f"KVTC calibration {h} is needed to decode this data and is not available: "
+            f"register it with codec.kvtc.register_calibration(PATH) or place it at {p} "
+            f"(make one with: python -m kv_extraction_hf.calibrate)")
+    cal = load_calibration(p)
+    if cal.hash != h:
+        raise CodecError(f"{p} holds calibration {cal.hash}, not {h}")
+    register_calibration(cal)
+    return cal
+
+
+def _find_for_shape(L: int, H: int, D: int) -> KvtcCalibration:
+    with _LOCK:
+        cands = [c for c in _CALIBRATIONS.values()
+                 if (c.num_layers, c.num_heads, c.head_dim) == (L, H, D)]
+    if cands:
+        return cands[-1]
+    folder = default_calibration_dir()
+    if folder.is_dir():      # newest matching artifact in the cache folder
+        from safetensors import safe_open
+
+        for p in sorted(folder.glob("*.safetensors"), key=lambda q: q.stat().st_mtime,
+                        reverse=True):
+            if not _HASH_RE.match(p.stem):
+                continue
+            try:
+                with safe_open(str(p), framework="numpy") as f:
+                    info = json.loads((f.metadata() or {}).get("kvtc", "null"))
+                if (info["num_layers"], info["num_heads"], info["head_dim"]) == (L, H, D):
+                    return get_calibration(p.stem)
+            except Exception:  # noqa: BLE001 - skip unreadable files, keep looking
+                continue
+    raise ValueError(
+        f"no KVTC calibration for a KV of {L} layers x {H} KV heads x head_dim {D}: make "
+        f"one (python -m kv_extraction_hf.calibrate --model ... --out FILE) and register "
+        f"it (codec.kvtc.register_calibration(FILE)) or pass KvtcConfig(calibration=...)")
+
+
+# -------------------------------------------------------------------------- fitting
+def _pca(x: np.ndarray, per_head: bool, H: int, D: int) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
+    """x float [N, C] -> (mean [C], basis [C, C] orthonormal columns, var [C]) with
+    components sorted by variance, descending. per_head: block-diagonal basis."""
+    x = x.astype(np.float64)
+    mu = x.mean(0)
+    xc = x - mu
+    C = x.shape[1]
+    if per_head:
+        basis = np.zeros((C, C))
+        var = np.zeros(C)
+        for h in range(H):
+            s = slice(h * D, (h + 1) * D)
+            cov = xc[:, s].T @ xc[:, s] / max(1, len(x))
+            w, u = np.linalg.eigh(cov)
+            basis[s, s] = u
+            var[s] = w
+    else:
+        cov = xc.T @ xc / max(1, len(x))
+        var, basis = np.linalg.eigh(cov)
+    order = np.argsort(-var, kind="stable")
+    var = np.clip(var[order], 0.0, None)
+    basis = basis[:, order]
+    # deterministic sign: the largest-magnitude entry of each column is positive
+    sign = np.sign(basis[np.abs(basis).argmax(0), np.arange(C)])
+    sign[sign == 0] = 1
+    return mu, basis * sign, var
+
+
+def _rate_bits(coef: np.ndarray, step: np.ndarray) -> float:
+    """Empirical entropy (bits) of round(coef / step) per component (step 0 = dropped).
+    coef [N, n], step [n]."""
+    keep = step > 0
+    if not keep.any():
+        return 0.0
+    q = np.clip(np.rint(coef[:, keep] / step[keep]), -MAX_Q, MAX_Q).astype(np.int64) + MAX_Q
+    n = q.shape[1]
+    idx = q + (2 * MAX_Q + 1) * np.arange(n)[None, :]
+    hist = np.bincount(idx.ravel(), minlength=n * (2 * MAX_Q + 1)).reshape(n, -1)
+    p = hist / q.shape[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(-(hist * np.where(p > 0, np.log2(p), 0.0)).sum())
+
+
+def _steps_for(theta: np.ndarray, var: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Reverse water-filling: step sqrt(12 theta) where var > theta, else 0 (dropped);
+    never finer than cap (so |q| <= MAX_Q on the calibration data)."""
+    st = np.sqrt(12.0 * theta)[..., None] * np.ones_like(var)
+    st = np.maximum(st, cap)
+    st[var <= theta[..., None]] = 0.0
+    return st
+
+
+def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
+                    positions: Optional[torch.Tensor] = None,
+                    rope_theta: Optional[float] = None, per_head: bool = False,
+                    level_targets: Optional[dict] = None, default_level: int = DEFAULT_LEVEL,
+                    weighting: str = "relative", sink_tokens: int = DEFAULT_SINK_TOKENS,
+                    recent_tokens: int = DEFAULT_RECENT_TOKENS, meta: Optional[dict] = None,
+                    progress=None) -> KvtcCalibration:
+    """Fit a KVTC calibration on sample KV (pure function: no model, no I/O).
+
+    Args:
+      k_samples, v_samples: [L, N, H, D] float tensors (N calibration tokens, e.g. several
+        prefills concatenated along tokens), keys as the model caches them (after RoPE).
+        Attention-sink tokens should be left out (they are stored exactly).
+      positions: int64 [N], each sample token's position in its context; needed with
+        ``rope_theta``.
+      rope_theta: if given (> 0), keys are decorrelated before RoPE (undone here with the
+        rotate-half convention at ``positions``; the codec redoes it at decode).
+      per_head: block-diagonal bases (one D x D PCA per KV head) instead of one
+        (H*D) x (H*D) basis per layer.
+      level_targets: level -> target bits per element (default ``DEFAULT_LEVEL_TARGETS``).
+      weighting: how the water level is shared across (K/V, layer): "relative" (theta
+        proportional to the mean component variance of that (K/V, layer): same relative
+        distortion everywhere), "absolute" (one theta for all: least total MSE), or a
+        positive float array [2, L] of per-(K/V, layer) water-level weights (e.g. the
+        inverse of a measured sensitivity).
+      sink_tokens, recent_tokens: tokens kept exact (first / last of a context).
+      meta: provenance (JSON-able dict) recorded in the artifact.
+      progress: optional callable(str) for progress lines.
+    Returns: KvtcCalibration (hash set). Source: PCA + reverse water-filling (module doc).
+    Raises: ValueError on bad shapes, too few samples or bad options.
+    """
+    say = progress or (lambda s: None)
+    for name, t in (("k_samples", k_samples), ("v_samples", v_samples)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a tensor [L, N, H, D]")
+    if k_samples.shape != v_samples.shape:
+        raise ValueError(f"k/v sample shapes differ: {tuple(k_samples.shape)} vs "
+                         f"{tuple(v_samples.shape)}")
+    L, N, H, D = k_samples.shape
+    if N < 2:
+        raise ValueError(f"need at least 2 calibration tokens, got {N}")
+    if not (isinstance(weighting, str) and weighting in ("relative", "absolute")) and \
+            not (isinstance(weighting, np.ndarray) and weighting.shape == (2, L)
+                 and (weighting > 0).all()):
+        raise ValueError(f"weighting must be 'relative', 'absolute' or a positive array "
+                         f"[2, L], got {weighting!r}")
+    targets = dict(DEFAULT_LEVEL_TARGETS if level_targets is None else level_targets)
+    if len(targets) < 1 or default_level not in targets or \
+            any(not (isinstance(t, (int, float)) and t > 0) for t in targets.values()):
+        raise ValueError(f"bad level_targets {targets!r} / default_level {default_level}")
+    C = H * D
+    k = k_samples.detach().to("cpu", torch.float32)
+    v = v_samples.detach().to("cpu", torch.float32)
+    key_space = "post_rope"
+    theta_rope = 0.0
+    if rope_theta:
+        if positions is None or tuple(positions.shape) != (N,):
+            raise ValueError("rope_theta needs positions, an int tensor [N]")
+        if D % 2:
+            raise ValueError("pre-RoPE decorrelation needs an even head_dim")
+        k = undo_rope(k, positions.to(torch.int64), float(rope_theta))
+        key_space, theta_rope = "pre_rope", float(rope_theta)
+    mean = np.zeros((2, L, C), np.float64)
+    basis = np.zeros((2, L, C, C), np.float64)
+    var = np.zeros((2, L, C), np.float64)
+    rng = np.random.default_rng(0)
+    sub = np.sort(rng.choice(N, size=min(N, _RATE_SAMPLE_TOKENS), replace=False))
+    coefs = np.zeros((2, L, len(sub), C), np.float32)
+    cap = np.zeros((2, L, C), np.float64)
+    for kv, x in enumerate((k, v)):
+        for layer in range(L):
+            xl = x[layer].reshape(N, C).numpy()
+            mean[kv, layer], basis[kv, layer], var[kv, layer] = _pca(xl, per_head, H, D)
+            cl = (xl.astype(np.float64) - mean[kv, layer]) @ basis[kv, layer]
+            # steps never so fine that calibration coefficients clip at |q| = MAX_Q
+            cap[kv, layer] = np.abs(cl).max(0) * 1.05 / MAX_Q
+            coefs[kv, layer] = cl[sub]
+        say(f"PCA {'KV'[kv]}: {L} layers done")
+    if isinstance(weighting, np.ndarray):
+        w = weighting.astype(np.float64)
+    else:
+        w = var.mean(-1) if weighting == "relative" else np.ones((2, L))
+    w = np.maximum(w, 1e-30)
+    n_elem = 2 * L * len(sub) * C
+
+    def rate(g: float) -> tuple[float, np.ndarray]:
+        st = _steps_for(g * w, var, cap)
+        bits = sum(_rate_bits(coefs[kv, layer], st[kv, layer])
+                   for kv in range(2) for layer in range(L))
+        return bits / n_elem, st
+
+    levels = sorted(targets)
+    steps = np.zeros((len(levels), 2, L, C), np.float64)
+    # rate falls as the water level g grows: a coarse log grid brackets each target,
+    # then bisection on log g
+    grid = np.logspace(-9, 2, 12)
+    grid_rate = [rate(float(g))[0] for g in grid]
+    for i, lv in enumerate(levels):
+        tgt = float(targets[lv])
+        j = next((j for j, r in enumerate(grid_rate) if r <= tgt), len(grid) - 1)
+        a, b = np.log(grid[max(0, j - 1)]), np.log(grid[j])
+        for _ in range(8):
+            m = 0.5 * (a + b)
+            if rate(float(np.exp(m)))[0] > tgt:
+                a = m
+            else:
+                b = m
+        r, st = rate(float(np.exp(b)))
+        steps[i] = st
+        say(f"level {lv}: target {tgt:.3f} bits/element -> {r:.3f} on the calibration "
+            f"data, {int((st > 0).sum())} of {2 * L * C} components kept")
+    cal = KvtcCalibration(
+        L, H, D, mean.astype(np.float32), basis.astype(np.float32), var.astype(np.float32),
+        steps.astype(np.float32), tuple(levels), tuple(float(targets[x]) for x in levels),
+        int(default_level), key_space, theta_rope, bool(per_head), int(sink_tokens),
+        int(recent_tokens), dict(meta or {}, calibration_tokens=N,
+                                 weighting=weighting if isinstance(weighting, str)
+                                 else [[float(x) for x in r] for r in weighting]))
+    _check_calibration(cal, "fit_calibration")
+    cal.hash = cal.content_hash()
+    return cal
+
+
+# ---------------------------------------------------------------------------- codec
+@dataclass(frozen=True)
+class KvtcConfig:
+    """Per-call options of the ``kvtc`` codec (pass as ``config=`` to ``encode_kv`` /
+    ``encode_chunks``). ``calibration``: a KvtcCalibration, an artifact path or a hash
+    (None = the registered/cached calibration matching the KV's shape); ``level``: None =
+    the calibration's default; ``recent_tokens`` / ``sink_tokens``: None = the
+    calibration's; ``chunk_tokens``: ``encode_chunks``' default chunk size."""
+
+    calibration: Any = None
+    level: Optional[int] = None
+    recent_tokens: Optional[int] = None
+    sink_tokens: Optional[int] = None
+    chunk_tokens: int = 1024
+
+    def describe(self) -> dict:
+        return {"calibration": getattr(self.calibration, "hash", self.calibration),
+                "level": self.level, "recent_tokens": self.recent_tokens,
+                "sink_tokens": self.sink_tokens}
+
+
+def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
+    if c is None:
+        cal = _find_for_shape(L, H, D)
+    elif isinstance(c, KvtcCalibration):
+        if not c.hash:
+            c.hash = c.content_hash()
+        register_calibration(c)
+        cal = c
+    elif isinstance(c, str) and _HASH_RE.match(c):
+        try:
+            cal = get_calibration(c)
+        except CodecError as e:
+            raise ValueError(str(e)) from None
+    elif isinstance(c, (str, os.PathLike)):
+        try:
+            cal = get_calibration(register_calibration(c))
+        except CodecError as e:
+            raise ValueError(str(e)) from None
+    else:
+        raise ValueError(f"calibration must be a KvtcCalibration, a path or a hash, "
+                         f"got {type(c).__name__}")
+    if (cal.num_layers, cal.num_heads, cal.head_dim) != (L, H, D):
+        raise ValueError(f"calibration {cal.hash[:16]} is for L={cal.num_layers}, "
+                         f"H={cal.num_heads}, D={cal.head_dim}; the KV has L={L}, H={H}, D={D}")
+    return cal
+
+
+def _exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recent: int
+                  ) -> tuple[int, int]:
+    """(tokens at the start of this chunk that are attention sinks, tokens at its end that
+    are among the last ``recent`` of the context)."""
+    ns = max(0, min(T, sink - token_offset))
+    first_recent = max(total_tokens - recent, token_offset + ns)
+    nr = max(0, min(T - ns, token_offset + T - first_recent))
+    return ns, nr
+
+
+class KvtcCodec:
+    """The ``kvtc`` codec behind ``codec.api`` (see the module docstring).
+
+    Header ("codec_header") fields: config {level, calibration (sha256 hex),
+    sink_tokens, recent_tokens}, n_sink, n_recent, n_components (coded columns per
+    layer), offset_k / offset_v (per layer: the symbol of coefficient 0, = max |q|),
+    token_offset (the chunk's first position, for RoPE), entropy (``codec.entropy``
+    header). Arrays: sink_k/v, recent_k/v (exact tokens,
+    the KV dtype's bits), ent_* (entropy coder). docs/bitstream.md section "kvtc"."""
+
+    name = "kvtc"
+    lossless = False
+    uses_level = True
+    supports_triton = False
+
+    @property
+    def levels(self) -> tuple:
+        return tuple(sorted(DEFAULT_LEVEL_TARGETS))
+
+    @property
+    def default_level(self) -> int:
+        return DEFAULT_LEVEL
+
+    def resolve_config(self, num_layers: int, level: Optional[int], config: Any
+                       ) -> KvtcConfig:
+        """The effective KvtcConfig (level filled in when given)."""
+        if config is None:
+            config = KvtcConfig()
+        if not isinstance(config, KvtcConfig):
+            raise ValueError(f"kvtc config must be a codec.kvtc.KvtcConfig, got "
+                             f"{type(config).__name__}")
+        if level is not None and config.level is not None and level != config.level:
+            raise ValueError(f"level={level} contradicts config.level={config.level}")
+        if level is not None:
+            config = KvtcConfig(config.calibration, level, config.recent_tokens,
+                                config.sink_tokens, config.chunk_tokens)
+        return config
+
+    # ---- encode ----------------------------------------------------------------------
+    def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
+        from .codecs import EncodedChunk, to_bits
+        from .entropy import encode_symbols
+
+        L, T, H, D = k.shape
+        cfg = self.resolve_config(L, level, config)
+        cal = _resolve_calibration(cfg.calibration, L, H, D)
+        lvl = cal.default_level if cfg.level is None else cfg.level
+        if lvl not in cal.levels:
+            raise ValueError(f"unknown kvtc level {lvl!r}; calibration {cal.hash[:16]} has "
+                             f"levels {list(cal.levels)}")
+        sink = cal.sink_tokens if cfg.sink_tokens is None else cfg.sink_tokens
+        recent = cal.recent_tokens if cfg.recent_tokens is None else cfg.recent_tokens
+        for nm, x in (("sink_tokens", sink), ("recent_tokens", recent)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise ValueError(f"{nm} must be an int >= 0, got {x!r}")
+        ns, nr = _exact_counts(T, token_offset, total_tokens, sink, recent)
+        Tq = T - ns - nr
+        header: dict[str, Any] = {"config": {"level": lvl, "calibration": cal.hash,
+                                             "sink_tokens": sink, "recent_tokens": recent},
+                                  "n_sink": ns, "n_recent": nr, "token_offset": token_offset}
+        arrays: dict[str, np.ndarray] = {}
+        if ns:
+            arrays["sink_k"], arrays["sink_v"] = to_bits(k[:, :ns]), to_bits(v[:, :ns])
+        if nr:
+            arrays["recent_k"] = to_bits(k[:, T - nr:])
+            arrays["recent_v"] = to_bits(v[:, T - nr:])
+        P = cal.torch_params(lvl)
+        n = P["n"]
+        syms, offs = [], []
+        for kv, x in enumerate((k, v)):
+            x = x[:, ns:T - nr].to(torch.float32)
+            if kv == 0 and cal.key_space == "pre_rope" and Tq:
+                pos = torch.arange(token_offset + ns, token_offset + ns + Tq)
+                x = undo_rope(x, pos, cal.rope_theta)
+            xc = x.reshape(L, Tq, H * D) - P["mean"][kv]
+            coef = torch.bmm(xc, P["basis"][kv]) / P["step"][kv]         # [L, Tq, n]
+            q = torch.round(coef).clamp_(-MAX_Q, MAX_Q).to(torch.int16)
+            off = q.abs().amax(dim=(1, 2)) if Tq else torch.zeros(L, dtype=torch.int16)
+            syms.append((q + off[:, None, None]).to(torch.uint8).numpy())
+            offs.append([int(o) for o in off])
+        nbk = [max(2, 2 * o + 1) for o in offs[0]]
+        nbv = [max(2, 2 * o + 1) for o in offs[1]]
+        es = encode_symbols(syms[0], syms[1], nbk, nbv, channels_per_stream=4)
+        header.update(n_components=n, offset_k=offs[0], offset_v=offs[1], entropy=es.header)
+        arrays.update(es.arrays)
+        stats = {"symbols": int(syms[0].size + syms[1].size), "components": n,
+                 "sink_bytes": int(sum(a.nbytes for nm, a in arrays.items()
+                                       if nm.startswith(("sink_", "recent_")))),
+                 "entropy_bits": es.entropy_bits, "ideal_bits": es.ideal_bits,
+                 "model_bytes": es.model_bytes, "length_table_bytes": es.length_table_bytes,
+                 "payload_bytes": es.payload_bytes, "scale_bytes": 0}
+        return EncodedChunk(header, arrays, es.payload, stats)
+
+    # ---- decode ----------------------------------------------------------------------
+    def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
+               device=None):
+        from .codecs import DTYPES, from_bits, need_int
+        from .entropy import decode_symbols
+
+        L, T, H, D = shape
+        cfgd = header.get("config")
+        if not isinstance(cfgd, dict):
+            raise CodecError("kvtc: header lacks the config dict")
+        h = cfgd.get("calibration")
+        cal = get_calibration(h)
+        if (cal.num_layers, cal.num_heads, cal.head_dim) != (L, H, D):
+            raise CodecError(f"kvtc: calibration {h[:16]} is for L={cal.num_layers}, "
+                             f"H={cal.num_heads}, D={cal.head_dim}, the data has "
+                             f"L={L}, H={H}, D={D}")
+        lvl = cfgd.get("level")
+        if isinstance(lvl, bool) or lvl not in cal.levels:
+            raise CodecError(f"kvtc: level {lvl!r} not in calibration levels {list(cal.levels)}")
+        ns = need_int(header, "n_sink", 0, T)
+        nr = need_int(header, "n_recent", 0, T - ns)
+        Tq = T - ns - nr
+        off0 = need_int(header, "token_offset", 0, 1 << 24)
+        P = cal.torch_params(lvl)
+        n = need_int(header, "n_components", 1, cal.C)
+        if n != P["n"]:
+            raise CodecError(f"kvtc: header has {n} components, level {lvl} of the "
+                             f"calibration codes {P['n']}")
+        offs = []
+        for tag in ("k", "v"):
+            o = header.get(f"offset_{tag}")
+            if not isinstance(o, list) or len(o) != L or any(
+                    isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_Q
+                    for x in o):
+                raise CodecError(f"kvtc: bad offset_{tag} in header")
+            offs.append(o)
+        ent = header.get("entropy")
+        if not isinstance(ent, dict):
+            raise CodecError("kvtc: missing entropy-coder header")
+        ent_arrays = {nm: a for nm, a in arrays.items() if nm.startswith("ent_")}
+        nbk = [max(2, 2 * o + 1) for o in offs[0]]
+        nbv = [max(2, 2 * o + 1) for o in offs[1]]
+        sk, sv = decode_symbols(ent, ent_arrays, payload, L, Tq, n, nbk, nbv)
+        dt = DTYPES[dtype_name]
+        out = []
+        for kv, (sym, tag) in enumerate(((sk, "k"), (sv, "v"))):
+            if sym.shape != (L, Tq, n):
+                raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
+            q = torch.from_numpy(np.asarray(sym, np.uint8).astype(np.float32))
+            q -= torch.tensor(offs[kv], dtype=torch.float32)[:, None, None]
+            x = torch.baddbmm(P["mean"][kv], q * P["step"][kv], P["basis_t"][kv])
+            x = x.reshape(L, Tq, H, D)
+            if kv == 0 and cal.key_space == "pre_rope" and Tq:
+                pos = torch.arange(off0 + ns, off0 + ns + Tq)
+                x = apply_rope(x, pos, cal.rope_theta)
+            x = x.to(dt)
+            parts = []
+            if ns:
+                parts.append(from_bits(arrays.get(f"sink_{tag}"), dtype_name, (L, ns, H, D),
+                                       f"sink_{tag}"))
+            parts.append(x)
+            if nr:
+                parts.append(from_bits(arrays.get(f"recent_{tag}"), dtype_name,
+                                       (L, nr, H, D), f"recent_{tag}"))
+            out.append(torch.cat(parts, 1) if len(parts) > 1 else x)
+        return out[0], out[1]

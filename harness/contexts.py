@@ -1,0 +1,191 @@
+"""Benchmark contexts and store population (stages 1-2 of ``run_benchmarks.py``).
+
+1. Prompts of the configured tasks are built offline (``kv_extraction_hf.prompts``, or
+   the user's file given by ``--data-path``); the context part of each is prefilled once
+   with transformers and its KV cache kept.
+2. Every KV mode encodes the loadable prefix (a multiple of the engine's KV block,
+   strictly shorter than the prompt) into independently decodable chunks (codec) and puts
+   them into the KV store server, which runs behind a real shaped link (streaming.link).
+
+Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5 (chunks encoded independently so
+each can be streamed at its own level). Run: ``python run_benchmarks.py``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+import codec as codec_pkg
+from harness.config import RunConfig
+from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.extract import prefill_kv
+from kv_extraction_hf.prompts import build_prompt
+from streaming.identity import codec_identity, model_identity
+
+KV_MODES = ("raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen")
+"""Modes whose request loads KV from the store (``text`` prefills; the adaptive mode
+reads the ``cachegen`` entries at a per-chunk level)."""
+
+
+class BenchmarkError(RuntimeError):
+    """A run that cannot proceed (missing engine, model, store, bad sizes); printed as one line."""
+
+
+def log(msg: str) -> None:
+    """A time-stamped progress line on stderr (the console keeps progress and the summary)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Variant:
+    """One measured configuration: ``mode`` and ``level`` (cachegen levels; else None)."""
+
+    mode: str
+    level: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Plot/summary label: ``mode`` or ``mode-l<level>`` (docs/results-schema.md)."""
+        return self.mode if self.level is None else f"{self.mode}-l{self.level}"
+
+    @property
+    def codec(self) -> str | None:
+        """Codec name in the store entry this variant reads (None = text)."""
+        if self.mode == "text":
+            return None
+        return "cachegen" if self.mode == "cachegen-adaptive" else self.mode
+
+
+@dataclass
+class Context:
+    """One benchmark context: its prompt, its KV and where the store keeps it.
+
+    ``k``/``v``: ``[L, T_load, H, D]`` model dtype; ``load_tokens``: loadable prefix
+    (multiple of the KV block, < len(prompt)); ``keys``: codec name -> store key;
+    ``sizes``: (codec, level) -> stored bytes (level None for single-level codecs);
+    ``dtype_bytes``: bytes of K+V of the prefix in the model dtype;
+    ``hf_prefill_tps``: tokens/s of the HF prefill that extracted this context.
+    """
+
+    cid: str
+    prompt: Any
+    k: Any
+    v: Any
+    load_tokens: int
+    keys: dict[str, str] = field(default_factory=dict)
+    identities: dict[str, dict] = field(default_factory=dict)  # codec -> stored EntryIdentity dict
+    sizes: dict[tuple[str, int | None], int] = field(default_factory=dict)
+    dtype_bytes: int = 0
+    hf_prefill_tps: float = 0.0
+
+
+def variants(cfg: RunConfig, codec_levels: tuple[int, ...]) -> list[Variant]:
+    """Expand modes into variants, text first (it provides the lossless reference output).
+
+    ``cachegen`` expands into one variant per level of ``cfg.levels`` (all of
+    ``codec_levels`` when None); every other mode is one variant with level None.
+    """
+    out: list[Variant] = []
+    order = sorted(cfg.modes, key=lambda m: (m != "text", cfg.modes.index(m)))
+    for mode in order:
+        if mode == "cachegen":
+            out.extend(Variant("cachegen", lv) for lv in (cfg.levels or codec_levels))
+        else:
+            out.append(Variant(mode))
+    return out
+
+
+def store_levels(vlist: list[Variant], cfg: RunConfig,
+                 codec_levels: tuple[int, ...]) -> dict[str, list[int | None]]:
+    """Codec name -> levels its store entry must hold for these variants.
+
+    The adaptive mode needs every configured cachegen level (it picks one per chunk);
+    single-level codecs map to ``[None]``.
+    """
+    out: dict[str, list[int | None]] = {}
+    for var in vlist:
+        if var.codec is None:
+            continue
+        if var.mode == "cachegen-adaptive":
+            out["cachegen"] = sorted(set(out.get("cachegen", [])) | set(cfg.levels or codec_levels))
+        elif var.mode == "cachegen":
+            out["cachegen"] = sorted(set(out.get("cachegen", [])) | {var.level})
+        else:
+            out[var.codec] = [None]
+    return out
+
+
+def load_prefix(context_tokens: int, prompt_tokens: int, block_tokens: int) -> int:
+    """Tokens of the context whose KV is loaded: whole KV blocks, strictly fewer than the
+    prompt (the engine must prefill at least one token to produce logits)."""
+    return min(context_tokens, prompt_tokens - 1) // block_tokens * block_tokens
+
+
+def build_contexts(cfg: RunConfig, bundle) -> list[Context]:
+    """Prompts of every task, their context KV extracted once (tqdm progress).
+
+    Raises:
+        BenchmarkError: a task cannot build its prompt (bad data, size too small) or a
+            context is shorter than one KV block.
+    """
+    jobs = [(t, i) for t in cfg.tasks for i in range(cfg.num_contexts)]
+    out = []
+    for task, i in tqdm(jobs, desc="extract KV", unit="ctx", file=sys.stderr):
+        try:
+            p = build_prompt(task, bundle.tokenizer, cfg.context_tokens, seed=cfg.seed, index=i,
+                             max_prompt_tokens=bundle.info.max_context, **prompt_data_kwargs(cfg))
+        except ExtractionError as exc:
+            raise BenchmarkError(f"task {task!r}: {exc}") from None
+        load = load_prefix(len(p.context_ids), len(p.input_ids), cfg.block_tokens)
+        if load < cfg.block_tokens:
+            raise BenchmarkError(f"context of {task} has {len(p.context_ids)} tokens, fewer "
+                                 f"than one KV block ({cfg.block_tokens}); raise --context-tokens")
+        t0 = time.perf_counter()
+        k, v = prefill_kv(bundle, p.context_ids)
+        ctx = Context(f"{task}-{i}", p, k[:, :load].contiguous(), v[:, :load].contiguous(),
+                      load, dtype_bytes=2 * k[:, :load].numel() * k.element_size())
+        ctx.hf_prefill_tps = len(p.context_ids) / (time.perf_counter() - t0)
+        out.append(ctx)
+    return out
+
+
+def prompt_data_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The ``build_prompt`` keyword arguments for the user's data (``--data-path``,
+    ``--data-map``, ``--no-truncate``); empty when the run uses the built-in generators."""
+    if not cfg.data_path:
+        return {}
+    return {"data_path": cfg.data_path, "data_map": dict(cfg.data_map or {}) or None,
+            "truncate": cfg.truncate}
+
+
+def chunk_ranges(load_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` token ranges of the streamed chunks of a prefix (the last
+    may be shorter)."""
+    return [(a, min(a + chunk_tokens, load_tokens)) for a in range(0, load_tokens, chunk_tokens)]
+
+
+def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
+                   codec_levels: dict[str, list[int | None]]) -> None:
+    """Encode every context with every codec (all levels) and put it into the store.
+
+    Fills ``ctx.keys`` (codec -> store key) and ``ctx.sizes`` ((codec, level) -> bytes).
+    """
+    jobs = [(c, name) for c in contexts for name in codec_levels]
+    for ctx, name in tqdm(jobs, desc="encode + store", unit="entry", file=sys.stderr):
+        chunks: dict[int, list[bytes]] = {}
+        for lv in codec_levels[name]:
+            data = codec_pkg.encode_chunks(ctx.k, ctx.v, codec=name, level=lv,
+                                           chunk_tokens=cfg.chunk_tokens)
+            chunks[0 if lv is None else lv] = data
+            ctx.sizes[(name, lv)] = sum(len(d) for d in data)
+        # the key and manifest carry the full identity (model, tokenizer, dtype, shape, codec
+        # config per level, codec version): a reused store with a changed schedule misses
+        ident = codec_identity(model_identity(info), name, codec_levels[name])
+        ctx.identities[name] = ident.to_dict()
+        ctx.keys[name] = client.put_entry(ident, ctx.prompt.context_ids[:ctx.load_tokens], chunks,
+                                          chunk_ranges(ctx.load_tokens, cfg.chunk_tokens),
+                                          meta={"context": ctx.cid})

@@ -1,0 +1,96 @@
+"""Quality of every run (stage 4 of ``run_benchmarks.py``).
+
+Task score (retrieval accuracy or LongBench F1, as the prompt names it) and fidelity to
+the lossless (text) output (ROUGE-L, BLEU, greedy match) of each request, driven by the
+metric registry (:data:`evaluation.metrics.METRICS`: each metric declares its inputs,
+direction and aggregation); perplexity increase and KL of a held-out continuation with
+the decoded KV (HF engine, natural-text contexts).
+Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7.1 (quality metrics).
+Run: ``python run_benchmarks.py`` (``--no-quality`` skips the perplexity pass).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import codec as codec_pkg
+from evaluation import metrics as M
+from evaluation.summary import higher_is_better  # noqa: F401 - re-exported for the header
+from harness.config import RunConfig
+from harness.contexts import KV_MODES, Variant
+from kv_extraction_hf.extract import prefill_kv
+from kv_extraction_hf.inject import continuation_logits
+from kv_extraction_hf.prompts import build_prompt
+
+PPL_TASK = "pydoc_ppl"
+"""Natural-text contexts (offline) whose held-out continuation gives perplexity and KL."""
+
+
+def score_output(prompt, output_text: str, output_ids: list[int], ref_text: str | None,
+                 ref_ids: list[int] | None) -> dict[str, Any]:
+    """Task score of one output + its fidelity to the lossless output.
+
+    Every registered metric with a results column is computed when all of its declared
+    inputs exist (task metrics only when ``prompt.metric`` names them); the others are
+    None. Returns the run record's ``quality`` object (docs/results-schema.md).
+    """
+    inputs = {"prediction": output_text, "answer": prompt.answer,
+              "answers": list(prompt.answers or [prompt.answer]), "reference": ref_text,
+              "tokens": output_ids, "tokens_ref": ref_ids}
+    q: dict[str, Any] = {}
+    for m in M.result_metrics():
+        q[m.column] = None
+        if not m.inputs or (m.task and m.name != prompt.metric):
+            continue
+        args = [inputs[name] for name in m.inputs]
+        if any(a is None for a in args):
+            continue
+        value = m.fn(*args)
+        q[m.column] = bool(value) if m.aggregation == "share" else float(value)
+    return q
+
+
+def rel_l2_rows(var: Variant, k, v, k2, v2) -> list[dict]:
+    """codec_layers rows: relative L2 error per layer of K and V (``[L, T, H, D]`` tensors)."""
+    rows = []
+    for kv_name, a, b in (("k", k, k2), ("v", v, v2)):
+        for layer in range(a.shape[0]):
+            x, y = a[layer].float(), b[layer].float()
+            rel = float((x - y).norm() / x.norm().clamp_min(1e-12))
+            rows.append({"mode": var.mode, "level": var.level, "layer": layer,
+                         "kv": kv_name, "rel_l2": rel})
+    return rows
+
+
+def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant]) -> tuple[dict, list[dict]]:
+    """Perplexity increase and KL of a held-out continuation per variant (HF engine).
+
+    Returns ({label: {"ppl_increase_pct", "kl"}} aggregated over the natural-text contexts
+    by the registry's rule (medians), codec_layers rows (relative L2 per layer of the
+    first context)).
+    """
+    kv_variants = [v for v in vlist if v.mode in KV_MODES]
+    per: dict[str, list[tuple[float, float]]] = {v.label: [] for v in kv_variants}
+    layers: list[dict] = []
+    for i in tqdm(range(cfg.ppl_contexts), desc="perplexity", unit="ctx", file=sys.stderr):
+        p = build_prompt(PPL_TASK, bundle.tokenizer, cfg.ppl_context_tokens, seed=cfg.seed, index=i)
+        k, v = prefill_kv(bundle, p.context_ids)
+        cont = torch.tensor(p.continuation_ids, dtype=torch.long)
+        ref_logits = continuation_logits(bundle, k, v, p.context_ids, p.continuation_ids)
+        ppl_ref = M.perplexity(ref_logits, cont)  # row i predicts continuation_ids[i]
+        for var in kv_variants:
+            chunks = codec_pkg.encode_chunks(k, v, codec=var.codec, level=var.level,
+                                             chunk_tokens=cfg.chunk_tokens)
+            k2, v2 = codec_pkg.decode_chunks(chunks)
+            logits = continuation_logits(bundle, k2, v2, p.context_ids, p.continuation_ids)
+            ppl = M.perplexity(logits, cont)
+            per[var.label].append((M.ppl_increase_pct(ppl, ppl_ref), M.kl_divergence(ref_logits, logits)))
+            if i == 0:
+                layers.extend(rel_l2_rows(var, k, v, k2, v2))
+    out = {lab: {"ppl_increase_pct": statistics.median(a for a, _ in rows),
+                 "kl": statistics.median(b for _, b in rows)} for lab, rows in per.items() if rows}
+    return out, layers

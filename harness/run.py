@@ -1,0 +1,216 @@
+"""The benchmark run behind ``run_benchmarks.py``: the stages wired in order.
+
+extract -> encode -> store + shaped link -> stream + decode -> inject -> measure.
+Stages: harness.contexts (prompts, KV, store population), harness.engines (HF / vLLM
+engines and the request protocol), harness.quality (scores, perplexity pass),
+harness.adaptation (traces, SLO), harness.results (records, results.json, the table);
+harness.lifecycle makes every way a run ends clean up after it.
+Paper: CacheGen (Liu et al., SIGCOMM 2024) sections 5-7. Run: ``python run_benchmarks.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from codec.config import HARNESS_LEVELS
+from harness import lifecycle
+from harness.adaptation import adaptation_experiment, slo_violated
+from harness.config import ROOT, RunConfig
+from harness.contexts import (BenchmarkError, build_contexts, log, populate_store,
+                              store_levels, variants)
+from harness.engines import (Engine, HFEngine, VLLMEngine, check_vllm, measure_prefill_speed,
+                             request_params)
+from harness.quality import higher_is_better, perplexity_pass, score_output
+from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
+from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.model import load_model
+from streaming.link import ShapedLink, cleanup_stale
+from streaming.redis_server import cleanup_stale_dirs
+from streaming.store import start_store_server
+
+FILL_RATE_MBPS = 10_000.0  # link rate while filling the store: not measured, so not throttled
+MAX_LEN_MARGIN_TOKENS = 16  # vLLM's max_model_len above the longest prompt + output
+
+
+def resolve_out(cfg: RunConfig) -> Path:
+    """The results file: ``cfg.out``, relative paths against the repository root."""
+    out = Path(cfg.out)
+    return out if out.is_absolute() else Path(ROOT) / out
+
+
+def engine_log_path(out_path: Path) -> Path:
+    """Where the engine's own logs go: ``<results stem>.engine.log`` beside the results."""
+    return out_path.with_name(out_path.stem + ".engine.log")
+
+
+def route_engine_logs(path: Path) -> None:
+    """Send vLLM's logs (this process and its engine processes, which inherit the
+    environment) to ``path`` instead of the console: a logging config for vLLM's
+    ``VLLM_LOGGING_CONFIG_PATH``. Must run before vLLM is imported."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    handler = {"class": "logging.FileHandler", "filename": str(path), "mode": "a",
+               "formatter": "plain", "level": "INFO"}
+    conf = {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(process)d "
+                                               "%(name)s: %(message)s"}},
+            "handlers": {"file": handler},
+            "loggers": {name: {"handlers": ["file"], "level": "INFO", "propagate": False}
+                        for name in ("vllm", "cachegen")}}  # cachegen.*: our connector
+    conf_path = path.with_name(path.name + ".config.json")
+    conf_path.write_text(json.dumps(conf))
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf_path)
+
+
+def cleanup_leftovers() -> None:
+    """Remove what killed runs left: their processes, shm, temp folders (run registry),
+    shaped-link namespaces and Redis data folders; says what was removed."""
+    lifecycle.cleanup_stale_runs(log=log)
+    try:
+        gone = cleanup_stale()
+        if gone:
+            log(f"removed shaped-link leftovers of a killed run: {', '.join(gone)}")
+    except Exception as exc:  # noqa: BLE001 - stale cleanup is best effort
+        log(f"warning: stale link cleanup failed: {exc}")
+    gone = cleanup_stale_dirs()
+    if gone:
+        log(f"removed Redis folders of a killed run: {', '.join(gone)}")
+
+
+def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any]:
+    """Run the whole benchmark; returns the results document (also written to cfg.out).
+
+    Args:
+        cfg: the resolved configuration.
+        argv: the command line (recorded in results.json).
+        verbose: keep vLLM's logs on the console (else they go to ``*.engine.log``).
+    Raises:
+        BenchmarkError: engine, model or store unavailable, or bad task sizes.
+        KeyboardInterrupt / lifecycle.Terminated: interrupted; the exception carries
+            ``results_path`` (None when no results file was written) and ``n_runs``.
+    """
+    t_run = time.perf_counter()
+    out_path = resolve_out(cfg)
+    state: dict[str, ResultsWriter] = {}  # "writer" once results.json is being written
+    with lifecycle.RunRegistry() as registry:
+        try:
+            cleanup_leftovers()
+            if cfg.engine == "vllm" and not verbose:
+                route_engine_logs(engine_log_path(out_path))
+                log(f"vLLM logs: {engine_log_path(out_path)}")
+            if cfg.engine == "vllm":
+                check_vllm()
+            with ExitStack() as stack:
+                _run_stages(cfg, argv, out_path, stack, registry, state)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            writer = state.get("writer")
+            exc.results_path = out_path if writer is not None and writer.written else None
+            exc.n_runs = len(writer.doc["runs"]) if writer is not None else 0
+            raise
+    writer = state["writer"]
+    writer.finish(wall_s=time.perf_counter() - t_run)
+    print_summary(writer.doc)
+    log(f"wrote {out_path} ({len(writer.doc['runs'])} runs) in {writer.doc['wall_s']:.0f} s")
+    return writer.doc
+
+
+def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStack,
+                registry: lifecycle.RunRegistry, state: dict[str, ResultsWriter]) -> None:
+    """Stages 1-5 inside ``stack`` (link, servers, engine, temp folder); the results
+    writer is put in ``state["writer"]`` as soon as it exists."""
+    log("loading model")
+    try:
+        bundle = load_model(cfg.model, log=log)
+    except ExtractionError as exc:
+        raise BenchmarkError(str(exc)) from None
+    info = bundle.info
+    codec_levels_all = tuple(sorted(HARNESS_LEVELS))
+    vlist = variants(cfg, codec_levels_all)
+    levels = store_levels(vlist, cfg, codec_levels_all)
+    contexts = build_contexts(cfg, bundle)
+    max_new = max(c.prompt.max_new_tokens for c in contexts)
+    max_len = max(len(c.prompt.input_ids) for c in contexts) + max_new + MAX_LEN_MARGIN_TOKENS
+
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachegen-run-")))
+    registry.add_dir(tmp)
+    link = stack.enter_context(ShapedLink(max(cfg.bandwidth_mbps), method=cfg.link_method))
+    backend = cfg.store or str(tmp / "store")
+    if backend == "redis":
+        # a real redis-server (Debian's) started beside the store server, behind the link
+        from streaming.redis_server import RedisServer
+
+        backend = stack.enter_context(RedisServer(link=link)).direct_url
+    elif backend.startswith("redis://") and link.method != "userspace-tokenbucket":
+        raise BenchmarkError(
+            "an external redis:// store is reachable from the store server only with "
+            "--link-method userspace; use --store redis to let the harness start Redis "
+            "behind the shaped link")
+    log(f"link: {link.method}; store backend: {backend}")
+    server = start_store_server(backend, link=link)
+    stack.callback(server.stop)
+    registry.snapshot()
+    store_addr = f"{server.host}:{server.port}"
+    client = server.client(timeout=120.0)
+    link.set_rate(FILL_RATE_MBPS)
+    populate_store(cfg, client, info, contexts, levels)
+
+    header = {"command": " ".join(argv), "git_commit": git_commit(Path(ROOT)),
+              "environment": environment(link.method),
+              "model": {k: getattr(info, k) for k in ("model_id", "weights_hash", "dtype",
+                                                      "num_layers", "num_kv_heads", "head_dim")},
+              "config": cfg.to_dict(), "higher_is_better": higher_is_better()}
+    writer = state["writer"] = ResultsWriter(out_path, header)
+    ppl: dict[str, dict] = {}
+    if cfg.quality:
+        log("quality: perplexity and KL of held-out continuations (HF engine)")
+        ppl, layer_rows = perplexity_pass(cfg, bundle, vlist)
+        writer.extend("codec_layers", layer_rows)
+
+    engine: Engine
+    if cfg.engine == "vllm":
+        log("starting vLLM (one engine, our connector, for every mode)")
+        engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len)
+    else:
+        engine = HFEngine(bundle)
+    stack.callback(engine.close)
+    registry.snapshot()
+    link.set_rate(max(cfg.bandwidth_mbps))
+    prefill_tps = measure_prefill_speed(engine, contexts)
+    log(f"{engine.name} prefill speed: {prefill_tps:.0f} tokens/s")
+
+    refs: dict[str, tuple[str, list[int]]] = {}
+    jobs = [(bw, var, ctx, rep) for bw in cfg.bandwidth_mbps for var in vlist
+            for ctx in contexts for rep in range(cfg.repeats)]
+    current_bw = None
+    for bw, var, ctx, rep in tqdm(jobs, desc="TTFT runs", unit="req", file=sys.stderr):
+        if bw != current_bw:
+            link.set_rate(bw)
+            current_bw = bw
+        params = request_params(var, ctx, store_addr, info, cfg, prefill_tps, bw)
+        t = engine.serve(ctx, var, params, ctx.prompt.max_new_tokens)
+        text = bundle.tokenizer.decode(t.output_ids, skip_special_tokens=True)
+        if var.mode == "text" and ctx.cid not in refs:
+            refs[ctx.cid] = (text, t.output_ids)
+        ref_text, ref_ids = refs.get(ctx.cid, (None, None))
+        q = score_output(ctx.prompt, text, t.output_ids, ref_text, ref_ids)
+        q.update(ppl.get(var.label, {}))
+        adaptive = var.mode == "cachegen-adaptive"
+        writer.add_run(run_record(var, bw, engine.name, ctx, rep, t, q, text,
+                                  cfg.slo_s if adaptive else None,
+                                  slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None))
+
+    engine.close()  # a live vLLM engine would compete for the CPU with the HF engine below
+    if cfg.traces and "cachegen" in levels:
+        hf_tps = statistics.median(c.hf_prefill_tps for c in contexts)
+        writer.extend("adaptation", adaptation_experiment(cfg, bundle, link, store_addr, info,
+                                                          contexts, hf_tps))

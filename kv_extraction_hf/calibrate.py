@@ -1,0 +1,303 @@
+"""Fit a KVTC calibration for a model: prefill calibration text, fit PCA bases + bit
+allocation with ``codec.kvtc.fit_calibration``, write the safetensors artifact.
+
+KVTC (arXiv 2511.01815, section 3.1) learns its decorrelating bases on calibration text.
+The codec knows no model (house rule: ``codec`` imports nothing from the model side), so
+the model-facing half lives here: this module loads the model, extracts the KV with
+``kv_extraction_hf.extract.prefill_kv``, reads the model's rotary base (rope_theta) so
+keys can be decorrelated before RoPE, and hands plain tensors to the codec's pure
+``fit_calibration``. That is why the command is ``python -m kv_extraction_hf.calibrate``
+and not ``python -m codec.calibrate``.
+
+    python -m kv_extraction_hf.calibrate --model default --data wiki.valid.raw --out cal.safetensors
+    python -m kv_extraction_hf.calibrate --model default --default   # (re)make the cached default
+
+Calibrate on a split you do not evaluate on (WikiText-2 *validation* for WikiText-2 test
+measurements). ``default_calibration(bundle)`` returns the embedded model's default
+calibration, made on first use and cached like the model:
+``<cache>/kvtc/<hash>.safetensors`` plus an index keyed by the model's weights hash and
+the calibration settings.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kv_extraction_hf.errors import ExtractionError
+
+__all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calibrate", "default_calibration",
+           "DEFAULT_SETTINGS", "main"]
+
+# window_tokens x windows calibration tokens; the measured choices of docs/codec.md (KVTC)
+DEFAULT_SETTINGS = {"windows": 8, "window_tokens": 1024, "key_space": "pre_rope",
+                    "per_head": False, "weighting": "sensitivity", "sink_tokens": 4,
+                    "recent_tokens": 0}
+
+
+def rope_theta_of(bundle) -> float | None:
+    """The model's rotary base if it uses plain ("default") RoPE, else None (then keys are
+    decorrelated after RoPE)."""
+    cfg = bundle.model.config
+    params = getattr(cfg, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    rtype = params.get("rope_type", "default")
+    scaling = getattr(cfg, "rope_scaling", None)
+    if theta is None or rtype != "default" or (scaling and scaling.get("rope_type",
+                                                                       "default") != "default"):
+        return None
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return None
+    return float(theta)
+
+
+def _windows(bundle, text: str, windows: int, window_tokens: int) -> list[list[int]]:
+    tok = bundle.tokenizer
+    need = windows * window_tokens
+    ids: list[int] = []
+    # tokenise paragraph blocks until there are enough tokens (not the whole split)
+    step = 200_000
+    pos = 0
+    while len(ids) < need and pos < len(text):
+        ids.extend(tok(text[pos:pos + step], add_special_tokens=False)["input_ids"])
+        pos += step
+    if len(ids) < window_tokens:
+        raise ExtractionError(f"calibration text has only {len(ids)} tokens; need at least "
+                              f"{window_tokens}")
+    n = min(windows, len(ids) // window_tokens)
+    return [ids[i * window_tokens:(i + 1) * window_tokens] for i in range(n)]
+
+
+def calibration_samples(bundle, text: str, windows: int, window_tokens: int,
+                        sink_tokens: int = 4, log=print):
+    """Prefill ``windows`` consecutive windows of ``window_tokens`` tokens of ``text``.
+    Returns (k [L, N, H, D], v [L, N, H, D], positions int64 [N]) with each window's first
+    ``sink_tokens`` tokens left out (they are stored exactly by the codec)."""
+    from kv_extraction_hf.extract import prefill_kv
+
+    wins = _windows(bundle, text, windows, window_tokens)
+    ks, vs, ps = [], [], []
+    t0 = time.perf_counter()
+    for i, ids in enumerate(wins):
+        k, v = prefill_kv(bundle, ids)
+        ks.append(k[:, sink_tokens:])
+        vs.append(v[:, sink_tokens:])
+        ps.append(torch.arange(sink_tokens, len(ids)))
+        log(f"[calibrate] prefill window {i + 1}/{len(wins)} ({len(ids)} tokens, "
+            f"{time.perf_counter() - t0:.1f} s)")
+    return torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(ps)
+
+
+@torch.inference_mode()
+def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int],
+                        continuation: int = 32, rel_noise: float = 0.05,
+                        sink_tokens: int = 4, log=print):
+    """Per-(K/V, layer) sensitivity of the model's next-token distribution to KV error.
+
+    For each (K/V, layer) in turn, white Gaussian noise of variance ``rel_noise`` x that
+    (K/V, layer)'s mean per-channel variance is added to the context KV (all tokens but
+    the sinks) and the KL divergence of the next-token distributions over the last
+    ``continuation`` tokens of ``ids`` is measured. k, v: [L, T, H, D], the prefill KV of
+    ``ids`` (T = len(ids)). Returns float64 [2, L]: KL (nats) per unit of absolute
+    noise variance per element; KVTC's water level of a (K/V, layer) is made inversely proportional to it
+    (minimising the first-order KL, which is linear in the error variance). 2L + 1
+    forward passes of ``continuation`` tokens.
+    """
+    import numpy as np
+
+    from kv_extraction_hf.inject import continuation_logits
+
+    T = k.shape[1] - continuation
+    if T <= sink_tokens + 1:
+        raise ExtractionError("sensitivity window too short")
+    ctx, cont = ids[:T], ids[T:]
+    kc, vc = k[:, :T], v[:, :T]
+    ref = torch.log_softmax(continuation_logits(bundle, kc, vc, ctx, cont), -1)
+    gen = torch.Generator().manual_seed(0)
+    L = k.shape[0]
+    out = np.zeros((2, L))
+    t0 = time.perf_counter()
+    for kv, x in enumerate((kc, vc)):
+        for layer in range(L):
+            xl = x[layer, sink_tokens:].float()
+            var = float(xl.reshape(xl.shape[0], -1).var(0).mean())
+            noisy = x.clone()
+            noise = torch.randn(xl.shape, generator=gen) * (rel_noise * var) ** 0.5
+            noisy[layer, sink_tokens:] = (xl + noise).to(x.dtype)
+            kk, vv = (noisy, vc) if kv == 0 else (kc, noisy)
+            lq = torch.log_softmax(continuation_logits(bundle, kk, vv, ctx, cont), -1)
+            out[kv, layer] = float((ref.exp() * (ref - lq)).sum(-1).mean()) / (rel_noise * var)
+        log(f"[calibrate] sensitivity of {'KV'[kv]}: {L} layers "
+            f"({time.perf_counter() - t0:.1f} s)")
+    return out
+
+
+def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
+              key_space: str = "pre_rope", per_head: bool = False,
+              weighting: str = "relative", sink_tokens: int = 4, recent_tokens: int = 0,
+              data_name: str = "", log=print):
+    """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
+    ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
+    is not the plain rotate-half kind) or "post_rope". Raises ExtractionError."""
+    from codec import kvtc
+
+    if key_space not in ("pre_rope", "post_rope"):
+        raise ExtractionError(f"key_space must be pre_rope or post_rope, got {key_space!r}")
+    theta = rope_theta_of(bundle) if key_space == "pre_rope" else None
+    if key_space == "pre_rope" and theta is None:
+        log("[calibrate] model RoPE is not plain rotate-half: decorrelating keys after RoPE")
+    k, v, pos = calibration_samples(bundle, text, windows, window_tokens, sink_tokens, log)
+    if weighting == "sensitivity":
+        import numpy as np
+
+        from kv_extraction_hf.extract import prefill_kv
+
+        ids = _windows(bundle, text, 1, window_tokens)[0]
+        k0, v0 = prefill_kv(bundle, ids)
+        sens = measure_sensitivity(bundle, k0, v0, ids, sink_tokens=sink_tokens, log=log)
+        # water level per (K/V, layer) inversely proportional to its sensitivity
+        weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
+    meta = {"model_id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
+            "data": data_name, "windows": windows, "window_tokens": window_tokens}
+    t0 = time.perf_counter()
+    cal = kvtc.fit_calibration(k, v, positions=pos, rope_theta=theta, per_head=per_head,
+                               weighting=weighting, sink_tokens=sink_tokens,
+                               recent_tokens=recent_tokens, meta=meta,
+                               progress=lambda s: log(f"[calibrate] {s}"))
+    log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
+    return cal
+
+
+def _settings_key(weights_hash: str, settings: dict) -> str:
+    from codec import kvtc
+
+    blob = json.dumps({"weights": weights_hash, "settings": settings,
+                       "version": kvtc.CALIBRATION_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _default_text() -> tuple[str, str]:
+    """WikiText-2 validation text: the hub (datasets) or, offline, the repository's
+    ../shared/data/wikitext-2/valid.txt next to the checkout, if present."""
+    from kv_extraction_hf.datasets_loaders import load_wikitext2
+
+    here = Path(__file__).resolve().parent.parent
+    for cand in (here.parent / "shared" / "data" / "wikitext-2" / "valid.txt",):
+        if cand.is_file():
+            return load_wikitext2(str(cand), split="validation"), f"wikitext-2 valid ({cand.name})"
+    return load_wikitext2(None, split="validation"), "wikitext-2-raw-v1 validation (hub)"
+
+
+def default_calibration(bundle, text: str | None = None, data_name: str = "",
+                        log=print) -> Path:
+    """Path of the default KVTC calibration for ``bundle``'s model, fitting it on first use
+    (WikiText-2 validation, ``DEFAULT_SETTINGS``) and caching it in ``<cache>/kvtc/``
+    keyed by the model's weights hash + settings. The artifact is also registered with
+    ``codec.kvtc.register_calibration``. Raises ExtractionError if no calibration text."""
+    from codec import kvtc
+    from kv_extraction_hf.model import _file_lock, cache_dir
+
+    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS)
+    folder = cache_dir() / "kvtc"
+    folder.mkdir(parents=True, exist_ok=True)
+    index = folder / f"default-{key}.json"
+    with _file_lock(f"kvtc-{key}"):
+        if index.is_file():
+            with contextlib.suppress(ValueError, OSError, KeyError, kvtc.CodecError):
+                path = folder / f"{json.loads(index.read_text())['hash']}.safetensors"
+                kvtc.register_calibration(path)
+                return path
+        if text is None:
+            text, data_name = _default_text()
+        log(f"[calibrate] no default KVTC calibration for this model yet: fitting one "
+            f"(key {key})")
+        s = DEFAULT_SETTINGS
+        cal = calibrate(bundle, text, windows=s["windows"], window_tokens=s["window_tokens"],
+                        key_space=s["key_space"], per_head=s["per_head"],
+                        weighting=s["weighting"], sink_tokens=s["sink_tokens"],
+                        recent_tokens=s["recent_tokens"], data_name=data_name, log=log)
+        path = cal.save(folder)
+        tmp = index.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,
+                                   "settings": DEFAULT_SETTINGS}))
+        os.replace(tmp, index)
+        kvtc.register_calibration(cal)
+        return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m kv_extraction_hf.calibrate",
+        description="Fit a KVTC calibration (PCA bases + bit allocation) for a model on "
+                    "calibration text and write it as a safetensors artifact.")
+    ap.add_argument("--model", default="default", help="HF id, local folder, GGUF, or "
+                    "'default' (the embedded SmolLM2-135M)")
+    ap.add_argument("--data", default=None, help="calibration text: a raw text file or a "
+                    "WikiText-2 .parquet (default: WikiText-2 validation)")
+    ap.add_argument("--out", default=None, help="artifact path or folder (default: the "
+                    "cache folder, <cache>/kvtc/<hash>.safetensors)")
+    ap.add_argument("--default", action="store_true", help="make (or show) the model's "
+                    "cached default calibration instead")
+    ap.add_argument("--windows", type=int, default=DEFAULT_SETTINGS["windows"])
+    ap.add_argument("--window-tokens", type=int, default=DEFAULT_SETTINGS["window_tokens"])
+    ap.add_argument("--key-space", choices=("pre_rope", "post_rope"),
+                    default=DEFAULT_SETTINGS["key_space"])
+    ap.add_argument("--per-head", action="store_true", help="block-diagonal per-head bases")
+    ap.add_argument("--weighting", choices=("sensitivity", "relative", "absolute"),
+                    default=DEFAULT_SETTINGS["weighting"])
+    ap.add_argument("--sink-tokens", type=int, default=DEFAULT_SETTINGS["sink_tokens"])
+    ap.add_argument("--recent-tokens", type=int, default=DEFAULT_SETTINGS["recent_tokens"])
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from codec import kvtc
+    from codec.errors import CodecError
+    from kv_extraction_hf.datasets_loaders import load_wikitext2
+    from kv_extraction_hf.model import load_model
+
+    try:
+        for name in ("windows", "window_tokens"):
+            if getattr(args, name) < 1:
+                raise ExtractionError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.sink_tokens < 0 or args.recent_tokens < 0:
+            raise ExtractionError("--sink-tokens / --recent-tokens must be >= 0")
+        t0 = time.perf_counter()
+        bundle = load_model(args.model)
+        if args.default:
+            path = default_calibration(bundle)
+        else:
+            if args.data:
+                p = Path(args.data)
+                text = load_wikitext2(str(p), split="validation")
+                name = p.name
+            else:
+                text, name = _default_text()
+            cal = calibrate(bundle, text, windows=args.windows,
+                            window_tokens=args.window_tokens, key_space=args.key_space,
+                            per_head=args.per_head, weighting=args.weighting,
+                            sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
+                            data_name=name)
+            path = cal.save(args.out if args.out else _mkdir(kvtc.default_calibration_dir()))
+        print(f"[calibrate] wrote {path} in {time.perf_counter() - t0:.1f} s")
+        return 0
+    except (ExtractionError, CodecError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

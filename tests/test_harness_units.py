@@ -1,0 +1,285 @@
+"""Unit tests of the harness stages with fakes: no model load, no link, no engine.
+
+Covers harness.contexts (variants, store levels, prefix and chunk arithmetic),
+harness.engines (request protocol, adaptive decisions merged for both engines),
+harness.quality (registry-driven scoring), harness.adaptation (SLO, traces, rows),
+harness.results (run records, complete flag, table), evaluation.summary (one
+aggregation rule per metric) and run_benchmarks' interrupt message.
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import run_benchmarks
+from evaluation import metrics as M
+from evaluation.summary import aggregate_metric, higher_is_better, plot_label, summarize
+from harness.adaptation import adaptation_rows, load_traces, slo_violated
+from harness.config import RunConfig
+from harness.contexts import (BenchmarkError, Context, Variant, chunk_ranges, load_prefix,
+                              store_levels, variants)
+from harness.engines import RequestTiming, merge_decisions, request_params, timing_from_connector
+from harness.lifecycle import Terminated
+from harness.quality import score_output
+from harness.results import ResultsWriter, run_record, summary_table, validate
+from streaming.traces import Trace
+
+
+def _timing(**kw) -> RequestTiming:
+    base = dict(ttft_s=1.0, lookup_s=0.01, transfer_s=0.3, decode_s=0.2, load_s=0.4, inject_s=0.05,
+                prefill_s=0.5, first_token_s=0.01, e2e_s=2.0, output_ids=[5, 6, 7], loaded_tokens=256,
+                bytes=1000, chunks=[])
+    base.update(kw)
+    return RequestTiming(**base)
+
+
+def _prompt(**kw):
+    base = dict(task="needle", answer="blue lantern", answers=[], metric="retrieval_accuracy",
+                context_ids=list(range(300)), question_ids=[1, 2, 3], input_ids=list(range(303)),
+                max_new_tokens=8, meta={})
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _ctx(**kw) -> Context:
+    c = Context("needle-0", _prompt(), None, None, 256, keys={"cachegen": "K1", "raw": "K2"},
+                dtype_bytes=256 * 4000)
+    c.sizes[("cachegen", 1)] = 900
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return c
+
+
+# ----------------------------------------------------------------------------- contexts
+def test_variants_text_first_and_levels_expanded():
+    cfg = RunConfig(modes=("raw", "cachegen", "text", "cachegen-adaptive"), levels=(0, 3))
+    got = variants(cfg, (0, 1, 2, 3, 4, 5))
+    assert [v.label for v in got] == ["text", "raw", "cachegen-l0", "cachegen-l3", "cachegen-adaptive"]
+    assert [v.codec for v in got] == [None, "raw", "cachegen", "cachegen", "cachegen"]
+    all_levels = variants(RunConfig(modes=("cachegen",), levels=None), (0, 1, 2))
+    assert [v.level for v in all_levels] == [0, 1, 2]
+
+
+def test_store_levels_union_for_adaptive():
+    cfg = RunConfig(modes=("text", "raw", "cachegen", "cachegen-adaptive"), levels=(1, 4))
+    got = store_levels(variants(cfg, (0, 1, 2, 3, 4, 5)), cfg, (0, 1, 2, 3, 4, 5))
+    assert got == {"raw": [None], "cachegen": [1, 4]}
+    only_adaptive = RunConfig(modes=("cachegen-adaptive",), levels=None)
+    assert store_levels(variants(only_adaptive, (0, 1)), only_adaptive, (0, 1)) == {"cachegen": [0, 1]}
+
+
+@pytest.mark.parametrize("ctx_tokens,prompt_tokens,block,want", [
+    (1000, 1010, 128, 896), (1024, 1025, 128, 1024), (1024, 1024, 128, 896), (100, 120, 128, 0)])
+def test_load_prefix_whole_blocks_shorter_than_prompt(ctx_tokens, prompt_tokens, block, want):
+    assert load_prefix(ctx_tokens, prompt_tokens, block) == want
+
+
+def test_chunk_ranges_cover_prefix():
+    assert chunk_ranges(640, 256) == [(0, 256), (256, 512), (512, 640)]
+    assert chunk_ranges(256, 256) == [(0, 256)]
+
+
+# ----------------------------------------------------------------------------- engines
+def test_request_params_protocol():
+    info = SimpleNamespace(model_id="m", weights_hash="w")
+    cfg = RunConfig(slo_s=2.0)
+    ctx = _ctx()
+    assert request_params(Variant("text"), ctx, "h:1", info, cfg, 100.0, 50.0) is None
+    p = request_params(Variant("cachegen", 3), ctx, "h:1", info, cfg, 100.0, 50.0)
+    assert p["context_key"] == "K1" and p["level"] == 3 and p["codec_tag"] == "cachegen"
+    assert p["stats_tag"] == "cachegen-l3/needle-0" and "policy" not in p
+    a = request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, 50.0)
+    assert a["policy"] == {"slo_s": 2.0, "prefill_tokens_per_s": 100.0, "initial_throughput_mbps": 50.0}
+    assert "level" not in a
+
+
+def test_decisions_reach_chunks_under_both_engines():
+    decisions = [{"chunk": 0, "reason": "fits", "throughput_mbps_est": 90.0, "budget_s": 0.5},
+                 {"chunk": 1, "reason": "text", "throughput_mbps_est": 5.0, "budget_s": 0.1}]
+    chunks = [{"index": 0, "level": 2}, {"index": 1, "text_fallback": True}, {"index": 2}]
+    merge_decisions(chunks, decisions)  # the HF path (hf_load)
+    assert chunks[0]["decision"] == "fits" and chunks[1]["throughput_mbps_est"] == 5.0
+    assert "decision" not in chunks[2]
+    # the vLLM path: the connector's load record carries the same "decisions" list
+    rec = {"lookup_s": 0.01, "load_s": 0.3, "inject_s": 0.02, "loaded_tokens": 256, "bytes": 99,
+           "chunks": [{"index": 0, "level": 2}, {"index": 1, "text_fallback": True}],
+           "decisions": decisions}
+    t = timing_from_connector(rec, 0.5, 0.9, [1, 2])
+    assert [c.get("decision") for c in t.chunks] == ["fits", "text"]
+    assert t.prefill_s == pytest.approx(0.5 - 0.01 - 0.3 - 0.02) and t.first_token_s is None
+    miss = timing_from_connector({}, float("nan"), 0.7, [1])  # text mode / miss; no TTFT metric
+    assert miss.ttft_s == 0.7 and miss.loaded_tokens == 0 and miss.chunks == []
+
+
+# ----------------------------------------------------------------------------- quality
+def test_score_output_driven_by_registry():
+    ref_ids = [5, 6, 7, 8]
+    q = score_output(_prompt(), "The answer is blue lantern.", [5, 6, 0, 8], "The answer is blue lantern.",
+                     ref_ids)
+    assert q["correct"] is True and q["f1"] is None  # only the prompt's own task metric
+    assert q["rouge_l"] == pytest.approx(1.0) and q["greedy_match"] == 0.75
+    assert set(q) == {m.column for m in M.result_metrics()}
+    assert q["ppl_increase_pct"] is None and q["kl"] is None  # computed by the perplexity pass
+    f1 = score_output(_prompt(metric="qa_f1", answer="paris", answers=["Paris", "the city of Paris"]),
+                      "paris", [1], None, None)
+    assert f1["f1"] == 1.0 and f1["correct"] is None and f1["rouge_l"] is None
+
+
+def test_registry_declares_direction_and_aggregation():
+    by_col = {m.column: m for m in M.result_metrics()}
+    assert by_col["correct"].aggregation == "share" and by_col["correct"].summary_key == "accuracy"
+    for col in ("f1", "rouge_l", "bleu", "greedy_match", "ppl_increase_pct", "kl"):
+        assert by_col[col].aggregation == "median"
+    assert by_col["kl"].higher_is_better is False and by_col["f1"].higher_is_better is True
+    hib = higher_is_better()
+    assert hib["accuracy"] is True and hib["ppl_increase_pct"] is False and hib["ttft_s"] is False
+    with pytest.raises(ValueError, match="aggregation"):
+        M.register_metric("x_bad", higher_is_better=True, unit="-", aggregation="max")
+
+
+# ----------------------------------------------------------------------------- summaries
+def _run(mode="raw", level=None, bw=100.0, ttft=1.0, **quality):
+    return {"mode": mode, "level": level, "bandwidth_mbps": bw, "ttft_s": ttft, "bytes": 10,
+            "quality": quality}
+
+
+def test_summaries_medians_and_share_one_rule():
+    runs = [_run(f1=0.0, correct=True), _run(f1=0.1, correct=False), _run(f1=1.0, correct=True)]
+    (s,) = summarize(runs)
+    assert s["f1"] == 0.1  # median, as docs/results-schema.md says (the mean would be 0.3667)
+    assert s["accuracy"] == pytest.approx(2 / 3)  # share of correct answers
+    assert s["n"] == 3 and s["ttft_s_median"] == 1.0
+
+
+def test_summaries_grouping_order_and_nones():
+    runs = [_run("cachegen", 2, 500.0, 2.0), _run("cachegen", 2, 100.0, 4.0), _run("text", None, 100.0, 3.0),
+            _run("cachegen", 2, 100.0, 6.0, greedy_match=None)]
+    out = summarize(runs)
+    assert [(s["bandwidth_mbps"], s["mode"], s["level"]) for s in out] == [
+        (100.0, "cachegen", 2), (100.0, "text", None), (500.0, "cachegen", 2)]
+    assert out[0]["ttft_s_median"] == 5.0 and out[0]["greedy_match"] is None
+    assert out[0]["slo_violation_rate"] is None
+
+
+def test_aggregate_metric_and_plot_label():
+    assert aggregate_metric(M.get_metric("retrieval_accuracy"), [True, None, False, True]) == pytest.approx(2 / 3)
+    assert aggregate_metric(M.get_metric("bleu"), [None, None]) is None
+    assert plot_label("cachegen", 2) == "cachegen-l2" and plot_label("raw", None) == "raw"
+    assert plot_label("raw", float("nan")) == "raw"
+
+
+# ----------------------------------------------------------------------------- adaptation
+def test_slo_check_counts_load_inject_and_fallback_recompute():
+    chunks = [{"index": 0, "token_start": 0, "token_end": 256},
+              {"index": 1, "token_start": 256, "token_end": 512, "text_fallback": True}]
+    t = _timing(load_s=0.4, inject_s=0.05, chunks=chunks, prefill_s=99.0)
+    # 0.4 + 0.05 + 256 tokens / 1000 tokens/s = 0.706 s; the question's prefill is outside
+    assert slo_violated(t, 0.8, 1000.0) is False
+    assert slo_violated(t, 0.7, 1000.0) is True
+    assert slo_violated(_timing(load_s=0.4, inject_s=0.05), 0.46, 1.0) is False
+
+
+def test_load_traces_names_and_errors():
+    got = load_traces(("constant", "step"), 6, (100.0, 1000.0))
+    assert got[0].mbps == (1000.0,) * 6
+    assert got[1].mbps == (1000.0, 1000.0, 100.0, 100.0, 1000.0, 1000.0)
+    with pytest.raises(BenchmarkError, match="unknown trace 'wobble'"):
+        load_traces(("wobble",), 4, (100.0,))
+
+
+def test_adaptation_rows_per_chunk():
+    trace = Trace("step", (500.0, 50.0))
+    chunks = [{"index": 0, "level": 2, "bytes": 10, "fetch_end_s": 0.2, "decision": "fits"},
+              {"index": 1, "text_fallback": True, "decode_end_s": 0.1, "token_start": 0, "token_end": 0}]
+    rows = adaptation_rows(trace, _ctx(), _timing(chunks=chunks), 1.0, 1000.0)
+    assert [r["bandwidth_mbps"] for r in rows] == [500.0, 50.0]
+    assert [r["elapsed_s"] for r in rows] == [0.2, 0.2]  # running maximum
+    assert rows[0]["decision"] == "fits" and rows[1]["text_fallback"] is True
+    assert rows[0]["slo_violated"] is False
+
+
+# ----------------------------------------------------------------------------- results
+def test_run_record_fields_and_ratio():
+    ctx = _ctx()
+    t = _timing(bytes=256 * 1000, loaded_tokens=256)
+    rec = run_record(Variant("cachegen", 1), 100.0, "hf", ctx, 0, t, {"correct": True}, "x", None, None)
+    assert rec["ratio_vs_dtype"] == pytest.approx(4.0)  # 4000 B/token in the dtype / 1000 moved
+    assert rec["stored_bytes"] == 900 and rec["label"] == "cachegen-l1"
+    assert rec["truncated_from_tokens"] is None and rec["prompt_tokens"] == 303
+    text = run_record(Variant("text"), 100.0, "hf", ctx, 0, _timing(bytes=0, loaded_tokens=0), {}, "x",
+                      None, None)
+    assert text["ratio_vs_dtype"] is None and text["stored_bytes"] is None
+
+
+def test_writer_complete_flag(tmp_path):
+    path = tmp_path / "r.json"
+    w = ResultsWriter(path, {"command": "x", "environment": {}, "model": {}, "config": {}})
+    assert not w.written and not path.exists()
+    w.add_run(dict(_run(), lookup_s=0, transfer_s=0, decode_s=0, inject_s=0, prefill_s=0,
+                   first_token_s=0))
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is False and validate(doc) == []
+    w.finish(wall_s=3.0)
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is True and doc["wall_s"] == 3.0
+    table = summary_table(doc).splitlines()
+    assert len(table) == 2 and table[1].split()[0] == "raw"
+
+
+def test_interrupted_message_says_what_exists(tmp_path):
+    exc = KeyboardInterrupt()
+    exc.results_path, exc.n_runs = None, 0
+    msg = run_benchmarks.interrupted_message(exc)
+    assert "no results file was written" in msg and "finished so far" not in msg
+    term = Terminated(15)
+    term.results_path, term.n_runs = tmp_path / "r.json", 4
+    msg = run_benchmarks.interrupted_message(term)
+    assert msg.startswith("terminated by SIGTERM: 4 finished run(s) are in") and "complete" in msg
+    assert term.code == 143
+
+
+# ----------------------------------------------------------------------------- config / console
+def test_every_config_field_has_its_flag():
+    import dataclasses
+
+    dests = {a.dest for a in run_benchmarks.build_parser()._actions}
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    # data_map is built from --data-map and --data-field-* (kv_extraction_hf.dataflags)
+    assert fields <= dests and "data_field_context" in dests
+    import yaml
+    from harness.config import DEFAULT_CONFIG
+
+    assert set(yaml.safe_load(DEFAULT_CONFIG.read_text())) == fields - {"quick"}
+
+
+def test_quick_levels_is_the_codec_default():
+    from codec.config import HARNESS_DEFAULT_LEVEL
+    from harness.config import QUICK_LEVELS
+
+    assert QUICK_LEVELS == (HARNESS_DEFAULT_LEVEL,)
+
+
+def test_engine_logs_routed_to_a_file(tmp_path, monkeypatch):
+    import logging
+    import logging.config
+
+    from harness.run import engine_log_path, route_engine_logs
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    path = engine_log_path(tmp_path / "results.json")
+    assert path == tmp_path / "results.engine.log"
+    route_engine_logs(path)
+    import os
+
+    conf = json.loads(open(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read())
+    logging.config.dictConfig(conf)
+    try:
+        logging.getLogger("vllm.engine").info("engine started with 2 workers")
+    finally:
+        for h in logging.getLogger("vllm").handlers:
+            h.close()
+        logging.getLogger("vllm").handlers.clear()
+    assert "engine started with 2 workers" in path.read_text()
