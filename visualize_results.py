@@ -905,6 +905,8 @@ def fig_adapt_violation_vs_slo(doc: dict, trace_set: str = "artifact"):
             ax.plot([x], [y], marker="s", mfc="none", mec="tab:red", ms=11, ls="none",
                     label=f"{pol} (real link, n={n})")
     ax.set_xscale("log", base=2)
+    slos = sorted({r["slo_s"] for r in rows})
+    ax.set_xticks(slos, [f"{x:g}" for x in slos])
     ax.set_xlabel("SLO for loading the context (s)")
     ax.set_ylabel("SLO violation rate (%)")
     ns = sorted({r["n"] for r in rows if r.get("link") == "simulated"})

@@ -227,7 +227,8 @@ def entropy_bench(argv=None) -> int:
     tot = enc.total_bytes
     print(f"chunk [L={L}, T={T}, C={C}] x K/V = {n} symbols; groups (nbins, K) = {enc.header['model_groups']}")
     print(f"ideal (per-channel empirical entropy): {enc.ideal_bits / n:.4f} bits/sym = {enc.ideal_bits / 8:.0f} B")
-    print(f"coded-model cross-entropy: {enc.entropy_bits / 8:.0f} B ({100 * (enc.entropy_bits / enc.ideal_bits - 1):+.2f}% vs ideal)")
+    print(f"coded-model cross-entropy: {enc.entropy_bits / 8:.0f} B "
+          f"({100 * (enc.entropy_bits / enc.ideal_bits - 1):+.2f}% vs ideal)")
     print(f"payload {enc.payload_bytes} B + length table {enc.length_table_bytes} B "
           f"({100 * ((enc.payload_bytes + enc.length_table_bytes) * 8 / enc.entropy_bits - 1):+.2f}% vs cross-entropy)")
     print(f"models {enc.model_bytes} B = {100 * enc.model_bytes / tot:.2f}% of {tot} B; "

@@ -155,7 +155,7 @@ def check_rate(rate_mbps: float, method: str = "auto", seconds: float = 3.0, rep
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.linkcheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bandwidth-mbps", type=float, nargs="+", default=[100.0, 500.0, 1000.0])
     ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
     ap.add_argument("--seconds", type=float, default=3.0, help="length of one transfer at the target rate")

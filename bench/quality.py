@@ -236,7 +236,6 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         k, v = prefill_kv(bundle, ctx)
         ref = reference_scores(continuation_logits(bundle, k, v, ctx, cont), cont)
         t_prefill += time.perf_counter() - t
-        ref_nll = None
         for pair in pairs:
             label = _label(*pair)
             if label in skipped:
@@ -255,7 +254,6 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
             logits = continuation_logits(bundle, k2.to(k.dtype), v2.to(v.dtype), ctx, cont)
             t4 = time.perf_counter()
             s = window_scores(ref, logits, cont)
-            ref_nll = s["ref_nll"]
             a["kl"].append(s["kl"])
             a["top1"].append(s["top1"])
             a["ppl_change_pct"].append(100.0 * (math.exp(s["nll"] - s["ref_nll"]) - 1.0))
@@ -265,8 +263,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
             a["encode_s"] += t2 - t1
             a["decode_s"] += t3 - t2
             a["forward_s"] += t4 - t3
-        if ref_nll is not None:
-            ref_ppl.append(math.exp(ref_nll))
+        ref_ppl.append(math.exp(ref["ref_nll"]))
         log(f"  window {w + 1}/{len(offsets)} (offset {off}) done, {time.perf_counter() - t0:.0f} s")
     for label in skipped:
         acc = {p: a for p, a in acc.items() if _label(*p) != label}
@@ -594,7 +591,7 @@ def _main(args, argv: list[str]) -> int:
     doc: dict[str, Any] = previous if previous else {"rows": [], "tasks": []}
     doc.update({
         "kind": "quality", "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m bench.quality"] + argv),
+        ("tasks_command" if args.tasks_only else "command"): " ".join(["python -m bench.quality"] + argv),
         "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
                   "dtype": bundle.info.dtype, "num_layers": bundle.info.num_layers},
         "environment": environment()})
@@ -616,9 +613,10 @@ def _main(args, argv: list[str]) -> int:
                                                  "prefill_s", "total_s")}
         print()
         print_table(rows)
-        if info["lossless_check"] is not None:
-            print(f"lossless check (raw): max KL {info['lossless_check']['max_kl']:.3g}, min top-1 "
-                  f"{info['lossless_check']['min_top1']:.3f} -> {'passed' if info['lossless_check']['passed'] else 'FAILED'}")
+        chk = info["lossless_check"]
+        if chk is not None:
+            print(f"lossless check (raw): max KL {chk['max_kl']:.3g}, min top-1 {chk['min_top1']:.3f} -> "
+                  f"{'passed' if chk['passed'] else 'FAILED'}")
         for label, why in info["skipped"].items():
             print(f"skipped {label}: {why}")
     if do_tasks:

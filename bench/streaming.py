@@ -116,7 +116,7 @@ def run_adapt(traces: list[Trace], level_bytes: dict[int, int], tokens: int, slo
                         "trace": tr.name, "trace_scale": tr.scale, "chunk": ch.index, "bandwidth_mbps": tr.at(ch.index),
                         "throughput_mbps_est": round(dcs.throughput_mbps_est, 2), "level": ch.level,
                         "text_fallback": ch.text_fallback, "reason": dcs.reason, "elapsed_s": round(dcs.elapsed_s, 4),
-                        "budget_s": round(dcs.budget_s, 4), "slo_s": slo_s, "bytes": ch.bytes,
+                        "budget_s": None if dcs.budget_s is None else round(dcs.budget_s, 4), "slo_s": slo_s, "bytes": ch.bytes,
                         "transfer_s": round(ch.transfer_s, 4), "decode_s": round(ch.decode_s, 4),
                         "method": link.method,
                     })
@@ -139,7 +139,8 @@ def _write(path: Path | None, doc) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = argparse.ArgumentParser(prog="python -m bench.streaming", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n")[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pipeline")

@@ -281,7 +281,7 @@ def format_table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m bench.triton", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="example: python -m bench.triton --device cuda")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1")

@@ -81,7 +81,8 @@ def run_demo(args) -> int:
         store = f"{srv.host}:{srv.port}"
         link_desc = f"{link.method} {args.rate_mbps} Mbit/s" if link else "loopback, unshaped"
         print(f"store at {store} ({link_desc})")
-        llm = make_llm(model_dir, {"source_dir": str(work / "kv"), "stats_path": str(stats)},
+        llm = make_llm(model_dir, {"source_dir": str(work / "kv"), "stats_path": str(stats),
+                                   "stores": {"demo": store}, "allow_client_save": True},
                        max_model_len=max(4096, len(prompt) + 64))
         try:
             modes: dict[str, Any] = {"text": None,

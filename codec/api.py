@@ -73,8 +73,10 @@ def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
     for key, n in zip("LTHD", k.shape):
         if n > MAX_DIM[key]:
             raise ValueError(f"dimension {key}={n} exceeds the limit {MAX_DIM[key]}")
+    from .fused import all_finite   # one numba pass over the bits (issue 14.6)
+
     for name, t in (("k", k), ("v", v)):
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise ValueError(f"{name} contains NaN or inf")
     return tuple(k.shape)  # type: ignore[return-value]
 
@@ -420,6 +422,11 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
     else CPU), "cpu" (decode on the host, then copy to ``device``) or "triton" (rANS
     decoding and dequantization by ``codec.triton_kernels`` on ``device``). The decoded
     values are identical either way. Only cachegen / cachegen-ref use Triton.
+    On the CPU, cachegen / cachegen-ref / quant8 / fp8 / KIVI decode with the fused
+    decoders of ``codec.fused`` (symbols -> model dtype in one pass, both cores, no
+    intermediate tensor; bit-identical to the reference path). ``out``: optional
+    (k_out, v_out) contiguous CPU tensors of the header's shape and dtype to decode into
+    (``decode_kv_into``).
     Returns: (k, v), each [L, T, H, D] in the ORIGINAL dtype, on ``device``.
     Raises: CodecError on any malformed, truncated or corrupted input (nothing else);
       ValueError on a bad ``device`` or ``backend`` argument.
@@ -451,7 +458,9 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
     # fused CPU decoders check their tables, sinks and outliers instead: finite by
     # construction, no extra pass over the output)
     fused = b != "triton" and getattr(c, "fused_cpu", False)
-    if not fused and not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+    from .fused import all_finite
+
+    if not fused and not (all_finite(k) and all_finite(v)):
         raise CodecError(f"{c.name}: decoded KV contains NaN/inf (corrupt bitstream)")
     if outp is not None and not fused:
         ko, vo = outp

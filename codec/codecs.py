@@ -350,13 +350,14 @@ class CacheGenCodec(Codec):
         tag = "k" if is_key else "v"
         hdr: dict[str, Any] = {}
         arrays: dict[str, np.ndarray] = {}
+        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape, device=x.device)
         if cfg.scale_group == "chunk_head" and xg.numel():
             # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
             # a sparse side list and set to 0 before the scale is taken (issue 12.3;
-            # docs/bitstream.md section 4.4)
+            # docs/bitstream.md section 4.4); normal KV stops at the group maxima
             thr = Q.outlier_thresholds(xg, dims)
-            mask = xg.to(torch.float32).abs() > thr
-            if bool(mask.any()):
+            if bool((s > thr).any()):
+                mask = xg.to(torch.float32).abs() > thr
                 flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
                 idx = flat.cpu().numpy()
                 n_all = xg.numel()
@@ -365,7 +366,7 @@ class CacheGenCodec(Codec):
                 arrays[f"out_{tag}_val"] = to_bits(xg.reshape(-1)[flat])
                 hdr[f"n_out_{tag}"] = int(idx.size)
                 xg = torch.where(mask, torch.zeros_like(xg), xg)
-        s = Q.row_scales(xg, dim=dims) if xg.numel() else torch.zeros(eshape, device=x.device)
+                s = Q.row_scales(xg, dim=dims)
         s = Q.flush_tiny_scales(s)      # M / s must not overflow float32 (issue 12.2)
         enc = Q.encode_log8(s) if cfg.scale_format == "log8" and s.numel() else None
         if enc is not None:

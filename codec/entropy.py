@@ -4,7 +4,10 @@ Purpose: turn the integer symbols of one chunk (K and V, each [L, T, C] uint8) i
 independent rANS streams (docs/bitstream.md sections 1-3) plus the compact model table
 (section 4), and back. Implements CacheGen's arithmetic coding with a probability model
 per (layer, channel) (Liu et al., SIGCOMM 2024, section 5.2) with a per-chunk codebook of
-models (codec/probability.py) and the rANS coder of codec/rans_cpu.py.
+models (codec/probability.py) and a rANS coder backend (``CoderBackend``: the numba
+``codec.rans_cpu.CPU_CODER`` by default, or ``codec.triton_kernels.TRITON_CODER``), whose
+constants and stream layout are codec/rans_spec.py's. ``decode_symbols_into`` fuses the
+decoding with a table dequantization into a destination (codec/fused.py).
 
 Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
 Run the benchmark: .venv/bin/python -m bench.coder entropy   (prints Msym/s and overheads)

@@ -32,7 +32,7 @@ import torch
 from . import quantize as Q
 from .errors import CodecError
 
-__all__ = ["dequant_table", "bits_view", "decode_cachegen_cpu", "decode_fp8_cpu",
+__all__ = ["all_finite", "dequant_table", "bits_view", "decode_cachegen_cpu", "decode_fp8_cpu",
            "decode_kivi_cpu", "check_out"]
 
 
@@ -44,6 +44,20 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.float32:
         return t.view(torch.int32).numpy().view(np.uint32)
     raise ValueError(f"unsupported dtype {t.dtype}")
+
+
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """``bool(torch.isfinite(t).all())`` for a bf16/fp16/fp32 tensor in one numba pass over
+    its bits on both cores, without the full-size bool temporary (issue 14.6); other
+    devices/dtypes fall back to torch."""
+    if t.device.type != "cpu" or t.dtype not in _NAMES:
+        return bool(torch.isfinite(t).all())
+    from .rans_cpu import count_nonfinite
+
+    return count_nonfinite(bits_view(t.contiguous()), _NAMES[t.dtype]) == 0
 
 
 def dequant_table(eff: torch.Tensor, m: torch.Tensor, nsym: int, dtype: torch.dtype

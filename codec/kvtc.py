@@ -68,7 +68,7 @@ CALIBRATION_VERSION = 1
 # exact sink/recent tokens and the container's overhead. Chosen by the measurements in
 # docs/codec.md ("KVTC").
 DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.4, 1: 0.55, 2: 0.75, 3: 1.0, 4: 1.5, 5: 2.2}
-DEFAULT_LEVEL = 2
+DEFAULT_LEVEL = 3
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
 MAX_Q = 127                      # |quantized coefficient| <= 127: symbols fit in 255 bins
@@ -94,9 +94,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate x float32 [L, T, H, D] (D even) by RoPE at ``positions`` int64 [T]."""
-    cos, sin = _rope_cos_sin(positions, x.shape[-1], theta)
-    return x * cos + _rotate_half(x) * sin
+    """Rotate x float32 [L, T, H, D] (D even) by RoPE at ``positions`` int64 [T]
+    (same values as ``x * cos + rotate_half(x) * sin``, computed on the two halves)."""
+    D = x.shape[-1]
+    cos, sin = _rope_cos_sin(positions, D, theta)
+    c, s_ = cos[..., :D // 2], sin[..., :D // 2]
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    out = torch.empty_like(x)
+    torch.mul(x1, c, out=out[..., :D // 2])
+    out[..., :D // 2].addcmul_(x2, s_, value=-1.0)
+    torch.mul(x2, c, out=out[..., D // 2:])
+    out[..., D // 2:].addcmul_(x1, s_)
+    return out
 
 
 def undo_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -200,7 +209,8 @@ class KvtcCalibration:
                 "mean": torch.from_numpy(np.array(self.mean, np.float32))[:, :, None, :],
                 "basis": basis.contiguous(),
                 "basis_t": basis.transpose(-1, -2).contiguous(),
-                "step": torch.from_numpy(step)[:, :, None, :], "n": n}
+                "step": torch.from_numpy(step)[:, :, None, :], "n": n,
+                "keep": [[int(x) for x in row] for row in keep]}
         return self._torch[level]
 
     # ---- file ----------------------------------------------------------------------
@@ -739,7 +749,12 @@ class KvtcCodec:
                 raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
             q = torch.from_numpy(np.asarray(sym, np.uint8).astype(np.float32))
             q -= torch.tensor(offs[kv], dtype=torch.float32)[:, None, None]
-            x = torch.baddbmm(P["mean"][kv], q * P["step"][kv], P["basis_t"][kv])
+            q *= P["step"][kv]
+            x = torch.empty((L, Tq, H * D), dtype=torch.float32)
+            for layer in range(L):   # only the layer's kept components
+                nl = P["keep"][kv][layer]
+                torch.addmm(P["mean"][kv, layer, 0], q[layer, :, :nl],
+                            P["basis_t"][kv, layer, :nl], out=x[layer])
             x = x.reshape(L, Tq, H, D)
             if kv == 0 and cal.key_space == "pre_rope" and Tq:
                 pos = torch.arange(off0 + ns, off0 + ns + Tq)

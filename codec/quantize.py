@@ -34,8 +34,9 @@ subnormal groups decode as zeros: absolute error < 2^-100). KIVI computes its ra
 step in float64 (``max - min`` of two finite values can overflow float32).
 
 Outliers (issue 12.3, cachegen's "chunk_head" groups): ``outlier_thresholds`` gives per
-group ``OUTLIER_RATIO * median(|x|)`` (the median of a fixed strided sample of at most
-``OUTLIER_SAMPLE`` elements, so that it is cheap and identical on every backend); values
+group ``OUTLIER_RATIO * median(|x|)`` (the median over every channel of every step-th
+token, about ``OUTLIER_SAMPLE`` elements, so that it is cheap and identical on every
+backend); values
 with ``|x| > threshold`` are stored exactly in a sparse side list and the group's scale is
 the max |x| of the rest (docs/bitstream.md section 4.4). The rule follows the outlier
 handling of LLM.int8() (Dettmers et al., NeurIPS 2022, section 3.2: "mixed-precision
@@ -86,7 +87,7 @@ TINY_SCALE = 2.0 ** -100   # smaller group scales are flushed to 0 (M / s would 
 # 7.2-32.2 (K median 15.4, V 10.6), so 64 (2x the largest seen) extracts nothing from
 # normal KV, while a value 100x the typical magnitude is always taken out.
 OUTLIER_RATIO = 64.0
-OUTLIER_SAMPLE = 4096      # at most this many elements per group enter the median
+OUTLIER_SAMPLE = 4096      # about this many elements per group enter the median
 
 
 def to_dtype_clamped(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -101,32 +102,35 @@ def flush_tiny_scales(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
 
 
-def _sample_stride(n: int, inner: int) -> int:
-    """Stride of the median sample: >= n / OUTLIER_SAMPLE, odd and coprime with the
-    innermost (channel) size so that every channel is sampled (an outlier CHANNEL cannot
-    fill the sample)."""
-    st = max(1, -(-n // OUTLIER_SAMPLE))
-    if st > 1:
-        st |= 1
-        while math.gcd(st, inner) != 1:
-            st += 2
-    return st
+def _sample_step(x: torch.Tensor, dims: tuple) -> int:
+    """Step along the first reduced dim (tokens) so that at most ~OUTLIER_SAMPLE elements
+    of each group enter the median: every channel of every step-th token."""
+    per = math.prod(x.shape[d] for d in dims[1:])      # elements per token of a group
+    rows = max(1, OUTLIER_SAMPLE // per)               # tokens wanted in the sample
+    return max(1, -(-x.shape[dims[0]] // rows))
 
 
 def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
     """Per-group outlier thresholds ``OUTLIER_RATIO * median(|x|)`` (float32, keepdim over
     ``dims``, e.g. x [L, T, H, D] with dims (1, 3) -> [L, 1, H, 1]).
 
-    The median is torch's lower median of the strided sample ``|x|.flatten()[::stride]``
-    of each group (``_sample_stride``): exact selection, so the same on CPU and CUDA.
-    A group whose median is 0 gets threshold 0 (every non-zero value is an outlier)."""
+    The median is torch's lower median over a sample of each group: every ``step``-th
+    index of the first reduced dim (tokens: 0, step, 2*step, ...) with ALL indices of the
+    other reduced dims (channels), ``step`` = ceil(T / (OUTLIER_SAMPLE // D)) - so an
+    outlier channel is 1/D of the sample and an outlier token at most one sampled row.
+    Exact selection in the KV dtype, so the same on CPU and CUDA; only the sample is
+    copied. A group whose median is 0 gets threshold 0 (every non-zero value is an
+    outlier)."""
     dims = tuple(sorted(d % x.dim() for d in dims))
     keep = [d for d in range(x.dim()) if d not in dims]
-    a = x.to(torch.float32).abs().permute(*keep, *dims)
-    gshape = [x.shape[d] for d in keep]
-    a = a.reshape(math.prod(gshape), -1)
-    st = _sample_stride(a.shape[1], x.shape[dims[-1]])
-    med = a[:, ::st].median(dim=1).values
+    step = _sample_step(x, dims)
+    sl = [slice(None)] * x.dim()
+    sl[dims[0]] = slice(None, None, step)
+    sample = x[tuple(sl)].permute(*keep, *dims)
+    groups = math.prod(x.shape[d] for d in keep)
+    sample = sample.reshape(groups, -1).abs()                  # [groups, n_sample]
+    # abs and the median are exact in the KV dtype (a selection): convert only the result
+    med = sample.median(dim=1).values.to(torch.float32)
     thr = med * OUTLIER_RATIO
     out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
     return thr.reshape(out_shape)

@@ -11,6 +11,12 @@ symbols (30 layers x 1024 tokens x 192 channels x K/V, 2.4 bits/symbol), per CPU
 of one core: encode ~300 Msym, decode ~375 Msym; constriction's RangeCoder on the same
 symbols with ONE model: ~190 / ~50 (see `python -m bench.coder rans --npz ...`).
 
+`decode_streams_into` is the same decoder writing, for each symbol, an entry of a
+caller-given table (the dequantized value in the model dtype's bits) straight into a
+destination (codec/fused.py, issue 14.2); `gather_into`, `lut8_into`, `kivi_into` are the
+table decoders of the baselines quant8, fp8 and KIVI. `CPU_CODER` is this module as the
+coder backend of codec/entropy.py; the constants and layout are codec/rans_spec.py's.
+
 The numba kernels (`encode_streams`, `decode_streams`) run one work item (4 streams of
 identical shape coded in lockstep, or 1 stream) per `prange` iteration (so both cores are
 busy; small chunks use a serial build) and must produce exactly the bytes of the pure-Python
@@ -560,6 +566,23 @@ def _kivi_impl(qb, bits, tab, sL, sT, gt, sH, sD, gd, sQ, out, nq):
                 out[layer, t, h, d] = tab[bh + (d // gd) * sD + q * sQ]
 
 
+def _nonfinite_impl(bits, mask):
+    """Number of elements of a flat float bit-pattern array whose exponent field is all
+    ones (inf or NaN): (bits & mask) == mask; parallel over blocks of 64K elements."""
+    n = bits.shape[0]
+    nb = (n + 65535) // 65536
+    bad = 0
+    for blk in prange(nb):
+        lo = blk * 65536
+        hi = min(lo + 65536, n)
+        c = 0
+        for i in range(lo, hi):
+            c += np.int64((bits[i] & mask) == mask)
+        bad += c
+    return bad
+
+
+_nonfinite_par, _nonfinite_ser = _dual(_nonfinite_impl)
 _lut8_par, _lut8_ser = _dual(_lut8_impl)
 _kivi_par, _kivi_ser = _dual(_kivi_impl)
 _gather_par, _gather_ser = _dual(_gather_impl)
@@ -862,6 +885,25 @@ def kivi_into(qb: np.ndarray, bits: int, tab: np.ndarray, strides: tuple, out: n
     par = (n >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
     run_kernel(_kivi_par, _kivi_ser, par, np.ascontiguousarray(qb), int(bits), tab,
                *[int(v) for v in strides], out, int(nq))
+
+
+# exponent masks of the float formats: all ones = inf or NaN
+_EXP_MASK = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00),
+             "float32": (np.uint32, 0x7F800000)}
+
+
+def count_nonfinite(bits: np.ndarray, dtype_name: str, parallel: bool | None = None) -> int:
+    """Number of inf/NaN elements of a float tensor given as its bit pattern (``bits``: the
+    uint16 / uint32 view of a contiguous bf16 / fp16 / fp32 array, any shape): one pass,
+    both cores, no temporary (replaces ``torch.isfinite(x).all()``, issue 14.6)."""
+    want, mask = _EXP_MASK[dtype_name]
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    if flat.dtype != want:
+        raise ValueError(f"bits of {dtype_name} must be {np.dtype(want)}, got {flat.dtype}")
+    if flat.size == 0:
+        return 0
+    par = (flat.size >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    return int(run_kernel(_nonfinite_par, _nonfinite_ser, par, flat, want(mask)))
 
 
 class _CpuCoder:

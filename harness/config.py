@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "benchmark.yaml"
 ALL_MODES = ("text", "raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "cachegen-adaptive")
 ENGINES = ("vllm", "hf")
+MAX_BANDWIDTH_MBPS = 100_000  # 100 Gbit/s: above any link tc/tbf or the token bucket can shape here
 # --quick: sizes of a smoke run of a few minutes on 2 CPU cores
 QUICK_CONTEXT_TOKENS = 1024  # about a second of HF prefill per context for the default model
 QUICK_CHUNK_TOKENS = 256  # 4 chunks of a 1024-token context: the step trace changes rate mid-load
@@ -65,8 +66,8 @@ class RunConfig:
             raise ConfigError(f"unknown mode(s) {bad}; available: {', '.join(ALL_MODES)}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; available: {', '.join(ENGINES)}")
-        if not self.bandwidth_mbps or any(b <= 0 or b > 100_000 for b in self.bandwidth_mbps):
-            raise ConfigError("bandwidth_mbps must be positive rates in Mbit/s (at most 100000)")
+        if not self.bandwidth_mbps or any(b <= 0 or b > MAX_BANDWIDTH_MBPS for b in self.bandwidth_mbps):
+            raise ConfigError(f"bandwidth_mbps must be positive rates in Mbit/s (at most {MAX_BANDWIDTH_MBPS})")
         for name in ("context_tokens", "num_contexts", "repeats", "chunk_tokens", "block_tokens",
                      "ppl_contexts", "ppl_context_tokens"):
             if getattr(self, name) < 1:

@@ -20,6 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 import codec as codec_pkg
+from evaluation.summary import plot_label
 from harness.config import RunConfig
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
@@ -50,7 +51,7 @@ class Variant:
     @property
     def label(self) -> str:
         """Plot/summary label: ``mode`` or ``mode-l<level>`` (docs/results-schema.md)."""
-        return self.mode if self.level is None else f"{self.mode}-l{self.level}"
+        return plot_label(self.mode, self.level)
 
     @property
     def codec(self) -> str | None:

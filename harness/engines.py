@@ -264,19 +264,26 @@ class VLLMEngine(Engine):
         model_dir: local HF folder of the model.
         stats_path: JSON-lines file the connector appends one record per load to.
         max_model_len: tokens (prompt + output) per request.
+        store_addr: "host:port" of the run's KV store server, registered in the
+            connector's configuration (requests may only name configured stores).
     Raises:
         BenchmarkError: vLLM is not importable.
     """
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, stats_path: Path, max_model_len: int):
+    def __init__(self, model_dir: Path, stats_path: Path, max_model_len: int,
+                 store_addr: str | None = None):
         check_vllm()
         from third_party.vllm.engine import make_llm  # lazy: imports vllm
 
         self.stats_path = stats_path
-        self.llm = make_llm(model_dir, {"stats_path": str(stats_path), "source": "store"},
-                            max_model_len=max_model_len)
+        # the connector connects only to stores of its own configuration (issue 17): the
+        # run's store server is registered here; requests name it (request_params)
+        extra = {"stats_path": str(stats_path), "source": "store"}
+        if store_addr:
+            extra["stores"] = {"harness": store_addr}
+        self.llm = make_llm(model_dir, extra, max_model_len=max_model_len)
         self._seen = 0
 
     def _new_stats(self) -> list[dict]:

@@ -45,7 +45,7 @@ class Terminated(SystemExit):
         return f"terminated by {signal.Signals(self.signum).name}"
 
 
-def _raise_terminated(signum, frame):
+def _raise_terminated(signum, _frame):
     # a second SIGTERM/SIGHUP during the unwinding must not cut the cleanup short
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -140,8 +140,8 @@ def shm_mapped_by(pids: list[int]) -> set[str]:
         except OSError:
             continue
         for line in maps.splitlines():
-            path = line.split(maxsplit=5)[5] if line.count(" ") >= 5 else ""
-            name = path.strip().removesuffix(" (deleted)")
+            parts = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            name = parts[5].strip().removesuffix(" (deleted)") if len(parts) == 6 else ""
             if name.startswith(f"{SHM_DIR}/{SHM_PREFIX}"):
                 out.add(name.rsplit("/", 1)[1])
     return out

@@ -10,7 +10,6 @@ Run: ``python run_benchmarks.py`` (``--no-quality`` skips the perplexity pass).
 """
 from __future__ import annotations
 
-import statistics
 import sys
 from typing import Any
 
@@ -19,7 +18,7 @@ from tqdm import tqdm
 
 import codec as codec_pkg
 from evaluation import metrics as M
-from evaluation.summary import higher_is_better  # noqa: F401 - re-exported for the header
+from evaluation.summary import aggregate_metric
 from harness.config import RunConfig
 from harness.contexts import KV_MODES, Variant
 from kv_extraction_hf.extract import prefill_kv
@@ -91,6 +90,8 @@ def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant]) -> tuple[dict,
             per[var.label].append((M.ppl_increase_pct(ppl, ppl_ref), M.kl_divergence(ref_logits, logits)))
             if i == 0:
                 layers.extend(rel_l2_rows(var, k, v, k2, v2))
-    out = {lab: {"ppl_increase_pct": statistics.median(a for a, _ in rows),
-                 "kl": statistics.median(b for _, b in rows)} for lab, rows in per.items() if rows}
+    ppl_m, kl_m = M.get_metric("ppl_increase_pct"), M.get_metric("kl_divergence")
+    out = {lab: {ppl_m.column: aggregate_metric(ppl_m, [a for a, _ in rows]),
+                 kl_m.column: aggregate_metric(kl_m, [b for _, b in rows])}
+           for lab, rows in per.items() if rows}
     return out, layers

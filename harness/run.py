@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from codec.config import HARNESS_LEVELS
+from evaluation.summary import higher_is_better
 from harness import lifecycle
 from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
@@ -29,7 +30,7 @@ from harness.contexts import (BenchmarkError, build_contexts, log, populate_stor
                               store_levels, variants)
 from harness.engines import (Engine, HFEngine, VLLMEngine, check_vllm, measure_prefill_speed,
                              request_params)
-from harness.quality import higher_is_better, perplexity_pass, score_output
+from harness.quality import perplexity_pass, score_output
 from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model import load_model
@@ -39,6 +40,7 @@ from streaming.store import start_store_server
 
 FILL_RATE_MBPS = 10_000.0  # link rate while filling the store: not measured, so not throttled
 MAX_LEN_MARGIN_TOKENS = 16  # vLLM's max_model_len above the longest prompt + output
+STORE_CLIENT_TIMEOUT_S = 120.0  # filling the store: a whole multi-level entry per put (MBs on 2 cores)
 
 
 def resolve_out(cfg: RunConfig) -> Path:
@@ -160,7 +162,7 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     stack.callback(server.stop)
     registry.snapshot()
     store_addr = f"{server.host}:{server.port}"
-    client = server.client(timeout=120.0)
+    client = server.client(timeout=STORE_CLIENT_TIMEOUT_S)
     link.set_rate(FILL_RATE_MBPS)
     populate_store(cfg, client, info, contexts, levels)
 
@@ -179,7 +181,7 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     engine: Engine
     if cfg.engine == "vllm":
         log("starting vLLM (one engine, our connector, for every mode)")
-        engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len)
+        engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len, store_addr)
     else:
         engine = HFEngine(bundle)
     stack.callback(engine.close)

@@ -37,7 +37,7 @@ __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calib
            "DEFAULT_SETTINGS", "main"]
 
 # window_tokens x windows calibration tokens; the measured choices of docs/codec.md (KVTC)
-DEFAULT_SETTINGS = {"windows": 8, "window_tokens": 1024, "key_space": "pre_rope",
+DEFAULT_SETTINGS = {"windows": 4, "window_tokens": 1024, "sensitivity_tokens": 512, "key_space": "pre_rope",
                     "per_head": False, "weighting": "sensitivity", "sink_tokens": 4,
                     "recent_tokens": 0}
 
@@ -142,10 +142,13 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
 def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
               key_space: str = "pre_rope", per_head: bool = False,
               weighting: str = "relative", sink_tokens: int = 4, recent_tokens: int = 0,
-              data_name: str = "", log=print):
+              sensitivity_tokens: int = 512, data_name: str = "", log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
-    is not the plain rotate-half kind) or "post_rope". Raises ExtractionError."""
+    is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
+    (per-(K/V, layer) water levels from ``measure_sensitivity`` on the first
+    ``sensitivity_tokens`` tokens), or "relative" / "absolute" (see
+    ``codec.kvtc.fit_calibration``). Raises ExtractionError."""
     from codec import kvtc
 
     if key_space not in ("pre_rope", "post_rope"):
@@ -159,7 +162,7 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
 
         from kv_extraction_hf.extract import prefill_kv
 
-        ids = _windows(bundle, text, 1, window_tokens)[0]
+        ids = _windows(bundle, text, 1, window_tokens)[0][:max(64, sensitivity_tokens)]
         k0, v0 = prefill_kv(bundle, ids)
         sens = measure_sensitivity(bundle, k0, v0, ids, sink_tokens=sink_tokens, log=log)
         # water level per (K/V, layer) inversely proportional to its sensitivity
@@ -222,7 +225,8 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
         cal = calibrate(bundle, text, windows=s["windows"], window_tokens=s["window_tokens"],
                         key_space=s["key_space"], per_head=s["per_head"],
                         weighting=s["weighting"], sink_tokens=s["sink_tokens"],
-                        recent_tokens=s["recent_tokens"], data_name=data_name, log=log)
+                        recent_tokens=s["recent_tokens"],
+                        sensitivity_tokens=s["sensitivity_tokens"], data_name=data_name, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,
@@ -254,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=DEFAULT_SETTINGS["weighting"])
     ap.add_argument("--sink-tokens", type=int, default=DEFAULT_SETTINGS["sink_tokens"])
     ap.add_argument("--recent-tokens", type=int, default=DEFAULT_SETTINGS["recent_tokens"])
+    ap.add_argument("--sensitivity-tokens", type=int,
+                    default=DEFAULT_SETTINGS["sensitivity_tokens"],
+                    help="tokens of the window used to measure per-layer sensitivity")
     return ap
 
 
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                             window_tokens=args.window_tokens, key_space=args.key_space,
                             per_head=args.per_head, weighting=args.weighting,
                             sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                            data_name=name)
+                            sensitivity_tokens=args.sensitivity_tokens, data_name=name)
             path = cal.save(args.out if args.out else _mkdir(kvtc.default_calibration_dir()))
         print(f"[calibrate] wrote {path} in {time.perf_counter() - t0:.1f} s")
         return 0

@@ -22,17 +22,9 @@ say() { echo "[setup] $*"; }
 T0=$(date +%s)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
-if [ -n "${CACHEGEN_REQUIREMENTS:-}" ]; then
-    REQ="$CACHEGEN_REQUIREMENTS"
-    REQ_WHY="CACHEGEN_REQUIREMENTS"
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-    REQ="$ROOT/requirements-gpu.txt"
-    REQ_WHY="nvidia-smi lists a GPU"
-else
-    REQ="$ROOT/requirements.txt"
-    REQ_WHY="no NVIDIA GPU found"
-fi
-[ -f "$REQ" ] || { echo "[setup] error: requirements file $REQ not found" >&2; exit 2; }
+CHOICE="$(bash "$ROOT/scripts/pick_requirements.sh")" || exit 2   # file<TAB>reason
+REQ="${CHOICE%%$'\t'*}"
+REQ_WHY="${CHOICE#*$'\t'}"
 
 # 1. virtual environment
 if [ ! -x "$PY" ]; then

@@ -373,6 +373,8 @@ class AdaptivePolicy:
         probe_rate_mbps: the optimistic rate a probe tests (default: max(initial, 1000 Mbit/s),
             the top of this project's link range; pass the link's nominal rate).
         max_abandons: abandons per chunk after which its transfer runs without a deadline.
+        slo_margin: fraction of the SLO held back when planning (plans must finish by
+            slo_s * (1 - slo_margin)) as a reserve for transfers slower than estimated.
         overrun_share: the fraction of the plan's slack (overrun_allowance_s) one chunk's
             transfer may use before it is cut.
         robust: plan with ThroughputEstimator.robust_estimate (RobustMPC discount) instead of
@@ -392,8 +394,10 @@ class AdaptivePolicy:
                  utility: dict[int, float] | None = None, text_utility: float = 0.0,
                  request_overhead_s: float = 0.001, min_sample_bytes: int | None = None,
                  probe_rate_mbps: float | None = None, max_abandons: int = 3, abandon_backoff: float = 0.5,
-                 robust: bool = True, burst_s: float = 0.0, overrun_share: float = 0.5):
-        if slo_s <= 0 or prefill_tokens_per_s <= 0 or (initial_throughput_mbps is not None and initial_throughput_mbps <= 0):
+                 robust: bool = True, burst_s: float = 0.0, overrun_share: float = 0.5,
+                 slo_margin: float = 0.05):
+        bad_init = initial_throughput_mbps is not None and initial_throughput_mbps <= 0
+        if slo_s <= 0 or prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
         self.slo_s = float(slo_s)
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
@@ -413,6 +417,9 @@ class AdaptivePolicy:
         self.max_abandons = int(max_abandons)
         self.robust = bool(robust)
         self.overrun_share = float(overrun_share)
+        if not 0.0 <= slo_margin < 1.0:
+            raise ValueError("slo_margin must be in [0, 1)")
+        self.plan_slo_s = self.slo_s * (1.0 - float(slo_margin))
         self.abandon_backoff = float(abandon_backoff)
         self.request_overhead_s = float(request_overhead_s)
         self._only = list(levels) if levels is not None else None
@@ -472,7 +479,7 @@ class AdaptivePolicy:
             plan_rate = rate if rate is not None else self.probe_rate_bytes_s
             bound = self._bound.get(k)  # chunk k's own rate bound after an abandoned transfer
             first_rate = min(plan_rate, bound) if bound else None
-            opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.slo_s, self.levels,
+            opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s, self.levels,
                                             return_plan=True, first_rate_bytes_s=first_rate)
             reason = "fits" if fits else "cheapest-overshoot"
             deadline_cap = None
@@ -481,9 +488,9 @@ class AdaptivePolicy:
             if stale and opt is TEXT and n_ab == 0:
                 # the link is unmeasured: would a good link change this choice? then probe at
                 # that option, cut at one chunk's recompute time, if the plan can absorb it
-                o2, _, fits2 = plan_mpc(m, k, st, self._kv_tokens, self.probe_rate_bytes_s, self.slo_s,
+                o2, _, _ = plan_mpc(m, k, st, self._kv_tokens, self.probe_rate_bytes_s, self.plan_slo_s,
                                         self.levels)
-                if o2 is not TEXT and (fin + text_s <= self.slo_s or not fits):
+                if o2 is not TEXT and (fin + text_s <= self.plan_slo_s or not fits):
                     opt, reason, deadline_cap = o2, "probe", text_s
             elif stale and opt is not TEXT:
                 reason = "probe"
@@ -497,7 +504,7 @@ class AdaptivePolicy:
                 if budget is not None and fits and reason != "probe":
                     # the plan's own slack (e.g. a decoder behind the link) may absorb an overrun
                     budget = max(budget, cost + self.overrun_share * overrun_allowance_s(
-                        m, k, st, self._kv_tokens, plan, first_rate or plan_rate, self.slo_s))
+                        m, k, st, self._kv_tokens, plan, first_rate or plan_rate, self.plan_slo_s))
                 if budget is not None and not fits:
                     # nothing fits: cut a transfer only once it has cost more than recomputing
                     budget = max(budget, text_s)
@@ -602,13 +609,9 @@ class OracleResult:
     fits: bool
 
 
-def oracle(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float,
-           max_labels: int = 20000) -> OracleResult:
-    """Offline optimum with the whole trace known: per-chunk options maximizing total
-    utility subject to finish <= slo_s; if nothing fits, the options with the smallest
-    finish. Exact label-setting DP: a label (recv clock, decode clock, recompute s,
-    kv tokens, utility) is dropped only when another is no worse in all of them.
-    Raises ValueError if the label set exceeds max_labels (use fewer chunks/levels)."""
+def oracle_labels(model: ClockModel, rates_bytes_s: Sequence[float], max_labels: int = 20000) -> list:
+    """The non-dominated (state, kv tokens, utility, options) labels after the last chunk:
+    every SLO's optimum is among them (see oracle). Raises ValueError past max_labels."""
     labels = [((model.start_s, model.start_s, 0.0), 0, 0.0, ())]
     for k in range(model.n):
         new = []
@@ -620,6 +623,19 @@ def oracle(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float,
         labels = _pareto(new, model.inject_s_per_token)
         if len(labels) > max_labels:
             raise ValueError(f"oracle: {len(labels)} labels exceed max_labels={max_labels}")
+    return labels
+
+
+def oracle(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float,
+           max_labels: int = 20000, labels: list | None = None) -> OracleResult:
+    """Offline optimum with the whole trace known: per-chunk options maximizing total
+    utility subject to finish <= slo_s; if nothing fits, the options with the smallest
+    finish. Exact label-setting DP: a label (recv clock, decode clock, recompute s,
+    kv tokens, utility) is dropped only when another is no worse in all of them.
+    `labels`: oracle_labels() of the same model and rates, to reuse across SLOs.
+    Raises ValueError if the label set exceeds max_labels (use fewer chunks/levels)."""
+    if labels is None:
+        labels = oracle_labels(model, rates_bytes_s, max_labels)
     best_fit, best_any = None, None
     for st, kv, ut, path in labels:
         fin = model.finish(st, kv)
@@ -642,15 +658,18 @@ def _pareto(labels, inject_s_per_token: float):
     a = np.array([[st[0], st[1], st[2], kv if inj else 0, -ut] for st, kv, ut, _ in labels])
     order = np.lexsort(a.T[::-1])
     a = a[order]
+    kept = np.empty_like(a)
+    nk = 0
     keep = []
-    kept = np.empty((0, a.shape[1]))
     eps = 1e-12
     for i in range(len(a)):
         row = a[i]
-        if len(kept) and np.any(np.all(kept <= row + eps, axis=1)):
+        # sorted lexicographically: only an earlier row can dominate this one
+        if nk and np.any(np.all(kept[:nk] <= row + eps, axis=1)):
             continue
+        kept[nk] = row
+        nk += 1
         keep.append(order[i])
-        kept = np.vstack([kept, row])
     return [labels[i] for i in keep]
 
 

@@ -547,6 +547,14 @@ class StoreClient:
             return None
         return bytes(f.body) if isinstance(f.body, bytearray) else f.body
 
+    def put_chunk(self, key: str, level: int, index: int, data: bytes) -> None:
+        """Write one chunk without a manifest (low level: put_context commits contexts).
+        Used for small index records keyed by their own 64-hex key
+        (third_party.vllm.prefix's chunk hash chain). Raises StoreError if refused."""
+        self._check_size(len(data))
+        self._call(FrameType.PUT_CHUNK, {"key": key, "level": int(level), "index": int(index)},
+                   bytes(data))
+
     def list_contexts(self, limit: int = 10000) -> list[str]:
         return list(self._call(FrameType.LIST, {"limit": limit}).meta.get("keys", []))
 

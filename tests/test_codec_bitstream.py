@@ -69,7 +69,7 @@ def test_layout_matches_spec():
     a = np.array([1, 2, 3], dtype=np.uint16)
     hdr = {"b": 1, "a": [2]}
     js = json.dumps(hdr, separators=(",", ":"), sort_keys=True).encode()
-    head = b"KVCG" + struct.pack("<HHI", 1, 0, len(js)) + js + struct.pack("<H", 1)
+    head = b"KVCG" + struct.pack("<HHI", 2, 0, len(js)) + js + struct.pack("<H", 1)
     head += struct.pack("<B", 1) + b"x" + struct.pack("<BB", 3, 1) + struct.pack("<Q", 3)
     head += b"\0" * ((-len(head)) % 8)
     body = head + a.tobytes() + b"\0" * 2 + struct.pack("<Q", 2) + b"pl"

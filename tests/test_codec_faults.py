@@ -34,10 +34,19 @@ def _kv(seed: int, dtype=torch.bfloat16, T=40):
 
 
 def _inputs(name: str) -> list[bytes]:
-    """A whole-KV encoding (bf16) and a later chunk (fp16, token_offset > 0)."""
+    """A whole-KV encoding (bf16) and a later chunk (fp16, token_offset > 0); the fp16
+    KV has two outliers (cachegen: an outlier side list, docs/bitstream.md 4.4, in both
+    fp16 chunks). Codecs that need a calibration artifact for this shape are skipped."""
     k, v = _kv(1)
-    whole = codec.encode_kv(k, v, codec=name)
+    try:
+        whole = codec.encode_kv(k, v, codec=name)
+    except ValueError as e:
+        if "calibration" in str(e):
+            pytest.skip(f"{name} needs a calibration artifact for this shape")
+        raise
     k2, v2 = _kv(2, torch.float16, T=170)
+    k2[1, 50, 1, 3] = 3e4
+    k2[0, 165, 0, 2] = -2e4
     chunk = codec.encode_chunks(k2, v2, codec=name, chunk_tokens=160)[1]
     big = codec.encode_chunks(k2, v2, codec=name, chunk_tokens=160)[0]
     return [whole, chunk, big]

@@ -166,3 +166,22 @@ def test_fused_fp8_rejects_nan_codes():
     arrays["v"][1, 3, 0, 2] = 0x7F
     with pytest.raises(CodecError, match="NaN"):
         c.decode(h["codec_header"], arrays, payload, (2, 8, 2, 4), h["dtype"], fused=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_finite_matches_torch(dtype):
+    from codec.fused import all_finite
+
+    x = torch.randn(3, 70000, dtype=torch.float32).to(dtype)   # > one 64K block
+    assert all_finite(x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[2, 69999] = bad
+        assert not all_finite(y)
+        y = x.clone()
+        y[0, 0] = bad
+        assert not all_finite(y[:, :10])     # a non-contiguous view
+    big = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max,
+                        torch.finfo(dtype).tiny, 0.0], dtype=dtype)
+    assert all_finite(big)
+    assert all_finite(torch.empty(0, dtype=dtype))

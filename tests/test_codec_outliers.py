@@ -133,7 +133,7 @@ def test_normal_kv_has_no_side_list():
 
 
 def test_thresholds_are_robust_to_an_outlier_channel():
-    """The median sample covers every channel (stride coprime with D): an outlier
+    """The median sample holds every channel of every step-th token: an outlier
     channel (1/64 of the values) cannot move the threshold."""
     x = torch.randn(1, 512, 1, 64)
     t0 = Q.outlier_thresholds(x, (1, 3))

@@ -331,7 +331,8 @@ def test_cli_error_exit_code_in_a_process(tmp_path):
     proc = _cli("--task", "nope", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: unknown task 'nope' (available: needle, longchat_lines, "
-                                                "topic_retrieval, pydoc_ppl, triviaqa, narrativeqa, wikitext2)"]
+                                                "topic_retrieval, pydoc_ppl, triviaqa, narrativeqa, wikitext2, longchat, "
+                                                "longbench, jsonl)"]
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

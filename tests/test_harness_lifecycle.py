@@ -38,7 +38,8 @@ try:
     with lifecycle.RunRegistry() as reg:
         with tempfile.TemporaryDirectory(prefix="cachegen-run-", dir=sys.argv[1]) as tmp:
             reg.add_dir(tmp)
-            child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+            child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
             shm = child.stdout.readline().strip()  # the child maps it, as vLLM's engine core does
             reg.snapshot()
             print(tmp, child.pid, shm, flush=True)

@@ -95,7 +95,8 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
         # prefix caching ON here (reset before every case) so that vLLM's own partial
         # prefill from its local prefix cache can be compared with the connector's load
         llm = make_llm(mdir, {"source": "local", "source_dir": str(work / "kv"),
-                              "stats_path": str(stats)}, max_model_len=4096,
+                              "stats_path": str(stats), "stores": {"selfcheck": store},
+                              "allow_client_save": True}, max_model_len=4096,
                        enable_prefix_caching=True)
         try:
             cases = {

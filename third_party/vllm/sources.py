@@ -178,6 +178,22 @@ def _prefix_match(prompt: list[int], stored: list[int] | None, n: int) -> bool:
     return stored is not None and len(stored) >= n and list(prompt[:n]) == list(stored[:n])
 
 
+def _matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int] | None,
+                    n_stored: int) -> int:
+    """Tokens of the prompt whose stored KV can be used: the whole stored prefix when the
+    prompt starts with all of it (or the prompt's length if shorter); with
+    params["prefix_match"] also the longest common prefix when they part (the KV of token t
+    depends only on tokens <= t); else 0 (a different prompt is a miss, never a wrong load)."""
+    from third_party.vllm.prefix import common_prefix
+
+    n = min(n_stored, len(prompt))
+    if _prefix_match(prompt, stored, n):
+        return n
+    if params.get("prefix_match") and stored is not None:
+        return min(n, common_prefix(prompt, stored))
+    return 0
+
+
 def encode_for_save(params: dict[str, Any], k, v) -> tuple[list[bytes], list[int], float]:
     """Encode k, v [L, T, H, D] with codec.encode_chunks per the save params ("codec",
     default "raw"; "level"; "chunk_tokens", default 1024) -> (chunks, chunk token counts,
@@ -243,7 +259,7 @@ def save_local_context(
 class LocalDirSource:
     """KV chunks from a local folder (see save_local_context). params: {"context_key"}.
 
-    root: the folder; a request may override it with params["source_dir"].
+    root: the folder (operator configuration; a request cannot override it).
     identity: the reader's own model identity (the connector sets it from its model
     config); an entry whose recorded identity differs (streaming.identity.check_entry),
     or that records none while the reader knows its model, is a miss with the reason.
@@ -258,14 +274,24 @@ class LocalDirSource:
         self.identity = identity
 
     def _dir(self, params: dict[str, Any]) -> Path:
-        root = params.get("source_dir") or self.root
-        key = params.get("context_key")
+        """<root>/<context_key>. The root is the operator's (constructor), never a request's
+        (issue 17: a client must not name server paths); the key must be a plain name
+        (third_party.vllm.trust.check_key) and the folder must resolve inside the root.
+        Raises SourceError."""
+        from third_party.vllm.trust import RequestRejected, check_key
+
+        root, key = self.root, params.get("context_key")
         if not root or not key:
-            raise SourceError("local source needs 'source_dir' and 'context_key'")
-        key = str(key)
-        if "/" in key or key.startswith("."):
-            raise SourceError(f"bad context key {key!r}")
-        return Path(root) / key
+            raise SourceError("local source needs a root folder (extra config 'source_dir') "
+                              "and a 'context_key'")
+        try:
+            key = check_key(key)
+        except RequestRejected as e:
+            raise SourceError(str(e)) from None
+        d = Path(root) / key
+        if Path(os.path.realpath(d)).parent != Path(os.path.realpath(root)):
+            raise SourceError(f"context folder {key!r} resolves outside the source root")
+        return d
 
     def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup:
         t0 = time.perf_counter()
@@ -283,8 +309,8 @@ class LocalDirSource:
         if why:
             return _identity_miss("local", params, why, t0)
         n = int(man.get("num_tokens", 0))
-        n_match = min(n, len(prompt_token_ids))
-        if not _prefix_match(prompt_token_ids, man.get("token_ids"), n_match):
+        n_match = _matched_tokens(params, prompt_token_ids, man.get("token_ids"), n)
+        if n_match <= 0:
             return Lookup(0, lookup_s=time.perf_counter() - t0,
                           info={"miss": "stored token ids differ from the prompt"})
         return Lookup(n_match, [int(t) for t in man["chunk_tokens"]],
@@ -459,30 +485,54 @@ class StoreSource:
 
         t0 = time.perf_counter()
         key = params.get("context_key")
-        if not key:
-            raise SourceError("store source needs 'context_key'")
+        if not key and not params.get("prefix_match"):
+            raise SourceError("store source needs 'context_key' (or prefix matching)")
         client = self._client(params)
         try:
             expect = self._expect(params)
         except ValueError as e:
             return _identity_miss("store", params, str(e), t0)
+        candidates, info = [key], {}
         try:
-            man = client.get_manifest(key, **expect)
+            if not key:  # prefix matching: the index names the entries sharing the prefix
+                candidates, info = self._prefix_candidates(client, params, prompt_token_ids)
+            man, why = None, "not in store"
+            for cand in candidates:
+                man = client.get_manifest(cand, **expect)
+                if man is not None:
+                    key = cand
+                    break
+                why = client.last_miss_reason or "not in store"
         except (OSError, StreamingError) as e:
             raise SourceError(f"store {params.get('store')} unreachable: {e}") from e
         dt = time.perf_counter() - t0
         if man is None:
-            why = client.last_miss_reason or "not in store"
+            why = info.get("miss") or why
             if why != "unknown key":
                 logger.warning("store source: miss for context %s: %s", key, why)
-            return Lookup(0, lookup_s=dt, info={"miss": why})
+            return Lookup(0, lookup_s=dt, info={"miss": why, **info})
         stored = man.token_ids
-        n_match = min(len(stored), len(prompt_token_ids))
-        if not _prefix_match(prompt_token_ids, stored, n_match):
+        n_match = _matched_tokens(params, prompt_token_ids, stored, len(stored))
+        if n_match <= 0:
             return Lookup(0, lookup_s=dt, info={"miss": "stored token ids differ from the prompt"})
         chunk_tokens = [b - a for a, b in man.token_ranges]
         return Lookup(n_match, chunk_tokens, dt,
-                      {"key": key, "levels": list(man.levels), "codec_tag": man.codec_tag})
+                      {"key": key, "levels": list(man.levels), "codec_tag": man.codec_tag,
+                       "stored_tokens": len(stored), **info})
+
+    def _prefix_candidates(self, client, params, prompt: list[int]) -> tuple[list[str], dict]:
+        """Entries sharing the longest indexed chunk prefix of the prompt
+        (third_party.vllm.prefix.find_longest): (context keys, longest first; info)."""
+        from third_party.vllm.prefix import find_longest
+
+        ns = (self.identity.weights_hash if self.identity else "") or params.get("weights_hash")
+        if not ns:
+            return [], {"miss": "prefix matching needs the model's weights hash"}
+        matched, entries, trips = find_longest(client, ns, prompt)
+        info = {"prefix_index_tokens": matched, "prefix_index_trips": trips}
+        if not entries:
+            info["miss"] = "no stored chunk matches the prompt's first tokens (prefix index)"
+        return [e["key"] for e in entries], info
 
     def _policy(self, params, lookup: Lookup):
         from streaming.adapt import AdaptivePolicy, FixedPolicy
@@ -510,16 +560,25 @@ class StoreSource:
         ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
                                [params.get("level")])
         t0 = time.perf_counter()
+        client = self._client(params)
         if ident.model_id and ident.weights_hash:  # full identity: the key commits to it
-            key = self._client(params).put_entry(ident, token_ids, {ident.levels[0]: chunks}, ranges)
+            key = client.put_entry(ident, token_ids, {ident.levels[0]: chunks}, ranges)
         else:
-            key = self._client(params).put_context(
+            key = client.put_context(
                 str(params.get("model_id") or "unknown-model"),
                 str(params.get("weights_hash") or "unknown-weights"),
                 str(params.get("codec_tag") or params.get("codec", "raw")), token_ids,
                 {int(params.get("level") or 0): chunks}, ranges)
-        return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
-                "bytes": sum(len(c) for c in chunks), "context_key": key}
+        put_s = time.perf_counter() - t0
+        indexed = 0
+        if ident.weights_hash:  # findable by prefix (third_party.vllm.prefix)
+            from third_party.vllm.prefix import index_entry
+
+            indexed = index_entry(client, ident.weights_hash, token_ids, key,
+                                  params.get("codec", "raw"))
+        return {"encode_s": enc_s, "put_s": put_s, "index_s": time.perf_counter() - t0 - put_s,
+                "index_records": indexed, "bytes": sum(len(c) for c in chunks),
+                "context_key": key}
 
     def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink,
              before_chunk=None) -> LoadStats:

