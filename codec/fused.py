@@ -153,7 +153,10 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
         return k_out, v_out
     qshape = (L, Tq, H, D)
     tabs, lay = [], None
-    nsyms = []
+    nsyms, steps = [], []
+    # quant8 (scales per (layer, token), 255 symbols): a table would be as large as the
+    # output, so bf16/fp32 dequantize directly in the kernel (same float32 arithmetic)
+    direct = not codec_obj.entropy and dtype_name in ("bfloat16", "float32")
     for is_key in (True, False):
         bins = cfg.key_bins if is_key else cfg.value_bins
         eff, m = codec_obj.decode_scales(header, arrays, cfg, qshape, dtype_name, is_key)
@@ -162,7 +165,13 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
         if lay is not None and lay != lay_kv:
             raise CodecError("K and V scales have different layouts")
         lay = lay_kv
-        tabs.append(dequant_table(eff, m, nsym, dt))
+        if direct:
+            if not bool(torch.isfinite(eff).all()) or bool((m <= 0).any()):
+                raise CodecError("quant8 scales must be finite with M > 0")
+            tabs.append(None)
+            steps.append((eff, m))
+        else:
+            tabs.append(dequant_table(eff, m, nsym, dt))
         nsyms.append(nsym)
     t_stride, hd = lay
     ok_k = bits_view(k_out).reshape(L, T, C)
@@ -184,15 +193,22 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
         except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
             raise CodecError(f"entropy decoding failed: {e}") from None
     else:
-        from .rans_cpu import gather_into
+        from .rans_cpu import dequant_direct_into, gather_into
 
         if payload:
             raise CodecError("quant8: unexpected payload")
-        for tag, o, tab, nsym in (("k", ok_k, tabs[0], nsyms[0]), ("v", ov_k, tabs[1], nsyms[1])):
+        for i, (tag, o, tab, nsym) in enumerate((("k", ok_k, tabs[0], nsyms[0]),
+                                                 ("v", ov_k, tabs[1], nsyms[1]))):
             sym = need_array(arrays.get(f"sym_{tag}"), np.uint8, (L, Tq, C), f"sym_{tag}")
             if sym.size and int(sym.max()) >= nsym:
                 raise CodecError(f"{tag} symbols exceed 2M")
-            gather_into(sym, o, tab, t_stride, hd, ns)
+            if tab is None:   # direct float32 arithmetic + cast in the kernel (bf16/fp32)
+                eff, m = steps[i]
+                step = (eff.to(torch.float32) / m.reshape(-1, 1, 1, 1)).reshape(L, -1)
+                dequant_direct_into(sym, m.numpy(), step.contiguous().numpy(), t_stride, hd,
+                                    ns, float(torch.finfo(dt).max), dtype_name, o)
+            else:
+                gather_into(sym, o, tab, t_stride, hd, ns)
     # exact outliers (issue 12.3): scattered after the fused dequantization
     for tag, o in (("k", k_out), ("v", v_out)):
         if header.get(f"n_out_{tag}") is None and f"out_{tag}_idx" not in arrays \

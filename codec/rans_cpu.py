@@ -582,6 +582,39 @@ def _nonfinite_impl(bits, mask):
     return bad
 
 
+def _dequant_direct_impl(sym, m, step, t_stride, hd, t_off, big, mode, out):
+    """Direct dequantization of stored symbols (quant8) for bf16 / fp32 outputs, in one
+    pass: x = (float32(s) - M[l]) * step[l, t * t_stride + c // hd] in float32 (the
+    reference arithmetic of codec.quantize.dequantize), clamped to +-big (the dtype's
+    finite range, as quantize.to_dtype_clamped), then mode 0: bf16 bits by round to
+    nearest even ((b + 0x7FFF + ((b >> 16) & 1)) >> 16, torch's rule for finite values),
+    written to out (uint16); mode 1: the float32 bits (out uint32)."""
+    L = sym.shape[0]
+    T = sym.shape[1]
+    C = sym.shape[2]
+    for lt in prange(L * T):
+        layer = lt // T
+        t = lt % T
+        buf = np.empty(C, np.float32)
+        mm = m[layer]
+        rt = t * t_stride
+        for c in range(C):
+            x = (np.float32(sym[layer, t, c]) - mm) * step[layer, rt + c // hd]
+            if x > big:
+                x = big
+            elif x < -big:
+                x = -big
+            buf[c] = x
+        bb = buf.view(np.uint32)
+        for c in range(C):
+            b = np.uint32(bb[c])
+            if mode == 0:
+                out[layer, t + t_off, c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            else:
+                out[layer, t + t_off, c] = b
+
+
+_dequant_direct_par, _dequant_direct_ser = _dual(_dequant_direct_impl)
 _nonfinite_par, _nonfinite_ser = _dual(_nonfinite_impl)
 _lut8_par, _lut8_ser = _dual(_lut8_impl)
 _kivi_par, _kivi_ser = _dual(_kivi_impl)
@@ -885,6 +918,29 @@ def kivi_into(qb: np.ndarray, bits: int, tab: np.ndarray, strides: tuple, out: n
     par = (n >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
     run_kernel(_kivi_par, _kivi_ser, par, np.ascontiguousarray(qb), int(bits), tab,
                *[int(v) for v in strides], out, int(nq))
+
+
+def dequant_direct_into(sym: np.ndarray, m: np.ndarray, step: np.ndarray, t_stride: int,
+                        hd: int, t_off: int, big: float, dtype_name: str, out: np.ndarray,
+                        parallel: bool | None = None) -> None:
+    """quant8's decode without a table (issue 14.5; see ``_dequant_direct_impl``): sym
+    uint8 [L, T, C]; m float32 [L]; step float32 [L, R] (scale / M, computed by the
+    caller exactly as codec.quantize.dequantize does); out the uint16 (bfloat16) or
+    uint32 (float32) bits view [L, >= t_off + T, C]. fp16 has no direct path (use a
+    table). Raises ValueError on bad arguments."""
+    mode = {"bfloat16": 0, "float32": 1}.get(dtype_name)
+    if mode is None or out.dtype != (np.uint16 if mode == 0 else np.uint32):
+        raise ValueError(f"dequant_direct_into: bfloat16/float32 only, out of the bits dtype")
+    L, T, C = sym.shape
+    if (m.dtype != np.float32 or step.dtype != np.float32 or m.shape != (L,) or step.ndim != 2
+            or step.shape[0] != L or (T and step.shape[1] <= (T - 1) * t_stride + (C - 1) // hd)
+            or out.ndim != 3 or out.shape[0] != L or out.shape[2] != C or out.shape[1] < t_off + T
+            or not out.flags.c_contiguous):
+        raise ValueError("dequant_direct_into: inconsistent shapes")
+    par = (sym.size >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    run_kernel(_dequant_direct_par, _dequant_direct_ser, par, np.ascontiguousarray(sym), m,
+               np.ascontiguousarray(step), int(t_stride), int(hd), int(t_off), np.float32(big),
+               mode, out)
 
 
 # exponent masks of the float formats: all ones = inf or NaN

@@ -112,14 +112,21 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     """
     import numpy as np
 
-    from kv_extraction_hf.inject import continuation_logits
+    from kv_extraction_hf.inject import make_cache
 
     T = k.shape[1] - continuation
     if T <= sink_tokens + 1:
         raise ExtractionError("sensitivity window too short")
-    ctx, cont = ids[:T], ids[T:]
+    cont = ids[T:]
     kc, vc = k[:, :T], v[:, :T]
-    ref = torch.log_softmax(continuation_logits(bundle, kc, vc, ctx, cont), -1)
+    cont_ids = torch.as_tensor(cont, dtype=torch.long).reshape(1, -1)
+
+    def logp(kk, vv):   # next-token log-probabilities after each continuation token
+        cache = make_cache(kk, vv, bundle.model.config)
+        out = bundle.model(input_ids=cont_ids, past_key_values=cache, use_cache=True)
+        return torch.log_softmax(out.logits[0].float(), -1)
+
+    ref = logp(kc, vc)
     gen = torch.Generator().manual_seed(0)
     L = k.shape[0]
     out = np.zeros((2, L))
@@ -132,7 +139,7 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
             noise = torch.randn(xl.shape, generator=gen) * (rel_noise * var) ** 0.5
             noisy[layer, sink_tokens:] = (xl + noise).to(x.dtype)
             kk, vv = (noisy, vc) if kv == 0 else (kc, noisy)
-            lq = torch.log_softmax(continuation_logits(bundle, kk, vv, ctx, cont), -1)
+            lq = logp(kk, vv)
             out[kv, layer] = float((ref.exp() * (ref - lq)).sum(-1).mean()) / (rel_noise * var)
         log(f"[calibrate] sensitivity of {'KV'[kv]}: {L} layers "
             f"({time.perf_counter() - t0:.1f} s)")

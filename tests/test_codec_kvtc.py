@@ -291,3 +291,23 @@ def test_real_kv_pre_rope_round_trip(default_bundle, fixtures_dir):
         assert k2.dtype == torch.bfloat16
         errs.append(_relerr(k2, kt))
     assert errs[-1] < 0.05 and errs == sorted(errs, reverse=True)
+
+
+def test_calibrate_cli_bad_input_one_line(capsys):
+    from kv_extraction_hf import calibrate
+
+    assert calibrate.main(["--windows", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
+
+
+@pytest.mark.slow
+def test_sensitivity_is_positive_and_finite(default_bundle, fixtures_dir):
+    from kv_extraction_hf.calibrate import measure_sensitivity
+    from kv_extraction_hf.extract import prefill_kv
+
+    text = (fixtures_dir / "wikitext2" / "wiki.test.raw").read_text()
+    ids = default_bundle.tokenizer(text[:3000], add_special_tokens=False)["input_ids"][:96]
+    k, v = prefill_kv(default_bundle, ids)
+    s = measure_sensitivity(default_bundle, k, v, ids, continuation=8, log=lambda m: None)
+    assert s.shape == (2, k.shape[0]) and np.isfinite(s).all() and (s > 0).all()

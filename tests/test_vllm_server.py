@@ -88,3 +88,12 @@ def test_escape_is_rejected_and_the_server_stops_cleanly(report):
     assert "source_dir" in rej["reason"] and report["server"]["escape_http_ok"]
     assert report["server_exit_code"] == 0
     assert not report["log_engine_dead"]
+
+
+def test_first_load_after_start_is_timed(report):
+    """The codec warm-up ran at start and every timed request loaded the context (the
+    first-vs-tenth TTFT figure is reported by the check, not asserted: no timed asserts)."""
+    (warm,) = [r for r in report["stats"] if r.get("kind") == "warmup"]
+    assert warm["codecs"]["cachegen"] and not str(warm["codecs"]["cachegen"]).startswith("error")
+    loads = [_recs(report["stats"], f"ttft-{i}") for i in range(len(report["server"]["ttft_s"]))]
+    assert loads and all(len(x) == 1 and x[0]["loaded_tokens"] > 0 for x in loads)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-tokens", type=int, default=1200)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--start-timeout", type=float, default=420.0)
+    ap.add_argument("--ttft-repeats", type=int, default=10,
+                    help="chat requests (1 output token) timed right after the save: the "
+                    "first is the first load after start")
+    ap.add_argument("--keep-workdir", action="store_true")
+    ap.add_argument("--stop-signal", choices=["INT", "TERM"], default="INT",
+                    help="signal that stops the server (Ctrl-C = INT, systemd/docker = TERM)")
     a = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -134,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                       kv_transfer_params={"save": {"source": "store", "codec": "cachegen",
                                                    "chunk_tokens": 256}, "stats_tag": "save"}))
                 report["server"]["save_request_s"] = time.perf_counter() - t0
+                # first load after start vs later ones: wall time of a 1-token request
+                # (= time to first token + HTTP round trip on loopback)
+                report["server"]["ttft_s"] = []
+                for i in range(a.ttft_repeats):
+                    t0 = time.perf_counter()
+                    _post(f"{base}/v1/chat/completions", dict(body, messages=msgs["chat"],
+                          max_tokens=1, kv_transfer_params={"mode": "cachegen",
+                                                            "stats_tag": f"ttft-{i}"}))
+                    report["server"]["ttft_s"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 r = _post(f"{base}/v1/chat/completions", dict(body, messages=msgs["chat"],
                           kv_transfer_params={"mode": "cachegen", "stats_tag": "chat"}))
@@ -151,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["server"]["escape_http_ok"] = bool(r.get("choices"))
             finally:
                 t0 = time.perf_counter()
-                proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+                proc.send_signal(getattr(signal, "SIG" + a.stop_signal))
                 try:
                     report["server_exit_code"] = proc.wait(timeout=90)
                 except subprocess.TimeoutExpired:
@@ -179,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             shutdown_llm(llm)
         report["offline_stats"] = [json.loads(x) for x in stats.read_text().splitlines()][n_server:]
     Path(a.out).write_text(json.dumps(report, indent=1, default=str))
+    if not a.keep_workdir:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
