@@ -812,7 +812,8 @@ def fig_quality_divergence(doc: dict):
             y = np.array([r[key] for r in fr], dtype=float)
             lo = np.array([r[ci_key][0] for r in fr], dtype=float)
             hi = np.array([r[ci_key][1] for r in fr], dtype=float)
-            h = ax.errorbar(x, y, yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)], color=colors[fam],
+            yerr = np.vstack([np.maximum(y - lo, 0), np.maximum(hi - y, 0)])
+            h = ax.errorbar(x, y, yerr=yerr, color=colors[fam],
                             marker="o", markersize=4, capsize=3, linewidth=1.2, label=fam)
             handles.setdefault(fam, h)
             for r, xi, yi in zip(fr, x, y, strict=True):

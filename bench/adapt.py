@@ -47,7 +47,8 @@ from pathlib import Path
 
 from streaming import standin
 from streaming.adapt import AdaptivePolicy, ClockModel, FixedPolicy, oracle, oracle_labels, simulate
-from streaming.traces import Trace, apply_trace, artifact_generated, artifact_recorded, constant
+from streaming.traces import (Trace, apply_trace, artifact_generated, artifact_recorded, constant,
+                              synthetic_uniform)
 
 LEVELS = (0, 1, 2, 3, 4, 5)
 SLOS = (0.5, 1.0, 2.0, 4.0)
@@ -128,11 +129,12 @@ def load_quality(path: Path) -> tuple[dict[int, float] | None, str]:
 
 
 # --------------------------------------------------------------------------- traces
-def trace_sets(n: int, scale: float, quick: bool) -> dict[str, list[Trace]]:
+def trace_sets(n: int, scale: float, quick: bool, synthetic: int = 40) -> dict[str, list[Trace]]:
     rec = artifact_recorded(scale)
     sets = {
         "artifact": rec,
         "generated": artifact_generated(scale),
+        "synthetic": synthetic_uniform(n, synthetic, seed=1),
         "constant": [constant(r, n) for r in (10, 100, 1000)],
         "step": [Trace("step-1000-10", tuple([1000.0] * (n // 2) + [10.0] * (n - n // 2))),
                  Trace("step-10-1000", tuple([10.0] * (n // 2) + [1000.0] * (n - n // 2)))],
@@ -140,6 +142,7 @@ def trace_sets(n: int, scale: float, quick: bool) -> dict[str, list[Trace]]:
     if quick:
         sets["artifact"] = rec[:4]
         sets["generated"] = sets["generated"][:1]
+        sets["synthetic"] = sets["synthetic"][:5]
     return sets
 
 
@@ -164,6 +167,21 @@ def clock_model(table: dict, prefill_tps: float, inject_s_per_token: float, over
 
 
 SLO_MARGIN = 0.05  # AdaptivePolicy(slo_margin=...) used by the benchmark (its default)
+# AdaptivePolicy(slo_reserve_s=...): seconds of the SLO held back for a bandwidth dip. Chosen on
+# the TUNING traces only (the artifact's generated traces + 40 synthetic iid-uniform 10-1000
+# Mbit/s traces, seed 1; simulated, SLO 1 and 2 s; grid 0, 0.25, 0.3, 0.35 s and slo_margin
+# 0.1-0.3): the smallest value whose SLO-1 s violations exceed the oracle's by <= 5 points there.
+# The 10 recorded artifact traces are the evaluation set and were not used to choose it.
+SLO_RESERVE_S = 0.25
+TUNING = {"evaluation_trace_set": "artifact",
+          "tuning_trace_sets": ["generated", "synthetic"],
+          "synthetic": "streaming.traces.synthetic_uniform(n_chunks, 40, seed=1): iid uniform 10-1000 Mbit/s",
+          "tuned": {"slo_reserve_s": SLO_RESERVE_S, "slo_margin": SLO_MARGIN},
+          "grid": {"slo_reserve_s": [0.0, 0.25, 0.3, 0.35], "slo_margin": [0.05, 0.1, 0.2, 0.3],
+                   "window": [3, 5, 8], "max_discount": [1.0, 2.0]},
+          "criterion": "SLO 1 s: violations where the oracle meets the SLO <= 5% of the tuning traces, "
+                       "then the lowest regret at SLO 2 s",
+          "note": "the artifact's recorded traces (the evaluation set) were not used to choose parameters"}
 
 
 def make_adaptive(slo: float, prefill_tps: float, table: dict, inject: float, utility, init_mbps: float | None,
@@ -172,7 +190,7 @@ def make_adaptive(slo: float, prefill_tps: float, table: dict, inject: float, ut
     return AdaptivePolicy(slo, prefill_tps, init_mbps, decode_s_per_token=dec, inject_s_per_token=inject,
                           burst_bytes=burst_bytes, utility=utility, text_utility=0.0,
                           request_overhead_s=overhead_s, probe_rate_mbps=1000.0, burst_s=burst_s,
-                          slo_margin=SLO_MARGIN)
+                          slo_margin=SLO_MARGIN, slo_reserve_s=SLO_RESERVE_S)
 
 
 def _kl_of(levels: list, tokens: list[int], kl: dict[int, float] | None) -> float | None:
@@ -318,17 +336,22 @@ def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: fl
                 rates = [tr.at(k) * 1e6 / 8 for k in range(man.chunk_count)]
                 orc = oracle(mod, rates, slo_c)
                 ests = [dd.throughput_mbps_est for dd in r.decisions]
+                hms = [dd.estimate_mbps for dd in r.decisions]
                 reqs.append(_req("adaptive", set_name, tr, slo_c, total, levels, mod, kl, orc.utility / sum(mod.tokens),
                                  "real", abandons=len(r.abandoned),
                                  extra={"load_s": round(r.total_s, 5),
                                         "recompute_s": round(r.recompute_tokens / tps, 5),
-                                        "estimates_mbps": ests, "error": r.error, "prefill_tps": tps}))
+                                        "estimates_mbps": ests, "harmonic_mean_mbps": hms,
+                                        "wire_s": [round(ch.transfer_s, 5) for ch in r.chunks],
+                                        "error": r.error, "prefill_tps": tps}))
                 dec_by_k = {dd.chunk: dd for dd in r.decisions}
                 timelines.append({"policy": "adaptive", "trace": tr.name, "trace_set": set_name, "slo_s": slo_c,
                                   "link": "real", "abandoned": r.abandoned, "chunks": [
                                       {"chunk": ch.index, "level": ch.level, "bandwidth_mbps": tr.at(ch.index),
                                        "est_mbps": (dec_by_k[ch.index].throughput_mbps_est
                                                     if ch.index in dec_by_k else None),
+                                       "harmonic_mean_mbps": (dec_by_k[ch.index].estimate_mbps
+                                                              if ch.index in dec_by_k else None),
                                        "budget_s": dec_by_k[ch.index].budget_s if ch.index in dec_by_k else None,
                                        "reason": dec_by_k[ch.index].reason if ch.index in dec_by_k else None,
                                        "wire_s": round(ch.transfer_s, 5), "decode_s": round(ch.decode_s, 5),
@@ -399,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=Path, default=_REPO / "benchmarks" / "quality.json")
     ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
     ap.add_argument("--no-real", dest="real", action="store_false", help="simulation only")
-    ap.add_argument("--quick", action="store_true", help="4 artifact traces, 1 generated; same SLO sweep")
+    ap.add_argument("--quick", action="store_true", help="4 artifact traces, 1 generated, 5 synthetic; same SLOs")
+    ap.add_argument("--synthetic", type=int, default=40,
+                    help="synthetic tuning traces (trace_set 'synthetic', simulated only; default 40)")
     a = ap.parse_args(argv)
     from streaming.errors import StreamingError
 
@@ -409,9 +434,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--chunk-tokens must be a positive multiple of 16 and --context-tokens > 0")
         if any(s <= 0 for s in a.slo_s) or a.scale <= 0:
             raise ValueError("SLOs and --scale must be > 0")
+        src_calib = None
         if a.level_table:
             src = json.loads(a.level_table.read_text())
             table = src.get("config", {}).get("level_table", src)
+            c0 = src.get("link", {}).get("simulated", {}).get("calibration") if isinstance(src, dict) else None
+            if isinstance(c0, dict) and c0.get("n_chunks"):  # an earlier real run's clock calibration
+                src_calib = dict(c0, method=f"reused from {a.level_table.name} (its real run): "
+                                           + str(c0.get("method", "")))
             if "sizes" not in table:
                 raise ValueError(f"{a.level_table}: no level table (sizes, decode_s_per_token, tokens)")
         else:
@@ -422,12 +452,15 @@ def main(argv: list[str] | None = None) -> int:
         if prefill_tps <= 0 or inject < 0:
             raise ValueError("--prefill-tps must be > 0 and --inject-s-per-token >= 0")
         kl, qnote = load_quality(a.quality)
+        if kl is not None and not all(int(lv) in kl for lv in table["sizes"]):
+            kl, qnote = None, (f"{a.quality.name} lacks levels {sorted(set(map(int, table['sizes'])) - set(kl))} "
+                               "of codec cachegen: quality_kl unavailable")
         n = len(table["tokens"])
-        sets = trace_sets(n, a.scale, a.quick)
+        sets = trace_sets(n, a.scale, a.quick, a.synthetic)
         all_text_s = ISSUE_ALL_TEXT_S
         real_reqs, real_tl, link_desc = [], [], None
-        calib = {"request_overhead_s": 0.001, "start_s": 0.0, "n_chunks": 0,
-                 "method": "default (no real run): 1 ms per request, no manifest time"}
+        calib = src_calib or {"request_overhead_s": 0.001, "start_s": 0.0, "n_chunks": 0,
+                              "method": "default (no real run): 1 ms per request, no manifest time"}
         checks = {}
         if a.real:
             real_traces = [(s, tr) for s in ("artifact", "constant", "step") for tr in sets[s]]
@@ -440,8 +473,12 @@ def main(argv: list[str] | None = None) -> int:
             c1000 = [r for r in real_reqs if r["trace"] == "constant-1000" and r["slo_s"] == a.real_slo_s]
             if c1000:
                 ests = [e for e in c1000[0]["estimates_mbps"][1:] if e is not None]
-                checks["constant_1000_estimate_mbps_after_first_chunk"] = ests
-                checks["constant_1000_max_rel_error"] = (max(abs(e - 1000) / 1000 for e in ests) if ests else None)
+                hms = [e for e in c1000[0]["harmonic_mean_mbps"][1:] if e is not None]
+                # the estimator (harmonic mean of wire goodput) is what the goal judges; the
+                # planning rate is lower by design (RobustMPC discount after prediction errors)
+                checks["constant_1000_estimate_mbps_after_first_chunk"] = hms
+                checks["constant_1000_max_rel_error"] = (max(abs(e - 1000) / 1000 for e in hms) if hms else None)
+                checks["constant_1000_planning_rate_mbps"] = ests
                 checks["constant_1000_levels"] = c1000[0]["levels"]
             idrop = [r for r in real_reqs if r["trace_set"] == "issue-drop"]
             if idrop:
@@ -470,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                        "trace_scale": a.scale, "trace_sets": {k: [t.describe() for t in v] for k, v in sets.items()},
                        "prefill_tps": prefill_tps, "inject_s_per_token": inject, "engine_calibration": cal,
                        "issue_case_all_text_s": all_text_s, "level_table": table, "quality": qnote,
-                       "quality_kl_per_level": kl, "quick": a.quick},
+                       "quality_kl_per_level": kl, "quick": a.quick,
+                       "policy": {"slo_margin": SLO_MARGIN, "slo_reserve_s": SLO_RESERVE_S}, "tuning": TUNING},
             "link": {"real": link_desc, "simulated": {
                 "clock_model": "transfer = bytes / trace rate + request_overhead_s; decode = measured s/token per "
                                "level (pipelined, the last chunk's not overlapped); injection = s/token of loaded "

@@ -272,7 +272,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
     for name, o in (("k", ko), ("v", vo)):
         full = from_bits(arrays.get(f"{name}_full"), dtype_name, (L, T - nq, H, D),
                          f"{name}_full")
-        if not bool(torch.isfinite(full).all()):
+        if not all_finite(full):
             raise CodecError(f"kivi: non-finite full-precision values in {name}")
         o[:, nq:] = full
         if not nq:
@@ -292,7 +292,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
         lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
         st = from_bits(arrays.get(f"{name}_step"), dtype_name, gshape, f"{name}_step")
         tab = Q.kivi_dequantize(qsyn, lo, st, dim=dim, group=NQ)
-        if not bool(torch.isfinite(tab).all()):
+        if not all_finite(tab):
             raise CodecError(f"kivi: non-finite values in {name}")
         tab = tab.to(dt).contiguous()
         kivi_into(qb, bits, bits_view(tab).reshape(-1), strides, bits_view(o), nq)

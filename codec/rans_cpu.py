@@ -545,41 +545,29 @@ def _lut8_impl(codes, tab, flag, out):
 
 def _kivi_impl(qb, bits, tab, sL, sT, gt, sH, sD, gd, sQ, out, nq):
     """KIVI dequantization by table (codec.fused.decode_kivi_cpu): element (l, t, h, d)
-    of the packed codes (``bits`` per code, little-endian in bytes, C order over
+    of the packed codes (``bits`` in {2, 4} per code, little-endian in bytes, C order over
     [L, nq, H, D]) becomes tab[l*sL + (t//gt)*sT + h*sH + (d//gd)*sD + q*sQ], written to
-    out[l, t, h, d]; parallel over (layer, token)."""
+    out[l, t, h, d]; parallel over (layer, token). gd must divide D."""
     L = out.shape[0]
     H = out.shape[2]
     D = out.shape[3]
-    per = 8 // bits
+    lsh = 2 if bits == 2 else 1          # log2(codes per byte)
+    pmask = (1 << lsh) - 1
     mask = (1 << bits) - 1
+    ng = D // gd
     for lt in prange(L * nq):
         layer = lt // nq
         t = lt % nq
         base = layer * sL + (t // gt) * sT
-        i0 = (layer * nq + t) * H * D
+        i = (layer * nq + t) * H * D
         for h in range(H):
             bh = base + h * sH
-            for d in range(D):
-                i = i0 + h * D + d
-                q = (np.int64(qb[i // per]) >> ((i % per) * bits)) & mask
-                out[layer, t, h, d] = tab[bh + (d // gd) * sD + q * sQ]
-
-
-def _nonfinite_impl(bits, mask):
-    """Number of elements of a flat float bit-pattern array whose exponent field is all
-    ones (inf or NaN): (bits & mask) == mask; parallel over blocks of 64K elements."""
-    n = bits.shape[0]
-    nb = (n + 65535) // 65536
-    bad = 0
-    for blk in prange(nb):
-        lo = blk * 65536
-        hi = min(lo + 65536, n)
-        c = 0
-        for i in range(lo, hi):
-            c += np.int64((bits[i] & mask) == mask)
-        bad += c
-    return bad
+            for gi in range(ng):
+                bg = bh + gi * sD
+                for dd in range(gd):
+                    q = (np.int64(qb[i >> lsh]) >> ((i & pmask) * bits)) & mask
+                    out[layer, t, h, gi * gd + dd] = tab[bg + q * sQ]
+                    i += 1
 
 
 def _dequant_direct_impl(sym, m, step, t_stride, hd, t_off, big, mode, out):
@@ -612,6 +600,22 @@ def _dequant_direct_impl(sym, m, step, t_stride, hd, t_off, big, mode, out):
                 out[layer, t + t_off, c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
             else:
                 out[layer, t + t_off, c] = b
+
+
+def _nonfinite_impl(bits, mask):
+    """Number of elements of a flat float bit-pattern array whose exponent field is all
+    ones (inf or NaN): (bits & mask) == mask; parallel over blocks of 64K elements."""
+    n = bits.shape[0]
+    nb = (n + 65535) // 65536
+    bad = 0
+    for blk in prange(nb):
+        lo = blk * 65536
+        hi = min(lo + 65536, n)
+        c = 0
+        for i in range(lo, hi):
+            c += np.int64((bits[i] & mask) == mask)
+        bad += c
+    return bad
 
 
 _dequant_direct_par, _dequant_direct_ser = _dual(_dequant_direct_impl)
@@ -910,6 +914,8 @@ def kivi_into(qb: np.ndarray, bits: int, tab: np.ndarray, strides: tuple, out: n
     """KIVI table dequantization in one pass, both cores (see ``_kivi_impl``); ``strides`` =
     (sL, sT, gt, sH, sD, gd, sQ) into the flat table ``tab`` (out's dtype); out [L, T, H,
     D] C-contiguous, tokens [0, nq) written. Callers check the table covers every index."""
+    if bits not in (2, 4) or strides[5] < 1 or out.shape[3] % strides[5]:
+        raise ValueError("kivi_into: bits must be 2 or 4 and the channel group must divide D")
     if tab.dtype != out.dtype or tab.ndim != 1 or out.ndim != 4 or not out.flags.c_contiguous:
         raise ValueError("kivi_into: flat table of out's dtype and a C-contiguous [L, T, H, D] out")
     n = out.shape[0] * nq * out.shape[2] * out.shape[3]

@@ -98,7 +98,12 @@ def adaptation_experiment(cfg: RunConfig, bundle, link, store_addr: str, info,
                   "model_id": info.model_id, "weights_hash": info.weights_hash,
                   "codec_tag": "cachegen", "identity": ctx.identities.get("cachegen"),
                   "policy": {"slo_s": cfg.slo_s, "prefill_tokens_per_s": prefill_tps,
-                             "initial_throughput_mbps": trace.at(0)}}
+                             "initial_throughput_mbps": trace.at(0),
+                             # the shaper's burst rule (the estimator corrects samples for it)
+                             # and the rate a probe tests after text fallbacks
+                             "burst_bytes": link.describe()["burst_min_bytes"] or link.burst_bytes,
+                             "burst_s": link.describe()["burst_rate_s"],
+                             "probe_rate_mbps": max(cfg.bandwidth_mbps)}}
         t = engine.run(ctx.prompt.input_ids, 1,
                        lambda: hf_load(params, ctx.prompt.input_ids, ctx.load_tokens, before_chunk))
         rows.extend(adaptation_rows(trace, ctx, t, cfg.slo_s, prefill_tps))

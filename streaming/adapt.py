@@ -75,6 +75,8 @@ class ThroughputEstimator:
         self.min_bytes = int(min_sample_bytes if min_sample_bytes is not None
                              else max(MIN_BYTES_FOR_ESTIMATE, BURST_SAMPLE_FACTOR * self.burst))
         self.samples: deque[float] = deque(maxlen=window)
+        self._is_bound: deque[bool] = deque(maxlen=window)  # sample i is an abandon's bound
+        self.provisional = 0
         self.errors: deque[float] = deque(maxlen=window)  # |predicted - actual| / actual
         self.ignored = 0
 
@@ -83,11 +85,31 @@ class ThroughputEstimator:
             self.ignored += 1
             return False
         x = self.rate_from(nbytes, wire_s)
+        if self.provisional:  # a measured transfer supersedes the bounds of abandoned ones
+            kept = [s for s, p in zip(self.samples, self._is_bound) if not p]
+            self.samples.clear()
+            self.samples.extend(kept)
+            self._is_bound.clear()
+            self._is_bound.extend([False] * len(kept))
+            self.provisional = 0
         pred = self.estimate()
         if pred is not None:
             self.errors.append(abs(pred - x) / x)
-        self.samples.append(x)
+        self._append(x, False)
         return True
+
+    def _append(self, x: float, bound: bool) -> None:
+        if len(self.samples) == self.samples.maxlen and self._is_bound and self._is_bound[0]:
+            self.provisional -= 1
+        self.samples.append(x)
+        self._is_bound.append(bound)
+        self.provisional += bound
+
+    def add_bound(self, rate_bytes_s: float) -> None:
+        """An abandoned transfer's upper bound (bytes/s) as a provisional sample: it weighs in
+        the harmonic mean until the next measured transfer replaces it (a bound is not a
+        measurement: kept, the link's recovery would be seen only `window` chunks later)."""
+        self._append(max(1.0, float(rate_bytes_s)), True)
 
     def rate_from(self, nbytes: int, wire_s: float) -> float:
         """Rate (bytes/s) that moves nbytes in wire_s after a full bucket of
@@ -113,7 +135,10 @@ class ThroughputEstimator:
         kept = [s for s in self.samples if s <= r]
         self.samples.clear()
         self.samples.extend(kept)
-        self.samples.append(r)
+        self._is_bound.clear()
+        self._is_bound.extend([False] * len(kept))
+        self.provisional = 0
+        self._append(r, False)
 
     def estimate(self) -> float | None:
         if not self.samples:
@@ -237,6 +262,9 @@ class Decision:
     throughput_mbps_est: float | None
     elapsed_s: float
     predicted_finish_s: float | None = None
+    # the estimator's harmonic mean (Mbit/s) before the RobustMPC discount; throughput_mbps_est
+    # is the rate the plan used (discounted, or the chunk's abandon bound, or the probe rate)
+    estimate_mbps: float | None = None
 
     @property
     def text_fallback(self) -> bool:
@@ -373,8 +401,10 @@ class AdaptivePolicy:
         probe_rate_mbps: the optimistic rate a probe tests (default: max(initial, 1000 Mbit/s),
             the top of this project's link range; pass the link's nominal rate).
         max_abandons: abandons per chunk after which its transfer runs without a deadline.
-        slo_margin: fraction of the SLO held back when planning (plans must finish by
-            slo_s * (1 - slo_margin)) as a reserve for transfers slower than estimated.
+        slo_margin, slo_reserve_s: what planning holds back from the SLO, a fraction and
+            seconds: plans must finish by max(slo_s * (1 - slo_margin) - slo_reserve_s,
+            slo_s / 2), a reserve for transfers slower than estimated (a dip on a later chunk,
+            the time an abandoned transfer wastes).
         overrun_share: the fraction of the plan's slack (overrun_allowance_s) one chunk's
             transfer may use before it is cut.
         robust: plan with ThroughputEstimator.robust_estimate (RobustMPC discount) instead of
@@ -395,7 +425,8 @@ class AdaptivePolicy:
                  request_overhead_s: float = 0.001, min_sample_bytes: int | None = None,
                  probe_rate_mbps: float | None = None, max_abandons: int = 3, abandon_backoff: float = 0.5,
                  robust: bool = True, burst_s: float = 0.0, overrun_share: float = 0.5,
-                 slo_margin: float = 0.05):
+                 slo_margin: float = 0.05, bound_provisional: bool = True, slo_reserve_s: float = 0.0,
+                 nofit_estimate: str = "robust"):
         bad_init = initial_throughput_mbps is not None and initial_throughput_mbps <= 0
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
@@ -419,8 +450,15 @@ class AdaptivePolicy:
         self.overrun_share = float(overrun_share)
         if not 0.0 <= slo_margin < 1.0:
             raise ValueError("slo_margin must be in [0, 1)")
-        self.plan_slo_s = self.slo_s * (1.0 - float(slo_margin))
+        if slo_reserve_s < 0:
+            raise ValueError("slo_reserve_s must be >= 0")
+        self.slo_reserve_s = float(slo_reserve_s)
+        self.plan_slo_s = max(self.slo_s * (1.0 - float(slo_margin)) - self.slo_reserve_s, 0.5 * self.slo_s)
         self.abandon_backoff = float(abandon_backoff)
+        self.bound_provisional = bool(bound_provisional)
+        if nofit_estimate not in ("robust", "mean", "last"):
+            raise ValueError("nofit_estimate must be 'robust', 'mean' or 'last'")
+        self.nofit_estimate = nofit_estimate
         self.request_overhead_s = float(request_overhead_s)
         self._only = list(levels) if levels is not None else None
         self.decisions: list[Decision] = []
@@ -481,6 +519,17 @@ class AdaptivePolicy:
             first_rate = min(plan_rate, bound) if bound else None
             opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s, self.levels,
                                             return_plan=True, first_rate_bytes_s=first_rate)
+            if not fits and rate is not None and self.nofit_estimate != "robust":
+                # no plan fits at the conservative rate: the smallest EXPECTED overshoot is a
+                # question for the unbiased estimate, not for the discounted lower one
+                alt = self.est.estimate() if self.nofit_estimate == "mean" else self.est.samples[-1] \
+                    if self.est.samples else None
+                if alt is not None and alt > plan_rate:
+                    plan_rate = alt
+                    first_rate = min(plan_rate, bound) if bound else None
+                    opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s,
+                                                    self.levels, return_plan=True, first_rate_bytes_s=first_rate)
+                    fits = False  # it did not fit at the conservative rate: no extra allowance
             reason = "fits" if fits else "cheapest-overshoot"
             deadline_cap = None
             if n_ab:
@@ -513,7 +562,9 @@ class AdaptivePolicy:
             self._last_choice[k] = (opt, budget)
             if self.decisions and self.decisions[-1].chunk == k:  # re-plan: keep the final one
                 self.decisions.pop()
-            d = Decision(k, opt, reason, budget, cost, (first_rate or plan_rate) * 8 / 1e6, elapsed_s, fin)
+            hm = self.est.estimate()
+            d = Decision(k, opt, reason, budget, cost, (first_rate or plan_rate) * 8 / 1e6, elapsed_s, fin,
+                         None if hm is None else hm * 8 / 1e6)
             self.decisions.append(d)
             self.history.append(d)
         return opt
@@ -549,7 +600,10 @@ class AdaptivePolicy:
             # one more (optimistic) sample, the harmonic mean weighs it heavily
             prev = self._bound.get(k, math.inf)
             self._bound[k] = min(prev, ub * self.abandon_backoff)
-            self.est.samples.append(ub)
+            if self.bound_provisional:
+                self.est.add_bound(ub)
+            else:
+                self.est._append(ub, False)
             self._since_sample = 0
             self.history.append(Decision(k, level, "abandoned", self._last_choice.get(k, (None, None))[1],
                                          elapsed_wire_s, self.est.estimate() * 8 / 1e6, -1.0))

@@ -106,3 +106,19 @@ class TraceHook:
 def apply_trace(link, trace: Trace) -> TraceHook:
     """Hook for stream_load(before_chunk=...) that drives `link` (a ShapedLink) by `trace`."""
     return TraceHook(link, trace)
+
+
+def synthetic_uniform(n: int, count: int, seed: int = 0, lo_mbps: float = 10.0,
+                      hi_mbps: float = 1000.0) -> list[Trace]:
+    """`count` traces of n chunks, each chunk's rate drawn independently and uniformly from
+    [lo_mbps, hi_mbps] (numpy default_rng(seed)). A tuning set for the adaptive policy that
+    shares no values with the artifact's recorded traces (which stay the evaluation set); the
+    range is this project's link range (10-1000 Mbit/s), not fitted to the recorded traces."""
+    import numpy as np
+
+    if n < 1 or count < 0 or not 0 < lo_mbps <= hi_mbps:
+        raise ValueError("need n >= 1, count >= 0 and 0 < lo_mbps <= hi_mbps")
+    rng = np.random.default_rng(seed)
+    return [Trace(f"synthetic-uniform-{seed}-{i}", tuple(float(x) for x in rng.uniform(lo_mbps, hi_mbps, n)),
+                  source=f"synthetic: iid uniform [{lo_mbps:g}, {hi_mbps:g}] Mbit/s per chunk, seed {seed}")
+            for i in range(count)]

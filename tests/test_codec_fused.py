@@ -185,3 +185,19 @@ def test_all_finite_matches_torch(dtype):
                         torch.finfo(dtype).tiny, 0.0], dtype=dtype)
     assert all_finite(big)
     assert all_finite(torch.empty(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", ["cachegen", "cachegen-ref", "quant8", "fp8", "kivi2"])
+def test_parallel_kernels_equal_reference(name, monkeypatch):
+    """The parallel (prange) builds of the fused kernels give the reference's bits too."""
+    monkeypatch.setattr(rans_cpu, "PARALLEL_MIN_SYMBOLS", 0)
+    from codec.fused import all_finite
+
+    for dtype in (torch.bfloat16, torch.float16):
+        k, v = _kv((3, 200, 2, 64), dtype, seed=11)
+        for data in codec.encode_chunks(k, v, codec=name, chunk_tokens=64):
+            (rk, rv), (fk, fv) = _both_paths(data)
+            assert _bits_equal(rk, fk) and _bits_equal(rv, fv)
+        y = k.clone()
+        y[2, 199, 1, 63] = float("nan")
+        assert all_finite(k) and not all_finite(y)

@@ -235,3 +235,25 @@ def test_lossy_entry_is_refused_with_prefix_caching_unless_allowed(tmp_path):
         .get_num_new_matched_tokens(_req("y", ids + [1], r), 0) == (256, False)
     assert _connector(base, prefix_caching=False).get_num_new_matched_tokens(
         _req("z", ids + [1], r), 0) == (256, False)
+
+
+@pytest.mark.parametrize("mode, level", [("cachegen", 2), ("raw", None), ("cachegen-adaptive", None)])
+def test_harness_request_params_pass_the_check(mode, level):
+    """The harness's kv_transfer_params (harness.engines.request_params) ask only for what
+    its engine's configuration allows (the run's store registered at engine creation)."""
+    from streaming.identity import EntryIdentity
+
+    engines = pytest.importorskip("harness.engines")
+    addr = "127.0.0.1:40123"
+    ident = EntryIdentity(model_id="m", weights_hash="w" * 64, codec="cachegen",
+                          level_configs=((2, "h"),)).to_dict()
+    var = SimpleNamespace(mode=mode, codec=mode.split("-")[0], label=f"{mode}-L{level}", level=level)
+    ctx = SimpleNamespace(keys={var.codec: "a" * 64}, identities={var.codec: ident},
+                          load_tokens=1024, cid="ctx0")
+    info = SimpleNamespace(model_id="m", weights_hash="w" * 64)
+    cfg = SimpleNamespace(slo_s=1.0)
+    params = engines.request_params(var, ctx, addr, info, cfg, 5000.0, 100.0)
+    out = validate_request(params, {"stores": {"harness": addr}, "source": "store"})
+    assert out["store"] == addr and out["context_key"] == "a" * 64
+    with pytest.raises(RequestRejected, match="not allowed"):
+        validate_request(params, {"stores": {"harness": "127.0.0.1:1"}})

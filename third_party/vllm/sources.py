@@ -426,8 +426,20 @@ class _PrefixPolicy:
             self.stopped = True
         return lv
 
-    def observe_transfer(self, k, level, nbytes, transfer_s) -> None:
-        self.inner.observe_transfer(k, level, nbytes, transfer_s)
+    def transfer_deadline_s(self, k: int):
+        f = getattr(self.inner, "transfer_deadline_s", None)
+        return f(k) if f is not None else None
+
+    def observe_transfer(self, k, level, nbytes, transfer_s, elapsed_end_s=None) -> None:
+        self.inner.observe_transfer(k, level, nbytes, transfer_s, elapsed_end_s)
+
+    def observe_abandon(self, k, level, wire_s) -> None:
+        if hasattr(self.inner, "observe_abandon"):
+            self.inner.observe_abandon(k, level, wire_s)
+
+    def observe_text(self, k) -> None:
+        if hasattr(self.inner, "observe_text") and not self.stopped and k < self.needed:
+            self.inner.observe_text(k)
 
     def observe_decode(self, k, decode_s) -> None:
         self.inner.observe_decode(k, decode_s)

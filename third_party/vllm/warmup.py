@@ -24,6 +24,12 @@ logger = logging.getLogger("cachegen.vllm_warmup")
 # codecs warmed by default: every registered codec except those that need an external
 # calibration artifact (kvtc) - one failing codec is logged and skipped, never fatal
 DEFAULT_SKIP = ("kvtc",)
+# The CPU rANS coder has a serial kernel for small chunks and a parallel (prange) one from
+# codec.rans_cpu.PARALLEL_MIN_SYMBOLS symbols up (distinct numba cache entries): entropy-
+# coded codecs are warmed a second time with a chunk above that size, or a real chunk's
+# first decode still compiles the parallel kernel (measured 5.3 s when numba's cache was
+# stale).
+ENTROPY_CODED = ("cachegen", "cachegen-ref")
 
 
 def warm_up_codecs(codecs: Iterable[str] | None = None, dtype: Any = None,
@@ -35,6 +41,8 @@ def warm_up_codecs(codecs: Iterable[str] | None = None, dtype: Any = None,
     dtype: torch dtype of the synthetic K/V (default torch.bfloat16, the engine's KV dtype;
         numba specialises on the array dtypes the codec hands it, not on shapes).
     shape: (layers, tokens, kv heads, head_dim) of the synthetic K/V (small: seconds matter).
+    Entropy-coded codecs (ENTROPY_CODED) are also run once on a chunk large enough for
+    the coder's parallel kernels (PARALLEL_MIN_SYMBOLS symbols, same L, H, D).
     Returns {"total_s": float, "codecs": {name: seconds or "error: ..."}}. Raises nothing:
     a codec that fails to warm is reported in the dict and logged.
     """
@@ -45,18 +53,25 @@ def warm_up_codecs(codecs: Iterable[str] | None = None, dtype: Any = None,
     dtype = dtype or torch.bfloat16
     names = list(codecs) if codecs is not None else \
         [c for c in codec_pkg.CODECS if c not in DEFAULT_SKIP]
+    try:
+        from codec.rans_cpu import PARALLEL_MIN_SYMBOLS as par_min
+    except ImportError:  # pragma: no cover - coder without a size switch
+        par_min = 1 << 18
+    L, T, H, D = shape
+    big = (L, max(T, -(-int(par_min) // (2 * L * H * D)) + 1), H, D)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(shape, generator=g).to(dtype)
-    v = torch.randn(shape, generator=g).to(dtype)
     out: dict[str, Any] = {}
     t_all = time.perf_counter()
     for name in names:
         t0 = time.perf_counter()
         try:
-            data = codec_pkg.encode_kv(k, v, codec=name)
-            kd, vd = codec_pkg.decode_kv(data, device="cpu")
-            if tuple(kd.shape) != tuple(shape) or tuple(vd.shape) != tuple(shape):
-                raise RuntimeError(f"decoded shape {tuple(kd.shape)} != {shape}")
+            for shp in (shape, big) if name in ENTROPY_CODED else (shape,):
+                k = torch.randn(shp, generator=g).to(dtype)
+                v = torch.randn(shp, generator=g).to(dtype)
+                data = codec_pkg.encode_kv(k, v, codec=name)
+                kd, vd = codec_pkg.decode_kv(data, device="cpu")
+                if tuple(kd.shape) != tuple(shp) or tuple(vd.shape) != tuple(shp):
+                    raise RuntimeError(f"decoded shape {tuple(kd.shape)} != {shp}")
             out[name] = round(time.perf_counter() - t0, 4)
         except Exception as e:  # noqa: BLE001 - warm-up is best effort
             out[name] = f"error: {type(e).__name__}: {e}"
