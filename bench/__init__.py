@@ -18,6 +18,8 @@ Commands (run from the repository root):
   python -m bench.streaming pipeline|adapt    pipelined load and adaptation (docs/streaming.md)
   python -m bench.redis --rate-mbps 100 1000  the Redis store behind the link (docs/redis.md)
   python -m bench.vllm_demo --tokens 2000     vLLM: prefill vs KV load through the connector
+  python -m bench.warmup                      first vs tenth decode in a fresh process, with and
+                                              without the connector's JIT warm-up
   python -m bench.taskcheck --task needle     lossless task scores (docs/tasks.md)
 Importing the package imports nothing.
 """

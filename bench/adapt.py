@@ -18,15 +18,17 @@ What runs:
    the per-level decode table, the prefill speed) for every policy (adaptive, oracle,
    fixed-l0..l5, text), every trace and every SLO of the sweep.
 
-Traces: the 10 recorded traces of the public CacheGen artifact (trace_set "artifact"), its
-generated traces ("generated"), constant 10/100/1000 Mbit/s ("constant"), steps
+Traces: the 10 recorded traces of the public CacheGen artifact (trace_set "artifact", the
+EVALUATION set), its generated traces ("generated") and --synthetic i.i.d. uniform
+10-1000 Mbit/s traces ("synthetic", simulated only) - generated + synthetic are the TUNING
+set the policy's reserve was chosen on (config.tuning) -, constant 10/100/1000 Mbit/s ("constant"), steps
 1000 -> 10 and 10 -> 1000 Mbit/s mid-context ("step"); artifact Gbit/s scaled by --scale.
 Quality: per-level KL from benchmarks/quality.json when present (token-weighted mean KL of
 a load; text chunks are recomputed exactly, KL 0); otherwise quality_kl is null and the
 planner uses an ordinal utility (higher level better, text best), stated in the output.
 
-Run (default, ~6-10 min on 2 busy cores):  python -m bench.adapt
-Quick (~2 min):                              python -m bench.adapt --quick
+Run (default, ~8-12 min on 2 busy cores):  python -m bench.adapt
+Quick (~2 min; ~1 min with --level-table):   python -m bench.adapt --quick
 Simulation only, reusing a level table:      python -m bench.adapt --no-real --level-table benchmarks/adaptation.json
 Output: benchmarks/adaptation.json (schema: docs/results-schema.md, section adaptation.json).
 """

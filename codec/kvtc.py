@@ -49,7 +49,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ CALIBRATION_VERSION = 1
 # exact sink/recent tokens and the container's overhead. Chosen by the measurements in
 # docs/codec.md ("KVTC").
 DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.4, 1: 0.55, 2: 0.75, 3: 1.0, 4: 1.5, 5: 2.2}
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL = 4
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
 MAX_Q = 127                      # |quantized coefficient| <= 127: symbols fit in 255 bins

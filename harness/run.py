@@ -9,6 +9,7 @@ Paper: CacheGen (Liu et al., SIGCOMM 2024) sections 5-7. Run: ``python run_bench
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -74,6 +75,27 @@ def route_engine_logs(path: Path) -> None:
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf_path)
 
 
+@contextlib.contextmanager
+def stderr_to(path: Path | None):
+    """Point file descriptor 2 at ``path`` (appending) while the block runs, so processes
+    started in it (vLLM's engine core and workers) write their warnings and progress bars
+    there for their whole life; this process's stderr is restored after. No-op for None."""
+    if path is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
 def cleanup_leftovers() -> None:
     """Remove what killed runs left: their processes, shm, temp folders (run registry),
     shaped-link namespaces and Redis data folders; says what was removed."""
@@ -113,7 +135,7 @@ def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any
             if cfg.engine == "vllm":
                 check_vllm()
             with ExitStack() as stack:
-                _run_stages(cfg, argv, out_path, stack, registry, state)
+                _run_stages(cfg, argv, out_path, stack, registry, state, verbose)
         except (KeyboardInterrupt, SystemExit) as exc:
             writer = state.get("writer")
             exc.results_path = out_path if writer is not None and writer.written else None
@@ -127,7 +149,8 @@ def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any
 
 
 def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStack,
-                registry: lifecycle.RunRegistry, state: dict[str, ResultsWriter]) -> None:
+                registry: lifecycle.RunRegistry, state: dict[str, ResultsWriter],
+                verbose: bool = False) -> None:
     """Stages 1-5 inside ``stack`` (link, servers, engine, temp folder); the results
     writer is put in ``state["writer"]`` as soon as it exists."""
     log("loading model")
@@ -181,7 +204,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     engine: Engine
     if cfg.engine == "vllm":
         log("starting vLLM (one engine, our connector, for every mode)")
-        engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len, store_addr)
+        with stderr_to(None if verbose else engine_log_path(out_path)):
+            engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len, store_addr)
     else:
         engine = HFEngine(bundle)
     stack.callback(engine.close)

@@ -39,7 +39,7 @@ __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calib
 # window_tokens x windows calibration tokens; the measured choices of docs/codec.md (KVTC)
 DEFAULT_SETTINGS = {"windows": 4, "window_tokens": 1024, "sensitivity_tokens": 512, "key_space": "pre_rope",
                     "per_head": False, "weighting": "sensitivity", "sink_tokens": 4,
-                    "recent_tokens": 0}
+                    "recent_tokens": 0, "default_level": 4}
 
 
 def rope_theta_of(bundle) -> float | None:
@@ -149,7 +149,8 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
 def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
               key_space: str = "pre_rope", per_head: bool = False,
               weighting: str = "relative", sink_tokens: int = 4, recent_tokens: int = 0,
-              sensitivity_tokens: int = 512, data_name: str = "", log=print):
+              sensitivity_tokens: int = 512, default_level: int | None = None,
+              data_name: str = "", log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
     is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
@@ -180,6 +181,8 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     cal = kvtc.fit_calibration(k, v, positions=pos, rope_theta=theta, per_head=per_head,
                                weighting=weighting, sink_tokens=sink_tokens,
                                recent_tokens=recent_tokens, meta=meta,
+                               default_level=kvtc.DEFAULT_LEVEL if default_level is None
+                               else default_level,
                                progress=lambda s: log(f"[calibrate] {s}"))
     log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
     return cal
@@ -233,7 +236,8 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
                         key_space=s["key_space"], per_head=s["per_head"],
                         weighting=s["weighting"], sink_tokens=s["sink_tokens"],
                         recent_tokens=s["recent_tokens"],
-                        sensitivity_tokens=s["sensitivity_tokens"], data_name=data_name, log=log)
+                        sensitivity_tokens=s["sensitivity_tokens"],
+                        default_level=s["default_level"], data_name=data_name, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,

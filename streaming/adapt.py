@@ -18,8 +18,9 @@ Planning is model-predictive (MPC, Yin et al. 2015): for chunk k the policy eval
 plans "chunk k at option o, then m chunks at level u, the rest as text" under the current
 estimate with ClockModel.finish_s (transfer, pipelined decode, the last chunk's decode not
 overlapped, injection, then recompute of text chunks at the measured prefill speed) and
-takes the first step of the best plan that fits the SLO; if none fits, of the plan with the
-smallest predicted finish (smallest expected overshoot). Each KV transfer carries a
+takes the first step of the best plan that fits the SLO less a reserve (slo_margin,
+slo_reserve_s) for a bandwidth dip; if none fits, of the plan with the smallest predicted
+finish (smallest expected overshoot). Each KV transfer carries a
 deadline (planned wire time * (1 + abandon_margin) + abandon_slack_s); the client cancels a
 chunk that runs past it (streaming.client) and the policy re-plans that chunk with the
 upper bound it learned (rate < bytes / deadline).
@@ -300,12 +301,15 @@ def choose_level(
 
 def plan_mpc(model: ClockModel, k: int, state: tuple[float, float, float], kv_tokens: int,
              rate_bytes_s: float, slo_s: float, levels: Sequence[int] | None = None,
-             allow_kv: bool = True, return_plan: bool = False, first_rate_bytes_s: float | None = None):
+             allow_kv: bool = True, return_plan: bool = False, first_rate_bytes_s: float | None = None,
+             text_only_slo_s: float | None = None):
     """Best first step for chunks k..n-1 under a constant predicted rate.
 
     Candidate plans: chunk k at option o, then m chunks at level u, then text (all o, u, m).
     first_rate_bytes_s: a different predicted rate for chunk k alone (e.g. the bound learned
-    from its abandoned transfer).
+    from its abandoned transfer). text_only_slo_s: the limit for the plan "every remaining
+    chunk as text" (default slo_s): it transfers nothing, so it needs no reserve for a
+    bandwidth dip.
     Returns (option for chunk k, predicted finish s, fits SLO), plus the plan's options for
     chunks k..n-1 when return_plan. Highest utility among the
     plans that fit (ties: a KV option now, keeping text for later as insurance, then the
@@ -339,7 +343,8 @@ def plan_mpc(model: ClockModel, k: int, state: tuple[float, float, float], kv_to
                 fin = model.finish((st[0], st[1], st[2] + suffix_rc[m]), kv)
                 tot_u = ut + suffix_ut[m]
                 kvfirst = o is not TEXT
-                if fin <= slo_s and (best_fit is None or (round(tot_u, 9), kvfirst, -fin) > best_fit[:3]):
+                lim = slo_s if (kvfirst or m > 0 or text_only_slo_s is None) else text_only_slo_s
+                if fin <= lim and (best_fit is None or (round(tot_u, 9), kvfirst, -fin) > best_fit[:3]):
                     best_fit = (round(tot_u, 9), kvfirst, -fin, o, (u, m))
                 if best_any is None or (-fin, tot_u) > best_any[:2]:
                     best_any = (-fin, tot_u, o, (u, m))
@@ -409,8 +414,17 @@ class AdaptivePolicy:
             transfer may use before it is cut.
         robust: plan with ThroughputEstimator.robust_estimate (RobustMPC discount) instead of
             the plain harmonic mean.
-        abandon_backoff: an abandoned transfer enters the estimator as this fraction of the
-            upper bound bytes/elapsed (multiplicative decrease, as in TCP).
+        abandon_backoff: chunk k is re-planned, after its transfer was abandoned, at this
+            fraction of the upper bound bytes/elapsed (multiplicative decrease, as in TCP).
+        bound_provisional: the abandon's upper bound is a provisional estimator sample that
+            the next measured transfer replaces (ThroughputEstimator.add_bound); False keeps
+            it for the whole window.
+        nofit_estimate: the rate a chunk is planned with when no plan fits at the discounted
+            rate: "robust" (keep it), "mean" (the harmonic mean) or "last" (the last sample).
+        smallest_no_restart: a transfer at the chunk's smallest level is not cut before the
+            chunk's recompute time (after a cut only text is cheaper; ski-rental rule).
+        A plan that sends every remaining chunk as text is held to slo_s * (1 - slo_margin)
+        only (no slo_reserve_s: it transfers nothing).
     Call start(manifest) first; choose(k, elapsed_s) before chunk k; transfer_deadline_s(k)
     for the chunk just chosen; observe_transfer / observe_abandon / observe_decode after.
     Thread-safe. Raises ValueError on non-positive SLO or speeds.
@@ -426,7 +440,7 @@ class AdaptivePolicy:
                  probe_rate_mbps: float | None = None, max_abandons: int = 3, abandon_backoff: float = 0.5,
                  robust: bool = True, burst_s: float = 0.0, overrun_share: float = 0.5,
                  slo_margin: float = 0.05, bound_provisional: bool = True, slo_reserve_s: float = 0.0,
-                 nofit_estimate: str = "robust"):
+                 nofit_estimate: str = "robust", smallest_no_restart: bool = True):
         bad_init = initial_throughput_mbps is not None and initial_throughput_mbps <= 0
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
@@ -453,12 +467,14 @@ class AdaptivePolicy:
         if slo_reserve_s < 0:
             raise ValueError("slo_reserve_s must be >= 0")
         self.slo_reserve_s = float(slo_reserve_s)
-        self.plan_slo_s = max(self.slo_s * (1.0 - float(slo_margin)) - self.slo_reserve_s, 0.5 * self.slo_s)
+        self.text_slo_s = self.slo_s * (1.0 - float(slo_margin))  # an all-text plan needs no dip reserve
+        self.plan_slo_s = max(self.text_slo_s - self.slo_reserve_s, 0.5 * self.slo_s)
         self.abandon_backoff = float(abandon_backoff)
         self.bound_provisional = bool(bound_provisional)
         if nofit_estimate not in ("robust", "mean", "last"):
             raise ValueError("nofit_estimate must be 'robust', 'mean' or 'last'")
         self.nofit_estimate = nofit_estimate
+        self.smallest_no_restart = bool(smallest_no_restart)
         self.request_overhead_s = float(request_overhead_s)
         self._only = list(levels) if levels is not None else None
         self.decisions: list[Decision] = []
@@ -518,7 +534,8 @@ class AdaptivePolicy:
             bound = self._bound.get(k)  # chunk k's own rate bound after an abandoned transfer
             first_rate = min(plan_rate, bound) if bound else None
             opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s, self.levels,
-                                            return_plan=True, first_rate_bytes_s=first_rate)
+                                            return_plan=True, first_rate_bytes_s=first_rate,
+                                            text_only_slo_s=self.text_slo_s)
             if not fits and rate is not None and self.nofit_estimate != "robust":
                 # no plan fits at the conservative rate: the smallest EXPECTED overshoot is a
                 # question for the unbiased estimate, not for the discounted lower one
@@ -528,7 +545,8 @@ class AdaptivePolicy:
                     plan_rate = alt
                     first_rate = min(plan_rate, bound) if bound else None
                     opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s,
-                                                    self.levels, return_plan=True, first_rate_bytes_s=first_rate)
+                                                    self.levels, return_plan=True, first_rate_bytes_s=first_rate,
+                                                    text_only_slo_s=self.text_slo_s)
                     fits = False  # it did not fit at the conservative rate: no extra allowance
             reason = "fits" if fits else "cheapest-overshoot"
             deadline_cap = None
@@ -554,8 +572,12 @@ class AdaptivePolicy:
                     # the plan's own slack (e.g. a decoder behind the link) may absorb an overrun
                     budget = max(budget, cost + self.overrun_share * overrun_allowance_s(
                         m, k, st, self._kv_tokens, plan, first_rate or plan_rate, self.plan_slo_s))
-                if budget is not None and not fits:
-                    # nothing fits: cut a transfer only once it has cost more than recomputing
+                smallest = min(self.levels, key=lambda x: m.sizes[x][k])
+                if budget is not None and (not fits or (self.smallest_no_restart and opt == smallest)):
+                    # nothing fits, or this is already the smallest level (after a cut the only
+                    # cheaper option is text; restarting the same bytes at a rate known to be
+                    # lower never pays): cut only once the transfer has cost as much as
+                    # recomputing (the ski-rental rule, 2-competitive)
                     budget = max(budget, text_s)
                 if deadline_cap is not None:
                     budget = min(budget, deadline_cap) if budget is not None else deadline_cap

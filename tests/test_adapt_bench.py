@@ -70,3 +70,23 @@ def test_adaptation_figures(tmp_path):
     assert sorted(x.name for x in out) == ["adaptation_chunk_timeline.png", "adaptation_quality_vs_violation.png",
                                            "adaptation_violation_vs_slo.png"]
     assert V.main(["--adaptation", str(tmp_path / "nope.json"), "--out", str(tmp_path / "f2")]) == 2
+
+
+def test_sim_only_main_states_tuning_split_and_partial_quality(tmp_path):
+    # a level table given as a file, quality.json missing level 0: quality is null, said so
+    lt = tmp_path / "lt.json"
+    lt.write_text(json.dumps({"config": {"level_table": TABLE}}))
+    q = tmp_path / "q.json"
+    q.write_text(json.dumps({"rows": [{"codec": "cachegen", "level": 1, "kl": 0.04}]}))
+    out = tmp_path / "a.json"
+    rc = B.main(["--no-real", "--level-table", str(lt), "--quality", str(q), "--out", str(out), "--slo-s", "1",
+                 "--synthetic", "2", "--quick", "--prefill-tps", "1000", "--inject-s-per-token", "0",
+                 "--results", str(tmp_path / "none.json")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["quality_kl_per_level"] is None and "lacks levels [0]" in doc["config"]["quality"]
+    t = doc["config"]["tuning"]
+    assert t["evaluation_trace_set"] == "artifact" and "artifact" not in t["tuning_trace_sets"]
+    assert doc["config"]["policy"]["slo_reserve_s"] == B.SLO_RESERVE_S
+    assert len(doc["config"]["trace_sets"]["synthetic"]) == 2
+    assert {r["trace_set"] for r in doc["rows"]} >= {"artifact", "synthetic", "generated"}

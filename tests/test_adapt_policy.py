@@ -211,3 +211,74 @@ def test_adaptive_close_to_the_oracle_on_iid_traces():
             va[slo] = va.get(slo, 0) + r.slo_violated
     assert va[2.0] <= vo[2.0] + 0.05 * N + 1 and va[4.0] <= vo[4.0] + 0.05 * N, (va, vo)
     assert va[1.0] <= vo[1.0] + 0.4 * N, (va, vo)
+
+
+# ----------------------------------------------------------------------------- issue 15, round 2
+def test_abandon_bound_is_provisional_until_a_measured_transfer():
+    e = ThroughputEstimator(None, window=5)
+    for _ in range(3):
+        e.observe(int(1e6), 1e6 / (800 * MBPS))
+    e.add_bound(40 * MBPS)  # an abandoned transfer: the rate was below 40 Mbit/s
+    assert e.provisional == 1
+    assert e.estimate() / MBPS == pytest.approx(4 / (3 / 800 + 1 / 40))  # weighs in meanwhile
+    e.observe(int(1e6), 1e6 / (30 * MBPS))  # the re-planned chunk, measured: replaces the bound
+    assert e.provisional == 0
+    assert [round(s / MBPS) for s in e.samples] == [800, 800, 800, 30]
+    # a bound that leaves the window by age is no longer counted as provisional
+    f = ThroughputEstimator(None, window=2)
+    f.add_bound(10 * MBPS)
+    f.add_bound(20 * MBPS)
+    f.add_bound(30 * MBPS)
+    assert f.provisional == 2 and [round(s / MBPS) for s in f.samples] == [20, 30]
+
+
+def test_slo_reserve_and_nofit_estimate_arguments():
+    p = policy(1.0, 1000, slo_margin=0.05, slo_reserve_s=0.25)
+    assert p.plan_slo_s == pytest.approx(0.70)
+    assert policy(1.0, 1000, slo_margin=0.0, slo_reserve_s=0.9).plan_slo_s == pytest.approx(0.5)  # floor slo/2
+    with pytest.raises(ValueError):
+        policy(1.0, 1000, slo_reserve_s=-1)
+    with pytest.raises(ValueError):
+        policy(1.0, 1000, nofit_estimate="median")
+
+
+def test_decision_records_plain_estimate_beside_planning_rate():
+    man = Man(3, 410, BPT)
+    p = policy(2.0, 1000, init=None, probe_rate_mbps=500.0)
+    p.start(man)
+    p.choose(0, 0.0)
+    assert p.decisions[-1].estimate_mbps is None  # nothing measured: the probe rate plans
+    p.observe_transfer(0, 2, 2_000_000, 2_000_000 / (400 * MBPS), 0.01)
+    p.choose(1, 0.02)
+    d = p.decisions[-1]
+    assert d.estimate_mbps == pytest.approx(400)
+    assert d.throughput_mbps_est <= d.estimate_mbps  # discounted (RobustMPC) or equal
+
+
+def test_synthetic_uniform_traces_are_seeded_and_in_range():
+    from streaming.traces import synthetic_uniform
+
+    a = synthetic_uniform(10, 3, seed=1)
+    b = synthetic_uniform(10, 3, seed=1)
+    assert [t.mbps for t in a] == [t.mbps for t in b] and len(a) == 3
+    assert all(10.0 <= x <= 1000.0 for t in a for x in t.mbps) and len(a[0].mbps) == 10
+    assert synthetic_uniform(10, 1, seed=2)[0].mbps != a[0].mbps
+    with pytest.raises(ValueError):
+        synthetic_uniform(0, 1)
+
+
+def test_smallest_level_is_not_cut_before_its_recompute_time():
+    # after a cut, re-fetching the smallest level from zero never pays: its deadline is at
+    # least the chunk's recompute time (ski rental), unless smallest_no_restart=False
+    man = Man(4, 410, BPT)
+    for flag in (True, False):
+        p = policy(10.0, 100, init=5.0, levels=[0], smallest_no_restart=flag)  # 1.44 s a chunk
+        p.start(man)
+        lv = p.choose(0, 0.0)
+        assert lv == 0
+        dl = p.transfer_deadline_s(0)
+        planned = man.sizes[0][0] / (5 * MBPS)
+        if flag:
+            assert dl >= 410 / 100  # recompute time of the chunk: 4.1 s
+        else:
+            assert dl < 410 / 100 and dl >= planned

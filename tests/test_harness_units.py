@@ -283,3 +283,18 @@ def test_engine_logs_routed_to_a_file(tmp_path, monkeypatch):
             h.close()
         logging.getLogger("vllm").handlers.clear()
     assert "engine started with 2 workers" in path.read_text()
+
+
+def test_stderr_of_started_processes_goes_to_the_log(tmp_path, capfd):
+    import subprocess
+    import sys
+
+    from harness.run import stderr_to
+
+    log = tmp_path / "engine.log"
+    with stderr_to(log):
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('engine noise\\n')"])
+    child.wait()
+    sys.stderr.write("console line\n")
+    assert log.read_text() == "engine noise\n"
+    assert "console line" in capfd.readouterr().err

@@ -181,3 +181,26 @@ def test_quality_figure_from_rows(tmp_path):
     assert (tmp_path / "figs" / "quality_divergence.png").stat().st_size > 1000
     path.write_text(json.dumps({"rows": []}))
     assert V.main(["--quality", str(path), "--out", str(tmp_path / "figs"), "--formats", "png"]) == 1
+
+
+def test_task_requests_mix():
+    reqs = Q.task_requests(60)
+    assert len(reqs) == 60
+    needle = [(length, i) for t, length, i in reqs if t == "needle"]
+    topic = [length for t, length, _ in reqs if t == "topic_retrieval"]
+    assert len(needle) == 30 and set(topic) == set(Q.TOPIC_LENGTHS)
+    assert {length for length, _ in needle} == set(Q.TASK_LENGTHS)
+    # needle depth = NEEDLE_DEPTHS[index % 5]: every depth appears
+    assert {i % 5 for _, i in needle} == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.slow
+def test_run_tasks_real_model(default_bundle):
+    rows, info = Q.run_tasks(default_bundle, [("raw", None), ("cachegen", 1)], 2, lengths=(256,),
+                             topic_lengths=(256,), max_new_tokens=12, log=lambda m: None)
+    by = {(r["codec"], r["task"]): r for r in rows}
+    assert by[("raw", "all")]["n"] == 2 and by[("raw", "all")]["agreement"] == 1.0
+    assert by[("raw", "all")]["accuracy"] == by[("lossless", "all")]["accuracy"]
+    lo, hi = by[("cachegen", "all")]["agreement_ci"]
+    assert 0.0 <= lo <= by[("cachegen", "all")]["agreement"] <= hi <= 1.0
+    assert [r["task"] for r in info["requests"]] == ["needle", "topic_retrieval"]

@@ -111,3 +111,29 @@ def test_artifact_traces_carried_in_the_repo():
     assert rec[0].mbps[0] == pytest.approx(56.58192386631183)
     gen = artifact_generated()
     assert len(gen) >= 2 and len(load_artifact_traces()) == len(rec) + len(gen)
+
+
+def test_vllm_prefix_wrapper_forwards_abandon_and_timing():
+    # third_party/vllm/sources.py wraps the policy: deadlines, abandons, text and the
+    # receive clock must reach the AdaptivePolicy inside (issue 15)
+    from streaming.adapt import AdaptivePolicy
+    from third_party.vllm.sources import _PrefixPolicy
+
+    class Man:
+        levels = (0, 1)
+        sizes = {0: (400_000,) * 3, 1: (800_000,) * 3}
+        token_ranges = ((0, 100), (100, 200), (200, 300))
+        chunk_count = 3
+
+    inner = AdaptivePolicy(5.0, 10.0, 100.0, decode_s_per_token={0: 1e-4, 1: 1e-4}, request_overhead_s=0.0)
+    p = _PrefixPolicy(inner, needed_chunks=3)
+    p.start(Man())
+    lv = p.choose(0, 0.0)
+    assert lv is not None and p.transfer_deadline_s(0) == inner.transfer_deadline_s(0) is not None
+    p.observe_abandon(0, lv, 0.5)
+    assert inner.abandons == 1 and inner.est.provisional == 1
+    lv = p.choose(0, 0.5)
+    p.observe_transfer(0, lv, Man.sizes[lv][0], 0.2, 0.7)
+    assert inner.est.provisional == 0 and inner._dec_free == pytest.approx(0.7 + 100 * 1e-4)
+    p.observe_text(1)
+    assert inner._since_sample == 1

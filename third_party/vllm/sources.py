@@ -431,7 +431,10 @@ class _PrefixPolicy:
         return f(k) if f is not None else None
 
     def observe_transfer(self, k, level, nbytes, transfer_s, elapsed_end_s=None) -> None:
-        self.inner.observe_transfer(k, level, nbytes, transfer_s, elapsed_end_s)
+        if elapsed_end_s is None:  # (an inner policy may take only the older 4 arguments)
+            self.inner.observe_transfer(k, level, nbytes, transfer_s)
+        else:
+            self.inner.observe_transfer(k, level, nbytes, transfer_s, elapsed_end_s)
 
     def observe_abandon(self, k, level, wire_s) -> None:
         if hasattr(self.inner, "observe_abandon"):
