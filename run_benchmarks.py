@@ -7,7 +7,8 @@ namespaces as root, else a userspace token-bucket proxy on loopback). Each reque
 loads its prefix KV through the link (decode pipelined with transfer), injects it into the
 engine and prefills only the rest. Modes: text, raw, quant8, kivi2, cachegen (each level),
 cachegen-adaptive (CacheGen section 5: per-chunk level from measured throughput and an
-SLO, text fallback). Results: benchmarks/results.json (docs/results-schema.md).
+SLO, text fallback), kvtc (transform coding, each level; its default calibration is fitted
+on first use and cached). Results: benchmarks/results.json (docs/results-schema.md).
 
 Run:
     python run_benchmarks.py                                   # defaults (configs/benchmark.yaml)
@@ -33,8 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                "--context-tokens 2048\n  python visualize_results.py   # figures from the results")
     p.add_argument("--config", type=Path, help="YAML defaults (default: configs/benchmark.yaml)")
     p.add_argument("--bandwidth-mbps", type=float, nargs="+", help="link rates, Mbit/s")
-    p.add_argument("--modes", nargs="+", help="text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive")
+    p.add_argument("--modes", nargs="+",
+                   help="text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive kvtc")
     p.add_argument("--levels", type=int, nargs="+", help="cachegen levels (default: all)")
+    p.add_argument("--kvtc-levels", type=int, nargs="+",
+                   help="kvtc levels (default: all; --quick: 4, the codec's default)")
     p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
     p.add_argument("--model", help="HF id, local HF folder or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--tasks", nargs="+",

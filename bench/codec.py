@@ -49,7 +49,8 @@ from codec.config import CodecConfig, DEFAULT_CHUNK_TOKENS
 DEFAULT_ROWS = [("raw", None), ("fp8", None), ("quant8", None), ("kivi4", None),
                 ("kivi2", None), ("cachegen-ref", 3), ("cachegen-ref", 2),
                 ("cachegen-ref", 0), ("cachegen-ref", 1), ("cachegen", 5), ("cachegen", 4),
-                ("cachegen", 3), ("cachegen", 2), ("cachegen", 1), ("cachegen", 0)]
+                ("cachegen", 3), ("cachegen", 2), ("cachegen", 1), ("cachegen", 0),
+                ("kvtc", 5), ("kvtc", 4), ("kvtc", 3), ("kvtc", 2), ("kvtc", 1), ("kvtc", 0)]
 QUICK_SHAPE = (8, 1024, 2, 64)   # synthetic KV for --quick: L, T, H, D
 
 
@@ -378,6 +379,28 @@ def _environment() -> dict:
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
+def prepare_kvtc(args, bundle, log) -> Optional[str]:
+    """Register the calibration the ``kvtc`` rows encode with; returns its hash.
+
+    With the model: its default calibration (kv_extraction_hf.calibrate.default_calibration,
+    fitted on WikiText-2 validation on first use, then cached). ``--quick``: a calibration
+    fitted on synthetic KV of another seed than the measured contexts (never on them).
+    ``--kv`` without the model: None, the codec picks the cached artifact of the KV's shape
+    (an error names the missing one)."""
+    from codec import kvtc
+
+    if bundle is not None:
+        from kv_extraction_hf.calibrate import default_calibration
+
+        return kvtc.register_calibration(default_calibration(bundle, log=log))
+    if args.quick:
+        L, T, H, D = QUICK_SHAPE
+        k, v = synthetic_kv(L, T, H, D, seed=args.seed + 10_000)
+        return kvtc.register_calibration(kvtc.fit_calibration(
+            k[:, 4:].float(), v[:, 4:].float(), meta={"data": "synthetic (bench.codec --quick)"}))
+    return None
+
+
 def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
     """``["raw", "cachegen:2", "cachegen-ref:0"]`` -> [(codec, level), ...]."""
     if not spec:
@@ -478,6 +501,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return 2
             else:
                 bases.append(None)
+    if any(name == "kvtc" for name, _ in rows_spec):
+        try:
+            cal_hash = prepare_kvtc(args, bundle, log)
+        except Exception as e:  # noqa: BLE001 - no calibration: one line, exit 2
+            print(f"error: kvtc calibration: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        if cal_hash:
+            log(f"kvtc calibration {cal_hash[:16]}")
     rows, layer_rows = [], []
     started = time.time()
     for name, level in rows_spec:

@@ -17,7 +17,8 @@ from kv_extraction_hf.prompts import check_data_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "benchmark.yaml"
-ALL_MODES = ("text", "raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "cachegen-adaptive")
+ALL_MODES = ("text", "raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "cachegen-adaptive",
+             "kvtc")
 ENGINES = ("vllm", "hf")
 MAX_BANDWIDTH_MBPS = 100_000  # 100 Gbit/s: above any link tc/tbf or the token bucket can shape here
 # --quick: sizes of a smoke run of a few minutes on 2 CPU cores
@@ -25,6 +26,7 @@ QUICK_CONTEXT_TOKENS = 1024  # about a second of HF prefill per context for the 
 QUICK_CHUNK_TOKENS = 256  # 4 chunks of a 1024-token context: the step trace changes rate mid-load
 QUICK_PPL_CONTEXT_TOKENS = 512  # the perplexity pass encodes every variant once per context
 QUICK_LEVELS = (1,)  # codec.config.HARNESS_DEFAULT_LEVEL (not imported: parsing flags must not load torch)
+QUICK_KVTC_LEVELS = (4,)  # codec.kvtc.DEFAULT_LEVEL (not imported, as above)
 
 
 class ConfigError(ValueError):
@@ -38,6 +40,7 @@ class RunConfig:
     bandwidth_mbps: tuple[float, ...] = (100.0, 500.0, 1000.0)
     modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive")
     levels: tuple[int, ...] | None = None
+    kvtc_levels: tuple[int, ...] | None = None
     engine: str = "vllm"
     model: str | None = None
     tasks: tuple[str, ...] = ("needle",)
@@ -89,11 +92,13 @@ class RunConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
     def quick_variant(self) -> "RunConfig":
-        """A smoke run: one short context, one repeat, at most two cachegen levels, one trace."""
+        """A smoke run: one short context, one repeat, at most two cachegen (and two kvtc)
+        levels, one trace."""
         chunk = QUICK_CHUNK_TOKENS if QUICK_CHUNK_TOKENS % self.block_tokens == 0 else self.chunk_tokens
         return dataclasses.replace(
             self, context_tokens=min(self.context_tokens, QUICK_CONTEXT_TOKENS), num_contexts=1,
-            repeats=1, levels=(self.levels or QUICK_LEVELS)[:2], ppl_contexts=1,
+            repeats=1, levels=(self.levels or QUICK_LEVELS)[:2],
+            kvtc_levels=(self.kvtc_levels or QUICK_KVTC_LEVELS)[:2], ppl_contexts=1,
             ppl_context_tokens=min(self.ppl_context_tokens, QUICK_PPL_CONTEXT_TOKENS),
             traces=("step",) if self.traces else (), quick=True,
             chunk_tokens=min(self.chunk_tokens, chunk))
@@ -122,7 +127,7 @@ def resolve(yaml_path: Path | None, overrides: dict[str, Any]) -> RunConfig:
     """Merge YAML defaults with CLI overrides (None = not given) into a validated RunConfig."""
     data = load_yaml(yaml_path or DEFAULT_CONFIG)
     data.update({k: v for k, v in overrides.items() if v is not None})
-    for key in ("bandwidth_mbps", "modes", "levels", "tasks", "traces"):
+    for key in ("bandwidth_mbps", "modes", "levels", "kvtc_levels", "tasks", "traces"):
         if data.get(key) is not None:
             data[key] = tuple(data[key])
     if data.get("bandwidth_mbps"):

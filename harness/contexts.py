@@ -27,7 +27,7 @@ from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.prompts import build_prompt
 from streaming.identity import codec_identity, model_identity
 
-KV_MODES = ("raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen")
+KV_MODES = ("raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "kvtc")
 """Modes whose request loads KV from the store (``text`` prefills; the adaptive mode
 reads the ``cachegen`` entries at a per-chunk level)."""
 
@@ -43,7 +43,7 @@ def log(msg: str) -> None:
 
 @dataclass
 class Variant:
-    """One measured configuration: ``mode`` and ``level`` (cachegen levels; else None)."""
+    """One measured configuration: ``mode`` and ``level`` (cachegen / kvtc levels; else None)."""
 
     mode: str
     level: int | None = None
@@ -84,17 +84,21 @@ class Context:
     hf_prefill_tps: float = 0.0
 
 
-def variants(cfg: RunConfig, codec_levels: tuple[int, ...]) -> list[Variant]:
+def variants(cfg: RunConfig, codec_levels: tuple[int, ...],
+             kvtc_levels: tuple[int, ...] = ()) -> list[Variant]:
     """Expand modes into variants, text first (it provides the lossless reference output).
 
     ``cachegen`` expands into one variant per level of ``cfg.levels`` (all of
-    ``codec_levels`` when None); every other mode is one variant with level None.
+    ``codec_levels`` when None), ``kvtc`` into one per level of ``cfg.kvtc_levels`` (all
+    of ``kvtc_levels`` when None); every other mode is one variant with level None.
     """
     out: list[Variant] = []
     order = sorted(cfg.modes, key=lambda m: (m != "text", cfg.modes.index(m)))
     for mode in order:
         if mode == "cachegen":
             out.extend(Variant("cachegen", lv) for lv in (cfg.levels or codec_levels))
+        elif mode == "kvtc":
+            out.extend(Variant("kvtc", lv) for lv in (cfg.kvtc_levels or kvtc_levels))
         else:
             out.append(Variant(mode))
     return out
@@ -113,8 +117,8 @@ def store_levels(vlist: list[Variant], cfg: RunConfig,
             continue
         if var.mode == "cachegen-adaptive":
             out["cachegen"] = sorted(set(out.get("cachegen", [])) | set(cfg.levels or codec_levels))
-        elif var.mode == "cachegen":
-            out["cachegen"] = sorted(set(out.get("cachegen", [])) | {var.level})
+        elif var.mode in ("cachegen", "kvtc"):
+            out[var.mode] = sorted(set(out.get(var.mode, [])) | {var.level})
         else:
             out[var.codec] = [None]
     return out
@@ -174,6 +178,8 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
     """Encode every context with every codec (all levels) and put it into the store.
 
     Fills ``ctx.keys`` (codec -> store key) and ``ctx.sizes`` ((codec, level) -> bytes).
+    A codec that names a calibration artifact in its header (kvtc) puts the artifact's
+    hash into the entry identity, so an entry made with another calibration never hits.
     """
     jobs = [(c, name) for c in contexts for name in codec_levels]
     for ctx, name in tqdm(jobs, desc="encode + store", unit="entry", file=sys.stderr):
@@ -185,8 +191,24 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
             ctx.sizes[(name, lv)] = sum(len(d) for d in data)
         # the key and manifest carry the full identity (model, tokenizer, dtype, shape, codec
         # config per level, codec version): a reused store with a changed schedule misses
-        ident = codec_identity(model_identity(info), name, codec_levels[name])
+        ident = codec_identity(model_identity(info), name, codec_levels[name],
+                               calibration_hash=calibration_of(chunks))
         ctx.identities[name] = ident.to_dict()
         ctx.keys[name] = client.put_entry(ident, ctx.prompt.context_ids[:ctx.load_tokens], chunks,
                                           chunk_ranges(ctx.load_tokens, cfg.chunk_tokens),
                                           meta={"context": ctx.cid})
+
+
+def calibration_of(chunks: dict[int, list[bytes]]) -> str:
+    """The calibration hash the encoded chunks name in their headers (kvtc's
+    ``config.calibration``), "" when the codec uses none. Raises BenchmarkError when the
+    levels of one entry name different calibrations."""
+    found = set()
+    for data in chunks.values():
+        for d in data[:1]:
+            cfg = codec_pkg.peek_header(d).get("config") or {}
+            if isinstance(cfg, dict) and cfg.get("calibration"):
+                found.add(str(cfg["calibration"]))
+    if len(found) > 1:
+        raise BenchmarkError(f"one store entry's levels name {len(found)} calibrations")
+    return found.pop() if found else ""

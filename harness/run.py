@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+import codec as codec_pkg
 from codec.config import HARNESS_LEVELS
 from evaluation.summary import higher_is_better
 from harness import lifecycle
@@ -160,8 +161,10 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         raise BenchmarkError(str(exc)) from None
     info = bundle.info
     codec_levels_all = tuple(sorted(HARNESS_LEVELS))
-    vlist = variants(cfg, codec_levels_all)
+    vlist = variants(cfg, codec_levels_all, tuple(codec_pkg.levels("kvtc")))
     levels = store_levels(vlist, cfg, codec_levels_all)
+    if "kvtc" in levels:
+        prepare_kvtc(bundle)
     contexts = build_contexts(cfg, bundle)
     max_new = max(c.prompt.max_new_tokens for c in contexts)
     max_len = max(len(c.prompt.input_ids) for c in contexts) + max_new + MAX_LEN_MARGIN_TOKENS
@@ -240,3 +243,20 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         hf_tps = statistics.median(c.hf_prefill_tps for c in contexts)
         writer.extend("adaptation", adaptation_experiment(cfg, bundle, link, store_addr, info,
                                                           contexts, hf_tps))
+
+
+def prepare_kvtc(bundle) -> str:
+    """Fit (first use, cached) or load the model's default kvtc calibration and register it
+    (kv_extraction_hf.calibrate.default_calibration); returns its hash. The hash enters
+    every kvtc entry's identity (harness.contexts.populate_store); the vLLM connector's
+    worker finds the artifact by that hash in the cache folder. BenchmarkError when no
+    calibration can be made (e.g. no calibration text)."""
+    from codec import kvtc
+    from kv_extraction_hf.calibrate import default_calibration
+
+    log("kvtc: default calibration (fitted on first use, then cached)")
+    try:
+        path = default_calibration(bundle, log=log)
+        return kvtc.load_calibration(path).hash
+    except (ExtractionError, kvtc.CodecError, OSError, ValueError) as exc:
+        raise BenchmarkError(f"kvtc calibration unavailable: {exc}") from None

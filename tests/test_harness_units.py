@@ -70,6 +70,46 @@ def test_store_levels_union_for_adaptive():
     assert store_levels(variants(only_adaptive, (0, 1)), only_adaptive, (0, 1)) == {"cachegen": [0, 1]}
 
 
+def test_variants_and_store_levels_with_kvtc():
+    cfg = RunConfig(modes=("text", "cachegen", "kvtc"), levels=(1,), kvtc_levels=(3, 5))
+    got = variants(cfg, (0, 1, 2), (0, 1, 2, 3, 4, 5))
+    assert [v.label for v in got] == ["text", "cachegen-l1", "kvtc-l3", "kvtc-l5"]
+    assert [v.codec for v in got] == [None, "cachegen", "kvtc", "kvtc"]
+    assert store_levels(got, cfg, (0, 1, 2)) == {"cachegen": [1], "kvtc": [3, 5]}
+    every = variants(RunConfig(modes=("kvtc",)), (0, 1), (2, 4))
+    assert [v.level for v in every] == [2, 4]
+    assert RunConfig(modes=("kvtc",), kvtc_levels=(3, 4, 5), quick=True).quick_variant().kvtc_levels == (3, 4)
+
+
+def test_populate_store_identity_carries_kvtc_calibration_hash():
+    import torch
+
+    from codec import kvtc
+    from harness.contexts import populate_store
+
+    g = torch.Generator().manual_seed(0)
+    L, N, H, D = 2, 256, 2, 8
+    mix = torch.randn(H * D, H * D, generator=g)
+    k, v = ((torch.randn(L, N, H * D, generator=g) @ mix).reshape(L, N, H, D) for _ in range(2))
+    cal = kvtc.fit_calibration(k, v, sink_tokens=0, recent_tokens=0)
+    kvtc.register_calibration(cal)
+    puts = []
+    client = SimpleNamespace(put_entry=lambda ident, ids, chunks, ranges, meta: puts.append(ident) or "key")
+    info = SimpleNamespace(model_id="m", weights_hash="w" * 64, tokenizer_hash="", dtype="bfloat16",
+                           num_layers=L, num_kv_heads=H, head_dim=D)
+    ctx = _ctx(k=k[:, :128].to(torch.bfloat16).contiguous(), v=v[:, :128].to(torch.bfloat16).contiguous(),
+               load_tokens=128, prompt=_prompt(context_ids=list(range(130))))
+    populate_store(RunConfig(chunk_tokens=128, block_tokens=128), client, info, [ctx],
+                   {"kvtc": [3, 4], "raw": [None]})
+    by_codec = {i.codec: i for i in puts}
+    assert by_codec["kvtc"].calibration_hash == cal.hash
+    assert by_codec["raw"].calibration_hash == ""
+    assert ctx.identities["kvtc"]["calibration_hash"] == cal.hash
+    assert {("kvtc", 3), ("kvtc", 4), ("raw", None)} <= set(ctx.sizes)
+    # another calibration gives another store key (a stale entry misses)
+    assert by_codec["kvtc"].codec_tag() != by_codec["kvtc"].replace(calibration_hash="0" * 64).codec_tag()
+
+
 @pytest.mark.parametrize("ctx_tokens,prompt_tokens,block,want", [
     (1000, 1010, 128, 896), (1024, 1025, 128, 1024), (1024, 1024, 128, 896), (100, 120, 128, 0)])
 def test_load_prefix_whole_blocks_shorter_than_prompt(ctx_tokens, prompt_tokens, block, want):
