@@ -96,15 +96,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate x float32 [L, T, H, D] (D even) by RoPE at ``positions`` int64 [T]
     (same values as ``x * cos + rotate_half(x) * sin``, computed on the two halves)."""
-    D = x.shape[-1]
-    cos, sin = _rope_cos_sin(positions, D, theta)
-    c, s_ = cos[..., :D // 2], sin[..., :D // 2]
-    x1, x2 = x[..., :D // 2], x[..., D // 2:]
-    out = torch.empty_like(x)
-    torch.mul(x1, c, out=out[..., :D // 2])
-    out[..., :D // 2].addcmul_(x2, s_, value=-1.0)
-    torch.mul(x2, c, out=out[..., D // 2:])
-    out[..., D // 2:].addcmul_(x1, s_)
+    h = x.shape[-1] // 2
+    cos, sin = _rope_cos_sin(positions, 2 * h, theta)
+    sin_signed = torch.cat([-sin[..., :h], sin[..., h:]], dim=-1)      # [T, 1, D]
+    out = x * cos                        # whole rows at once: contiguous, vectorised
+    out.addcmul_(x.roll(h, dims=-1), sin_signed)   # roll = [x2, x1]: rotate_half up to sign
     return out
 
 
@@ -195,7 +191,9 @@ class KvtcCalibration:
     def torch_params(self, level: int) -> dict:
         """Cached float32 torch tensors for ``level``: mean [2, L, 1, C], basis_n
         [2, L, C, n] (n = max kept components; columns beyond a layer's own count are
-        zero), step [2, L, 1, n] (1 where dropped), n (int)."""
+        zero), step [2, L, 1, n] (1 where dropped), basis_ts [2, L, n, C] (the inverse
+        basis scaled by the steps, for decode), colsum [2, L, C] (its column sums),
+        n (int)."""
         if level not in self._torch:
             i = self.levels.index(level)
             keep = self.n_keep(level)
@@ -210,7 +208,12 @@ class KvtcCalibration:
                 "basis": basis.contiguous(),
                 "basis_t": basis.transpose(-1, -2).contiguous(),
                 "step": torch.from_numpy(step)[:, :, None, :], "n": n,
+                # decode: step folded into the inverse basis, [2, L, n, C], and its
+                # column sums [2, L, C] (the per-layer symbol offset enters as a bias)
+                "basis_ts": (basis * torch.from_numpy(step)[:, :, None, :]
+                             ).transpose(-1, -2).contiguous(),
                 "keep": [[int(x) for x in row] for row in keep]}
+            self._torch[level]["colsum"] = self._torch[level]["basis_ts"].sum(dim=2)
         return self._torch[level]
 
     # ---- file ----------------------------------------------------------------------
@@ -744,29 +747,39 @@ class KvtcCodec:
         sk, sv = decode_symbols(ent, ent_arrays, payload, L, Tq, n, nbk, nbv)
         dt = DTYPES[dtype_name]
         out = []
-        for kv, (sym, tag) in enumerate(((sk, "k"), (sv, "v"))):
-            if sym.shape != (L, Tq, n):
-                raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
-            q = torch.from_numpy(np.asarray(sym, np.uint8).astype(np.float32))
-            q -= torch.tensor(offs[kv], dtype=torch.float32)[:, None, None]
-            q *= P["step"][kv]
-            x = torch.empty((L, Tq, H * D), dtype=torch.float32)
-            for layer in range(L):   # only the layer's kept components
-                nl = P["keep"][kv][layer]
-                torch.addmm(P["mean"][kv, layer, 0], q[layer, :, :nl],
-                            P["basis_t"][kv, layer, :nl], out=x[layer])
-            x = x.reshape(L, Tq, H, D)
-            if kv == 0 and cal.key_space == "pre_rope" and Tq:
-                pos = torch.arange(off0 + ns, off0 + ns + Tq)
-                x = apply_rope(x, pos, cal.rope_theta)
-            x = x.to(dt)
-            parts = []
-            if ns:
-                parts.append(from_bits(arrays.get(f"sink_{tag}"), dtype_name, (L, ns, H, D),
-                                       f"sink_{tag}"))
-            parts.append(x)
-            if nr:
-                parts.append(from_bits(arrays.get(f"recent_{tag}"), dtype_name,
-                                       (L, nr, H, D), f"recent_{tag}"))
-            out.append(torch.cat(parts, 1) if len(parts) > 1 else x)
+        with torch.inference_mode():
+            for kv, (sym, tag) in enumerate(((sk, "k"), (sv, "v"))):
+                if sym.shape != (L, Tq, n):
+                    raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
+                res = torch.empty((L, T, H, D), dtype=dt)      # the output, model dtype
+                if ns:
+                    res[:, :ns] = from_bits(arrays.get(f"sink_{tag}"), dtype_name,
+                                            (L, ns, H, D), f"sink_{tag}")
+                if nr:
+                    res[:, T - nr:] = from_bits(arrays.get(f"recent_{tag}"), dtype_name,
+                                                (L, nr, H, D), f"recent_{tag}")
+                if Tq:
+                    res[:, ns:ns + Tq] = self._inverse(
+                        sym, offs[kv], P, kv, (L, Tq, H, D),
+                        off0 + ns if kv == 0 and cal.key_space == "pre_rope" else None,
+                        cal.rope_theta)
+                out.append(res)
         return out[0], out[1]
+
+    @staticmethod
+    def _inverse(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,
+                 rope_from: Optional[int], theta: float) -> torch.Tensor:
+        """KV float32 [L, Tq, H, D] from the symbols uint8 [L, Tq, n]: one batched float32
+        matrix product with the step-scaled inverse basis (x = (sym - off) * step @ B^T +
+        mean = sym @ B_s^T + (mean - off * colsum(B_s))), then RoPE from position
+        ``rope_from`` (None = no RoPE: values, or keys coded after RoPE)."""
+        L, Tq, H, D = shape
+        q = torch.from_numpy(np.ascontiguousarray(sym, np.uint8)).to(torch.float32)
+        bias = P["mean"][kv, :, 0] - torch.tensor(offs, dtype=torch.float32)[:, None] \
+            * P["colsum"][kv]                                          # [L, C]
+        x = torch.bmm(q, P["basis_ts"][kv])
+        x += bias[:, None, :]
+        x = x.view(L, Tq, H, D)
+        if rope_from is not None:
+            x = apply_rope(x, torch.arange(rope_from, rope_from + Tq), theta)
+        return x

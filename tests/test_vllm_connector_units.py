@@ -226,3 +226,17 @@ def test_slot_mapping_and_layer_index():
     assert _layer_index("model.layers.12.self_attn.attn") == 12
     with pytest.raises(ValueError):
         _layer_index("lm_head")
+
+
+def test_default_stored_level_is_the_codecs_default():
+    """One meaning of "default level" (issue 11.4): the connector fetches the codec's own
+    default level when the entry stores it, else the highest stored level."""
+    import codec
+    from third_party.vllm.sources import default_stored_level
+
+    d = codec.default_level("cachegen")
+    assert default_stored_level("cachegen", [0, d, 5]) == d
+    assert default_stored_level("cachegen", [0, 5]) == 5
+    assert default_stored_level("quant8", [0]) == 0
+    assert default_stored_level(None, [2, 3]) == 3
+    assert default_stored_level("no-such-codec", []) == 0

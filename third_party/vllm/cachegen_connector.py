@@ -21,7 +21,8 @@ the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow
         "source": "store" | "local",   # default: extra config "source"
         "store": "main",               # a configured store's NAME
         "context_key": "...",          # a plain name: the store key or a folder under the root
-        "mode": "cachegen", "level": 2,  # mode: a label; level: stored level to fetch
+        "mode": "cachegen", "level": 1,  # mode: a label; level: stored level to fetch
+                                       # (omitted: the codec's default level when stored)
         "policy": {...},               # or streaming.adapt.AdaptivePolicy scalar arguments
         "load_tokens": N,              # optional cap on loaded tokens
         "stats_tag": "..."}})          # copied into the stats record

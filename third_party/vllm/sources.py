@@ -196,16 +196,16 @@ def _matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int]
 
 def encode_for_save(params: dict[str, Any], k, v) -> tuple[list[bytes], list[int], float]:
     """Encode k, v [L, T, H, D] with codec.encode_chunks per the save params ("codec",
-    default "raw"; "level"; "chunk_tokens", default 1024) -> (chunks, chunk token counts,
-    encode seconds)."""
+    default "raw"; "level", default the codec's (codec.resolve_level); "chunk_tokens", default
+    codec.DEFAULT_CHUNK_TOKENS) -> (chunks, chunk token counts, encode seconds)."""
     import codec
 
-    ct = int(params.get("chunk_tokens") or 1024)
+    ct = int(params.get("chunk_tokens") or codec.DEFAULT_CHUNK_TOKENS)
     t0 = time.perf_counter()
     chunks = codec.encode_chunks(k, v, codec=params.get("codec", "raw"),
                                  level=params.get("level"), chunk_tokens=ct)
-    T = int(k.shape[1])
-    return chunks, [min(ct, T - i) for i in range(0, T, ct)], time.perf_counter() - t0
+    bounds = codec.chunk_bounds(int(k.shape[1]), ct)
+    return chunks, [e - s for s, e in bounds], time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- local folder
@@ -448,12 +448,27 @@ class _PrefixPolicy:
         self.inner.observe_decode(k, decode_s)
 
 
+def default_stored_level(codec_name: str | None, levels) -> int:
+    """The level a request without "level" fetches: the codec's own default
+    (codec.default_level, the same default as codec and harness) when the entry stores it,
+    else the highest stored level (codecs without levels are stored under level 0)."""
+    import codec
+
+    levels = [int(x) for x in levels] or [0]
+    if codec_name in codec.CODECS:
+        d = codec.default_level(codec_name)
+        if d is not None and d in levels:
+            return d
+    return max(levels)
+
+
 class StoreSource:
     """KV chunks from our KV store server (streaming.store) through the (shaped) link.
 
     params (per request, from kv_transfer_params; engine defaults fill the gaps):
       store: "host:port"; context_key: 64-hex key (streaming.store.context_key);
-      level: stored quality level to fetch (default: the highest stored), or a per-chunk
+      level: stored quality level to fetch (default: the codec's default level,
+        codec.default_level, when stored, else the highest stored), or a per-chunk
         list of levels with None = text fallback (experiments, tests);
       policy: {"slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", ...} -> an
         streaming.adapt.AdaptivePolicy (per-chunk level or text fallback) instead of `level`;
@@ -533,6 +548,7 @@ class StoreSource:
         chunk_tokens = [b - a for a, b in man.token_ranges]
         return Lookup(n_match, chunk_tokens, dt,
                       {"key": key, "levels": list(man.levels), "codec_tag": man.codec_tag,
+                       "codec": (man.identity or {}).get("codec") or None,
                        "stored_tokens": len(stored), **info})
 
     def _prefix_candidates(self, client, params, prompt: list[int]) -> tuple[list[str], dict]:
@@ -561,8 +577,7 @@ class StoreSource:
         if isinstance(level, (list, tuple)):  # per-chunk levels, None = text (experiments)
             return FixedPolicy([None if x is None else int(x) for x in level])
         if level is None:
-            levels = lookup.info.get("levels") or [0]
-            level = max(levels)
+            level = default_stored_level(lookup.info.get("codec"), lookup.info.get("levels") or [0])
         return FixedPolicy(int(level))
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
