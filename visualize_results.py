@@ -46,9 +46,9 @@ DEFAULT_RESULTS = Path("benchmarks/results.json")
 DEFAULT_OUT = Path("benchmarks")
 
 # Canonical order of modes in legends and bar charts; unknown modes follow, sorted.
-MODE_ORDER = ["text", "raw", "fp8", "quant8", "kivi4", "kivi2", "cachegen", "cachegen-adaptive"]
+MODE_ORDER = ["text", "raw", "fp8", "quant8", "kivi4", "kivi2", "cachegen", "cachegen-adaptive", "kvtc"]
 MODE_MARKERS = {"text": "s", "raw": "D", "fp8": "v", "quant8": "^", "kivi4": "<", "kivi2": ">",
-                "cachegen": "o", "cachegen-adaptive": "*"}
+                "cachegen": "o", "cachegen-adaptive": "*", "kvtc": "P"}
 # Direction of each quality field when results.json does not carry "higher_is_better".
 DEFAULT_HIGHER_IS_BETTER = summary_rules.higher_is_better()
 # TTFT components in stacking order: (summary column, legend name).

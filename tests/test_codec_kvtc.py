@@ -92,6 +92,31 @@ def test_rope_undo_redo_and_matches_transformers():
     assert not torch.allclose(y, x)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_inverse_transform_matches_float64_reference(cal, threads, monkeypatch):
+    # decode folds the steps into the basis and the symbol offset into a bias: same values
+    # (one torch thread: per-layer products at the kept width; else one batched product)
+    import numpy as np
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+
+    lv = cal.levels[-1]
+    P = cal.torch_params(lv)
+    L, H, D, n, T = cal.num_layers, cal.num_heads, cal.head_dim, P["n"], 5
+    sym = np.random.default_rng(0).integers(0, 9, size=(L, T, n)).astype(np.uint8)
+    offs = [4] * (L - 1) + [2]
+    for kv in (0, 1):
+        q = (torch.from_numpy(sym).double() - torch.tensor(offs).double()[:, None, None]) \
+            * P["step"][kv].double()
+        ref = (q @ P["basis_t"][kv].double() + P["mean"][kv].double()).reshape(L, T, H, D)
+        got = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), None, 0.0)
+        assert got.dtype == torch.float32 and got.shape == (L, T, H, D)
+        assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-5)
+        roped = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), 3, 10000.0)
+        assert torch.allclose(roped, kvtc.apply_rope(ref.float(), torch.arange(3, 3 + T), 10000.0),
+                              atol=1e-4, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- round trip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_trip_random(cal, dtype):
@@ -311,3 +336,20 @@ def test_sensitivity_is_positive_and_finite(default_bundle, fixtures_dir):
     k, v = prefill_kv(default_bundle, ids)
     s = measure_sensitivity(default_bundle, k, v, ids, continuation=8, log=lambda m: None)
     assert s.shape == (2, k.shape[0]) and np.isfinite(s).all() and (s > 0).all()
+
+
+def test_bench_codec_quick_has_kvtc_rows(tmp_path, monkeypatch):
+    """``python -m bench.codec --quick`` fits a synthetic calibration (another seed than the
+    measured KV) and measures kvtc levels like cachegen's."""
+    import json
+
+    from bench import codec as bench
+
+    assert ("kvtc", 4) in bench.DEFAULT_ROWS
+    monkeypatch.setattr(bench, "QUICK_SHAPE", (3, 512, 2, 32))
+    out = tmp_path / "b.json"
+    assert bench.main(["--quick", "--contexts", "1", "--repeats", "1", "--rows", "kvtc:4",
+                       "kvtc:1", "--out", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"kvtc-l4", "kvtc-l1"}
+    assert rows["kvtc-l1"]["ratio_vs_dtype"] > rows["kvtc-l4"]["ratio_vs_dtype"] > 1.0
