@@ -233,6 +233,9 @@ class ResultsData:
     codec_layers: pd.DataFrame
     adaptation: pd.DataFrame
     notes: list[str] = field(default_factory=list)
+    # quality.json of `python -m bench.quality` found beside the results file (main() sets
+    # it); when present, fig_quality_vs_size draws its KL with CIs instead of the grid's ppl
+    quality: dict | None = None
 
     @property
     def caption(self) -> str:
@@ -487,11 +490,56 @@ def _pareto(points: list[tuple[float, float]], higher_is_better: bool) -> list[t
     return front
 
 
+QUALITY_JSON_KL_PANEL = ("quality_json_kl", "KL(lossless || decoded), nats/token (quality.json)")
+
+
+def _quality_json_kl(data: ResultsData) -> dict[tuple, tuple[float, float, float, Any]]:
+    """{(codec, level): (kl, ci_lo, ci_hi, n_windows)} of ``data.quality``'s rows that have a
+    numeric KL and a 2-number CI; empty when no quality.json was given."""
+    q = data.quality if isinstance(data.quality, dict) else {}
+    out = {}
+    for r in q.get("rows") or []:
+        if not isinstance(r, dict):
+            continue
+        kl, ci = r.get("kl"), r.get("kl_ci")
+        if (isinstance(kl, (int, float)) and not isinstance(kl, bool) and isinstance(ci, (list, tuple))
+                and len(ci) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ci)):
+            level = r.get("level")
+            out[(r.get("codec"), int(level) if isinstance(level, (int, float)) else None)] = (
+                float(kl), float(ci[0]), float(ci[1]), r.get("n_windows"))
+    return out
+
+
+def _accuracy_ci(rows: pd.DataFrame) -> tuple[float, float] | None:
+    """Wilson 95% CI of the pooled accuracy of ``rows`` (k = round(accuracy * n)); None
+    without ``n``."""
+    if "n" not in rows or "accuracy" not in rows:
+        return None
+    ns, accs = rows["n"].to_numpy(dtype=float), rows["accuracy"].to_numpy(dtype=float)
+    if (not len(ns) or not np.all(np.isfinite(ns)) or np.any(ns < 1) or np.any(ns > 1e9)
+            or np.any(ns != np.round(ns)) or not np.all((accs >= 0) & (accs <= 1))):
+        return None  # odd values: no bar rather than a wrong one
+    from evaluation.stats import wilson_ci  # numpy only
+
+    n = int(ns.sum())
+    k = int(sum(round(a * m) for a, m in zip(accs, ns, strict=True)))
+    return wilson_ci(k, n)
+
+
 def fig_quality_vs_size(data: ResultsData):
-    """Quality (ppl increase, accuracy, ROUGE-L) vs KV size per mode/level, with the Pareto front."""
+    """Quality (ppl increase, accuracy, ROUGE-L) vs KV size per mode/level, with the Pareto front.
+
+    When ``data.quality`` (a quality.json of ``python -m bench.quality`` beside the results
+    file) has KL rows, the perplexity panel is replaced by that file's KL(lossless ||
+    decoded) of the same codec/level with its 95% bootstrap CI as error bars (n windows of
+    WikiText-2 test), and the title says so; accuracy points carry Wilson 95% CI bars
+    (k/n pooled over the point's requests)."""
     s = data.summaries
     _require(s, "summaries", ["mode", "bytes_median"])
-    metrics = [(m, t) for m, t in QUALITY_PANELS if m in s.columns and s[m].notna().any()]
+    qkl = _quality_json_kl(data)
+    panels = QUALITY_PANELS if not qkl else [QUALITY_JSON_KL_PANEL] + [
+        (m, t) for m, t in QUALITY_PANELS if m not in ("ppl_increase_pct", "kl")]
+    metrics = [(m, t) for m, t in panels if m == QUALITY_JSON_KL_PANEL[0] or (m in s.columns and s[m].notna().any())]
     if not metrics:
         raise SkipFigure("'summaries' lack ppl_increase_pct, accuracy and rouge_l")
     kv = s[(s["mode"] != "text") & s["bytes_median"].notna() & (s["bytes_median"] > 0)]
@@ -504,6 +552,9 @@ def fig_quality_vs_size(data: ResultsData):
     text_rows = s[s["mode"] == "text"]
     handles = {}
     for ax, (metric, ylabel) in zip(axes, metrics, strict=True):
+        if metric == QUALITY_JSON_KL_PANEL[0]:
+            _quality_json_kl_panel(ax, kv, labels, colors, qkl, handles)
+            continue
         hib = data.higher_is_better(metric)
         points = []
         for lab in labels:
@@ -516,6 +567,11 @@ def fig_quality_vs_size(data: ResultsData):
             else:
                 pts = [(r.bytes_median, getattr(r, metric), r.bandwidth_mbps) for r in rows.itertuples()]
             for size, q, bw in pts:
+                if metric == "accuracy":  # Wilson 95% CI of the point's requests (k/n)
+                    ci = _accuracy_ci(rows if bw is None else rows[rows["bandwidth_mbps"] == bw])
+                    if ci is not None and np.isfinite(size) and np.isfinite(q):
+                        ax.errorbar([size / MB], [q], yerr=[[max(q - ci[0], 0)], [max(ci[1] - q, 0)]],
+                                    color=colors[lab], capsize=3, linewidth=1, zorder=2)
                 h = ax.scatter(size / MB, q, color=colors[lab], marker=_marker(kv, lab), s=55,
                                edgecolor="black", linewidth=0.5, zorder=3, label=lab)
                 handles.setdefault(lab, h)
@@ -539,11 +595,55 @@ def fig_quality_vs_size(data: ResultsData):
         ax.set_ylabel(ylabel)
         ax.set_title(f"{metric} ({'higher' if hib else 'lower'} is better)", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle("Quality vs size trade-off per mode and level")
+    if qkl:
+        qcfg = data.quality.get("config") if isinstance(data.quality.get("config"), dict) else {}
+        fig.suptitle("Quality vs size trade-off per mode and level; KL from quality.json "
+                     f"({qcfg.get('n_windows', '?')} WikiText-2 test windows, 95% bootstrap CI), "
+                     "accuracy from this run (Wilson 95% CI)")
+    else:
+        fig.suptitle("Quality vs size trade-off per mode and level"
+                     + (f" (ppl change over n={data.doc['config']['ppl_contexts']} contexts)"
+                        if isinstance(data.doc.get("config"), dict) and data.doc["config"].get("ppl_contexts")
+                        else ""))
     fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8)
     _caption(fig, data, "points: medians over requests; Pareto front: no other point is both smaller "
-                        "and better")
+                        "and better" + ("; error bars: 95% CI" if qkl or "n" in s.columns else ""))
     return fig
+
+
+def _quality_json_kl_panel(ax, kv: pd.DataFrame, labels, colors, qkl: dict, handles: dict) -> None:
+    """The KL panel of fig_quality_vs_size: x = this run's KV bytes of a mode/level, y =
+    quality.json's KL of the same codec/level with its CI bars; the Pareto front (lower KL)."""
+    points = []
+    for lab in labels:
+        rows = kv[kv["label"] == lab]
+        mode = rows["mode"].iloc[0]
+        level = rows["level"].iloc[0] if "level" in rows else None
+        key = (mode, None if level is None or pd.isna(level) else int(level))
+        if key not in qkl:
+            continue
+        kl, lo, hi, _n = qkl[key]
+        size = rows["bytes_median"].median() / MB
+        h = ax.errorbar([size], [kl], yerr=[[max(kl - lo, 0)], [max(hi - kl, 0)]], color=colors[lab],
+                        marker=_marker(kv, lab), markersize=7, markeredgecolor="black", markeredgewidth=0.5,
+                        capsize=3, linewidth=1, zorder=3, label=lab)
+        handles.setdefault(lab, h)
+        points.append((size, kl))
+    if not points:
+        ax.text(0.5, 0.5, "no mode of this run has a KL row in quality.json", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8)
+    front = _pareto(points, False)
+    if len(front) >= 2:
+        fx, fy = zip(*front, strict=True)
+        h = ax.step(fx, fy, where="post", color="0.4", linewidth=1, linestyle="-", zorder=2,
+                    label="Pareto front")[0]
+        handles.setdefault("Pareto front", h)
+    ax.set_xscale("log")
+    _plain_log_ticks(ax.xaxis)
+    ax.set_xlabel("KV bytes per context (MB, log scale)")
+    ax.set_ylabel(QUALITY_JSON_KL_PANEL[1])
+    ax.set_title("KL from quality.json, 95% CI (lower is better)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def fig_ttft_breakdown(data: ResultsData):
@@ -1087,6 +1187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for msg in schema_warnings(doc):
         print(f"warning: {msg}", file=sys.stderr)
     data = prepare(doc)
+    qpath = Path(args.results).parent / "quality.json"  # bench.quality's file beside the results
+    if qpath.is_file():
+        try:
+            qdoc = json.loads(qpath.read_text())
+            data.quality = qdoc if isinstance(qdoc, dict) else None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            print(f"warning: ignoring {qpath}: {exc}", file=sys.stderr)
+        if data.quality is not None:
+            print(f"quality_vs_size: KL with 95% CIs from {qpath}")
     for msg in data.notes:
         print(f"warning: {msg}", file=sys.stderr)
     try:

@@ -1,20 +1,34 @@
-"""Generate the README's results table from benchmarks/results.json (never typed by hand).
+"""Generate the README's results tables from the committed benchmark files (never typed by hand).
 
-The block between the markers ``<!-- results-table:start -->`` and
-``<!-- results-table:end -->`` in README.md is rendered from a results file: a line on
+Three blocks of README.md are generated, each between its markers:
+
+- ``<!-- results-table:start -->`` ... ``<!-- results-table:end -->``: the TTFT grid of
+  benchmarks/results.json (below);
+- ``<!-- quality-table:start -->`` ... ``<!-- quality-table:end -->``: the quality benchmark
+  benchmarks/quality.json (``python -m bench.quality``): per codec/level KL from lossless,
+  top-1 agreement and perplexity change with 95% bootstrap CIs over windows, and task
+  accuracy / agreement with lossless with Wilson 95% CIs;
+- ``<!-- adaptation-table:start -->`` ... ``<!-- adaptation-table:end -->``: bandwidth
+  adaptation vs oracle and fixed levels, benchmarks/adaptation.json (``python -m bench.adapt``).
+
+A missing quality.json / adaptation.json gives a one-line "not yet measured" block.
+The TTFT block is rendered from a results file: a line on
 what was run (engine, model, contexts, link, machine), the table of median TTFT per mode
 and link rate with size, ratio vs the model's dtype, perplexity change, KL and answers
 correct (k/n per rate, and all rates pooled with a Wilson 95% CI), and the derived
-figures (TTFT ratios, SLO misses of the adaptive mode, wrong answers per context).
+figures (TTFT ratios, SLO misses of the adaptive mode, wrong answers per context). Where
+quality.json is present, the ppl change / KL columns (a few contexts of the TTFT grid) are
+replaced by the matching codec/level's KL [95% CI] (n windows) from quality.json.
 Summaries come from the file's ``summaries`` when present, else from its ``runs`` through
 ``evaluation.summary.summarize`` - the same rule the figures (visualize_results.py) use.
 
     python scripts/readme_tables.py            # rewrite the block in README.md
     python scripts/readme_tables.py --check    # exit 1 with a diff when the README is stale
-    python scripts/readme_tables.py --results other.json --readme /tmp/README.md
+    python scripts/readme_tables.py --results other.json --readme /tmp/README.md \
+        --quality other-quality.json --adaptation other-adaptation.json
 
-Exit status: 0 up to date / rewritten; 1 stale (--check); 2 unreadable input or markers
-missing. CI runs --check before the tests (.ci/run).
+Exit status: 0 up to date / rewritten; 1 stale (--check, any block); 2 unreadable input or
+markers missing. CI runs --check before the tests (.ci/run).
 """
 from __future__ import annotations
 
@@ -38,6 +52,12 @@ from evaluation.summary import plot_label, summarize  # noqa: E402
 
 START = "<!-- results-table:start -->"
 END = "<!-- results-table:end -->"
+QUALITY_START = "<!-- quality-table:start -->"
+QUALITY_END = "<!-- quality-table:end -->"
+ADAPT_START = "<!-- adaptation-table:start -->"
+ADAPT_END = "<!-- adaptation-table:end -->"
+QUALITY_ABSENT = "Not yet measured: run `python -m bench.quality` (writes `benchmarks/quality.json`).\n"
+ADAPT_ABSENT = "Not yet measured: run `python -m bench.adapt` (writes `benchmarks/adaptation.json`).\n"
 # Row order of the table; modes not listed follow in name order.
 MODE_ORDER = ("text", "raw", "fp8", "quant8", "kivi4", "kivi2", "kvtc", "cachegen-ref", "cachegen",
               "cachegen-adaptive")
@@ -58,6 +78,21 @@ def load_results(path: Path) -> dict[str, Any]:
         raise ReadmeTableError(f"cannot read {path}: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise ReadmeTableError(f"{path} is not a results file (no 'runs' list; docs/results-schema.md)")
+    return doc
+
+
+def load_optional(path: Path, what: str, key: str = "rows") -> dict[str, Any] | None:
+    """A quality.json / adaptation.json document, or None when the file does not exist.
+    Raises ReadmeTableError when it exists but is unreadable or has no ``key`` list."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
+        raise ReadmeTableError(f"{path} is not a {what} file (no '{key}' list; docs/results-schema.md)")
     return doc
 
 
@@ -114,8 +149,41 @@ def _ratio(v: float) -> str:
     return f"{v:.2f}x"
 
 
-def render(doc: dict[str, Any], source: str = "benchmarks/results.json") -> str:
-    """The generated block (without the markers), Markdown."""
+def _g(v: Any) -> str:
+    """3 significant digits; exact 0 as "0"."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return "0" if v == 0 else f"{v:.3g}"
+
+
+def _ci(v: Any, ci: Any, fmt) -> str:
+    """``value [lo, hi]``; the bare value when the CI is missing."""
+    if v is None:
+        return "-"
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci):
+        return f"{fmt(v)} [{fmt(ci[0])}, {fmt(ci[1])}]"
+    return f"{fmt(v)} [no CI]"
+
+
+def _quality_rows(qdoc: dict[str, Any] | None) -> dict[tuple, dict[str, Any]]:
+    """quality.json rows keyed by (codec, level)."""
+    if not qdoc:
+        return {}
+    return {(r.get("codec"), r.get("level")): r for r in qdoc.get("rows") or [] if isinstance(r, dict)}
+
+
+def _quality_kl_cell(q: dict[str, Any] | None) -> str:
+    if not q or q.get("kl") is None:
+        return "-"
+    return f"{_ci(q['kl'], q.get('kl_ci'), _g)} (n={q.get('n_windows', '?')})"
+
+
+def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality: dict[str, Any] | None = None,
+           quality_source: str = "benchmarks/quality.json") -> str:
+    """The generated TTFT block (without the markers), Markdown. With ``quality`` (a
+    quality.json document) the ppl change / KL columns give that file's KL [95% CI] (n
+    windows) of the same codec/level instead of the grid's few contexts."""
+    qrows = _quality_rows(quality)
     rows = summaries(doc)
     runs = doc["runs"]
     cfg = doc.get("config") or {}
@@ -148,10 +216,22 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json") -> str:
         f"{env.get('cpu', '?')}, {gpu}; {len(runs)} requests"
         + (f", {wall / 60:.0f} min wall." if isinstance(wall, (int, float)) else "."))
     lines.append("")
+    if quality is not None:
+        n_req = (quality.get("tasks_config") or {}).get("n_requests")
+        lines.append(f"Quality column: KL(lossless || decoded) in nats/token of the same codec/level from "
+                     f"`{quality_source}` (WikiText-2 test windows, 95% bootstrap CI, n windows; the quality "
+                     "table below), not from this grid's contexts. Accuracy here is the grid's needle "
+                     "requests (k/n, Wilson 95% CI)"
+                     + (f"; the task accuracy over {n_req} requests per codec/level is in the quality table."
+                        if n_req else "."))
+        lines.append("")
     bw_head = " | ".join(f"{b:g} Mbit/s" for b in bws)
-    lines.append(f"| median TTFT (s) | {bw_head} | bytes moved | vs {model.get('dtype', 'dtype')} | ppl change | "
-                 f"KL (nats) | correct at {', '.join(f'{b:g}' for b in bws)} Mbit/s | accuracy, all [95% CI] |")
-    lines.append("|---" * (len(bws) + 7) + "|")
+    n_ppl = cfg.get("ppl_contexts")
+    qual_head = ("KL (nats) from quality.json [95% CI] (n windows)" if quality is not None else
+                 f"ppl change (n={n_ppl if n_ppl else '?'} contexts) | KL (nats, n={n_ppl if n_ppl else '?'} contexts)")
+    lines.append(f"| median TTFT (s) | {bw_head} | bytes moved | vs {model.get('dtype', 'dtype')} | {qual_head} | "
+                 f"correct at {', '.join(f'{b:g}' for b in bws)} Mbit/s | accuracy, all rates [Wilson 95% CI] |")
+    lines.append("|---" * (len(bws) + (6 if quality is not None else 7)) + "|")
     slo_s = cfg.get("slo_s")
     for mode, level in keys:
         per = by_label[(mode, level)]
@@ -170,8 +250,11 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json") -> str:
         rs = [per[b] for b in bws if b in per]
         size = _one_or_range([r.get("bytes_median") for r in rs], _mb)
         ratio = _one_or_range([r.get("ratio_vs_dtype") for r in rs], _ratio) if mode != "text" else "-"
-        ppl = _one_or_range([r.get("ppl_increase_pct") for r in rs], _ppl)
-        kl = _one_or_range([r.get("kl") for r in rs], _kl)
+        if quality is not None:
+            qual_cells = _quality_kl_cell(qrows.get((mode, level)))
+        else:
+            qual_cells = (f"{_one_or_range([r.get('ppl_increase_pct') for r in rs], _ppl)} | "
+                          f"{_one_or_range([r.get('kl') for r in rs], _kl)}")
         ks, k_all, n_all = [], 0, 0
         for b in bws:
             r = per.get(b)
@@ -187,14 +270,14 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json") -> str:
             acc_all = f"{k_all}/{n_all} [{lo:.2f}, {hi:.2f}]"
         else:
             acc_all = "-"
-        lines.append(f"| {label} | {' | '.join(ttft)} | {size} | {ratio} | {ppl} | {kl} | {', '.join(ks)} | "
+        lines.append(f"| {label} | {' | '.join(ttft)} | {size} | {ratio} | {qual_cells} | {', '.join(ks)} | "
                      f"{acc_all} |")
     lines.append("")
-    lines.extend(_derived(doc, rows, bws, keys, by_label))
+    lines.extend(_derived(doc, rows, bws, keys, by_label, quality))
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _derived(doc, rows, bws, keys, by_label) -> list[str]:
+def _derived(doc, rows, bws, keys, by_label, quality=None) -> list[str]:
     out = []
     cfg = doc.get("config") or {}
     dl = _default_level("cachegen")
@@ -249,20 +332,210 @@ def _derived(doc, rows, bws, keys, by_label) -> list[str]:
             out.append(f"- TTFT parts of cachegen level {dl} at {bws[-1]:g} Mbit/s (medians; decode overlaps "
                        f"transfer): {', '.join(parts)}.")
     ppl_n, ppl_t = cfg.get("ppl_contexts"), cfg.get("ppl_context_tokens")
-    if ppl_n:
+    if quality is not None:
+        qc = quality.get("config") or {}
+        out.append(f"- KL: mean over {qc.get('n_windows', '?')} WikiText-2 test windows of "
+                   f"{qc.get('context_tokens', '?')} + {qc.get('continuation_tokens', '?')} tokens "
+                   "(quality.json); ppl change is in the quality table (not monotone in distortion); "
+                   "correct: the needle answer of each request.")
+    elif ppl_n:
         out.append(f"- ppl change and KL: median over {ppl_n} held-out 256-token continuations of "
                    f"{ppl_t}-token natural-text contexts; correct: the needle answer of each request.")
     return out
 
 
-def replace_block(readme: str, block: str) -> str:
-    """README text with the marked block replaced by ``block``. Raises ReadmeTableError
-    when the markers are missing, repeated or out of order."""
-    if readme.count(START) != 1 or readme.count(END) != 1 or readme.index(START) > readme.index(END):
-        raise ReadmeTableError(f"README needs exactly one '{START}' followed by one '{END}'")
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{block}{END}{tail}"
+def _family_key(codec: str) -> tuple:
+    idx = MODE_ORDER.index(codec) if codec in MODE_ORDER else len(MODE_ORDER)
+    return (idx, codec)
+
+
+def _codec_label(codec: str, level: Any, default: bool = False) -> str:
+    label = codec if level is None else f"{codec} level {level}"
+    return label + (" (default)" if default else "")
+
+
+def _pct(v: float) -> str:
+    return f"{v:+.1f}%"
+
+
+def _wilson_cell(p: Any, n: Any, ci: Any) -> str:
+    """``k/n = p [lo, hi]`` (k recovered from the share); "-" without a share or n."""
+    if p is None or not n:
+        return "-"
+    k = round(p * n)
+    return f"{k}/{n} = {p:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if isinstance(ci, (list, tuple)) and len(ci) == 2
+                                   else " [no CI]")
+
+
+TASK_ORDER = ("needle", "topic_retrieval", "all")
+
+
+def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/quality.json") -> str:
+    """The quality block (without the markers), Markdown: the text-fidelity table (one row
+    per codec/level, families in MODE_ORDER, then by bits per element), the task table and
+    the data source / config line. ``qdoc`` None: the one-line "not yet measured" block."""
+    if qdoc is None:
+        return QUALITY_ABSENT
+    cfg = qdoc.get("config") or {}
+    data = qdoc.get("data") or {}
+    model = qdoc.get("model") or {}
+    env = qdoc.get("environment") or {}
+    wall = qdoc.get("wall_s")
+    sha = str(data.get("sha256") or "?")[:12]
+    lines = [
+        f"Generated by `python scripts/readme_tables.py` from `{source}`: `{qdoc.get('command', '?')}` of "
+        f"{str(qdoc.get('created_utc', '?'))[:10]}; model {model.get('id', '?')} {model.get('dtype', '')}; "
+        f"data: {data.get('corpus') or 'WikiText-2'}, {data.get('split', '?')} split (source "
+        f"{data.get('source', '?')}, sha256 {sha}...), {cfg.get('n_windows', '?')} windows x "
+        f"({cfg.get('context_tokens', '?')} context + {cfg.get('continuation_tokens', '?')} continuation) tokens, "
+        f"seed {cfg.get('seed', '?')}{', --quick' if cfg.get('quick') else ''}; {env.get('cpu_count', '?')} CPUs"
+        + (f", {wall / 60:.0f} min wall." if isinstance(wall, (int, float)) else "."),
+        "",
+        "Each decoded KV against the lossless KV on the same windows (paired): KL(lossless || decoded) per "
+        "continuation token, top-1 agreement with the lossless argmax, each with a 95% bootstrap CI over "
+        "windows. Rank by KL and top-1 agreement; the perplexity change is reported but is not monotone in "
+        "distortion (quantization noise can lower it).",
+        "",
+    ]
+    info = qdoc.get("text_info") or {}
+    chk = info.get("lossless_check") if isinstance(info.get("lossless_check"), dict) else None
+    extra = []
+    if chk is not None:
+        extra.append("lossless check (`raw` must give KL 0 and top-1 agreement 1 exactly): "
+                     + ("passed" if chk.get("passed") else "**FAILED**"))
+    skipped = info.get("skipped") if isinstance(info.get("skipped"), dict) else {}
+    if skipped:
+        extra.append("skipped (see the file): " + ", ".join(f"`{k}`" for k in sorted(skipped)))
+    if extra:
+        lines += ["; ".join(extra) + ".", ""]
+    dtype = model.get("dtype") or "dtype"
+    rows = [r for r in qdoc.get("rows") or [] if isinstance(r, dict)]
+    if rows:
+        lines.append(f"| codec / level | ratio vs {dtype} | bits/element | KL (nats/token) [95% CI] | "
+                     "top-1 agreement [95% CI] | ppl change [95% CI] (not monotone in distortion) | n windows |")
+        lines.append("|---" * 7 + "|")
+        rows.sort(key=lambda r: (_family_key(str(r.get("codec"))),
+                                 r.get("bits_per_element") if isinstance(r.get("bits_per_element"), (int, float))
+                                 else math.inf, -1 if r.get("level") is None else r.get("level")))
+        for r in rows:
+            lines.append(
+                f"| {_codec_label(r.get('codec'), r.get('level'), bool(r.get('default')))} | "
+                f"{_f(r.get('ratio_vs_dtype'), '.2f')}x | {_f(r.get('bits_per_element'), '.3f')} | "
+                f"{_ci(r.get('kl'), r.get('kl_ci'), _g)} | "
+                f"{_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), lambda v: f'{v:.3f}')} | "
+                f"{_ci(r.get('ppl_change_pct'), r.get('ppl_change_pct_ci'), _pct)} | {r.get('n_windows', '-')} |")
+        lines.append("")
+    else:
+        lines += ["No text-fidelity rows in this file (a `--tasks-only` run).", ""]
+    tasks = [t for t in qdoc.get("tasks") or [] if isinstance(t, dict)]
+    if tasks:
+        tcfg = qdoc.get("tasks_config") or {}
+        tasks.sort(key=lambda t: (t.get("codec") != "lossless", _family_key(str(t.get("codec"))),
+                                  -1 if t.get("level") is None else t.get("level"),
+                                  TASK_ORDER.index(t["task"]) if t.get("task") in TASK_ORDER else len(TASK_ORDER),
+                                  str(t.get("task"))))
+        lines.append(f"Task answers ({tcfg.get('n_requests', '?')} requests per codec/level: needle, context "
+                     f"lengths {', '.join(str(x) for x in tcfg.get('lengths') or []) or '?'} tokens, depths "
+                     f"10-90%, and topic retrieval, {', '.join(str(x) for x in tcfg.get('topic_lengths') or []) or '?'}"
+                     " tokens; `all` pools both). Agreement: the generated answer's token ids equal the lossless "
+                     "answer's for the same request.")
+        lines.append("")
+        lines.append("| codec / level | task | n | accuracy [Wilson 95% CI] | "
+                     "agreement with lossless [Wilson 95% CI] |")
+        lines.append("|---" * 5 + "|")
+        for t in tasks:
+            lines.append(f"| {_codec_label(t.get('codec'), t.get('level'), bool(t.get('default')))} | "
+                         f"{t.get('task', '?')} | {t.get('n', '-')} | "
+                         f"{_wilson_cell(t.get('accuracy'), t.get('n'), t.get('accuracy_ci'))} | "
+                         f"{_wilson_cell(t.get('agreement'), t.get('n'), t.get('agreement_ci'))} |")
+    else:
+        lines.append("Task answers: not yet measured (run `python -m bench.quality --tasks`).")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+TRACE_SET_ORDER = ("artifact", "generated", "constant", "step", "synthetic", "issue-drop")
+POLICY_ORDER = ("oracle", "adaptive", "text") + tuple(f"fixed-l{i}" for i in range(10))
+
+
+def _order(value: Any, order: tuple) -> tuple:
+    return (order.index(value) if value in order else len(order), str(value))
+
+
+def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/adaptation.json") -> str:
+    """The adaptation block (without the markers), Markdown: per trace set, one table with a
+    row per (SLO, link, policy): violations k/n, mean / p95 overshoot, quality KL, regret vs
+    the oracle; trace sets other than the first are folded (``<details>``). ``adoc`` None:
+    the one-line "not yet measured" block."""
+    if adoc is None:
+        return ADAPT_ABSENT
+    env = adoc.get("environment") or {}
+    link = adoc.get("link") or {}
+    real = link.get("real") or {}
+    cfg = adoc.get("config") or {}
+    wall = adoc.get("wall_s")
+    rows = [r for r in adoc.get("rows") or [] if isinstance(r, dict)]
+    no_kl = all(r.get("quality_kl") is None for r in rows)
+    lines = [
+        f"Generated by `python scripts/readme_tables.py` from `{source}`: `{str(adoc.get('command', '?')).strip()}` "
+        f"of {str(adoc.get('created_utc', '?'))[:10]} (git {str(env.get('git_commit') or '?')[:7]}); "
+        f"{env.get('num_cpus', '?')} CPUs"
+        + (f", {wall / 60:.0f} min wall" if isinstance(wall, (int, float)) else "")
+        + f". Link `real`: the shaped link (`{real.get('method', '?')}`, burst {real.get('burst_rule', '?')}); "
+        "`simulated`: the same policy code on a clock model calibrated from the real run. Artifact traces "
+        f"scaled x{cfg.get('trace_scale', '?')} (Gbit/s x 1000 x scale = Mbit/s). Violations: loads past the "
+        "SLO (k/n); overshoot: seconds past the SLO over all n loads (0 when met); regret: mean per-token "
+        "utility gap to the oracle on the same traces "
+        + ("(quality KL not available in this run: no quality.json when it ran, so regret is in ordinal level "
+           "units)." if no_kl else "(KL points)."),
+        "",
+    ]
+    svr = [x for x in adoc.get("sim_vs_real") or [] if isinstance(x, dict)]
+    if svr:
+        lines.append("Simulated vs real link at the real run's SLO: " + "; ".join(
+            f"{x.get('trace_set')} {x.get('policy', '')} SLO {x.get('slo_s')} s: violations real "
+            f"{_f(x.get('violation_rate_real'), '.0%')}, simulated {_f(x.get('violation_rate_sim'), '.0%')}"
+            for x in svr) + ".")
+        lines.append("")
+    sets = sorted({r.get("trace_set") for r in rows}, key=lambda t: _order(t, TRACE_SET_ORDER))
+    for i, ts in enumerate(sets):
+        sub = sorted((r for r in rows if r.get("trace_set") == ts),
+                     key=lambda r: (r.get("slo_s") or 0, r.get("link") != "real", _order(r.get("policy"),
+                                                                                         POLICY_ORDER)))
+        head = f"Trace set `{ts}` ({', '.join(sorted({str(r.get('n')) for r in sub}))} loads per row)"
+        if i:
+            lines += ["<details>", f"<summary>{head}</summary>", ""]
+        else:
+            lines += [head + ":", ""]
+        lines.append("| SLO (s) | link | policy | violations | overshoot mean (s) | overshoot p95 (s) | quality KL | "
+                     "regret vs oracle |")
+        lines.append("|---" * 8 + "|")
+        for r in sub:
+            v, n = r.get("violation_rate"), r.get("n")
+            viol = f"{round(v * n)}/{n}" if isinstance(v, (int, float)) and n else "-"
+            lines.append(f"| {_f(r.get('slo_s'), 'g')} | {r.get('link', '?')} | {r.get('policy', '?')} | {viol} | "
+                         f"{_f(r.get('overshoot_s_mean'), '.2f')} | {_f(r.get('overshoot_s_p95'), '.2f')} | "
+                         f"{_g(r.get('quality_kl'))} | {_f(r.get('regret_vs_oracle'), '.3f')} |")
+        lines.append("")
+        if i:
+            lines += ["</details>", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def replace_block(readme: str, block: str, start: str = START, end: str = END) -> str:
+    """README text with the block between ``start`` and ``end`` replaced by ``block``.
+    Raises ReadmeTableError when the markers are missing, repeated or out of order."""
+    if readme.count(start) != 1 or readme.count(end) != 1 or readme.index(start) > readme.index(end):
+        raise ReadmeTableError(f"README needs exactly one '{start}' followed by one '{end}'")
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{block}{end}{tail}"
+
+
+def _rel(path: Path) -> str:
+    try:
+        return os.path.relpath(Path(path).resolve(), ROOT)
+    except ValueError:
+        return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,27 +544,36 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not write; exit 1 with a unified diff when the README's block is stale")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.json"))
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--quality", default=None,
+                    help="quality.json of python -m bench.quality (default: quality.json beside --results)")
+    ap.add_argument("--adaptation", default=None,
+                    help="adaptation.json of python -m bench.adapt (default: adaptation.json beside --results)")
     a = ap.parse_args(argv)
     readme_path = Path(a.readme)
+    res_path = Path(a.results)
+    q_path = Path(a.quality) if a.quality else res_path.parent / "quality.json"
+    ad_path = Path(a.adaptation) if a.adaptation else res_path.parent / "adaptation.json"
     try:
-        doc = load_results(Path(a.results))
-        try:
-            source = os.path.relpath(Path(a.results).resolve(), ROOT)
-        except ValueError:
-            source = str(a.results)
+        doc = load_results(res_path)
+        qdoc = load_optional(q_path, "quality")
+        adoc = load_optional(ad_path, "adaptation")
+        source = _rel(res_path)
         old = readme_path.read_text()
-        new = replace_block(old, render(doc, source=source))
+        new = replace_block(old, render(doc, source=source, quality=qdoc, quality_source=_rel(q_path)))
+        new = replace_block(new, render_quality(qdoc, source=_rel(q_path)), QUALITY_START, QUALITY_END)
+        new = replace_block(new, render_adaptation(adoc, source=_rel(ad_path)), ADAPT_START, ADAPT_END)
     except (ReadmeTableError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if a.check:
         if new == old:
-            print(f"{readme_path.name}: results table up to date with {source}")
+            print(f"{readme_path.name}: results, quality and adaptation tables up to date with {source}")
             return 0
         sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
                                                    f"{readme_path.name} (committed)",
                                                    f"{readme_path.name} (from {source})"))
-        print(f"\nerror: the README's results table differs from {source}; run "
+        print(f"\nerror: a generated table in the README differs from {source} / {_rel(q_path)} / "
+              f"{_rel(ad_path)}; run "
               "python scripts/readme_tables.py", file=sys.stderr)
         return 1
     if new != old:

@@ -427,3 +427,87 @@ def test_incomplete_file_is_marked_in_every_title(doc, tmp_path, monkeypatch):
     vr.render_all(vr.prepare(dict(doc, complete=True)), tmp_path, ["png"], dpi=30)
     assert titles and not any(vr.INCOMPLETE_MARK in t for t in titles)
     assert not vr.prepare({k: v for k, v in doc.items() if k != "complete"}).incomplete
+
+
+# ----------------------------------------------------------------------------- quality.json beside the results
+
+
+def _quality_doc():
+    """A small quality.json (docs/results-schema.md) for the fixture's modes."""
+    def row(codec, level, kl, ci):
+        return {"codec": codec, "level": level, "default": level == 1, "ratio_vs_dtype": 8.0,
+                "bits_per_element": 2.0, "n_windows": 32, "kl": kl, "kl_ci": ci, "top1_agreement": 0.9,
+                "top1_agreement_ci": [0.88, 0.92], "ppl_change_pct": -7.0, "ppl_change_pct_ci": [-9.0, -5.0]}
+    return {"kind": "quality", "config": {"n_windows": 32, "context_tokens": 2048, "continuation_tokens": 256},
+            "rows": [row("raw", None, 0.0, [0.0, 0.0]), row("quant8", None, 0.0014, [0.0012, 0.0016]),
+                     row("cachegen", 1, 0.0429, [0.0397, 0.0465]), row("cachegen", 2, 0.03, [0.027, 0.033]),
+                     row("kivi2", None, "odd", [0.1, 0.2])]}
+
+
+def _errorbar_segments(ax):
+    """(x, y_lo, y_hi) of every vertical error bar in ``ax``."""
+    out = []
+    for coll in ax.collections:
+        if type(coll).__name__ != "LineCollection":
+            continue
+        for seg in coll.get_segments():
+            if len(seg) == 2 and np.isclose(seg[0][0], seg[1][0]):
+                out.append((float(seg[0][0]), float(min(seg[0][1], seg[1][1])), float(max(seg[0][1], seg[1][1]))))
+    return out
+
+
+def test_quality_vs_size_uses_quality_json_kl_with_ci(doc):
+    data = vr.prepare(doc)
+    data.quality = _quality_doc()
+    fig = vr.fig_quality_vs_size(data)
+    ylabels = [ax.get_ylabel() for ax in fig.axes]
+    assert ylabels[0] == vr.QUALITY_JSON_KL_PANEL[1]
+    assert "perplexity increase vs lossless (%)" not in ylabels  # the 2-context ppl panel is replaced
+    assert "KL from quality.json (32 WikiText-2 test windows, 95% bootstrap CI)" in fig.get_suptitle()
+    kl_ax = fig.axes[0]
+    bars = {round(x, 3): (lo, hi) for x, lo, hi in _errorbar_segments(kl_ax)}
+    # x: this run's bytes of the mode; y: the quality.json CI of the same codec/level
+    assert bars[round(5825422 / 1e6, 3)] == pytest.approx((0.0397, 0.0465))   # cachegen level 1
+    assert bars[round(23952243 / 1e6, 3)] == pytest.approx((0.0012, 0.0016))  # quant8
+    # kivi2 has a non-numeric KL, cachegen-l3 and adaptive no row: not drawn
+    assert len(bars) == 4  # raw, quant8, cachegen 1, cachegen 2
+    front = next(line for line in kl_ax.get_lines() if line.get_label() == "Pareto front")
+    assert len(front.get_xdata()) >= 2
+
+
+def test_quality_vs_size_accuracy_has_wilson_bars(data):
+    fig = vr.fig_quality_vs_size(data)
+    acc_ax = next(ax for ax in fig.axes if ax.get_ylabel() == "task accuracy (share correct)")
+    at = sorted((round(lo, 4), round(hi, 4)) for x, lo, hi in _errorbar_segments(acc_ax)
+                if np.isclose(x, 5825422 / 1e6))
+    # cachegen level 1: 0.5 at each of 3 rates, n = 2 each -> 3/6 pooled, Wilson [0.1876, 0.8124];
+    # cachegen-adaptive at 100 Mbit/s (same size, one point per rate): 1/2, Wilson [0.0945, 0.9055]
+    assert at == [(0.0945, 0.9055), (0.1876, 0.8124)]
+    # the run's own ppl panel is kept without quality.json, and its title names the number of contexts
+    assert fig.axes[0].get_ylabel() == "perplexity increase vs lossless (%)"
+    assert "KL from quality.json" not in fig.get_suptitle()
+
+
+def test_main_reads_quality_json_beside_the_results(doc, tmp_path, capsys, monkeypatch):
+    seen = []
+    spec = vr.FIGURES["quality_vs_size"]
+
+    def draw(data):
+        fig = spec.draw(data)
+        seen.append(fig.get_suptitle())
+        return fig
+    monkeypatch.setitem(vr.FIGURES, "quality_vs_size", vr.FigureSpec(spec.name, spec.reads, draw))
+    res = _write(tmp_path, doc)
+    args = ["--results", str(res), "--out", str(tmp_path / "figs"), "--only", "quality_vs_size", "--formats", "svg"]
+    assert vr.main(args) == 0
+    assert "KL with 95% CIs" not in capsys.readouterr().out
+    assert "KL from quality.json" not in seen[-1]
+    (tmp_path / "quality.json").write_text(json.dumps(_quality_doc()))
+    assert vr.main(args) == 0
+    assert f"quality_vs_size: KL with 95% CIs from {tmp_path / 'quality.json'}" in capsys.readouterr().out
+    assert "KL from quality.json (32 WikiText-2 test windows" in seen[-1]
+    # an unreadable quality.json is a warning, and the figure falls back to the run's own columns
+    (tmp_path / "quality.json").write_text("{broken")
+    assert vr.main(args) == 0
+    assert "warning: ignoring" in capsys.readouterr().err
+    assert "KL from quality.json" not in seen[-1] and len(seen) == 3
