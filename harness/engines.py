@@ -54,6 +54,8 @@ class LoadOutcome:
     load_s: float = 0.0
     bytes: int = 0
     chunks: list[dict[str, Any]] = field(default_factory=list)
+    requested_tokens: int = 0   # tokens the load was asked for (the stored prefix, capped)
+    error: str | None = None    # why the load stopped early (None: it did not)
 
 
 @dataclass
@@ -77,6 +79,11 @@ class RequestTiming:
     loaded_tokens: int
     bytes: int
     chunks: list[dict[str, Any]]
+    # tokens of the requested KV load that the engine recomputed instead of loading (a
+    # chunk that failed, a text fallback); load_error: why a load stopped early (None: it
+    # did not). A recompute changes the output, so every run record says whether one happened.
+    recomputed_tokens: int = 0
+    load_error: str | None = None
 
     @property
     def output_tokens_per_s(self) -> float | None:
@@ -154,7 +161,8 @@ def hf_load(params: dict, prompt_ids: list[int], load_tokens: int, before_chunk=
     v = torch.cat(vs, dim=1)[:, :got] if got else None
     return LoadOutcome(k, v, got, lookup_s=lk.lookup_s, transfer_s=stats.transfer_s,
                        decode_s=stats.decode_s, load_s=load_s, bytes=stats.bytes,
-                       chunks=stats.chunks)
+                       chunks=stats.chunks, requested_tokens=n,
+                       error=getattr(stats, "error", None))
 
 
 # ----------------------------------------------------------------------------- engines
@@ -232,7 +240,8 @@ class HFEngine(Engine):
             transfer_s=outcome.transfer_s, decode_s=outcome.decode_s, load_s=t_loaded - t_arrival,
             inject_s=t_injected - t_loaded, prefill_s=t_prefilled - t_injected,
             first_token_s=t_first - t_prefilled, e2e_s=t_end - t_arrival, output_ids=generated,
-            loaded_tokens=n, bytes=outcome.bytes, chunks=outcome.chunks)
+            loaded_tokens=n, bytes=outcome.bytes, chunks=outcome.chunks,
+            recomputed_tokens=max(0, outcome.requested_tokens - n), load_error=outcome.error)
 
 
 def timing_from_connector(rec: dict[str, Any], ttft: float, e2e: float,
@@ -254,7 +263,8 @@ def timing_from_connector(rec: dict[str, Any], ttft: float, e2e: float,
         decode_s=float(rec.get("decode_s") or 0.0), load_s=load, inject_s=inject,
         prefill_s=max(0.0, ttft - lookup - load - inject), first_token_s=None,
         e2e_s=e2e, output_ids=out_ids, loaded_tokens=int(rec.get("loaded_tokens") or 0),
-        bytes=int(rec.get("bytes") or 0), chunks=chunks)
+        bytes=int(rec.get("bytes") or 0), chunks=chunks,
+        recomputed_tokens=int(rec.get("recomputed_tokens") or 0), load_error=rec.get("error"))
 
 
 class VLLMEngine(Engine):

@@ -189,6 +189,7 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
         "context_tokens": len(ctx.prompt.context_ids), "prompt_tokens": len(ctx.prompt.input_ids),
         "truncated_from_tokens": (getattr(ctx.prompt, "meta", None) or {}).get("truncated_from_tokens"),
         "loaded_tokens": t.loaded_tokens, "repeat": rep,
+        "recomputed_tokens": t.recomputed_tokens, "load_error": t.load_error,
         "ttft_s": t.ttft_s, "lookup_s": t.lookup_s, "transfer_s": t.transfer_s,
         "decode_s": t.decode_s, "load_s": t.load_s, "inject_s": t.inject_s,
         "prefill_s": t.prefill_s, "first_token_s": t.first_token_s, "e2e_s": t.e2e_s,
