@@ -607,7 +607,8 @@ def fig_quality_vs_size(data: ResultsData):
                         else ""))
     fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8)
     _caption(fig, data, "points: medians over requests; Pareto front: no other point is both smaller "
-                        "and better" + ("; error bars: 95% CI" if qkl or "n" in s.columns else ""))
+                        "and better" + ("; accuracy bars: Wilson 95% CI of k/n" if "n" in s.columns else "")
+                + ("; KL bars: 95% bootstrap CI over quality.json's windows" if qkl else ""))
     return fig
 
 

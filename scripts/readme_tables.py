@@ -485,8 +485,8 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
         f"scaled x{cfg.get('trace_scale', '?')} (Gbit/s x 1000 x scale = Mbit/s). Violations: loads past the "
         "SLO (k/n); overshoot: seconds past the SLO over all n loads (0 when met); regret: mean per-token "
         "utility gap to the oracle on the same traces "
-        + ("(quality KL not available in this run: no quality.json when it ran, so regret is in ordinal level "
-           "units)." if no_kl else "(KL points)."),
+        + ("(quality KL not available in this run - no quality.json when it ran - so the quality column is "
+           "left out and regret is in ordinal level units)." if no_kl else "(KL points)."),
         "",
     ]
     svr = [x for x in adoc.get("sim_vs_real") or [] if isinstance(x, dict)]
@@ -506,15 +506,16 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
             lines += ["<details>", f"<summary>{head}</summary>", ""]
         else:
             lines += [head + ":", ""]
-        lines.append("| SLO (s) | link | policy | violations | overshoot mean (s) | overshoot p95 (s) | quality KL | "
-                     "regret vs oracle |")
-        lines.append("|---" * 8 + "|")
+        lines.append("| SLO (s) | link | policy | violations | overshoot mean (s) | overshoot p95 (s) | "
+                     + ("" if no_kl else "quality KL | ") + "regret vs oracle |")
+        lines.append("|---" * (7 if no_kl else 8) + "|")
         for r in sub:
             v, n = r.get("violation_rate"), r.get("n")
             viol = f"{round(v * n)}/{n}" if isinstance(v, (int, float)) and n else "-"
             lines.append(f"| {_f(r.get('slo_s'), 'g')} | {r.get('link', '?')} | {r.get('policy', '?')} | {viol} | "
                          f"{_f(r.get('overshoot_s_mean'), '.2f')} | {_f(r.get('overshoot_s_p95'), '.2f')} | "
-                         f"{_g(r.get('quality_kl'))} | {_f(r.get('regret_vs_oracle'), '.3f')} |")
+                         + ("" if no_kl else f"{_g(r.get('quality_kl'))} | ")
+                         + f"{_f(r.get('regret_vs_oracle'), '.3f')} |")
         lines.append("")
         if i:
             lines += ["</details>", ""]

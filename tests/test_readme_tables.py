@@ -268,7 +268,9 @@ def test_adaptation_block_rows_and_absent_line():
     doc = _adapt_doc()
     for r in doc["rows"]:
         r["quality_kl"] = None
-    assert "regret is in ordinal level units" in rt.render_adaptation(doc)
+    out = rt.render_adaptation(doc)
+    assert "regret is in ordinal level units" in out and "quality KL |" not in out
+    assert "| 1 | simulated | oracle | 1/10 | 0.01 | 0.12 | 0.000 |" in out
 
 
 def test_check_covers_every_block(tmp_path):
