@@ -118,15 +118,15 @@ def _table_levels(table: dict) -> dict[int, list[int]]:
 def load_quality(path: Path) -> tuple[dict[int, float] | None, str]:
     """Per-level KL of the cachegen codec from quality.json -> ({level: kl}, note)."""
     if not path.exists():
-        return None, f"{path} not found: quality_kl unavailable; planning uses an ordinal utility"
+        return None, f"{path.name} not found: quality_kl unavailable; planning uses an ordinal utility"
     try:
         doc = json.loads(path.read_text())
         kl = {int(r["level"]): float(r["kl"]) for r in doc.get("rows", [])
               if r.get("codec") == "cachegen" and r.get("level") is not None and r.get("kl") is not None}
     except (ValueError, KeyError, TypeError) as e:
-        return None, f"{path} unreadable ({e}): quality_kl unavailable"
+        return None, f"{path.name} unreadable ({e}): quality_kl unavailable"
     if not kl:
-        return None, f"{path} has no cachegen rows: quality_kl unavailable"
+        return None, f"{path.name} has no cachegen rows: quality_kl unavailable"
     return kl, f"per-level KL of codec cachegen from {path.name} (token-weighted; text = 0)"
 
 

@@ -327,7 +327,7 @@ def _fmt(v, nd=2):
     return str(v)
 
 
-def print_table(rows: list[dict], out=sys.stdout) -> None:
+def print_table(rows: list[dict], out=None) -> None:
     cols = [("label", "codec", 0), ("bytes", "bytes", 0), ("bits_per_element", "bits/el", 3),
             ("ratio_vs_dtype", "ratio", 2), ("payload_over_entropy", "pay/H", 4),
             ("model_share", "model%", 1), ("scale_share", "scale%", 1),

@@ -437,7 +437,7 @@ def _fmt_ci(x: float, ci: Sequence[float], digits: int = 4) -> str:
     return f"{x:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
-def print_table(rows: list[dict], out=sys.stdout) -> None:
+def print_table(rows: list[dict], out=None) -> None:
     """The text-fidelity table (ppl change labelled as not monotone in distortion)."""
     print(f"{'codec / level':<18} {'ratio':>7} {'bits/el':>7}  {'n':>3}  {'KL nats/token [95% CI]':<28} "
           f"{'top-1 agreement [95% CI]':<26} {'ppl change % [95% CI] (not monotone)':<30}", file=out)
@@ -450,7 +450,7 @@ def print_table(rows: list[dict], out=sys.stdout) -> None:
           "rank by them, not by ppl change.", file=out)
 
 
-def print_task_table(rows: list[dict], out=sys.stdout) -> None:
+def print_task_table(rows: list[dict], out=None) -> None:
     print(f"{'codec / level':<18} {'task':<16} {'n':>4}  {'accuracy [Wilson 95%]':<24} "
           f"{'agreement w/ lossless [Wilson 95%]':<34}", file=out)
     for r in rows:

@@ -56,6 +56,22 @@ def engine_log_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.stem + ".engine.log")
 
 
+LOG_ENV_KEYS = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
+
+
+@contextlib.contextmanager
+def _restore_env(saved: dict[str, str | None]):
+    """Restore the environment variables in ``saved`` (None = unset) when the block ends."""
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def route_engine_logs(path: Path) -> None:
     """Send vLLM's logs (this process and its engine processes, which inherit the
     environment) to ``path`` instead of the console: a logging config for vLLM's
@@ -127,7 +143,10 @@ def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any
     t_run = time.perf_counter()
     out_path = resolve_out(cfg)
     state: dict[str, ResultsWriter] = {}  # "writer" once results.json is being written
-    with lifecycle.RunRegistry() as registry:
+    # route_engine_logs changes the environment that vLLM's processes inherit: put it back
+    # after the run, so processes started later by the caller (tests, a server) log as usual
+    saved_env = {k: os.environ.get(k) for k in LOG_ENV_KEYS}
+    with lifecycle.RunRegistry() as registry, _restore_env(saved_env):
         try:
             cleanup_leftovers()
             if cfg.engine == "vllm" and not verbose:

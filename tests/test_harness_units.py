@@ -307,8 +307,12 @@ def test_engine_logs_routed_to_a_file(tmp_path, monkeypatch):
 
     from harness.run import engine_log_path, route_engine_logs
 
-    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
-    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    # setenv first so that monkeypatch records the variables and removes what
+    # route_engine_logs sets (a leaked VLLM_LOGGING_CONFIG_PATH sent a later test's vLLM
+    # server logs into this test's file)
+    for k in ("VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     path = engine_log_path(tmp_path / "results.json")
     assert path == tmp_path / "results.engine.log"
     route_engine_logs(path)
@@ -319,9 +323,13 @@ def test_engine_logs_routed_to_a_file(tmp_path, monkeypatch):
     try:
         logging.getLogger("vllm.engine").info("engine started with 2 workers")
     finally:
-        for h in logging.getLogger("vllm").handlers:
-            h.close()
-        logging.getLogger("vllm").handlers.clear()
+        for name in ("vllm", "cachegen"):  # undo the dictConfig for the later tests
+            lg = logging.getLogger(name)
+            for h in lg.handlers:
+                h.close()
+            lg.handlers.clear()
+            lg.propagate = True
+            lg.setLevel(logging.NOTSET)
     assert "engine started with 2 workers" in path.read_text()
 
 
@@ -338,3 +346,21 @@ def test_stderr_of_started_processes_goes_to_the_log(tmp_path, capfd):
     sys.stderr.write("console line\n")
     assert log.read_text() == "engine noise\n"
     assert "console line" in capfd.readouterr().err
+
+
+def test_run_restores_the_logging_environment(monkeypatch):
+    """run() routes vLLM's logs through environment variables that child processes inherit;
+    they are put back when the block ends, so a server started later by the same process
+    logs to its own output (a leak hid the connector's load lines in a later test)."""
+    import os
+
+    from harness import run as run_mod
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    saved = {k: os.environ.get(k) for k in run_mod.LOG_ENV_KEYS}
+    with run_mod._restore_env(saved):
+        os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = "/nonexistent/x.json"
+    assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
+    assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ

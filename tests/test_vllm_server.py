@@ -47,6 +47,8 @@ def report(tmp_path_factory):
         pytest.skip("no converted model folder (CGH_MODEL_DIR or kv_extraction_hf's default)")
     out = tmp_path_factory.mktemp("vllm_server") / "report.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"):  # the server logs to its own file
+        env.pop(k, None)
     cmd = [sys.executable, str(REPO / "tests" / "vllm_server_check.py"), "--model-dir", mdir,
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
