@@ -8,6 +8,10 @@ bench may import every stage package and the harness; no stage package imports b
 (tests/test_architecture.py checks it).
 
 Commands (run from the repository root):
+  python -m bench.quality [--quick] [--tasks] quality vs lossless on WikiText-2 test (KL, top-1,
+                                              95% CIs) and task answers (benchmarks/quality.json)
+  python -m bench.adapt [--quick] [--no-real] adaptive policy vs oracle and fixed levels on the
+                                              artifact traces (benchmarks/adaptation.json)
   python -m bench.codec [--quick]             codec sizes, speed, error and perplexity cost
                                               per codec and level (docs/codec.md)
   python -m bench.codec --device cuda         hands over to bench.triton

@@ -85,7 +85,7 @@ def route_engine_logs(path: Path) -> None:
                                                "%(name)s: %(message)s"}},
             "handlers": {"file": handler},
             "loggers": {name: {"handlers": ["file"], "level": "INFO", "propagate": False}
-                        for name in ("vllm", "cachegen")}}  # cachegen.*: our connector
+                        for name in ("vllm", "cachegen")}}  # vllm.* incl. our connector; cachegen.*: sources, warm-up
     conf_path = path.with_name(path.name + ".config.json")
     conf_path.write_text(json.dumps(conf))
     os.environ["VLLM_CONFIGURE_LOGGING"] = "1"

