@@ -1143,6 +1143,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _render_one_file(render, path: Path, args) -> int:
+    """Run one file's renderer (render_adaptation / render_quality) for the CLI: prints
+    each written path; returns 0, 1 (nothing drawn) or 2 (bad input)."""
+    try:
+        for out in render(path, args.out, args.formats, args.dpi):
+            print(f"wrote {out}")
+    except ResultsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except SkipFigure as exc:
+        print(f"nothing drawn: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 1 nothing drawn, 2 bad input)."""
     args = build_parser().parse_args(argv)
@@ -1150,30 +1165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     matplotlib.use("Agg")  # no display needed; set here, not at import time
     if args.adaptation is not None:
-        try:
-            for path in render_adaptation(args.adaptation, args.out, args.formats, args.dpi):
-                print(f"wrote {path}")
-        except ResultsError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        except SkipFigure as exc:
-            print(f"nothing drawn: {exc}", file=sys.stderr)
-            return 1
-        return 0
+        return _render_one_file(render_adaptation, args.adaptation, args)
     if args.quality is not None:
         if args.out.exists() and not args.out.is_dir():
             print(f"error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
-        try:
-            for path in render_quality(args.quality, args.out, args.formats, args.dpi):
-                print(f"wrote {path}")
-        except ResultsError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        except SkipFigure as exc:
-            print(f"nothing drawn: {exc}", file=sys.stderr)
-            return 1
-        return 0
+        return _render_one_file(render_quality, args.quality, args)
     try:
         doc = load_results(args.results)
     except ResultsError as exc:
