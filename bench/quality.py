@@ -12,21 +12,27 @@ context whose KV cache went through a lossy codec; metrics as ../docs/results-sc
   (%; reported but NOT monotone in distortion: noise can lower it). Mean over windows with
   a 95% percentile bootstrap CI over windows (``evaluation.stats``), plus bits per element
   and the size ratio vs the KV dtype. ``raw`` is the lossless check (KL exactly 0).
-- **Task answers** (``--tasks``): needle-in-a-haystack (depths 10-90%, 1K-4K tokens) and
-  topic retrieval (512 tokens: at chance for the default model above 1K, docs/tasks.md)
-  prompts (``kv_extraction_hf.prompts.build_prompt``), half each, every prompt
-  prefilled once; greedy answers from the lossless KV and from each codec's decoded KV
-  (``kv_extraction_hf.inject.generate_from_kv``). Accuracy and agreement with the lossless
-  answer of the same request, each with a Wilson 95% CI.
+- **Task answers** (by default; ``--no-tasks`` skips them): needle-in-a-haystack (depths
+  10-90%, 1K-4K tokens) and topic retrieval (512 tokens: at chance for the default model
+  above 1K, docs/tasks.md) prompts (``kv_extraction_hf.prompts.build_prompt``), half each,
+  every prompt prefilled once (bf16, the engine's KV). The greedy lossless answer comes
+  from the lossless KV; each codec's answer from its decoded KV by
+  ``kv_extraction_hf.inject.answer_from_kv``: one teacher-forced forward of question +
+  lossless answer decides agreement exactly, greedy generation continues only where the
+  argmax first differs, low-margin positions fall back to plain greedy generation. Answer
+  forwards use float32 activations over the bf16 KV (``--task-dtype``; bf16 batched and
+  token-by-token forwards differ by up to 0.75 logits here). Accuracy and agreement with
+  the lossless answer of the same request, each with a Wilson 95% CI.
 - **Default level rule** (``--choose-default``): the smallest cachegen level whose KL and
   top-1 agreement are no worse than LMCache's schedule (``cachegen-ref`` level 0) on the
   same windows: the 95% paired bootstrap CI of (level - LMCache) per-window KL reaches 0
   or below, and that of top-1 agreement reaches 0 or above.
 
 Run:
-    python -m bench.quality --quick               # 4 windows x (512 + 256) tokens, ~3 min
-    python -m bench.quality                       # 32 windows x (2048 + 256), all codecs
+    python -m bench.quality --quick               # 4 windows x (512 + 256) + 8 task requests
+    python -m bench.quality                       # 32 windows x (2048 + 256), all codecs, + 60 task requests
     python -m bench.quality --tasks-only          # task answers only (see --help for time)
+    python -m bench.quality --tasks-only --task-verify --task-requests 10   # fast answer path vs plain greedy
     python -m bench.quality --choose-default      # the rule, from benchmarks/quality.json
 Output: benchmarks/quality.json (schema: docs/results-schema.md, "quality.json"), a table
 on stdout; ``python visualize_results.py --quality benchmarks/quality.json`` draws the figure.
@@ -58,8 +64,9 @@ TASK_LENGTHS = (1024, 2048, 3072, 4096)      # needle context lengths (tokens)
 # it runs at 512 tokens, where the model is above chance
 TOPIC_LENGTHS = (512,)
 TASK_MAX_NEW_TOKENS = 40
-# the codecs/levels measured on tasks by default (all cachegen levels cost ~2x the time)
-DEFAULT_TASK_CODECS = "cachegen:0,1,2,3;cachegen-ref:0;quant8;kivi2"
+# the codecs/levels measured on tasks by default: the default cachegen level, LMCache's schedule, the
+# kvtc levels either side of its size, quant8, KIVI-2 and raw (the check: agreement must be 1)
+DEFAULT_TASK_CODECS = "cachegen:1;cachegen-ref:0;kvtc:4,5;quant8;kivi2;raw"
 
 __all__ = ["codec_levels", "parse_codec_spec", "reference_scores", "window_scores", "run_text_quality", "run_tasks",
            "choose_default_level", "summarize_rows", "main"]
@@ -145,18 +152,27 @@ def _label(name: str, level: Optional[int]) -> str:
 
 
 # ----------------------------------------------------------------------------- scores
+def _row_dot(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot product of two ``[n, vocab]`` float64 tensors (no ``[n, vocab]`` temporary)."""
+    return torch.bmm(p.unsqueeze(1), x.unsqueeze(2)).reshape(-1)
+
+
 def reference_scores(ref_logits: torch.Tensor, targets: Sequence[int]) -> dict:
     """What :func:`window_scores` needs from the lossless logits, computed once per window:
-    float64 log-probabilities ``[n, vocab]``, probabilities, argmax ``[n]``, targets ``[n, 1]``
+    float64 probabilities ``p`` ``[n, vocab]`` and their row sums ``s``, the per-row
+    ``sum_v p * logits - s * logsumexp(logits)`` (``plp``), argmax ``[n]``, targets ``[n, 1]``
     and ``ref_nll`` (mean NLL, nats). Raises ValueError on bad shapes."""
     if ref_logits.dim() != 2:
         raise ValueError(f"logits must be [n, vocab], got {tuple(ref_logits.shape)}")
     tgt = torch.as_tensor(list(targets), dtype=torch.long).reshape(-1, 1)
     if tgt.shape[0] != ref_logits.shape[0]:
         raise ValueError(f"{tgt.shape[0]} targets for {ref_logits.shape[0]} logit rows")
-    lp = torch.log_softmax(ref_logits.to(torch.float64), dim=-1)
-    return {"lp": lp, "p": lp.exp(), "argmax": lp.argmax(-1), "tgt": tgt, "shape": tuple(ref_logits.shape),
-            "ref_nll": float(-lp.gather(1, tgt).mean())}
+    x = ref_logits.to(torch.float64)
+    lse = torch.logsumexp(x, dim=-1)
+    p = torch.exp(x - lse.unsqueeze(1))
+    s = p.sum(-1)
+    return {"p": p, "s": s, "plp": _row_dot(p, x) - s * lse, "argmax": x.argmax(-1), "tgt": tgt,
+            "shape": tuple(ref_logits.shape), "ref_nll": float((lse - x.gather(1, tgt).reshape(-1)).mean())}
 
 
 def window_scores(ref_logits, logits: torch.Tensor, targets: Sequence[int] = ()) -> dict:
@@ -167,16 +183,18 @@ def window_scores(ref_logits, logits: torch.Tensor, targets: Sequence[int] = ())
     :func:`reference_scores` (then ``targets`` is taken from it). Returns ``{"kl": mean over rows of KL(P_ref || P) in
     nats, "top1": share of rows with argmax(logits) == argmax(ref_logits), "nll": mean
     negative log-likelihood of targets under logits (nats), "ref_nll": the same under
-    ref_logits}``, computed in float64. Raises ValueError on shape mismatch.
+    ref_logits}``, computed in float64 as KL = sum_v P_ref (log P_ref - log P) with
+    log P = logits - logsumexp(logits) (identical logits give exactly 0). Raises ValueError on shape mismatch.
     """
     ref = ref_logits if isinstance(ref_logits, dict) else reference_scores(ref_logits, targets)
     if logits.dim() != 2 or ref["shape"] != tuple(logits.shape):
         raise ValueError(f"logits shapes differ or are not [n, vocab]: {ref['shape']} vs {tuple(logits.shape)}")
-    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    kl = (ref["p"] * (ref["lp"] - lp)).sum(-1)
-    top1 = (lp.argmax(-1) == ref["argmax"]).to(torch.float64)
+    x = logits.to(torch.float64)
+    lse = torch.logsumexp(x, dim=-1)
+    kl = ref["plp"] - (_row_dot(ref["p"], x) - ref["s"] * lse)
+    top1 = (x.argmax(-1) == ref["argmax"]).to(torch.float64)
     return {"kl": float(kl.mean()), "top1": float(top1.mean()),
-            "nll": float(-lp.gather(1, ref["tgt"]).mean()), "ref_nll": ref["ref_nll"]}
+            "nll": float((lse - x.gather(1, ref["tgt"]).reshape(-1)).mean()), "ref_nll": ref["ref_nll"]}
 
 
 def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[dict]:
@@ -306,54 +324,86 @@ def _answer_text(bundle, ids: list[int]) -> str:
 
 def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, seed: int = 0,
               lengths: Sequence[int] = TASK_LENGTHS, max_new_tokens: int = TASK_MAX_NEW_TOKENS,
-              topic_lengths: Sequence[int] = TOPIC_LENGTHS,
+              topic_lengths: Sequence[int] = TOPIC_LENGTHS, answer_bundle=None, verify: bool = False,
               log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
     """Task answers from decoded KV vs lossless KV, ``n_requests`` per codec/level.
 
-    Each request's context is prefilled once; the lossless answer is greedy generation on
-    the lossless KV, each codec's answer the same on its decoded KV (at most
-    ``max_new_tokens``). Accuracy: ``evaluation.retrieval_accuracy`` against the gold
-    answer; agreement: the generated token ids equal the lossless ones (strict: any
-    difference in the first ``max_new_tokens`` tokens counts). Both with Wilson 95% CIs,
-    per task and over all tasks (``task`` = "all"). Returns (rows, info with the
-    per-request records and the lossless accuracy).
+    Each request's context is prefilled once by ``bundle`` (the engine dtype, bf16 for the
+    default model: the KV the codecs compress). Answers are greedy, at most
+    ``max_new_tokens``, computed by ``answer_bundle`` (the same model with other activation
+    dtype, e.g. float32; None = ``bundle``) on the KV cast exactly to its dtype: the
+    lossless answer by ``kv_extraction_hf.inject.generate_from_kv``, each codec's by
+    ``kv_extraction_hf.inject.answer_from_kv`` (one teacher-forced forward checks the
+    lossless answer; greedy generation continues only from where it differs; positions
+    with a top-2 logit margin below the dtype's threshold fall back to plain greedy
+    generation). ``verify``: also run plain ``generate_from_kv`` for every codec and count
+    answers that differ from the fast path (a proof run; doubles the cost).
+
+    Accuracy: ``evaluation.retrieval_accuracy`` against the gold answer; agreement: the
+    generated token ids equal the lossless ones (strict: any difference in the first
+    ``max_new_tokens`` tokens counts). Both with Wilson 95% CIs, per task and over all
+    tasks (``task`` = "all"). Returns (rows, info with the per-request records and
+    seconds, per codec the count of answers by path, the verify counts).
     """
     import codec
     from evaluation import retrieval_accuracy
     from evaluation.stats import wilson_ci
     from kv_extraction_hf.extract import prefill_kv
-    from kv_extraction_hf.inject import generate_from_kv
+    from kv_extraction_hf.inject import answer_from_kv, generate_from_kv, teacher_forcing_margin
     from kv_extraction_hf.prompts import build_prompt
 
+    ab = answer_bundle if answer_bundle is not None else bundle
+    adt = next(ab.model.parameters()).dtype
+    margin = teacher_forcing_margin(adt)
     records: list[dict] = []
     skipped: dict[str, str] = {}
+    paths: dict[str, dict[str, int]] = {}
+    checked = mismatches = 0
     t0 = time.perf_counter()
     for r, (task, length, index) in enumerate(task_requests(n_requests, seed, lengths,
                                                                       topic_lengths=topic_lengths)):
         p = build_prompt(task, bundle.tokenizer, length, seed=seed, index=index)
+        t = time.perf_counter()
         k, v = prefill_kv(bundle, p.context_ids)
+        t1 = time.perf_counter()
         budget = min(max_new_tokens, p.max_new_tokens)
-        ref_ids = generate_from_kv(bundle, k, v, p.context_ids, p.question_ids, budget)
+        ref_ids = generate_from_kv(ab, k.to(adt), v.to(adt), p.context_ids, p.question_ids, budget)
         ref_text = _answer_text(bundle, ref_ids)
         rec = {"task": task, "context_tokens": len(p.context_ids), "index": index,
                "depth": p.meta.get("depth"), "answer": p.answer,
-               "lossless": {"text": ref_text, "correct": bool(retrieval_accuracy(ref_text, p.answer))},
+               "lossless": {"text": ref_text, "tokens": len(ref_ids),
+                            "correct": bool(retrieval_accuracy(ref_text, p.answer))},
+               "seconds": {"prefill": t1 - t, "lossless_answer": time.perf_counter() - t1},
                "codecs": {}}
         for pair in pairs:
             label = _label(*pair)
             if label in skipped:
                 continue
             try:
+                t2 = time.perf_counter()
                 k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1]))
+                k2, v2 = k2.to(k.dtype).to(adt), v2.to(v.dtype).to(adt)   # the engine's dtype, then exact upcast
             except Exception as exc:  # noqa: BLE001
                 skipped[label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
                 log(f"  skip {label}: {skipped[label]}")
                 continue
-            ids = generate_from_kv(bundle, k2.to(k.dtype), v2.to(v.dtype), p.context_ids, p.question_ids, budget)
+            t3 = time.perf_counter()
+            got = answer_from_kv(ab, k2, v2, p.context_ids, p.question_ids, ref_ids, budget, min_margin=margin)
+            t4 = time.perf_counter()
+            ids = got["ids"]
             text = _answer_text(bundle, ids)
-            rec["codecs"][label] = {"codec": pair[0], "level": pair[1], "text": text,
-                                    "correct": bool(retrieval_accuracy(text, p.answer)),
-                                    "agrees": ids == ref_ids}
+            c = {"codec": pair[0], "level": pair[1], "text": text,
+                 "correct": bool(retrieval_accuracy(text, p.answer)), "agrees": ids == ref_ids,
+                 "path": got["path"], "diverged_at": got["diverged_at"],
+                 "min_margin": got["min_margin"] if math.isfinite(got["min_margin"]) else None,
+                 "codec_s": t3 - t2, "answer_s": t4 - t3}
+            paths.setdefault(label, {"teacher-forced": 0, "continued": 0, "fallback": 0})[got["path"]] += 1
+            if verify:
+                plain = generate_from_kv(ab, k2, v2, p.context_ids, p.question_ids, budget)
+                checked += 1
+                mismatches += plain != ids
+                c["verified"] = plain == ids
+            rec["codecs"][label] = c
         records.append(rec)
         log(f"  request {r + 1}/{n_requests} ({task}, {len(p.context_ids)} tokens) done, "
             f"{time.perf_counter() - t0:.0f} s")
@@ -382,6 +432,9 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
                          "default": pair[0] == FAMILY_DEFAULT and pair[1] == default_level(pair[0])})
     info = {"requests": records, "skipped": skipped, "total_s": time.perf_counter() - t0,
             "lengths": list(lengths), "topic_lengths": list(topic_lengths), "max_new_tokens": max_new_tokens,
+            "answer_dtype": str(adt).replace("torch.", ""), "min_margin": margin, "answer_paths": paths,
+            "fallbacks": sum(x["fallback"] for x in paths.values()),
+            "verify": {"checked": checked, "mismatches": mismatches} if verify else None,
             "agreement_rule": "generated token ids identical to the lossless answer's"}
     return rows, info
 
@@ -459,6 +512,25 @@ def print_task_table(rows: list[dict], out=None) -> None:
               file=out)
 
 
+def print_task_paths(info: dict, out=None) -> None:
+    """How the task answers were obtained (teacher-forced / continued / fallback per codec),
+    the verify counts when present, and the mean seconds per request."""
+    n = len(info["requests"])
+    print(f"answers ({info['answer_dtype']} activations, fallback below a top-2 margin of {info['min_margin']:g}): "
+          + "; ".join(f"{lab}: {d['teacher-forced']} verified, {d['continued']} continued, {d['fallback']} fallback"
+                      for lab, d in info["answer_paths"].items()), file=out)
+    if info.get("verify"):
+        print(f"verify: {info['verify']['mismatches']} of {info['verify']['checked']} fast-path answers differ "
+              "from plain greedy generation", file=out)
+    if n:
+        sec = [x["seconds"] for x in info["requests"]]
+        codec_s = sum(c["codec_s"] for x in info["requests"] for c in x["codecs"].values())
+        ans_s = sum(c["answer_s"] for x in info["requests"] for c in x["codecs"].values())
+        print(f"seconds per request: {info['total_s'] / n:.1f} (prefill {sum(x['prefill'] for x in sec) / n:.1f}, "
+              f"lossless answer {sum(x['lossless_answer'] for x in sec) / n:.1f}, codecs encode+decode "
+              f"{codec_s / n:.1f}, codec answers {ans_s / n:.1f})", file=out)
+
+
 def environment() -> dict:
     """Versions, CPU count and torch threads of this run."""
     import transformers
@@ -502,13 +574,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.quality",
         description="Quality of decoded KV vs lossless KV on WikiText-2 test (KL, top-1 agreement, ppl "
-                    "change, 95% bootstrap CIs) and, with --tasks, task answers (Wilson 95% CIs). "
-                    "Default: 32 windows x (2048 + 256) tokens, every registered codec and level "
-                    "(~15 min on 2 cores). --quick: 4 windows x (512 + 256) tokens (~2 min). --tasks adds "
-                    "60 requests (30 needle 1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
-                    + " (estimated ~10-15 min more).",
+                    "change, 95% bootstrap CIs) and task answers (accuracy and agreement with the lossless "
+                    "answer, Wilson 95% CIs). Default: 32 windows x (2048 + 256) tokens for every registered "
+                    "codec and level (estimated ~13 min on 2 quiet cores), then 60 task requests (30 needle "
+                    "1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
+                    + " (estimated ~7 min: one prefill + one lossless answer per request, then per codec one "
+                    "encode/decode and one teacher-forced forward); ~20 min in all. --quick: 4 windows x "
+                    "(512 + 256) tokens + 8 requests of 512-1024 tokens (estimated ~3 min).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="4 windows x (512 + 256) tokens; with --tasks, 8 requests")
+    p.add_argument("--quick", action="store_true", help="4 windows x (512 + 256) tokens and 8 task requests (needle 512/1024 tokens)")
     p.add_argument("--windows", type=int, default=None, help="number of windows (default 32; quick 4)")
     p.add_argument("--context", type=int, default=None, help="context tokens per window (default 2048; quick 512)")
     p.add_argument("--continuation", type=int, default=256, help="continuation tokens per window (default 256)")
@@ -520,11 +594,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "else a shared/data/wikitext-2 folder beside the repository)")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (default benchmarks/quality.json)")
-    p.add_argument("--tasks", action="store_true", help="also measure task answers (needle, topic retrieval)")
+    p.add_argument("--tasks", action="store_true", help=argparse.SUPPRESS)   # tasks are measured by default now
+    p.add_argument("--no-tasks", action="store_true", help="skip the task answers (text fidelity only)")
     p.add_argument("--tasks-only", action="store_true",
                    help="only task answers; keep the text rows already in --out")
     p.add_argument("--task-requests", type=int, default=None, help="requests per codec/level (default 60; quick 8)")
     p.add_argument("--task-codecs", default=DEFAULT_TASK_CODECS, help="codecs/levels for tasks (default %(default)s)")
+    p.add_argument("--task-dtype", choices=("float32", "model"), default="float32",
+                   help="activation dtype of the answer forwards: float32 (default; the bf16 KV is upcast "
+                        "exactly; batched and token-by-token forwards agree to ~1e-4 logits, so teacher forcing "
+                        "rarely falls back) or model (the engine's bf16: they differ by up to ~0.75 logits, "
+                        "many answers fall back to plain greedy generation)")
+    p.add_argument("--task-verify", action="store_true",
+                   help="also generate every codec answer by plain greedy decoding and count mismatches with "
+                        "the teacher-forced fast path (proof run; about doubles the task time)")
     p.add_argument("--task-lengths", default=None,
                    help="comma-separated needle context lengths (default 1024,2048,3072,4096; quick 512,1024)")
     p.add_argument("--topic-lengths", default=None,
@@ -532,6 +615,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)   # progress lines show up at once when stdout is a file
 
 
 def _positive(name: str, v: int) -> int:
@@ -583,7 +670,9 @@ def _main(args, argv: list[str]) -> int:
     context = _positive("--context", args.context if args.context is not None else (512 if args.quick else 2048))
     continuation = _positive("--continuation", args.continuation)
     pairs = parse_codec_spec(args.codecs)
-    do_tasks = args.tasks or args.tasks_only
+    if args.no_tasks and args.tasks_only:
+        raise QualityError("--no-tasks and --tasks-only exclude each other")
+    do_tasks = not args.no_tasks
     task_pairs = parse_codec_spec(args.task_codecs) if do_tasks else []
     n_req = _positive("--task-requests", args.task_requests if args.task_requests is not None
                       else (8 if args.quick else 60))
@@ -617,7 +706,8 @@ def _main(args, argv: list[str]) -> int:
         ids = bundle.tokenizer(wt.text)["input_ids"]
         print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
               f"{len(pairs)} codec/levels")
-        rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed)
+        rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
+                                       log=_log)
         doc["rows"] = rows
         doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
         doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
@@ -638,14 +728,20 @@ def _main(args, argv: list[str]) -> int:
         print(f"tasks: {n_req} requests per codec/level ({', '.join(TASKS)}; needle lengths {list(lengths)}, "
               f"topic lengths {list(topic_lengths)}); "
               f"{len(task_pairs)} codec/levels")
-        trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths)
+        answer_bundle = bundle
+        if args.task_dtype == "float32" and bundle.info.dtype != "float32":
+            answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
+        trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
+                                 answer_bundle=answer_bundle, verify=args.task_verify, log=_log)
         doc["tasks"] = trows
         doc["tasks_info"] = {k: v for k, v in tinfo.items()}
         doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),
-                               "codecs": args.task_codecs,
+                               "codecs": args.task_codecs, "answer_dtype": tinfo["answer_dtype"],
+                               "kv_dtype": bundle.info.dtype, "verify": bool(args.task_verify),
                                "seed": args.seed, "ci": "Wilson 95%"}
         print()
         print_task_table(trows)
+        print_task_paths(tinfo)
     doc["wall_s"] = time.perf_counter() - t_start
     _write_json(args.out, doc)
     print(f"\nwrote {args.out} ({doc['wall_s']:.0f} s)")

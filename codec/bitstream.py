@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 MAGIC = b"KVCG"
-FORMAT_VERSION = 2          # written; docs/bitstream.md section 4.1 "Versions"
-READ_VERSIONS = (1, 2)      # read: 1 = before the outlier side list (decodes unchanged)
+FORMAT_VERSION = 3          # written; docs/bitstream.md section 4.1 "Versions"
+READ_VERSIONS = (1, 2, 3)   # read: 1 = before the outlier side list, 2 = 16-bit model tables (both decode)
 MAX_HEADER_BYTES = 1 << 20  # JSON header cap: headers are small (layout, shapes, names)
 DEFAULT_MAX_BYTES = 1 << 36  # 64 GiB: refuse anything larger outright
 MAX_ARRAYS = 256

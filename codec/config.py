@@ -188,7 +188,7 @@ class CodecConfig:
     scale_group: str = "token"
     scale_format: str = "dtype"
     sink_tokens: int = 0
-    channels_per_stream: int = 4
+    channels_per_stream: int = 16  # docs/bitstream.md 4.3: 16 channels x T tokens per stream (issue 14.7)
     tokens_per_stream: Optional[int] = None
     variant: str = "custom"
 

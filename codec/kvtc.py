@@ -128,7 +128,10 @@ class KvtcCalibration:
     quantization step per level (row order = ``levels``), 0 = component dropped (a
     suffix, since components are sorted by variance).
     ``key_space``: "pre_rope" (keys are decorrelated with RoPE undone; ``rope_theta``
-    > 0) or "post_rope". ``meta``: free-form provenance (model, weights hash, data,
+    > 0) or "post_rope". ``shrink`` [NL, 2, L, C] float32 or None: centroid
+    reconstruction offsets (a non-zero q decodes to (|q| - shrink) sign(q) step; None =
+    bin middles, artifacts made before it existed). ``rounding``: the encoder's
+    quantizer, q = sign(u) floor(|u| + rounding) (0.5 = nearest). ``meta``: free-form provenance (model, weights hash, data,
     tokens). ``hash``: sha256 hex of the canonical content (``content_hash``).
     """
 
@@ -148,6 +151,8 @@ class KvtcCalibration:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int = DEFAULT_RECENT_TOKENS
     meta: dict = field(default_factory=dict)
+    shrink: Optional[np.ndarray] = None
+    rounding: float = 0.5
     hash: str = ""
     _torch: dict = field(default_factory=dict, repr=False)
 
@@ -159,10 +164,16 @@ class KvtcCalibration:
                 "targets": list(self.targets), "default_level": self.default_level,
                 "key_space": self.key_space, "rope_theta": float(self.rope_theta),
                 "per_head": bool(self.per_head), "sink_tokens": self.sink_tokens,
-                "recent_tokens": self.recent_tokens, "meta": self.meta}
+                "recent_tokens": self.recent_tokens, "meta": self.meta,
+                # only when not the default: artifacts made before these existed keep
+                # their hash
+                **({"rounding": float(self.rounding)} if self.rounding != 0.5 else {})}
 
     def tensors(self) -> dict[str, np.ndarray]:
-        return {"mean": self.mean, "basis": self.basis, "var": self.var, "step": self.step}
+        t = {"mean": self.mean, "basis": self.basis, "var": self.var, "step": self.step}
+        if self.shrink is not None:
+            t["shrink"] = self.shrink
+        return t
 
     def content_hash(self) -> str:
         """sha256 hex over the canonical JSON of the parameters and the little-endian
@@ -212,7 +223,11 @@ class KvtcCalibration:
                 # column sums [2, L, C] (the per-layer symbol offset enters as a bias)
                 "basis_ts": (basis * torch.from_numpy(step)[:, :, None, :]
                              ).transpose(-1, -2).contiguous(),
-                "keep": [[int(x) for x in row] for row in keep]}
+                "keep": [[int(x) for x in row] for row in keep],
+                # centroid offsets [2, L, 1, n] (None: bin middles)
+                "shrink": None if self.shrink is None else torch.from_numpy(
+                    np.where(mask, np.array(self.shrink[i][:, :, :n], np.float32), 0.0
+                             ).astype(np.float32))[:, :, None, :].contiguous()}
             self._torch[level]["colsum"] = self._torch[level]["basis_ts"].sum(dim=2)
         return self._torch[level]
 
@@ -265,7 +280,8 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
             L, H, D, t["mean"], t["basis"], t["var"], t["step"], levels,
             tuple(float(x) for x in info["targets"]), int(info["default_level"]),
             str(info["key_space"]), float(info["rope_theta"]), bool(info["per_head"]),
-            int(info["sink_tokens"]), int(info["recent_tokens"]), dict(info["meta"]))
+            int(info["sink_tokens"]), int(info["recent_tokens"]), dict(info["meta"]),
+            shrink=t.get("shrink"), rounding=float(info.get("rounding", 0.5)))
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"{p}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
     _check_calibration(cal, str(p))
@@ -279,6 +295,8 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
 def _check_calibration(cal: KvtcCalibration, where: str) -> None:
     L, C, NL = cal.num_layers, cal.C, len(cal.levels)
     want = {"mean": (2, L, C), "basis": (2, L, C, C), "var": (2, L, C), "step": (NL, 2, L, C)}
+    if cal.shrink is not None:
+        want["shrink"] = (NL, 2, L, C)
     for name, shape in want.items():
         a = getattr(cal, name)
         if not isinstance(a, np.ndarray) or a.shape != shape:
@@ -293,6 +311,10 @@ def _check_calibration(cal: KvtcCalibration, where: str) -> None:
             (cal.key_space == "pre_rope" and (cal.rope_theta <= 0 or cal.head_dim % 2)):
         raise CodecError(f"{where}: bad key_space {cal.key_space!r} / rope_theta "
                          f"{cal.rope_theta}")
+    if cal.shrink is not None and ((cal.shrink < 0).any() or (cal.shrink > 0.5).any()):
+        raise CodecError(f"{where}: centroid offsets outside [0, 0.5]")
+    if not 0.0 < cal.rounding <= 0.5:
+        raise CodecError(f"{where}: rounding {cal.rounding} outside (0, 0.5]")
     if (cal.step < 0).any() or cal.sink_tokens < 0 or cal.recent_tokens < 0:
         raise CodecError(f"{where}: negative steps or token counts")
 
@@ -404,19 +426,52 @@ def _pca(x: np.ndarray, per_head: bool, H: int, D: int) -> tuple[np.ndarray, np.
     return mu, basis * sign, var
 
 
-def _rate_bits(coef: np.ndarray, step: np.ndarray) -> float:
-    """Empirical entropy (bits) of round(coef / step) per component (step 0 = dropped).
-    coef [N, n], step [n]."""
+def _quantize(u: np.ndarray, rounding: float) -> np.ndarray:
+    """q = sign(u) floor(|u| + rounding), clipped to |q| <= MAX_Q (rounding 0.5 = round to
+    nearest; smaller = a dead zone around 0). u: coefficients divided by their steps."""
+    q = np.floor(np.abs(u) + rounding)
+    np.minimum(q, MAX_Q, out=q)
+    return np.copysign(q, u)
+
+
+def _rate_bits(coef: np.ndarray, step: np.ndarray, rounding: float = 0.5) -> float:
+    """Empirical entropy (bits) of the quantized coefficients, one histogram per component
+    (step 0 = dropped, 0 bits). coef [..., N, C], step [..., C] (leading dims broadcast:
+    all (K/V, layer) at once)."""
     keep = step > 0
     if not keep.any():
         return 0.0
-    q = np.clip(np.rint(coef[:, keep] / step[keep]), -MAX_Q, MAX_Q).astype(np.int64) + MAX_Q
-    n = q.shape[1]
-    idx = q + (2 * MAX_Q + 1) * np.arange(n)[None, :]
-    hist = np.bincount(idx.ravel(), minlength=n * (2 * MAX_Q + 1)).reshape(n, -1)
-    p = hist / q.shape[0]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return float(-(hist * np.where(p > 0, np.log2(p), 0.0)).sum())
+    N = coef.shape[-2]
+    cf = np.moveaxis(coef, -2, -1)[keep]                    # [n_kept, N]
+    u = cf / step[keep][:, None]
+    q = _quantize(u, rounding).astype(np.int32) + MAX_Q
+    n = q.shape[0]
+    q += (2 * MAX_Q + 1) * np.arange(n, dtype=np.int32)[:, None]
+    hist = np.bincount(q.ravel(), minlength=n * (2 * MAX_Q + 1)).astype(np.float64)
+    nz = hist[hist > 0]
+    return float(-(nz * np.log2(nz / N)).sum())
+
+
+def _shrink(coef: np.ndarray, step: np.ndarray, rounding: float) -> np.ndarray:
+    """Centroid reconstruction offsets: for each component, the delta in [0, 0.5] that
+    minimises the squared error of reconstructing a non-zero q at (|q| - delta) sign(q)
+    step, i.e. delta = mean(|q| - |u|) over the calibration coefficients with q != 0
+    (u = coef / step; the conditional mean of a bin, shared by all non-zero bins as for a
+    Laplacian source: Sullivan, "Efficient scalar quantization of exponential and
+    Laplacian random variables", IEEE Trans. IT 42(5), 1996). coef [..., N, C], step
+    [..., C]; returns [..., C] (0 where dropped or never non-zero)."""
+    out = np.zeros(step.shape, np.float64)
+    keep = step > 0
+    if not keep.any():
+        return out
+    cf = np.moveaxis(coef, -2, -1)[keep]
+    u = cf / step[keep][:, None]
+    q = _quantize(u, rounding)
+    nzm = q != 0
+    cnt = nzm.sum(1)
+    d = np.where(nzm, np.abs(q) - np.abs(u), 0.0).sum(1) / np.maximum(cnt, 1)
+    out[keep] = np.clip(d, 0.0, 0.5)
+    return out
 
 
 def _steps_for(theta: np.ndarray, var: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -434,6 +489,7 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                     level_targets: Optional[dict] = None, default_level: int = DEFAULT_LEVEL,
                     weighting: str = "relative", sink_tokens: int = DEFAULT_SINK_TOKENS,
                     recent_tokens: int = DEFAULT_RECENT_TOKENS, meta: Optional[dict] = None,
+                    centroid: bool = False, rounding: float = 0.5,
                     progress=None) -> KvtcCalibration:
     """Fit a KVTC calibration on sample KV (pure function: no model, no I/O).
 
@@ -455,6 +511,13 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         inverse of a measured sensitivity).
       sink_tokens, recent_tokens: tokens kept exact (first / last of a context).
       meta: provenance (JSON-able dict) recorded in the artifact.
+      centroid: store centroid reconstruction offsets (``KvtcCalibration.shrink``) so a
+        non-zero coefficient decodes at its bin's conditional mean on the calibration data
+        instead of the bin middle (False, the default: bin middles, no ``shrink``
+        tensor; the centroid lowers the MSE but raised the KL, docs/codec.md 8.3).
+      rounding: the encoder's quantizer offset in (0, 0.5]: q = sign(u) floor(|u| +
+        rounding); below 0.5 widens the zero bin (a dead zone), the level's rate target is
+        met with a finer step.
       progress: optional callable(str) for progress lines.
     Returns: KvtcCalibration (hash set). Source: PCA + reverse water-filling (module doc).
     Raises: ValueError on bad shapes, too few samples or bad options.
@@ -474,6 +537,8 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                  and (weighting > 0).all()):
         raise ValueError(f"weighting must be 'relative', 'absolute' or a positive array "
                          f"[2, L], got {weighting!r}")
+    if not (isinstance(rounding, (int, float)) and 0.0 < rounding <= 0.5):
+        raise ValueError(f"rounding must be in (0, 0.5], got {rounding!r}")
     targets = dict(DEFAULT_LEVEL_TARGETS if level_targets is None else level_targets)
     if len(targets) < 1 or default_level not in targets or \
             any(not (isinstance(t, (int, float)) and t > 0) for t in targets.values()):
@@ -513,30 +578,43 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
     w = np.maximum(w, 1e-30)
     n_elem = 2 * L * len(sub) * C
 
-    def rate(g: float) -> tuple[float, np.ndarray]:
-        st = _steps_for(g * w, var, cap)
-        bits = sum(_rate_bits(coefs[kv, layer], st[kv, layer])
-                   for kv in range(2) for layer in range(L))
-        return bits / n_elem, st
+    def rate(lg: float) -> tuple[float, np.ndarray]:      # lg = log of the water scale
+        st = _steps_for(np.exp(lg) * w, var, cap)
+        return _rate_bits(coefs, st, rounding) / n_elem, st
 
     levels = sorted(targets)
     steps = np.zeros((len(levels), 2, L, C), np.float64)
-    # rate falls as the water level g grows: a coarse log grid brackets each target,
-    # then bisection on log g
-    grid = np.logspace(-9, 2, 12)
+    shrink = np.zeros((len(levels), 2, L, C), np.float64)
+    # rate falls as the water level grows: a coarse log grid brackets each target, then
+    # regula falsi (Illinois variant) on log g to within 0.2% of the target
+    grid = np.linspace(np.log(1e-9), np.log(1e2), 12)
     grid_rate = [rate(float(g))[0] for g in grid]
     for i, lv in enumerate(levels):
         tgt = float(targets[lv])
         j = next((j for j, r in enumerate(grid_rate) if r <= tgt), len(grid) - 1)
-        a, b = np.log(grid[max(0, j - 1)]), np.log(grid[j])
-        for _ in range(8):
-            m = 0.5 * (a + b)
-            if rate(float(np.exp(m)))[0] > tgt:
-                a = m
+        a, b = float(grid[max(0, j - 1)]), float(grid[j])
+        ra, rb = grid_rate[max(0, j - 1)], grid_rate[j]
+        st = None
+        side = 0
+        for _ in range(12):
+            if not ra > tgt >= rb or abs(rb - tgt) <= 2e-3 * tgt:
+                break
+            m = b - (rb - tgt) * (b - a) / (rb - ra)
+            rm, stm = rate(m)
+            if rm > tgt:
+                a, ra = m, rm
+                if side == -1:
+                    rb = tgt + (rb - tgt) / 2
+                side = -1
             else:
-                b = m
-        r, st = rate(float(np.exp(b)))
+                b, rb, st = m, rm, stm
+                if side == 1:
+                    ra = tgt + (ra - tgt) / 2
+                side = 1
+        r, st = rate(b)
         steps[i] = st
+        if centroid:
+            shrink[i] = _shrink(coefs, st, rounding)
         say(f"level {lv}: target {tgt:.3f} bits/element -> {r:.3f} on the calibration "
             f"data, {int((st > 0).sum())} of {2 * L * C} components kept")
     cal = KvtcCalibration(
@@ -545,7 +623,8 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         int(default_level), key_space, theta_rope, bool(per_head), int(sink_tokens),
         int(recent_tokens), dict(meta or {}, calibration_tokens=N,
                                  weighting=weighting if isinstance(weighting, str)
-                                 else [[float(x) for x in r] for r in weighting]))
+                                 else [[float(x) for x in r] for r in weighting]),
+        shrink=shrink.astype(np.float32) if centroid else None, rounding=float(rounding))
     _check_calibration(cal, "fit_calibration")
     cal.hash = cal.content_hash()
     return cal
@@ -685,7 +764,11 @@ class KvtcCodec:
                 x = undo_rope(x, pos, cal.rope_theta)
             xc = x.reshape(L, Tq, H * D) - P["mean"][kv]
             coef = torch.bmm(xc, P["basis"][kv]) / P["step"][kv]         # [L, Tq, n]
-            q = torch.round(coef).clamp_(-MAX_Q, MAX_Q).to(torch.int16)
+            if cal.rounding == 0.5:
+                q = torch.round(coef)
+            else:          # dead zone: sign(u) floor(|u| + rounding)
+                q = torch.floor(coef.abs() + cal.rounding).copysign_(coef)
+            q = q.clamp_(-MAX_Q, MAX_Q).to(torch.int16)
             off = q.abs().amax(dim=(1, 2)) if Tq else torch.zeros(L, dtype=torch.int16)
             syms.append((q + off[:, None, None]).to(torch.uint8).numpy())
             offs.append([int(o) for o in off])
@@ -773,11 +856,19 @@ class KvtcCodec:
         product (batched, or per layer at its kept width with one torch thread) with the
         step-scaled inverse basis (x = (sym - off) * step @ B^T +
         mean = sym @ B_s^T + (mean - off * colsum(B_s))), then RoPE from position
-        ``rope_from`` (None = no RoPE: values, or keys coded after RoPE)."""
+        ``rope_from`` (None = no RoPE: values, or keys coded after RoPE). With centroid
+        offsets (``P["shrink"]``) the coefficients are centred first and each non-zero
+        one moved toward 0 by its component's offset: x = (q - shrink sign(q)) @ B_s^T +
+        mean."""
         L, Tq, H, D = shape
         q = torch.from_numpy(np.ascontiguousarray(sym, np.uint8)).to(torch.float32)
-        bias = P["mean"][kv, :, 0] - torch.tensor(offs, dtype=torch.float32)[:, None] \
-            * P["colsum"][kv]                                          # [L, C]
+        offt = torch.tensor(offs, dtype=torch.float32)
+        if P.get("shrink") is not None:
+            q -= offt[:, None, None]
+            q.addcmul_(torch.sign(q), P["shrink"][kv], value=-1.0)
+            bias = P["mean"][kv, :, 0]                                   # [L, C]
+        else:
+            bias = P["mean"][kv, :, 0] - offt[:, None] * P["colsum"][kv]   # [L, C]
         if torch.get_num_threads() == 1:
             # one thread: no parallel regions to synchronise, so a loop of small products
             # that skips each layer's dropped components does fewer multiply-adds

@@ -8,13 +8,17 @@ per-(kv, layer, channel) histograms of each distinct `nbins` into K centroid
 distributions (K-means under cross-entropy, i.e. the KL-divergence "Bregman" K-means
 of Banerjee et al., JMLR 2005, with a deterministic farthest-point initialisation) and
 store K frequency tables + one small index per (kv, layer, channel). K is chosen per
-`nbins` group among {1, 4, 16, 64, 256} (capped by the number of models) to minimise
-estimated payload + codebook + index bytes. See docs/bitstream.md section 4.3.
+`nbins` group among {1, 4, 16, ..., 1024} (capped by the number of models) to minimise
+the group's description length: payload + codebook + index bits (Rissanen's minimum
+description length principle). The codebook is sent compactly (format version 3,
+issue 14.7): each table as codes q = round(128 * sqrt(p)) (w = q^2, normalised to 16
+bits), Rice-coded (R. F. Rice, JPL 79-22, 1979) as zigzag deltas along the table; the
+indices Rice-coded with tables numbered by decreasing use. See docs/bitstream.md 4.3.
 
 Everything here is deterministic for a given input (fixed initialisation, fixed number
 of iterations, lowest-index tie-breaking, integer-only frequency normalisation).
 
-Run: imported by codec/entropy.py; tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
+Run: imported by codec/entropy.py; tests: .venv/bin/python -m pytest tests/test_codec_entropy.py tests/test_codec_tables.py -q
 """
 from __future__ import annotations
 
@@ -44,10 +48,18 @@ __all__ = [
     "entropy_bits_of_counts",
 ]
 
+def _numba_or_py_early(fn):
+    return njit(cache=True, nogil=True)(fn) if njit is not None else fn
+
+
 from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/rans_spec.py)
-K_LADDER = (1, 4, 16, 64, 256)  # candidate codebook sizes per nbins group
+K_LADDER = (1, 4, 16, 64, 128, 256, 512, 1024)  # candidate codebook sizes per nbins group
 LLOYD_ITERS = 3  # fixed K-means iterations: 3 is within 0.05% of 6 on real KV at half the time
-MAX_K = 256  # the serialised index is uint8
+MAX_K = 4096  # tables per nbins group a decoder accepts
+MAX_MODELS = 65535  # n_models: the coder's model index is uint16
+TABLE_Q = 128  # table code q[s] = round(TABLE_Q * sqrt(p[s])) in [0, TABLE_QMAX]; weight q^2
+TABLE_QMAX = 255
+RICE_MAX_K = 15  # Rice parameter of a group's table codes, in [0, RICE_MAX_K]
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,6 +128,167 @@ def entropy_bits_of_counts(counts: np.ndarray) -> float:
     with np.errstate(divide="ignore", invalid="ignore"):
         lg = np.where(c > 0, np.log2(np.where(c > 0, c, 1.0) / np.where(tot > 0, tot, 1.0)), 0.0)
     return float(-(c * lg).sum())
+
+
+# ---------------------------------------------------------------------------------------
+# Compact model tables: square-root-domain codes (docs/bitstream.md section 4.3)
+# ---------------------------------------------------------------------------------------
+def table_codes(counts: np.ndarray) -> np.ndarray:
+    """Table codes of count rows: q[s] = round(TABLE_Q * sqrt(count[s] / total)).
+
+    Quantizing sqrt(p) uniformly spreads the coding loss evenly over the symbols (the
+    loss of a probability error dp is ~dp^2 / p, and d(sqrt p) ~ dp / sqrt p); at
+    TABLE_Q = 128 it costs < 0.01% of the payload on real KV (docs/codec.md 4b).
+    Args: counts int [K, nbins] (>= 0). Returns: int64 [K, nbins] in [0, TABLE_Q]
+      (an all-zero row gives all zeros, which decodes as uniform).
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    tot = c.sum(axis=1, keepdims=True)
+    p = c / np.where(tot > 0, tot, 1.0)
+    return np.rint(np.sqrt(p) * TABLE_Q).astype(np.int64)
+
+
+def freqs_from_codes(q: np.ndarray) -> np.ndarray:
+    """16-bit frequency tables of table codes: normalize_freqs(q * q) (integers only).
+    Args: q int [K, nbins] in [0, TABLE_QMAX]. Returns: int64 [K, nbins], rows sum to M."""
+    q = np.asarray(q, dtype=np.int64)
+    return normalize_freqs(q * q)
+
+
+def _zigzag_deltas(q: np.ndarray) -> np.ndarray:
+    """Per row: d[s] = q[s] - q[s-1] (q[-1] = 0), zigzag-mapped to >= 0 (0,-1,1,-2 -> 0,1,2,3)."""
+    d = np.diff(q, axis=1, prepend=0)
+    return np.where(d >= 0, 2 * d, -2 * d - 1).reshape(-1)
+
+
+def rice_cost(q: np.ndarray) -> tuple[int, int]:
+    """(bits, k): the smallest Rice-coded size of the tables' zigzag deltas, k in
+    [0, RICE_MAX_K] (lowest k on ties)."""
+    zz = _zigzag_deltas(np.asarray(q, dtype=np.int64))
+    best = None
+    for k in range(RICE_MAX_K + 1):
+        bits = int(((zz >> k) + 1 + k).sum())
+        if best is None or bits < best[0]:
+            best = (bits, k)
+    return best
+
+
+def index_cost(local: np.ndarray) -> tuple[int, int]:
+    """(bits, k): the smallest Rice-coded size of model indices (int, >= 0), k in
+    [0, RICE_MAX_K] (lowest k on ties). Tables are numbered by decreasing use, so small
+    indices are the frequent ones."""
+    v = np.asarray(local, dtype=np.int64).reshape(-1)
+    best = None
+    for k in range(RICE_MAX_K + 1):
+        bits = int(((v >> k) + 1 + k).sum())
+        if best is None or bits < best[0]:
+            best = (bits, k)
+    return best
+
+
+@_numba_or_py_early
+def _rice_write_plain(v, k, out, pos):
+    """Append the Rice codes (parameter k) of v int64 [n] >= 0 at bit pos of out (zeroed
+    uint8, MSB first); returns the new bit position."""
+    for i in range(v.shape[0]):
+        x = v[i]
+        for _ in range(x >> k):
+            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+            pos += 1
+        pos += 1
+        for j in range(k - 1, -1, -1):
+            if (x >> j) & 1:
+                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+            pos += 1
+    return pos
+
+
+@_numba_or_py_early
+def _rice_read_plain(buf, pos, n, k, vmax, out):
+    """Read n Rice codes (parameter k) with values in [0, vmax] from bit pos of buf into
+    out int64 [n]; returns the new bit position or -1 (buffer ends early, value > vmax)."""
+    nbits = buf.shape[0] * 8
+    umax = vmax >> k
+    for i in range(n):
+        u = 0
+        while True:
+            if pos >= nbits:
+                return -1
+            b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+            pos += 1
+            if b == 0:
+                break
+            u += 1
+            if u > umax:
+                return -1
+        if pos + k > nbits:
+            return -1
+        r = 0
+        for _ in range(k):
+            r = (r << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+            pos += 1
+        x = (u << k) | r
+        if x > vmax:
+            return -1
+        out[i] = x
+    return pos
+
+
+@_numba_or_py_early
+def _rice_write(zz, k, out, pos):
+    """Append Rice codes (unary quotient of 1-bits ended by a 0, then k remainder bits,
+    MSB first) of zz int64 [n] to the zeroed bit buffer out uint8 at bit pos; returns
+    the new bit position."""
+    for i in range(zz.shape[0]):
+        v = zz[i]
+        u = v >> k
+        for _ in range(u):
+            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+            pos += 1
+        pos += 1  # the terminating 0
+        for j in range(k - 1, -1, -1):
+            if (v >> j) & 1:
+                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+            pos += 1
+    return pos
+
+
+@_numba_or_py_early
+def _rice_read(buf, pos, n, nb, k, qmax, out):
+    """Decode n table codes (rows of nb) from the bit buffer buf starting at bit pos into
+    out int64 [n]. Returns the bit position after them, or -1 if the buffer ends early /
+    a quotient is longer than any valid code / a code leaves [0, qmax]."""
+    nbits = buf.shape[0] * 8
+    umax = (2 * qmax) >> k
+    prev = 0
+    for i in range(n):
+        if i % nb == 0:
+            prev = 0
+        u = 0
+        while True:
+            if pos >= nbits:
+                return -1
+            b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+            pos += 1
+            if b == 0:
+                break
+            u += 1
+            if u > umax:
+                return -1
+        if pos + k > nbits:
+            return -1
+        r = 0
+        for _ in range(k):
+            r = (r << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+            pos += 1
+        zz = (u << k) | r
+        d = (zz >> 1) if (zz & 1) == 0 else -((zz + 1) >> 1)
+        q = prev + d
+        if q < 0 or q > qmax:
+            return -1
+        out[i] = q
+        prev = q
+    return pos
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,12 +434,15 @@ def _neg_log2_q(freqs: np.ndarray) -> np.ndarray:
     return 16.0 - np.log2(freqs.astype(np.float64))
 
 
-def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np.ndarray, float, list]:
+def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, list]:
     """Choose the codebook for one nbins group (K-means under cross-entropy).
 
     Args: H int64 [n, nb] histograms (n models of this group). ladder: candidate K values.
-    Returns: (freqs int64 [K, nb], assign int64 [n], coded_bits, trials) where trials is
-      a list of (K, est_bytes) for the report.
+    Returns: (codes int64 [K, nb] (table codes, `table_codes`), freqs int64 [K, nb] (their
+      16-bit tables), assign int64 [n], coded_bits, trials) where trials is a list of
+      (K, est_bytes) for the report. K minimises the estimated group size: the
+      cross-entropy under the transmitted (code-quantized) tables + the Rice-coded tables
+      + the Rice-coded index (minimum description length).
     Deterministic: farthest-point seeding from the pooled histogram, LLOYD_ITERS
     iterations, lowest-index tie-breaking, fixed float64 summation order.
     """
@@ -278,8 +454,9 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     kmax = ks[-1]
     own_bits = (Hf * _neg_log2_q(normalize_freqs(Hi))).sum(axis=1)
     seed_nlq = np.empty((kmax, nb), np.float64)
-    pooled = normalize_freqs(Hi.sum(axis=0))
-    seed_nlq[0] = _neg_log2_q(pooled)
+    pooled_codes = table_codes(Hi.sum(axis=0)[None, :])
+    pooled = freqs_from_codes(pooled_codes)
+    seed_nlq[0] = _neg_log2_q(pooled[0])
     best = Hf @ seed_nlq[0]
     n_seeds = 1
     assign = np.zeros(n, np.int64)
@@ -290,33 +467,46 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
         n_seeds = _seed_kernel(Ht, own_bits, best, seed_nlq, n_seeds, K)
         k_eff = min(K, n_seeds)
         if k_eff == 1:
-            freqs = pooled[None, :]
+            codes, freqs = pooled_codes, pooled
             _assign_kernel(Hf, np.ascontiguousarray(_neg_log2_q(freqs).T), assign, cost)
         else:
-            # Lloyd: start from the seeds' assignment, then alternate update / assign
+            # Lloyd: start from the seeds' assignment, then alternate update / assign,
+            # always against the tables as transmitted (codes -> 16-bit)
             _assign_kernel(Hf, np.ascontiguousarray(seed_nlq[:k_eff].T), assign, cost)
             for _ in range(LLOYD_ITERS):
                 cent = _centroid_kernel(Hi, assign, k_eff)
                 used = np.flatnonzero(cent.sum(axis=1) > 0)  # drop empty clusters
-                freqs = normalize_freqs(cent[used])
+                codes = table_codes(cent[used])
+                freqs = freqs_from_codes(codes)
                 _assign_kernel(Hf, np.ascontiguousarray(_neg_log2_q(freqs).T), assign, cost)
         bits = float(cost.sum())
         k_now = freqs.shape[0]
-        est = bits / 8.0 + k_now * nb * 2 + (n if k_now > 1 else 0)
+        est = (bits + rice_cost(codes)[0] + (index_cost(_by_use(assign, k_now)[1])[0] if k_now > 1 else 0)) / 8.0
         trials.append((k_now, est))
-        if best_choice is not None and est >= best_choice[3]:
+        if best_choice is not None and est >= best_choice[4]:
             break  # estimated size stopped improving: larger K will not pay off either
-        best_choice = (freqs, assign.copy(), bits, est)
+        best_choice = (codes, freqs, assign.copy(), bits, est)
         if n_seeds < K:
             break  # ran out of distinct models
-    freqs, assign, bits, _ = best_choice
+    codes, freqs, assign, bits, _ = best_choice
     # drop tables no model uses after the final assignment (keeps K minimal)
     used = np.unique(assign)
     if used.size < freqs.shape[0]:
         remap = np.full(freqs.shape[0], -1, dtype=np.int64)
         remap[used] = np.arange(used.size)
-        freqs, assign = freqs[used], remap[assign]
-    return freqs, assign, bits, trials
+        codes, freqs, assign = codes[used], freqs[used], remap[assign]
+    order, assign = _by_use(assign, freqs.shape[0])   # tables numbered by decreasing use
+    return codes[order], freqs[order], assign, bits, trials
+
+
+def _by_use(assign: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, new assign): tables sorted by decreasing member count (stable), and the
+    assignment renumbered accordingly (table order[j] becomes table j)."""
+    cnt = np.bincount(assign, minlength=K)
+    order = np.argsort(-cnt, kind="stable")
+    rank = np.empty(K, dtype=np.int64)
+    rank[order] = np.arange(K)
+    return order, rank[assign]
 
 
 @dataclass
@@ -326,8 +516,10 @@ class ModelSet:
     cum: uint32 [n_models, 257] cumulative tables (padded with M past nbins).
     model_index: uint16 [2, L, C] global row of `cum` per (kv, layer, channel).
     groups: list of (nbins, K) in ascending nbins; rows of `cum` are grouped in that order.
-    local_index: uint8 [2, L, C] index inside the (kv, layer)'s nbins group.
+    local_index: uint16 [2, L, C] index inside the (kv, layer)'s nbins group.
     freqs: list of int64 [K, nbins] tables per group.
+    codes: list of int64 [K, nbins] table codes per group (what is transmitted;
+      freqs == freqs_from_codes(codes)).
     coded_bits: cross-entropy of the histograms under the coded models (bits).
     ideal_bits: sum of per-(kv, layer, channel) empirical entropies (bits).
     trials: per group, list of (K, estimated bytes) tried.
@@ -338,6 +530,7 @@ class ModelSet:
     groups: list
     local_index: np.ndarray
     freqs: list
+    codes: list = field(default_factory=list)
     coded_bits: float = 0.0
     ideal_bits: float = 0.0
     trials: list = field(default_factory=list)
@@ -393,47 +586,159 @@ def build_models(hist_k: np.ndarray, hist_v: np.ndarray, nbins_k: Sequence[int],
             if hists[kv][layer, :, nb_layer[kv, layer]:].any():
                 raise ValueError(f"{'KV'[kv]} layer {layer}: symbol >= nbins={nb_layer[kv, layer]}")
     local = np.zeros((2, L, C), dtype=np.int64)
-    groups, freqs_list, trials = [], [], []
+    distinct = sorted(set(nb_layer.reshape(-1).tolist()))
+    kcap = max(1, MAX_MODELS // len(distinct))  # keep n_models within the uint16 index
+    ladder = [min(int(k), kcap) for k in ladder]
+    groups, freqs_list, codes_list, trials = [], [], [], []
     coded = ideal = 0.0
     for nb in sorted(set(nb_layer.reshape(-1).tolist())):
         sel = [(kv, layer) for kv in range(2) for layer in range(L) if nb_layer[kv, layer] == nb]
         H = np.concatenate([hists[kv][layer, :, :nb] for kv, layer in sel])  # [len(sel) * C, nb]
-        fr, assign, bits, tr = _cluster_group(H, ladder)
+        cd, fr, assign, bits, tr = _cluster_group(H, ladder)
         for j, (kv, layer) in enumerate(sel):
             local[kv, layer] = assign[j * C : (j + 1) * C]
         groups.append((int(nb), int(fr.shape[0])))
         freqs_list.append(fr)
+        codes_list.append(cd)
         trials.append((int(nb), tr))
         coded += bits
         ideal += entropy_bits_of_counts(H)
     cum, model_index = _assemble(list(zip([g[0] for g in groups], freqs_list)), nb_layer, local, C)
-    return ModelSet(cum=cum, model_index=model_index, groups=groups, local_index=local.astype(np.uint8),
-                    freqs=freqs_list, coded_bits=coded, ideal_bits=ideal, trials=trials)
+    return ModelSet(cum=cum, model_index=model_index, groups=groups, local_index=local.astype(np.uint16),
+                    freqs=freqs_list, codes=codes_list, coded_bits=coded, ideal_bits=ideal, trials=trials)
 
 
 # ---------------------------------------------------------------------------------------
 # Serialisation (docs/bitstream.md section 4.3)
 # ---------------------------------------------------------------------------------------
 def serialize_models(ms: ModelSet) -> tuple[dict, dict]:
-    """Return (header fields, arrays) for the model codebook.
+    """Return (header fields, arrays) for the model codebook (docs/bitstream.md 4.3).
 
-    header: {"model_groups": [[nbins, K], ...]} (ascending nbins).
-    arrays: "ent_freqs" uint16 [sum K*nbins] (each group's K tables of nbins frequencies,
-      groups in header order); "ent_model_index" uint8 [2, L, C] (local index in the
-      group of the (kv, layer)), omitted when every group has K == 1.
+    header: {"model_groups": [[nbins, K, table_k, index_k], ...]} (ascending nbins;
+      table_k / index_k = the Rice parameters of the group's table codes / indices).
+    arrays: "ent_tables" uint8 [bytes]: bit stream (MSB first) of every table code, groups
+      in header order, tables in order, symbols in order, each code as the Rice code
+      (parameter table_k) of the zigzag delta to the previous code of its table (0 before
+      the first), zero-padded to a whole byte; "ent_model_index" uint8 [bytes]: for every
+      (kv, layer) whose group has K > 1, in order, the C local indices as Rice codes
+      (parameter index_k of the group), zero-padded; omitted when every K == 1.
     """
-    hdr = {"model_groups": [[int(nb), int(k)] for nb, k in ms.groups]}
-    freqs = np.concatenate([f.reshape(-1) for f in ms.freqs]).astype(np.uint16)
-    arrays = {"ent_freqs": freqs}
-    if any(k > 1 for _, k in ms.groups):
-        arrays["ent_model_index"] = np.ascontiguousarray(ms.local_index, dtype=np.uint8)
-    return hdr, arrays
+    nb_layer = _ms_nb_layer(ms)
+    groups, chunks, total = [], [], 0
+    idx_k = {}
+    for (nb, K), q in zip(ms.groups, ms.codes):
+        bits, k = rice_cost(q)
+        ik = index_cost(ms.local_index[nb_layer == nb])[1] if K > 1 else 0
+        idx_k[int(nb)] = (int(K), ik)
+        groups.append([int(nb), int(K), int(k), int(ik)])
+        chunks.append((_zigzag_deltas(np.asarray(q, np.int64)), k))
+        total += bits
+    buf = np.zeros((total + 7) // 8, dtype=np.uint8)
+    pos = 0
+    for zz, k in chunks:
+        pos = _rice_write(np.ascontiguousarray(zz), int(k), buf, pos)
+    arrays = {"ent_tables": buf}
+    if any(K > 1 for _, K in ms.groups):
+        rows = []
+        for kv in range(2):
+            for layer in range(nb_layer.shape[1]):
+                K, ik = idx_k[int(nb_layer[kv, layer])]
+                if K > 1:
+                    rows.append((np.ascontiguousarray(ms.local_index[kv, layer], dtype=np.int64), ik))
+        nbits = sum(int(((v >> k) + 1 + k).sum()) for v, k in rows)
+        ib = np.zeros((nbits + 7) // 8, dtype=np.uint8)
+        pos = 0
+        for v, k in rows:
+            pos = _rice_write_plain(v, int(k), ib, pos)
+        arrays["ent_model_index"] = ib
+    return {"model_groups": groups}, arrays
+
+
+def _ms_nb_layer(ms: ModelSet) -> np.ndarray:
+    """The nbins of each (kv, layer) of a ModelSet: int64 [2, L] (its tables' width)."""
+    nbr = [int(nb) for nb, K in ms.groups for _ in range(K)]
+    return np.array(nbr, dtype=np.int64)[ms.model_index[:, :, 0].astype(np.int64)]
 
 
 def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v: Sequence[int],
                        L: int, C: int) -> tuple[np.ndarray, np.ndarray]:
     """Rebuild (cum uint32 [n_models, 257], model_index uint16 [2, L, C]) from the
-    serialised codebook, validating everything. Raises CodecError on any inconsistency."""
+    serialised codebook (docs/bitstream.md 4.3: `ent_tables` + Rice-coded
+    `ent_model_index`, format version 3; a version-2 codebook, `ent_freqs` uint16 +
+    uint8 index, is read too), validating everything. Allocation is bounded by the
+    input: every table code takes at least one bit of `ent_tables`.
+    Raises CodecError on any inconsistency."""
+    if isinstance(arrays, dict) and "ent_freqs" in arrays:
+        if "ent_tables" in arrays:
+            raise CodecError("ent_freqs (version 2) and ent_tables (version 3) in one chunk")
+        return _deserialize_models_v2(hdr, arrays, nbins_k, nbins_v, L, C)
+    try:
+        nb_layer = _layer_nbins(nbins_k, nbins_v, L)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise CodecError(str(e)) from None
+    groups = hdr.get("model_groups") if isinstance(hdr, dict) else None
+    expected = sorted(set(nb_layer.reshape(-1).tolist()))
+    if (not isinstance(groups, list) or len(groups) != len(expected)
+            or not all(isinstance(g, list) and len(g) == 4 and all(type(v) is int for v in g) for g in groups)):
+        raise CodecError("model_groups must be a list of [nbins, K, table_k, index_k], one per distinct nbins")
+    if [g[0] for g in groups] != expected:
+        raise CodecError(f"model_groups nbins {[g[0] for g in groups]} do not match the chunk's {expected}")
+    if any(not (1 <= g[1] <= MAX_K) for g in groups) or sum(g[1] for g in groups) > MAX_MODELS:
+        raise CodecError(f"model_groups K must be in [1, {MAX_K}] with at most {MAX_MODELS} tables in all")
+    if any(not (0 <= g[2] <= RICE_MAX_K and 0 <= g[3] <= RICE_MAX_K) for g in groups) \
+            or any(g[1] == 1 and g[3] != 0 for g in groups):
+        raise CodecError(f"model_groups Rice parameters must be in [0, {RICE_MAX_K}] (index_k 0 when K == 1)")
+    buf = arrays.get("ent_tables")
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+        raise CodecError("ent_tables must be a 1-D uint8 array")
+    need = sum(nb * K for nb, K, _, _ in groups)
+    if need > 8 * buf.size:
+        raise CodecError(f"ent_tables of {buf.size} bytes cannot hold {need} table codes")
+    buf = np.ascontiguousarray(buf)
+    tables, pos = [], 0
+    for nb, K, k, _ in groups:
+        q = np.empty(nb * K, dtype=np.int64)
+        pos = _rice_read(buf, pos, nb * K, nb, k, TABLE_QMAX, q)
+        if pos < 0:
+            raise CodecError(f"ent_tables: bad or truncated table codes for nbins={nb}")
+        tables.append((nb, freqs_from_codes(q.reshape(K, nb))))
+    if (pos + 7) // 8 != buf.size or (pos % 8 and int(buf[-1]) & ((1 << (8 - pos % 8)) - 1)):
+        raise CodecError("ent_tables: bytes left over or non-zero padding after the table codes")
+    kmap = {nb: (K, ik) for nb, K, _, ik in groups}
+    if any(K > 1 for _, K, _, _ in groups):
+        li = arrays.get("ent_model_index")
+        if not isinstance(li, np.ndarray) or li.dtype != np.uint8 or li.ndim != 1:
+            raise CodecError("ent_model_index must be a 1-D uint8 array")
+        li = np.ascontiguousarray(li)
+        nread = sum(C for kv in range(2) for layer in range(L) if kmap[int(nb_layer[kv, layer])][0] > 1)
+        if nread > 8 * li.size:
+            raise CodecError(f"ent_model_index of {li.size} bytes cannot hold {nread} indices")
+        local = np.zeros((2, L, C), dtype=np.int64)
+        pos = 0
+        row = np.empty(C, dtype=np.int64)
+        for kv in range(2):
+            for layer in range(L):
+                K, ik = kmap[int(nb_layer[kv, layer])]
+                if K > 1:
+                    pos = _rice_read_plain(li, pos, C, ik, K - 1, row)
+                    if pos < 0:
+                        raise CodecError("ent_model_index: bad or truncated index codes "
+                                         "(or an index out of range of its group's codebook)")
+                    local[kv, layer] = row
+        if (pos + 7) // 8 != li.size or (pos % 8 and int(li[-1]) & ((1 << (8 - pos % 8)) - 1)):
+            raise CodecError("ent_model_index: bytes left over or non-zero padding")
+    else:
+        if "ent_model_index" in arrays:
+            raise CodecError("ent_model_index present although every group has K == 1")
+        local = np.zeros((2, L, C), dtype=np.int64)
+    return _assemble(tables, nb_layer, local, C)
+
+
+def _deserialize_models_v2(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v: Sequence[int],
+                           L: int, C: int) -> tuple[np.ndarray, np.ndarray]:
+    """The version-2 codebook (docs/bitstream.md 4.3, "Versions"): `ent_freqs` uint16
+    [sum K * nbins] 16-bit tables, `ent_model_index` uint8 [2, L, C], K <= 256.
+    Raises CodecError on any inconsistency."""
     try:
         nb_layer = _layer_nbins(nbins_k, nbins_v, L)
     except (ValueError, TypeError, OverflowError) as e:
@@ -445,7 +750,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
         raise CodecError("model_groups must be a list of [nbins, K] pairs, one per distinct nbins")
     if [g[0] for g in groups] != expected:
         raise CodecError(f"model_groups nbins {[g[0] for g in groups]} do not match the chunk's {expected}")
-    if any(not (1 <= g[1] <= MAX_K) for g in groups):
+    if any(not (1 <= g[1] <= 256) for g in groups):
         raise CodecError("model_groups K must be in [1, 256]")
     fr = arrays.get("ent_freqs")
     need = sum(nb * k for nb, k in groups)

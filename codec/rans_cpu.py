@@ -406,8 +406,127 @@ def _compact_impl(scratch, scr_off, nwords, out_off, out):
             out[dst + j] = scratch[src + j]
 
 
-def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+def _decode_item_py(it, words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
                  out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err):
+    """Decode work item `it` (see `_decode_impl`)."""
+    L = out_k.shape[0]
+    C = out_k.shape[2]
+    n_groups = (C + G - 1) // G
+    n_blocks = (T + B - 1) // B
+    i0 = items[it, 0]
+    nl = items[it, 1]
+    b = i0 % n_blocks
+    r = i0 // n_blocks
+    g = r % n_groups
+    r = r // n_groups
+    layer = r % L
+    kv = r // L
+    out = out_k[layer] if kv == 0 else out_v[layer]
+    dq = deq_k[layer] if kv == 0 else deq_v[layer]
+    t0 = b * B
+    t1 = min(t0 + B, T)
+    if nl == 4:
+        i1 = i0 + n_blocks
+        i2 = i1 + n_blocks
+        i3 = i2 + n_blocks
+        q0 = w_off[i0]
+        q1 = w_off[i1]
+        q2 = w_off[i2]
+        q3 = w_off[i3]
+        x0 = np.int64(words[q0]) | (np.int64(words[q0 + 1]) << 16)
+        x1 = np.int64(words[q1]) | (np.int64(words[q1 + 1]) << 16)
+        x2 = np.int64(words[q2]) | (np.int64(words[q2 + 1]) << 16)
+        x3 = np.int64(words[q3]) | (np.int64(words[q3 + 1]) << 16)
+        if x0 < 65536 or x1 < 65536 or x2 < 65536 or x3 < 65536:
+            err[i0] = 2 if x0 < 65536 else 0
+            err[i1] = 2 if x1 < 65536 else 0
+            err[i2] = 2 if x2 < 65536 else 0
+            err[i3] = 2 if x3 < 65536 else 0
+            return
+        q0 += 2
+        q1 += 2
+        q2 += 2
+        q3 += 2
+        for k in range(G):
+            c0 = g * G + k
+            c1 = c0 + G
+            c2 = c1 + G
+            c3 = c2 + G
+            m0 = model_index[kv, layer, c0]
+            m1 = model_index[kv, layer, c1]
+            m2 = model_index[kv, layer, c2]
+            m3 = model_index[kv, layer, c3]
+            l0r, u0r, k0r = lut_tab[m0], cum_tab[m0], packed_tab[m0]
+            l1r, u1r, k1r = lut_tab[m1], cum_tab[m1], packed_tab[m1]
+            l2r, u2r, k2r = lut_tab[m2], cum_tab[m2], packed_tab[m2]
+            l3r, u3r, k3r = lut_tab[m3], cum_tab[m3], packed_tab[m3]
+            h0 = c0 // hd
+            h1 = c1 // hd
+            h2 = c2 // hd
+            h3 = c3 // hd
+            for t in range(t0, t1):
+                x0, q0, s0 = _dec_step(x0, q0, words, l0r, u0r, k0r)
+                x1, q1, s1 = _dec_step(x1, q1, words, l1r, u1r, k1r)
+                x2, q2, s2 = _dec_step(x2, q2, words, l2r, u2r, k2r)
+                x3, q3, s3 = _dec_step(x3, q3, words, l3r, u3r, k3r)
+                rt = t * t_stride
+                ot = t + t_off
+                out[ot, c0] = dq[rt + h0, s0]
+                out[ot, c1] = dq[rt + h1, s1]
+                out[ot, c2] = dq[rt + h2, s2]
+                out[ot, c3] = dq[rt + h3, s3]
+        err[i0] = 3 if q0 > w_off[i0 + 1] else (4 if x0 != 65536 else (5 if q0 != w_off[i0 + 1] else 0))
+        err[i1] = 3 if q1 > w_off[i1 + 1] else (4 if x1 != 65536 else (5 if q1 != w_off[i1 + 1] else 0))
+        err[i2] = 3 if q2 > w_off[i2 + 1] else (4 if x2 != 65536 else (5 if q2 != w_off[i2 + 1] else 0))
+        err[i3] = 3 if q3 > w_off[i3 + 1] else (4 if x3 != 65536 else (5 if q3 != w_off[i3 + 1] else 0))
+    else:
+        c_lo = g * G
+        c_hi = min(c_lo + G, C)
+        pos = w_off[i0]
+        end = w_off[i0 + 1]
+        x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
+        pos += 2
+        if x < 65536:
+            err[i0] = 2
+            return
+        for c in range(c_lo, c_hi):
+            m = model_index[kv, layer, c]
+            lr, ur, kr = lut_tab[m], cum_tab[m], packed_tab[m]
+            h = c // hd
+            for t in range(t0, t1):
+                x, pos, s = _dec_step(x, pos, words, lr, ur, kr)
+                out[t + t_off, c] = dq[t * t_stride + h, s]
+        err[i0] = 3 if pos > end else (4 if x != 65536 else (5 if pos != end else 0))
+
+
+if HAVE_NUMBA:
+    from numba.core import cgutils as _cgutils
+    from numba.core import types as _nbtypes
+    from numba.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _atomic_next(typingctx, counter):
+        """Atomic fetch-and-add of 1 on counter[0] (a C-contiguous int64 array); returns
+        the previous value. LLVM's atomicrmw (monotonic ordering suffices: the items'
+        outputs are disjoint and the parallel region's end synchronizes)."""
+        if not (isinstance(counter, _nbtypes.Array) and counter.dtype == _nbtypes.int64):
+            return None
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            zero = context.get_constant(_nbtypes.intp, 0)
+            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [zero])
+            one = context.get_constant(_nbtypes.int64, 1)
+            return builder.atomic_rmw("add", ptr, one, "monotonic")
+
+        return _nbtypes.int64(counter), codegen
+
+    _decode_item = njit(cache=True, nogil=True)(_decode_item_py)
+
+
+def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+                 out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, n_workers):
     """Decode the streams of every work item and write each symbol s of (kv, layer, t, c)
     as out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s] (out = out_k for
     kv 0, out_v for kv 1; deq likewise): with an identity table (deq[l, 0, s] = s,
@@ -418,96 +537,24 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
     `words` is the payload as uint16 followed by enough zero padding that the hot loop
     needs no bounds checks (a stream reads at most one word per symbol): a stream that
     reads past its end finishes with pos > its end and is reported as truncated; err[i]
-    per stream (0 = ok)."""
-    L = out_k.shape[0]
-    C = out_k.shape[2]
-    n_groups = (C + G - 1) // G
-    n_blocks = (T + B - 1) // B
-    for it in prange(items.shape[0]):
-        i0 = items[it, 0]
-        nl = items[it, 1]
-        b = i0 % n_blocks
-        r = i0 // n_blocks
-        g = r % n_groups
-        r = r // n_groups
-        layer = r % L
-        kv = r // L
-        out = out_k[layer] if kv == 0 else out_v[layer]
-        dq = deq_k[layer] if kv == 0 else deq_v[layer]
-        t0 = b * B
-        t1 = min(t0 + B, T)
-        if nl == 4:
-            i1 = i0 + n_blocks
-            i2 = i1 + n_blocks
-            i3 = i2 + n_blocks
-            q0 = w_off[i0]
-            q1 = w_off[i1]
-            q2 = w_off[i2]
-            q3 = w_off[i3]
-            x0 = np.int64(words[q0]) | (np.int64(words[q0 + 1]) << 16)
-            x1 = np.int64(words[q1]) | (np.int64(words[q1 + 1]) << 16)
-            x2 = np.int64(words[q2]) | (np.int64(words[q2 + 1]) << 16)
-            x3 = np.int64(words[q3]) | (np.int64(words[q3 + 1]) << 16)
-            if x0 < 65536 or x1 < 65536 or x2 < 65536 or x3 < 65536:
-                err[i0] = 2 if x0 < 65536 else 0
-                err[i1] = 2 if x1 < 65536 else 0
-                err[i2] = 2 if x2 < 65536 else 0
-                err[i3] = 2 if x3 < 65536 else 0
-                continue
-            q0 += 2
-            q1 += 2
-            q2 += 2
-            q3 += 2
-            for k in range(G):
-                c0 = g * G + k
-                c1 = c0 + G
-                c2 = c1 + G
-                c3 = c2 + G
-                m0 = model_index[kv, layer, c0]
-                m1 = model_index[kv, layer, c1]
-                m2 = model_index[kv, layer, c2]
-                m3 = model_index[kv, layer, c3]
-                l0r, u0r, k0r = lut_tab[m0], cum_tab[m0], packed_tab[m0]
-                l1r, u1r, k1r = lut_tab[m1], cum_tab[m1], packed_tab[m1]
-                l2r, u2r, k2r = lut_tab[m2], cum_tab[m2], packed_tab[m2]
-                l3r, u3r, k3r = lut_tab[m3], cum_tab[m3], packed_tab[m3]
-                h0 = c0 // hd
-                h1 = c1 // hd
-                h2 = c2 // hd
-                h3 = c3 // hd
-                for t in range(t0, t1):
-                    x0, q0, s0 = _dec_step(x0, q0, words, l0r, u0r, k0r)
-                    x1, q1, s1 = _dec_step(x1, q1, words, l1r, u1r, k1r)
-                    x2, q2, s2 = _dec_step(x2, q2, words, l2r, u2r, k2r)
-                    x3, q3, s3 = _dec_step(x3, q3, words, l3r, u3r, k3r)
-                    rt = t * t_stride
-                    ot = t + t_off
-                    out[ot, c0] = dq[rt + h0, s0]
-                    out[ot, c1] = dq[rt + h1, s1]
-                    out[ot, c2] = dq[rt + h2, s2]
-                    out[ot, c3] = dq[rt + h3, s3]
-            err[i0] = 3 if q0 > w_off[i0 + 1] else (4 if x0 != 65536 else (5 if q0 != w_off[i0 + 1] else 0))
-            err[i1] = 3 if q1 > w_off[i1 + 1] else (4 if x1 != 65536 else (5 if q1 != w_off[i1 + 1] else 0))
-            err[i2] = 3 if q2 > w_off[i2 + 1] else (4 if x2 != 65536 else (5 if q2 != w_off[i2 + 1] else 0))
-            err[i3] = 3 if q3 > w_off[i3 + 1] else (4 if x3 != 65536 else (5 if q3 != w_off[i3 + 1] else 0))
-        else:
-            c_lo = g * G
-            c_hi = min(c_lo + G, C)
-            pos = w_off[i0]
-            end = w_off[i0 + 1]
-            x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
-            pos += 2
-            if x < 65536:
-                err[i0] = 2
-                continue
-            for c in range(c_lo, c_hi):
-                m = model_index[kv, layer, c]
-                lr, ur, kr = lut_tab[m], cum_tab[m], packed_tab[m]
-                h = c // hd
-                for t in range(t0, t1):
-                    x, pos, s = _dec_step(x, pos, words, lr, ur, kr)
-                    out[t + t_off, c] = dq[t * t_stride + h, s]
-            err[i0] = 3 if pos > end else (4 if x != 65536 else (5 if pos != end else 0))
+    per stream (0 = ok).
+
+    Scheduling (issue 14): `n_workers` prange iterations each take the next work item
+    from a shared atomic counter (`counter[0]`, starts at 0) until none is left, instead
+    of numba's static split of the items into one contiguous share per thread. Inside
+    vLLM's worker a decode thread shares its core with the scheduler process's spin loop
+    and the stream receiver; with a static split the whole kernel waited for the slowed
+    thread's share, with this one the other thread takes the remaining items. Every item
+    writes its own outputs, so the result does not depend on the assignment.
+    """
+    n_items = items.shape[0]
+    for w in prange(n_workers):
+        while True:
+            it = _atomic_next(counter)
+            if it >= n_items:
+                break
+            _decode_item(it, words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+                         out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err)
 
 
 def _gather_impl(sym, out, deq, t_stride, hd, t_off):
@@ -768,6 +815,16 @@ def decode_streams(
     return out_k, out_v
 
 
+def _num_workers() -> int:
+    """numba's current thread count (the decode's prange workers)."""
+    try:
+        import numba
+
+        return max(1, int(numba.get_num_threads()))
+    except Exception:  # noqa: BLE001 - no numba / pool not available: one worker
+        return 1
+
+
 def _dims_ok(L, T, C) -> bool:
     return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in (L, T, C))
 
@@ -859,8 +916,10 @@ def decode_streams_into(
     items = _work_items(L, T, C, G, B)
     par = (2 * L * T * C >= PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
     # run_kernel: thread-safe parallel/serial dispatch (codec.threads, issue 12.4)
+    counter = np.zeros(1, dtype=np.int64)   # next work item (dynamic scheduling, `_decode_impl`)
+    workers = _num_workers() if par else 1
     run_kernel(_decode_par, _decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
-               items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err)
+               items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, workers)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
         raise CodecError(f"stream {i} of {n_streams}: {ERR_MESSAGES.get(int(err[i]), 'decode error')}")

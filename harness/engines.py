@@ -15,8 +15,9 @@ remaining prefill). Run: ``python run_benchmarks.py --engine hf|vllm``.
 from __future__ import annotations
 
 import json
-import statistics
 import math
+import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,10 @@ class RequestTiming:
     # did not). A recompute changes the output, so every run record says whether one happened.
     recomputed_tokens: int = 0
     load_error: str | None = None
+    # issue 14.1: process CPU seconds of the worker during the load (load_cpu_s / load_s =
+    # cores the load got) and the threads/affinity the decode ran with (vLLM connector)
+    load_cpu_s: float | None = None
+    decode_threads: dict[str, Any] | None = None
 
     @property
     def output_tokens_per_s(self) -> float | None:
@@ -170,6 +175,9 @@ class Engine:
     """Common face of the engines: ``serve`` one request, ``close`` at the end."""
 
     name = "?"
+    # what sets this engine's numerics (threads, binding, dtype, seed, relevant environment):
+    # recorded in results.json ``environment.engine`` (docs/results-schema.md, "Reproducibility")
+    settings: dict[str, Any] = {}
 
     def serve(self, ctx: Context, var: Variant, params: dict | None, max_new_tokens: int) -> RequestTiming:
         """Serve ``ctx``'s prompt loading its KV prefix as ``params`` says (None = text)."""
@@ -193,6 +201,9 @@ class HFEngine(Engine):
         self.model = bundle.model
         eos = getattr(bundle.tokenizer, "eos_token_id", None)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        self.settings = {"engine": "hf", "torch_threads": torch.get_num_threads(),
+                         "dtype": str(getattr(self.model, "dtype", "")).removeprefix("torch."),
+                         "env": numerics_env()}
 
     def serve(self, ctx, var, params, max_new_tokens):
         loader = None
@@ -264,7 +275,113 @@ def timing_from_connector(rec: dict[str, Any], ttft: float, e2e: float,
         prefill_s=max(0.0, ttft - lookup - load - inject), first_token_s=None,
         e2e_s=e2e, output_ids=out_ids, loaded_tokens=int(rec.get("loaded_tokens") or 0),
         bytes=int(rec.get("bytes") or 0), chunks=chunks,
-        recomputed_tokens=int(rec.get("recomputed_tokens") or 0), load_error=rec.get("error"))
+        recomputed_tokens=int(rec.get("recomputed_tokens") or 0), load_error=rec.get("error"),
+        load_cpu_s=rec.get("load_cpu_s"), decode_threads=rec.get("decode_threads"))
+
+
+# ----------------------------------------------------------------------------- numerics
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_CPUS = 1  # third_party.vllm.engine.ENGINE_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+ENGINE_SEED = 0    # vLLM's sampling seed (greedy decoding does not use it; pinned anyway)
+ENGINE_DTYPE = "bfloat16"
+NUMERICS_ENV_KEYS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                     "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND",
+                     "MKL_NUM_THREADS", "NUMBA_NUM_THREADS", "CACHEGEN_TORCH_THREADS", "LD_PRELOAD")
+
+
+def _cpu_list_str(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the CPU-list syntax of VLLM_CPU_OMP_THREADS_BIND)."""
+    parts, i = [], 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _parse_cpu_list(text: str) -> list[int] | None:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; None for anything else ("auto", "nobind", junk)."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.strip().partition("-")
+            out.extend(range(int(a), int(b or a) + 1))
+    except ValueError:
+        return None
+    return out or None
+
+
+def sysfs_siblings(cpu: int) -> list[int]:
+    """SMT siblings of ``cpu`` (itself included) from sysfs
+    ``/sys/devices/system/cpu/cpuN/topology/thread_siblings_list``; ``[cpu]`` without it."""
+    try:
+        return _parse_cpu_list(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+                                    "thread_siblings_list").read_text().strip()) or [cpu]
+    except OSError:
+        return [cpu]
+
+
+def _one_cpu_per_core(cpus: list[int], siblings: Callable[[int], list[int]]) -> list[int]:
+    """Drop SMT siblings: keep the lowest allowed CPU of each physical core."""
+    keep = []
+    for c in cpus:
+        sib = siblings(c) or [c]
+        if c == min([x for x in sib if x in cpus] or [c]):
+            keep.append(c)
+    return keep
+
+
+def engine_thread_binding(allowed_cpus: set[int] | list[int] | None = None,
+                          env: dict[str, str] | None = None,
+                          siblings: Callable[[int], list[int]] | None = None) -> dict[str, Any]:
+    """The CPUs vLLM's CPU worker runs its OpenMP (torch) threads on, made explicit.
+
+    Why: the worker's thread count sets the order of the bf16 reductions in every matmul
+    and attention; on a fragile context a different count flips a near-tied greedy token
+    (measured: docs/results-schema.md, "Reproducibility"). Left at vLLM's default
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``, vllm/utils/ompmultiprocessing.py), the count is
+    derived at engine start from the engine process's CPU affinity, the NUMA/SMT topology
+    and the reserved-core setting, so it silently changes with ``taskset``/cpuset and
+    the environment. The harness therefore passes an explicit list.
+
+    Args:
+        allowed_cpus: CPU ids this process may run on (default ``os.sched_getaffinity(0)``).
+        env: environment to read a user's ``VLLM_CPU_OMP_THREADS_BIND`` from (default
+            ``os.environ``); a user's value is kept as is.
+        siblings: ``cpu -> [its SMT siblings]`` (default :func:`sysfs_siblings`).
+    Returns:
+        ``{"VLLM_CPU_OMP_THREADS_BIND": str, "omp_threads": int | None, "source":
+        "harness" | "user", "allowed_cpus": [int]}``. The harness's choice: one logical
+        CPU per physical core of the allowed set, minus the highest one (reserved for
+        vLLM's engine-core process, as ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), at least one
+        CPU - on a 2-core machine ``"0"``, one thread, what ``auto`` picks there.
+        ``omp_threads`` is None when the user's value is not a CPU list (``auto``,
+        ``nobind``: vLLM decides at start).
+    """
+    env = os.environ if env is None else env
+    if allowed_cpus is None:
+        try:
+            allowed_cpus = os.sched_getaffinity(0)
+        except (AttributeError, OSError):  # not Linux
+            allowed_cpus = range(os.cpu_count() or 1)
+    allowed = sorted(set(allowed_cpus))
+    user = (env.get(BIND_ENV) or "").strip()
+    if user:
+        cpus = _parse_cpu_list(user)
+        return {BIND_ENV: user, "omp_threads": len(cpus) if cpus else None, "source": "user",
+                "allowed_cpus": allowed}
+    cores = _one_cpu_per_core(allowed, siblings or sysfs_siblings) or allowed[:1]
+    chosen = cores[:-RESERVED_CPUS] if len(cores) > RESERVED_CPUS else cores[:1]
+    return {BIND_ENV: _cpu_list_str(chosen), "omp_threads": len(chosen), "source": "harness",
+            "allowed_cpus": allowed}
+
+
+def numerics_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that change an engine's threads or numerics (set ones only)."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in NUMERICS_ENV_KEYS if env.get(k)}
 
 
 class VLLMEngine(Engine):
@@ -293,7 +410,25 @@ class VLLMEngine(Engine):
         extra = {"stats_path": str(stats_path), "source": "store"}
         if store_addr:
             extra["stores"] = {"harness": store_addr}
-        self.llm = make_llm(model_dir, extra, max_model_len=max_model_len)
+        # explicit OpenMP binding of the worker (engine_thread_binding): two runs on one
+        # machine get the same thread count, hence the same bf16 reduction order
+        user_env = numerics_env()
+        binding = engine_thread_binding()
+        saved = os.environ.get(BIND_ENV)
+        os.environ[BIND_ENV] = binding[BIND_ENV]  # read by vLLM's engine process at start
+        try:
+            self.llm = make_llm(model_dir, extra, max_model_len=max_model_len,
+                                dtype=ENGINE_DTYPE, seed=ENGINE_SEED)
+        finally:  # the spawned engine keeps its copy; later engines choose again
+            if saved is None:
+                os.environ.pop(BIND_ENV, None)
+            else:
+                os.environ[BIND_ENV] = saved
+        self.settings = {"engine": "vllm", "omp_threads_bind": binding[BIND_ENV],
+                         "omp_threads": binding["omp_threads"], "bind_source": binding["source"],
+                         "allowed_cpus": binding["allowed_cpus"], "reserved_cpus": RESERVED_CPUS,
+                         "dtype": ENGINE_DTYPE, "seed": ENGINE_SEED, "prefix_caching": False,
+                         "harness_torch_threads": torch.get_num_threads(), "env": user_env}
         self._seen = 0
 
     def _new_stats(self) -> list[dict]:

@@ -192,6 +192,8 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
         "recomputed_tokens": t.recomputed_tokens, "load_error": t.load_error,
         "ttft_s": t.ttft_s, "lookup_s": t.lookup_s, "transfer_s": t.transfer_s,
         "decode_s": t.decode_s, "load_s": t.load_s, "inject_s": t.inject_s,
+        "load_cpu_s": getattr(t, "load_cpu_s", None),
+        "decode_threads": getattr(t, "decode_threads", None),
         "prefill_s": t.prefill_s, "first_token_s": t.first_token_s, "e2e_s": t.e2e_s,
         "output_tokens": len(t.output_ids), "output_tokens_per_s": t.output_tokens_per_s,
         "bytes": t.bytes, "stored_bytes": size,

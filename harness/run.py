@@ -231,6 +231,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     else:
         engine = HFEngine(bundle)
     stack.callback(engine.close)
+    # what sets the engine's numerics (threads, binding, dtype, seed): see "Reproducibility"
+    writer.doc["environment"]["engine"] = dict(engine.settings)
     registry.snapshot()
     link.set_rate(max(cfg.bandwidth_mbps))
     prefill_tps = measure_prefill_speed(engine, contexts)

@@ -39,7 +39,8 @@ __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calib
 # window_tokens x windows calibration tokens; the measured choices of docs/codec.md (KVTC)
 DEFAULT_SETTINGS = {"windows": 4, "window_tokens": 1024, "sensitivity_tokens": 512, "key_space": "pre_rope",
                     "per_head": False, "weighting": "sensitivity", "sink_tokens": 4,
-                    "recent_tokens": 0, "default_level": 4}
+                    "recent_tokens": 0, "default_level": 4, "centroid": False,
+                    "rounding": 0.5, "sensitivity_batch": 12}
 
 
 def rope_theta_of(bundle) -> float | None:
@@ -76,10 +77,12 @@ def _windows(bundle, text: str, windows: int, window_tokens: int) -> list[list[i
 
 
 def calibration_samples(bundle, text: str, windows: int, window_tokens: int,
-                        sink_tokens: int = 4, log=print):
+                        sink_tokens: int = 4, log=print, first: dict | None = None):
     """Prefill ``windows`` consecutive windows of ``window_tokens`` tokens of ``text``.
     Returns (k [L, N, H, D], v [L, N, H, D], positions int64 [N]) with each window's first
-    ``sink_tokens`` tokens left out (they are stored exactly by the codec)."""
+    ``sink_tokens`` tokens left out (they are stored exactly by the codec). If ``first``
+    is a dict, it receives the first window's full KV and token ids (keys "k", "v",
+    "ids"), so the sensitivity probe needs no prefill of its own."""
     from kv_extraction_hf.extract import prefill_kv
 
     wins = _windows(bundle, text, windows, window_tokens)
@@ -87,6 +90,8 @@ def calibration_samples(bundle, text: str, windows: int, window_tokens: int,
     t0 = time.perf_counter()
     for i, ids in enumerate(wins):
         k, v = prefill_kv(bundle, ids)
+        if first is not None and i == 0:
+            first.update(k=k, v=v, ids=list(ids))
         ks.append(k[:, sink_tokens:])
         vs.append(v[:, sink_tokens:])
         ps.append(torch.arange(sink_tokens, len(ids)))
@@ -98,7 +103,7 @@ def calibration_samples(bundle, text: str, windows: int, window_tokens: int,
 @torch.inference_mode()
 def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int],
                         continuation: int = 32, rel_noise: float = 0.05,
-                        sink_tokens: int = 4, log=print):
+                        sink_tokens: int = 4, batch: int = 12, log=print):
     """Per-(K/V, layer) sensitivity of the model's next-token distribution to KV error.
 
     For each (K/V, layer) in turn, white Gaussian noise of variance ``rel_noise`` x that
@@ -106,42 +111,66 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     the sinks) and the KL divergence of the next-token distributions over the last
     ``continuation`` tokens of ``ids`` is measured. k, v: [L, T, H, D], the prefill KV of
     ``ids`` (T = len(ids)). Returns float64 [2, L]: KL (nats) per unit of absolute
-    noise variance per element; KVTC's water level of a (K/V, layer) is made inversely proportional to it
-    (minimising the first-order KL, which is linear in the error variance). 2L + 1
-    forward passes of ``continuation`` tokens.
+    noise variance per element; KVTC's water level of a (K/V, layer) is made inversely
+    proportional to it (minimising the first-order KL, which is linear in the error
+    variance). One reference forward pass plus ceil(2L / ``batch``) batched passes of
+    ``continuation`` tokens (``batch`` noisy caches per pass, one perturbed (K/V, layer)
+    each; the noise is drawn in the same order whatever the batch, so the result does not
+    depend on it beyond float rounding).
     """
     import numpy as np
+    from transformers import DynamicCache
 
     from kv_extraction_hf.inject import make_cache
 
+    if batch < 1:
+        raise ExtractionError("sensitivity batch must be >= 1")
     T = k.shape[1] - continuation
     if T <= sink_tokens + 1:
         raise ExtractionError("sensitivity window too short")
     cont = ids[T:]
     kc, vc = k[:, :T], v[:, :T]
     cont_ids = torch.as_tensor(cont, dtype=torch.long).reshape(1, -1)
+    cfg = bundle.model.config
 
-    def logp(kk, vv):   # next-token log-probabilities after each continuation token
-        cache = make_cache(kk, vv, bundle.model.config)
-        out = bundle.model(input_ids=cont_ids, past_key_values=cache, use_cache=True)
-        return torch.log_softmax(out.logits[0].float(), -1)
-
-    ref = logp(kc, vc)
+    ref = torch.log_softmax(bundle.model(input_ids=cont_ids, past_key_values=make_cache(kc, vc, cfg),
+                                         use_cache=True).logits[0].float(), -1)
+    pref = ref.exp()
     gen = torch.Generator().manual_seed(0)
     L = k.shape[0]
     out = np.zeros((2, L))
+    probes = [(kv, layer) for kv in range(2) for layer in range(L)]
+    # clean cache in the model's layout [1, H, T, D] per layer
+    clean = [(kc[layer].transpose(0, 1).unsqueeze(0), vc[layer].transpose(0, 1).unsqueeze(0))
+             for layer in range(L)]
     t0 = time.perf_counter()
-    for kv, x in enumerate((kc, vc)):
-        for layer in range(L):
-            xl = x[layer, sink_tokens:].float()
+    for start in range(0, len(probes), batch):
+        group = probes[start:start + batch]
+        B = len(group)
+        noisy, scale = {}, []
+        for kv, layer in group:          # same draw order as one probe per pass
+            xl = (kc, vc)[kv][layer, sink_tokens:].float()
             var = float(xl.reshape(xl.shape[0], -1).var(0).mean())
-            noisy = x.clone()
             noise = torch.randn(xl.shape, generator=gen) * (rel_noise * var) ** 0.5
-            noisy[layer, sink_tokens:] = (xl + noise).to(x.dtype)
-            kk, vv = (noisy, vc) if kv == 0 else (kc, noisy)
-            lq = logp(kk, vv)
-            out[kv, layer] = float((ref.exp() * (ref - lq)).sum(-1).mean()) / (rel_noise * var)
-        log(f"[calibrate] sensitivity of {'KV'[kv]}: {L} layers "
+            noisy[(kv, layer)] = (xl + noise).to(kc.dtype).transpose(0, 1)   # [H, T-s, D]
+            scale.append(rel_noise * var)
+        try:
+            cache = DynamicCache(config=cfg)
+        except TypeError:  # older transformers: no config argument
+            cache = DynamicCache()
+        for layer in range(L):
+            kb = clean[layer][0].expand(B, -1, -1, -1).clone()
+            vb = clean[layer][1].expand(B, -1, -1, -1).clone()
+            for b, (kv, ly) in enumerate(group):
+                if ly == layer:
+                    (kb, vb)[kv][b, :, sink_tokens:] = noisy[(kv, ly)]
+            cache.update(kb, vb, layer)
+        logits = bundle.model(input_ids=cont_ids.expand(B, -1), past_key_values=cache,
+                              use_cache=True).logits.float()
+        for b, (kv, layer) in enumerate(group):
+            lq = torch.log_softmax(logits[b], -1)
+            out[kv, layer] = float((pref * (ref - lq)).sum(-1).mean()) / scale[b]
+        log(f"[calibrate] sensitivity: {start + B}/{len(probes)} (K/V, layer) probes "
             f"({time.perf_counter() - t0:.1f} s)")
     return out
 
@@ -150,13 +179,16 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
               key_space: str = "pre_rope", per_head: bool = False,
               weighting: str = "relative", sink_tokens: int = 4, recent_tokens: int = 0,
               sensitivity_tokens: int = 512, default_level: int | None = None,
+              centroid: bool = False, rounding: float = 0.5, sensitivity_batch: int = 12,
               data_name: str = "", log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
     is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
     (per-(K/V, layer) water levels from ``measure_sensitivity`` on the first
     ``sensitivity_tokens`` tokens), or "relative" / "absolute" (see
-    ``codec.kvtc.fit_calibration``). Raises ExtractionError."""
+    ``codec.kvtc.fit_calibration``). ``centroid`` / ``rounding``: the reconstruction
+    offsets and the encoder's quantizer (``fit_calibration``). ``sensitivity_batch``:
+    noisy caches per forward pass of the sensitivity probe. Raises ExtractionError."""
     from codec import kvtc
 
     if key_space not in ("pre_rope", "post_rope"):
@@ -164,15 +196,18 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     theta = rope_theta_of(bundle) if key_space == "pre_rope" else None
     if key_space == "pre_rope" and theta is None:
         log("[calibrate] model RoPE is not plain rotate-half: decorrelating keys after RoPE")
-    k, v, pos = calibration_samples(bundle, text, windows, window_tokens, sink_tokens, log)
+    first: dict = {}
+    k, v, pos = calibration_samples(bundle, text, windows, window_tokens, sink_tokens, log,
+                                    first=first)
     if weighting == "sensitivity":
         import numpy as np
 
-        from kv_extraction_hf.extract import prefill_kv
-
-        ids = _windows(bundle, text, 1, window_tokens)[0][:max(64, sensitivity_tokens)]
-        k0, v0 = prefill_kv(bundle, ids)
-        sens = measure_sensitivity(bundle, k0, v0, ids, sink_tokens=sink_tokens, log=log)
+        # the first calibration window's prefix: its KV is the prefill of these tokens
+        # (causal attention), so no extra prefill
+        m = min(len(first["ids"]), max(64, sensitivity_tokens))
+        sens = measure_sensitivity(bundle, first["k"][:, :m], first["v"][:, :m],
+                                   first["ids"][:m], sink_tokens=sink_tokens,
+                                   batch=sensitivity_batch, log=log)
         # water level per (K/V, layer) inversely proportional to its sensitivity
         weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
     meta = {"model_id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
@@ -182,7 +217,7 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
                                weighting=weighting, sink_tokens=sink_tokens,
                                recent_tokens=recent_tokens, meta=meta,
                                default_level=kvtc.DEFAULT_LEVEL if default_level is None
-                               else default_level,
+                               else default_level, centroid=centroid, rounding=rounding,
                                progress=lambda s: log(f"[calibrate] {s}"))
     log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
     return cal
@@ -237,7 +272,9 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
                         weighting=s["weighting"], sink_tokens=s["sink_tokens"],
                         recent_tokens=s["recent_tokens"],
                         sensitivity_tokens=s["sensitivity_tokens"],
-                        default_level=s["default_level"], data_name=data_name, log=log)
+                        default_level=s["default_level"], centroid=s["centroid"],
+                        rounding=s["rounding"], sensitivity_batch=s["sensitivity_batch"],
+                        data_name=data_name, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,
@@ -272,6 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sensitivity-tokens", type=int,
                     default=DEFAULT_SETTINGS["sensitivity_tokens"],
                     help="tokens of the window used to measure per-layer sensitivity")
+    ap.add_argument("--sensitivity-batch", type=int,
+                    default=DEFAULT_SETTINGS["sensitivity_batch"],
+                    help="noisy caches per forward pass of the sensitivity probe")
+    ap.add_argument("--centroid", action="store_true", help="store centroid "
+                    "reconstruction offsets (non-zero coefficients decode at their bin's "
+                    "conditional mean; measured worse in KL, docs/codec.md 8.3)")
+    ap.add_argument("--rounding", type=float, default=DEFAULT_SETTINGS["rounding"],
+                    help="encoder quantizer q = sign(u) floor(|u| + ROUNDING), in (0, 0.5]; "
+                         "below 0.5 = dead zone (default %(default)s)")
     return ap
 
 
@@ -288,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ExtractionError(f"--{name.replace('_', '-')} must be >= 1")
         if args.sink_tokens < 0 or args.recent_tokens < 0:
             raise ExtractionError("--sink-tokens / --recent-tokens must be >= 0")
+        if args.sensitivity_batch < 1:
+            raise ExtractionError("--sensitivity-batch must be >= 1")
+        if not 0.0 < args.rounding <= 0.5:
+            raise ExtractionError("--rounding must be in (0, 0.5]")
         t0 = time.perf_counter()
         bundle = load_model(args.model)
         if args.default:
@@ -303,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                             window_tokens=args.window_tokens, key_space=args.key_space,
                             per_head=args.per_head, weighting=args.weighting,
                             sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                            sensitivity_tokens=args.sensitivity_tokens, data_name=name)
+                            sensitivity_tokens=args.sensitivity_tokens,
+                            centroid=args.centroid, rounding=args.rounding,
+                            sensitivity_batch=args.sensitivity_batch, data_name=name)
             path = cal.save(args.out if args.out else _mkdir(kvtc.default_calibration_dir()))
         print(f"[calibrate] wrote {path} in {time.perf_counter() - t0:.1f} s")
         return 0

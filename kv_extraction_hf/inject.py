@@ -9,6 +9,8 @@ Run: ``python -m kv_extraction_hf --generate DUMP.safetensors``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kv_extraction_hf.errors import ExtractionError
@@ -135,3 +137,141 @@ def continuation_logits(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, c
         ids = torch.as_tensor(cont[:-1], dtype=torch.long).reshape(1, -1)
         rows.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
     return torch.cat(rows, dim=0)
+
+
+# Smallest top-1 minus top-2 logit margin (logit units) at which an argmax decided by one
+# forward pass is trusted to equal the argmax of another pass over the same tokens with
+# other matmul shapes (batched vs token-by-token), per activation dtype. Measured on the
+# default model (SmolLM2-135M, KV from a bf16 prefill, contexts 512-2048 tokens): the
+# largest batched-vs-incremental logit difference was 6e-5 with float32 activations and
+# 0.75 with bfloat16 ones; a margin must exceed twice that (both logits may move).
+TEACHER_FORCING_MIN_MARGIN = {torch.float32: 2e-3, torch.float64: 2e-3, torch.bfloat16: 2.0,
+                              torch.float16: 2.0}
+
+
+def teacher_forcing_margin(dtype: torch.dtype) -> float:
+    """The :data:`TEACHER_FORCING_MIN_MARGIN` for activations of ``dtype`` (2.0 when unknown)."""
+    return TEACHER_FORCING_MIN_MARGIN.get(dtype, 2.0)
+
+
+@torch.inference_mode()
+def _greedy_decode_margins(bundle, cache, new_ids, max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
+    """:func:`greedy_decode` that also returns the smallest top-1 minus top-2 logit margin
+    over the steps it took (``inf`` when it took none)."""
+    ids = torch.as_tensor(list(new_ids), dtype=torch.long).reshape(1, -1)
+    out: list[int] = []
+    low = math.inf
+    for _ in range(max_new_tokens):
+        logits = bundle.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        top = torch.topk(logits.float(), 2).values
+        low = min(low, float(top[0] - top[1]))
+        nxt = int(torch.argmax(logits))
+        if nxt in eos:
+            break
+        out.append(nxt)
+        ids = torch.tensor([[nxt]], dtype=torch.long)
+    return out, low
+
+
+def _drop_last(cache, n: int) -> None:
+    """Remove the last ``n`` tokens from every layer of a transformers cache, in place."""
+    if n <= 0:
+        return
+    layers = getattr(cache, "layers", None)
+    if layers is not None and all(hasattr(x, "keys") and hasattr(x, "values") for x in layers):
+        for x in layers:
+            x.keys = x.keys[..., :-n, :]
+            x.values = x.values[..., :-n, :]
+        return
+    cache.crop(-n)   # older transformers: a negative length removes that many tokens
+
+
+@torch.inference_mode()
+def answer_from_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_ids, reference_ids,
+                   max_new_tokens: int, min_margin: float | None = None) -> dict:
+    """The greedy answer on an injected KV, checked against a known greedy answer by teacher forcing.
+
+    Same result as :func:`generate_from_kv` (``k``/``v`` ``[L, T, H_kv, D]`` in the
+    model's dtype, the KV of ``context_ids``; ``new_ids`` the question, at least one token;
+    at most ``max_new_tokens`` ids, EOS excluded), computed cheaply when the answer is
+    expected to equal ``reference_ids`` (e.g. the lossless answer of the same request,
+    itself a ``generate_from_kv`` result with the same budget):
+
+    1. One forward of ``new_ids + reference_ids`` on the KV (teacher forcing). Greedy
+       generation reproduces ``reference_ids`` iff the argmax at the position before each
+       reference token is that token and, when the reference stopped before the budget, the
+       argmax after its last token is an EOS token.
+    2. At the first position where the argmax differs, the common prefix is kept in the
+       cache (the rest dropped) and greedy generation continues from the differing token.
+    3. Batched and token-by-token forwards round differently (bf16): where the top-1 minus
+       top-2 logit margin at any position that decided the answer is below ``min_margin``
+       (logit units; None = :func:`teacher_forcing_margin` of the model's dtype), the
+       answer is instead produced by plain :func:`generate_from_kv`.
+
+    Returns ``{"ids": list[int], "agrees": ids == reference_ids, "path": "teacher-forced" |
+    "continued" | "fallback", "diverged_at": index of the first differing answer token or
+    None, "min_margin": smallest margin seen (float, logit units)}``. Raises
+    ExtractionError when the KV does not fit the model or the total exceeds its context.
+    Method: speculative-decoding style verification of a draft by one forward (Leviathan
+    et al., "Fast Inference from Transformers via Speculative Decoding", ICML 2023), the
+    draft being the reference answer.
+    """
+    validate_kv(bundle, k, v, context_ids)
+    new_ids = list(new_ids)
+    ref = [int(x) for x in reference_ids]
+    if not new_ids:
+        raise ExtractionError("answer_from_kv needs at least one new token after the context")
+    if len(ref) > max_new_tokens:
+        raise ExtractionError(f"reference answer of {len(ref)} tokens exceeds max_new_tokens={max_new_tokens}")
+    total = k.shape[1] + len(new_ids) + max_new_tokens
+    if total > bundle.info.max_context:
+        raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
+                              f"{bundle.info.max_context} tokens")
+    if max_new_tokens <= 0:
+        return {"ids": [], "agrees": not ref, "path": "teacher-forced", "diverged_at": None, "min_margin": math.inf}
+    if min_margin is None:
+        min_margin = teacher_forcing_margin(next(bundle.model.parameters()).dtype)
+    eos = _eos_ids(bundle)
+    # rows that decide the answer: before each reference token, plus the stop after it
+    # unless the reference used the whole budget
+    n_rows = len(ref) + (1 if len(ref) < max_new_tokens else 0)
+    feed = new_ids + ref[:n_rows - 1]
+    m = len(new_ids)
+    cache = make_cache(k, v, bundle.model.config)
+    logits = bundle.model(input_ids=torch.as_tensor(feed, dtype=torch.long).reshape(1, -1),
+                          past_key_values=cache, use_cache=True).logits[0, m - 1:m - 1 + n_rows]
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    margins = (top[:, 0] - top[:, 1]).tolist()
+    pred = torch.argmax(logits, dim=-1).tolist()
+
+    def fallback(low: float) -> dict:
+        ids = generate_from_kv(bundle, k, v, context_ids, new_ids, max_new_tokens)
+        return {"ids": ids, "agrees": ids == ref, "path": "fallback",
+                "diverged_at": next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b),
+                                    None if ids == ref else min(len(ids), len(ref))),
+                "min_margin": low}
+
+    low = math.inf
+    for i in range(n_rows):
+        low = min(low, margins[i])
+        if margins[i] < min_margin:
+            return fallback(low)
+        if pred[i] in eos:          # greedy stops here: the answer is ref[:i]
+            if i == len(ref):
+                return {"ids": ref, "agrees": True, "path": "teacher-forced", "diverged_at": None,
+                        "min_margin": low}
+            return {"ids": ref[:i], "agrees": False, "path": "continued", "diverged_at": i, "min_margin": low}
+        if i < len(ref) and pred[i] == ref[i]:
+            continue
+        # diverged at answer position i: the answer is ref[:i] then pred[i]
+        out = ref[:i] + [pred[i]]
+        if len(out) < max_new_tokens:
+            _drop_last(cache, len(feed) - (m + i))     # keep context + question + ref[:i]
+            more, low2 = _greedy_decode_margins(bundle, cache, [pred[i]], max_new_tokens - len(out), eos)
+            low = min(low, low2)
+            if low2 < min_margin:
+                return fallback(low)
+            out += more
+        return {"ids": out, "agrees": False, "path": "continued", "diverged_at": i, "min_margin": low}
+    # the reference used the whole budget and every position reproduced it
+    return {"ids": ref, "agrees": True, "path": "teacher-forced", "diverged_at": None, "min_margin": low}

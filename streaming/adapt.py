@@ -10,7 +10,7 @@ text fallback, keeping two clocks apart:
   last few samples, the robust estimator of video ABR (FESTIVE, Jiang et al. CoNEXT 2012;
   MPC, Yin et al. SIGCOMM 2015); transfers too short to be above the burst are ignored.
   When the link has not been measured for a while (after text fallbacks) a cheap probe
-  fetches the chunk at the lowest level with a deadline no longer than its text recompute.
+  fetches the chunk at the lowest level with a deadline of half its text recompute.
 * decode cost: seconds per token per level (DecodeTable), measured once at start on this
   machine and refined per chunk by an EWMA.
 
@@ -20,10 +20,11 @@ estimate with ClockModel.finish_s (transfer, pipelined decode, the last chunk's 
 overlapped, injection, then recompute of text chunks at the measured prefill speed) and
 takes the first step of the best plan that fits the SLO less a reserve (slo_margin,
 slo_reserve_s) for a bandwidth dip; if none fits, of the plan with the smallest predicted
-finish (smallest expected overshoot). Each KV transfer carries a
+finish (smallest expected overshoot); text chosen for quality rather than speed is kept for
+the end of the load (defer_text). Each KV transfer carries a
 deadline (planned wire time * (1 + abandon_margin) + abandon_slack_s); the client cancels a
-chunk that runs past it (streaming.client) and the policy re-plans that chunk with the
-upper bound it learned (rate < bytes / deadline).
+chunk that runs past it (streaming.client) and the policy re-plans that chunk at its
+smallest level or text, with the upper bound it learned (rate < bytes / deadline).
 
 oracle() knows the whole trace: an exact label-setting DP over chunks (Pareto labels of
 receive clock, decode clock, recompute time, quality) picks per-chunk options maximizing
@@ -302,14 +303,22 @@ def choose_level(
 def plan_mpc(model: ClockModel, k: int, state: tuple[float, float, float], kv_tokens: int,
              rate_bytes_s: float, slo_s: float, levels: Sequence[int] | None = None,
              allow_kv: bool = True, return_plan: bool = False, first_rate_bytes_s: float | None = None,
-             text_only_slo_s: float | None = None):
+             text_only_slo_s: float | None = None, first_levels: Sequence[int] | None = None,
+             defer_text: bool = False):
     """Best first step for chunks k..n-1 under a constant predicted rate.
 
     Candidate plans: chunk k at option o, then m chunks at level u, then text (all o, u, m).
     first_rate_bytes_s: a different predicted rate for chunk k alone (e.g. the bound learned
     from its abandoned transfer). text_only_slo_s: the limit for the plan "every remaining
     chunk as text" (default slo_s): it transfers nothing, so it needs no reserve for a
-    bandwidth dip.
+    bandwidth dip. first_levels: the levels chunk k itself may take (default: levels), e.g.
+    only the smallest after its transfer was abandoned. defer_text: when the best plan
+    starts with text but a plan starting with KV fits too, with at least as many text chunks
+    later and chunk k at no lower a level than the text-first plan's KV chunks, and that KV
+    transfer is faster than
+    recomputing chunk k, the best such KV-first plan is taken: text chosen for quality (not
+    for time) is kept for the end of the load, when the remaining budget is known (a text
+    chunk's cost is certain; spent early, it leaves no slack for a later slow chunk).
     Returns (option for chunk k, predicted finish s, fits SLO), plus the plan's options for
     chunks k..n-1 when return_plan. Highest utility among the
     plans that fit (ties: a KV option now, keeping text for later as insurance, then the
@@ -318,9 +327,10 @@ def plan_mpc(model: ClockModel, k: int, state: tuple[float, float, float], kv_to
     lvls = list(levels) if levels is not None else model.levels
     n = model.n
     rest = n - k - 1
-    firsts = [TEXT] + (lvls if allow_kv else [])
+    firsts = [TEXT] + ((list(first_levels) if first_levels is not None else lvls) if allow_kv else [])
     best_fit = None  # (utility, -finish, opt)
     best_any = None  # (-finish, utility, opt)
+    best_kv: dict[int, tuple] = {}  # text chunks -> best fitting plan starting with KV (defer_text)
     tail_rc = [model.recompute_s(j) for j in range(k + 1, n)]
     tail_ut = [model.util(j, TEXT) for j in range(k + 1, n)]
     suffix_rc = [0.0] * (rest + 1)
@@ -346,8 +356,25 @@ def plan_mpc(model: ClockModel, k: int, state: tuple[float, float, float], kv_to
                 lim = slo_s if (kvfirst or m > 0 or text_only_slo_s is None) else text_only_slo_s
                 if fin <= lim and (best_fit is None or (round(tot_u, 9), kvfirst, -fin) > best_fit[:3]):
                     best_fit = (round(tot_u, 9), kvfirst, -fin, o, (u, m))
+                if kvfirst and fin <= lim:
+                    c = rest - m
+                    if c not in best_kv or (round(tot_u, 9), -fin) > best_kv[c][:2]:
+                        best_kv[c] = (round(tot_u, 9), -fin, o, (u, m))
                 if best_any is None or (-fin, tot_u) > best_any[:2]:
                     best_any = (-fin, tot_u, o, (u, m))
+    if defer_text and best_fit is not None and best_fit[3] is TEXT:
+        # the same number of text chunks, the first of them moved to the end of the load
+        n_text = 1 + rest - best_fit[4][1]
+        alt = [v for c, v in best_kv.items() if c >= n_text]
+        # a pure reordering: chunk k gets the level the text-first plan gives its KV chunks (the
+        # top level if it has none), never a lower one to make room for text later
+        u0, m0 = best_fit[4]
+        need = model.utility[u0] if m0 > 0 else max(model.utility[x] for x in lvls)
+        alt = [v for v in alt if model.utility[v[2]] >= need - 1e-12]
+        if alt:
+            kv = max(alt)
+            if model.transfer_s(k, kv[2], first_rate_bytes_s or rate_bytes_s) < model.recompute_s(k):
+                best_fit = (kv[0], True, kv[1], kv[2], kv[3])
     if best_fit is not None:
         o, fin, fits, (u, m) = best_fit[3], -best_fit[2], True, best_fit[4]
     else:
@@ -423,8 +450,19 @@ class AdaptivePolicy:
             rate: "robust" (keep it), "mean" (the harmonic mean) or "last" (the last sample).
         smallest_no_restart: a transfer at the chunk's smallest level is not cut before the
             chunk's recompute time (after a cut only text is cheaper; ski-rental rule).
+        after_abandon: "smallest" (default): after a cut the chunk takes its smallest level or
+            text; "bound": re-planned at abandon_backoff x the learned bound (the old rule).
+        slo_reserve_frac: caps slo_reserve_s at this fraction of the SLO (None: no cap).
+        probe_level: "smallest" (default: the probe fetches the chunk's smallest level) or
+            "plan" (the level a good link would get). probe_deadline_frac: the probe is cut
+            after this fraction of the chunk's recompute time (default 0.5).
+            probe_backoff: the wait before the next probe is multiplied by this after a
+            failed probe (default 1: every probe_after text chunks).
+        defer_text: text chosen for quality is deferred to the end of the load (plan_mpc).
+        text_slack: text kept for the end counts as slack an overrunning transfer may use
+            before it is cut (overrun_allowance_s on the plan with that text as KV).
         A plan that sends every remaining chunk as text is held to slo_s * (1 - slo_margin)
-        only (no slo_reserve_s: it transfers nothing).
+        only (no slo_reserve_s: it transfers nothing). Rules: docs/streaming.md section 4.
     Call start(manifest) first; choose(k, elapsed_s) before chunk k; transfer_deadline_s(k)
     for the chunk just chosen; observe_transfer / observe_abandon / observe_decode after.
     Thread-safe. Raises ValueError on non-positive SLO or speeds.
@@ -440,7 +478,10 @@ class AdaptivePolicy:
                  probe_rate_mbps: float | None = None, max_abandons: int = 3, abandon_backoff: float = 0.5,
                  robust: bool = True, burst_s: float = 0.0, overrun_share: float = 0.5,
                  slo_margin: float = 0.05, bound_provisional: bool = True, slo_reserve_s: float = 0.0,
-                 nofit_estimate: str = "robust", smallest_no_restart: bool = True):
+                 nofit_estimate: str = "robust", smallest_no_restart: bool = True,
+                 after_abandon: str = "smallest", slo_reserve_frac: float | None = None,
+                 probe_level: str = "smallest", probe_deadline_frac: float = 0.5, probe_backoff: float = 1.0,
+                 defer_text: bool = True, text_slack: bool = True):
         bad_init = initial_throughput_mbps is not None and initial_throughput_mbps <= 0
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
@@ -468,13 +509,30 @@ class AdaptivePolicy:
             raise ValueError("slo_reserve_s must be >= 0")
         self.slo_reserve_s = float(slo_reserve_s)
         self.text_slo_s = self.slo_s * (1.0 - float(slo_margin))  # an all-text plan needs no dip reserve
-        self.plan_slo_s = max(self.text_slo_s - self.slo_reserve_s, 0.5 * self.slo_s)
+        if slo_reserve_frac is not None and not 0.0 <= slo_reserve_frac < 1.0:
+            raise ValueError("slo_reserve_frac must be in [0, 1)")
+        self.slo_reserve_frac = None if slo_reserve_frac is None else float(slo_reserve_frac)
+        reserve = self.slo_reserve_s if self.slo_reserve_frac is None else min(
+            self.slo_reserve_s, self.slo_reserve_frac * self.slo_s)
+        self.plan_slo_s = max(self.text_slo_s - reserve, 0.5 * self.slo_s)
+        if probe_level not in ("smallest", "plan") or not 0.0 < probe_deadline_frac <= 1.0:
+            raise ValueError("probe_level must be 'smallest' or 'plan', probe_deadline_frac in (0, 1]")
+        self.probe_level = probe_level
+        self.probe_deadline_frac = float(probe_deadline_frac)
+        if probe_backoff < 1.0:
+            raise ValueError("probe_backoff must be >= 1")
+        self.probe_backoff = float(probe_backoff)
+        self.defer_text = bool(defer_text)
+        self.text_slack = bool(text_slack)
         self.abandon_backoff = float(abandon_backoff)
         self.bound_provisional = bool(bound_provisional)
         if nofit_estimate not in ("robust", "mean", "last"):
             raise ValueError("nofit_estimate must be 'robust', 'mean' or 'last'")
         self.nofit_estimate = nofit_estimate
         self.smallest_no_restart = bool(smallest_no_restart)
+        if after_abandon not in ("smallest", "bound"):
+            raise ValueError("after_abandon must be 'smallest' or 'bound'")
+        self.after_abandon = after_abandon
         self.request_overhead_s = float(request_overhead_s)
         self._only = list(levels) if levels is not None else None
         self.decisions: list[Decision] = []
@@ -513,6 +571,8 @@ class AdaptivePolicy:
         self._dec_free = 0.0  # predicted time the decoder has finished every received chunk
         self._kv_tokens = 0
         self._since_sample = 0
+        self._probe_wait = self.probe_after  # doubles after each failed probe, reset by a sample
+        self._last_reason: dict[int, str] = {}
         self._last_choice: dict[int, tuple[int | None, float]] = {}
         self._abandoned: dict[int, int] = {}
         self._bound: dict[int, float] = {}
@@ -529,13 +589,19 @@ class AdaptivePolicy:
             st = self._state(elapsed_s)
             text_s = m.recompute_s(k)
             n_ab = self._abandoned.get(k, 0)
-            stale = rate is None or self._since_sample >= self.probe_after
+            stale = rate is None or self._since_sample >= self._probe_wait
             plan_rate = rate if rate is not None else self.probe_rate_bytes_s
             bound = self._bound.get(k)  # chunk k's own rate bound after an abandoned transfer
             first_rate = min(plan_rate, bound) if bound else None
+            # after a cut, chunk k takes its smallest level or text: the dip's depth is unknown
+            # (only rate < bound), and an intermediate level risks a second wasted transfer
+            first_lv = None
+            if n_ab and self.after_abandon == "smallest":
+                first_lv = [min(self.levels, key=lambda x: m.sizes[x][k])]
             opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s, self.levels,
                                             return_plan=True, first_rate_bytes_s=first_rate,
-                                            text_only_slo_s=self.text_slo_s)
+                                            text_only_slo_s=self.text_slo_s, first_levels=first_lv,
+                                            defer_text=self.defer_text)
             if not fits and rate is not None and self.nofit_estimate != "robust":
                 # no plan fits at the conservative rate: the smallest EXPECTED overshoot is a
                 # question for the unbiased estimate, not for the discounted lower one
@@ -546,19 +612,25 @@ class AdaptivePolicy:
                     first_rate = min(plan_rate, bound) if bound else None
                     opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s,
                                                     self.levels, return_plan=True, first_rate_bytes_s=first_rate,
-                                                    text_only_slo_s=self.text_slo_s)
+                                                    text_only_slo_s=self.text_slo_s, first_levels=first_lv,
+                                            defer_text=self.defer_text)
                     fits = False  # it did not fit at the conservative rate: no extra allowance
             reason = "fits" if fits else "cheapest-overshoot"
             deadline_cap = None
             if n_ab:
                 reason = "replan-after-abandon" if fits else "cheapest-overshoot"
             if stale and opt is TEXT and n_ab == 0:
-                # the link is unmeasured: would a good link change this choice? then probe at
-                # that option, cut at one chunk's recompute time, if the plan can absorb it
+                # the link is unmeasured: would a good link change this choice? then probe, cut
+                # at probe_deadline_frac of one chunk's recompute time, if the plan can absorb it;
+                # the probe is the chunk's smallest level ("smallest": cheapest to lose) or the
+                # option a good link would get ("plan")
                 o2, _, _ = plan_mpc(m, k, st, self._kv_tokens, self.probe_rate_bytes_s, self.plan_slo_s,
                                         self.levels)
-                if o2 is not TEXT and (fin + text_s <= self.plan_slo_s or not fits):
-                    opt, reason, deadline_cap = o2, "probe", text_s
+                cap = self.probe_deadline_frac * text_s
+                if o2 is not TEXT and (fin + cap <= self.plan_slo_s or not fits):
+                    if self.probe_level == "smallest":
+                        o2 = min(self.levels, key=lambda x: m.sizes[x][k])
+                    opt, reason, deadline_cap = o2, "probe", cap
             elif stale and opt is not TEXT:
                 reason = "probe"
             no_deadline = n_ab >= self.max_abandons
@@ -570,8 +642,16 @@ class AdaptivePolicy:
                 budget = None if no_deadline else cost * (1 + self.abandon_margin) + self.abandon_slack_s
                 if budget is not None and fits and reason != "probe":
                     # the plan's own slack (e.g. a decoder behind the link) may absorb an overrun
+                    slack_plan = plan
+                    if self.defer_text and self.text_slack:
+                        # text kept for quality at the end is slack too: an overrun now costs a
+                        # text chunk there (KV at the plan's level instead), not a cut
+                        u = next((x for x in plan[1:] if x is not TEXT), opt)
+                        slack_plan = [plan[0]] + [u if (x is TEXT and m.transfer_s(k + 1 + i, u, plan_rate)
+                                                        < m.recompute_s(k + 1 + i)) else x
+                                                  for i, x in enumerate(plan[1:])]
                     budget = max(budget, cost + self.overrun_share * overrun_allowance_s(
-                        m, k, st, self._kv_tokens, plan, first_rate or plan_rate, self.plan_slo_s))
+                        m, k, st, self._kv_tokens, slack_plan, first_rate or plan_rate, self.plan_slo_s))
                 smallest = min(self.levels, key=lambda x: m.sizes[x][k])
                 if budget is not None and (not fits or (self.smallest_no_restart and opt == smallest)):
                     # nothing fits, or this is already the smallest level (after a cut the only
@@ -582,6 +662,7 @@ class AdaptivePolicy:
                 if deadline_cap is not None:
                     budget = min(budget, deadline_cap) if budget is not None else deadline_cap
             self._last_choice[k] = (opt, budget)
+            self._last_reason[k] = reason
             if self.decisions and self.decisions[-1].chunk == k:  # re-plan: keep the final one
                 self.decisions.pop()
             hm = self.est.estimate()
@@ -602,6 +683,7 @@ class AdaptivePolicy:
         with self._lock:
             if self.est.observe(nbytes, transfer_s):
                 self._since_sample = 0
+                self._probe_wait = self.probe_after
             if level is not None and self.manifest is not None:
                 tok = self.model.tokens[k]
                 end = elapsed_end_s
@@ -622,11 +704,17 @@ class AdaptivePolicy:
             # one more (optimistic) sample, the harmonic mean weighs it heavily
             prev = self._bound.get(k, math.inf)
             self._bound[k] = min(prev, ub * self.abandon_backoff)
+            # an upper bound never raises the estimate (after a failed probe from a low prior,
+            # bytes/deadline is far above the rate that made the probe fail)
+            cur = self.est.estimate()
+            ub_eff = ub if cur is None else min(ub, cur)
             if self.bound_provisional:
-                self.est.add_bound(ub)
+                self.est.add_bound(ub_eff)
             else:
-                self.est._append(ub, False)
+                self.est._append(ub_eff, False)
             self._since_sample = 0
+            if self._last_reason.get(k) == "probe":  # a failed probe: wait longer (back-off)
+                self._probe_wait *= self.probe_backoff
             self.history.append(Decision(k, level, "abandoned", self._last_choice.get(k, (None, None))[1],
                                          elapsed_wire_s, self.est.estimate() * 8 / 1e6, -1.0))
 

@@ -41,3 +41,44 @@ def default_tokenizer():
     from kv_extraction_hf.model import default_model_dir
 
     return AutoTokenizer.from_pretrained(default_model_dir(log=lambda msg: None))
+
+
+def converted_model_dir() -> str | None:
+    """CGH_MODEL_DIR, else the default model's converted folder; None if neither exists
+    (offline and not yet fetched)."""
+    from kv_extraction_hf.errors import ExtractionError
+    from kv_extraction_hf.model import default_model_dir
+
+    try:
+        mdir = Path(os.environ.get("CGH_MODEL_DIR") or default_model_dir(log=lambda m: None))
+    except ExtractionError:
+        return None
+    return str(mdir) if (mdir / "config.json").is_file() else None
+
+
+@pytest.fixture(scope="session")
+def run_vllm_check(tmp_path_factory):
+    """Runs one of the vLLM check scripts in ``tests/`` in its own process and returns its
+    JSON report: ``run_vllm_check(script, extra_args, drop_env=())``. Skips when no converted
+    model folder exists; fails with the script's stderr tail when it exits non-zero."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def run(script: str, extra_args: list[str], drop_env: tuple[str, ...] = ()) -> dict:
+        mdir = converted_model_dir()
+        if mdir is None:
+            pytest.skip("no converted model folder (CGH_MODEL_DIR or kv_extraction_hf's default)")
+        out = tmp_path_factory.mktemp(Path(script).stem) / "report.json"
+        env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for k in drop_env:
+            env.pop(k, None)
+        cmd = [sys.executable, str(repo / "tests" / script), "--model-dir", mdir, "--out", str(out), *extra_args]
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            pytest.fail(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+    return run

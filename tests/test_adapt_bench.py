@@ -90,3 +90,36 @@ def test_sim_only_main_states_tuning_split_and_partial_quality(tmp_path):
     assert doc["config"]["policy"]["slo_reserve_s"] == B.SLO_RESERVE_S
     assert len(doc["config"]["trace_sets"]["synthetic"]) == 2
     assert {r["trace_set"] for r in doc["rows"]} >= {"artifact", "synthetic", "generated"}
+
+
+def test_aggregate_met_quality_and_intervals():
+    reqs = [{"link": "simulated", "policy": "p", "trace_set": "a", "slo_s": 1.0, "overshoot_s": o,
+             "violated": o > 0, "quality_kl": q, "regret_vs_oracle": None}
+            for o, q in [(0.0, 0.01), (0.5, 0.07), (0.0, 0.03), (0.2, 0.07)]]
+    (row,) = B.aggregate(reqs)
+    assert row["n_met"] == 2 and row["quality_kl_met"] == pytest.approx(0.02)
+    assert row["quality_kl"] == pytest.approx(0.045)
+    # 1.96 * stdev([0.01, 0.03]) / sqrt(2) = 1.96 * 0.014142 / 1.4142 = 0.0196
+    assert row["quality_kl_met_ci95"] == pytest.approx(0.0196, abs=1e-6)
+    lo, hi = row["violation_rate_ci95"]  # Wilson 95% of 2/4: 0.150 .. 0.850
+    assert lo == pytest.approx(0.1500, abs=1e-3) and hi == pytest.approx(0.8500, abs=1e-3)
+    assert B._wilson95(0, 10) == [0.0, pytest.approx(0.2775, abs=1e-4)]
+
+
+def _row(policy, viol, kl_met, kl_all=None, slo=1.0):
+    return {"link": "simulated", "trace_set": "artifact", "slo_s": slo, "policy": policy, "n": 10,
+            "violation_rate": viol, "quality_kl_met": kl_met, "quality_kl": kl_all if kl_all is not None else kl_met}
+
+
+def test_goals_compare_with_fixed_levels_at_no_more_violations():
+    rows = [_row("adaptive", 0.1, 0.02, 0.03), _row("oracle", 0.0, 0.005),
+            _row("fixed-l0", 0.0, 0.07), _row("fixed-l3", 0.1, 0.025), _row("fixed-l5", 0.4, 0.003),
+            _row("text", 1.0, None, 0.0)]
+    (g,) = B.goals(rows)
+    assert g["g1_slo"] is False  # 10% > 0% + 5 points
+    # fixed-l5 is better but misses more often: the comparison is fixed-l3 (10%, 0.025)
+    assert g["best_fixed"] == "fixed-l3" and g["g2_quality"] is True
+    assert g["best_fixed_all"] == "fixed-l3" and g["g2_quality_all_requests"] is False
+    rows[2] = _row("fixed-l0", 0.0, 0.01)  # a fixed level better at fewer violations
+    (g,) = B.goals(rows)
+    assert g["best_fixed"] == "fixed-l0" and g["g2_quality"] is False

@@ -141,9 +141,10 @@ def test_drop_mid_context_is_abandoned_and_replanned():
     cut = [t for t in r.timeline if t["abandoned"]]
     assert cut and cut[0]["chunk"] == 5 and cut[0]["level"] == 2
     # cut at the chunk's deadline: at least planned wire * 1.5 + 10 ms, at most what the plan's
-    # slack allows - far below the 2 s the transfer would take at 10 Mbit/s
+    # slack allows (text kept for quality at the end counts as slack) - below the 2 s the
+    # transfer would take at 10 Mbit/s
     planned = 6100 * 410 / (1000 * MBPS)
-    assert planned * 1.5 + 0.01 <= cut[0]["wire_s"] == cut[0]["budget_s"] < 1.5
+    assert planned * 1.5 + 0.01 <= cut[0]["wire_s"] == cut[0]["budget_s"] < 2.0
     assert r.levels[5] != 2  # re-planned lower (or text)
     # far better than keeping the level: fixed level 2 takes 5 chunks x 2 s at 10 Mbit/s
     fixed = simulate(FixedPolicy(2), man, trace, model=m)
@@ -173,7 +174,12 @@ def test_probe_after_text_recovers_the_link():
     r = simulate(pol, man, trace, model=m)
     assert r.levels[:3] == [None] * 3
     assert any(d.reason == "probe" for d in pol.history)
-    assert r.levels[-1] == 2  # back to the top level once the link is measured again
+    # back to the top level once the link is measured again (or text, the exact option, where
+    # the SLO leaves room for its recompute)
+    # the probe itself is the smallest level (the cheapest transfer to lose)
+    probe = [d for d in pol.history if d.reason == "probe"][-1]
+    assert probe.level == 0 and r.levels[probe.chunk] == 0
+    assert all(lv in (2, None) for lv in r.levels[probe.chunk + 1:]) and r.levels.count(2) >= 4
 
 
 def test_fixed_policy_and_errors():

@@ -201,3 +201,32 @@ def test_parallel_kernels_equal_reference(name, monkeypatch):
         y = k.clone()
         y[2, 199, 1, 63] = float("nan")
         assert all_finite(k) and not all_finite(y)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 7])
+def test_dynamic_scheduling_any_worker_count(workers, monkeypatch):
+    """The decode kernel's workers take items from an atomic counter (issue 14): any
+    number of workers (fewer, as many as or more than numba's threads) decodes every item
+    exactly once, to the same symbols as the reference decoder, and a corrupt stream is
+    still reported."""
+    monkeypatch.setattr(rans_cpu, "_num_workers", lambda: workers)
+    rng = np.random.default_rng(5)
+    L, T, C, G, B = 3, 40, 24, 2, 16          # quads, single-lane items and short blocks
+    sk = rng.integers(0, 6, (L, T, C)).astype(np.uint8)
+    sv = rng.integers(0, 4, (L, T, C)).astype(np.uint8)
+    from codec import probability as prob
+
+    ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), [6] * L, [4] * L)
+    pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
+    ref_k, ref_v = rans_cpu.decode_streams_ref(pay.tobytes(), lens, ms.cum, ms.model_index,
+                                               L, T, C, G, B)
+    for par in (True, False):
+        dk, dv = rans_cpu.decode_streams(pay.tobytes(), lens, ms.cum, ms.model_index,
+                                         L, T, C, G, B, parallel=par)
+        assert np.array_equal(dk, np.asarray(ref_k).reshape(L, T, C))
+        assert np.array_equal(dv, np.asarray(ref_v).reshape(L, T, C))
+        bad = bytearray(pay.tobytes())
+        bad[int(np.asarray(lens)[:5].sum()) + 1] ^= 0xFF      # a state word of stream 5
+        with pytest.raises(CodecError):
+            rans_cpu.decode_streams(bytes(bad), lens, ms.cum, ms.model_index, L, T, C, G, B,
+                                    parallel=par)

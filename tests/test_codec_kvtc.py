@@ -106,8 +106,11 @@ def test_inverse_transform_matches_float64_reference(cal, threads, monkeypatch):
     sym = np.random.default_rng(0).integers(0, 9, size=(L, T, n)).astype(np.uint8)
     offs = [4] * (L - 1) + [2]
     for kv in (0, 1):
-        q = (torch.from_numpy(sym).double() - torch.tensor(offs).double()[:, None, None]) \
-            * P["step"][kv].double()
+        qc = torch.from_numpy(sym).double() - torch.tensor(offs).double()[:, None, None]
+        if P["shrink"] is not None:     # centroid reconstruction: non-zero q moved toward 0
+            assert (P["shrink"] > 0).any()
+            qc = qc - torch.sign(qc) * P["shrink"][kv].double()
+        q = qc * P["step"][kv].double()
         ref = (q @ P["basis_t"][kv].double() + P["mean"][kv].double()).reshape(L, T, H, D)
         got = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), None, 0.0)
         assert got.dtype == torch.float32 and got.shape == (L, T, H, D)

@@ -210,7 +210,7 @@ def test_format_version_1_still_decodes():
     k1, v1 = codec.decode_kv(bytes(b))
     k2, v2 = codec.decode_kv(data)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    assert codec.peek_header(bytes(b))["codec_version"] == 2   # header field kept
+    assert codec.peek_header(bytes(b))["codec_version"] == codec.CODEC_VERSION   # header field kept
     b[4:6] = struct.pack("<H", 9)
     b[-4:] = struct.pack("<I", zlib.crc32(bytes(b[:-4])) & 0xFFFFFFFF)
     with pytest.raises(codec.CodecError, match="version 9"):

@@ -153,6 +153,77 @@ def test_decisions_reach_chunks_under_both_engines():
     assert miss.ttft_s == 0.7 and miss.loaded_tokens == 0 and miss.chunks == []
 
 
+def test_engine_thread_binding_is_explicit():
+    """The vLLM worker's OpenMP CPU list is chosen by the harness, not left to vLLM's auto
+    mode: one CPU per physical core, the highest reserved for the engine-core process."""
+    from harness.engines import engine_thread_binding
+
+    no_smt = lambda c: [c]  # noqa: E731
+    b = engine_thread_binding({0, 1}, env={}, siblings=no_smt)
+    assert b == {"VLLM_CPU_OMP_THREADS_BIND": "0", "omp_threads": 1, "source": "harness",
+                 "allowed_cpus": [0, 1]}
+    assert engine_thread_binding([3], env={}, siblings=no_smt)["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+    four = engine_thread_binding({0, 1, 2, 3, 5}, env={}, siblings=no_smt)
+    assert four["VLLM_CPU_OMP_THREADS_BIND"] == "0-3" and four["omp_threads"] == 4
+    smt = engine_thread_binding(set(range(8)), env={}, siblings=lambda c: [c % 4, c % 4 + 4])
+    assert smt["VLLM_CPU_OMP_THREADS_BIND"] == "0-2" and smt["omp_threads"] == 3
+    # a user's value is kept and recorded as theirs
+    user = engine_thread_binding({0, 1}, env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, siblings=no_smt)
+    assert user["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and user["omp_threads"] == 2
+    assert user["source"] == "user"
+    auto = engine_thread_binding({0, 1}, env={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
+    assert auto["omp_threads"] is None and auto["source"] == "user"
+
+
+def test_vllm_engine_pins_binding_and_records_settings(monkeypatch, tmp_path):
+    import os
+
+    import harness.engines as E
+    import third_party.vllm.engine as VE
+
+    seen = {}
+
+    def fake_make_llm(model_dir, extra, max_model_len=8192, **kw):
+        seen.update(kw, bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), extra=extra)
+        return object()
+
+    monkeypatch.setattr(E, "check_vllm", lambda: None)
+    monkeypatch.setattr(VE, "make_llm", fake_make_llm)
+    monkeypatch.setattr(E.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(E, "sysfs_siblings", lambda c: [c])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    eng = E.VLLMEngine(tmp_path, tmp_path / "stats.jsonl", 512, "127.0.0.1:1")
+    # the engine process saw the explicit list; this process's environment is restored
+    assert seen["bind"] == "0" and seen["seed"] == 0 and seen["dtype"] == "bfloat16"
+    assert seen["extra"]["stores"] == {"harness": "127.0.0.1:1"}
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    st = eng.settings
+    assert (st["engine"], st["omp_threads_bind"], st["omp_threads"], st["bind_source"]) == \
+        ("vllm", "0", 1, "harness")
+    assert st["allowed_cpus"] == [0, 1] and st["reserved_cpus"] == 1 and st["seed"] == 0
+    assert st["prefix_caching"] is False and st["env"]["OMP_NUM_THREADS"] == "7"
+    assert json.loads(json.dumps(st)) == st  # goes into results.json environment.engine
+    # a user's binding is passed through unchanged and stays set
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    eng2 = E.VLLMEngine(tmp_path, tmp_path / "stats.jsonl", 512)
+    assert seen["bind"] == "1" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert (eng2.settings["omp_threads_bind"], eng2.settings["bind_source"]) == ("1", "user")
+    assert eng2.settings["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_hf_engine_records_settings():
+    import torch
+
+    from harness.engines import HFEngine
+
+    bundle = SimpleNamespace(model=SimpleNamespace(dtype=torch.bfloat16),
+                             tokenizer=SimpleNamespace(eos_token_id=2))
+    st = HFEngine(bundle).settings
+    assert st["engine"] == "hf" and st["dtype"] == "bfloat16"
+    assert st["torch_threads"] == torch.get_num_threads()
+
+
 # ----------------------------------------------------------------------------- quality
 def test_score_output_driven_by_registry():
     ref_ids = [5, 6, 7, 8]

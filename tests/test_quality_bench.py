@@ -121,6 +121,12 @@ def test_choose_default_level_rule():
         Q.choose_default_level({"rows": [small_worse]})
 
 
+def test_cli_no_tasks_and_tasks_only_exclude(tmp_path, capsys):
+    assert Q.main(["--no-tasks", "--tasks-only", "--out", str(tmp_path / "q.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "exclude" in err and "\n" not in err
+
+
 def test_cli_bad_data_path_one_line(tmp_path, capsys):
     rc = Q.main(["--quick", "--data-path", str(tmp_path / "missing"), "--out", str(tmp_path / "q.json")])
     err = capsys.readouterr().err.strip()
@@ -138,7 +144,8 @@ def test_two_window_quick_run_real_model(tmp_path, capsys):
     (d / "test.txt").write_text("\n".join(natural_paragraphs()[:400]))
     out = tmp_path / "quality.json"
     rc = Q.main(["--windows", "2", "--context", "256", "--continuation", "32",
-                 "--codecs", "raw;cachegen:1;kivi2;cachegen-ref:0", "--data-path", str(d), "--out", str(out)])
+                 "--codecs", "raw;cachegen:1;kivi2;cachegen-ref:0", "--data-path", str(d), "--out", str(out),
+                 "--no-tasks"])
     assert rc == 0
     doc = json.loads(out.read_text())
     rows = {(r["codec"], r["level"]): r for r in doc["rows"]}

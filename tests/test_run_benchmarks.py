@@ -34,6 +34,15 @@ def _check_doc(doc: dict, engine: str) -> None:
     modes = {(r["mode"], r["level"]) for r in doc["runs"]}
     assert modes == {("text", None), ("raw", None), ("cachegen", 2), ("cachegen-adaptive", None)}
     assert doc["environment"]["link_method"] in ("netns-tbf", "userspace-tokenbucket")
+    # what set the engine's numerics is recorded (docs/results-schema.md, "Reproducibility")
+    eng = doc["environment"]["engine"]
+    assert eng["engine"] == engine and eng["dtype"] == "bfloat16"
+    if engine == "vllm":
+        from harness.engines import _parse_cpu_list
+
+        assert eng["seed"] == 0 and eng["prefix_caching"] is False
+        if eng["bind_source"] == "harness":  # an explicit CPU list, one OpenMP thread per CPU
+            assert eng["omp_threads"] == len(_parse_cpu_list(eng["omp_threads_bind"])) >= 1
     by_mode = {r["mode"]: r for r in doc["runs"]}
     for r in doc["runs"]:
         assert r["engine"] == engine

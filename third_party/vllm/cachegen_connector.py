@@ -170,6 +170,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._sources: dict[str, Any] = {}
         self._key_fn = load_callable(self._extra["key_fn"]) if self._extra.get("key_fn") else None
         allowed_stores(self._extra)  # a malformed operator store list fails at start, clearly
+        self._decode_cpus = decode_cpus(self._extra.get("decode_cpus", "all"))
         cc = getattr(vllm_config, "cache_config", None)
         self._prefix_caching = bool(getattr(cc, "enable_prefix_caching", False))
         # lossy KV loaded with prefix caching on enters vLLM's local prefix cache and is then
@@ -438,7 +439,10 @@ class CacheGenConnector(KVConnectorBase_V1):
         if idx != list(range(len(idx))):
             raise ValueError(f"attention layers are not numbered 0..L-1: {idx}")
         if self._extra.get("warmup", True):
-            self._warm_up(next(iter(kv_caches.values())).dtype if kv_caches else None)
+            # numba's thread pool starts at the first parallel kernel (here): its threads
+            # inherit this thread's affinity, so start it with the decode's CPUs
+            with _DecodeAffinity(self._decode_cpus):
+                self._warm_up(next(iter(kv_caches.values())).dtype if kv_caches else None)
 
     def _warm_up(self, dtype) -> None:
         """Compile / load every codec's JIT kernels now (worker process, engine start), so
@@ -493,8 +497,9 @@ class CacheGenConnector(KVConnectorBase_V1):
         if not all(n in layers for _, n in self._layers):
             layers = self._vllm_config.compilation_config.static_forward_context
         self._layer_objs = layers
-        for lr in meta.loads:
-            self._load_one(lr)
+        with _DecodeAffinity(self._decode_cpus):   # the load gets every core (issue 14)
+            for lr in meta.loads:
+                self._load_one(lr)
 
     def _load_one(self, lr: LoadRequest) -> None:
         t_wall = time.perf_counter()
@@ -676,6 +681,61 @@ class CacheGenConnector(KVConnectorBase_V1):
         return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
 
 
+def decode_cpus(setting: Any = "all") -> set[int] | None:
+    """CPUs the connector's load (receive + decode) may run on, from the extra-config key
+    ``decode_cpus``: "all" (default: every CPU of the machine, as the kernel's cpuset
+    allows), "inherit" (keep the worker's binding: None), or a list of CPU ids.
+
+    Why (issue 14, measured): vLLM's CPU worker binds itself to the cores left after the
+    scheduler's reserved one (ENGINE_ENV reserves 1 of this machine's 2, so the worker runs
+    on {0}), and every thread it starts inherits that, so the decode got ONE core inside
+    the engine although the engine does nothing else while it waits for the load (the
+    scheduler process waits on the worker's step, in a sched_yield spin loop: the second
+    core is shared with it). Raises ValueError on a bad setting."""
+    if setting in (None, "all"):
+        n = os.cpu_count() or 1
+        return set(range(n))
+    if setting == "inherit":
+        return None
+    if (isinstance(setting, (list, tuple)) and setting
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in setting)):
+        return set(setting)
+    raise ValueError(f'decode_cpus must be "all", "inherit" or a list of CPU ids, got {setting!r}')
+
+
+class _DecodeAffinity:
+    """Context manager: widen the CALLING thread's CPU affinity to ``cpus`` (Linux
+    sched_setaffinity on pid 0 = this thread) and restore it on exit. Threads started
+    inside (the stream receiver, numba's pool when it is launched here) inherit the wide
+    set; the forward pass later runs on the worker's own binding again. A no-op where
+    affinity is not supported or ``cpus`` is None / already allowed."""
+
+    def __init__(self, cpus: set[int] | None):
+        self._cpus = cpus
+        self._old: set[int] | None = None
+
+    def __enter__(self):
+        if not self._cpus or not hasattr(os, "sched_setaffinity"):
+            return self
+        try:
+            old = os.sched_getaffinity(0)
+            if not self._cpus <= old:
+                os.sched_setaffinity(0, self._cpus | old)
+                self._old = old
+        except (OSError, ValueError):   # e.g. CPU ids outside the machine / cpuset
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            try:
+                os.sched_setaffinity(0, self._old)
+            except OSError:
+                pass
+            self._old = None
+        return False
+
+
 def _thread_probe() -> dict[str, Any]:
     """Cores and threads the decode gets in this (worker) process (issue 14.1): the CPU
     affinity the worker's threads inherit, torch's and numba's thread counts."""
@@ -686,6 +746,18 @@ def _thread_probe() -> dict[str, Any]:
         out["affinity"] = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         out["affinity"] = None
+    try:   # every thread of the process by its allowed CPUs (numba's pool included)
+        census: dict[str, int] = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status", encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        key = line.split(":", 1)[1].strip()
+                        census[key] = census.get(key, 0) + 1
+                        break
+        out["threads_by_cpus"] = census
+    except OSError:
+        out["threads_by_cpus"] = None
     nb = sys.modules.get("numba")
     if nb is not None:
         out["numba_threads"] = nb.get_num_threads()

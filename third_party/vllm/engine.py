@@ -88,6 +88,11 @@ def make_llm(
         raise ValueError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
     env = dict(ENGINE_ENV, VLLM_CPU_KVCACHE_SPACE=str(int(kvcache_space_gib)))
     os.environ.update(env)
+    # numba sizes its pool from the affinity at import; in vLLM's worker that is the one
+    # core left after the scheduler's, so the connector's decode would get one thread.
+    # Spawned processes inherit this (the same value numba computes here: no conflict).
+    if hasattr(os, "sched_getaffinity"):
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     # The connector module must be importable in vLLM's spawned processes.
     pp = os.environ.get("PYTHONPATH", "")
     if str(REPO_ROOT) not in pp.split(os.pathsep):
