@@ -229,6 +229,15 @@ class KvtcCalibration:
                     np.where(mask, np.array(self.shrink[i][:, :, :n], np.float32), 0.0
                              ).astype(np.float32))[:, :, None, :].contiguous()}
             self._torch[level]["colsum"] = self._torch[level]["basis_ts"].sum(dim=2)
+            if self.head_dim % 2 == 0:
+                # output columns interleaved per head for the complex-RoPE decode:
+                # head feature order [0, D/2, 1, D/2 + 1, ...]
+                hh = self.head_dim // 2
+                ph = torch.stack([torch.arange(hh), torch.arange(hh) + hh], -1).reshape(-1)
+                perm = (torch.arange(self.num_heads)[:, None] * self.head_dim + ph).reshape(-1)
+                self._torch[level]["perm_il"] = perm
+                self._torch[level]["basis_ts_il"] = \
+                    self._torch[level]["basis_ts"][..., perm].contiguous()
         return self._torch[level]
 
     # ---- file ----------------------------------------------------------------------
@@ -594,20 +603,19 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         j = next((j for j, r in enumerate(grid_rate) if r <= tgt), len(grid) - 1)
         a, b = float(grid[max(0, j - 1)]), float(grid[j])
         ra, rb = grid_rate[max(0, j - 1)], grid_rate[j]
-        st = None
         side = 0
         for _ in range(12):
             if not ra > tgt >= rb or abs(rb - tgt) <= 2e-3 * tgt:
                 break
             m = b - (rb - tgt) * (b - a) / (rb - ra)
-            rm, stm = rate(m)
+            rm, _ = rate(m)
             if rm > tgt:
                 a, ra = m, rm
                 if side == -1:
                     rb = tgt + (rb - tgt) / 2
                 side = -1
             else:
-                b, rb, st = m, rm, stm
+                b, rb = m, rm
                 if side == 1:
                     ra = tgt + (ra - tgt) / 2
                 side = 1
@@ -842,16 +850,17 @@ class KvtcCodec:
                     res[:, T - nr:] = from_bits(arrays.get(f"recent_{tag}"), dtype_name,
                                                 (L, nr, H, D), f"recent_{tag}")
                 if Tq:
-                    res[:, ns:ns + Tq] = self._inverse(
+                    self._inverse(
                         sym, offs[kv], P, kv, (L, Tq, H, D),
                         off0 + ns if kv == 0 and cal.key_space == "pre_rope" else None,
-                        cal.rope_theta)
+                        cal.rope_theta, out=res[:, ns:ns + Tq])
                 out.append(res)
         return out[0], out[1]
 
     @staticmethod
     def _inverse(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,
-                 rope_from: Optional[int], theta: float) -> torch.Tensor:
+                 rope_from: Optional[int], theta: float,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """KV float32 [L, Tq, H, D] from the symbols uint8 [L, Tq, n]: a float32 matrix
         product (batched, or per layer at its kept width with one torch thread) with the
         step-scaled inverse basis (x = (sym - off) * step @ B^T +
@@ -859,8 +868,14 @@ class KvtcCodec:
         ``rope_from`` (None = no RoPE: values, or keys coded after RoPE). With centroid
         offsets (``P["shrink"]``) the coefficients are centred first and each non-zero
         one moved toward 0 by its component's offset: x = (q - shrink sign(q)) @ B_s^T +
-        mean."""
+        mean. With RoPE the product's output columns are interleaved per head
+        ([x_0, x_{D/2}, x_1, ...], a permutation of the basis), so RoPE is one complex
+        multiplication by e^{i angle} in place (rotate-half RoPE is (x1 + i x2) e^{i a}),
+        and the copy into ``out`` (e.g. the model-dtype result, [L, Tq, H, D]) undoes the
+        interleaving. Returns ``out`` (or a new float32 tensor)."""
         L, Tq, H, D = shape
+        rope = rope_from is not None
+        basis = P["basis_ts_il"] if rope else P["basis_ts"]
         q = torch.from_numpy(np.ascontiguousarray(sym, np.uint8)).to(torch.float32)
         offt = torch.tensor(offs, dtype=torch.float32)
         if P.get("shrink") is not None:
@@ -869,20 +884,30 @@ class KvtcCodec:
             bias = P["mean"][kv, :, 0]                                   # [L, C]
         else:
             bias = P["mean"][kv, :, 0] - offt[:, None] * P["colsum"][kv]   # [L, C]
+        if rope:
+            bias = bias[:, P["perm_il"]]
         if torch.get_num_threads() == 1:
             # one thread: no parallel regions to synchronise, so a loop of small products
             # that skips each layer's dropped components does fewer multiply-adds
             x = torch.empty((L, Tq, H * D), dtype=torch.float32)
             for layer in range(L):
                 nl = P["keep"][kv][layer]
-                torch.addmm(bias[layer], q[layer, :, :nl], P["basis_ts"][kv, layer, :nl],
+                torch.addmm(bias[layer], q[layer, :, :nl], basis[kv, layer, :nl],
                             out=x[layer])
         else:
             # several threads: one batched product (dropped components are zero rows);
             # 30 small parallel products per K/V collapsed on a busy machine
-            x = torch.bmm(q, P["basis_ts"][kv])
+            x = torch.bmm(q, basis[kv])
             x += bias[:, None, :]
-        x = x.view(L, Tq, H, D)
-        if rope_from is not None:
-            x = apply_rope(x, torch.arange(rope_from, rope_from + Tq), theta)
-        return x
+        if out is None:
+            out = torch.empty((L, Tq, H, D), dtype=torch.float32)
+        if not rope:
+            out.copy_(x.view(L, Tq, H, D))
+            return out
+        h = D // 2
+        cos, sin = _rope_cos_sin(torch.arange(rope_from, rope_from + Tq), D, theta)
+        rot = torch.complex(cos[..., :h], sin[..., :h])                   # [Tq, 1, h]
+        xc = torch.view_as_complex(x.view(L, Tq, H, h, 2))
+        xc.mul_(rot)
+        out.view(L, Tq, H, 2, h).copy_(torch.view_as_real(xc).transpose(-1, -2))
+        return out

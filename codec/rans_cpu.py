@@ -18,8 +18,9 @@ table decoders of the baselines quant8, fp8 and KIVI. `CPU_CODER` is this module
 coder backend of codec/entropy.py; the constants and layout are codec/rans_spec.py's.
 
 The numba kernels (`encode_streams`, `decode_streams`) run one work item (4 streams of
-identical shape coded in lockstep, or 1 stream) per `prange` iteration (so both cores are
-busy; small chunks use a serial build) and must produce exactly the bytes of the pure-Python
+identical shape coded in lockstep, or 1 stream) at a time on every core (the encoder per
+`prange` iteration; the decoder's workers take items from an atomic counter, so a thread
+slowed by other work does not hold the others back; small chunks use a serial build) and must produce exactly the bytes of the pure-Python
 reference (`rans_encode_ref`, `rans_decode_ref`, `encode_streams_ref`,
 `decode_streams_ref`), which the Triton kernels (codec/triton_kernels.py) also match.
 

@@ -60,3 +60,18 @@ def test_inherit_changes_nothing():
     with _DecodeAffinity(decode_cpus("inherit")):
         assert os.sched_getaffinity(0) == before
     assert os.sched_getaffinity(0) == before
+
+
+def test_load_record_names_the_chunk_failure():
+    # issue 13.3: a load whose chunk failed to decode says why (not only recomputed_tokens)
+    from types import SimpleNamespace
+
+    from third_party.vllm.cachegen_connector import _chunk_failure
+
+    ok = SimpleNamespace(chunks=[SimpleNamespace(index=0, note=""),
+                                 SimpleNamespace(index=1, note="decode failed once, refetch decoded")])
+    assert _chunk_failure(ok) is None and _chunk_failure(None) is None
+    text = SimpleNamespace(chunks=[{"index": 0, "note": ""}, {"index": 1, "note": "text (policy)"}])
+    assert _chunk_failure(text) is None
+    bad = SimpleNamespace(chunks=[{"index": 0, "note": ""}, {"index": 2, "note": "decode failed after refetch: x"}])
+    assert _chunk_failure(bad) == "chunk 2: decode failed after refetch: x"

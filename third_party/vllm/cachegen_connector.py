@@ -552,7 +552,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             "decode_threads": _thread_probe(),
             "bytes": stats.bytes if stats else None,
             "fallback": bool(stats.fallback) if stats else None,
-            "error": err or (stats.error if stats else None),
+            "error": err or (stats.error if stats else None) or _chunk_failure(stats),
             "chunks": stats.chunks if stats else [],
             "lookup_info": lr.lookup.info,
             "time": time.time(),
@@ -701,6 +701,17 @@ def decode_cpus(setting: Any = "all") -> set[int] | None:
             and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in setting)):
         return set(setting)
     raise ValueError(f'decode_cpus must be "all", "inherit" or a list of CPU ids, got {setting!r}')
+
+
+def _chunk_failure(stats) -> str | None:
+    """The first chunk failure note of a load (a chunk whose decode or refetch failed and
+    whose tokens the engine therefore recomputes), or None: a chunk sent as text by the
+    adaptation policy is a choice, not an error (issue 13.3: the record says why)."""
+    for c in (getattr(stats, "chunks", None) or []):
+        note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
+        if note and "failed" in note and not note.startswith("decode failed once, refetch decoded"):
+            return f"chunk {c.get('index') if isinstance(c, dict) else getattr(c, 'index', '?')}: {note}"
+    return None
 
 
 class _DecodeAffinity:
