@@ -27,6 +27,7 @@ from evaluation.metrics import (
     quantile,
     register_metric,
     retrieval_accuracy,
+    scored_answer,
     rouge_l,
 )
 
@@ -50,5 +51,6 @@ __all__ = [
     "quantile",
     "register_metric",
     "retrieval_accuracy",
+    "scored_answer",
     "rouge_l",
 ]

@@ -437,19 +437,21 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
         lines.append(f"Task answers ({tcfg.get('n_requests', '?')} requests per codec/level: needle, context "
                      f"lengths {', '.join(str(x) for x in tcfg.get('lengths') or []) or '?'} tokens, depths "
                      f"10-90%, and topic retrieval, {', '.join(str(x) for x in tcfg.get('topic_lengths') or []) or '?'}"
-                     " tokens; `all` pools both). Agreement: the generated answer's token ids equal the lossless "
-                     "answer's for the same request.")
+                     " tokens; `all` pools both). Answer agreement: the scored answer (the number the scorer reads, "
+                     "or whether the gold phrase occurs) equals the lossless answer's for the same request; token "
+                     "agreement: the generated token ids are identical (a rephrasing of the same answer disagrees).")
         lines.append("")
         lines.append("| codec / level | task | n | accuracy [Wilson 95% CI] | "
-                     "agreement with lossless [Wilson 95% CI] |")
-        lines.append("|---" * 5 + "|")
+                     "answer agreement with lossless [Wilson 95% CI] | token agreement [Wilson 95% CI] |")
+        lines.append("|---" * 6 + "|")
         for t in tasks:
             lines.append(f"| {_codec_label(t.get('codec'), t.get('level'), bool(t.get('default')))} | "
                          f"{t.get('task', '?')} | {t.get('n', '-')} | "
                          f"{_wilson_cell(t.get('accuracy'), t.get('n'), t.get('accuracy_ci'))} | "
-                         f"{_wilson_cell(t.get('agreement'), t.get('n'), t.get('agreement_ci'))} |")
+                         f"{_wilson_cell(t.get('agreement'), t.get('n'), t.get('agreement_ci'))} | "
+                         f"{_wilson_cell(t.get('token_agreement'), t.get('n'), t.get('token_agreement_ci'))} |")
     else:
-        lines.append("Task answers: not yet measured (run `python -m bench.quality --tasks`).")
+        lines.append("Task answers: not yet measured (run `python -m bench.quality`).")
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -271,3 +271,18 @@ def test_aggregate_bools_and_edge_cases():
         M.quantile([1, 2], 1.5)
     with pytest.raises(ValueError, match="non-numeric"):
         M.median(["a"])
+
+
+def test_scored_answer_is_what_retrieval_accuracy_reads():
+    from evaluation import scored_answer
+
+    # numeric answers: the last run of digits (LongEval's rule), None without one
+    assert scored_answer("the passcode is 82716", "82716") == 82716
+    assert scored_answer("the text above is 82716.", "82716") == scored_answer("It is <82716>", "82716")
+    assert scored_answer("82716 or 12", "82716") == 12
+    assert scored_answer("no number here", "82716") is None
+    # phrases: whether the normalised gold answer occurs
+    assert scored_answer("The topic was: The Weather!", "the weather") is True
+    assert scored_answer("sports", "the weather") is False
+    with pytest.raises(ValueError):
+        scored_answer(None, "1")
