@@ -261,19 +261,21 @@ def timing_from_connector(rec: dict[str, Any], ttft: float, e2e: float,
     its ``stats_path``; ``{}`` for text mode or a miss: the engine prefilled everything).
 
     ``ttft`` is vLLM's engine-side first-token latency (NaN when absent: ``e2e`` is used);
-    the prefill part is what remains of TTFT after lookup and load (``load_s`` includes the
-    cache write, ``inject_s``).
+    ``load_s`` is the connector's load minus its cache writes (``inject_s``), as under the
+    HF engine; the prefill part is what remains of TTFT after lookup, load and inject.
     """
     if not math.isfinite(ttft):
         ttft = e2e
     lookup = float(rec.get("lookup_s") or 0.0)
-    load = float(rec.get("load_s") or rec.get("total_s") or 0.0)
     inject = float(rec.get("inject_s") or 0.0)
+    # the connector's load_s is the whole worker-side load, cache writes included; here, as
+    # under the HF engine, load_s is fetch + decode and inject_s the cache writes
+    load = max(0.0, float(rec.get("load_s") or rec.get("total_s") or 0.0) - inject)
     chunks = merge_decisions(list(rec.get("chunks") or []), rec.get("decisions") or [])
     return RequestTiming(
         ttft_s=ttft, lookup_s=lookup, transfer_s=float(rec.get("transfer_s") or 0.0),
         decode_s=float(rec.get("decode_s") or 0.0), load_s=load, inject_s=inject,
-        prefill_s=max(0.0, ttft - lookup - load), first_token_s=None,  # load_s includes inject_s
+        prefill_s=max(0.0, ttft - lookup - load - inject), first_token_s=None,
         e2e_s=e2e, output_ids=out_ids, loaded_tokens=int(rec.get("loaded_tokens") or 0),
         bytes=int(rec.get("bytes") or 0), chunks=chunks,
         recomputed_tokens=int(rec.get("recomputed_tokens") or 0), load_error=rec.get("error"),

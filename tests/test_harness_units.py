@@ -148,7 +148,8 @@ def test_decisions_reach_chunks_under_both_engines():
            "decisions": decisions}
     t = timing_from_connector(rec, 0.5, 0.9, [1, 2])
     assert [c.get("decision") for c in t.chunks] == ["fits", "text"]
-    # load_s already includes the cache write (inject_s): not subtracted twice
+    # the connector's load_s includes its cache writes: split as under HF, counted once
+    assert t.load_s == pytest.approx(0.3 - 0.02) and t.inject_s == pytest.approx(0.02)
     assert t.prefill_s == pytest.approx(0.5 - 0.01 - 0.3) and t.first_token_s is None
     miss = timing_from_connector({}, float("nan"), 0.7, [1])  # text mode / miss; no TTFT metric
     assert miss.ttft_s == 0.7 and miss.loaded_tokens == 0 and miss.chunks == []
