@@ -206,24 +206,6 @@ def _check_str(value: Any, what: str) -> str:
 @register_metric("retrieval_accuracy", higher_is_better=True, unit="bool (share correct when aggregated)",
                  aggregation="share", column="correct", summary="accuracy",
                  inputs=("prediction", "answer"), task=True)
-def scored_answer(prediction: str, answer: str):
-    """What :func:`retrieval_accuracy` reads from ``prediction`` for this ``answer``: the
-    last run of digits as an int (None when there is none) when ``answer`` is a
-    non-negative integer, else whether the normalised answer occurs in the normalised
-    prediction (bool). Two predictions with the same scored answer get the same verdict
-    for the same reason; used for answer agreement with a lossless answer (issue 13).
-
-    Raises:
-        ValueError: non-str arguments, or an answer that is empty after normalisation.
-    """
-    prediction = _check_str(prediction, "prediction")
-    answer = _check_str(answer, "answer").strip()
-    if _DIGITS.fullmatch(answer):
-        numbers = _DIGITS.findall(prediction)
-        return int(numbers[-1]) if numbers else None
-    return retrieval_accuracy(prediction, answer)
-
-
 def retrieval_accuracy(prediction: str, answer: str) -> bool:
     """Is a retrieval answer correct, as LongEval scores LongChat "lines"?
 
@@ -253,6 +235,24 @@ def retrieval_accuracy(prediction: str, answer: str) -> bool:
     if not norm_answer:
         raise ValueError(f"answer {answer!r} is empty after normalisation")
     return norm_answer in normalize_answer(prediction)
+
+
+def scored_answer(prediction: str, answer: str):
+    """What :func:`retrieval_accuracy` reads from ``prediction`` for this ``answer``: the
+    last run of digits as an int (None when there is none) when ``answer`` is a
+    non-negative integer, else whether the normalised answer occurs in the normalised
+    prediction (bool). Two predictions with the same scored answer get the same verdict
+    for the same reason; used for answer agreement with a lossless answer (issue 13).
+
+    Raises:
+        ValueError: non-str arguments, or an answer that is empty after normalisation.
+    """
+    prediction = _check_str(prediction, "prediction")
+    answer = _check_str(answer, "answer").strip()
+    if _DIGITS.fullmatch(answer):
+        numbers = _DIGITS.findall(prediction)
+        return int(numbers[-1]) if numbers else None
+    return retrieval_accuracy(prediction, answer)
 
 
 def _token_f1(prediction_tokens: list[str], truth_tokens: list[str]) -> float:

@@ -286,3 +286,18 @@ def test_scored_answer_is_what_retrieval_accuracy_reads():
     assert scored_answer("sports", "the weather") is False
     with pytest.raises(ValueError):
         scored_answer(None, "1")
+
+
+def test_registered_metrics_are_the_functions_of_their_names():
+    # a decorator left above the wrong function once registered scored_answer (which returns
+    # the number read, truthy for ANY number) as "retrieval_accuracy": every answer "correct"
+    import evaluation.metrics as m
+    from evaluation import get_metric, list_metrics
+
+    for name in list_metrics():
+        fn = getattr(m, name, None)
+        if fn is not None:
+            assert get_metric(name).fn is fn, name
+    acc = get_metric("retrieval_accuracy")
+    assert acc("the passcode is 12345", "82716") is False
+    assert acc("the passcode is 82716", "82716") is True
