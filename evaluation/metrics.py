@@ -229,8 +229,7 @@ def retrieval_accuracy(prediction: str, answer: str) -> bool:
     prediction = _check_str(prediction, "prediction")
     answer = _check_str(answer, "answer").strip()
     if _DIGITS.fullmatch(answer):
-        numbers = _DIGITS.findall(prediction)
-        return bool(numbers) and int(numbers[-1]) == int(answer)
+        return _last_number(prediction) == int(answer)
     norm_answer = normalize_answer(answer)
     if not norm_answer:
         raise ValueError(f"answer {answer!r} is empty after normalisation")
@@ -247,12 +246,17 @@ def scored_answer(prediction: str, answer: str):
     Raises:
         ValueError: non-str arguments, or an answer that is empty after normalisation.
     """
-    prediction = _check_str(prediction, "prediction")
     answer = _check_str(answer, "answer").strip()
     if _DIGITS.fullmatch(answer):
-        numbers = _DIGITS.findall(prediction)
-        return int(numbers[-1]) if numbers else None
+        return _last_number(_check_str(prediction, "prediction"))
     return retrieval_accuracy(prediction, answer)
+
+
+def _last_number(text: str) -> int | None:
+    """The last run of digits in ``text`` as an int (LongEval's ``re.findall(r"\\d+",
+    output)[-1]``), or None when there is none."""
+    numbers = _DIGITS.findall(text)
+    return int(numbers[-1]) if numbers else None
 
 
 def _token_f1(prediction_tokens: list[str], truth_tokens: list[str]) -> float:
