@@ -6,15 +6,7 @@ import pytest
 
 from streaming.adapt import AdaptivePolicy, ClockModel, simulate
 
-MBPS = 1e6 / 8
-
-
-class Man:
-    def __init__(self, n, tokens, bytes_per_token):
-        self.levels = tuple(sorted(bytes_per_token))
-        self.sizes = {lv: tuple([b * tokens] * n) for lv, b in bytes_per_token.items()}
-        self.token_ranges = tuple((i * tokens, (i + 1) * tokens) for i in range(n))
-        self.chunk_count = n
+from test_adapt_policy import MBPS, Man  # the same synthetic manifest
 
 
 BPT = {0: 2200, 1: 3000, 2: 4500, 3: 6100}
