@@ -5,10 +5,11 @@ encoded by every mode's codec into independently decodable chunks and stored in 
 store server, which sits behind a real rate-limited link (veth + tc tbf in network
 namespaces as root, else a userspace token-bucket proxy on loopback). Each request then
 loads its prefix KV through the link (decode pipelined with transfer), injects it into the
-engine and prefills only the rest. Modes: text, raw, quant8, kivi2, cachegen (each level),
-cachegen-adaptive (CacheGen section 5: per-chunk level from measured throughput and an
-SLO, text fallback), kvtc (transform coding, each level; its default calibration is fitted
-on first use and cached). Results: benchmarks/results.json (docs/results-schema.md).
+engine and prefills only the rest. Default modes: text, raw, quant8, kivi2, cachegen
+(each level), cachegen-adaptive (CacheGen section 5: per-chunk level from measured
+throughput and an SLO, text fallback), kvtc (transform coding, level 4; its default
+calibration is fitted on first use and cached); kivi4 and fp8 on request.
+Results: benchmarks/results.json (docs/results-schema.md).
 
 Run:
     python run_benchmarks.py                                   # defaults (configs/benchmark.yaml)
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive kvtc")
     p.add_argument("--levels", type=int, nargs="+", help="cachegen levels (default: all)")
     p.add_argument("--kvtc-levels", type=int, nargs="+",
-                   help="kvtc levels (default: all; --quick: 4, the codec's default)")
+                   help="kvtc levels (default: configs/benchmark.yaml's, 4; --quick: at most "
+                        "two of them)")
     p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
     p.add_argument("--model", help="HF id, local HF folder or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--tasks", nargs="+",

@@ -300,6 +300,11 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         # busy machine), the reference unfused path, and the rANS coder alone
         "decode_e2e_msym_s": n_el / dec_s / 1e6,
         **{f"decode_{key}_msym_s": n_el / val / 1e6 for key, val in dec_extra.items() if val > 0},
+        # issue 16: decode time per 1K tokens (the yardstick across codecs whose symbol
+        # counts differ), every core and one thread
+        "decode_ms_per_1k_tokens": 1e6 * dec_s / (len(ctxs) * int(ctxs[0]["k"].shape[1])),
+        **({"decode_1thread_ms_per_1k_tokens": 1e6 * dec_extra["e2e_1thread"]
+            / (len(ctxs) * int(ctxs[0]["k"].shape[1]))} if dec_extra.get("e2e_1thread") else {}),
         "encode_mb_s": tot["dtype_bytes"] / enc_s / 1e6,
         "decode_mb_s": tot["dtype_bytes"] / dec_s / 1e6,
         "rel_l2_k": statistics.fmean(mean_k), "rel_l2_v": statistics.fmean(mean_v),
@@ -333,6 +338,8 @@ def print_table(rows: list[dict], out=None) -> None:
             ("model_share", "model%", 1), ("scale_share", "scale%", 1),
             ("encode_msym_s", "enc Msym/s", 1), ("decode_e2e_msym_s", "dec Msym/s", 1),
             ("decode_e2e_1thread_msym_s", "dec 1t", 1),
+            ("decode_ms_per_1k_tokens", "dec ms/1Kt", 1),
+            ("decode_1thread_ms_per_1k_tokens", "ms/1Kt 1t", 1),
             ("decode_e2e_cpu_msym_s", "dec /CPU-s", 1), ("decode_ref_msym_s", "dec ref", 1),
             ("decode_coder_msym_s", "rANS only", 1),
             ("encode_mb_s", "enc MB/s", 1), ("decode_mb_s", "dec MB/s", 1),

@@ -6,7 +6,9 @@ context whose KV cache went through a lossy codec; metrics as ../docs/results-sc
 - **Text fidelity** (paired, per window of WikiText-2 test): each window's context is
   prefilled ONCE; its lossless KV gives the reference logits of the continuation. For
   every codec and level, the KV is encoded, decoded and injected, and only the continuation
-  is run on top of it (``kv_extraction_hf.inject.continuation_logits``). Per window: mean
+  is run on top of it (``kv_extraction_hf.inject.continuation_logits_batch``: ``--batch``
+  codecs per forward, each codec's logits bit for bit those of its own batch-1
+  ``continuation_logits``). Per window: mean
   KL(lossless || decoded) per continuation token (nats), top-1 agreement (share of
   continuation positions whose argmax equals the lossless argmax) and perplexity change
   (%; reported but NOT monotone in distortion: noise can lower it). Mean over windows with
@@ -29,7 +31,7 @@ context whose KV cache went through a lossy codec; metrics as ../docs/results-sc
   or below, and that of top-1 agreement reaches 0 or above.
 
 Run:
-    python -m bench.quality --quick               # 4 windows x (512 + 256) + 8 task requests
+    python -m bench.quality --quick               # smoke run: 4 windows x (512 + 128) + 4 task requests
     python -m bench.quality                       # 32 windows x (2048 + 256), all codecs, + 60 task requests
     python -m bench.quality --tasks-only          # task answers only (see --help for time)
     python -m bench.quality --tasks-only --task-verify --task-requests 10   # fast answer path vs plain greedy
@@ -67,6 +69,13 @@ TASK_MAX_NEW_TOKENS = 40
 # the codecs/levels measured on tasks by default: the default cachegen level, LMCache's schedule, the
 # kvtc levels either side of its size, quant8, KIVI-2 and raw (the check: agreement must be 1)
 DEFAULT_TASK_CODECS = "cachegen:1;cachegen-ref:0;kvtc:4,5;quant8;kivi2;raw"
+# codecs whose continuation runs in one batched forward (inject.continuation_logits_batch);
+# 7 splits the 21 default rows into 3 forwards (~1.5 GB of KV, logits and activations)
+DEFAULT_BATCH = 7
+# --quick is a smoke run (every codec and level on 4 short windows, each task kind twice):
+# 4 windows x (512 + 128) tokens and 4 task requests; too few samples to rank codecs
+QUICK_CONTINUATION = 128
+QUICK_TASK_REQUESTS = 4
 
 __all__ = ["codec_levels", "parse_codec_spec", "reference_scores", "window_scores", "run_text_quality", "run_tasks",
            "choose_default_level", "summarize_rows", "main"]
@@ -228,63 +237,83 @@ def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[d
 # ----------------------------------------------------------------------------- text quality
 def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Optional[int]]],
                      n_windows: int, context: int, continuation: int, seed: int = 0,
-                     log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+                     log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH) -> tuple[list[dict], dict]:
     """Paired text-fidelity measurement on ``n_windows`` windows of ``token_ids``.
 
     ``token_ids``: the tokenized corpus; windows of ``context + continuation`` tokens at
     :func:`kv_extraction_hf.wikitext.token_windows` offsets (seeded, non-overlapping).
     ``pairs``: (codec, level) to measure. Each window is prefilled once; per codec/level
     the KV is encoded + decoded (``codec.encode_with_stats`` / ``codec.decode_kv``) and
-    only the continuation is run. Returns (rows as :func:`summarize_rows`, info dict with
-    offsets, skipped codecs and their reasons, the lossless check, timings).
-    A codec that raises on encode/decode is skipped (reason printed and recorded).
+    only the continuation is run: ``batch`` codecs' decoded KV at a time in one batched
+    forward (``kv_extraction_hf.inject.continuation_logits_batch``: each entry's logits
+    are those of its own batch-1 forward bit for bit; the lossless ``raw`` row checks it on
+    every window; ``forward_s`` of a row is its share of the batch's time). Returns (rows as
+    :func:`summarize_rows`, info dict with offsets, skipped codecs and their reasons, the
+    lossless check, timings). A codec that raises on encode/decode is skipped (reason
+    printed and recorded). Raises ValueError when ``batch`` < 1.
     """
     import codec
     from kv_extraction_hf.extract import prefill_kv
-    from kv_extraction_hf.inject import continuation_logits
+    from kv_extraction_hf.inject import continuation_logits, continuation_logits_batch
     from kv_extraction_hf.wikitext import token_windows
 
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     offsets = token_windows(len(token_ids), context + continuation, n_windows, seed)
     acc: dict = {p: {"kl": [], "top1": [], "ppl_change_pct": [], "bytes": 0, "dtype_bytes": 0,
                      "elements": 0, "encode_s": 0.0, "decode_s": 0.0, "forward_s": 0.0} for p in pairs}
     skipped: dict[str, str] = {}
     ref_ppl: list[float] = []
-    t_prefill = 0.0
+    t_prefill = t_scores = 0.0
     t0 = time.perf_counter()
     for w, off in enumerate(offsets):
         ctx = list(token_ids[off:off + context])
         cont = list(token_ids[off + context:off + context + continuation])
         t = time.perf_counter()
         k, v = prefill_kv(bundle, ctx)
-        ref = reference_scores(continuation_logits(bundle, k, v, ctx, cont), cont)
+        ref_logits = continuation_logits(bundle, k, v, ctx, cont)
         t_prefill += time.perf_counter() - t
-        for pair in pairs:
-            label = _label(*pair)
-            if label in skipped:
+        t = time.perf_counter()
+        ref = reference_scores(ref_logits, cont)
+        del ref_logits
+        t_scores += time.perf_counter() - t
+        todo = [p for p in pairs if _label(*p) not in skipped]
+        for i in range(0, len(todo), batch):
+            group = []                       # (pair, k2, v2, stats) decoded from the real bitstream
+            for pair in todo[i:i + batch]:
+                label = _label(*pair)
+                a = acc[pair]
+                try:
+                    t1 = time.perf_counter()
+                    data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
+                    t2 = time.perf_counter()
+                    k2, v2 = codec.decode_kv(data)
+                    t3 = time.perf_counter()
+                except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
+                    skipped[label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                    log(f"  skip {label}: {skipped[label]}")
+                    continue
+                del data
+                a["encode_s"] += t2 - t1
+                a["decode_s"] += t3 - t2
+                group.append((pair, k2.to(k.dtype), v2.to(v.dtype), stats))
+            if not group:
                 continue
-            a = acc[pair]
-            try:
-                t1 = time.perf_counter()
-                data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
-                t2 = time.perf_counter()
-                k2, v2 = codec.decode_kv(data)
-                t3 = time.perf_counter()
-            except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
-                skipped[label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-                log(f"  skip {label}: {skipped[label]}")
-                continue
-            logits = continuation_logits(bundle, k2.to(k.dtype), v2.to(v.dtype), ctx, cont)
+            t3 = time.perf_counter()
+            all_logits = continuation_logits_batch(bundle, [(g[1], g[2]) for g in group], ctx, cont)
             t4 = time.perf_counter()
-            s = window_scores(ref, logits, cont)
-            a["kl"].append(s["kl"])
-            a["top1"].append(s["top1"])
-            a["ppl_change_pct"].append(100.0 * (math.exp(s["nll"] - s["ref_nll"]) - 1.0))
-            a["bytes"] += stats["bytes"]
-            a["dtype_bytes"] += stats["dtype_bytes"]
-            a["elements"] += stats["elements"]
-            a["encode_s"] += t2 - t1
-            a["decode_s"] += t3 - t2
-            a["forward_s"] += t4 - t3
+            for (pair, _, _, stats), logits in zip(group, all_logits):
+                a = acc[pair]
+                s = window_scores(ref, logits, cont)
+                a["kl"].append(s["kl"])
+                a["top1"].append(s["top1"])
+                a["ppl_change_pct"].append(100.0 * (math.exp(s["nll"] - s["ref_nll"]) - 1.0))
+                a["bytes"] += stats["bytes"]
+                a["dtype_bytes"] += stats["dtype_bytes"]
+                a["elements"] += stats["elements"]
+                a["forward_s"] += (t4 - t3) / len(group)
+            del group, all_logits
+            t_scores += time.perf_counter() - t4
         ref_ppl.append(math.exp(ref["ref_nll"]))
         log(f"  window {w + 1}/{len(offsets)} (offset {off}) done, {time.perf_counter() - t0:.0f} s")
     for label in skipped:
@@ -298,7 +327,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                  "passed": max(r["per_window"]["kl"]) == 0.0 and min(r["per_window"]["top1"]) == 1.0}
     info = {"offsets": offsets, "skipped": skipped, "lossless_check": check,
             "reference_ppl_mean": float(np.mean(ref_ppl)) if ref_ppl else None,
-            "prefill_s": t_prefill, "total_s": time.perf_counter() - t0}
+            "prefill_s": t_prefill, "scores_s": t_scores, "batch": batch, "total_s": time.perf_counter() - t0}
     return rows, info
 
 
@@ -590,30 +619,37 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quality of decoded KV vs lossless KV on WikiText-2 test (KL, top-1 agreement, ppl "
                     "change, 95% bootstrap CIs) and task answers (accuracy and agreement with the lossless "
                     "answer, Wilson 95% CIs). Default: 32 windows x (2048 + 256) tokens for every registered "
-                    "codec and level (estimated ~15 min on 2 quiet cores), then 60 task requests (30 needle "
-                    "1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
-                    + " (estimated ~8-12 min: one prefill + one lossless answer per request, then per codec one "
-                    "encode/decode, one teacher-forced forward, a greedy continuation only where the answer "
-                    "differs); ~25 min in all (estimate). --quick: 4 windows x (512 + 256) tokens + 8 requests of "
-                    "512-1024 tokens (~2.5 min estimated quiet; 5.0 min measured with 5 other jobs running).",
+                    "codec and level (continuations of --batch codecs per forward), then 60 task requests (30 "
+                    "needle 1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
+                    + ". The committed default run took 21.0 min on 2 quiet cores before the fused quantizer "
+                    "and the batched forwards; ~17-18 min estimated now (docs/codec.md section 5b). --quick: "
+                    "a smoke run, 4 windows x (512 + 128) tokens + 4 requests of 512-1024 tokens.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="4 windows x (512 + 256) tokens and 8 task requests (needle 512/1024 tokens)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 4 windows x (512 + 128) tokens and 4 task requests (needle 512/1024 tokens, "
+                        "topic 512); too few samples to rank codecs")
     p.add_argument("--windows", type=int, default=None, help="number of windows (default 32; quick 4)")
     p.add_argument("--context", type=int, default=None, help="context tokens per window (default 2048; quick 512)")
-    p.add_argument("--continuation", type=int, default=256, help="continuation tokens per window (default 256)")
+    p.add_argument("--continuation", type=int, default=None,
+                   help="continuation tokens per window (default 256; quick 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the window offsets / task prompts (default 0)")
     p.add_argument("--codecs", default="all",
                    help="'all' (every registered codec and level) or 'name[:l1,l2];name2' (default all)")
     p.add_argument("--data-path", default=None,
                    help="folder with WikiText-2 test.txt / wiki.test.raw (default: the hub if reachable, "
                         "else a shared/data/wikitext-2 folder beside the repository)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                   help="codecs whose continuation runs in one batched forward (default %(default)s; each "
+                        "codec's logits are those of its own batch-1 forward, bit for bit; 1 = one forward "
+                        "per codec, least memory)")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (default benchmarks/quality.json)")
     p.add_argument("--tasks", action="store_true", help=argparse.SUPPRESS)   # tasks are measured by default now
     p.add_argument("--no-tasks", action="store_true", help="skip the task answers (text fidelity only)")
     p.add_argument("--tasks-only", action="store_true",
                    help="only task answers; keep the text rows already in --out")
-    p.add_argument("--task-requests", type=int, default=None, help="requests per codec/level (default 60; quick 8)")
+    p.add_argument("--task-requests", type=int, default=None,
+                   help=f"requests per codec/level (default 60; quick {QUICK_TASK_REQUESTS})")
     p.add_argument("--task-codecs", default=DEFAULT_TASK_CODECS, help="codecs/levels for tasks (default %(default)s)")
     p.add_argument("--task-dtype", choices=("float32", "model"), default="float32",
                    help="activation dtype of the answer forwards: float32 (default; the bf16 KV is upcast "
@@ -683,14 +719,15 @@ def _main(args, argv: list[str]) -> int:
 
     windows = _positive("--windows", args.windows if args.windows is not None else (4 if args.quick else 32))
     context = _positive("--context", args.context if args.context is not None else (512 if args.quick else 2048))
-    continuation = _positive("--continuation", args.continuation)
+    continuation = _positive("--continuation", args.continuation if args.continuation is not None
+                             else (QUICK_CONTINUATION if args.quick else 256))
     pairs = parse_codec_spec(args.codecs)
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
     do_tasks = not args.no_tasks
     task_pairs = parse_codec_spec(args.task_codecs) if do_tasks else []
     n_req = _positive("--task-requests", args.task_requests if args.task_requests is not None
-                      else (8 if args.quick else 60))
+                      else (QUICK_TASK_REQUESTS if args.quick else 60))
     try:
         lengths = tuple(int(x) for x in args.task_lengths.split(",")) if args.task_lengths else \
             ((512, 1024) if args.quick else TASK_LENGTHS)
@@ -722,7 +759,7 @@ def _main(args, argv: list[str]) -> int:
         print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
               f"{len(pairs)} codec/levels")
         rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
-                                       log=_log)
+                                       log=_log, batch=_positive("--batch", args.batch))
         doc["rows"] = rows
         doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
         doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
@@ -730,7 +767,7 @@ def _main(args, argv: list[str]) -> int:
                          "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
                          "10000 resamples, seed 0 (exact enumeration for n <= 7)"}
         doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
-                                                 "prefill_s", "total_s")}
+                                                 "prefill_s", "scores_s", "batch", "total_s")}
         print()
         print_table(rows)
         chk = info["lossless_check"]

@@ -45,8 +45,10 @@ __all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_kv_
 # 1: format version 1. 2: cachegen outlier side list (docs/bitstream.md 4.4), KIVI in
 # float64, container format version 2, chunk_tokens in the container header. 3: cachegen
 # model tables and model index Rice-coded (docs/bitstream.md 4.3, issue
-# 14.7), container format version 3, 8 channels per rANS stream by default.
-CODEC_VERSION = 3
+# 14.7), container format version 3, 8 channels per rANS stream by default. 4: model
+# tables coded over their nonzero range, codebook size by description length over a finer
+# ladder, container format version 4 (issue 14.7).
+CODEC_VERSION = 4
 
 CONTAINER_KIND = "kvcodec"   # header["kind"]: what the container holds
 MAX_DIM = {"L": 1 << 12, "T": 1 << 24, "H": 1 << 12, "D": 1 << 13}

@@ -43,8 +43,9 @@ __all__ = [
 ]
 
 MAGIC = b"KVCG"
-FORMAT_VERSION = 3          # written; docs/bitstream.md section 4.1 "Versions"
-READ_VERSIONS = (1, 2, 3)   # read: 1 = before the outlier side list, 2 = 16-bit model tables (both decode)
+FORMAT_VERSION = 4             # written; docs/bitstream.md section 4.1 "Versions"
+READ_VERSIONS = (1, 2, 3, 4)   # read: 1 = before the outlier side list, 2 = 16-bit model
+#                                tables, 3 = Rice-coded tables without ranges (all decode)
 MAX_HEADER_BYTES = 1 << 20  # JSON header cap: headers are small (layout, shapes, names)
 DEFAULT_MAX_BYTES = 1 << 36  # 64 GiB: refuse anything larger outright
 MAX_ARRAYS = 256

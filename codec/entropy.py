@@ -21,7 +21,8 @@ bound no per-channel static model can beat (it ignores the cost of sending the m
 Header fields written (all ints unless noted; see docs/bitstream.md section 4.3):
   coder ("rans32x16"), channels_per_stream (G), tokens_per_stream (B), n_streams,
   model_groups ([[nbins, K, table_k, index_k], ...]).
-Arrays: ent_tables (uint8, Rice-coded table codes), ent_model_index (uint8, Rice-coded
+Arrays: ent_codebook (uint8, range- and Rice-coded table codes; ent_tables in format
+  version 3, ent_freqs in version 2, both still read), ent_model_index (uint8, Rice-coded
   indices, absent if every K == 1), ent_stream_lengths (uint16 if every stream < 65536 bytes else uint32).
 """
 from __future__ import annotations
@@ -144,7 +145,7 @@ def encode_symbols(
         return EncodedSymbols(
             header={"coder": CODER_NAME, "channels_per_stream": G, "tokens_per_stream": 1,
                     "n_streams": 0, "model_groups": []},
-            arrays={"ent_tables": np.zeros(0, np.uint8), "ent_stream_lengths": np.zeros(0, np.uint16)},
+            arrays={"ent_codebook": np.zeros(0, np.uint8), "ent_stream_lengths": np.zeros(0, np.uint16)},
             payload=b"",
         )
 
@@ -201,7 +202,8 @@ def _parse_streams(header, arrays, payload, L, T, C, nbins_k, nbins_v, max_symbo
     if T == 0:
         expect_h = {"coder": CODER_NAME, "tokens_per_stream": 1, "n_streams": 0, "model_groups": []}
         if (any(header.get(k) != v for k, v in expect_h.items()) or set(header) != set(expect_h) | {"channels_per_stream"}
-                or set(arrays) not in ({"ent_tables", "ent_stream_lengths"},
+                or set(arrays) not in ({"ent_codebook", "ent_stream_lengths"},   # version 4
+                                       {"ent_tables", "ent_stream_lengths"},
                                        {"ent_freqs", "ent_stream_lengths"})   # version 3 / 2
                 or any(not isinstance(a, np.ndarray) or a.size != 0 for a in arrays.values()) or len(payload) != 0):
             raise CodecError("a chunk with T=0 tokens must have no streams, no models and an empty payload")

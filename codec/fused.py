@@ -31,13 +31,14 @@ import torch
 
 from . import quantize as Q
 from .errors import CodecError
+from .threads import run_kernel
 
 __all__ = ["all_finite", "dequant_table", "bits_view", "decode_cachegen_cpu", "decode_fp8_cpu",
-           "decode_kivi_cpu", "check_out"]
+           "decode_kivi_cpu", "check_out", "row_absmax_fast", "quantize_fast"]
 
 
 def bits_view(t: torch.Tensor) -> np.ndarray:
-    """The bit pattern of a contiguous CPU float tensor as a numpy view sharing its memory:
+    """The bit pattern of a (contiguous or strided) CPU float tensor as a numpy view sharing its memory:
     uint16 for bf16/fp16, uint32 for fp32 (numba has no bf16/fp16 type)."""
     if t.dtype in (torch.bfloat16, torch.float16):
         return t.view(torch.int16).numpy().view(np.uint16)
@@ -297,3 +298,159 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
         tab = tab.to(dt).contiguous()
         kivi_into(qb, bits, bits_view(tab).reshape(-1), strides, bits_view(o), nq)
     return ko, vo
+
+
+# ============================================================================ encode side
+# Fused CPU quantization (issue 14.6): ``codec.quantize.row_scales`` and
+# ``codec.quantize.quantize`` in torch make a float32 copy of x, an abs copy, and five
+# full-size float32 temporaries (x * inv, round, max, min, + M) before the uint8 cast:
+# ~2/3 of a cachegen encode (profile in docs/codec.md, section 5b). The kernels below read
+# the KV's bit pattern (bf16 or fp32) once per pass and compute exactly the same float32
+# arithmetic per element (IEEE multiply, round half to even, clamp, + M), so the symbols
+# and scales are bit-identical (tests/test_codec_fused.py::test_fused_quantize_*).
+
+def _absmax_impl(bits, shift, mode, out):
+    """max |x| of a 4-D bit-pattern array ``bits`` [L, T, G, D] (uint16 bf16 with
+    ``shift`` 16, or uint32 fp32 with ``shift`` 0), as float32 bits in ``out`` (uint32):
+    mode 0: per (l, t, g) over D (``out`` [L, T, G]); mode 1: per (l, g) over T and D
+    (``out`` [L, 1, G]). |x| of a finite float is its bits without the sign bit, ordered
+    like the values, so the max is taken on integers (exact)."""
+    L, T, G, D = bits.shape
+    mag = np.uint32(0x7FFFFFFF)
+    if mode == 0:
+        for r in prange(L * T):
+            layer = r // T
+            t = r - layer * T
+            for g in range(G):
+                best = np.uint32(0)
+                for d in range(D):
+                    b = (np.uint32(bits[layer, t, g, d]) << np.uint32(shift)) & mag
+                    if b > best:
+                        best = b
+                out[layer, t, g] = best
+    else:
+        for r in prange(L * G):
+            layer = r // G
+            g = r - layer * G
+            best = np.uint32(0)
+            for t in range(T):
+                for d in range(D):
+                    b = (np.uint32(bits[layer, t, g, d]) << np.uint32(shift)) & mag
+                    if b > best:
+                        best = b
+            out[layer, 0, g] = best
+
+
+def _quant_impl(bits, shift, inv, m, out, nchunks):
+    """uint8 symbols ``out`` [L, T, G, D] = uint8(clamp(rint(x32 * inv), -M, M) + M) with
+    x32 the float32 value of ``bits`` (as ``_absmax_impl``), ``inv`` float32 [L, Te, G]
+    (Te = T or 1: per-token or per-chunk scales), ``m`` float32 [L]. Parallel over
+    ``nchunks`` blocks of (layer, token) rows, one float32 scratch row per block. Returns
+    the number of non-finite inputs (the symbols are then meaningless)."""
+    L, T, G, D = bits.shape
+    te = inv.shape[1]
+    rows = L * T
+    per = (rows + nchunks - 1) // nchunks
+    expo = np.uint32(0x7F800000)
+    bad = 0
+    for c in prange(nchunks):
+        nb = 0
+        buf = np.empty(D, dtype=np.uint32)
+        fb = buf.view(np.float32)
+        lo = c * per
+        hi = min(lo + per, rows)
+        for r in range(lo, hi):
+            layer = r // T
+            t = r - layer * T
+            ti = t if te > 1 else 0
+            mm = m[layer]
+            for g in range(G):
+                iv = inv[layer, ti, g]
+                for d in range(D):
+                    b = np.uint32(bits[layer, t, g, d]) << np.uint32(shift)
+                    nb += np.int64((b & expo) == expo)
+                    buf[d] = b
+                for d in range(D):
+                    q = np.rint(fb[d] * iv)
+                    if q > mm:
+                        q = mm
+                    elif q < -mm:
+                        q = -mm
+                    out[layer, t, g, d] = np.uint8(q + mm)
+        bad += nb
+    return bad
+
+
+try:
+    from .rans_cpu import HAVE_NUMBA as _HAVE_NUMBA, PARALLEL_MIN_SYMBOLS as _PAR_MIN, _dual
+except ImportError:  # pragma: no cover
+    _HAVE_NUMBA = False
+if _HAVE_NUMBA:
+    from numba import prange  # noqa: F811 - the kernels above use prange inside numba
+    _absmax_par, _absmax_ser = _dual(_absmax_impl)
+    _quant_par, _quant_ser = _dual(_quant_impl)
+else:  # pragma: no cover
+    prange = range
+
+
+def _fast_bits(x: torch.Tensor):
+    """(4-D bit view, shift) of a CPU bf16/fp32 tensor with unit stride in its last dim
+    (e.g. the KV after its sink tokens are sliced off), or None (other dtypes,
+    devices, layouts or no numba: the caller keeps the torch path)."""
+    if not _HAVE_NUMBA or x.device.type != "cpu" or x.dim() != 4 or (x.numel() and x.stride(3) != 1):
+        return None
+    if x.dtype == torch.bfloat16:
+        return bits_view(x), 16
+    if x.dtype == torch.float32:
+        return bits_view(x), 0
+    return None
+
+
+def row_absmax_fast(x: torch.Tensor, dims: tuple) -> Optional[torch.Tensor]:
+    """``x.to(float32).abs().amax(dim=dims, keepdim=True)`` for a CPU bf16/fp32
+    ``x`` [L, T, G, D] with ``dims`` (3,) or (1, 3), bit-identical, in one pass on both
+    cores; None when not applicable (other dtype/layout/dims, or a non-finite maximum:
+    the caller then uses the torch reduction, which also propagates NaN)."""
+    fb = _fast_bits(x)
+    if fb is None or x.numel() == 0:
+        return None
+    dims = tuple(sorted(d % 4 for d in dims))
+    if dims not in ((3,), (1, 3)):
+        return None
+    bits, shift = fb
+    L, T, G, D = x.shape
+    mode = 0 if dims == (3,) else 1
+    out = np.zeros((L, T if mode == 0 else 1, G), dtype=np.uint32)
+    run_kernel(_absmax_par, _absmax_ser, x.numel() >= _PAR_MIN, bits, shift, mode, out)
+    if bool((out >= np.uint32(0x7F800000)).any()):
+        return None
+    return torch.from_numpy(out.view(np.float32)).unsqueeze(-1)
+
+
+def quantize_fast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> Optional[torch.Tensor]:
+    """``codec.quantize.quantize(x, scale, M)`` for a CPU bf16/fp32 ``x``
+    [L, T, G, D] with float32 ``scale`` [L, T, G, 1] or [L, 1, G, 1] and ``m`` the
+    broadcast M [L, 1, 1, 1]: the same float32 arithmetic per element (``inv = M / s`` by
+    torch, then x32 * inv, round half to even, clamp, + M), bit-identical uint8 symbols,
+    one pass on both cores. None when not applicable (the caller keeps the torch path);
+    also None when x holds a non-finite value (counted in the same pass: the torch path's
+    cast of NaN is implementation-defined, so it is kept for such input)."""
+    fb = _fast_bits(x)
+    if fb is None or x.numel() == 0 or scale.dim() != 4 or scale.shape[3] != 1:
+        return None
+    L, T, G, D = x.shape
+    if scale.shape[0] != L or scale.shape[2] != G or scale.shape[1] not in (1, T):
+        return None
+    bits, shift = fb
+    s = scale.to(torch.float32)
+    mm = m.to(torch.float32).reshape(L, 1, 1, 1)
+    # exactly the torch expression of codec.quantize.quantize (one float32 division)
+    inv = torch.where(s > 0, mm / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+    inv_np = np.ascontiguousarray(inv.reshape(L, s.shape[1], G).numpy())
+    out = np.empty((L, T, G, D), dtype=np.uint8)
+    par = x.numel() >= _PAR_MIN
+    from .rans_cpu import _num_workers
+    nchunks = max(1, min(L * T, 8 * _num_workers())) if par else 1
+    bad = run_kernel(_quant_par, _quant_ser, par, bits, shift, inv_np,
+                     np.ascontiguousarray(m.to(torch.float32).reshape(L).numpy()), out, nchunks)
+    return None if bad else torch.from_numpy(out)

@@ -16,7 +16,13 @@ with this project's rANS coder and probability model as the entropy stage:
    others are quantized uniformly with the same step sqrt(12 theta) (entropy-coded
    uniform scalar quantization has equal-step optimal allocation at high rate). Each
    level's theta scale is solved on the calibration data so that the measured empirical
-   entropy meets the level's target bits per element.
+   entropy meets the level's target bits per element. With a distortion metric (how the
+   model uses K and V: the query energy along each key channel, the output projection's
+   gain for values; ``fit_calibration(metric=, whiten=True)``, docs/codec.md 8.5) the PCA
+   and the water-filling run in the metric-whitened space (x S, S = M^(1/2) per head), so
+   the allocation minimises the error the model sees rather than the plain MSE; the
+   artifact then holds the encoder's ``analysis`` matrix S U beside the decoder's
+   ``basis`` S^-1 U.
 3. Entropy coding: the quantized coefficients [L, T, n] of K and V go through
    ``codec.entropy.encode_symbols`` (per-(layer, component) models clustered into a
    codebook, 32-bit rANS; docs/bitstream.md sections 1-4) - the same coder as cachegen.
@@ -64,10 +70,11 @@ __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
 CALIBRATION_FORMAT = "kvtc-calibration"
 CALIBRATION_VERSION = 1
 # level -> target bits per coded element (empirical entropy on the calibration data);
-# bf16 is 16 bits per element, so level 0 aims at ~32x and level 4 at ~8x before the
-# exact sink/recent tokens and the container's overhead. Chosen by the measurements in
-# docs/codec.md ("KVTC").
-DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.4, 1: 0.55, 2: 0.75, 3: 1.0, 4: 1.5, 5: 2.2}
+# bf16 is 16 bits per element. With the metric-whitened default calibration, measured on
+# WikiText-2 validation windows (docs/codec.md 8.5): level 4 (the default) sits at or
+# below cachegen level 1's KL and above its top-1 (~13x), level 5 is the near-lossless
+# one (~8x); levels 0-3 trade quality for size (~28x ... ~15x).
+DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
 DEFAULT_LEVEL = 4
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
@@ -123,10 +130,14 @@ class KvtcCalibration:
     """A fitted KVTC calibration. Shapes (C = H * D):
 
     mean [2, L, C] float32 (index 0 = K, 1 = V); basis [2, L, C, C] float32, column j of
-    basis[kv, l] is component j (orthonormal, variances descending); var [2, L, C]
+    basis[kv, l] is component j (orthonormal; variances descending, or with a ``metric``
+    variance / water-level weight descending: kept components are a prefix); var [2, L, C]
     float32 (component variances on the calibration data); step [NL, 2, L, C] float32:
     quantization step per level (row order = ``levels``), 0 = component dropped (a
-    suffix, since components are sorted by variance).
+    suffix, by the component order above). ``analysis`` [2, L, C, C] float32 or None:
+    the encoder's matrix of a metric-whitened fit (coefficients = (x - mean) @ analysis;
+    ``basis`` is then the decoder's synthesis matrix, basis^T analysis = I); None = the
+    encoder uses ``basis`` (orthonormal).
     ``key_space``: "pre_rope" (keys are decorrelated with RoPE undone; ``rope_theta``
     > 0) or "post_rope". ``shrink`` [NL, 2, L, C] float32 or None: centroid
     reconstruction offsets (a non-zero q decodes to (|q| - shrink) sign(q) step; None =
@@ -153,6 +164,7 @@ class KvtcCalibration:
     meta: dict = field(default_factory=dict)
     shrink: Optional[np.ndarray] = None
     rounding: float = 0.5
+    analysis: Optional[np.ndarray] = None
     hash: str = ""
     _torch: dict = field(default_factory=dict, repr=False)
 
@@ -173,6 +185,8 @@ class KvtcCalibration:
         t = {"mean": self.mean, "basis": self.basis, "var": self.var, "step": self.step}
         if self.shrink is not None:
             t["shrink"] = self.shrink
+        if self.analysis is not None:
+            t["analysis"] = self.analysis
         return t
 
     def content_hash(self) -> str:
@@ -200,10 +214,11 @@ class KvtcCalibration:
                 "targets_bits_per_element": list(self.targets)}
 
     def torch_params(self, level: int) -> dict:
-        """Cached float32 torch tensors for ``level``: mean [2, L, 1, C], basis_n
-        [2, L, C, n] (n = max kept components; columns beyond a layer's own count are
-        zero), step [2, L, 1, n] (1 where dropped), basis_ts [2, L, n, C] (the inverse
-        basis scaled by the steps, for decode), colsum [2, L, C] (its column sums),
+        """Cached float32 torch tensors for ``level``: mean [2, L, 1, C], basis
+        [2, L, C, n] (the ENCODER's matrix: ``analysis`` when the calibration has one, else
+        ``basis``; n = max kept components; columns beyond a layer's own count are
+        zero), step [2, L, 1, n] (1 where dropped), basis_ts [2, L, n, C] (the synthesis
+        ``basis`` scaled by the steps, for decode), colsum [2, L, C] (its column sums),
         n (int)."""
         if level not in self._torch:
             i = self.levels.index(level)
@@ -214,9 +229,14 @@ class KvtcCalibration:
             mask = step > 0
             basis = basis * torch.from_numpy(mask)[:, :, None, :]
             step[~mask] = 1.0
+            # encode: the analysis matrix (= basis when orthonormal; its inverse-transpose
+            # for a metric-whitened calibration)
+            enc = basis if self.analysis is None else torch.from_numpy(
+                np.array(self.analysis[:, :, :, :n], np.float32)) * \
+                torch.from_numpy(mask)[:, :, None, :]
             self._torch[level] = {
                 "mean": torch.from_numpy(np.array(self.mean, np.float32))[:, :, None, :],
-                "basis": basis.contiguous(),
+                "basis": enc.contiguous(),
                 "basis_t": basis.transpose(-1, -2).contiguous(),
                 "step": torch.from_numpy(step)[:, :, None, :], "n": n,
                 # decode: step folded into the inverse basis, [2, L, n, C], and its
@@ -290,7 +310,8 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
             tuple(float(x) for x in info["targets"]), int(info["default_level"]),
             str(info["key_space"]), float(info["rope_theta"]), bool(info["per_head"]),
             int(info["sink_tokens"]), int(info["recent_tokens"]), dict(info["meta"]),
-            shrink=t.get("shrink"), rounding=float(info.get("rounding", 0.5)))
+            shrink=t.get("shrink"), rounding=float(info.get("rounding", 0.5)),
+            analysis=t.get("analysis"))
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"{p}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
     _check_calibration(cal, str(p))
@@ -306,6 +327,8 @@ def _check_calibration(cal: KvtcCalibration, where: str) -> None:
     want = {"mean": (2, L, C), "basis": (2, L, C, C), "var": (2, L, C), "step": (NL, 2, L, C)}
     if cal.shrink is not None:
         want["shrink"] = (NL, 2, L, C)
+    if cal.analysis is not None:
+        want["analysis"] = (2, L, C, C)
     for name, shape in want.items():
         a = getattr(cal, name)
         if not isinstance(a, np.ndarray) or a.shape != shape:
@@ -485,11 +508,46 @@ def _shrink(coef: np.ndarray, step: np.ndarray, rounding: float) -> np.ndarray:
 
 def _steps_for(theta: np.ndarray, var: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """Reverse water-filling: step sqrt(12 theta) where var > theta, else 0 (dropped);
-    never finer than cap (so |q| <= MAX_Q on the calibration data)."""
-    st = np.sqrt(12.0 * theta)[..., None] * np.ones_like(var)
+    never finer than cap (so |q| <= MAX_Q on the calibration data). theta: one water
+    level per (K/V, layer) ([2, L]) or per component ([2, L, C], a weighted distortion)."""
+    th = theta if theta.ndim == var.ndim else theta[..., None]
+    st = np.sqrt(12.0 * th) * np.ones_like(var)
     st = np.maximum(st, cap)
-    st[var <= theta[..., None]] = 0.0
+    st[var <= th] = 0.0
     return st
+
+
+def _metric_gain(basis: np.ndarray, metric: np.ndarray, H: int, D: int) -> np.ndarray:
+    """Gain of each component under a per-head distortion metric, normalised to mean 1.
+
+    basis [C, C] (columns = components, C = H * D); metric [H, D, D] symmetric PSD (the
+    error e of head h's features costs e^T metric[h] e). Returns float64 [C]:
+    m_i = sum_h u_ih^T metric[h] u_ih / (trace(metric) / C), so isotropic (white) error
+    has the same cost as without a metric. With independent zero-mean quantization errors
+    per component, E[e^T M e] = sum_i E[e_i^2] m_i exactly (the cross terms vanish)."""
+    C = H * D
+    u = basis.reshape(H, D, C)
+    m = np.einsum("hdc,hde,hec->c", u, metric, u)
+    tr = float(np.trace(metric, axis1=1, axis2=2).sum()) / C
+    return np.maximum(m / max(tr, 1e-30), 0.0)
+
+
+def _metric_sqrt(metric: np.ndarray, power: float, H: int, D: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(S, S^-1), float64 [C, C] block-diagonal: S_h = (M_h / mean diag M)^(power / 2)
+    (symmetric; eigenvalues floored at 1e-3 of the mean so S^-1 stays bounded).
+    metric [H, D, D] symmetric PSD."""
+    m = np.asarray(metric, np.float64)
+    scale = max(float(np.trace(m, axis1=1, axis2=2).sum()) / (H * D), 1e-30)
+    C = H * D
+    s, si = np.zeros((C, C)), np.zeros((C, C))
+    for h in range(H):
+        lam, q = np.linalg.eigh(0.5 * (m[h] + m[h].T) / scale)
+        lam = np.maximum(lam, 1e-3) ** (power / 2)
+        b = slice(h * D, (h + 1) * D)
+        s[b, b] = (q * lam) @ q.T
+        si[b, b] = (q / lam) @ q.T
+    return s, si
 
 
 def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
@@ -499,7 +557,8 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                     weighting: str = "relative", sink_tokens: int = DEFAULT_SINK_TOKENS,
                     recent_tokens: int = DEFAULT_RECENT_TOKENS, meta: Optional[dict] = None,
                     centroid: bool = False, rounding: float = 0.5,
-                    progress=None) -> KvtcCalibration:
+                    metric: Optional[tuple] = None, metric_power: float = 1.0,
+                    whiten: bool = False, progress=None) -> KvtcCalibration:
     """Fit a KVTC calibration on sample KV (pure function: no model, no I/O).
 
     Args:
@@ -527,6 +586,21 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
       rounding: the encoder's quantizer offset in (0, 0.5]: q = sign(u) floor(|u| +
         rounding); below 0.5 widens the zero bin (a dead zone), the level's rate target is
         met with a finer step.
+      metric: optional (metric_k, metric_v), each float [L, H, D, D] symmetric PSD: how
+        much an error of each head's K (in the decorrelated key space) or V features
+        costs the model, e^T M e (e.g. keys: the query energy per channel, values: the
+        output projection's Gram matrix W_o^T W_o over the head's query group; computed
+        by ``kv_extraction_hf.calibrate``). Each component's water level is divided by
+        its gain u^T M u (normalised to mean 1 per (K/V, layer), ``_metric_gain``), i.e.
+        reverse water-filling of the weighted distortion sum_i m_i D_i (Cover & Thomas
+        thm 10.3.3 with weighted components). None = plain MSE per (K/V, layer).
+      metric_power: the gain is raised to this power (1 = the weighted distortion
+        exactly; 0 = no metric).
+      whiten: with ``metric``, decorrelate in the metric's space instead: PCA of x S
+        with S = blockdiag_h (M_h / mean diag M)^(p/2) (p = ``metric_power``), so the
+        quantization MSE there is the weighted distortion e^T M^p e; the stored ``basis``
+        is then the synthesis matrix S^-1 U (not orthonormal) and ``analysis`` = S U the
+        encoder's (basis^T analysis = I).
       progress: optional callable(str) for progress lines.
     Returns: KvtcCalibration (hash set). Source: PCA + reverse water-filling (module doc).
     Raises: ValueError on bad shapes, too few samples or bad options.
@@ -548,6 +622,14 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                          f"[2, L], got {weighting!r}")
     if not (isinstance(rounding, (int, float)) and 0.0 < rounding <= 0.5):
         raise ValueError(f"rounding must be in (0, 0.5], got {rounding!r}")
+    if metric is not None:
+        if not (isinstance(metric, (tuple, list)) and len(metric) == 2 and all(
+                isinstance(m, np.ndarray) and m.shape == (L, H, D, D) and
+                np.isfinite(m).all() for m in metric)):
+            raise ValueError(f"metric must be a pair of finite arrays [L, H, D, D] = "
+                             f"{(L, H, D, D)}")
+        if not (isinstance(metric_power, (int, float)) and 0.0 <= metric_power <= 2.0):
+            raise ValueError(f"metric_power must be in [0, 2], got {metric_power!r}")
     targets = dict(DEFAULT_LEVEL_TARGETS if level_targets is None else level_targets)
     if len(targets) < 1 or default_level not in targets or \
             any(not (isinstance(t, (int, float)) and t > 0) for t in targets.values()):
@@ -571,11 +653,20 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
     sub = np.sort(rng.choice(N, size=min(N, _RATE_SAMPLE_TOKENS), replace=False))
     coefs = np.zeros((2, L, len(sub), C), np.float32)
     cap = np.zeros((2, L, C), np.float64)
+    analysis = np.zeros((2, L, C, C), np.float64) if (whiten and metric is not None) else None
     for kv, x in enumerate((k, v)):
         for layer in range(L):
             xl = x[layer].reshape(N, C).numpy()
-            mean[kv, layer], basis[kv, layer], var[kv, layer] = _pca(xl, per_head, H, D)
-            cl = (xl.astype(np.float64) - mean[kv, layer]) @ basis[kv, layer]
+            if analysis is not None:
+                sq, isq = _metric_sqrt(metric[kv][layer], float(metric_power), H, D)
+                mean[kv, layer] = xl.astype(np.float64).mean(0)
+                _, u, var[kv, layer] = _pca(xl.astype(np.float64) @ sq, False, H, D)
+                analysis[kv, layer] = sq @ u
+                basis[kv, layer] = isq @ u
+                cl = (xl.astype(np.float64) - mean[kv, layer]) @ analysis[kv, layer]
+            else:
+                mean[kv, layer], basis[kv, layer], var[kv, layer] = _pca(xl, per_head, H, D)
+                cl = (xl.astype(np.float64) - mean[kv, layer]) @ basis[kv, layer]
             # steps never so fine that calibration coefficients clip at |q| = MAX_Q
             cap[kv, layer] = np.abs(cl).max(0) * 1.05 / MAX_Q
             coefs[kv, layer] = cl[sub]
@@ -585,6 +676,21 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
     else:
         w = var.mean(-1) if weighting == "relative" else np.ones((2, L))
     w = np.maximum(w, 1e-30)
+    if metric is not None and metric_power and analysis is None:
+        gain = np.stack([np.stack([_metric_gain(basis[kv, layer], metric[kv][layer]
+                                                .astype(np.float64), H, D)
+                                   for layer in range(L)]) for kv in range(2)])
+        # a component the metric ignores gets a water level 1e6 x the layer's: dropped
+        w = w[..., None] / np.maximum(gain, 1e-6) ** float(metric_power)     # [2, L, C]
+        # a component is kept while the water level is below var / w: order the
+        # components by var / w, descending, so that the kept ones are a prefix at every
+        # level (the codec codes the first n columns)
+        order = np.argsort(-(var / w), axis=-1, kind="stable")               # [2, L, C]
+        basis = np.take_along_axis(basis, order[:, :, None, :], axis=-1)
+        var = np.take_along_axis(var, order, axis=-1)
+        w = np.take_along_axis(w, order, axis=-1)
+        cap = np.take_along_axis(cap, order, axis=-1)
+        coefs = np.take_along_axis(coefs, order[:, :, None, :], axis=-1)
     n_elem = 2 * L * len(sub) * C
 
     def rate(lg: float) -> tuple[float, np.ndarray]:      # lg = log of the water scale
@@ -632,7 +738,8 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         int(recent_tokens), dict(meta or {}, calibration_tokens=N,
                                  weighting=weighting if isinstance(weighting, str)
                                  else [[float(x) for x in r] for r in weighting]),
-        shrink=shrink.astype(np.float32) if centroid else None, rounding=float(rounding))
+        shrink=shrink.astype(np.float32) if centroid else None, rounding=float(rounding),
+        analysis=None if analysis is None else analysis.astype(np.float32))
     _check_calibration(cal, "fit_calibration")
     cal.hash = cal.content_hash()
     return cal
@@ -694,6 +801,77 @@ def _exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recen
     first_recent = max(total_tokens - recent, token_offset + ns)
     nr = max(0, min(T - ns, token_offset + T - first_recent))
     return ns, nr
+
+
+# Decode workers (Python threads running torch ops, which release the GIL): at most this
+# many, and at most torch.get_num_threads(); one pool per process, made on first use.
+_MAX_DECODE_WORKERS = 8
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _rope_rows_py(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate-half RoPE in place (RoFormer eq. 34; HF's layout): x float32 [T, H, D]
+    (C-contiguous), cos/sin float32 [T, D/2]: [x1, x2] -> [x1 cos - x2 sin,
+    x2 cos + x1 sin] per head, the same two products and one sum per value as
+    ``apply_rope``. Compiled by numba (``_rope_kernel``; nogil: the decode workers run
+    it side by side); without numba ``KvtcCodec._inverse`` uses torch ops instead."""
+    T, H, D = x.shape
+    h = D // 2
+    for t in range(T):
+        for hh in range(H):
+            for j in range(h):
+                a = x[t, hh, j]
+                b = x[t, hh, j + h]
+                c = cos[t, j]
+                s = sin[t, j]
+                x[t, hh, j] = a * c - b * s
+                x[t, hh, j + h] = b * c + a * s
+
+
+_ROPE_KERNEL = None
+
+
+def _rope_kernel():
+    """The compiled ``_rope_rows_py`` (numba, cached on disk; compiled on first use), or
+    None without numba."""
+    global _ROPE_KERNEL
+    if _ROPE_KERNEL is None:
+        try:
+            from numba import njit
+            _ROPE_KERNEL = njit(cache=True, nogil=True)(_rope_rows_py)
+        except ImportError:  # pragma: no cover - numba is in requirements.txt
+            _ROPE_KERNEL = False
+    return _ROPE_KERNEL or None
+
+
+def _decode_workers() -> int:
+    """Worker threads of ``KvtcCodec._inverse``: the larger of torch's and numba's thread
+    counts (numba's is the one the rANS decoder of the same chunk uses; inside the vLLM CPU
+    worker torch runs with 1 thread but the decode may use both cores while the engine
+    waits on the load, issue 14.2), at most ``_MAX_DECODE_WORKERS``."""
+    n = torch.get_num_threads()
+    try:
+        import numba
+
+        from .threads import configure_threading_layer
+        configure_threading_layer()      # get_num_threads launches numba's thread pool
+        n = max(n, int(numba.get_num_threads()))
+    except Exception:  # noqa: BLE001 - no numba: torch's count
+        pass
+    return max(1, min(n, _MAX_DECODE_WORKERS))
+
+
+def _decode_pool():
+    """The process-wide ThreadPoolExecutor of ``KvtcCodec._inverse`` (created on first
+    use; ``_MAX_DECODE_WORKERS`` threads named ``kvtc-decode-*``, idle between decodes)."""
+    global _POOL
+    if _POOL is None:
+        with _POOL_LOCK:
+            if _POOL is None:
+                from concurrent.futures import ThreadPoolExecutor
+                _POOL = ThreadPoolExecutor(_MAX_DECODE_WORKERS, thread_name_prefix="kvtc-decode")
+    return _POOL
 
 
 class KvtcCodec:
@@ -861,53 +1039,108 @@ class KvtcCodec:
     def _inverse(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,
                  rope_from: Optional[int], theta: float,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """KV float32 [L, Tq, H, D] from the symbols uint8 [L, Tq, n]: a float32 matrix
-        product (batched, or per layer at its kept width with one torch thread) with the
-        step-scaled inverse basis (x = (sym - off) * step @ B^T +
-        mean = sym @ B_s^T + (mean - off * colsum(B_s))), then RoPE from position
-        ``rope_from`` (None = no RoPE: values, or keys coded after RoPE). With centroid
-        offsets (``P["shrink"]``) the coefficients are centred first and each non-zero
-        one moved toward 0 by its component's offset: x = (q - shrink sign(q)) @ B_s^T +
-        mean. With RoPE the product's output columns are interleaved per head
-        ([x_0, x_{D/2}, x_1, ...], a permutation of the basis), so RoPE is one complex
-        multiplication by e^{i angle} in place (rotate-half RoPE is (x1 + i x2) e^{i a}),
-        and the copy into ``out`` (e.g. the model-dtype result, [L, Tq, H, D]) undoes the
-        interleaving. Returns ``out`` (or a new float32 tensor)."""
+        """KV [L, Tq, H, D] from the symbols uint8 [L, Tq, n], written into ``out`` (any
+        float dtype, e.g. a view of the model-dtype result; None = a new float32 tensor,
+        returned either way).
+
+        Per layer l (at its kept width n_l, dropped components are never multiplied):
+        x = sym[:, :n_l] @ B_s[:n_l] + (mean - off * colsum(B_s)), one float32 ``addmm``
+        with the step-scaled inverse basis B_s (x = (sym - off) * step @ B^T + mean).
+        With centroid offsets (``P["shrink"]``) the coefficients are centred first and
+        each non-zero one moved toward 0 by its component's offset:
+        x = (q - shrink sign(q)) @ B_s^T + mean. Keys coded before RoPE
+        (``rope_from`` = the first token's position; None = no RoPE) are rotated in place
+        in that float32 layer (``_rope_rows_py``, a numba kernel: rotate-half RoPE,
+        RoFormer eq. 34, [x1 cos - x2 sin, x2 cos + x1 sin] per head; torch ops without
+        numba), then the layer is cast into ``out``. No full-size float32 intermediate: each
+        worker casts one layer's kept symbol columns at a time into its own buffers.
+
+        Threads: with one worker (``_decode_workers()``: max of torch's and numba's
+        thread counts) the layers run in the calling thread; with more, the layers are
+        split over ``_decode_pool()`` (Python threads, each running torch ops on one
+        thread; torch releases the GIL), so the cores work on whole layers instead of
+        synchronising many small parallel regions (a per-layer loop with 2 OpenMP
+        threads collapsed ~8x on a busy machine; docs/codec.md section 8.4). Each layer's
+        arithmetic is the same ops in the same order either way, so the bytes do not
+        depend on the thread count. float32 rounding only: ``_inverse_ref`` (the
+        textbook path) agrees within float32 rounding (tests/test_kvtc_decode_fast.py).
+        """
         L, Tq, H, D = shape
+        C = H * D
         rope = rope_from is not None
-        basis = P["basis_ts_il"] if rope else P["basis_ts"]
-        q = torch.from_numpy(np.ascontiguousarray(sym, np.uint8)).to(torch.float32)
+        if out is None:
+            out = torch.empty((L, Tq, H, D), dtype=torch.float32)
+        if L == 0 or Tq == 0:
+            return out
+        basis = P["basis_ts"][kv]                                         # [L, n, C]
+        keep = P["keep"][kv]
+        n = basis.shape[1]
+        symt = torch.from_numpy(np.ascontiguousarray(sym, np.uint8))      # [L, Tq, n]
         offt = torch.tensor(offs, dtype=torch.float32)
-        if P.get("shrink") is not None:
-            q -= offt[:, None, None]
-            q.addcmul_(torch.sign(q), P["shrink"][kv], value=-1.0)
+        shrink = P.get("shrink")
+        if shrink is not None:
+            shrink = shrink[kv]                                          # [L, 1, n]
             bias = P["mean"][kv, :, 0]                                   # [L, C]
         else:
             bias = P["mean"][kv, :, 0] - offt[:, None] * P["colsum"][kv]   # [L, C]
-        if rope:
-            bias = bias[:, P["perm_il"]]
-        if torch.get_num_threads() == 1:
-            # one thread: no parallel regions to synchronise, so a loop of small products
-            # that skips each layer's dropped components does fewer multiply-adds
-            x = torch.empty((L, Tq, H * D), dtype=torch.float32)
-            for layer in range(L):
-                nl = P["keep"][kv][layer]
-                torch.addmm(bias[layer], q[layer, :, :nl], basis[kv, layer, :nl],
-                            out=x[layer])
-        else:
-            # several threads: one batched product (dropped components are zero rows);
-            # 30 small parallel products per K/V collapsed on a busy machine
-            x = torch.bmm(q, basis[kv])
-            x += bias[:, None, :]
-        if out is None:
-            out = torch.empty((L, Tq, H, D), dtype=torch.float32)
-        if not rope:
-            out.copy_(x.view(L, Tq, H, D))
-            return out
         h = D // 2
-        cos, sin = _rope_cos_sin(torch.arange(rope_from, rope_from + Tq), D, theta)
-        rot = torch.complex(cos[..., :h], sin[..., :h])                   # [Tq, 1, h]
-        xc = torch.view_as_complex(x.view(L, Tq, H, h, 2))
-        xc.mul_(rot)
-        out.view(L, Tq, H, 2, h).copy_(torch.view_as_real(xc).transpose(-1, -2))
+        kern = _rope_kernel() if rope else None
+        if rope:
+            cos, sin = _rope_cos_sin(torch.arange(rope_from, rope_from + Tq), D, theta)
+            cos_h, sin_h = cos[:, 0, :h].contiguous(), sin[:, 0, :h].contiguous()  # [Tq, h]
+            cos_np, sin_np = cos_h.numpy(), sin_h.numpy()
+            sin_signed = torch.cat([-sin_h, sin_h], dim=-1)[:, None, :]         # [Tq, 1, D]
+            cos_full = cos.contiguous()                                         # [Tq, 1, D]
+
+        def layers(idx) -> None:
+            with torch.inference_mode():    # a worker thread does not inherit the mode
+                _layers(idx)
+
+        def _layers(idx) -> None:
+            x = torch.empty((Tq, C), dtype=torch.float32)
+            qb = torch.empty((Tq, n), dtype=torch.float32)
+            for layer in idx:
+                nl = keep[layer]
+                if nl:
+                    q = qb[:, :nl]
+                    q.copy_(symt[layer, :, :nl])         # symbols of the kept columns
+                    if shrink is not None:
+                        q -= offt[layer]
+                        q.addcmul_(torch.sign(q), shrink[layer, :, :nl], value=-1.0)
+                    torch.addmm(bias[layer], q, basis[layer, :nl], out=x)
+                else:
+                    x.copy_(bias[layer].expand(Tq, C))
+                xv = x.view(Tq, H, D)
+                if rope and kern is not None:
+                    kern(x.numpy().reshape(Tq, H, D), cos_np, sin_np)   # in place
+                elif rope:   # no numba: the same arithmetic with torch ops
+                    xv = xv * cos_full + xv.roll(h, dims=-1) * sin_signed
+                out[layer].copy_(xv)
+
+        workers = min(L, _decode_workers())
+        if workers == 1:
+            layers(range(L))
+        else:
+            futs = [_decode_pool().submit(layers, range(w, L, workers))
+                    for w in range(workers)]
+            for f in futs:
+                f.result()
         return out
+
+    @staticmethod
+    def _inverse_ref(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,
+                     rope_from: Optional[int], theta: float) -> torch.Tensor:
+        """Reference (textbook, slow) inverse of ``_inverse``, float32 [L, Tq, H, D]:
+        coefficients c = (sym - off) (centroid: c - shrink sign(c)), x = (c * step) @ B^T
+        + mean with the unscaled kept basis, then ``apply_rope`` from ``rope_from``. For
+        tests and the decode benchmark only."""
+        L, Tq, H, D = shape
+        c = torch.from_numpy(np.ascontiguousarray(sym, np.uint8)).to(torch.float32)
+        c = c - torch.tensor(offs, dtype=torch.float32)[:, None, None]
+        if P.get("shrink") is not None:
+            c = c - torch.sign(c) * P["shrink"][kv]
+        x = torch.bmm(c * P["step"][kv], P["basis_t"][kv]) + P["mean"][kv]
+        x = x.reshape(L, Tq, H, D)
+        if rope_from is not None:
+            x = apply_rope(x, torch.arange(rope_from, rope_from + Tq), theta)
+        return x

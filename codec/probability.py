@@ -8,12 +8,15 @@ per-(kv, layer, channel) histograms of each distinct `nbins` into K centroid
 distributions (K-means under cross-entropy, i.e. the KL-divergence "Bregman" K-means
 of Banerjee et al., JMLR 2005, with a deterministic farthest-point initialisation) and
 store K frequency tables + one small index per (kv, layer, channel). K is chosen per
-`nbins` group among {1, 4, 16, ..., 1024} (capped by the number of models) to minimise
+`nbins` group among {1, 4, 16, ..., 2048} (capped by the number of models) to minimise
 the group's description length: payload + codebook + index bits (Rissanen's minimum
-description length principle). The codebook is sent compactly (format version 3,
-issue 14.7): each table as codes q = round(128 * sqrt(p)) (w = q^2, normalised to 16
-bits), Rice-coded (R. F. Rice, JPL 79-22, 1979) as zigzag deltas along the table; the
-indices Rice-coded with tables numbered by decreasing use. See docs/bitstream.md 4.3.
+description length principle), unless that leaves the cross-entropy more than
+XENT_TARGET over the empirical entropy and a larger K meets it within MDL_SLACK bytes.
+The codebook is sent compactly (format version 4, issue 14.7): each table as codes
+q = round(64 * sqrt(p)) (w = q^2, normalised to 16 bits) over its nonzero range (first
+symbol and span), Rice-coded (R. F. Rice, JPL 79-22, 1979) as zigzag deltas along the
+range; the indices Rice-coded with tables numbered by decreasing use. Versions 3 (no
+ranges) and 2 (16-bit tables) are still read. See docs/bitstream.md 4.3.
 
 Everything here is deterministic for a given input (fixed initialisation, fixed number
 of iterations, lowest-index tie-breaking, integer-only frequency normalisation).
@@ -53,11 +56,22 @@ def _numba_or_py_early(fn):
 
 
 from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/rans_spec.py)
-K_LADDER = (1, 4, 16, 64, 128, 256, 512, 1024)  # candidate codebook sizes per nbins group
+K_LADDER = (1, 4, 16, 64, 256, 512, 768, 1024, 1536, 2048)  # candidate codebook sizes per nbins group
 LLOYD_ITERS = 3  # fixed K-means iterations: 3 is within 0.05% of 6 on real KV at half the time
+# Codebook size (docs/bitstream.md 4.3, informative): K minimises the group's description
+# length (MDL); where that K leaves the cross-entropy more than XENT_TARGET above the
+# group's empirical entropy, the smallest-description K that meets XENT_TARGET is taken
+# instead among those that cost at most MDL_SLACK more bytes than the minimum (if none
+# does, the one of lowest cross-entropy among them; issue 14.7: the payload <= 1% over
+# the empirical entropy; a measured trade, docs/bitstream.md 4.3).
+# MDL_SLACK = 0 gives the pure minimum-description-length choice.
+XENT_TARGET = 0.008
+MDL_SLACK = 0.0015
 MAX_K = 4096  # tables per nbins group a decoder accepts
 MAX_MODELS = 65535  # n_models: the coder's model index is uint16
-TABLE_Q = 128  # table code q[s] = round(TABLE_Q * sqrt(p[s])) in [0, TABLE_QMAX]; weight q^2
+TABLE_Q = 64  # table code q[s] = round(TABLE_Q * sqrt(p[s])) in [0, TABLE_QMAX]; weight q^2
+#               (encoder-side only: the decoder needs q, not TABLE_Q; 64 beat 128 in the
+#               description length of every level on real KV, docs/bitstream.md 4.3)
 TABLE_QMAX = 255
 RICE_MAX_K = 15  # Rice parameter of a group's table codes, in [0, RICE_MAX_K]
 
@@ -97,6 +111,7 @@ def _normalize_rows_py(c, out):
     m, nb = c.shape
     spare = 65536 - nb
     rem = np.empty(nb, np.int64)
+    idx = np.empty(nb, np.int64)
     for i in range(m):
         total = 0
         for s in range(nb):
@@ -113,9 +128,30 @@ def _normalize_rows_py(c, out):
             fsum += 1 + q
         r = 65536 - fsum  # in [0, nb)
         if r > 0:
-            order = np.argsort(-rem, kind="mergesort")  # stable: ties to the lower symbol
-            for j in range(r):
-                out[i, order[j]] += 1
+            # the r largest remainders, ties to the lower symbol (what a stable sort of
+            # -rem gives): only symbols with a count have rem > 0, so insertion-sort those
+            # (no allocation per row), then take rem == 0 symbols in ascending order
+            n = 0
+            for s in range(nb):
+                v = rem[s]
+                if v > 0:
+                    j = n
+                    while j > 0 and rem[idx[j - 1]] < v:
+                        idx[j] = idx[j - 1]
+                        j -= 1
+                    idx[j] = s
+                    n += 1
+            j = 0
+            while j < r and j < n:
+                out[i, idx[j]] += 1
+                j += 1
+            need = r - n
+            s = 0
+            while need > 0 and s < nb:
+                if rem[s] == 0:
+                    out[i, s] += 1
+                    need -= 1
+                s += 1
 
 
 _normalize_rows = njit(cache=True, nogil=True)(_normalize_rows_py) if njit is not None else _normalize_rows_py
@@ -138,7 +174,8 @@ def table_codes(counts: np.ndarray) -> np.ndarray:
 
     Quantizing sqrt(p) uniformly spreads the coding loss evenly over the symbols (the
     loss of a probability error dp is ~dp^2 / p, and d(sqrt p) ~ dp / sqrt p); at
-    TABLE_Q = 128 it costs < 0.01% of the payload on real KV (docs/codec.md 4b).
+    TABLE_Q = 64 it costs 0.02-0.05% of the payload on real KV (0.01% at 128) and saves
+    ~1 bit per code (docs/bitstream.md 4.3).
     Args: counts int [K, nbins] (>= 0). Returns: int64 [K, nbins] in [0, TABLE_Q]
       (an all-zero row gives all zeros, which decodes as uniform).
     """
@@ -288,6 +325,125 @@ def _rice_read(buf, pos, n, nb, k, qmax, out):
             return -1
         out[i] = q
         prev = q
+    return pos
+
+
+def _range_bits(nb: int) -> int:
+    """Bits of a table's first nonzero symbol (and of its span): bit_length(nb - 1)."""
+    return max(1, int(nb - 1).bit_length())
+
+
+def _ranged_deltas(q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lo, span, zz) of table codes q int64 [K, nb] (format version 4): lo = the first
+    nonzero code's symbol, span = last nonzero - lo (0, 0 for an all-zero table); zz the
+    zigzag deltas of q[lo .. lo + span] (q[lo - 1] taken as 0), tables concatenated."""
+    q = np.asarray(q, dtype=np.int64)
+    K, nb = q.shape
+    nz = q > 0
+    anyn = nz.any(axis=1)
+    lo = np.where(anyn, np.argmax(nz, axis=1), 0)
+    hi = np.where(anyn, nb - 1 - np.argmax(nz[:, ::-1], axis=1), 0)
+    d = np.diff(q, axis=1, prepend=0)
+    d[np.arange(K), lo] = q[np.arange(K), lo]          # the first code of the range: delta to 0
+    zz = np.where(d >= 0, 2 * d, -2 * d - 1)
+    inside = (np.arange(nb)[None, :] >= lo[:, None]) & (np.arange(nb)[None, :] <= hi[:, None])
+    return lo, hi - lo, zz[inside]                      # row-major: tables, then symbols
+
+
+def ranged_cost(q: np.ndarray) -> tuple[int, int]:
+    """(bits, k): the smallest size of tables coded as in format version 4 (per table:
+    first nonzero symbol and span in bit_length(nb - 1) bits each, then the zigzag deltas
+    inside the span as Rice codes with one parameter k in [0, RICE_MAX_K], lowest on ties)."""
+    q = np.asarray(q, dtype=np.int64)
+    K, nb = q.shape
+    _, _, zz = _ranged_deltas(q)
+    fixed = 2 * K * _range_bits(nb)
+    best = None
+    for k in range(RICE_MAX_K + 1):
+        bits = fixed + int(((zz >> k) + 1 + k).sum())
+        if best is None or bits < best[0]:
+            best = (bits, k)
+    return best
+
+
+@_numba_or_py_early
+def _fixed_write(v, w, out, pos):
+    """Append v (0 <= v < 2^w) in w bits, MSB first, at bit pos of out (zeroed uint8)."""
+    for j in range(w - 1, -1, -1):
+        if (v >> j) & 1:
+            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        pos += 1
+    return pos
+
+
+@_numba_or_py_early
+def _ranged_write(lo, span, zz, w, k, out, pos):
+    """Append the version-4 tables (lo, span int64 [K], zz int64 [sum(span + 1)]) at bit
+    pos of out (zeroed uint8); returns the new bit position."""
+    j = 0
+    for t in range(lo.shape[0]):
+        pos = _fixed_write(lo[t], w, out, pos)
+        pos = _fixed_write(span[t], w, out, pos)
+        for _ in range(span[t] + 1):
+            v = zz[j]
+            j += 1
+            for _ in range(v >> k):
+                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+                pos += 1
+            pos += 1
+            for b in range(k - 1, -1, -1):
+                if (v >> b) & 1:
+                    out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+                pos += 1
+    return pos
+
+
+@_numba_or_py_early
+def _ranged_read(buf, pos, K, nb, w, k, qmax, out):
+    """Read K version-4 tables of nb codes from bit pos of buf into out int64 [K, nb]
+    (zeroed). Returns the new bit position or -1: buffer ends early, lo + span >= nb, a
+    quotient longer than any valid code, a code outside [0, qmax]."""
+    nbits = buf.shape[0] * 8
+    umax = (2 * qmax) >> k
+    for t in range(K):
+        if pos + 2 * w > nbits:
+            return -1
+        lo = 0
+        for _ in range(w):
+            lo = (lo << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+            pos += 1
+        span = 0
+        for _ in range(w):
+            span = (span << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+            pos += 1
+        if lo + span >= nb:
+            return -1
+        prev = 0
+        for s in range(lo, lo + span + 1):
+            u = 0
+            while True:
+                if pos >= nbits:
+                    return -1
+                b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+                pos += 1
+                if b == 0:
+                    break
+                u += 1
+                if u > umax:
+                    return -1
+            if pos + k > nbits:
+                return -1
+            r = 0
+            for _ in range(k):
+                r = (r << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+                pos += 1
+            z = (u << k) | r
+            d = (z >> 1) if (z & 1) == 0 else -((z + 1) >> 1)
+            q = prev + d
+            if q < 0 or q > qmax:
+                return -1
+            out[t, s] = q
+            prev = q
     return pos
 
 
@@ -441,8 +597,11 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     Returns: (codes int64 [K, nb] (table codes, `table_codes`), freqs int64 [K, nb] (their
       16-bit tables), assign int64 [n], coded_bits, trials) where trials is a list of
       (K, est_bytes) for the report. K minimises the estimated group size: the
-      cross-entropy under the transmitted (code-quantized) tables + the Rice-coded tables
-      + the Rice-coded index (minimum description length).
+      cross-entropy under the transmitted (code-quantized) tables + the range/Rice-coded
+      tables + the Rice-coded index (minimum description length); if that K's
+      cross-entropy exceeds the group's empirical entropy by more than XENT_TARGET, the
+      smallest-size K within MDL_SLACK of the minimum size that meets it (none: the one
+      of lowest cross-entropy within MDL_SLACK).
     Deterministic: farthest-point seeding from the pooled histogram, LLOYD_ITERS
     iterations, lowest-index tie-breaking, fixed float64 summation order.
     """
@@ -461,7 +620,8 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     n_seeds = 1
     assign = np.zeros(n, np.int64)
     cost = np.empty(n, np.float64)
-    best_choice = None
+    ideal = entropy_bits_of_counts(Hi)
+    choices = []   # (codes, freqs, assign, bits, est) per K tried
     trials = []
     for K in ks:
         n_seeds = _seed_kernel(Ht, own_bits, best, seed_nlq, n_seeds, K)
@@ -481,13 +641,25 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
                 _assign_kernel(Hf, np.ascontiguousarray(_neg_log2_q(freqs).T), assign, cost)
         bits = float(cost.sum())
         k_now = freqs.shape[0]
-        est = (bits + rice_cost(codes)[0] + (index_cost(_by_use(assign, k_now)[1])[0] if k_now > 1 else 0)) / 8.0
+        est = (bits + ranged_cost(codes)[0] + (index_cost(_by_use(assign, k_now)[1])[0] if k_now > 1 else 0)) / 8.0
         trials.append((k_now, est))
-        if best_choice is not None and est >= best_choice[4]:
-            break  # estimated size stopped improving: larger K will not pay off either
-        best_choice = (codes, freqs, assign.copy(), bits, est)
+        choices.append((codes, freqs, assign.copy(), bits, est))
+        min_est = min(c[4] for c in choices)
+        if est > min_est:
+            # past the size minimum: go on only while the target is unmet and in reach
+            met = any(c[3] <= (1 + XENT_TARGET) * ideal and c[4] <= (1 + MDL_SLACK) * min_est
+                      for c in choices)
+            if met or est > (1 + MDL_SLACK) * min_est:
+                break  # larger K will not pay off (nor meet the target within the slack)
         if n_seeds < K:
             break  # ran out of distinct models
+    min_est = min(c[4] for c in choices)
+    best_choice = min(choices, key=lambda c: c[4])   # first minimum: the smallest K
+    if best_choice[3] > (1 + XENT_TARGET) * ideal:
+        near = [c for c in choices if c[4] <= (1 + MDL_SLACK) * min_est]
+        ok = [c for c in near if c[3] <= (1 + XENT_TARGET) * ideal]
+        # the smallest one that meets the target, else the lowest cross-entropy in reach
+        best_choice = min(ok, key=lambda c: c[4]) if ok else min(near, key=lambda c: c[3])
     codes, freqs, assign, bits, _ = best_choice
     # drop tables no model uses after the final assignment (keeps K minimal)
     used = np.unique(assign)
@@ -612,32 +784,37 @@ def build_models(hist_k: np.ndarray, hist_v: np.ndarray, nbins_k: Sequence[int],
 # Serialisation (docs/bitstream.md section 4.3)
 # ---------------------------------------------------------------------------------------
 def serialize_models(ms: ModelSet) -> tuple[dict, dict]:
-    """Return (header fields, arrays) for the model codebook (docs/bitstream.md 4.3).
+    """Return (header fields, arrays) for the model codebook (docs/bitstream.md 4.3,
+    format version 4).
 
     header: {"model_groups": [[nbins, K, table_k, index_k], ...]} (ascending nbins;
       table_k / index_k = the Rice parameters of the group's table codes / indices).
-    arrays: "ent_tables" uint8 [bytes]: bit stream (MSB first) of every table code, groups
-      in header order, tables in order, symbols in order, each code as the Rice code
-      (parameter table_k) of the zigzag delta to the previous code of its table (0 before
-      the first), zero-padded to a whole byte; "ent_model_index" uint8 [bytes]: for every
-      (kv, layer) whose group has K > 1, in order, the C local indices as Rice codes
-      (parameter index_k of the group), zero-padded; omitted when every K == 1.
+    arrays: "ent_codebook" uint8 [bytes]: bit stream (MSB first) of every table, groups
+      in header order, tables in order, each as its first nonzero symbol `lo` and its
+      span (last nonzero - lo) in bit_length(nbins - 1) bits each, then the codes
+      q[lo .. lo + span], each as the Rice code (parameter table_k) of the zigzag delta to
+      the previous code (0 before q[lo]); codes outside the span are 0; zero-padded to a
+      whole byte. "ent_model_index" uint8 [bytes]: for every (kv, layer) whose group has
+      K > 1, in order, the C local indices as Rice codes (parameter index_k of the
+      group), zero-padded; omitted when every K == 1.
     """
     nb_layer = _ms_nb_layer(ms)
     groups, chunks, total = [], [], 0
     idx_k = {}
     for (nb, K), q in zip(ms.groups, ms.codes):
-        bits, k = rice_cost(q)
+        bits, k = ranged_cost(q)
         ik = index_cost(ms.local_index[nb_layer == nb])[1] if K > 1 else 0
         idx_k[int(nb)] = (int(K), ik)
         groups.append([int(nb), int(K), int(k), int(ik)])
-        chunks.append((_zigzag_deltas(np.asarray(q, np.int64)), k))
+        chunks.append((_ranged_deltas(q), _range_bits(int(nb)), k))
         total += bits
     buf = np.zeros((total + 7) // 8, dtype=np.uint8)
     pos = 0
-    for zz, k in chunks:
-        pos = _rice_write(np.ascontiguousarray(zz), int(k), buf, pos)
-    arrays = {"ent_tables": buf}
+    for (lo, span, zz), w, k in chunks:
+        pos = _ranged_write(np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(span, dtype=np.int64),
+                            np.ascontiguousarray(zz, dtype=np.int64), int(w), int(k), buf, pos)
+    assert pos == total
+    arrays = {"ent_codebook": buf}
     if any(K > 1 for _, K in ms.groups):
         rows = []
         for kv in range(2):
@@ -663,15 +840,21 @@ def _ms_nb_layer(ms: ModelSet) -> np.ndarray:
 def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v: Sequence[int],
                        L: int, C: int) -> tuple[np.ndarray, np.ndarray]:
     """Rebuild (cum uint32 [n_models, 257], model_index uint16 [2, L, C]) from the
-    serialised codebook (docs/bitstream.md 4.3: `ent_tables` + Rice-coded
-    `ent_model_index`, format version 3; a version-2 codebook, `ent_freqs` uint16 +
-    uint8 index, is read too), validating everything. Allocation is bounded by the
-    input: every table code takes at least one bit of `ent_tables`.
+    serialised codebook (docs/bitstream.md 4.3: range-coded `ent_codebook` + Rice-coded
+    `ent_model_index`, format version 4; the version-3 codebook, `ent_tables` with every
+    code Rice-coded, and the version-2 one, `ent_freqs` uint16 + uint8 index, are read
+    too), validating everything. Allocation is bounded by the input: every table takes
+    at least one bit per code (version 3) or its range fields plus a bit (version 4).
     Raises CodecError on any inconsistency."""
-    if isinstance(arrays, dict) and "ent_freqs" in arrays:
-        if "ent_tables" in arrays:
-            raise CodecError("ent_freqs (version 2) and ent_tables (version 3) in one chunk")
+    if not isinstance(arrays, dict):
+        raise CodecError("entropy arrays must be a dict")
+    present = [nm for nm in ("ent_freqs", "ent_tables", "ent_codebook") if nm in arrays]
+    if len(present) > 1:
+        raise CodecError(f"codebooks of two format versions in one chunk: {present}")
+    if present == ["ent_freqs"]:
         return _deserialize_models_v2(hdr, arrays, nbins_k, nbins_v, L, C)
+    v4 = present == ["ent_codebook"]
+    tname = "ent_codebook" if v4 else "ent_tables"
     try:
         nb_layer = _layer_nbins(nbins_k, nbins_v, L)
     except (ValueError, TypeError, OverflowError) as e:
@@ -688,22 +871,28 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
     if any(not (0 <= g[2] <= RICE_MAX_K and 0 <= g[3] <= RICE_MAX_K) for g in groups) \
             or any(g[1] == 1 and g[3] != 0 for g in groups):
         raise CodecError(f"model_groups Rice parameters must be in [0, {RICE_MAX_K}] (index_k 0 when K == 1)")
-    buf = arrays.get("ent_tables")
+    buf = arrays.get(tname)
     if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
-        raise CodecError("ent_tables must be a 1-D uint8 array")
-    need = sum(nb * K for nb, K, _, _ in groups)
+        raise CodecError(f"{tname} must be a 1-D uint8 array")
+    # every table code takes at least one bit (version 3); every version-4 table at least
+    # its two range fields and one code: bounds the allocation by the input's size
+    need = sum(K * (2 * _range_bits(nb) + 1) if v4 else nb * K for nb, K, _, _ in groups)
     if need > 8 * buf.size:
-        raise CodecError(f"ent_tables of {buf.size} bytes cannot hold {need} table codes")
+        raise CodecError(f"{tname} of {buf.size} bytes cannot hold the {sum(g[1] for g in groups)} tables declared")
     buf = np.ascontiguousarray(buf)
     tables, pos = [], 0
     for nb, K, k, _ in groups:
-        q = np.empty(nb * K, dtype=np.int64)
-        pos = _rice_read(buf, pos, nb * K, nb, k, TABLE_QMAX, q)
+        if v4:
+            q = np.zeros((K, nb), dtype=np.int64)
+            pos = _ranged_read(buf, pos, K, nb, _range_bits(nb), k, TABLE_QMAX, q)
+        else:
+            q = np.empty(nb * K, dtype=np.int64)
+            pos = _rice_read(buf, pos, nb * K, nb, k, TABLE_QMAX, q)
         if pos < 0:
-            raise CodecError(f"ent_tables: bad or truncated table codes for nbins={nb}")
+            raise CodecError(f"{tname}: bad or truncated table codes for nbins={nb}")
         tables.append((nb, freqs_from_codes(q.reshape(K, nb))))
     if (pos + 7) // 8 != buf.size or (pos % 8 and int(buf[-1]) & ((1 << (8 - pos % 8)) - 1)):
-        raise CodecError("ent_tables: bytes left over or non-zero padding after the table codes")
+        raise CodecError(f"{tname}: bytes left over or non-zero padding after the table codes")
     kmap = {nb: (K, ik) for nb, K, _, ik in groups}
     if any(K > 1 for _, K, _, _ in groups):
         li = arrays.get("ent_model_index")

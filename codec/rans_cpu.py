@@ -766,8 +766,9 @@ def encode_streams(
 
 
 def _lut_py(c, lut):
-    """lut[m, j] = last s in [0, 255] with c[m, s] <= j << 8 (c int64 [n, 257] valid rows)."""
-    for m in range(c.shape[0]):
+    """lut[m, j] = last s in [0, 255] with c[m, s] <= j << 8 (c int64 [n, 257] valid rows).
+    (prange: models are independent; both cores for codebooks of LUT_PARALLEL_MODELS+.)"""
+    for m in prange(c.shape[0]):
         s = 0
         for j in range(256):
             start = j << 8
@@ -776,7 +777,12 @@ def _lut_py(c, lut):
             lut[m, j] = s
 
 
-_lut_kernel = njit(cache=True, nogil=True)(_lut_py) if HAVE_NUMBA else _lut_py
+if HAVE_NUMBA:
+    _lut_par, _lut_ser = _dual(_lut_py)
+else:  # pragma: no cover
+    prange = range
+    _lut_par = _lut_ser = _lut_py
+LUT_PARALLEL_MODELS = 512  # models per chunk from which the decode tables use both cores
 
 
 def build_decode_tables(cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -788,7 +794,7 @@ def build_decode_tables(cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     freq = c[:, 1:] - c[:, :-1]
     packed = freq | (c[:, :256] << 16)
     lut = np.empty((c.shape[0], 256), dtype=np.uint8)
-    _lut_kernel(c, lut)
+    run_kernel(_lut_par, _lut_ser, c.shape[0] >= LUT_PARALLEL_MODELS, c, lut)
     return packed, lut
 
 

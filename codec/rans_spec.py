@@ -57,8 +57,8 @@ ERR_MESSAGES = {
 # section 4.3: the entropy part of a chunk header, and its arrays
 HEADER_FIELDS = ("coder", "channels_per_stream", "tokens_per_stream", "n_streams",
                  "model_groups")
-ARRAY_NAMES = ("ent_tables", "ent_model_index", "ent_stream_lengths",
-               "ent_freqs")   # ent_freqs: the version-2 codebook (read only)
+ARRAY_NAMES = ("ent_codebook", "ent_model_index", "ent_stream_lengths",
+               "ent_tables", "ent_freqs")   # the version-3 / version-2 codebooks (read only)
 
 
 def stream_layout(L: int, T: int, C: int, G: int, B: int) -> tuple[int, int, int]:

@@ -38,7 +38,8 @@ class RunConfig:
     """Resolved configuration of one benchmark run (see configs/benchmark.yaml for units)."""
 
     bandwidth_mbps: tuple[float, ...] = (100.0, 500.0, 1000.0)
-    modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive")
+    modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive",
+                              "kvtc")
     levels: tuple[int, ...] | None = None
     kvtc_levels: tuple[int, ...] | None = None
     engine: str = "vllm"

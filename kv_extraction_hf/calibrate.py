@@ -34,13 +34,15 @@ import torch
 from kv_extraction_hf.errors import ExtractionError
 
 __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calibrate", "default_calibration",
+           "query_energy", "output_gram", "metric_from_stats",
            "DEFAULT_SETTINGS", "main"]
 
 # window_tokens x windows calibration tokens; the measured choices of docs/codec.md (KVTC)
 DEFAULT_SETTINGS = {"windows": 4, "window_tokens": 1024, "sensitivity_tokens": 512, "key_space": "pre_rope",
                     "per_head": False, "weighting": "sensitivity", "sink_tokens": 4,
                     "recent_tokens": 0, "default_level": 4, "centroid": False,
-                    "rounding": 0.5, "sensitivity_batch": 12}
+                    "rounding": 0.5, "sensitivity_batch": 12, "metric": "whitened",
+                    "metric_power": 1.0}
 
 
 def rope_theta_of(bundle) -> float | None:
@@ -175,12 +177,112 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     return out
 
 
+def _attn_modules(bundle) -> list:
+    """The self-attention module of each decoder layer (llama-style ``model.model.layers[i]
+    .self_attn`` with ``q_proj`` / ``o_proj``); raises ExtractionError otherwise."""
+    layers = getattr(getattr(bundle.model, "model", None), "layers", None)
+    mods = [getattr(ly, "self_attn", None) for ly in (layers or [])]
+    if not mods or any(m is None or not hasattr(m, "q_proj") or not hasattr(m, "o_proj")
+                       for m in mods):
+        raise ExtractionError("model has no llama-style q_proj / o_proj attention: use "
+                              "--metric none")
+    return mods
+
+
+class query_energy(contextlib.AbstractContextManager):
+    """Context manager that records the mean squared query, per layer and channel, of
+    every forward pass run inside it (forward hooks on each layer's ``q_proj``).
+    ``result()``: float64 [L, Hq * D] (Hq query heads), E[q^2] over all tokens seen."""
+
+    def __init__(self, bundle):
+        self.mods = _attn_modules(bundle)
+        self.sum = None
+        self.count = 0
+        self.handles = []
+
+    def __enter__(self):
+        import numpy as np
+
+        self.sum = np.zeros((len(self.mods), self.mods[0].q_proj.out_features))
+
+        def hook(i):
+            def f(_m, _inp, out):
+                q = out.detach().float().reshape(-1, out.shape[-1])
+                self.sum[i] += (q * q).sum(0).double().numpy()
+                if i == 0:
+                    self.count += q.shape[0]
+            return f
+        self.handles = [m.q_proj.register_forward_hook(hook(i)) for i, m in enumerate(self.mods)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
+
+    def result(self):
+        if not self.count:
+            raise ExtractionError("no query seen by query_energy")
+        return self.sum / self.count
+
+
+def output_gram(bundle):
+    """Gram matrices of each layer's attention output projection per query head:
+    float64 [L, Hq, D, D], W_o[:, g D:(g+1) D]^T W_o[:, g D:(g+1) D] (what an error in
+    query head g's attention output costs in the residual stream, squared norm)."""
+    import numpy as np
+
+    mods = _attn_modules(bundle)
+    cfg = bundle.model.config
+    Hq = cfg.num_attention_heads
+    out = []
+    for m in mods:
+        w = m.o_proj.weight.detach().double()                 # [hidden, Hq * D]
+        D = w.shape[1] // Hq
+        wh = w.reshape(w.shape[0], Hq, D).permute(1, 0, 2)    # [Hq, hidden, D]
+        out.append((wh.transpose(1, 2) @ wh).numpy())
+    return np.stack(out)
+
+
+def metric_from_stats(qe, wo, bundle, pre_rope: bool = True):
+    """KVTC's per-head distortion metrics (``codec.kvtc.fit_calibration(metric=)``) from the
+    query energy ``qe`` float [L, Hq * D] (``query_energy``) and the output projection's
+    Gram matrices ``wo`` float [L, Hq, D, D] (``output_gram``).
+
+    Keys: the attention logit error of query q for a key error e is q . e (up to the
+    1/sqrt(D) scale), so E[(q . e)^2] = e^T E[q q^T] e, summed over the query heads that
+    share the KV head (grouped-query attention, HF ``repeat_kv`` order). Only the diagonal
+    is kept; with keys decorrelated before RoPE (``pre_rope``) the relative rotation
+    between query and key mixes each rotate-half pair (j, j + D/2), so both channels of a
+    pair get the pair's mean energy. Values: an error e in a value row moves the attention
+    output by (attention weight) x e and the layer output by W_o e, so the metric is the sum
+    of ``wo`` over the group. Returns (metric_k, metric_v), float64 [L, H, D, D] each."""
+    import numpy as np
+
+    cfg = bundle.model.config
+    Hq = cfg.num_attention_heads
+    H = getattr(cfg, "num_key_value_heads", None) or Hq
+    L = qe.shape[0]
+    D = qe.shape[1] // Hq
+    G = Hq // H
+    e = np.asarray(qe, np.float64).reshape(L, Hq, D)
+    if pre_rope:
+        e = 0.5 * (e + np.roll(e, D // 2, axis=-1))
+    ek = e.reshape(L, H, G, D).sum(2)                                   # [L, H, D]
+    mk = np.zeros((L, H, D, D))
+    idx = np.arange(D)
+    mk[:, :, idx, idx] = ek
+    mv = np.asarray(wo, np.float64).reshape(L, H, G, D, D).sum(2)
+    return mk, mv
+
+
 def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
               key_space: str = "pre_rope", per_head: bool = False,
               weighting: str = "relative", sink_tokens: int = 4, recent_tokens: int = 0,
               sensitivity_tokens: int = 512, default_level: int | None = None,
               centroid: bool = False, rounding: float = 0.5, sensitivity_batch: int = 12,
-              data_name: str = "", log=print):
+              metric: str = "none", metric_power: float = 1.0,
+              level_targets: dict | None = None, data_name: str = "", log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
     is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
@@ -188,7 +290,14 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     ``sensitivity_tokens`` tokens), or "relative" / "absolute" (see
     ``codec.kvtc.fit_calibration``). ``centroid`` / ``rounding``: the reconstruction
     offsets and the encoder's quantizer (``fit_calibration``). ``sensitivity_batch``:
-    noisy caches per forward pass of the sensitivity probe. Raises ExtractionError."""
+    noisy caches per forward pass of the sensitivity probe. ``metric``: how the model
+    uses K and V (``metric_from_stats``: the query energy along each key channel, the
+    output projection's gain for values, raised to ``metric_power``): "whitened" (PCA and
+    water-filling in the metric's space, ``fit_calibration(whiten=True)``), "weights"
+    (orthonormal PCA, per-component water levels divided by the metric's gain) or "none"
+    (MSE per (K/V, layer)).
+    ``level_targets``: level -> bits per element (None = the codec's defaults).
+    Raises ExtractionError."""
     from codec import kvtc
 
     if key_space not in ("pre_rope", "post_rope"):
@@ -196,9 +305,27 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     theta = rope_theta_of(bundle) if key_space == "pre_rope" else None
     if key_space == "pre_rope" and theta is None:
         log("[calibrate] model RoPE is not plain rotate-half: decorrelating keys after RoPE")
+    if metric not in ("whitened", "weights", "none"):
+        raise ExtractionError(f"metric must be whitened, weights or none, got {metric!r}")
+    if metric != "none":
+        try:
+            _attn_modules(bundle)
+        except ExtractionError as e:
+            log(f"[calibrate] {e}: fitting without a metric")
+            metric = "none"
     first: dict = {}
-    k, v, pos = calibration_samples(bundle, text, windows, window_tokens, sink_tokens, log,
-                                    first=first)
+    with query_energy(bundle) if metric != "none" else contextlib.nullcontext() as qe:
+        k, v, pos = calibration_samples(bundle, text, windows, window_tokens, sink_tokens,
+                                        log, first=first)
+    metric_kv = None
+    if metric != "none":
+        metric_kv = metric_from_stats(qe.result(), output_gram(bundle), bundle,
+                                      pre_rope=theta is not None)
+        want = (k.shape[0], k.shape[2], k.shape[3], k.shape[3])
+        if metric_kv[0].shape != want or metric_kv[1].shape != want:
+            log(f"[calibrate] query/output shapes {metric_kv[0].shape} do not match the KV "
+                f"{want}: fitting without a metric")
+            metric_kv, metric = None, "none"
     if weighting == "sensitivity":
         import numpy as np
 
@@ -211,13 +338,17 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
         # water level per (K/V, layer) inversely proportional to its sensitivity
         weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
     meta = {"model_id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
-            "data": data_name, "windows": windows, "window_tokens": window_tokens}
+            "data": data_name, "windows": windows, "window_tokens": window_tokens,
+            **({"metric": metric, "metric_power": metric_power} if metric != "none" else {})}
     t0 = time.perf_counter()
     cal = kvtc.fit_calibration(k, v, positions=pos, rope_theta=theta, per_head=per_head,
                                weighting=weighting, sink_tokens=sink_tokens,
                                recent_tokens=recent_tokens, meta=meta,
                                default_level=kvtc.DEFAULT_LEVEL if default_level is None
                                else default_level, centroid=centroid, rounding=rounding,
+                               metric=metric_kv, metric_power=metric_power,
+                               whiten=metric == "whitened",
+                               level_targets=level_targets,
                                progress=lambda s: log(f"[calibrate] {s}"))
     log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
     return cal
@@ -226,8 +357,11 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
 def _settings_key(weights_hash: str, settings: dict) -> str:
     from codec import kvtc
 
+    # the codec's level table is part of the key: new targets mean a new default fit
     blob = json.dumps({"weights": weights_hash, "settings": settings,
-                       "version": kvtc.CALIBRATION_VERSION}, sort_keys=True)
+                       "version": kvtc.CALIBRATION_VERSION,
+                       "targets": {str(k): v for k, v in kvtc.DEFAULT_LEVEL_TARGETS.items()}},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -274,6 +408,7 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
                         sensitivity_tokens=s["sensitivity_tokens"],
                         default_level=s["default_level"], centroid=s["centroid"],
                         rounding=s["rounding"], sensitivity_batch=s["sensitivity_batch"],
+                        metric=s["metric"], metric_power=s["metric_power"],
                         data_name=data_name, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
@@ -315,6 +450,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--centroid", action="store_true", help="store centroid "
                     "reconstruction offsets (non-zero coefficients decode at their bin's "
                     "conditional mean; measured worse in KL, docs/codec.md 8.3)")
+    ap.add_argument("--metric", choices=("whitened", "weights", "none"),
+                    default=DEFAULT_SETTINGS["metric"],
+                    help="distortion metric of the fit from the model's use of K and V "
+                         "(query energy per key channel, output projection gain for "
+                         "values): whitened = PCA and bit allocation in the metric's space, "
+                         "weights = per-component water levels only, none = plain MSE "
+                         "(default %(default)s)")
+    ap.add_argument("--metric-power", type=float, default=DEFAULT_SETTINGS["metric_power"],
+                    help="exponent of the metric, in [0, 2] (default %(default)s)")
     ap.add_argument("--rounding", type=float, default=DEFAULT_SETTINGS["rounding"],
                     help="encoder quantizer q = sign(u) floor(|u| + ROUNDING), in (0, 0.5]; "
                          "below 0.5 = dead zone (default %(default)s)")
@@ -336,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ExtractionError("--sink-tokens / --recent-tokens must be >= 0")
         if args.sensitivity_batch < 1:
             raise ExtractionError("--sensitivity-batch must be >= 1")
+        if not 0.0 <= args.metric_power <= 2.0:
+            raise ExtractionError("--metric-power must be in [0, 2]")
         if not 0.0 < args.rounding <= 0.5:
             raise ExtractionError("--rounding must be in (0, 0.5]")
         t0 = time.perf_counter()
@@ -355,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                             sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
                             sensitivity_tokens=args.sensitivity_tokens,
                             centroid=args.centroid, rounding=args.rounding,
-                            sensitivity_batch=args.sensitivity_batch, data_name=name)
+                            sensitivity_batch=args.sensitivity_batch, metric=args.metric,
+                            metric_power=args.metric_power, data_name=name)
             path = cal.save(args.out if args.out else _mkdir(kvtc.default_calibration_dir()))
         print(f"[calibrate] wrote {path} in {time.perf_counter() - t0:.1f} s")
         return 0

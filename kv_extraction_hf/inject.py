@@ -149,6 +149,71 @@ TEACHER_FORCING_MIN_MARGIN = {torch.float32: 2e-3, torch.float64: 2e-3, torch.bf
                               torch.float16: 2.0}
 
 
+def _batch_cache(kvs, config=None):
+    """A ``DynamicCache`` of batch ``len(kvs)``: entry b holds ``kvs[b]`` (``[L, T, H_kv, D]``
+    each, all one shape/dtype), laid out ``[B, H_kv, T, D]`` per layer."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
+    for layer in range(kvs[0][0].shape[0]):
+        kb = torch.stack([k[layer] for k, _ in kvs], 0).transpose(1, 2).contiguous()
+        vb = torch.stack([v[layer] for _, v in kvs], 0).transpose(1, 2).contiguous()
+        cache.update(kb, vb, layer)
+    return cache
+
+
+@torch.inference_mode()
+def continuation_logits_batch(bundle, kvs, context_ids, continuation_ids) -> list[torch.Tensor]:
+    """:func:`continuation_logits` for several KV caches of the SAME context at once (e.g.
+    one context's KV decoded by several codecs), as one batched forward per step.
+
+    ``kvs``: list of (k, v), each ``[L, T, H_kv, D]`` in the model's dtype, the KV of
+    ``context_ids``; returns one float32 ``[n, vocab]`` tensor per entry, computed exactly
+    as :func:`continuation_logits` does: row 0 from ``context_ids[-1]`` over the first T-1
+    tokens' KV (a batch-1 one-token forward per entry, as there), rows 1..n-1 over the full
+    KV in ONE forward of batch ``len(kvs)``. Every operation of that forward is per batch
+    row (linear layers, RMSNorm, rotary, attention per batch and head), so each entry's
+    logits are those of its own batch-1 forward: bit for bit on the CPU builds measured here
+    (tests/test_quality_batch.py; and in every quality run the lossless ``raw`` row, batched,
+    must give KL exactly 0 against the batch-1 reference). Memory: about ``len(kvs)``
+    times the batch-1 forward's. Raises ExtractionError like :func:`continuation_logits` (any entry)."""
+    kvs = list(kvs)
+    if not kvs:
+        return []
+    for k, v in kvs:
+        validate_kv(bundle, k, v, context_ids)
+    if any(k.shape != kvs[0][0].shape for k, _ in kvs):
+        raise ExtractionError("continuation_logits_batch needs KV caches of one shape")
+    cont = list(continuation_ids)
+    if not cont:
+        raise ExtractionError("continuation_logits needs at least one continuation token")
+    T = kvs[0][0].shape[1]
+    total = T + len(cont)
+    if total > bundle.info.max_context:
+        raise ExtractionError(f"context + continuation = {total} tokens exceeds the model's context of "
+                              f"{bundle.info.max_context} tokens")
+    model = bundle.model
+    B = len(kvs)
+    # row 0 (one token per entry) stays a batch-1 forward per entry: with B one-token rows
+    # the linear layers take another matmul kernel than the single row's (bf16 results
+    # differ by an ulp), while B x (n-1) rows and (n-1) rows give identical rows (tests)
+    last = torch.tensor([[int(context_ids[-1])]], dtype=torch.long)
+    first = []
+    for k, v in kvs:
+        prefix = make_cache(k[:, :-1], v[:, :-1], model.config) if T > 1 else None
+        first.append(model(input_ids=last, past_key_values=prefix, use_cache=True).logits[0, -1:].float())
+        del prefix
+    if len(cont) == 1:
+        return first
+    cache = _batch_cache(kvs, model.config)
+    ids = torch.as_tensor(cont[:-1], dtype=torch.long).reshape(1, -1).expand(B, -1)
+    rest = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    return [torch.cat([first[b], rest[b].float()], dim=0) for b in range(B)]
+
+
 def teacher_forcing_margin(dtype: torch.dtype) -> float:
     """The :data:`TEACHER_FORCING_MIN_MARGIN` for activations of ``dtype`` (2.0 when unknown)."""
     return TEACHER_FORCING_MIN_MARGIN.get(dtype, 2.0)

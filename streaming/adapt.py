@@ -24,12 +24,16 @@ finish (smallest expected overshoot); text chosen for quality rather than speed 
 the end of the load (defer_text). Each KV transfer carries a
 deadline (planned wire time * (1 + abandon_margin) + abandon_slack_s); the client cancels a
 chunk that runs past it (streaming.client) and the policy re-plans that chunk at its
-smallest level or text, with the upper bound it learned (rate < bytes / deadline).
+smallest level or text, with the upper bound it learned (rate < bytes / deadline). Earlier
+than that, every 64 KiB of a running transfer the receiver asks should_abandon: a transfer
+whose projected finish at its observed rate overruns the deadline is cut at once, and the
+bytes it delivered are a (provisional) throughput sample the chunk is re-planned with.
 
 oracle() knows the whole trace: an exact label-setting DP over chunks (Pareto labels of
 receive clock, decode clock, recompute time, quality) picks per-chunk options maximizing
 quality subject to the SLO, else minimizing the finish time. simulate() drives any policy
-with ClockModel on a per-chunk rate trace, with the same abandon rule as the real client.
+with ClockModel on a per-chunk rate trace, with the same abandon rules (deadline and early
+progress checks) as the real client.
 
 Run: `python -m bench.adapt` (real shaped link and simulated sweep); pure functions here are
 unit-tested in tests/test_adapt_policy.py.
@@ -61,16 +65,24 @@ class ThroughputEstimator:
             partly drained one, i.e. conservative).
         burst_s: when the burst follows the rate, burst = max(burst_bytes, rate * burst_s)
             (streaming.link's rule); the sample solves wire_s = (N - burst(rate)) / rate.
+        prior_error, prior_until: a relative prediction error assumed until `prior_until`
+            errors are measured (robust_estimate discounts by it from the start; None: off).
         min_sample_bytes: smaller transfers are ignored (default max(64 KiB, 4 * burst)).
     observe(nbytes, wire_s) -> bool (sample accepted); observe_upper_bound(rate) after an
     abandoned transfer (the true rate is below it); estimate() -> bytes/s or None.
     """
 
     def __init__(self, initial_bytes_s: float | None = None, window: int = 5, burst_bytes: int = 0,
-                 min_sample_bytes: int | None = None, max_discount: float = 2.0, burst_s: float = 0.0):
+                 min_sample_bytes: int | None = None, max_discount: float = 2.0, burst_s: float = 0.0,
+                 prior_error: float | None = None, prior_until: int = 1):
         if window < 1 or max_discount < 1:
             raise ValueError("window must be >= 1 and max_discount >= 1")
+        if (prior_error is not None and prior_error < 0) or prior_until < 1:
+            raise ValueError("prior_error must be >= 0 and prior_until >= 1")
         self.max_discount = float(max_discount)
+        self.prior_error = None if prior_error is None else float(prior_error)
+        self.prior_until = int(prior_until)
+        self.n_errors = 0  # prediction errors measured so far
         self.initial = initial_bytes_s
         self.burst = max(0, int(burst_bytes))
         self.burst_s = max(0.0, float(burst_s))
@@ -97,6 +109,7 @@ class ThroughputEstimator:
         pred = self.estimate()
         if pred is not None:
             self.errors.append(abs(pred - x) / x)
+            self.n_errors += 1
         self._append(x, False)
         return True
 
@@ -126,9 +139,32 @@ class ThroughputEstimator:
         relative prediction error over the window), the error capped at `max_discount` - 1
         (an outlier chunk must not collapse the plan: at most a 2x discount by default)."""
         e = self.estimate()
-        if e is None or not self.errors:
+        errs = list(self.errors)
+        if self.prior_error is not None and self.n_errors < self.prior_until:
+            errs.append(self.prior_error)  # not yet `prior_until` measured errors: the prior stands
+        if e is None or not errs:
             return e
-        return e / min(self.max_discount, 1.0 + max(self.errors))
+        return e / min(self.max_discount, 1.0 + max(errs))
+
+    def quantile_rate(self, z: float, horizon: int, prior_cv: float = 1.0, prior_n: int = 2) -> float | None:
+        """Chance-constrained planning rate (bytes/s) for the next `horizon` transfers: with
+        mu and sd the mean and standard deviation of 1/rate over the window (the harmonic mean
+        is 1/mu), the time per byte of `horizon` transfers with independent rates is mu on
+        average with sd / sqrt(horizon); this returns 1 / (mu + z * sd / sqrt(horizon)), the
+        rate whose time is the z-quantile (normal approximation; z = 1.645: 95%). Until
+        `prior_n` samples exist, sd is at least prior_cv * mu (an unmeasured link's rates
+        spread). A constant link (sd = 0) gets its harmonic mean. The chance constraint of
+        stochastic MPC (e.g. Mesbah, IEEE Control Systems 2016) applied to ABR's rate
+        prediction (Yin et al., SIGCOMM 2015). None if nothing is known."""
+        xs = list(self.samples) or ([self.initial] if self.initial else [])
+        if not xs:
+            return None
+        inv = [1.0 / x for x in xs]
+        mu = sum(inv) / len(inv)
+        sd = (sum((v - mu) ** 2 for v in inv) / (len(inv) - 1)) ** 0.5 if len(inv) >= 2 else 0.0
+        if len(inv) < prior_n:
+            sd = max(sd, prior_cv * mu)
+        return 1.0 / (mu + z * sd / math.sqrt(max(1, horizon)))
 
     def observe_upper_bound(self, rate_bytes_s: float) -> None:
         """An abandoned transfer: the link delivered fewer than rate_bytes_s. Enter it as a
@@ -461,10 +497,28 @@ class AdaptivePolicy:
         defer_text: text chosen for quality is deferred to the end of the load (plan_mpc).
         text_slack: text kept for the end counts as slack an overrunning transfer may use
             before it is cut (overrun_allowance_s on the plan with that text as KV).
+        min_plan_frac: the planning limit's floor, slo_s * min_plan_frac (default 0.5): plans
+            must finish by max(slo_s * (1 - slo_margin) - reserve, slo_s * min_plan_frac).
+        prior_error, prior_until: RobustMPC's discount from the start: until `prior_until`
+            prediction errors are measured, `prior_error` counts as one (None: off;
+            ThroughputEstimator).
+        risk_z, prior_cv: plan with ThroughputEstimator.quantile_rate(risk_z, chunks left,
+            prior_cv), a chance-constrained rate, instead of the (robust) harmonic mean
+            (None: off).
+        early_abandon: decide early from the bytes already received (should_abandon): once
+            early_min_bytes (default: the estimator's min_sample_bytes, max(64 KiB, 4 bursts))
+            and early_min_s of wire time are in, a transfer whose projected finish at the
+            observed rate exceeds its deadline x (1 + early_margin) is cut then, not at the
+            deadline.
+        partial_sample: a cut transfer's received bytes / wire time (when the receiver reports
+            them and they pass the estimator's sample rules) is a throughput sample, provisional
+            until the next complete transfer (ThroughputEstimator.add_bound), and the chunk is
+            re-planned at that rate (instead of the upper bound bytes/deadline x backoff).
         A plan that sends every remaining chunk as text is held to slo_s * (1 - slo_margin)
         only (no slo_reserve_s: it transfers nothing). Rules: docs/streaming.md section 4.
     Call start(manifest) first; choose(k, elapsed_s) before chunk k; transfer_deadline_s(k)
-    for the chunk just chosen; observe_transfer / observe_abandon / observe_decode after.
+    for the chunk just chosen; should_abandon(k, received_bytes, elapsed_s) while it transfers;
+    observe_transfer / observe_abandon / observe_decode after.
     Thread-safe. Raises ValueError on non-positive SLO or speeds.
     """
 
@@ -481,7 +535,11 @@ class AdaptivePolicy:
                  nofit_estimate: str = "robust", smallest_no_restart: bool = True,
                  after_abandon: str = "smallest", slo_reserve_frac: float | None = None,
                  probe_level: str = "smallest", probe_deadline_frac: float = 0.5, probe_backoff: float = 1.0,
-                 defer_text: bool = True, text_slack: bool = True):
+                 defer_text: bool = True, text_slack: bool = True, prior_error: float | None = None,
+                 prior_until: int = 1, risk_z: float | None = None, prior_cv: float = 1.0,
+                 min_plan_frac: float = 0.5, early_abandon: bool = True,
+                 early_min_bytes: int | None = None, early_min_s: float = 0.02, early_margin: float = 0.0,
+                 partial_sample: bool = True):
         bad_init = initial_throughput_mbps is not None and initial_throughput_mbps <= 0
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
@@ -489,7 +547,22 @@ class AdaptivePolicy:
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         init = None if initial_throughput_mbps is None else initial_throughput_mbps * 1e6 / 8
         self.est = ThroughputEstimator(init, window=window, burst_bytes=burst_bytes,
-                                       min_sample_bytes=min_sample_bytes, burst_s=burst_s)
+                                       min_sample_bytes=min_sample_bytes, burst_s=burst_s,
+                                       prior_error=prior_error, prior_until=prior_until)
+        if (risk_z is not None and risk_z < 0) or prior_cv < 0:
+            raise ValueError("risk_z and prior_cv must be >= 0")
+        self.risk_z = None if risk_z is None else float(risk_z)
+        if not 0.0 < min_plan_frac <= 1.0:
+            raise ValueError("min_plan_frac must be in (0, 1]")
+        self.min_plan_frac = float(min_plan_frac)
+        if early_min_s < 0 or early_margin < 0 or (early_min_bytes is not None and early_min_bytes < 1):
+            raise ValueError("early_min_s and early_margin must be >= 0, early_min_bytes >= 1")
+        self.early_abandon = bool(early_abandon)
+        self.early_min_bytes = int(early_min_bytes if early_min_bytes is not None else self.est.min_bytes)
+        self.early_min_s = float(early_min_s)
+        self.early_margin = float(early_margin)
+        self.partial_sample = bool(partial_sample)
+        self.prior_cv = float(prior_cv)
         self.initial_decode_s = float(initial_decode_s)
         self._decode_table_arg = decode_s_per_token
         self.inject_s_per_token = float(inject_s_per_token)
@@ -514,7 +587,7 @@ class AdaptivePolicy:
         self.slo_reserve_frac = None if slo_reserve_frac is None else float(slo_reserve_frac)
         reserve = self.slo_reserve_s if self.slo_reserve_frac is None else min(
             self.slo_reserve_s, self.slo_reserve_frac * self.slo_s)
-        self.plan_slo_s = max(self.text_slo_s - reserve, 0.5 * self.slo_s)
+        self.plan_slo_s = max(self.text_slo_s - reserve, self.min_plan_frac * self.slo_s)
         if probe_level not in ("smallest", "plan") or not 0.0 < probe_deadline_frac <= 1.0:
             raise ValueError("probe_level must be 'smallest' or 'plan', probe_deadline_frac in (0, 1]")
         self.probe_level = probe_level
@@ -585,7 +658,10 @@ class AdaptivePolicy:
         started. Records a Decision (the last one per chunk stays in .decisions)."""
         with self._lock:
             m = self.model
-            rate = self.est.robust_estimate() if self.robust else self.est.estimate()
+            if self.risk_z is not None:  # chance-constrained rate over the chunks left
+                rate = self.est.quantile_rate(self.risk_z, m.n - k, self.prior_cv)
+            else:
+                rate = self.est.robust_estimate() if self.robust else self.est.estimate()
             st = self._state(elapsed_s)
             text_s = m.recompute_s(k)
             n_ab = self._abandoned.get(k, 0)
@@ -678,6 +754,32 @@ class AdaptivePolicy:
             opt, budget = self._last_choice.get(k, (TEXT, None))
             return None if opt is TEXT else budget
 
+    def should_abandon(self, k: int, received_bytes: int, elapsed_s: float) -> bool:
+        """Early abandon (issue 15): True when chunk k's running transfer should be cut now.
+
+        received_bytes: bytes of the response received so far; elapsed_s: seconds since the
+        request was sent (the clock of transfer_deadline_s). The observed rate is
+        received_bytes / (elapsed_s - request_overhead_s), burst-corrected as a goodput sample
+        (ThroughputEstimator.rate_from: a shaper's burst makes a short transfer look faster,
+        so the projection errs towards continuing). It is trusted only from early_min_bytes
+        and early_min_s of wire time on; the projected finish elapsed_s + bytes left / rate
+        is compared with the chunk's deadline x (1 + early_margin). The rule of buffer-based
+        ABR's abandonment of a segment download (dash.js AbandonRequestsRule; Spiteri et al.,
+        BOLA, INFOCOM 2016), applied to CacheGen's per-chunk adaptation (section 5.2).
+        Pure arithmetic; False for text, for a transfer without a deadline, or when off."""
+        if not self.early_abandon or self.manifest is None:
+            return False
+        with self._lock:
+            opt, budget = self._last_choice.get(k, (TEXT, None))
+            if opt is TEXT or budget is None or received_bytes < self.early_min_bytes:
+                return False
+            wire = elapsed_s - self.request_overhead_s
+            if wire < max(self.early_min_s, 1e-9):
+                return False
+            rate = self.est.rate_from(received_bytes, wire)
+            left = max(0, self.manifest.sizes[opt][k] - received_bytes)
+            return elapsed_s + left / rate > budget * (1.0 + self.early_margin)
+
     def observe_transfer(self, k: int, level: int | None, nbytes: int, transfer_s: float,
                          elapsed_end_s: float | None = None) -> None:
         with self._lock:
@@ -692,12 +794,32 @@ class AdaptivePolicy:
                 self._dec_free = max(self._dec_free, end) + self.decode.seconds(level, tok)
                 self._kv_tokens += tok
 
-    def observe_abandon(self, k: int, level: int, elapsed_wire_s: float) -> None:
-        """Chunk k's transfer at `level` was cut after elapsed_wire_s: the rate is below
-        bytes / elapsed_wire_s. The next choose(k, ...) re-plans the chunk."""
+    def observe_abandon(self, k: int, level: int, elapsed_wire_s: float,
+                        received_bytes: int | None = None) -> None:
+        """Chunk k's transfer at `level` was cut after elapsed_wire_s (s since its request):
+        the rate is below bytes / elapsed_wire_s. received_bytes: what had arrived by then,
+        when the receiver knows; with partial_sample it is a provisional goodput sample (if it
+        passes the estimator's rules) and chunk k is re-planned at that rate. The next
+        choose(k, ...) re-plans the chunk."""
         with self._lock:
             self.abandons += 1
             self._abandoned[k] = self._abandoned.get(k, 0) + 1
+            wire = elapsed_wire_s - self.request_overhead_s
+            e = self.est
+            if (self.partial_sample and received_bytes is not None and wire > 0
+                    and received_bytes >= e.min_bytes and wire >= BURST_SAMPLE_FACTOR * e.burst_s):
+                # a measured rate, but of a short transfer: it enters the estimator as a
+                # provisional sample (like an abandon's bound) that the next complete transfer
+                # replaces, so that a link that recovers is seen at once
+                measured = e.rate_from(int(received_bytes), wire)
+                self._bound[k] = min(self._bound.get(k, math.inf), measured)
+                e.add_bound(measured)
+                self._since_sample = 0
+                if self._last_reason.get(k) == "probe":
+                    self._probe_wait *= self.probe_backoff
+                self.history.append(Decision(k, level, "abandoned", self._last_choice.get(k, (None, None))[1],
+                                             elapsed_wire_s, measured * 8 / 1e6, -1.0))
+                return
             nbytes = self.manifest.sizes[level][k]
             ub = self.est.rate_from(nbytes, max(elapsed_wire_s, 1e-6))
             # chunk k's rate is below ub: re-plan it with ub * backoff; later chunks see ub as
@@ -754,7 +876,10 @@ class FixedPolicy:
     def observe_transfer(self, k, level, nbytes, transfer_s, elapsed_end_s=None) -> None:
         pass
 
-    def observe_abandon(self, k, level, elapsed_wire_s) -> None:
+    def should_abandon(self, k, received_bytes, elapsed_s) -> bool:
+        return False
+
+    def observe_abandon(self, k, level, elapsed_wire_s, received_bytes=None) -> None:
         pass
 
     def observe_text(self, k) -> None:
@@ -865,11 +990,16 @@ class SimResult:
 
 
 def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float | None = None,
-             model: ClockModel | None = None, max_abandons_per_chunk: int = 10) -> SimResult:
+             model: ClockModel | None = None, max_abandons_per_chunk: int = 10,
+             progress_bytes: int = 64 * 1024) -> SimResult:
     """Drive `policy` with the clock model on a per-chunk rate trace (Mbit/s, chunk k's
     transfer runs at bandwidth_mbps[k]; the last value repeats). The same rules as the real
     client: wire time = bytes/rate + request overhead; a transfer past the policy's
-    transfer_deadline_s is cut at the deadline and the chunk re-chosen; decode is pipelined
+    transfer_deadline_s is cut at the deadline, or earlier where the policy's
+    should_abandon(k, bytes received, s since request) says so at a progress check (every
+    progress_bytes of the response, as streaming.client checks, the bytes arriving at the
+    chunk's rate after the request overhead); the cut attempt's bytes and time go to
+    observe_abandon and the chunk is re-chosen; decode is pipelined
     (decode clock) at model.decode_s_per_token (or `decode_s` per chunk when no model is
     given); text chunks are recomputed after the load at the prefill speed.
     Pure arithmetic (no clock, no sleeps)."""
@@ -900,12 +1030,31 @@ def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float 
                 break
             wire = model.transfer_s(k, lv, rate)
             dl = policy.transfer_deadline_s(k) if hasattr(policy, "transfer_deadline_s") else None
-            if dl is not None and wire > dl and tries < max_abandons_per_chunk:
-                timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": dl, "abandoned": True,
+            cut = None  # (seconds since the request, bytes received) of a cut transfer
+            if tries < max_abandons_per_chunk:
+                early = getattr(policy, "should_abandon", None)
+                size = manifest.sizes[lv][k]
+                if early is not None:  # the receiver's progress checks, every progress_bytes
+                    b = progress_bytes
+                    while b < size:
+                        t = model.request_overhead_s + b / rate
+                        if dl is not None and t >= dl:
+                            break
+                        if early(k, b, t):
+                            cut = (t, b)
+                            break
+                        b += progress_bytes
+                if cut is None and dl is not None and wire > dl:
+                    cut = (dl, int(max(0.0, dl - model.request_overhead_s) * rate))
+            if cut is not None:
+                timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": cut[0], "abandoned": True,
                                  "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dl,
                                  "est_mbps": dec.throughput_mbps_est if dec else None})
-                r += dl
-                policy.observe_abandon(k, lv, dl)
+                r += cut[0]
+                try:
+                    policy.observe_abandon(k, lv, cut[0], cut[1])
+                except TypeError:  # a policy with the older 3-argument signature
+                    policy.observe_abandon(k, lv, cut[0])
                 tries += 1
                 ab_total += 1
                 continue

@@ -13,7 +13,11 @@ remaining chunks fall back to text (LoadResult.error says why); an unknown key o
 of another model/config is a clean miss (LoadResult.hit False, .reason). A policy with a
 transfer_deadline_s(k) (streaming.adapt.AdaptivePolicy) gets its overrunning transfers cut:
 the connection is shut, nothing of the chunk is kept, the client reconnects and the policy
-re-plans that chunk (LoadResult.abandoned lists the cut attempts).
+re-plans that chunk (LoadResult.abandoned lists the cut attempts). A policy with a
+should_abandon(k, bytes received, s since the request) is asked every PROGRESS_BYTES of a
+chunk's response (the early abandon of issue 15: a transfer whose projected finish at the
+observed rate overruns its deadline is cut then, not at the deadline), with the same clean
+cut; observe_abandon gets the bytes received by the cut.
 
 Not runnable by itself; see `python -m bench.streaming`.
 """
@@ -122,6 +126,7 @@ class _Item:
 
 _DONE = object()
 MAX_ABANDONS_PER_CHUNK = 5  # after this many cut attempts a chunk's transfer runs to the end
+PROGRESS_BYTES = 64 * 1024  # the policy's should_abandon is asked after every this many bytes
 
 
 class _WireClock:
@@ -152,6 +157,8 @@ class _WireClock:
         self.kernel = False
         self.reads = 0
         self._lowat = 1
+        self.on_progress = None  # callable(bytes received so far), called every PROGRESS_BYTES
+        self._checked = 0
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_TIMESTAMPNS, 1)
             self._ts = True
@@ -196,6 +203,9 @@ class _WireClock:
                 self.first, self.first_bytes = t, n
             self.last = t
             self.nbytes += n
+            if self.on_progress is not None and self.nbytes - self._checked >= PROGRESS_BYTES:
+                self._checked = self.nbytes
+                self.on_progress(self.nbytes)  # may cut the connection: the next read fails
         return n
 
     def recv(self, n: int, flags: int = 0) -> bytes:
@@ -213,9 +223,10 @@ class _WireClock:
         return getattr(self._s, name)
 
 
-def _timed_get_chunk(cl, key: str, lv: int, k: int):
+def _timed_get_chunk(cl, key: str, lv: int, k: int, on_progress=None):
     """cl.get_chunk with the wire clock around its socket -> (data, wire_s or None,
-    bytes after the first read). Uses the StoreClient's socket when it exposes one."""
+    bytes after the first read). Uses the StoreClient's socket when it exposes one.
+    on_progress(bytes received so far) is called every PROGRESS_BYTES of the response."""
     if not hasattr(cl, "_sock") or not hasattr(cl, "connect"):
         return cl.get_chunk(key, lv, k), None, 0
     cl.connect()
@@ -223,6 +234,7 @@ def _timed_get_chunk(cl, key: str, lv: int, k: int):
     if not isinstance(raw, socket.socket):
         return cl.get_chunk(key, lv, k), None, 0
     w = _WireClock(raw)
+    w.on_progress = on_progress
     cl._sock = w
     try:
         data = cl.get_chunk(key, lv, k)
@@ -322,13 +334,13 @@ def stream_load(
             except queue.Full:
                 continue
 
-    def fetch_verified(cl, k: int, lv: int) -> tuple[bytes | None, float, bool, bool, str]:
+    def fetch_verified(cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
         """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once on CRC failure."""
         want_crc, want_len = manifest.crc32[lv][k], manifest.sizes[lv][k]
         total_dt, refetched = 0.0, False
         for attempt in range(2):
             t = clock()
-            data, wire, wire_bytes = _timed_get_chunk(cl, key, lv, k)
+            data, wire, wire_bytes = _timed_get_chunk(cl, key, lv, k, on_progress if attempt == 0 else None)
             total_dt += clock() - t
             wire_of[k] = (wire, wire_bytes)
             if data is None:
@@ -339,6 +351,11 @@ def stream_load(
         return None, total_dt, False, True, "CRC mismatch after refetch"
 
     deadline_of = getattr(policy, "transfer_deadline_s", None)
+    early_of = getattr(policy, "should_abandon", None)
+    try:
+        abandon_takes_bytes = len(inspect.signature(policy.observe_abandon).parameters) >= 4
+    except (TypeError, ValueError, AttributeError):
+        abandon_takes_bytes = False
     wire_of: dict[int, tuple[float | None, int]] = {}  # chunk -> (wire seconds, bytes timed)
     try:
         takes_end = len(inspect.signature(policy.observe_transfer).parameters) >= 5
@@ -372,15 +389,25 @@ def stream_load(
                     timer.daemon = True
                     timer.start()
                 t_req = clock()
+                got = [0, None]  # bytes received at the last progress check; s of an early cut
+                on_progress = None
+                if early_of is not None and dl is not None:
+                    def on_progress(nbytes, k=k, t_req=t_req, fired=fired, got=got):
+                        got[0] = nbytes
+                        el = clock() - t_req
+                        if not fired.is_set() and early_of(k, nbytes, el):
+                            got[1] = el
+                            _abort_connection(client, fired)
                 try:
-                    data, dt, ok, ref, note = fetch_verified(client, k, lv)
+                    data, dt, ok, ref, note = fetch_verified(client, k, lv, on_progress)
                 except (OSError, StreamingError) as e:
                     if timer is not None:
                         timer.cancel()
                     if fired.is_set():  # abandoned by us: reconnect and re-plan chunk k
-                        wire = clock() - t_req
+                        wire = got[1] if got[1] is not None else clock() - t_req
                         abandoned.append({"chunk": k, "level": lv, "deadline_s": dl, "wire_s": wire,
-                                          "start_s": start})
+                                          "start_s": start, "early": got[1] is not None,
+                                          "received_bytes": got[0]})
                         try:
                             client.reconnect()
                         except (OSError, StreamingError) as e2:
@@ -388,7 +415,10 @@ def stream_load(
                                 put(_Item(j, None, None, 0.0, False, False, start, clock() - t0,
                                           f"connection lost: {e2!r}"))
                             return
-                        policy.observe_abandon(k, lv, wire)
+                        if abandon_takes_bytes:
+                            policy.observe_abandon(k, lv, wire, got[0] or None)
+                        else:
+                            policy.observe_abandon(k, lv, wire)
                         tries += 1
                         continue
                     err = e

@@ -53,3 +53,35 @@ def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
             assert ch.crc_ok and r.decoded[ch.index][0] == sizes[ch.level] - 8
     # the re-planned chunk 3 is not the level that overran
     assert r.chunks[3].level != 3, info
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_slow_chunk_is_abandoned_early_from_its_progress(tmp_path, method):
+    """The rate drops to 10 Mbit/s as chunk 3 is requested: its 3 MB would take ~2.4 s; the
+    progress checks (every 64 KiB) project that and cut it long before its deadline."""
+    n, tokens = 6, 100
+    sizes = {1: 750_000, 2: 1_500_000, 3: 3_000_000}
+    with ShapedLink(100, method=method) as link:
+        with start_store_server(tmp_path / "s", link) as h, h.client(timeout=30) as c:
+            ids = list(range(n * tokens))
+            chunks = {lv: [standin.make_chunk(b, seed=10 * lv + i) for i in range(n)] for lv, b in sizes.items()}
+            key = c.put_context("m", "w", "standin", ids, chunks, [(i * tokens, (i + 1) * tokens) for i in range(n)])
+
+            def hook(k):
+                if k == 3:
+                    link.set_rate(10)
+
+            pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
+                                 burst_bytes=link.burst_bytes)
+            r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
+            assert c.ping()
+    info = [(d.chunk, d.level, d.reason, d.budget_s, d.throughput_mbps_est) for d in pol.history]
+    assert [ch.index for ch in r.chunks] == list(range(n)) and r.error is None, info
+    cut = [a for a in r.abandoned if a["chunk"] == 3]
+    assert cut and cut[0]["level"] == 3 and cut[0]["early"], (r.abandoned, info)
+    # cut from the projection, well before the deadline timer would have fired
+    assert cut[0]["wire_s"] < 0.7 * cut[0]["deadline_s"] and cut[0]["received_bytes"] >= 64 * 1024, r.abandoned
+    for ch in r.chunks:  # nothing half-written: every loaded chunk decoded
+        if ch.level is not None:
+            assert ch.crc_ok and r.decoded[ch.index][0] == sizes[ch.level] - 8
+    assert r.chunks[3].level != 3, info

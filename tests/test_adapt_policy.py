@@ -135,7 +135,7 @@ def test_drop_mid_context_is_abandoned_and_replanned():
     man = Man(10, 410, BPT)
     m = model_for(man, tps=300)  # text is expensive: KV is needed
     trace = [1000] * 5 + [10] * 5
-    pol = policy(4.0, 300, init=1000)
+    pol = policy(4.0, 300, init=1000, early_abandon=False)  # the deadline rule alone (early: test_adapt_early)
     r = simulate(pol, man, trace, model=m)
     assert r.levels[:5] == [2] * 5
     cut = [t for t in r.timeline if t["abandoned"]]

@@ -60,7 +60,7 @@ def test_round_trip_all_dtypes():
         assert np.array_equal(c.arrays[k], a), k
     # CRC over everything before it, at the end
     assert struct.unpack("<I", data[-4:])[0] == zlib.crc32(data[:-4])
-    assert data[:4] == b"KVCG" and struct.unpack("<H", data[4:6])[0] == bs.FORMAT_VERSION == 3
+    assert data[:4] == b"KVCG" and struct.unpack("<H", data[4:6])[0] == bs.FORMAT_VERSION == 4
     assert bs.peek_header(data) == hdr
 
 
@@ -69,7 +69,7 @@ def test_layout_matches_spec():
     a = np.array([1, 2, 3], dtype=np.uint16)
     hdr = {"b": 1, "a": [2]}
     js = json.dumps(hdr, separators=(",", ":"), sort_keys=True).encode()
-    head = b"KVCG" + struct.pack("<HHI", 3, 0, len(js)) + js + struct.pack("<H", 1)
+    head = b"KVCG" + struct.pack("<HHI", 4, 0, len(js)) + js + struct.pack("<H", 1)
     head += struct.pack("<B", 1) + b"x" + struct.pack("<BB", 3, 1) + struct.pack("<Q", 3)
     head += b"\0" * ((-len(head)) % 8)
     body = head + a.tobytes() + b"\0" * 2 + struct.pack("<Q", 2) + b"pl"
@@ -123,13 +123,15 @@ def test_specific_corruptions():
         with pytest.raises(CodecError):
             bs.unpack(d)
     b = bytearray(data)
-    b[4] = 4  # version 4 (CRC refreshed so the version check itself is exercised)
+    b[4] = 5  # version 5 (CRC refreshed so the version check itself is exercised)
     with pytest.raises(CodecError, match="version"):
         bs.unpack(_refresh_crc(b))
     b = bytearray(data)
     b[4] = 1  # format version 1 containers (before the outlier side list) still read
     assert bs.unpack(_refresh_crc(b))[0] == bs.unpack(data)[0]
     b[4] = 2  # and version 2 (16-bit model tables; the entropy stage reads both codebooks)
+    assert bs.unpack(_refresh_crc(b))[0] == bs.unpack(data)[0]
+    b[4] = 3  # and version 3 (Rice-coded tables without ranges; all three codebooks read)
     assert bs.unpack(_refresh_crc(b))[0] == bs.unpack(data)[0]
     b = bytearray(data)
     b[6] = 1  # flags

@@ -321,7 +321,7 @@ def test_corrupted_lengths_models_header_raise_codec_error_only():
             j = rng.integers(0, a.size)
             a[j] = a[j] + rng.choice([-4, -2, 2, 4, 1, 1000])
         elif which == 1:
-            a = arrays["ent_tables"]
+            a = arrays["ent_codebook"]
             j = rng.integers(0, a.size)
             a[j] = a[j] ^ rng.integers(1, 256)
         elif which == 2:
@@ -388,7 +388,7 @@ def test_encoding_is_deterministic_and_stats_consistent():
         assert np.array_equal(enc.arrays[k], enc2.arrays[k])
     assert enc.payload_bytes == len(enc.payload)
     assert enc.length_table_bytes == enc.arrays["ent_stream_lengths"].nbytes
-    assert enc.model_bytes == enc.arrays["ent_tables"].nbytes + enc.arrays["ent_model_index"].nbytes
+    assert enc.model_bytes == enc.arrays["ent_codebook"].nbytes + enc.arrays["ent_model_index"].nbytes
     # entropy_bits is exactly the code length of the symbols under the transmitted models
     cum, mi = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
     f = np.diff(cum.astype(np.int64), axis=1)

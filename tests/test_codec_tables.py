@@ -1,10 +1,12 @@
-"""Compact model tables of the entropy stage (docs/bitstream.md 4.3, format version 3;
-issue 14.7): Rice-coded square-root table codes, bit-packed model index, the version-2
-codebook still read, crafted tables -> CodecError only.
+"""Compact model tables of the entropy stage (docs/bitstream.md 4.3, format version 4;
+issue 14.7): square-root table codes, Rice-coded over each table's nonzero range, a
+bit-packed model index, the version-3 and version-2 codebooks still read, crafted tables
+-> CodecError only.
 
 Run: .venv/bin/python -m pytest -q tests/test_codec_tables.py
 """
 import numpy as np
+import torch
 import pytest
 
 from codec import probability as prob
@@ -19,17 +21,22 @@ def _laplace_syms(rng, L, T, C, nb, spread=(0.4, 3.0)):
     return np.clip(x, 0, nb - 1).astype(np.uint8)
 
 
-def _spec_read_tables(buf: bytes, groups):
-    """docs/bitstream.md 4.3, literally: MSB-first bits, Rice(k) of zigzag deltas,
-    q[-1] = 0 per table, f = normalize(q * q). Returns {nbins: [[f...], ...]}."""
+def _spec_read_tables(buf: bytes, groups, codes=False):
+    """docs/bitstream.md 4.3 (version 4), literally: MSB-first bits; per table lo and span
+    in bit_length(nbins - 1) bits, then Rice(k) of the zigzag deltas of q[lo..lo+span]
+    (0 before q[lo]), q = 0 elsewhere; f = normalize(q * q). Returns {nbins: [[f...], ...]}
+    (or the codes q with codes=True)."""
     bits = "".join(f"{b:08b}" for b in buf)
     pos = 0
     out = {}
     for nb, K, k, _ in groups:
+        w = max(1, (nb - 1).bit_length())
         tabs = []
         for _ in range(K):
-            prev, q = 0, []
-            for _ in range(nb):
+            lo, span = int(bits[pos:pos + w], 2), int(bits[pos + w:pos + 2 * w], 2)
+            pos += 2 * w
+            prev, q = 0, [0] * nb
+            for s in range(lo, lo + span + 1):
                 u = 0
                 while bits[pos] == "1":
                     u += 1
@@ -40,8 +47,8 @@ def _spec_read_tables(buf: bytes, groups):
                 zz = (u << k) | r
                 d = zz // 2 if zz % 2 == 0 else -(zz + 1) // 2
                 prev += d
-                q.append(prev)
-            tabs.append(_normalize_spec([v * v for v in q]))
+                q[s] = prev
+            tabs.append(q if codes else _normalize_spec([v * v for v in q]))
         out[nb] = tabs
     assert set(bits[pos:]) <= {"0"} and len(bits) - pos < 8
     return out
@@ -109,7 +116,7 @@ def test_round_trip_and_documented_layout(big):
     assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
     # the tables the decoder rebuilds are exactly the documented formula's
     cum, mi = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
-    spec = _spec_read_tables(enc.arrays["ent_tables"].tobytes(), groups)
+    spec = _spec_read_tables(enc.arrays["ent_codebook"].tobytes(), groups)
     f = np.diff(cum.astype(np.int64), axis=1)
     row = 0
     for nb, K, _, _ in groups:
@@ -134,7 +141,19 @@ def test_round_trip_and_documented_layout(big):
 def test_tables_are_compact_and_near_lossless(big):
     (L, T, C, nbk, nbv), sk, sv, enc = big
     n_entries = sum(nb * K for nb, K, _, _ in enc.header["model_groups"])
-    assert enc.arrays["ent_tables"].nbytes * 8 < 8 * n_entries    # < 8 bits per entry (was 16)
+    assert enc.arrays["ent_codebook"].nbytes * 8 < 6 * n_entries    # < 6 bits per entry (was 16)
+    # the range fields cost at most 2 * bit_length(nbins - 1) bits a table over the
+    # version-3 layout (every code Rice-coded) ...
+    groups = enc.header["model_groups"]
+    v3_bits = sum(prob.rice_cost(np.array(q))[0] for q in
+                  _spec_read_tables(enc.arrays["ent_codebook"].tobytes(), groups, codes=True).values())
+    assert enc.arrays["ent_codebook"].nbytes * 8 <= v3_bits + sum(
+        2 * K * (nb - 1).bit_length() for nb, K, _, _ in groups) + 7
+    # ... and save the zero tails of peaked tables (KV's: most of a 127-symbol alphabet)
+    x = np.arange(127) - 63
+    p = np.exp(-np.abs(x[None, :] - np.arange(-8, 8)[:, None]) / np.linspace(1, 4, 16)[:, None])
+    q = prob.table_codes(np.rint(p * 1e6).astype(np.int64))
+    assert prob.ranged_cost(q)[0] < 0.7 * prob.rice_cost(q)[0]
     # square-root-domain codes cost < 0.05% against exact 16-bit tables of the same clusters
     hk = prob.histograms(sk)
     H = np.concatenate([hk[layer, :, :31] for layer in range(L)])
@@ -177,21 +196,53 @@ def test_version2_codebook_still_decodes(big):
     hdr = {**enc.header, "model_groups": groups}
     dk, dv = decode_symbols(hdr, v2, enc.payload, L, T, C, nbk, nbv)
     assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
-    with pytest.raises(CodecError):       # the two codebook formats never mix
-        decode_symbols(hdr, {**v2, "ent_tables": enc.arrays["ent_tables"]}, enc.payload,
+    with pytest.raises(CodecError):       # the codebook formats never mix
+        decode_symbols(hdr, {**v2, "ent_codebook": enc.arrays["ent_codebook"]}, enc.payload,
+                       L, T, C, nbk, nbv)
+
+
+def _to_version3(enc):
+    """The version-3 codebook of the same tables: every code Rice-coded (`ent_tables`)."""
+    groups = enc.header["model_groups"]
+    codes = _spec_read_tables(enc.arrays["ent_codebook"].tobytes(), groups, codes=True)
+    parts, g3, total = [], [], 0
+    for nb, K, _, ik in groups:
+        q = np.array(codes[nb], np.int64)
+        bits, k = prob.rice_cost(q)
+        parts.append((prob._zigzag_deltas(q), k))
+        g3.append([nb, K, k, ik])
+        total += bits
+    buf = np.zeros((total + 7) // 8, np.uint8)
+    pos = 0
+    for zz, k in parts:
+        pos = prob._rice_write(np.ascontiguousarray(zz), k, buf, pos)
+    arrays = {n: a for n, a in enc.arrays.items() if n != "ent_codebook"}
+    return {**enc.header, "model_groups": g3}, {**arrays, "ent_tables": buf}
+
+
+def test_version3_codebook_still_decodes(big):
+    (L, T, C, nbk, nbv), sk, sv, enc = big
+    hdr, arrays = _to_version3(enc)
+    dk, dv = decode_symbols(hdr, arrays, enc.payload, L, T, C, nbk, nbv)
+    assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
+    cum3, mi3 = prob.deserialize_models(hdr, arrays, nbk, nbv, L, C)
+    cum4, mi4 = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
+    assert np.array_equal(cum3, cum4) and np.array_equal(mi3, mi4)
+    with pytest.raises(CodecError, match="two format versions"):
+        decode_symbols(hdr, {**arrays, "ent_codebook": enc.arrays["ent_codebook"]}, enc.payload,
                        L, T, C, nbk, nbv)
 
 
 def test_crafted_tables_raise_codec_error(big):
     (L, T, C, nbk, nbv), sk, sv, enc = big
-    t, ix = enc.arrays["ent_tables"], enc.arrays["ent_model_index"]
+    t, ix = enc.arrays["ent_codebook"], enc.arrays["ent_model_index"]
     g = enc.header["model_groups"]
     bad = [
-        ({}, {"ent_tables": t[:-1]}),                                  # truncated
-        ({}, {"ent_tables": np.concatenate([t, np.zeros(1, np.uint8)])}),  # byte left over
-        ({}, {"ent_tables": np.full(t.size, 0xFF, np.uint8)}),         # endless quotient
-        ({}, {"ent_tables": np.zeros(0, np.uint8)}),
-        ({}, {"ent_tables": t.astype(np.uint16)}),
+        ({}, {"ent_codebook": t[:-1]}),                                  # truncated
+        ({}, {"ent_codebook": np.concatenate([t, np.zeros(1, np.uint8)])}),  # byte left over
+        ({}, {"ent_codebook": np.full(t.size, 0xFF, np.uint8)}),         # endless quotient
+        ({}, {"ent_codebook": np.zeros(0, np.uint8)}),
+        ({}, {"ent_codebook": t.astype(np.uint16)}),
         ({}, {"ent_model_index": ix[:-1]}),
         ({"model_groups": [[9, g[0][1], 16, g[0][3]], g[1]]}, {}),     # rice k out of range
         ({"model_groups": [[9, g[0][1], g[0][2], -1], g[1]]}, {}),
@@ -216,7 +267,7 @@ def test_crafted_tables_raise_codec_error(big):
     rng = np.random.default_rng(0)
     raised = 0
     for i in range(200):
-        name = ("ent_tables", "ent_model_index")[i % 2]   # both start at bit 0: a flip early
+        name = ("ent_codebook", "ent_model_index")[i % 2]   # both start at bit 0: a flip early
         #                                                   in a code shifts all that follow
         a = enc.arrays[name].copy()
         a[rng.integers(0, a.size)] ^= rng.integers(1, 256)
@@ -238,3 +289,86 @@ def test_rice_cost_is_the_serialised_size():
         out = np.empty(q.size, np.int64)
         assert prob._rice_read(buf, 0, q.size, nb, k, prob.TABLE_QMAX, out) == bits
         assert np.array_equal(out.reshape(q.shape), q)
+
+
+def test_ranged_cost_is_the_serialised_size():
+    rng = np.random.default_rng(2)
+    for nb in (2, 7, 31, 127, 255):
+        q = rng.integers(0, prob.TABLE_QMAX + 1, size=(6, nb))
+        q[0] = 0                                  # an all-zero table: lo = span = 0
+        q[1, :nb // 2] = 0                        # a zero head
+        q[2, nb // 3:] = 0                        # a zero tail
+        q[2, 0] = max(q[2, 0], 1)
+        bits, k = prob.ranged_cost(q)
+        w = max(1, (nb - 1).bit_length())
+        buf = np.zeros((bits + 7) // 8, np.uint8)
+        lo, span, zz = prob._ranged_deltas(q)
+        assert prob._ranged_write(lo, span, zz, w, k, buf, 0) == bits
+        out = np.zeros(q.shape, np.int64)
+        assert prob._ranged_read(buf, 0, q.shape[0], nb, w, k, prob.TABLE_QMAX, out) == bits
+        assert np.array_equal(out, q)
+        groups = [[nb, q.shape[0], k, 0]]
+        assert _spec_read_tables(buf.tobytes(), groups, codes=True)[nb] == q.tolist()
+        # lo + span past the alphabet is refused
+        bad = np.zeros((2 * w + 8 + 7) // 8 + 1, np.uint8)
+        pos = prob._fixed_write(nb - 1, w, bad, 0)
+        prob._fixed_write(1, w, bad, pos)
+        assert prob._ranged_read(bad, 0, 1, nb, w, 0, prob.TABLE_QMAX, np.zeros((1, nb), np.int64)) == -1
+
+
+# Containers written by the version-3 writer (codec version 3, git 52df50c), KV of
+# tests/fixtures/codec_v3: seeded randn [2, 96, 2, 16] bf16; sha256 of the decoded K and V
+# bits as that writer's decoder gave them.
+V3_FIXTURES = {
+    1: "c1c9b4cd3d5ea05b1a8c1c81db02c2dab45c07edeb31b072296ccdef695d603a",
+    5: "a6e7b95938d1437654135c9c0fc9a409f448cb379bd8c3121c5e0dd1c019a9d4",
+}
+
+
+@pytest.mark.parametrize("level", sorted(V3_FIXTURES))
+def test_version3_containers_decode_unchanged(level):
+    import hashlib
+    from pathlib import Path
+
+    import codec
+    from codec import bitstream
+
+    data = (Path(__file__).parent / "fixtures" / "codec_v3" / f"cachegen_l{level}.kvcg").read_bytes()
+    assert data[4] == 3 and codec.peek_header(data)["codec_version"] == 3
+    assert "ent_tables" in bitstream.unpack(data)[1] and "ent_codebook" not in bitstream.unpack(data)[1]
+    k, v = codec.decode_kv(data)
+    h = hashlib.sha256(k.view(torch.uint16).numpy().tobytes() + v.view(torch.uint16).numpy().tobytes())
+    assert h.hexdigest() == V3_FIXTURES[level]
+    # the current writer makes a version-4 container of the same KV, never a version-3 one
+    again = codec.encode_kv(k, v, codec="cachegen", level=level)
+    assert again[4] == 4 and "ent_codebook" in bitstream.unpack(again)[1]
+
+
+def _normalize_by_stable_sort(c):
+    """docs/bitstream.md 4.3's normalisation with a stable sort of the remainders."""
+    c = np.asarray(c, np.int64)
+    out = np.empty_like(c)
+    m, nb = c.shape
+    spare = 65536 - nb
+    for i in range(m):
+        row = c[i] if c[i].sum() else np.ones(nb, np.int64)
+        num = row * spare
+        q = num // row.sum()
+        out[i] = 1 + q
+        rem = num - q * row.sum()
+        out[i, np.argsort(-rem, kind="stable")[:65536 - out[i].sum()]] += 1
+    return out
+
+
+def test_normalize_freqs_matches_a_stable_sort_of_remainders():
+    """The allocation-free remainder selection gives the stable-sort result exactly
+    (ties to the lower symbol, zero counts last), so older codebooks decode unchanged."""
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        nb = int(rng.choice([2, 3, 9, 15, 63, 127, 256]))
+        c = [rng.integers(0, 5, size=(8, nb)),                                       # many ties
+             rng.integers(0, 3, size=(8, nb)) * rng.integers(1, 1000, size=(8, 1)),
+             rng.integers(0, 2, size=(8, nb)) * 7,                                   # zero runs
+             rng.integers(0, 256, size=(8, nb)) ** 2][trial % 4]
+        c[0] = 0                                                                     # all zero
+        assert np.array_equal(prob.normalize_freqs(c), _normalize_by_stable_sort(c))

@@ -436,9 +436,16 @@ class _PrefixPolicy:
         else:
             self.inner.observe_transfer(k, level, nbytes, transfer_s, elapsed_end_s)
 
-    def observe_abandon(self, k, level, wire_s) -> None:
+    def should_abandon(self, k, received_bytes, elapsed_s) -> bool:
+        f = getattr(self.inner, "should_abandon", None)
+        return bool(f(k, received_bytes, elapsed_s)) if f is not None else False
+
+    def observe_abandon(self, k, level, wire_s, received_bytes=None) -> None:
         if hasattr(self.inner, "observe_abandon"):
-            self.inner.observe_abandon(k, level, wire_s)
+            if received_bytes is None:
+                self.inner.observe_abandon(k, level, wire_s)
+            else:
+                self.inner.observe_abandon(k, level, wire_s, received_bytes)
 
     def observe_text(self, k) -> None:
         if hasattr(self.inner, "observe_text") and not self.stopped and k < self.needed:

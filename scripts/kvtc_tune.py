@@ -1,0 +1,180 @@
+"""Tune KVTC's calibration on WikiText-2 VALIDATION windows (never the test split).
+
+Prefills the calibration windows once (cached in --cache), fits calibration variants with
+``codec.kvtc.fit_calibration`` and measures, on held-out validation windows (from token
+--eval-from of the split, after the calibration text), the ratio vs bf16, KL(lossless ||
+decoded) of the next-token distributions and top-1 agreement, as ``bench.quality`` does
+(mean over windows, 95% CI half-width 1.96 sd / sqrt(n windows)).
+
+    python scripts/kvtc_tune.py --variants base,metric,white1 --levels 3,5 --windows 6
+    python scripts/kvtc_tune.py --variants white1 --levels 3,4 --targets 3=1.1,4=1.8
+
+Variants (joined with +): base (orthonormal PCA, MSE water-filling with the per-(K/V,
+layer) sensitivity weights), metricP (per-component water levels / metric gain^P),
+whiteP (PCA and water-filling in the metric-whitened space, power P), konlyP / vonlyP
+(the metric on K or V only), relw (relative weighting instead of sensitivity). Results
+of the runs behind the default: docs/codec.md 8.5.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="base,metric")
+    ap.add_argument("--levels", default="3,4,5")
+    ap.add_argument("--targets", default="", help="level=bits,... overrides")
+    ap.add_argument("--windows", type=int, default=6)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--continuation", type=int, default=128)
+    ap.add_argument("--eval-from", type=int, default=120000)
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "kvtc_tune" / "samples.pt"),
+                    help="where the calibration samples (and fitted variants) are cached")
+    ap.add_argument("--cachegen", default="1")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--sinks", default="", help="comma-separated sink_tokens overrides to "
+                    "measure besides the calibration's (e.g. 1,2)")
+    args = ap.parse_args()
+
+    import codec
+    from codec import kvtc
+    from kv_extraction_hf import calibrate as kc
+    from kv_extraction_hf.extract import prefill_kv
+    from kv_extraction_hf.inject import continuation_logits
+    from kv_extraction_hf.model import load_model
+    from kv_extraction_hf.wikitext import token_windows
+    from bench.quality import reference_scores, window_scores
+
+    bundle = load_model("default", log=lambda m: None)
+    text, _ = kc._default_text()
+    cache = Path(args.cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    if cache.is_file():
+        d = torch.load(cache)
+    else:
+        t0 = time.perf_counter()
+        first: dict = {}
+        with kc.query_energy(bundle) as qe:
+            k, v, pos = kc.calibration_samples(bundle, text, 4, 1024, 4, first=first)
+        sens = kc.measure_sensitivity(bundle, first["k"][:, :512], first["v"][:, :512],
+                                      first["ids"][:512], sink_tokens=4, batch=12)
+        d = {"k": k, "v": v, "pos": pos, "sens": torch.from_numpy(sens),
+             "qe": torch.from_numpy(qe.result()),
+             "wo": torch.from_numpy(kc.output_gram(bundle))}
+        torch.save(d, cache)
+        print(f"samples in {time.perf_counter() - t0:.0f} s")
+    theta = kc.rope_theta_of(bundle)
+    sens = d["sens"].numpy()
+    weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
+    levels = [int(x) for x in args.levels.split(",")]
+    targets = dict(kvtc.DEFAULT_LEVEL_TARGETS)
+    for item in filter(None, args.targets.split(",")):
+        a, b = item.split("=")
+        targets[int(a)] = float(b)
+    mk, mv = kc.metric_from_stats(d["qe"].numpy(), d["wo"].numpy(), bundle)
+
+    def variant(name: str):
+        kw = {}
+        for part in name.split("+"):
+            if part == "base":
+                pass
+            elif part.startswith("metric"):
+                p = float(part[6:] or 1.0)
+                kw["metric"] = (mk, mv)
+                kw["metric_power"] = p
+            elif part.startswith("white"):
+                kw["metric"] = (mk, mv)
+                kw["metric_power"] = float(part[5:] or 1.0)
+                kw["whiten"] = True
+            elif part.startswith("konly"):
+                p = float(part[5:] or 1.0)
+                kw["metric"] = (mk, np.broadcast_to(np.eye(mk.shape[-1]), mk.shape).copy())
+                kw["metric_power"] = p
+            elif part.startswith("vonly"):
+                p = float(part[5:] or 1.0)
+                kw["metric"] = (np.broadcast_to(np.eye(mk.shape[-1]), mk.shape).copy(), mv)
+                kw["metric_power"] = p
+            elif part == "relw":
+                kw["weighting"] = "relative"
+            else:
+                raise SystemExit(f"unknown variant part {part}")
+        kw.setdefault("weighting", weighting)
+        t0 = time.perf_counter()
+        cal = kvtc.fit_calibration(d["k"], d["v"], positions=d["pos"], rope_theta=theta,
+                                   level_targets={x: targets[x] for x in targets},
+                                   default_level=4, **kw)
+        print(f"variant {name}: fit {time.perf_counter() - t0:.0f} s, keep "
+              f"{[int(cal.n_keep(x).sum()) for x in levels]}", flush=True)
+        return cal
+
+    def cached(name: str):
+        tag = name + "|" + json.dumps(sorted(targets.items()))
+        import hashlib
+        f = cache.parent / ("cal_" + hashlib.sha256(tag.encode()).hexdigest()[:16] + ".txt")
+        if f.is_file():
+            return kvtc.load_calibration(f.read_text().strip())
+        cal = variant(name)
+        f.write_text(str(cal.save(cache.parent)))
+        return cal
+
+    cals = {name: cached(name) for name in args.variants.split(",")}
+    ids = bundle.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ev = ids[args.eval_from:]
+    win = args.context + args.continuation
+    offs = token_windows(len(ev), win, args.windows, seed=0)
+    rows: dict = {}
+    cg = [int(x) for x in filter(None, args.cachegen.split(","))]
+    for w, off in enumerate(offs):
+        ctx = ev[off:off + args.context]
+        cont = ev[off + args.context:off + win]
+        k, v = prefill_kv(bundle, ctx)
+        ref = reference_scores(continuation_logits(bundle, k, v, ctx, cont), cont)
+        sinks = [None] + [int(x) for x in filter(None, args.sinks.split(","))]
+        todo = [("cachegen", lv, None, None) for lv in cg] + \
+               [(name, lv, cal, sk) for name, cal in cals.items() for lv in levels
+                for sk in sinks]
+        for name, lv, cal, sk in todo:
+            if sk is not None:
+                name = f"{name}-sink{sk}"
+            if cal is None:
+                data = codec.encode_kv(k, v, codec="cachegen", level=lv)
+            else:
+                data = codec.encode_kv(k, v, codec="kvtc", level=lv,
+                                       config=kvtc.KvtcConfig(calibration=cal,
+                                                              sink_tokens=sk))
+            k2, v2 = codec.decode_kv(data)
+            s = window_scores(ref, continuation_logits(bundle, k2.to(k.dtype), v2.to(v.dtype),
+                                                       ctx, cont), cont)
+            r = rows.setdefault(f"{name}:{lv}", {"kl": [], "top1": [], "ratio": []})
+            r["kl"].append(s["kl"]); r["top1"].append(s["top1"])
+            r["ratio"].append(2 * k.numel() * 2 / len(data))
+            print(f"  {name}:{lv} {r['ratio'][-1]:.2f}x KL {s['kl']:.4f} top1 {s['top1']:.3f}",
+                  flush=True)
+        print(f"window {w + 1}/{len(offs)} done", flush=True)
+    print(f"n = {len(offs)} validation windows x {args.continuation} tokens "
+          f"(context {args.context}); mean +- 1.96 sd/sqrt(n)")
+    for key, r in rows.items():
+        n = len(r["kl"])
+        kl, t1 = np.array(r["kl"]), np.array(r["top1"])
+        h = lambda a: 1.96 * a.std(ddof=1) / math.sqrt(n) if n > 1 else float("nan")
+        print(f"{key:24s} {np.mean(r['ratio']):6.2f}x  KL {kl.mean():.4f} +- {h(kl):.4f}  "
+              f"top-1 {t1.mean():.3f} +- {h(t1):.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

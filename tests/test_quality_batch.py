@@ -1,0 +1,65 @@
+"""The batched continuation forward of the quality benchmark
+(``kv_extraction_hf.inject.continuation_logits_batch``) gives each entry exactly the logits
+of its own batch-1 ``continuation_logits`` (bit for bit), so batching several codecs'
+decoded KV per forward changes no KL / top-1 figure; and the benchmark's rows do not
+depend on the batch size.
+
+Run: .venv/bin/python -m pytest tests/test_quality_batch.py -q
+"""
+import pytest
+import torch
+
+import codec
+from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.extract import prefill_kv
+from kv_extraction_hf.inject import continuation_logits, continuation_logits_batch
+from kv_extraction_hf.prompts import build_prompt
+
+
+def test_batched_continuation_equals_batch_one_bit_for_bit(default_bundle):
+    p = build_prompt("pydoc_ppl", default_bundle.tokenizer, 200, seed=0, index=0)
+    ctx, cont = p.context_ids, p.continuation_ids[:40]
+    k, v = prefill_kv(default_bundle, ctx)
+    kvs = [(k, v)]
+    for name, level in (("cachegen", 1), ("quant8", None), ("kivi2", None), ("cachegen", 5),
+                        ("fp8", None), ("cachegen-ref", 0)):
+        k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=name, level=level))
+        kvs.append((k2.to(k.dtype), v2.to(v.dtype)))
+    batched = continuation_logits_batch(default_bundle, kvs, ctx, cont)      # batch 7
+    assert len(batched) == len(kvs)
+    for (kk, vv), got in zip(kvs, batched):
+        one = continuation_logits(default_bundle, kk, vv, ctx, cont)
+        assert got.dtype == torch.float32 and got.shape == one.shape == (40, default_bundle.model.config.vocab_size)
+        assert torch.equal(got, one)
+    # the entries really differ (a lossy KV changes its own logits only)
+    assert not torch.equal(batched[0], batched[2])
+    # a single continuation token: row 0 only
+    one_tok = continuation_logits_batch(default_bundle, kvs[:2], ctx, cont[:1])
+    assert torch.equal(one_tok[1], continuation_logits(default_bundle, *kvs[1], ctx, cont[:1]))
+    assert continuation_logits_batch(default_bundle, [], ctx, cont) == []
+
+
+def test_batched_continuation_validates(default_bundle):
+    p = build_prompt("pydoc_ppl", default_bundle.tokenizer, 64, seed=0, index=0)
+    k, v = prefill_kv(default_bundle, p.context_ids)
+    with pytest.raises(ExtractionError, match="dtype"):
+        continuation_logits_batch(default_bundle, [(k, v), (k.float(), v.float())], p.context_ids, [1, 2])
+    with pytest.raises(ExtractionError, match="at least one"):
+        continuation_logits_batch(default_bundle, [(k, v)], p.context_ids, [])
+
+
+def test_text_rows_do_not_depend_on_batch(default_bundle):
+    from bench.quality import run_text_quality
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 20000, (2000,), generator=g).tolist()
+    pairs = [("cachegen", 1), ("quant8", None), ("kivi2", None), ("raw", None)]
+    res = [run_text_quality(default_bundle, ids, pairs, 2, 160, 24, seed=0, log=lambda m: None, batch=b)
+           for b in (1, 3)]
+    for r1, r3 in zip(*(sorted(r[0], key=lambda x: x["codec"]) for r in res)):
+        assert r1["codec"] == r3["codec"]
+        assert r1["per_window"] == r3["per_window"]
+        assert r1["bits_per_element"] == r3["bits_per_element"]
+    assert res[1][1]["lossless_check"]["passed"] and res[1][1]["batch"] == 3
+    with pytest.raises(ValueError, match="batch"):
+        run_text_quality(default_bundle, ids, pairs, 1, 160, 24, batch=0)
