@@ -30,7 +30,7 @@ Quality: per-level KL from benchmarks/quality.json when present (token-weighted 
 a load; text chunks are recomputed exactly, KL 0); otherwise quality_kl is null and the
 planner uses an ordinal utility (higher level better, text best), stated in the output.
 
-Run (default; 16 min at load average 9-14 on the 2 cores, less when quiet):  python -m bench.adapt
+Run (default; ~2 min quiet (115 s on 2026-11-30), 16 min at load 9-14):  python -m bench.adapt
 Quick (~2 min; ~1 min with --level-table):   python -m bench.adapt --quick
 Simulation only, reusing a level table:      python -m bench.adapt --no-real --level-table benchmarks/adaptation.json
 Output: benchmarks/adaptation.json (schema: docs/results-schema.md, section adaptation.json).

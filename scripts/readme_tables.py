@@ -496,6 +496,8 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
         lines.append("Simulated vs real link at the real run's SLO: " + "; ".join(
             f"{x.get('trace_set')} {x.get('policy', '')} SLO {x.get('slo_s')} s: violations real "
             f"{_f(x.get('violation_rate_real'), '.0%')}, simulated {_f(x.get('violation_rate_sim'), '.0%')}"
+            + (f" (n = {x['n']} paired requests, {x['same_outcome']} with the same outcome)"
+               if isinstance(x.get("n"), int) and isinstance(x.get("same_outcome"), int) else "")
             for x in svr) + ".")
         lines.append("")
     sets = sorted({r.get("trace_set") for r in rows}, key=lambda t: _order(t, TRACE_SET_ORDER))
