@@ -241,31 +241,48 @@ def _rice_write_plain(v, k, out, pos):
 
 
 @_numba_or_py_early
+def _bits_read(buf, pos, w):
+    """Read w bits (MSB first) of the bit buffer buf at bit pos (the caller checked that
+    they exist); returns (value, new bit position)."""
+    v = 0
+    for _ in range(w):
+        v = (v << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+        pos += 1
+    return v, pos
+
+
+@_numba_or_py_early
+def _rice_one(buf, pos, nbits, k, umax):
+    """Read one Rice code (unary quotient of 1-bits ended by a 0, then k remainder bits,
+    MSB first; the inverse of _rice_write) from bit pos of buf (nbits bits). Returns
+    (value, new bit position), the position -1 when the buffer ends early or the quotient
+    exceeds umax."""
+    u = 0
+    while True:
+        if pos >= nbits:
+            return 0, -1
+        b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+        pos += 1
+        if b == 0:
+            break
+        u += 1
+        if u > umax:
+            return 0, -1
+    if pos + k > nbits:
+        return 0, -1
+    r, pos = _bits_read(buf, pos, k)
+    return (u << k) | r, pos
+
+
+@_numba_or_py_early
 def _rice_read_plain(buf, pos, n, k, vmax, out):
     """Read n Rice codes (parameter k) with values in [0, vmax] from bit pos of buf into
     out int64 [n]; returns the new bit position or -1 (buffer ends early, value > vmax)."""
     nbits = buf.shape[0] * 8
     umax = vmax >> k
     for i in range(n):
-        u = 0
-        while True:
-            if pos >= nbits:
-                return -1
-            b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
-            pos += 1
-            if b == 0:
-                break
-            u += 1
-            if u > umax:
-                return -1
-        if pos + k > nbits:
-            return -1
-        r = 0
-        for _ in range(k):
-            r = (r << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-            pos += 1
-        x = (u << k) | r
-        if x > vmax:
+        x, pos = _rice_one(buf, pos, nbits, k, umax)
+        if pos < 0 or x > vmax:
             return -1
         out[i] = x
     return pos
@@ -301,24 +318,9 @@ def _rice_read(buf, pos, n, nb, k, qmax, out):
     for i in range(n):
         if i % nb == 0:
             prev = 0
-        u = 0
-        while True:
-            if pos >= nbits:
-                return -1
-            b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
-            pos += 1
-            if b == 0:
-                break
-            u += 1
-            if u > umax:
-                return -1
-        if pos + k > nbits:
+        zz, pos = _rice_one(buf, pos, nbits, k, umax)
+        if pos < 0:
             return -1
-        r = 0
-        for _ in range(k):
-            r = (r << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-            pos += 1
-        zz = (u << k) | r
         d = (zz >> 1) if (zz & 1) == 0 else -((zz + 1) >> 1)
         q = prev + d
         if q < 0 or q > qmax:
@@ -408,36 +410,15 @@ def _ranged_read(buf, pos, K, nb, w, k, qmax, out):
     for t in range(K):
         if pos + 2 * w > nbits:
             return -1
-        lo = 0
-        for _ in range(w):
-            lo = (lo << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-            pos += 1
-        span = 0
-        for _ in range(w):
-            span = (span << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-            pos += 1
+        lo, pos = _bits_read(buf, pos, w)
+        span, pos = _bits_read(buf, pos, w)
         if lo + span >= nb:
             return -1
         prev = 0
         for s in range(lo, lo + span + 1):
-            u = 0
-            while True:
-                if pos >= nbits:
-                    return -1
-                b = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
-                pos += 1
-                if b == 0:
-                    break
-                u += 1
-                if u > umax:
-                    return -1
-            if pos + k > nbits:
+            z, pos = _rice_one(buf, pos, nbits, k, umax)
+            if pos < 0:
                 return -1
-            r = 0
-            for _ in range(k):
-                r = (r << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-                pos += 1
-            z = (u << k) | r
             d = (z >> 1) if (z & 1) == 0 else -((z + 1) >> 1)
             q = prev + d
             if q < 0 or q > qmax:

@@ -62,7 +62,7 @@ def main() -> int:
     cache = Path(args.cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
     if cache.is_file():
-        d = torch.load(cache)
+        d = torch.load(cache, weights_only=True)  # tensors only: never unpickle arbitrary objects
     else:
         t0 = time.perf_counter()
         first: dict = {}

@@ -7,18 +7,11 @@ import pytest
 
 from streaming.adapt import AdaptivePolicy, ClockModel, simulate
 
-MBPS = 1e6 / 8
+from test_adapt_policy import MBPS, Man  # the same synthetic manifest
+
 KIB64 = 64 * 1024
 BPT = {0: 2200, 1: 3000, 2: 6100}  # bytes per token; 410-token chunks: 0.9 / 1.2 / 2.5 MB
 DEC = {0: 2e-4, 1: 2e-4, 2: 2e-4}
-
-
-class Man:
-    def __init__(self, n, tokens, bytes_per_token):
-        self.levels = tuple(sorted(bytes_per_token))
-        self.sizes = {lv: tuple([b * tokens] * n) for lv, b in bytes_per_token.items()}
-        self.token_ranges = tuple((i * tokens, (i + 1) * tokens) for i in range(n))
-        self.chunk_count = n
 
 
 def model_for(man, tps, overhead=0.0):

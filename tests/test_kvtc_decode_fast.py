@@ -15,12 +15,7 @@ import codec
 from codec import kvtc
 
 
-def _correlated(L, T, H, D, seed, decay=-2.0):
-    g = torch.Generator().manual_seed(1000)
-    mix = torch.randn(L, H * D, H * D, generator=g)
-    g2 = torch.Generator().manual_seed(seed)
-    z = torch.randn(L, T, H * D, generator=g2) * torch.logspace(0, decay, H * D)
-    return (torch.bmm(z, mix) + 0.5).reshape(L, T, H, D)
+from test_codec_kvtc import _correlated  # the same correlated random KV
 
 
 @pytest.fixture(scope="module", params=["plain", "centroid"])
