@@ -2,6 +2,7 @@
 chunk's transfer, the client cuts that transfer, re-plans the chunk and finishes the load
 (streaming.client + streaming.adapt; userspace token bucket always, netns + tbf as root)."""
 
+import contextlib
 import threading
 
 import pytest
@@ -17,30 +18,43 @@ METHODS = ["userspace", pytest.param("netns", marks=pytest.mark.skipif(
     not NETNS_OK, reason=f"netns link needs root: {NETNS_WHY}"))]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
-    n, tokens = 6, 100
-    sizes = {1: 750_000, 2: 1_500_000, 3: 3_000_000}
+N_CHUNKS, TOKENS = 6, 100
+SIZES = {1: 750_000, 2: 1_500_000, 3: 3_000_000}  # stand-in chunk bytes per level
+
+
+@contextlib.contextmanager
+def _standin_store(tmp_path, method):
+    """A 100 Mbit/s shaped link, a KV store server behind it holding one context of
+    N_CHUNKS stand-in chunks at levels 1-3 (SIZES), and a client: yields (link, client, key)."""
     with ShapedLink(100, method=method) as link:
         with start_store_server(tmp_path / "s", link) as h, h.client(timeout=30) as c:
-            ids = list(range(n * tokens))
-            chunks = {lv: [standin.make_chunk(b, seed=10 * lv + i) for i in range(n)] for lv, b in sizes.items()}
-            key = c.put_context("m", "w", "standin", ids, chunks, [(i * tokens, (i + 1) * tokens) for i in range(n)])
-            fired = []
+            ids = list(range(N_CHUNKS * TOKENS))
+            chunks = {lv: [standin.make_chunk(b, seed=10 * lv + i) for i in range(N_CHUNKS)]
+                      for lv, b in SIZES.items()}
+            key = c.put_context("m", "w", "standin", ids, chunks,
+                                [(i * TOKENS, (i + 1) * TOKENS) for i in range(N_CHUNKS)])
+            yield link, c, key
 
-            def hook(k):
-                # chunk 3: the rate drops to 0.5 Mbit/s 20 ms after the request (mid-transfer: 3 MB at
-                # 100 Mbit/s take 0.24 s); at 0.5 Mbit/s the rest would take about 40 s
-                if k == 3 and not fired:
-                    fired.append(threading.Timer(0.02, link.set_rate, (0.5,)))
-                    fired[0].start()
 
-            # text costs 100 tokens / 100 tokens/s = 1 s a chunk: KV is worth fetching
-            pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
-                                 burst_bytes=link.burst_bytes)
-            r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
-            fired[0].join()
-            assert c.ping()  # the connection re-established after the cut serves requests
+@pytest.mark.parametrize("method", METHODS)
+def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
+    n, sizes = N_CHUNKS, SIZES
+    with _standin_store(tmp_path, method) as (link, c, key):
+        fired = []
+
+        def hook(k):
+            # chunk 3: the rate drops to 0.5 Mbit/s 20 ms after the request (mid-transfer: 3 MB at
+            # 100 Mbit/s take 0.24 s); at 0.5 Mbit/s the rest would take about 40 s
+            if k == 3 and not fired:
+                fired.append(threading.Timer(0.02, link.set_rate, (0.5,)))
+                fired[0].start()
+
+        # text costs 100 tokens / 100 tokens/s = 1 s a chunk: KV is worth fetching
+        pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
+                             burst_bytes=link.burst_bytes)
+        r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
+        fired[0].join()
+        assert c.ping()  # the connection re-established after the cut serves requests
     info = [(d.chunk, d.level, d.reason, d.budget_s, d.throughput_mbps_est) for d in pol.history]
     assert [ch.index for ch in r.chunks] == list(range(n)) and r.error is None, info
     assert [ch.level for ch in r.chunks[:3]] == [3, 3, 3], info
@@ -59,22 +73,17 @@ def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
 def test_slow_chunk_is_abandoned_early_from_its_progress(tmp_path, method):
     """The rate drops to 10 Mbit/s as chunk 3 is requested: its 3 MB would take ~2.4 s; the
     progress checks (every 64 KiB) project that and cut it long before its deadline."""
-    n, tokens = 6, 100
-    sizes = {1: 750_000, 2: 1_500_000, 3: 3_000_000}
-    with ShapedLink(100, method=method) as link:
-        with start_store_server(tmp_path / "s", link) as h, h.client(timeout=30) as c:
-            ids = list(range(n * tokens))
-            chunks = {lv: [standin.make_chunk(b, seed=10 * lv + i) for i in range(n)] for lv, b in sizes.items()}
-            key = c.put_context("m", "w", "standin", ids, chunks, [(i * tokens, (i + 1) * tokens) for i in range(n)])
+    n, sizes = N_CHUNKS, SIZES
+    with _standin_store(tmp_path, method) as (link, c, key):
 
-            def hook(k):
-                if k == 3:
-                    link.set_rate(10)
+        def hook(k):
+            if k == 3:
+                link.set_rate(10)
 
-            pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
-                                 burst_bytes=link.burst_bytes)
-            r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
-            assert c.ping()
+        pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
+                             burst_bytes=link.burst_bytes)
+        r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
+        assert c.ping()
     info = [(d.chunk, d.level, d.reason, d.budget_s, d.throughput_mbps_est) for d in pol.history]
     assert [ch.index for ch in r.chunks] == list(range(n)) and r.error is None, info
     cut = [a for a in r.abandoned if a["chunk"] == 3]
