@@ -23,9 +23,12 @@ with this project's rANS coder and probability model as the entropy stage:
    the allocation minimises the error the model sees rather than the plain MSE; the
    artifact then holds the encoder's ``analysis`` matrix S U beside the decoder's
    ``basis`` S^-1 U.
-3. Entropy coding: the quantized coefficients [L, T, n] of K and V go through
-   ``codec.entropy.encode_symbols`` (per-(layer, component) models clustered into a
-   codebook, 32-bit rANS; docs/bitstream.md sections 1-4) - the same coder as cachegen.
+3. Entropy coding: the quantized coefficients of each (K/V, layer)'s kept components
+   only (the "kept" column layout, kvtc format 2: all of them concatenated, split into
+   two halves) go through ``codec.entropy.encode_symbols`` (per-column models clustered
+   into a codebook, 32-bit rANS; docs/bitstream.md sections 1-4 and 4.5) - the same
+   coder as cachegen. The older padded layout (every layer at the largest kept width)
+   is still decoded.
 4. The first ``sink_tokens`` tokens of the context (attention sinks) and optionally the
    last ``recent_tokens`` are stored exactly, as KVTC and CacheGen's variant do.
 
@@ -48,6 +51,7 @@ Run the tests: .venv/bin/python -m pytest tests/test_codec_kvtc.py -q
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -65,7 +69,8 @@ from .errors import CodecError
 __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
            "register_calibration", "registered_calibrations", "get_calibration",
            "load_calibration", "default_calibration_dir", "apply_rope", "undo_rope",
-           "CALIBRATION_FORMAT", "CALIBRATION_VERSION", "DEFAULT_LEVEL_TARGETS"]
+           "CALIBRATION_FORMAT", "CALIBRATION_VERSION", "DEFAULT_LEVEL_TARGETS",
+           "KVTC_FORMAT_VERSION"]
 
 CALIBRATION_FORMAT = "kvtc-calibration"
 CALIBRATION_VERSION = 1
@@ -219,7 +224,8 @@ class KvtcCalibration:
         ``basis``; n = max kept components; columns beyond a layer's own count are
         zero), step [2, L, 1, n] (1 where dropped), basis_ts [2, L, n, C] (the synthesis
         ``basis`` scaled by the steps, for decode), colsum [2, L, C] (its column sums),
-        n (int)."""
+        n (int), keep (kept components per [K/V][layer]); the decoder adds bf16 copies
+        ``basis_ts_bf16`` / ``mean_bf16`` on first use (``KvtcCodec._inverse``)."""
         if level not in self._torch:
             i = self.levels.index(level)
             keep = self.n_keep(level)
@@ -249,15 +255,6 @@ class KvtcCalibration:
                     np.where(mask, np.array(self.shrink[i][:, :, :n], np.float32), 0.0
                              ).astype(np.float32))[:, :, None, :].contiguous()}
             self._torch[level]["colsum"] = self._torch[level]["basis_ts"].sum(dim=2)
-            if self.head_dim % 2 == 0:
-                # output columns interleaved per head for the complex-RoPE decode:
-                # head feature order [0, D/2, 1, D/2 + 1, ...]
-                hh = self.head_dim // 2
-                ph = torch.stack([torch.arange(hh), torch.arange(hh) + hh], -1).reshape(-1)
-                perm = (torch.arange(self.num_heads)[:, None] * self.head_dim + ph).reshape(-1)
-                self._torch[level]["perm_il"] = perm
-                self._torch[level]["basis_ts_il"] = \
-                    self._torch[level]["basis_ts"][..., perm].contiguous()
         return self._torch[level]
 
     # ---- file ----------------------------------------------------------------------
@@ -803,6 +800,87 @@ def _exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recen
     return ns, nr
 
 
+# Column layouts of the coded symbols (docs/bitstream.md 4.5). Format 1 ("padded", header
+# field ``layout`` absent): K and V each [L, Tq, n], n = the level's largest kept width,
+# columns past a layer's own count always the offset symbol. Format 2 (``layout`` =
+# "kept"): only each (K/V, layer)'s kept columns, in one [Tq, S] concatenation split into
+# two equal halves (the entropy stage's K and V arrays, [1, Tq, ceil(S/2)] each).
+KVTC_FORMAT_VERSION = 2
+KVTC_LAYOUT = "kept"
+_PADDED = None
+
+
+def _n_kept(keep: list) -> int:
+    """S: kept columns of all (K/V, layer) together."""
+    return int(sum(keep[0]) + sum(keep[1]))
+
+
+def _kept_nbins(keep: list, offs: list, half: int) -> tuple[int, int]:
+    """Alphabet sizes of the two halves of the kept layout: max(2, 2M + 1) with M the
+    largest offset of a (K/V, layer) that has a column in that half (the pad column of an
+    odd S is symbol 0)."""
+    nb, col = [2, 2], 0
+    for kv in (0, 1):
+        for nl, o in zip(keep[kv], offs[kv]):
+            if nl:
+                for hf in {min(col // half, 1), min((col + nl - 1) // half, 1)}:
+                    nb[hf] = max(nb[hf], 2 * int(o) + 1)
+            col += nl
+    return nb[0], nb[1]
+
+
+def _kept_halves(syms: list, keep: list, offs: list, Tq: int
+                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The kept layout of symbols ``syms`` = [K, V] uint8 [L, Tq, n]: (half_a, half_b)
+    uint8 [1, Tq, ceil(S/2)] (columns (kv, layer, component) in order, a zero pad column
+    at the end of an odd S) and their alphabet sizes."""
+    S = _n_kept(keep)
+    half = max(1, (S + 1) // 2)
+    flat = np.zeros((Tq, 2 * half), np.uint8)
+    col = 0
+    for kv in (0, 1):
+        for layer, nl in enumerate(keep[kv]):
+            flat[:, col:col + nl] = syms[kv][layer, :, :nl]
+            col += nl
+    nba, nbb = _kept_nbins(keep, offs, half)
+    return (np.ascontiguousarray(flat[None, :, :half]),
+            np.ascontiguousarray(flat[None, :, half:]), nba, nbb)
+
+
+class _KeptSymbols:
+    """The decoded symbols of one of K/V in the kept layout: the two halves a, b uint8
+    [Tq, half] and each layer's first column in their concatenation."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, keep: list, kv: int):
+        self.a, self.b = torch.from_numpy(a), torch.from_numpy(b)
+        self.half = a.shape[1]
+        self.keep = keep[kv]
+        start = sum(keep[0]) if kv == 1 else 0
+        self.start = [start + sum(self.keep[:i]) for i in range(len(self.keep))]
+
+    def pieces(self, layer: int) -> list:
+        """[(first, last, uint8 view [Tq, last - first])]: the kept columns of ``layer``
+        (two pieces when they straddle the halves)."""
+        s, nl, h = self.start[layer], self.keep[layer], self.half
+        e = s + nl
+        if e <= h:
+            return [(0, nl, self.a[:, s:e])]
+        if s >= h:
+            return [(0, nl, self.b[:, s - h:e - h])]
+        return [(0, h - s, self.a[:, s:]), (h - s, nl, self.b[:, :e - h])]
+
+    def padded(self, offs: list, n: int) -> np.ndarray:
+        """The same symbols in the padded layout, uint8 [L, Tq, n] (dropped columns = the
+        layer's offset symbol): for tests and the reference decode."""
+        L, Tq = len(self.keep), self.a.shape[0]
+        out = np.empty((L, Tq, n), np.uint8)
+        for layer in range(L):
+            out[layer] = offs[layer]
+            for lo, hi, src in self.pieces(layer):
+                out[layer, :, lo:hi] = src.numpy()
+        return out
+
+
 # Decode workers (Python threads running torch ops, which release the GIL): at most this
 # many, and at most torch.get_num_threads(); one pool per process, made on first use.
 _MAX_DECODE_WORKERS = 8
@@ -829,7 +907,70 @@ def _rope_rows_py(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
                 x[t, hh, j + h] = b * c + a * s
 
 
+def _rope_bf16_py(src: np.ndarray, dst: np.ndarray, cos: np.ndarray, sin: np.ndarray
+                  ) -> None:
+    """``_rope_rows_py`` on bf16 rows given as their bit patterns: src, dst uint16 [T, H, D]
+    (C-contiguous), cos/sin float32 [T, D/2]. Each value is widened to float32 exactly,
+    rotated with the same two products and one sum, and rounded to the nearest bf16 (ties
+    to even), i.e. the same bits as widening, ``_rope_rows_py`` and a torch cast, without
+    the two float32 copies. Compiled by numba (``_rope_bf16_kernel``)."""
+    T, H, D = src.shape
+    h = D // 2
+    xb = np.empty((H, D), np.uint32)
+    yb = np.empty((H, D), np.float32)
+    x = xb.view(np.float32)
+    y = yb.view(np.uint32)
+    for t in range(T):
+        for hh in range(H):
+            for d in range(D):
+                xb[hh, d] = np.uint32(src[t, hh, d]) << np.uint32(16)
+        for hh in range(H):
+            for j in range(h):
+                a = x[hh, j]
+                b = x[hh, j + h]
+                c = cos[t, j]
+                s = sin[t, j]
+                yb[hh, j] = a * c - b * s
+                yb[hh, j + h] = b * c + a * s
+        for hh in range(H):
+            for d in range(D):
+                v = y[hh, d]
+                dst[t, hh, d] = np.uint16((v + np.uint32(0x7FFF) + ((v >> np.uint32(16))
+                                                                  & np.uint32(1))) >> np.uint32(16))
+
+
 _ROPE_KERNEL = None
+_ROPE_BF16_KERNEL = None
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_tables(start: int, T: int, D: int, theta: float) -> tuple:
+    """RoPE tables of positions [start, start + T) for the decode, cached (a context's
+    chunks start at the same positions every time; computing them costs little, but as
+    small multi-threaded torch ops on a busy machine it cost up to ~40 ms per chunk):
+    cos [T, 1, D] and signed sin [T, 1, D] float32 tensors (the torch fallback), cos and
+    sin float32 [T, D/2] read-only numpy arrays (the numba kernels). At most 32 entries
+    (~8 MB at T = 1024, D = 128)."""
+    h = D // 2
+    cos, sin = _rope_cos_sin(torch.arange(start, start + T), D, theta)
+    cos_h, sin_h = cos[:, 0, :h].contiguous(), sin[:, 0, :h].contiguous()      # [T, h]
+    cos_np, sin_np = cos_h.numpy(), sin_h.numpy()
+    cos_np.setflags(write=False)
+    sin_np.setflags(write=False)
+    return (cos.contiguous(), torch.cat([-sin_h, sin_h], dim=-1)[:, None, :],
+            cos_np, sin_np)
+
+
+def _rope_bf16_kernel():
+    """The compiled ``_rope_bf16_py`` (numba, cached on disk), or None without numba."""
+    global _ROPE_BF16_KERNEL
+    if _ROPE_BF16_KERNEL is None:
+        try:
+            from numba import njit
+            _ROPE_BF16_KERNEL = njit(cache=True, nogil=True)(_rope_bf16_py)
+        except ImportError:  # pragma: no cover - numba is in requirements.txt
+            _ROPE_BF16_KERNEL = False
+    return _ROPE_BF16_KERNEL or None
 
 
 def _rope_kernel():
@@ -862,6 +1003,22 @@ def _decode_workers() -> int:
     return max(1, min(n, _MAX_DECODE_WORKERS))
 
 
+_BF16_GEMM = None
+
+
+def _bf16_gemm() -> bool:
+    """Whether ``KvtcCodec._inverse`` multiplies in bf16 (float32 accumulation) for a bf16
+    destination: the CPU has native bf16 dot products (AVX512-BF16, as torch reports it).
+    Without them bf16 products are emulated and slower than float32."""
+    global _BF16_GEMM
+    if _BF16_GEMM is None:
+        try:
+            _BF16_GEMM = bool(torch.cpu._is_avx512_bf16_supported())
+        except Exception:  # noqa: BLE001 - an older torch: float32 products
+            _BF16_GEMM = False
+    return _BF16_GEMM
+
+
 def _decode_pool():
     """The process-wide ThreadPoolExecutor of ``KvtcCodec._inverse`` (created on first
     use; ``_MAX_DECODE_WORKERS`` threads named ``kvtc-decode-*``, idle between decodes)."""
@@ -878,11 +1035,14 @@ class KvtcCodec:
     """The ``kvtc`` codec behind ``codec.api`` (see the module docstring).
 
     Header ("codec_header") fields: config {level, calibration (sha256 hex),
-    sink_tokens, recent_tokens}, n_sink, n_recent, n_components (coded columns per
-    layer), offset_k / offset_v (per layer: the symbol of coefficient 0, = max |q|),
-    token_offset (the chunk's first position, for RoPE), entropy (``codec.entropy``
-    header). Arrays: sink_k/v, recent_k/v (exact tokens,
-    the KV dtype's bits), ent_* (entropy coder). docs/bitstream.md section "kvtc"."""
+    sink_tokens, recent_tokens}, n_sink, n_recent, layout ("kept"; absent in the older
+    padded layout) and n_kept (kept columns of all (K/V, layer); the padded layout has
+    n_components, coded columns per layer, instead), offset_k / offset_v (per layer: the
+    symbol of coefficient 0, = max |q|), token_offset (the chunk's first position, for
+    RoPE), entropy (``codec.entropy`` header). Arrays: sink_k/v, recent_k/v (exact
+    tokens, the KV dtype's bits), ent_* (entropy coder). docs/bitstream.md section 4.5.
+    Decode raises CodecError on any inconsistent field, a missing or different
+    calibration, or corrupt streams."""
 
     name = "kvtc"
     lossless = False
@@ -942,6 +1102,7 @@ class KvtcCodec:
             arrays["recent_v"] = to_bits(v[:, T - nr:])
         P = cal.torch_params(lvl)
         n = P["n"]
+        keep = P["keep"]
         syms, offs = [], []
         for kv, x in enumerate((k, v)):
             x = x[:, ns:T - nr].to(torch.float32)
@@ -958,12 +1119,14 @@ class KvtcCodec:
             off = q.abs().amax(dim=(1, 2)) if Tq else torch.zeros(L, dtype=torch.int16)
             syms.append((q + off[:, None, None]).to(torch.uint8).numpy())
             offs.append([int(o) for o in off])
-        nbk = [max(2, 2 * o + 1) for o in offs[0]]
-        nbv = [max(2, 2 * o + 1) for o in offs[1]]
-        es = encode_symbols(syms[0], syms[1], nbk, nbv, channels_per_stream=4)
-        header.update(n_components=n, offset_k=offs[0], offset_v=offs[1], entropy=es.header)
+        # layout "kept" (format 2): only each (K/V, layer)'s own kept columns are coded,
+        # concatenated (K layers 0..L-1, then V) into [Tq, S] and split in two halves
+        sym_a, sym_b, nba, nbb = _kept_halves(syms, keep, offs, Tq)
+        es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
+        header.update(layout=KVTC_LAYOUT, n_kept=_n_kept(keep), offset_k=offs[0],
+                      offset_v=offs[1], entropy=es.header)
         arrays.update(es.arrays)
-        stats = {"symbols": int(syms[0].size + syms[1].size), "components": n,
+        stats = {"symbols": int(sym_a.size + sym_b.size), "components": n,
                  "sink_bytes": int(sum(a.nbytes for nm, a in arrays.items()
                                        if nm.startswith(("sink_", "recent_")))),
                  "entropy_bits": es.entropy_bits, "ideal_bits": es.ideal_bits,
@@ -995,10 +1158,7 @@ class KvtcCodec:
         Tq = T - ns - nr
         off0 = need_int(header, "token_offset", 0, 1 << 24)
         P = cal.torch_params(lvl)
-        n = need_int(header, "n_components", 1, cal.C)
-        if n != P["n"]:
-            raise CodecError(f"kvtc: header has {n} components, level {lvl} of the "
-                             f"calibration codes {P['n']}")
+        keep = P["keep"]
         offs = []
         for tag in ("k", "v"):
             o = header.get(f"offset_{tag}")
@@ -1011,15 +1171,36 @@ class KvtcCodec:
         if not isinstance(ent, dict):
             raise CodecError("kvtc: missing entropy-coder header")
         ent_arrays = {nm: a for nm, a in arrays.items() if nm.startswith("ent_")}
-        nbk = [max(2, 2 * o + 1) for o in offs[0]]
-        nbv = [max(2, 2 * o + 1) for o in offs[1]]
-        sk, sv = decode_symbols(ent, ent_arrays, payload, L, Tq, n, nbk, nbv)
+        layout = header.get("layout", _PADDED)
+        if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
+            S = need_int(header, "n_kept", 0, 2 * L * cal.C)
+            if S != _n_kept(keep):
+                raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
+                                 f"calibration keeps {_n_kept(keep)}")
+            half = max(1, (S + 1) // 2)
+            nba, nbb = _kept_nbins(keep, offs, half)
+            sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
+            if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
+                raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
+            srcs = [_KeptSymbols(sa[0], sb[0], keep, kv) for kv in (0, 1)]
+        elif layout == _PADDED:              # format 1: n = max kept width for every layer
+            n = need_int(header, "n_components", 1, cal.C)
+            if n != P["n"]:
+                raise CodecError(f"kvtc: header has {n} components, level {lvl} of the "
+                                 f"calibration codes {P['n']}")
+            nbk = [max(2, 2 * o + 1) for o in offs[0]]
+            nbv = [max(2, 2 * o + 1) for o in offs[1]]
+            srcs = list(decode_symbols(ent, ent_arrays, payload, L, Tq, n, nbk, nbv))
+            for sym, tag in zip(srcs, "kv"):
+                if sym.shape != (L, Tq, n):
+                    raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
+        else:
+            raise CodecError(f"kvtc: unknown column layout {layout!r} (this decoder reads "
+                             f"{KVTC_LAYOUT!r} and the older padded layout, field absent)")
         dt = DTYPES[dtype_name]
         out = []
         with torch.inference_mode():
-            for kv, (sym, tag) in enumerate(((sk, "k"), (sv, "v"))):
-                if sym.shape != (L, Tq, n):
-                    raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
+            for kv, (sym, tag) in enumerate(zip(srcs, ("k", "v"))):
                 res = torch.empty((L, T, H, D), dtype=dt)      # the output, model dtype
                 if ns:
                     res[:, :ns] = from_bits(arrays.get(f"sink_{tag}"), dtype_name,
@@ -1035,13 +1216,18 @@ class KvtcCodec:
                 out.append(res)
         return out[0], out[1]
 
+    def identity(self, level=None, config=None, num_layers=None) -> dict:
+        """Part of ``codec.config_hash`` (store keys): the kvtc bitstream format version,
+        so that a store entry of an older format is never served as the current one."""
+        return {"kvtc_format": KVTC_FORMAT_VERSION}
+
     @staticmethod
-    def _inverse(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,
+    def _inverse(sym, offs: list, P: dict, kv: int, shape: tuple,
                  rope_from: Optional[int], theta: float,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """KV [L, Tq, H, D] from the symbols uint8 [L, Tq, n], written into ``out`` (any
-        float dtype, e.g. a view of the model-dtype result; None = a new float32 tensor,
-        returned either way).
+        """KV [L, Tq, H, D] from the symbols (uint8 [L, Tq, n] in the padded layout, or a
+        ``_KeptSymbols`` of the kept layout), written into ``out`` (any float dtype, e.g. a
+        view of the model-dtype result; None = a new float32 tensor, returned either way).
 
         Per layer l (at its kept width n_l, dropped components are never multiplied):
         x = sym[:, :n_l] @ B_s[:n_l] + (mean - off * colsum(B_s)), one float32 ``addmm``
@@ -1064,6 +1250,14 @@ class KvtcCodec:
         arithmetic is the same ops in the same order either way, so the bytes do not
         depend on the thread count. float32 rounding only: ``_inverse_ref`` (the
         textbook path) agrees within float32 rounding (tests/test_kvtc_decode_fast.py).
+        bf16 products: with a bf16 ``out``, no centroid offsets and a CPU with bf16 dot
+        products (``_bf16_gemm``), the product is a bf16 ``addmm`` (float32 accumulation)
+        of the exact integer coefficients q - off with the step-scaled basis and the mean
+        rounded to bf16 (values written straight into ``out``; keys rotated by
+        ``_rope_bf16_py`` on the bf16 bits: widened exactly, RoPE in float32, rounded
+        once); error within eps_bf16 (|x| + |q| @ |B_s| + |mean|) of the float32 result
+        (twice the pair's bound after RoPE; tests/test_kvtc_decode_fast.py), 2-4x faster
+        than the float32 product (docs/codec.md 8.4b).
         """
         L, Tq, H, D = shape
         C = H * D
@@ -1075,7 +1269,13 @@ class KvtcCodec:
         basis = P["basis_ts"][kv]                                         # [L, n, C]
         keep = P["keep"][kv]
         n = basis.shape[1]
-        symt = torch.from_numpy(np.ascontiguousarray(sym, np.uint8))      # [L, Tq, n]
+        if isinstance(sym, _KeptSymbols):
+            pieces = sym.pieces
+        else:
+            symt = torch.from_numpy(np.ascontiguousarray(sym, np.uint8))  # [L, Tq, n]
+
+            def pieces(layer):
+                return [(0, keep[layer], symt[layer, :, :keep[layer]])]
         offt = torch.tensor(offs, dtype=torch.float32)
         shrink = P.get("shrink")
         if shrink is not None:
@@ -1085,12 +1285,19 @@ class KvtcCodec:
             bias = P["mean"][kv, :, 0] - offt[:, None] * P["colsum"][kv]   # [L, C]
         h = D // 2
         kern = _rope_kernel() if rope else None
+        # bf16 destination, integer coefficients (no centroid offsets) and a CPU with bf16
+        # dot products: the product runs in bf16 with float32 accumulation (2-4x faster
+        # than float32 here; the basis and mean are rounded to bf16 once, docs/codec.md 8.4b)
+        bf16 = out.dtype == torch.bfloat16 and shrink is None and _bf16_gemm()
+        if bf16:
+            if "basis_ts_bf16" not in P:     # cached beside the float32 tensors
+                P["basis_ts_bf16"] = P["basis_ts"].to(torch.bfloat16)
+                P["mean_bf16"] = P["mean"][:, :, 0].to(torch.bfloat16)
+            basis_h = P["basis_ts_bf16"][kv]                              # [L, n, C]
+            mean_h = P["mean_bf16"][kv]                                   # [L, C]
+        kern16 = _rope_bf16_kernel() if (bf16 and rope and kern is not None) else None
         if rope:
-            cos, sin = _rope_cos_sin(torch.arange(rope_from, rope_from + Tq), D, theta)
-            cos_h, sin_h = cos[:, 0, :h].contiguous(), sin[:, 0, :h].contiguous()  # [Tq, h]
-            cos_np, sin_np = cos_h.numpy(), sin_h.numpy()
-            sin_signed = torch.cat([-sin_h, sin_h], dim=-1)[:, None, :]         # [Tq, 1, D]
-            cos_full = cos.contiguous()                                         # [Tq, 1, D]
+            cos_full, sin_signed, cos_np, sin_np = _rope_tables(rope_from, Tq, D, theta)
 
         def layers(idx) -> None:
             with torch.inference_mode():    # a worker thread does not inherit the mode
@@ -1098,12 +1305,38 @@ class KvtcCodec:
 
         def _layers(idx) -> None:
             x = torch.empty((Tq, C), dtype=torch.float32)
-            qb = torch.empty((Tq, n), dtype=torch.float32)
+            qb = torch.empty((Tq, n), dtype=torch.bfloat16 if bf16 else torch.float32)
+            xh = torch.empty((Tq, C), dtype=torch.bfloat16) if bf16 else None
+            q16 = torch.empty((Tq, n), dtype=torch.int16) if bf16 else None
             for layer in idx:
                 nl = keep[layer]
-                if nl:
+                if bf16:
+                    # straight into the destination unless RoPE follows (then via float32)
+                    dst = out[layer].view(Tq, C) if not rope and out[layer].is_contiguous() \
+                        else xh
+                    if nl:
+                        q, qi = qb[:, :nl], q16[:, :nl]
+                        for lo, hi, src in pieces(layer):
+                            qi[:, lo:hi].copy_(src)
+                        qi -= offs[layer]        # integer q = symbol - M (int16 ops are
+                        q.copy_(qi)              # ~2x faster than bf16 ones); exact in bf16
+                        torch.addmm(mean_h[layer], q, basis_h[layer, :nl], out=dst)
+                    else:
+                        dst.copy_(mean_h[layer].expand(Tq, C))
+                    if not rope:
+                        if dst is xh:
+                            out[layer].copy_(xh.view(Tq, H, D))
+                        continue
+                    if kern16 is not None and out[layer].is_contiguous():
+                        kern16(xh.view(torch.int16).numpy().view(np.uint16).reshape(Tq, H, D),
+                               out[layer].view(torch.int16).numpy().view(np.uint16),
+                               cos_np, sin_np)
+                        continue
+                    x.copy_(xh)
+                elif nl:
                     q = qb[:, :nl]
-                    q.copy_(symt[layer, :, :nl])         # symbols of the kept columns
+                    for lo, hi, src in pieces(layer):    # symbols of the kept columns
+                        q[:, lo:hi].copy_(src)
                     if shrink is not None:
                         q -= offt[layer]
                         q.addcmul_(torch.sign(q), shrink[layer, :, :nl], value=-1.0)

@@ -38,18 +38,16 @@ def validate_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids=None) -> N
         raise ExtractionError(f"KV holds {k.shape[1]} tokens but the context has {len(context_ids)}")
 
 
-def make_cache(k: torch.Tensor, v: torch.Tensor, config=None):
+def make_cache(k: torch.Tensor, v: torch.Tensor, config=None, capacity: int = 0):
     """A transformers ``DynamicCache`` holding ``k``/``v`` (``[L, T, H_kv, D]``) for batch 1.
 
     The tensors are copied into the cache's layout ``[1, H_kv, T, D]``; generation appends to
-    the cache without touching ``k``/``v``.
+    the cache without touching ``k``/``v``. ``capacity`` (tokens, > T): preallocate that
+    many positions per layer so that decoding appends in place instead of copying the
+    whole cache at every step (the stock layer concatenates); the attention reads the same
+    values (identical logits, tests/test_bench_quality_tasks.py). 0 = the stock cache.
     """
-    from transformers import DynamicCache
-
-    try:
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
+    cache = _new_cache(config, capacity)
     for layer in range(k.shape[0]):
         cache.update(k[layer].transpose(0, 1).unsqueeze(0).contiguous(),
                      v[layer].transpose(0, 1).unsqueeze(0).contiguous(), layer)
@@ -104,7 +102,7 @@ def generate_from_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_
     if total > bundle.info.max_context:
         raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
                               f"{bundle.info.max_context} tokens")
-    cache = make_cache(k, v, bundle.model.config)
+    cache = make_cache(k, v, bundle.model.config, capacity=total)
     return greedy_decode(bundle, cache, new_ids, max_new_tokens)
 
 
@@ -149,15 +147,76 @@ TEACHER_FORCING_MIN_MARGIN = {torch.float32: 2e-3, torch.float64: 2e-3, torch.bf
                               torch.float16: 2.0}
 
 
-def _batch_cache(kvs, config=None):
-    """A ``DynamicCache`` of batch ``len(kvs)``: entry b holds ``kvs[b]`` (``[L, T, H_kv, D]``
-    each, all one shape/dtype), laid out ``[B, H_kv, T, D]`` per layer."""
+def _grow_layer_class():
+    """A transformers ``DynamicLayer`` that appends in place into a preallocated buffer
+    (the stock one concatenates, copying the whole cache at every decoding step)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = int(capacity)
+            self._kb = self._vb = None
+
+        def _mine(self) -> bool:
+            return (self._kb is not None and self.keys.numel() > 0 and self.keys.data_ptr() == self._kb.data_ptr()
+                    and self.keys.shape[:2] == self._kb.shape[:2] and self.keys.stride() == self._kb.stride()
+                    and self.values.data_ptr() == self._vb.data_ptr() and self.values.stride() == self._vb.stride())
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = key_states.shape[-2]
+            cur = self.keys.shape[-2] if self.keys.numel() else 0
+            if not self._mine() or cur + n > self._kb.shape[-2]:
+                b, h, _, d = key_states.shape
+                cap = max(self.capacity, cur + n)
+                kb, vb = key_states.new_empty((b, h, cap, d)), value_states.new_empty((b, h, cap, d))
+                if cur:
+                    kb[..., :cur, :] = self.keys
+                    vb[..., :cur, :] = self.values
+                self._kb, self._vb = kb, vb
+            self._kb[..., cur:cur + n, :] = key_states
+            self._vb[..., cur:cur + n, :] = value_states
+            self.keys = self._kb[..., :cur + n, :]
+            self.values = self._vb[..., :cur + n, :]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices) -> None:
+            if self.get_seq_length() > 0:
+                cur = self.keys.shape[-2]
+                if self._mine():
+                    self._kb, self._vb = self._kb[indices], self._vb[indices]
+                    self.keys, self.values = self._kb[..., :cur, :], self._vb[..., :cur, :]
+                else:
+                    super().batch_select_indices(indices)
+
+    return GrowLayer
+
+
+def _new_cache(config=None, capacity: int = 0):
+    """An empty transformers ``DynamicCache``; with ``capacity`` > 0 (tokens) and a model
+    whose layers are all full attention, its layers append in place into buffers of that
+    many tokens (no copy of the whole cache per decoding step)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     try:
         cache = DynamicCache(config=config) if config is not None else DynamicCache()
     except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
+        return DynamicCache()
+    layers = getattr(cache, "layers", None)
+    if capacity > 0 and layers and all(type(x) is DynamicLayer for x in layers):
+        grow = _grow_layer_class()
+        cache.layers = [grow(capacity) for _ in layers]
+    return cache
+
+
+def _batch_cache(kvs, config=None, capacity: int = 0):
+    """A ``DynamicCache`` of batch ``len(kvs)``: entry b holds ``kvs[b]`` (``[L, T, H_kv, D]``
+    each, all one shape/dtype), laid out ``[B, H_kv, T, D]`` per layer (``capacity``: as
+    :func:`make_cache`)."""
+    cache = _new_cache(config, capacity)
     for layer in range(kvs[0][0].shape[0]):
         kb = torch.stack([k[layer] for k, _ in kvs], 0).transpose(1, 2).contiguous()
         vb = torch.stack([v[layer] for _, v in kvs], 0).transpose(1, 2).contiguous()
@@ -238,6 +297,111 @@ def _greedy_decode_margins(bundle, cache, new_ids, max_new_tokens: int, eos: set
     return out, low
 
 
+def generate_from_kv_margin(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_ids,
+                            max_new_tokens: int) -> tuple[list[int], float]:
+    """:func:`generate_from_kv` (the same forwards, the same ids) that also returns the
+    smallest top-1 minus top-2 logit margin (logit units, float32) over the steps that
+    decided the answer, including the stop (``inf`` when none). Raises ExtractionError
+    like :func:`generate_from_kv`."""
+    validate_kv(bundle, k, v, context_ids)
+    new_ids = list(new_ids)
+    if not new_ids:
+        raise ExtractionError("generate_from_kv needs at least one new token after the context")
+    total = k.shape[1] + len(new_ids) + max_new_tokens
+    if total > bundle.info.max_context:
+        raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
+                              f"{bundle.info.max_context} tokens")
+    cache = make_cache(k, v, bundle.model.config, capacity=total)
+    return _greedy_decode_margins(bundle, cache, new_ids, max_new_tokens, _eos_ids(bundle))
+
+
+@torch.inference_mode()
+def greedy_from_kvs_batch(bundle, kvs, context_ids, new_ids, max_new_tokens: int,
+                          min_margin: float | None = None) -> list[dict]:
+    """Greedy answers on several KV caches of the SAME context at once (e.g. one request's
+    lossless KV and its KV decoded by several codecs), one batched forward per step.
+
+    ``kvs``: list of (k, v), each ``[L, T, H_kv, D]`` in the model's dtype, the KV of
+    ``context_ids``; ``new_ids``: the question, at least one token. Every entry is fed the
+    question, then each its own greedy token, in ONE forward of batch = the entries still
+    generating (all have the same cache length at every step, so no padding or mask; an
+    entry that stops, at an EOS or after ``max_new_tokens`` ids, leaves the batch). The
+    weights are read once per step for all entries: about the cost of one entry's
+    generation instead of ``len(kvs)`` of them (the CPU forward is weight-bandwidth bound).
+
+    A batch-B forward rounds differently from the batch-1 one of :func:`generate_from_kv`
+    (other matmul kernels), so the answer is trusted only where the top-1 minus top-2
+    logit margin of every step that decided it (each token and the stop) is at least
+    ``min_margin`` (logit units; None = :func:`teacher_forcing_margin` of the model's
+    dtype, the guard :func:`answer_from_kv` uses); an entry with a smaller margin leaves
+    the batch and is answered by plain :func:`generate_from_kv` (``path`` "fallback").
+    Either way each entry's ids are those of its own :func:`generate_from_kv`.
+
+    Returns one dict per entry: ``{"ids": list[int] (EOS excluded), "path": "batched" |
+    "fallback", "min_margin": smallest margin seen (float, logit units; inf when no
+    step)}``. Memory: ``len(kvs)`` caches (float32 default model, 4K tokens: ~190 MB
+    each). Raises ExtractionError like :func:`generate_from_kv` (any entry) or when the
+    caches differ in shape. Method: batched greedy decoding (as in Hugging Face
+    ``generate`` with batch > 1), guarded by the logit-margin check of
+    :func:`answer_from_kv`.
+    """
+    kvs = list(kvs)
+    if not kvs:
+        return []
+    for k, v in kvs:
+        validate_kv(bundle, k, v, context_ids)
+    if any(k.shape != kvs[0][0].shape or v.shape != kvs[0][0].shape for k, v in kvs):
+        raise ExtractionError("greedy_from_kvs_batch needs KV caches of one shape")
+    new_ids = list(new_ids)
+    if not new_ids:
+        raise ExtractionError("greedy_from_kvs_batch needs at least one new token after the context")
+    total = kvs[0][0].shape[1] + len(new_ids) + max_new_tokens
+    if total > bundle.info.max_context:
+        raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
+                              f"{bundle.info.max_context} tokens")
+    B = len(kvs)
+    out: list[dict] = [{"ids": [], "path": "batched", "min_margin": math.inf} for _ in range(B)]
+    if max_new_tokens <= 0:
+        return out
+    if min_margin is None:
+        min_margin = teacher_forcing_margin(next(bundle.model.parameters()).dtype)
+    eos = _eos_ids(bundle)
+    cache = _batch_cache(kvs, bundle.model.config, capacity=total)
+    active = list(range(B))                  # cache row r holds entry active[r]
+    ids = torch.as_tensor(new_ids, dtype=torch.long).reshape(1, -1).expand(B, -1)
+    low_rows: list[int] = []
+    while active:
+        # only the last position's logits are needed (the question's other rows are not)
+        logits = bundle.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        top = torch.topk(logits.float(), 2, dim=-1).values
+        margins = (top[:, 0] - top[:, 1]).tolist()
+        nxt = torch.argmax(logits, dim=-1).tolist()
+        keep = []
+        for r, b in enumerate(active):
+            o = out[b]
+            o["min_margin"] = min(o["min_margin"], margins[r])
+            if margins[r] < min_margin:
+                low_rows.append(b)
+                continue
+            if nxt[r] in eos:
+                continue
+            o["ids"].append(nxt[r])
+            if len(o["ids"]) < max_new_tokens:
+                keep.append(r)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            cache.batch_select_indices(torch.as_tensor(keep, dtype=torch.long))
+        active = [active[r] for r in keep]
+        ids = torch.as_tensor([[nxt[r]] for r in keep], dtype=torch.long)
+    del cache
+    for b in low_rows:
+        k, v = kvs[b]
+        out[b]["ids"] = generate_from_kv(bundle, k, v, context_ids, new_ids, max_new_tokens)
+        out[b]["path"] = "fallback"
+    return out
+
+
 def _drop_last(cache, n: int) -> None:
     """Remove the last ``n`` tokens from every layer of a transformers cache, in place."""
     if n <= 0:
@@ -302,7 +466,7 @@ def answer_from_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_id
     n_rows = len(ref) + (1 if len(ref) < max_new_tokens else 0)
     feed = new_ids + ref[:n_rows - 1]
     m = len(new_ids)
-    cache = make_cache(k, v, bundle.model.config)
+    cache = make_cache(k, v, bundle.model.config, capacity=total)
     logits = bundle.model(input_ids=torch.as_tensor(feed, dtype=torch.long).reshape(1, -1),
                           past_key_values=cache, use_cache=True).logits[0, m - 1:m - 1 + n_rows]
     top = torch.topk(logits.float(), 2, dim=-1).values

@@ -8,12 +8,24 @@ decoded) of the next-token distributions and top-1 agreement, as ``bench.quality
 
     python scripts/kvtc_tune.py --variants base,metric,white1 --levels 3,5 --windows 6
     python scripts/kvtc_tune.py --variants white1 --levels 3,4 --targets 3=1.1,4=1.8
+    python scripts/kvtc_tune.py --variants white1 --levels 3 --diag --cachegen ''
+    python scripts/kvtc_tune.py --variants white1 --levels '' --tiers 2/128x5/384x3,3/128x5
+
+--diag adds, per KVTC row, the KL with only K decoded (V exact) and with only V decoded
+(K exact): where the distortion the model sees comes from. --tiers simulates
+position-graded precision (docs/codec.md 8.6): 'A/R1xB1/R2xB2' codes the last R1 context
+tokens at level B1, the R2 tokens before them at level B2 and the rest at level A, each
+span as its own container, with the first variant's calibration
+(``codec.api._encode_one`` with the span's token offset, so keys are rotated back at
+their true positions); the ratio counts all the containers' bytes. It is a measurement
+of what a tail-tiered format would gain, not a codec mode.
 
 Variants (joined with +): base (orthonormal PCA, MSE water-filling with the per-(K/V,
 layer) sensitivity weights), metricP (per-component water levels / metric gain^P),
 whiteP (PCA and water-filling in the metric-whitened space, power P), konlyP / vonlyP
-(the metric on K or V only), relw (relative weighting instead of sensitivity). Results
-of the runs behind the default: docs/codec.md 8.5.
+(the metric on K or V only), relw (relative weighting instead of sensitivity), kxS (the
+keys' water levels multiplied by S: coarser keys, finer values at the same rate). Results
+of the runs behind the default: docs/codec.md 8.5; the later search: 8.6.
 """
 from __future__ import annotations
 
@@ -44,6 +56,9 @@ def main() -> int:
                     help="where the calibration samples (and fitted variants) are cached")
     ap.add_argument("--cachegen", default="1")
     ap.add_argument("--out", default="")
+    ap.add_argument("--diag", action="store_true", help="also K-only / V-only error rows")
+    ap.add_argument("--tiers", default="", help="position-graded precision simulations, "
+                    "e.g. 2/128x5/384x3 (see the module docstring)")
     ap.add_argument("--sinks", default="", help="comma-separated sink_tokens overrides to "
                     "measure besides the calibration's (e.g. 1,2)")
     args = ap.parse_args()
@@ -78,7 +93,7 @@ def main() -> int:
     theta = kc.rope_theta_of(bundle)
     sens = d["sens"].numpy()
     weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
-    levels = [int(x) for x in args.levels.split(",")]
+    levels = [int(x) for x in filter(None, args.levels.split(","))]
     targets = dict(kvtc.DEFAULT_LEVEL_TARGETS)
     for item in filter(None, args.targets.split(",")):
         a, b = item.split("=")
@@ -108,6 +123,10 @@ def main() -> int:
                 kw["metric_power"] = p
             elif part == "relw":
                 kw["weighting"] = "relative"
+            elif part.startswith("kx"):                  # keys' water levels x S
+                w = weighting.copy()
+                w[0] *= float(part[2:])
+                kw["weighting"] = w
             else:
                 raise SystemExit(f"unknown variant part {part}")
         kw.setdefault("weighting", weighting)
@@ -145,23 +164,49 @@ def main() -> int:
         todo = [("cachegen", lv, None, None) for lv in cg] + \
                [(name, lv, cal, sk) for name, cal in cals.items() for lv in levels
                 for sk in sinks]
+        from codec.api import _encode_one    # per-span encode at the span's token offset
+        first = next(iter(cals.values()))
+        for spec in filter(None, args.tiers.split(",")):
+            parts = spec.split("/")
+            bounds, end = [], args.context
+            for item in parts[1:]:                       # (tokens, level), from the end
+                r_, b_ = (int(x) for x in item.split("x"))
+                bounds.append((end - r_, end, b_))
+                end -= r_
+            bounds = [(0, end, int(parts[0]))] + bounds[::-1]
+            todo.append((f"tiers:{spec}", 0, first, bounds))
         for name, lv, cal, sk in todo:
-            if sk is not None:
-                name = f"{name}-sink{sk}"
-            if cal is None:
-                data = codec.encode_kv(k, v, codec="cachegen", level=lv)
+            if isinstance(sk, list):                     # a --tiers simulation
+                cfg = kvtc.KvtcConfig(calibration=cal)
+                blobs = [_encode_one(k[:, a:b], v[:, a:b], "kvtc", b_, cfg, a, args.context, i,
+                                     len(sk))[0] for i, (a, b, b_) in enumerate(sk)]
+                dec = [codec.decode_kv(x) for x in blobs]
+                k2 = torch.cat([x[0] for x in dec], 1)
+                v2 = torch.cat([x[1] for x in dec], 1)
+                data = b"".join(blobs)
+                modes = [(name, None)]
             else:
-                data = codec.encode_kv(k, v, codec="kvtc", level=lv,
-                                       config=kvtc.KvtcConfig(calibration=cal,
-                                                              sink_tokens=sk))
-            k2, v2 = codec.decode_kv(data)
-            s = window_scores(ref, continuation_logits(bundle, k2.to(k.dtype), v2.to(v.dtype),
-                                                       ctx, cont), cont)
-            r = rows.setdefault(f"{name}:{lv}", {"kl": [], "top1": [], "ratio": []})
-            r["kl"].append(s["kl"]); r["top1"].append(s["top1"])
-            r["ratio"].append(2 * k.numel() * 2 / len(data))
-            print(f"  {name}:{lv} {r['ratio'][-1]:.2f}x KL {s['kl']:.4f} top1 {s['top1']:.3f}",
-                  flush=True)
+                if sk is not None:
+                    name = f"{name}-sink{sk}"
+                if cal is None:
+                    data = codec.encode_kv(k, v, codec="cachegen", level=lv)
+                else:
+                    data = codec.encode_kv(k, v, codec="kvtc", level=lv,
+                                           config=kvtc.KvtcConfig(calibration=cal,
+                                                                  sink_tokens=sk))
+                k2, v2 = codec.decode_kv(data)
+                name = f"{name}:{lv}"
+                modes = [(name, None)] + ([(name + ":Konly", "K"), (name + ":Vonly", "V")]
+                                          if args.diag and cal is not None else [])
+            for key, mode in modes:
+                kk = k if mode == "V" else k2.to(k.dtype)
+                vv = v if mode == "K" else v2.to(v.dtype)
+                s = window_scores(ref, continuation_logits(bundle, kk, vv, ctx, cont), cont)
+                r = rows.setdefault(key, {"kl": [], "top1": [], "ratio": []})
+                r["kl"].append(s["kl"]); r["top1"].append(s["top1"])
+                r["ratio"].append(2 * k.numel() * 2 / len(data))
+                print(f"  {key} {r['ratio'][-1]:.2f}x KL {s['kl']:.4f} top1 {s['top1']:.3f}",
+                      flush=True)
         print(f"window {w + 1}/{len(offs)} done", flush=True)
     print(f"n = {len(offs)} validation windows x {args.continuation} tokens "
           f"(context {args.context}); mean +- 1.96 sd/sqrt(n)")

@@ -19,7 +19,8 @@ plans "chunk k at option o, then m chunks at level u, the rest as text" under th
 estimate with ClockModel.finish_s (transfer, pipelined decode, the last chunk's decode not
 overlapped, injection, then recompute of text chunks at the measured prefill speed) and
 takes the first step of the best plan that fits the SLO less a reserve (slo_margin,
-slo_reserve_s) for a bandwidth dip; if none fits, of the plan with the smallest predicted
+slo_reserve_s; with dip_chunks, a reserve that shrinks while the window's lowest rate stays
+high: dip_reserve_s) for a bandwidth dip; if none fits, of the plan with the smallest predicted
 finish (smallest expected overshoot); text chosen for quality rather than speed is kept for
 the end of the load (defer_text). Each KV transfer carries a
 deadline (planned wire time * (1 + abandon_margin) + abandon_slack_s); the client cancels a
@@ -476,7 +477,8 @@ class AdaptivePolicy:
         overrun_share: the fraction of the plan's slack (overrun_allowance_s) one chunk's
             transfer may use before it is cut.
         robust: plan with ThroughputEstimator.robust_estimate (RobustMPC discount) instead of
-            the plain harmonic mean.
+            the plain harmonic mean. max_discount: that discount's cap (the plan's rate is at
+            least estimate / max_discount; default 2).
         abandon_backoff: chunk k is re-planned, after its transfer was abandoned, at this
             fraction of the upper bound bytes/elapsed (multiplicative decrease, as in TCP).
         bound_provisional: the abandon's upper bound is a provisional estimator sample that
@@ -514,6 +516,10 @@ class AdaptivePolicy:
             them and they pass the estimator's sample rules) is a throughput sample, provisional
             until the next complete transfer (ThroughputEstimator.add_bound), and the chunk is
             re-planned at that rate (instead of the upper bound bytes/deadline x backoff).
+        dip_chunks, dip_min_samples: the reserve follows the link (dip_reserve_s): from
+            dip_min_samples goodput samples on, min(fixed reserve, dip_chunks x the largest
+            smallest-level chunk left / the lowest rate in the estimator's window); None: the
+            fixed reserve min(slo_reserve_s, slo_reserve_frac x slo_s) throughout.
         A plan that sends every remaining chunk as text is held to slo_s * (1 - slo_margin)
         only (no slo_reserve_s: it transfers nothing). Rules: docs/streaming.md section 4.
     Call start(manifest) first; choose(k, elapsed_s) before chunk k; transfer_deadline_s(k)
@@ -539,7 +545,8 @@ class AdaptivePolicy:
                  prior_until: int = 1, risk_z: float | None = None, prior_cv: float = 1.0,
                  min_plan_frac: float = 0.5, early_abandon: bool = True,
                  early_min_bytes: int | None = None, early_min_s: float = 0.02, early_margin: float = 0.0,
-                 partial_sample: bool = True):
+                 partial_sample: bool = True, max_discount: float = 2.0, dip_chunks: float | None = None,
+                 dip_min_samples: int = 2):
         bad_init = initial_throughput_mbps is not None and initial_throughput_mbps <= 0
         if slo_s <= 0 or prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
@@ -548,7 +555,8 @@ class AdaptivePolicy:
         init = None if initial_throughput_mbps is None else initial_throughput_mbps * 1e6 / 8
         self.est = ThroughputEstimator(init, window=window, burst_bytes=burst_bytes,
                                        min_sample_bytes=min_sample_bytes, burst_s=burst_s,
-                                       prior_error=prior_error, prior_until=prior_until)
+                                       prior_error=prior_error, prior_until=prior_until,
+                                       max_discount=max_discount)
         if (risk_z is not None and risk_z < 0) or prior_cv < 0:
             raise ValueError("risk_z and prior_cv must be >= 0")
         self.risk_z = None if risk_z is None else float(risk_z)
@@ -588,6 +596,11 @@ class AdaptivePolicy:
         reserve = self.slo_reserve_s if self.slo_reserve_frac is None else min(
             self.slo_reserve_s, self.slo_reserve_frac * self.slo_s)
         self.plan_slo_s = max(self.text_slo_s - reserve, self.min_plan_frac * self.slo_s)
+        self._reserve_cap = reserve
+        if (dip_chunks is not None and dip_chunks < 0) or dip_min_samples < 0:
+            raise ValueError("dip_chunks and dip_min_samples must be >= 0")
+        self.dip_chunks = None if dip_chunks is None else float(dip_chunks)
+        self.dip_min_samples = int(dip_min_samples)
         if probe_level not in ("smallest", "plan") or not 0.0 < probe_deadline_frac <= 1.0:
             raise ValueError("probe_level must be 'smallest' or 'plan', probe_deadline_frac in (0, 1]")
         self.probe_level = probe_level
@@ -650,6 +663,35 @@ class AdaptivePolicy:
         self._abandoned: dict[int, int] = {}
         self._bound: dict[int, float] = {}
 
+    def dip_reserve_s(self, k: int) -> float:
+        """The reserve (s) held back from the SLO when planning chunk k. Without dip_chunks (or
+        before dip_min_samples goodput samples), the fixed reserve: min(slo_reserve_s,
+        slo_reserve_frac x SLO). With dip_chunks: the time dip_chunks chunks at their smallest
+        level would take at the lowest rate in the estimator's window (measured samples and
+        abandons' provisional bounds), capped by that fixed reserve:
+            min(reserve, dip_chunks x max_{j >= k} bytes_smallest[j] / min(window rates)).
+        A link that has dipped deep keeps the whole reserve, one whose samples never went low
+        keeps little: the reserve follows the dip the load has seen (the worst prediction error
+        of the window, as RobustMPC's discount follows it - Yin et al., SIGCOMM 2015), in
+        seconds of the one transfer the policy falls back to (after an abandon: the smallest
+        level). Pure arithmetic."""
+        cap = self._reserve_cap
+        if self.dip_chunks is None or self.manifest is None:
+            return cap
+        xs = list(self.est.samples)
+        if len(xs) < max(1, self.dip_min_samples):
+            return cap
+        m = self.model
+        smallest = [min(m.sizes[x][j] for x in self.levels) for j in range(k, m.n)]
+        if not smallest:
+            return 0.0
+        return min(cap, self.dip_chunks * max(smallest) / min(xs))
+
+    def plan_limit_s(self, k: int) -> float:
+        """The finish time (s) plans for chunk k must meet: max(SLO x (1 - slo_margin) -
+        dip_reserve_s(k), SLO x min_plan_frac)."""
+        return max(self.text_slo_s - self.dip_reserve_s(k), self.min_plan_frac * self.slo_s)
+
     def _state(self, elapsed_s: float) -> tuple[float, float, float]:
         return elapsed_s, max(self._dec_free, elapsed_s), self.recompute_s
 
@@ -664,6 +706,7 @@ class AdaptivePolicy:
                 rate = self.est.robust_estimate() if self.robust else self.est.estimate()
             st = self._state(elapsed_s)
             text_s = m.recompute_s(k)
+            plan_slo = self.plan_limit_s(k)
             n_ab = self._abandoned.get(k, 0)
             stale = rate is None or self._since_sample >= self._probe_wait
             plan_rate = rate if rate is not None else self.probe_rate_bytes_s
@@ -674,7 +717,7 @@ class AdaptivePolicy:
             first_lv = None
             if n_ab and self.after_abandon == "smallest":
                 first_lv = [min(self.levels, key=lambda x: m.sizes[x][k])]
-            opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s, self.levels,
+            opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, plan_slo, self.levels,
                                             return_plan=True, first_rate_bytes_s=first_rate,
                                             text_only_slo_s=self.text_slo_s, first_levels=first_lv,
                                             defer_text=self.defer_text)
@@ -686,7 +729,7 @@ class AdaptivePolicy:
                 if alt is not None and alt > plan_rate:
                     plan_rate = alt
                     first_rate = min(plan_rate, bound) if bound else None
-                    opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, self.plan_slo_s,
+                    opt, fin, fits, plan = plan_mpc(m, k, st, self._kv_tokens, plan_rate, plan_slo,
                                                     self.levels, return_plan=True, first_rate_bytes_s=first_rate,
                                                     text_only_slo_s=self.text_slo_s, first_levels=first_lv,
                                             defer_text=self.defer_text)
@@ -700,10 +743,10 @@ class AdaptivePolicy:
                 # at probe_deadline_frac of one chunk's recompute time, if the plan can absorb it;
                 # the probe is the chunk's smallest level ("smallest": cheapest to lose) or the
                 # option a good link would get ("plan")
-                o2, _, _ = plan_mpc(m, k, st, self._kv_tokens, self.probe_rate_bytes_s, self.plan_slo_s,
+                o2, _, _ = plan_mpc(m, k, st, self._kv_tokens, self.probe_rate_bytes_s, plan_slo,
                                         self.levels)
                 cap = self.probe_deadline_frac * text_s
-                if o2 is not TEXT and (fin + cap <= self.plan_slo_s or not fits):
+                if o2 is not TEXT and (fin + cap <= plan_slo or not fits):
                     if self.probe_level == "smallest":
                         o2 = min(self.levels, key=lambda x: m.sizes[x][k])
                     opt, reason, deadline_cap = o2, "probe", cap
@@ -727,7 +770,7 @@ class AdaptivePolicy:
                                                         < m.recompute_s(k + 1 + i)) else x
                                                   for i, x in enumerate(plan[1:])]
                     budget = max(budget, cost + self.overrun_share * overrun_allowance_s(
-                        m, k, st, self._kv_tokens, slack_plan, first_rate or plan_rate, self.plan_slo_s))
+                        m, k, st, self._kv_tokens, slack_plan, first_rate or plan_rate, plan_slo))
                 smallest = min(self.levels, key=lambda x: m.sizes[x][k])
                 if budget is not None and (not fits or (self.smallest_no_restart and opt == smallest)):
                     # nothing fits, or this is already the smallest level (after a cut the only

@@ -270,7 +270,8 @@ def _mutations(data):
              ("n_components", 10 ** 6), ("offset_k", [0]), ("offset_v", [500] * 3),
              ("offset_k", "x"), ("token_offset", -3), ("entropy", None), ("config", None),
              ("config", {"level": 1}), ("config", dict(ch["config"], level=77)),
-             ("config", dict(ch["config"], level=True))]
+             ("config", dict(ch["config"], level=True)), ("layout", "x"), ("layout", None),
+             ("n_kept", 0), ("n_kept", 10 ** 6), ("n_kept", "7")]
     for key, val in edits:
         h2 = {**h, "codec_header": {**ch, key: val}}
         yield bitstream.pack(h2, arrays, payload)

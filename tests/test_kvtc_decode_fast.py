@@ -56,8 +56,10 @@ def test_fast_inverse_matches_reference_within_float32_rounding(cal, threads, ro
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_inverse_into_model_dtype_is_the_rounded_float32_result(cal, dtype, monkeypatch):
+    # float32 products (fp16 destinations; bf16 ones on a CPU without bf16 dot products):
     # the cast into ``out`` is the only extra rounding: identical to casting the float32
     # result of the same path, and within one unit of the dtype of the reference
+    monkeypatch.setattr(kvtc, "_bf16_gemm", lambda: False)
     L, H, D, T = cal.num_layers, cal.num_heads, cal.head_dim, 29
     P = cal.torch_params(cal.levels[-1])
     sym = _sym(P, L, T, 3)
@@ -76,6 +78,39 @@ def test_fast_inverse_into_model_dtype_is_the_rounded_float32_result(cal, dtype,
     f32_tol = 2e-6 * float(ref32.abs().max()) * cal.C ** 0.5
     ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(1e-3) + f32_tol
     assert bool(((out.float() - ref.float()).abs() <= ulp).all())
+
+
+@pytest.mark.parametrize("rope_from", [None, 11])
+def test_bf16_products_within_the_rounding_bound(cal, rope_from, monkeypatch):
+    # bf16 destination with bf16 products (float32 accumulation): the basis, the mean and
+    # (before RoPE) the product are each rounded to bf16 once, so the error against the
+    # float32 reference is at most eps_bf16 * (|x| + |q| @ |B_s| + |mean|) per element
+    # (twice the pair's bound after the rotation); centroid offsets keep float32 products
+    monkeypatch.setattr(kvtc, "_bf16_gemm", lambda: True)
+    L, H, D, T = cal.num_layers, cal.num_heads, cal.head_dim, 31
+    P = cal.torch_params(cal.levels[-1])
+    sym = _sym(P, L, T, 8)
+    offs = [5] * L
+    for kv in (0, 1):
+        for threads in (1, 2):
+            monkeypatch.setattr(kvtc, "_decode_workers", lambda: threads)
+            out = torch.full((L, T, H, D), float("nan"), dtype=torch.bfloat16)
+            kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), rope_from, 10000.0, out=out)
+            if threads == 1:
+                first = out.clone()
+            else:       # the same bytes whichever worker runs a layer
+                assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+        ref = kvtc.KvtcCodec._inverse_ref(sym, offs, P, kv, (L, T, H, D), rope_from, 10000.0)
+        q = (torch.from_numpy(sym).float() - 5.0).abs()
+        a = (q @ P["basis_ts"][kv].abs() + P["mean"][kv].abs()).reshape(L, T, H, D)
+        if rope_from is not None:
+            a = 2 * a.amax(-1, keepdim=True)
+        tol = torch.finfo(torch.bfloat16).eps * (ref.abs() + a) + 1e-6
+        err = (out.float() - ref).abs()
+        assert bool((err <= tol).all()), float((err / tol).max())
+        if P["shrink"] is None:         # the bf16 path ran: not the float32 result cast
+            f32 = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), rope_from, 10000.0)
+            assert not torch.equal(out, f32.to(torch.bfloat16))
 
 
 def test_threads_do_not_change_the_decoded_bytes(cal, monkeypatch):
@@ -148,3 +183,31 @@ def test_rope_kernel_is_apply_rope():
     ref = kvtc.apply_rope(x[None], pos, 10000.0)[0]
     assert torch.allclose(y, ref, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(y, x)
+
+
+def test_rope_bf16_kernel_is_widen_rotate_round(cal, monkeypatch):
+    # the bf16-bits RoPE kernel gives the bits of: widen to float32, _rope_rows_py, cast
+    if kvtc._rope_bf16_kernel() is None:
+        pytest.skip("no numba")
+    T, H, D = 19, 3, 8
+    x = (torch.randn(T, H, D, generator=torch.Generator().manual_seed(5)) * 30).bfloat16()
+    cos, sin = kvtc._rope_cos_sin(torch.arange(900, 900 + T), D, 10000.0)
+    c, s = cos[:, 0, :D // 2].contiguous().numpy(), sin[:, 0, :D // 2].contiguous().numpy()
+    ref = x.float().contiguous()
+    kvtc._rope_kernel()(ref.numpy(), c, s)
+    out = torch.empty_like(x)
+    kvtc._rope_bf16_kernel()(x.view(torch.int16).numpy().view(np.uint16),
+                             out.view(torch.int16).numpy().view(np.uint16), c, s)
+    assert torch.equal(out.view(torch.int16), ref.bfloat16().view(torch.int16))
+    # and the decode's bf16 key path gives the same bits with or without it
+    monkeypatch.setattr(kvtc, "_bf16_gemm", lambda: True)
+    L, H, D, T = cal.num_layers, cal.num_heads, cal.head_dim, 27
+    P = cal.torch_params(cal.levels[-1])
+    sym = _sym(P, L, T, 6)
+    a = torch.empty((L, T, H, D), dtype=torch.bfloat16)
+    kvtc.KvtcCodec._inverse(sym, [5] * L, P, 0, (L, T, H, D), 40, 10000.0, out=a)
+    monkeypatch.setattr(kvtc, "_rope_bf16_kernel", lambda: None)
+    b = torch.empty((L, T, H, D), dtype=torch.bfloat16)
+    kvtc.KvtcCodec._inverse(sym, [5] * L, P, 0, (L, T, H, D), 40, 10000.0, out=b)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
