@@ -419,11 +419,11 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
         k, v = prefill_kv(bundle, p.context_ids)
         t1 = time.perf_counter()
         budget = min(max_new_tokens, p.max_new_tokens)
-        decoded = []                     # (pair, k2, v2, codec seconds): decoded from the real bitstream
-        for pair in pairs:
+        def decode_one(pair):
+            """(k2, v2, codec seconds) decoded from the real bitstream, or None (skipped)."""
             label = _label(*pair)
             if label in skipped:
-                continue
+                return None
             try:
                 t2 = time.perf_counter()
                 k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1]))
@@ -431,27 +431,50 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
             except Exception as exc:  # noqa: BLE001
                 skipped[label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
                 log(f"  skip {label}: {skipped[label]}")
-                continue
-            decoded.append((pair, k2, v2, time.perf_counter() - t2))
-        t_ref = time.perf_counter()
+                return None
+            return k2, v2, time.perf_counter() - t2
+
+        decoded = []                     # (pair, codec seconds), in the order of got_all
         k_ab, v_ab = k.to(adt), v.to(adt)
         if answer_mode == "batched":
             # lossless + every codec: one batched greedy generation (entries with a low margin
             # are regenerated alone); answer seconds are each entry's share of the batch
-            got_all = greedy_from_kvs_batch(ab, [(k_ab, v_ab)] + [(d[1], d[2]) for d in decoded],
+            kvs = []
+            for pair in pairs:
+                one = decode_one(pair)
+                if one is not None:
+                    kvs.append(one[:2])
+                    decoded.append((pair, one[2]))
+            t_ref = time.perf_counter()
+            got_all = greedy_from_kvs_batch(ab, [(k_ab, v_ab)] + kvs,
                                             p.context_ids, p.question_ids, budget, min_margin=margin)
             share = (time.perf_counter() - t_ref) / len(got_all)
             ref_ids, ref_margin, ref_s = got_all[0]["ids"], got_all[0]["min_margin"], share
             got_all = got_all[1:]
+            if verify:
+                for got, (k2, v2) in zip(got_all, kvs):
+                    got["plain"] = generate_from_kv(ab, k2, v2, p.context_ids, p.question_ids, budget)
+            del kvs
         else:
+            # the lossless answer, then one codec at a time (its decoded KV is freed before the
+            # next: ~190 MB per codec at 4K tokens instead of all of them at once)
+            t_ref = time.perf_counter()
             ref_ids, ref_margin = generate_from_kv_margin(ab, k_ab, v_ab, p.context_ids, p.question_ids, budget)
             ref_s = time.perf_counter() - t_ref
             got_all = []
-            for _, k2, v2, _ in decoded:
+            for pair in pairs:
+                one = decode_one(pair)
+                if one is None:
+                    continue
+                k2, v2, codec_s = one
                 t3 = time.perf_counter()
                 got = answer_from_kv(ab, k2, v2, p.context_ids, p.question_ids, ref_ids, budget, min_margin=margin)
                 got["answer_s"] = time.perf_counter() - t3
+                if verify:
+                    got["plain"] = generate_from_kv(ab, k2, v2, p.context_ids, p.question_ids, budget)
                 got_all.append(got)
+                decoded.append((pair, codec_s))
+                del k2, v2, one
         del k_ab, v_ab
         ref_text = _answer_text(bundle, ref_ids)
         rec = {"task": task, "context_tokens": len(p.context_ids), "index": index,
@@ -461,7 +484,7 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
                             "min_margin": ref_margin if math.isfinite(ref_margin) else None},
                "seconds": {"prefill": t1 - t, "lossless_answer": ref_s},
                "codecs": {}}
-        for (pair, k2, v2, codec_s), got in zip(decoded, got_all):
+        for (pair, codec_s), got in zip(decoded, got_all):
             label = _label(*pair)
             ids = got["ids"]
             text = _answer_text(bundle, ids)
@@ -477,7 +500,7 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
                  "codec_s": codec_s, "answer_s": got.get("answer_s", share if answer_mode == "batched" else 0.0)}
             paths.setdefault(label, dict.fromkeys(ANSWER_PATHS[answer_mode], 0))[got["path"]] += 1
             if verify:
-                plain = generate_from_kv(ab, k2, v2, p.context_ids, p.question_ids, budget)
+                plain = got["plain"]
                 checked += 1
                 mismatches += plain != ids
                 c["verified"] = plain == ids
@@ -729,8 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "answer, Wilson 95% CIs). Default: 32 windows x (2048 + 256) tokens for every registered "
                     "codec and level (continuations of --batch codecs per forward), then 60 task requests (30 "
                     "needle 1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
-                    + ". The committed default run took 21.0 min on 2 quiet cores before the fused quantizer "
-                    "and the batched forwards; ~17-18 min estimated now (docs/codec.md section 5b). --quick: "
+                    + ". The committed default run took 21.3 min on 2 quiet cores (2026-12-01; 19.6 min "
+                    "before kvtc format 2's slower encode; docs/codec.md section 5b). --quick: "
                     "a smoke run, 4 windows x (512 + 128) tokens + 4 requests of 512-1024 tokens.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
