@@ -961,15 +961,20 @@ def _rope_tables(start: int, T: int, D: int, theta: float) -> tuple:
             cos_np, sin_np)
 
 
+def _jit_or_false(fn):
+    """``fn`` compiled by numba (nogil, cached on disk), or False without numba."""
+    try:
+        from numba import njit
+        return njit(cache=True, nogil=True)(fn)
+    except ImportError:  # pragma: no cover - numba is in requirements.txt
+        return False
+
+
 def _rope_bf16_kernel():
     """The compiled ``_rope_bf16_py`` (numba, cached on disk), or None without numba."""
     global _ROPE_BF16_KERNEL
     if _ROPE_BF16_KERNEL is None:
-        try:
-            from numba import njit
-            _ROPE_BF16_KERNEL = njit(cache=True, nogil=True)(_rope_bf16_py)
-        except ImportError:  # pragma: no cover - numba is in requirements.txt
-            _ROPE_BF16_KERNEL = False
+        _ROPE_BF16_KERNEL = _jit_or_false(_rope_bf16_py)
     return _ROPE_BF16_KERNEL or None
 
 
@@ -978,11 +983,7 @@ def _rope_kernel():
     None without numba."""
     global _ROPE_KERNEL
     if _ROPE_KERNEL is None:
-        try:
-            from numba import njit
-            _ROPE_KERNEL = njit(cache=True, nogil=True)(_rope_rows_py)
-        except ImportError:  # pragma: no cover - numba is in requirements.txt
-            _ROPE_KERNEL = False
+        _ROPE_KERNEL = _jit_or_false(_rope_rows_py)
     return _ROPE_KERNEL or None
 
 

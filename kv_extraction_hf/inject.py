@@ -84,6 +84,22 @@ def greedy_decode(bundle, cache, new_ids, max_new_tokens: int) -> list[int]:
     return out
 
 
+def _answer_cache(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_ids,
+                  max_new_tokens: int):
+    """(cache, new_ids as a list): the checks of :func:`generate_from_kv` and a cache of
+    ``k``/``v`` with room for the new and generated tokens. Raises ExtractionError."""
+    validate_kv(bundle, k, v, context_ids)
+    new_ids = list(new_ids)
+    if not new_ids:
+        raise ExtractionError("generate_from_kv needs at least one new token after the context")
+    total = k.shape[1] + len(new_ids) + max_new_tokens
+    if total > bundle.info.max_context:
+        raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
+                              f"{bundle.info.max_context} tokens")
+    cache = make_cache(k, v, bundle.model.config, capacity=total)
+    return cache, new_ids
+
+
 def generate_from_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_ids,
                      max_new_tokens: int) -> list[int]:
     """Greedy generation from an injected context KV.
@@ -94,15 +110,7 @@ def generate_from_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_
     greedy ``model.generate(context_ids + new_ids)`` when the KV is lossless. Raises
     ExtractionError when the KV does not fit the model or the total exceeds its context.
     """
-    validate_kv(bundle, k, v, context_ids)
-    new_ids = list(new_ids)
-    if not new_ids:
-        raise ExtractionError("generate_from_kv needs at least one new token after the context")
-    total = k.shape[1] + len(new_ids) + max_new_tokens
-    if total > bundle.info.max_context:
-        raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
-                              f"{bundle.info.max_context} tokens")
-    cache = make_cache(k, v, bundle.model.config, capacity=total)
+    cache, new_ids = _answer_cache(bundle, k, v, context_ids, new_ids, max_new_tokens)
     return greedy_decode(bundle, cache, new_ids, max_new_tokens)
 
 
@@ -303,15 +311,7 @@ def generate_from_kv_margin(bundle, k: torch.Tensor, v: torch.Tensor, context_id
     smallest top-1 minus top-2 logit margin (logit units, float32) over the steps that
     decided the answer, including the stop (``inf`` when none). Raises ExtractionError
     like :func:`generate_from_kv`."""
-    validate_kv(bundle, k, v, context_ids)
-    new_ids = list(new_ids)
-    if not new_ids:
-        raise ExtractionError("generate_from_kv needs at least one new token after the context")
-    total = k.shape[1] + len(new_ids) + max_new_tokens
-    if total > bundle.info.max_context:
-        raise ExtractionError(f"context + new tokens + max_new_tokens = {total} exceeds the model's context of "
-                              f"{bundle.info.max_context} tokens")
-    cache = make_cache(k, v, bundle.model.config, capacity=total)
+    cache, new_ids = _answer_cache(bundle, k, v, context_ids, new_ids, max_new_tokens)
     return _greedy_decode_margins(bundle, cache, new_ids, max_new_tokens, _eos_ids(bundle))
 
 
