@@ -24,13 +24,19 @@ requests per SLO, the same requests for every policy; --real-offsets of them per
 2 -> 20 requests, also run on the real link and compared with the simulation on the same
 requests), its generated traces ("generated") and --synthetic i.i.d. uniform
 10-1000 Mbit/s traces ("synthetic", simulated only) - generated + synthetic are the TUNING
-set the policy's reserve was chosen on (config.tuning) -, constant 10/100/1000 Mbit/s ("constant"), steps
+set the policy's reserve was chosen on (config.tuning) -, a HELD-OUT evaluation set from the
+artifact's own generator ("artifact-generator": --generator-traces, default 100, fresh traces
+i.i.d. uniform 0.1-10 Gbit/s per chunk, seed --generator-seed 15, used by no tuning set;
+simulated only), constant 10/100/1000 Mbit/s ("constant"), steps
 1000 -> 10 and 10 -> 1000 Mbit/s mid-context ("step"); artifact Gbit/s scaled by --scale.
+Goals (issue 15) are judged per trace set with paired cluster-bootstrap 95% intervals
+(resampling traces, each trace's start offsets together; goals(), cluster_bootstrap_diff).
 Quality: per-level KL from benchmarks/quality.json when present (token-weighted mean KL of
 a load; text chunks are recomputed exactly, KL 0); otherwise quality_kl is null and the
 planner uses an ordinal utility (higher level better, text best), stated in the output.
 
-Run (default; ~2 min quiet (115 s on 2026-11-30), 16 min at load 9-14):  python -m bench.adapt
+Run (default; ~3 min quiet (115 s on 2026-11-30 before the held-out set, which adds ~45 s),
+5.4 min at load 3.7-4 (2026-12-01), 16 min at load 9-14):  python -m bench.adapt
 Quick (~2 min; ~1 min with --level-table):   python -m bench.adapt --quick
 Simulation only, reusing a level table:      python -m bench.adapt --no-real --level-table benchmarks/adaptation.json
 Round 6's dip reserve (evaluated, not the default): add --dip-reserve
@@ -54,8 +60,8 @@ from pathlib import Path
 
 from streaming import standin
 from streaming.adapt import AdaptivePolicy, ClockModel, FixedPolicy, oracle, oracle_labels, simulate
-from streaming.traces import (Trace, apply_trace, artifact_generated, artifact_recorded, constant,
-                              synthetic_uniform)
+from streaming.traces import (GENERATOR_SEED, Trace, apply_trace, artifact_generated, artifact_generator,
+                              artifact_recorded, constant, synthetic_uniform)
 
 LEVELS = (0, 1, 2, 3, 4, 5)
 SLOS = (0.5, 1.0, 2.0, 4.0)
@@ -157,22 +163,29 @@ def rotate(tr: Trace, offset: int) -> Trace:
 
 
 def trace_sets(n: int, scale: float, quick: bool, synthetic: int = 40, offsets: int = 1,
-               seed: int = 0) -> dict[str, list[Trace]]:
+               seed: int = 0, generator: int = 100, generator_seed: int = GENERATOR_SEED) -> dict[str, list[Trace]]:
     """The trace sets of the sweep (Mbit/s per chunk). `offsets`: requests per recorded trace
     of the artifact (recorded and generated), each starting at another cyclic offset
-    (start_offsets(len, offsets, seed)): 10 traces x 10 offsets = 100 requests per SLO."""
+    (start_offsets(len, offsets, seed)): 10 traces x 10 offsets = 100 requests per SLO.
+    `generator`: traces of the held-out set "artifact-generator" (streaming.traces.
+    artifact_generator: the artifact's own generator, i.i.d. uniform 0.1-10 Gbit/s per chunk x
+    scale, seed `generator_seed`, one request per trace; 0 leaves the set out; 10 with quick)."""
     rec = artifact_recorded(scale)
     gen = artifact_generated(scale)
     if quick:
         rec, gen = rec[:4], gen[:1]
+        generator = min(generator, 10)
     sets = {
         "artifact": [rotate(t, o) for t in rec for o in start_offsets(len(t.mbps), offsets, seed)],
+        "artifact-generator": artifact_generator(n, generator, seed=generator_seed, scale=scale),
         "generated": [rotate(t, o) for t in gen for o in start_offsets(len(t.mbps), offsets, seed)],
         "synthetic": synthetic_uniform(n, min(5, synthetic) if quick else synthetic, seed=1),
         "constant": [constant(r, n) for r in (10, 100, 1000)],
         "step": [Trace("step-1000-10", tuple([1000.0] * (n // 2) + [10.0] * (n - n // 2))),
                  Trace("step-10-1000", tuple([10.0] * (n // 2) + [1000.0] * (n - n // 2)))],
     }
+    if not sets["artifact-generator"]:
+        del sets["artifact-generator"]
     return sets
 
 
@@ -345,6 +358,7 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
     reqs, timelines = [], []
     tl_done: set[str] = set()
     for set_name, traces in sets.items():
+        t_set = time.perf_counter()
         for tr in traces:
             rates = [tr.at(k) * 1e6 / 8 for k in range(man.chunk_count)]
             labels = oracle_labels(model, rates)  # one DP per trace, every SLO picks from it
@@ -366,7 +380,7 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
                                           "link": "simulated", "chunks": r.timeline})
                 orc_levels = list(orc.options)
                 reqs.append(_req("oracle", set_name, tr, slo, orc.finish_s, orc_levels, model, kl, orc_u, "simulated"))
-        log(f"simulated {set_name}: {len(traces)} traces x {len(slos)} SLOs")
+        log(f"simulated {set_name}: {len(traces)} traces x {len(slos)} SLOs ({time.perf_counter() - t_set:.1f} s)")
     return reqs, timelines
 
 
@@ -401,7 +415,8 @@ def aggregate(reqs: list[dict]) -> list[dict]:
     overshoot mean/p95 (s, over all requests, 0 when met), quality_kl (mean over all n
     requests), quality_kl_met (mean over the n_met requests that met the SLO: the quality
     delivered on time), each with a 95% CI half-width, regret_vs_oracle (mean per-token
-    utility gap: KL points when quality is known)."""
+    utility gap: KL points when quality is known), n_traces (distinct recorded traces behind
+    the n requests: a trace replayed from several start offsets counts once)."""
     groups: dict[tuple, list[dict]] = {}
     for r in reqs:
         groups.setdefault((r["link"], r["policy"], r["trace_set"], r["slo_s"]), []).append(r)
@@ -414,6 +429,7 @@ def aggregate(reqs: list[dict]) -> list[dict]:
         nv = sum(x["violated"] for x in g)
         rows.append({
             "policy": pol, "trace_set": ts, "slo_s": slo, "n": len(g), "link": link,
+            "n_traces": len({cluster_of(x["trace"]) for x in g if x.get("trace")}) or None,
             "violation_rate": round(nv / len(g), 4), "violation_rate_ci95": _wilson95(nv, len(g)),
             "n_met": len(g) - nv,
             "overshoot_s_mean": round(statistics.fmean(ov), 5),
@@ -428,47 +444,265 @@ def aggregate(reqs: list[dict]) -> list[dict]:
     return rows
 
 
-def goals(rows: list[dict], trace_set: str = "artifact") -> list[dict]:
-    """The issue's two policy goals per (link, SLO) on `trace_set`:
+GOAL_SET_ORDER = ("artifact", "artifact-generator", "generated", "synthetic", "constant", "step", "issue-drop")
+G1_POINTS = 0.05  # goal 1: adaptive violation rate <= oracle's + 5 points
+BOOT_REPS = 2000  # cluster bootstrap replicates of the goals' confidence intervals
+BOOT_SEED = 0  # numpy default_rng seed of the cluster bootstrap (fixed: the same draws every run)
+
+
+def cluster_of(trace: str) -> str:
+    """The recorded trace a request replays: "<trace>@<offset>" -> "<trace>" (rotate()); a
+    name without "@" is its own trace. The unit the goals' bootstrap resamples."""
+    return trace.rsplit("@", 1)[0]
+
+
+def bootstrap_weights(n_clusters: int, reps: int = BOOT_REPS, seed: int = BOOT_SEED):
+    """(reps, n_clusters) int array: row b counts how often each cluster is drawn in bootstrap
+    replicate b (n_clusters draws with replacement, numpy default_rng(seed)). Depends only on
+    (n_clusters, reps, seed), so every statistic and policy of one trace set uses the same
+    draws (paired). Raises ValueError when n_clusters < 1 or reps < 1."""
+    import numpy as np
+
+    if n_clusters < 1 or reps < 1:
+        raise ValueError("the bootstrap needs at least one cluster and one replicate")
+    idx = np.random.default_rng(seed).integers(0, n_clusters, size=(reps, n_clusters))
+    w = np.zeros((reps, n_clusters), dtype=np.int64)
+    np.add.at(w, (np.repeat(np.arange(reps), n_clusters), idx.ravel()), 1)
+    return w
+
+
+def cluster_bootstrap_diff(reqs_a: list[dict], reqs_b: list[dict], value: str = "violated", met_only: bool = False,
+                           reps: int = BOOT_REPS, seed: int = BOOT_SEED) -> dict | None:
+    """Paired cluster bootstrap (Efron & Tibshirani 1993, ch. 6; Davison & Hinkley 1997, sec.
+    3.8: resample the independent units, keep what is correlated inside them together) of
+    mean(value over a's requests) - mean(value over b's requests).
+
+    reqs_a, reqs_b: request dicts (bench.adapt._req: "trace", "violated", "quality_kl") of two
+    policies on the SAME requests (the same multiset of trace names, else ValueError). A
+    cluster is the recorded trace a request replays (cluster_of): its start offsets share
+    every rate, so they are resampled together. `value`: "violated" (0/1, the statistic is
+    then a violation-rate difference, 0-1) or "quality_kl" (token-weighted KL); `met_only`:
+    average over the requests that met the SLO only (per policy, in each replicate).
+    Each replicate draws the clusters with replacement (bootstrap_weights: the same draw for
+    a and b - paired) and pools their requests (a ratio of sums, so clusters of unequal size
+    weigh by their requests). Returns {"diff" (the full-sample difference), "ci95" [lo, hi]
+    (percentile interval, 2.5 and 97.5 %), "n" (requests), "n_traces" (clusters), "reps",
+    "reps_defined" (replicates where both means exist)}; None when a value is null (quality
+    unknown) or either side has no request to average."""
+    import numpy as np
+
+    if sorted(r["trace"] for r in reqs_a) != sorted(r["trace"] for r in reqs_b):
+        raise ValueError("cluster_bootstrap_diff: the two policies must cover the same requests")
+    if not reqs_a:
+        return None
+    clusters = sorted({cluster_of(r["trace"]) for r in reqs_a})
+    pos = {c: i for i, c in enumerate(clusters)}
+
+    def sums(reqs):
+        n, tot = np.zeros(len(clusters)), np.zeros(len(clusters))
+        for r in reqs:
+            if met_only and r["violated"]:
+                continue
+            v = r.get(value)
+            if v is None:
+                return None
+            n[pos[cluster_of(r["trace"])]] += 1
+            tot[pos[cluster_of(r["trace"])]] += float(v)
+        return n, tot
+
+    sa, sb = sums(reqs_a), sums(reqs_b)
+    if sa is None or sb is None or not sa[0].sum() or not sb[0].sum():
+        return None
+    diff = sa[1].sum() / sa[0].sum() - sb[1].sum() / sb[0].sum()
+    w = bootstrap_weights(len(clusters), reps, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = (w @ sa[1]) / (w @ sa[0]) - (w @ sb[1]) / (w @ sb[0])
+    ok = d[np.isfinite(d)]
+    nd = 4 if value == "violated" else 6
+    lo, hi = (np.percentile(ok, [2.5, 97.5]) if ok.size else (float("nan"), float("nan")))
+    return {"diff": round(float(diff), nd), "ci95": [round(float(lo), nd), round(float(hi), nd)],
+            "n": len(reqs_a), "n_traces": len(clusters), "reps": reps, "reps_defined": int(ok.size)}
+
+
+def cluster_bootstrap_goal2(by_policy: dict[str, list[dict]], met_only: bool = True, reps: int = BOOT_REPS,
+                            seed: int = BOOT_SEED) -> dict | None:
+    """Paired cluster bootstrap of goal 2's statistic as a whole: adaptive mean KL - the lowest
+    mean KL among the fixed levels and text whose violation rate <= the adaptive's, the
+    comparator chosen again in every replicate (so the interval includes the uncertainty of
+    which fixed level qualifies).
+
+    by_policy: policy -> request dicts ("trace", "violated", "quality_kl") on the SAME
+    requests; "adaptive" required, candidates are "fixed-*" and "text" (others ignored; a
+    candidate whose requests differ raises ValueError). `met_only`: KL averaged over the loads
+    that met the SLO (goal 2's figure), else over all loads. Clusters and draws as
+    cluster_bootstrap_diff (bootstrap_weights(n_traces, reps, seed)). Returns {"ci95" [lo, hi]
+    (percentile, over the replicates where a comparator qualifies and both means exist),
+    "n", "n_traces", "reps", "reps_defined", "comparators" {policy: share of the defined
+    replicates where it was the best fixed}}; None when quality is unknown or no candidate."""
+    import numpy as np
+
+    ra = by_policy.get("adaptive") or []
+    cands = sorted(p for p in by_policy if p.startswith("fixed-") or p == "text")
+    if not ra or not cands:
+        return None
+    names = sorted(r["trace"] for r in ra)
+    clusters = sorted({cluster_of(r["trace"]) for r in ra})
+    pos = {c: i for i, c in enumerate(clusters)}
+    w = bootstrap_weights(len(clusters), reps, seed)
+
+    def stats(reqs):  # (violation rate, mean KL) per replicate; None when a KL is unknown
+        n, v, m, kl = (np.zeros(len(clusters)) for _ in range(4))
+        for r in reqs:
+            i = pos[cluster_of(r["trace"])]
+            n[i] += 1
+            v[i] += bool(r["violated"])
+            if met_only and r["violated"]:
+                continue
+            if r.get("quality_kl") is None:
+                return None
+            m[i] += 1
+            kl[i] += float(r["quality_kl"])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (w @ v) / (w @ n), (w @ kl) / (w @ m)
+
+    sa = stats(ra)
+    if sa is None:
+        return None
+    best = np.full(reps, np.inf)
+    who = np.full(reps, -1)
+    for j, p in enumerate(cands):
+        if sorted(r["trace"] for r in by_policy[p]) != names:
+            raise ValueError("cluster_bootstrap_goal2: every policy must cover the same requests")
+        sp = stats(by_policy[p])
+        if sp is None:
+            continue
+        ok = (sp[0] <= sa[0] + 1e-9) & np.isfinite(sp[1]) & (sp[1] < best)
+        best[ok], who[ok] = sp[1][ok], j
+    d = sa[1] - best
+    ok = np.isfinite(d)
+    if not ok.any():
+        return {"ci95": None, "n": len(ra), "n_traces": len(clusters), "reps": reps, "reps_defined": 0,
+                "comparators": {}}
+    lo, hi = np.percentile(d[ok], [2.5, 97.5])
+    share = {cands[j]: round(float(np.mean(who[ok] == j)), 4) for j in sorted(set(who[ok].tolist()))}
+    return {"ci95": [round(float(lo), 6), round(float(hi), 6)], "n": len(ra), "n_traces": len(clusters),
+            "reps": reps, "reps_defined": int(ok.sum()), "comparators": share}
+
+
+BOOT_MIN_TRACES = 5  # below this many traces a bootstrap interval is printed but given no verdict
+
+
+def _ci_verdict(ci: list[float] | None, limit: float, n_traces: int | None = None) -> str | None:
+    """Where the goal's limit lies against the 95% interval of (adaptive - reference): "met"
+    (the whole interval <= limit), "missed" (the whole interval > limit), else "inconclusive";
+    "too few traces" below BOOT_MIN_TRACES (a percentile bootstrap of 2-3 clusters is no
+    interval); None without an interval."""
+    if ci is None or any(x != x for x in ci):
+        return None
+    if n_traces is not None and n_traces < BOOT_MIN_TRACES:
+        return "too few traces"
+    return "met" if ci[1] <= limit + 1e-9 else "missed" if ci[0] > limit + 1e-9 else "inconclusive"
+
+
+def goals(rows: list[dict], trace_set: str | None = None, reqs: list[dict] | None = None,
+          reps: int = BOOT_REPS, seed: int = BOOT_SEED) -> list[dict]:
+    """The issue's two policy goals per (trace_set, link, SLO) (`trace_set` None: every set in
+    rows, in GOAL_SET_ORDER):
     g1_slo: adaptive violation_rate <= oracle's + 5 points;
     g2_quality: adaptive quality_kl_met <= the lowest quality_kl_met among the fixed levels and
     text whose violation_rate <= the adaptive's ("the best fixed level that meets the SLO at
     the same violation rate"; quality of the loads that met the SLO - a load that misses it
     is counted in violation_rate and overshoot, and the issue asks the policy to minimize its
     overshoot, not its KL). The all-requests figure (quality_kl) is reported beside it.
-    Returns one dict per (link, slo_s); null when the rows are missing or quality unknown."""
+    With `reqs` (the request dicts the rows aggregate) each entry also carries n_traces (the
+    distinct recorded traces behind its n requests) and paired cluster-bootstrap 95% intervals
+    (cluster_bootstrap_diff, `reps` replicates, `seed`) of adaptive - oracle violation rate
+    (violation_diff_vs_oracle[_ci95], verdict g1_ci against +5 points) and of adaptive - best
+    fixed KL (cluster_bootstrap_goal2: the best fixed level at no more violations chosen again
+    in each replicate; kl_met_diff_vs_best_fixed[_ci95] -> g2_ci, with g2_ci_comparators the
+    share of replicates each fixed level was the comparator; kl_all_diff_vs_best_fixed_all
+    [_ci95] -> g2_all_ci; verdict against 0): "met" / "missed" when the whole interval is on
+    one side, else "inconclusive" ("too few traces" below BOOT_MIN_TRACES).
+    Returns one dict per (trace_set, link, slo_s); null when rows are missing or quality unknown."""
     out = []
-    keys = sorted({(r["link"], r["slo_s"]) for r in rows if r["trace_set"] == trace_set})
-    for link, slo in keys:
-        g = {r["policy"]: r for r in rows if r["trace_set"] == trace_set and r["link"] == link
-             and r["slo_s"] == slo}
-        a, o = g.get("adaptive"), g.get("oracle")
-        if a is None:
-            continue
-        d = {"trace_set": trace_set, "link": link, "slo_s": slo, "n": a["n"],
-             "adaptive_violation_rate": a["violation_rate"],
-             "oracle_violation_rate": o["violation_rate"] if o else None,
-             "g1_slo": (a["violation_rate"] <= o["violation_rate"] + 0.05 + 1e-9) if o else None}
-        fx = [r for p, r in g.items() if (p.startswith("fixed-") or p == "text")
-              and r["violation_rate"] <= a["violation_rate"] + 1e-9]
-        fm = [r for r in fx if r["quality_kl_met"] is not None]
-        if fm and a["quality_kl_met"] is not None:
-            best = min(fm, key=lambda r: r["quality_kl_met"])
-            d.update({"adaptive_quality_kl_met": a["quality_kl_met"], "best_fixed": best["policy"],
-                      "best_fixed_violation_rate": best["violation_rate"],
-                      "best_fixed_quality_kl_met": best["quality_kl_met"],
-                      "g2_quality": a["quality_kl_met"] <= best["quality_kl_met"] + 1e-9})
-        else:
-            d.update({"adaptive_quality_kl_met": a["quality_kl_met"], "best_fixed": None,
-                      "g2_quality": None if a["quality_kl_met"] is None else True})
-        fa = [r for r in fx if r["quality_kl"] is not None]
-        if fa and a["quality_kl"] is not None:
-            ba = min(fa, key=lambda r: r["quality_kl"])
-            d.update({"adaptive_quality_kl_all": a["quality_kl"], "best_fixed_all": ba["policy"],
-                      "best_fixed_quality_kl_all": ba["quality_kl"],
-                      "g2_quality_all_requests": a["quality_kl"] <= ba["quality_kl"] + 1e-9})
-        out.append(d)
+    sets = [trace_set] if trace_set is not None else sorted(
+        {r["trace_set"] for r in rows}, key=lambda t: (GOAL_SET_ORDER.index(t) if t in GOAL_SET_ORDER
+                                                      else len(GOAL_SET_ORDER), t))
+    by_key: dict[tuple, list[dict]] = {}
+    for r in reqs or ():
+        by_key.setdefault((r["trace_set"], r["link"], r["slo_s"], r["policy"]), []).append(r)
+    for ts in sets:
+        for link, slo in sorted({(r["link"], r["slo_s"]) for r in rows if r["trace_set"] == ts}):
+            d = _goal(rows, ts, link, slo)
+            if d is None:
+                continue
+            if reqs is not None:
+                _goal_ci(d, by_key, reps, seed)
+            out.append(d)
     return out
+
+
+def _goal(rows: list[dict], trace_set: str, link: str, slo: float) -> dict | None:
+    g = {r["policy"]: r for r in rows if r["trace_set"] == trace_set and r["link"] == link and r["slo_s"] == slo}
+    a, o = g.get("adaptive"), g.get("oracle")
+    if a is None:
+        return None
+    d = {"trace_set": trace_set, "link": link, "slo_s": slo, "n": a["n"],
+         "adaptive_violation_rate": a["violation_rate"],
+         "oracle_violation_rate": o["violation_rate"] if o else None,
+         "g1_slo": (a["violation_rate"] <= o["violation_rate"] + G1_POINTS + 1e-9) if o else None}
+    fx = [r for p, r in g.items() if (p.startswith("fixed-") or p == "text")
+          and r["violation_rate"] <= a["violation_rate"] + 1e-9]
+    fm = [r for r in fx if r["quality_kl_met"] is not None]
+    if fm and a["quality_kl_met"] is not None:
+        best = min(fm, key=lambda r: r["quality_kl_met"])
+        d.update({"adaptive_quality_kl_met": a["quality_kl_met"], "best_fixed": best["policy"],
+                  "best_fixed_violation_rate": best["violation_rate"],
+                  "best_fixed_quality_kl_met": best["quality_kl_met"],
+                  "g2_quality": a["quality_kl_met"] <= best["quality_kl_met"] + 1e-9})
+    else:
+        d.update({"adaptive_quality_kl_met": a["quality_kl_met"], "best_fixed": None,
+                  "g2_quality": None if a["quality_kl_met"] is None else True})
+    fa = [r for r in fx if r["quality_kl"] is not None]
+    if fa and a["quality_kl"] is not None:
+        ba = min(fa, key=lambda r: r["quality_kl"])
+        d.update({"adaptive_quality_kl_all": a["quality_kl"], "best_fixed_all": ba["policy"],
+                  "best_fixed_quality_kl_all": ba["quality_kl"],
+                  "g2_quality_all_requests": a["quality_kl"] <= ba["quality_kl"] + 1e-9})
+    return d
+
+
+def _goal_ci(d: dict, by_key: dict, reps: int, seed: int) -> None:
+    """Adds n_traces and the cluster-bootstrap intervals to one goals() entry (in place)."""
+    key = (d["trace_set"], d["link"], d["slo_s"])
+    ra = by_key.get(key + ("adaptive",), [])
+    nt = len({cluster_of(r["trace"]) for r in ra}) or None
+    d["n_traces"] = nt
+    b = None
+    if ra and by_key.get(key + ("oracle",)):
+        try:
+            b = cluster_bootstrap_diff(ra, by_key[key + ("oracle",)], "violated", False, reps, seed)
+        except ValueError:  # not the same requests: no paired interval
+            b = None
+    d["violation_diff_vs_oracle"] = None if b is None else b["diff"]
+    d["violation_diff_vs_oracle_ci95"] = None if b is None else b["ci95"]
+    d["g1_ci"] = None if b is None else _ci_verdict(b["ci95"], G1_POINTS, nt)
+    pols = {p: rs for (ts, ln, sl, p), rs in by_key.items() if (ts, ln, sl) == key}
+    for name, best, best_kl, a_kl, met, verdict in (
+            ("kl_met_diff_vs_best_fixed", "best_fixed", "best_fixed_quality_kl_met", "adaptive_quality_kl_met",
+             True, "g2_ci"),
+            ("kl_all_diff_vs_best_fixed_all", "best_fixed_all", "best_fixed_quality_kl_all",
+             "adaptive_quality_kl_all", False, "g2_all_ci")):
+        d[name] = (round(d[a_kl] - d[best_kl], 6) if d.get(best) and d.get(a_kl) is not None
+                   and d.get(best_kl) is not None else None)
+        try:
+            g = cluster_bootstrap_goal2(pols, met, reps, seed) if d[name] is not None else None
+        except ValueError:
+            g = None
+        d[name + "_ci95"] = None if g is None else g["ci95"]
+        d[verdict] = None if g is None else _ci_verdict(g["ci95"], 0.0, nt)
+        if met:
+            d["g2_ci_comparators"] = None if g is None else g["comparators"]
 
 
 # --------------------------------------------------------------------------- real link
@@ -643,6 +877,15 @@ def _main(argv: list[str] | None = None) -> int:
                          "dip_min_samples=3; evaluated, not the default - docs/streaming.md section 4)")
     ap.add_argument("--synthetic", type=int, default=40,
                     help="synthetic tuning traces (trace_set 'synthetic', simulated only; default 40)")
+    ap.add_argument("--generator-traces", type=int, default=100,
+                    help="traces of the held-out set 'artifact-generator' (the artifact's generator: iid "
+                         "uniform 0.1-10 Gbit/s per chunk x --scale; simulated only; default 100, 10 with "
+                         "--quick, 0 = none)")
+    ap.add_argument("--generator-seed", type=int, default=GENERATOR_SEED,
+                    help=f"seed of the held-out generator traces (default {GENERATOR_SEED}: used by no tuning set)")
+    ap.add_argument("--bootstrap-reps", type=int, default=BOOT_REPS,
+                    help=f"cluster-bootstrap replicates of the goals' 95%% intervals (default {BOOT_REPS}, "
+                         f"seed {BOOT_SEED})")
     a = ap.parse_args(argv)
     from streaming.errors import StreamingError
 
@@ -678,7 +921,10 @@ def _main(argv: list[str] | None = None) -> int:
         n = len(table["tokens"])
         if a.offsets < 1 or a.real_offsets < 1:
             raise ValueError("--offsets and --real-offsets must be >= 1")
-        sets = trace_sets(n, a.scale, a.quick, a.synthetic, a.offsets, a.offset_seed)
+        if a.generator_traces < 0 or a.bootstrap_reps < 1:
+            raise ValueError("--generator-traces must be >= 0 and --bootstrap-reps >= 1")
+        sets = trace_sets(n, a.scale, a.quick, a.synthetic, a.offsets, a.offset_seed, a.generator_traces,
+                          a.generator_seed)
         # the real-link requests: real_offsets of the simulated offsets of each recorded trace
         # (a subset, drawn with the same seed), so real and simulated compare on the same requests
         sim_off = {}
@@ -741,14 +987,30 @@ def _main(argv: list[str] | None = None) -> int:
                                                       "(o + k) mod len (bench.adapt.rotate); offsets drawn by "
                                                       "bench.adapt.start_offsets, the same for every policy",
                                               "real_requests": [t.name for t in real_art] if a.real else []},
-                       "policy": dict(POLICY_PARAMS), "tuning": TUNING},
+                       "policy": dict(POLICY_PARAMS), "tuning": TUNING,
+                       "held_out": {"trace_set": "artifact-generator",
+                                    "traces": len(sets.get("artifact-generator", [])), "seed": a.generator_seed,
+                                    "generator": "streaming.traces.artifact_generator: iid uniform 0.1-10 Gbit/s "
+                                                 "per chunk (the CacheGen artifact's description of its traces) "
+                                                 "x 1000 x trace_scale -> Mbit/s; one request per trace",
+                                    "note": "an evaluation set: its seed is used by no tuning set (tuning seeds "
+                                            "1, 2, 3 and the artifact's generated traces); drawn after the policy "
+                                            "was fixed"},
+                       "goals_bootstrap": {"reps": a.bootstrap_reps, "seed": BOOT_SEED,
+                                           "method": "paired cluster bootstrap (bench.adapt.cluster_bootstrap_diff): "
+                                                     "resample the recorded traces with replacement, each trace's "
+                                                     "requests (start offsets) together, the same draw for every "
+                                                     "policy; percentile 95% interval; for goal 2 "
+                                                     "(cluster_bootstrap_goal2) the best fixed level at no more "
+                                                     "violations is chosen again in each replicate; no verdict "
+                                                     f"below {BOOT_MIN_TRACES} traces"}},
             "link": {"real": link_desc, "simulated": {
                 "clock_model": "transfer = bytes / trace rate + request_overhead_s; decode = measured s/token per "
                                "level (pipelined, the last chunk's not overlapped); injection = s/token of loaded "
                                "KV; text chunks recomputed after the load at prefill_tps; start_s before chunk 0",
                 "calibration": calib}},
             "sim_vs_real": agree,
-            "goals": goals(rows),
+            "goals": goals(rows, reqs=sim_reqs + real_reqs, reps=a.bootstrap_reps),
             "checks": checks,
             "requests": sim_reqs + real_reqs,
             "timelines": real_tl + sim_tl,
@@ -793,12 +1055,12 @@ def sim_vs_real(sim_reqs: list[dict], real_reqs: list[dict]) -> list[dict]:
 
 
 def _print_summary(rows, agree, checks, gl=()) -> None:
-    print(f"{'link':>9} {'trace_set':>9} {'SLO':>4} {'policy':>9} {'n':>3} {'viol%':>6} {'ovs_mean':>8} "
+    print(f"{'link':>9} {'trace_set':>18} {'SLO':>4} {'policy':>9} {'n':>3} {'viol%':>6} {'ovs_mean':>8} "
           f"{'ovs_p95':>8} {'KL':>8} {'regret':>8}")
     for r in rows:
         q = "-" if r["quality_kl"] is None else f"{r['quality_kl']:.4f}"
         g = "-" if r["regret_vs_oracle"] is None else f"{r['regret_vs_oracle']:.4f}"
-        print(f"{r['link']:>9} {r['trace_set']:>9} {r['slo_s']:>4g} {r['policy']:>9} {r['n']:>3} "
+        print(f"{r['link']:>9} {r['trace_set']:>18} {r['slo_s']:>4g} {r['policy']:>9} {r['n']:>3} "
               f"{100 * r['violation_rate']:>6.1f} {r['overshoot_s_mean']:>8.3f} {r['overshoot_s_p95']:>8.3f} "
               f"{q:>8} {g:>8}")
     for x in agree:
@@ -808,13 +1070,43 @@ def _print_summary(rows, agree, checks, gl=()) -> None:
               f"{x['total_s_real_minus_sim_mean']:+.3f} s)")
     for x in gl:
         orc = "-" if x["oracle_violation_rate"] is None else f"{100 * x['oracle_violation_rate']:.0f}%"
-        print(f"goals {x['trace_set']} {x['link']} SLO {x['slo_s']:g}: G1 violations adaptive "
+        print(f"goals {x['trace_set']} {x['link']} SLO {x['slo_s']:g} (n={x['n']}, {x.get('n_traces')} traces): "
+              f"G1 violations adaptive "
               f"{100 * x['adaptive_violation_rate']:.0f}% vs oracle {orc} -> {x['g1_slo']}; G2 KL of met loads "
               f"adaptive {x.get('adaptive_quality_kl_met')} vs {x.get('best_fixed')} "
               f"{x.get('best_fixed_quality_kl_met')} -> {x.get('g2_quality')} (all loads: "
               f"{x.get('adaptive_quality_kl_all')} vs {x.get('best_fixed_all')} {x.get('best_fixed_quality_kl_all')})")
+    _print_goal_cis(gl)
     if checks:
         print("checks:", json.dumps(checks, default=str))
+
+
+def _fmt_ci(x: dict, name: str, scale: float, fmt: str) -> str:
+    ci = x.get(name + "_ci95")
+    if x.get(name) is None or ci is None:
+        return "-"
+    return f"{scale * x[name]:{fmt}} [{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]"
+
+
+def _print_goal_cis(gl, sets=("artifact", "artifact-generator")) -> None:
+    """Per SLO, the goals on the recorded artifact traces and on the held-out generator set
+    with their cluster-bootstrap 95% intervals (simulated link), so that a miss on 10 traces
+    can be read against its uncertainty."""
+    sel = [x for x in gl if x["trace_set"] in sets and x["link"] == "simulated" and "n_traces" in x]
+    if not sel:
+        return
+    print("goals with paired cluster-bootstrap 95% intervals (resampling traces; simulated link). G1: adaptive - "
+          "oracle violations (points), limit +5; G2: adaptive - best fixed KL of met loads, limit 0; "
+          "verdict of the interval: met / missed / inconclusive")
+    for slo in sorted({x["slo_s"] for x in sel}):
+        for x in sorted((x for x in sel if x["slo_s"] == slo), key=lambda x: sets.index(x["trace_set"])):
+            print(f"  SLO {slo:g} s {x['trace_set']:>18} n={x['n']} ({x.get('n_traces')} traces): "
+                  f"G1 {_fmt_ci(x, 'violation_diff_vs_oracle', 100, '+.1f')} -> {x.get('g1_slo')} "
+                  f"(interval: {x.get('g1_ci')}); G2 vs {x.get('best_fixed')} "
+                  f"{_fmt_ci(x, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} -> {x.get('g2_quality')} "
+                  f"(interval: {x.get('g2_ci')}; comparators {x.get('g2_ci_comparators')}); all loads vs "
+                  f"{x.get('best_fixed_all')} "
+                  f"{_fmt_ci(x, 'kl_all_diff_vs_best_fixed_all', 1, '+.4f')} ({x.get('g2_all_ci')})")
 
 
 if __name__ == "__main__":

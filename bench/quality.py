@@ -76,6 +76,10 @@ DEFAULT_TASK_CODECS = "cachegen:1;cachegen-ref:0;kvtc:4,5;quant8;kivi2;raw"
 # codecs whose continuation runs in one batched forward (inject.continuation_logits_batch);
 # 7 splits the 21 default rows into 3 forwards (~1.5 GB of KV, logits and activations)
 DEFAULT_BATCH = 7
+# codecs encoded + decoded at once (threads): the encoders are mostly serial numba/numpy
+# code that releases the GIL, so two of them fill both cores; identical bytes either way
+# (codec.threads: a kernel's parallel and serial builds give the same results)
+DEFAULT_CODEC_WORKERS = 2
 # --quick is a smoke run (every codec and level on 4 short windows, each task kind twice):
 # 4 windows x (512 + 128) tokens and 4 task requests; too few samples to rank codecs
 QUICK_CONTINUATION = 128
@@ -246,9 +250,32 @@ def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[d
 
 
 # ----------------------------------------------------------------------------- text quality
+def _encode_decode_all(jobs: list, one: Callable, workers: int) -> list:
+    """``[one(job) for job in jobs]``, run by ``workers`` threads (1: in this thread), in
+    the order of ``jobs``. ``one`` must not raise (return an error marker instead).
+    While the threads run, torch runs its ops on one thread each: two OpenMP teams on two
+    cores stall at every barrier when a core is taken (a 1-token forward ran ~6x slower
+    under load here), and the codecs' bytes and decoded KV are the same with torch at 1 or
+    2 threads (checked for every registered codec and level on a 2048-token window of the
+    default model; tests/test_quality_batch.py compares the rows)."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [one(j) for j in jobs]
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="codec") as ex:
+            return list(ex.map(one, jobs))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Optional[int]]],
                      n_windows: int, context: int, continuation: int, seed: int = 0,
-                     log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH) -> tuple[list[dict], dict]:
+                     log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH,
+                     codec_workers: int = DEFAULT_CODEC_WORKERS) -> tuple[list[dict], dict]:
     """Paired text-fidelity measurement on ``n_windows`` windows of ``token_ids``.
 
     ``token_ids``: the tokenized corpus; windows of ``context + continuation`` tokens at
@@ -261,7 +288,10 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     every window; ``forward_s`` of a row is its share of the batch's time). Returns (rows as
     :func:`summarize_rows`, info dict with offsets, skipped codecs and their reasons, the
     lossless check, timings). A codec that raises on encode/decode is skipped (reason
-    printed and recorded). Raises ValueError when ``batch`` < 1.
+    printed and recorded). ``codec_workers``: codecs of a batch encoded + decoded at once by
+    that many threads (the same bytes and logits as one at a time; a row's ``encode_s`` /
+    ``decode_s`` are then wall seconds while another codec ran beside it). Raises
+    ValueError when ``batch`` < 1.
     """
     import codec
     from kv_extraction_hf.extract import prefill_kv
@@ -289,25 +319,31 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         del ref_logits
         t_scores += time.perf_counter() - t
         todo = [p for p in pairs if _label(*p) not in skipped]
+        def code_one(pair):
+            """(k2, v2, stats, encode s, decode s) from the real bitstream, or the exception."""
+            try:
+                t1 = time.perf_counter()
+                data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
+                t2 = time.perf_counter()
+                k2, v2 = codec.decode_kv(data)
+                t3 = time.perf_counter()
+            except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
+                return exc
+            return k2.to(k.dtype), v2.to(v.dtype), stats, t2 - t1, t3 - t2
+
         for i in range(0, len(todo), batch):
             group = []                       # (pair, k2, v2, stats) decoded from the real bitstream
-            for pair in todo[i:i + batch]:
-                label = _label(*pair)
-                a = acc[pair]
-                try:
-                    t1 = time.perf_counter()
-                    data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
-                    t2 = time.perf_counter()
-                    k2, v2 = codec.decode_kv(data)
-                    t3 = time.perf_counter()
-                except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
-                    skipped[label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            for pair, got in zip(todo[i:i + batch], _encode_decode_all(todo[i:i + batch], code_one, codec_workers)):
+                if isinstance(got, Exception):
+                    label = _label(*pair)
+                    skipped[label] = f"{type(got).__name__}: {' '.join(str(got).split())[:200]}"
                     log(f"  skip {label}: {skipped[label]}")
                     continue
-                del data
-                a["encode_s"] += t2 - t1
-                a["decode_s"] += t3 - t2
-                group.append((pair, k2.to(k.dtype), v2.to(v.dtype), stats))
+                k2, v2, stats, enc_s, dec_s = got
+                acc[pair]["encode_s"] += enc_s
+                acc[pair]["decode_s"] += dec_s
+                group.append((pair, k2, v2, stats))
+                del got
             if not group:
                 continue
             t3 = time.perf_counter()
@@ -338,7 +374,8 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                  "passed": max(r["per_window"]["kl"]) == 0.0 and min(r["per_window"]["top1"]) == 1.0}
     info = {"offsets": offsets, "skipped": skipped, "lossless_check": check,
             "reference_ppl_mean": float(np.mean(ref_ppl)) if ref_ppl else None,
-            "prefill_s": t_prefill, "scores_s": t_scores, "batch": batch, "total_s": time.perf_counter() - t0}
+            "prefill_s": t_prefill, "scores_s": t_scores, "batch": batch, "codec_workers": codec_workers,
+            "total_s": time.perf_counter() - t0}
     return rows, info
 
 
@@ -365,7 +402,8 @@ def _answer_text(bundle, ids: list[int]) -> str:
 def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, seed: int = 0,
               lengths: Sequence[int] = TASK_LENGTHS, max_new_tokens: int = TASK_MAX_NEW_TOKENS,
               topic_lengths: Sequence[int] = TOPIC_LENGTHS, answer_bundle=None, verify: bool = False,
-              log: Callable[[str], None] = print, answer_mode: str = "teacher") -> tuple[list[dict], dict]:
+              log: Callable[[str], None] = print, answer_mode: str = "teacher",
+              codec_workers: int = DEFAULT_CODEC_WORKERS) -> tuple[list[dict], dict]:
     """Task answers from decoded KV vs lossless KV, ``n_requests`` per codec/level.
 
     Each request's context is prefilled once by ``bundle`` (the engine dtype, bf16 for the
@@ -392,7 +430,9 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     not; its smallest top-2 logit margin above/below :data:`MARGIN_SPLIT`,
     :func:`agreement_split`). Returns (rows as :func:`task_rows`, info with the
     per-request records and seconds, per codec the count of answers by path, the verify
-    counts). Raises ValueError for an unknown ``answer_mode``.
+    counts). ``codec_workers``: a request's codecs are encoded + decoded that many at once
+    (threads; the same bytes; ``codec_s`` is then wall seconds beside another codec), before
+    its answers. Raises ValueError for an unknown ``answer_mode``.
     """
     import codec
     from evaluation import retrieval_accuracy, scored_answer
@@ -419,20 +459,31 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
         k, v = prefill_kv(bundle, p.context_ids)
         t1 = time.perf_counter()
         budget = min(max_new_tokens, p.max_new_tokens)
-        def decode_one(pair):
-            """(k2, v2, codec seconds) decoded from the real bitstream, or None (skipped)."""
-            label = _label(*pair)
-            if label in skipped:
-                return None
+        def code_one(pair):
+            """(k2, v2 in the engine's dtype, codec seconds) from the real bitstream, or the exception."""
             try:
                 t2 = time.perf_counter()
                 k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1]))
-                k2, v2 = k2.to(k.dtype).to(adt), v2.to(v.dtype).to(adt)   # the engine's dtype, then exact upcast
+                return k2.to(k.dtype), v2.to(v.dtype), time.perf_counter() - t2
             except Exception as exc:  # noqa: BLE001
-                skipped[label] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                return exc
+
+        # every codec's KV first, ``codec_workers`` at a time (the engine's dtype: ~95 MB per
+        # codec at 4K tokens); answers below one codec at a time
+        live = [pair for pair in pairs if _label(*pair) not in skipped]
+        coded = dict(zip(live, _encode_decode_all(live, code_one, codec_workers)))
+
+        def decode_one(pair):
+            """(k2, v2 upcast exactly to the answer dtype, codec seconds), or None (skipped)."""
+            got = coded.pop(pair, None)
+            if got is None:
+                return None
+            if isinstance(got, Exception):
+                label = _label(*pair)
+                skipped[label] = f"{type(got).__name__}: {' '.join(str(got).split())[:200]}"
                 log(f"  skip {label}: {skipped[label]}")
                 return None
-            return k2, v2, time.perf_counter() - t2
+            return got[0].to(adt), got[1].to(adt), got[2]
 
         decoded = []                     # (pair, codec seconds), in the order of got_all
         k_ab, v_ab = k.to(adt), v.to(adt)
@@ -513,7 +564,7 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     info = {"requests": records, "skipped": skipped, "total_s": time.perf_counter() - t0,
             "lengths": list(lengths), "topic_lengths": list(topic_lengths), "max_new_tokens": max_new_tokens,
             "answer_dtype": str(adt).replace("torch.", ""), "min_margin": margin, "answer_mode": answer_mode,
-            "answer_paths": paths,
+            "codec_workers": codec_workers, "answer_paths": paths,
             "fallbacks": sum(x["fallback"] for x in paths.values()),
             "verify": {"checked": checked, "mismatches": mismatches} if verify else None,
             "agreement_rule": ("agreement: the scored answer (evaluation.scored_answer: the last number for a "
@@ -769,6 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", default=None,
                    help="folder with WikiText-2 test.txt / wiki.test.raw (default: the hub if reachable, "
                         "else a shared/data/wikitext-2 folder beside the repository)")
+    p.add_argument("--codec-workers", type=int, default=DEFAULT_CODEC_WORKERS,
+                   help=f"codecs encoded + decoded at once by threads (default {DEFAULT_CODEC_WORKERS}; "
+                        "the same bytes and figures as 1; per-codec encode/decode seconds are then wall "
+                        "seconds beside another codec)")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                    help="codecs whose continuation runs in one batched forward (default %(default)s; each "
                         "codec's logits are those of its own batch-1 forward, bit for bit; 1 = one forward "
@@ -895,7 +950,8 @@ def _main(args, argv: list[str]) -> int:
         print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
               f"{len(pairs)} codec/levels")
         rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
-                                       log=_log, batch=_positive("--batch", args.batch))
+                                       log=_log, batch=_positive("--batch", args.batch),
+                                       codec_workers=_positive("--codec-workers", args.codec_workers))
         doc["rows"] = rows
         doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
         doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
@@ -903,7 +959,7 @@ def _main(args, argv: list[str]) -> int:
                          "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
                          "10000 resamples, seed 0 (exact enumeration for n <= 7)"}
         doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
-                                                 "prefill_s", "scores_s", "batch", "total_s")}
+                                                 "prefill_s", "scores_s", "batch", "codec_workers", "total_s")}
         print()
         print_table(rows)
         chk = info["lossless_check"]
@@ -921,7 +977,8 @@ def _main(args, argv: list[str]) -> int:
             answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
         trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
                                  answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
-                                 answer_mode=args.task_answers)
+                                 answer_mode=args.task_answers,
+                                 codec_workers=_positive("--codec-workers", args.codec_workers))
         doc["tasks"] = trows
         doc["tasks_info"] = {k: v for k, v in tinfo.items()}
         doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),

@@ -455,7 +455,7 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
     return "\n".join(lines).rstrip() + "\n"
 
 
-TRACE_SET_ORDER = ("artifact", "generated", "constant", "step", "synthetic", "issue-drop")
+TRACE_SET_ORDER = ("artifact", "artifact-generator", "generated", "constant", "step", "synthetic", "issue-drop")
 POLICY_ORDER = ("oracle", "adaptive", "text") + tuple(f"fixed-l{i}" for i in range(10))
 
 

@@ -2,6 +2,8 @@
 
 A trace is a list of Mbit/s values, one per context chunk. Sources:
 * constant(mbps, n) and step(values_mbps, chunks_per_step, n);
+* artifact_generator(n, count, seed): fresh traces from the artifact's own generator (i.i.d.
+  uniform 0.1-10 Gbit/s per chunk, scaled like the recorded ones) - a held-out evaluation set;
 * the CacheGen artifact's traces, carried in this repository (streaming/traces_data/, copied
   from the public artifact github.com/UChi-JCL/CacheGen test_data/; source and license in
   its README): one JSON object {"bw": [Gbit/s per chunk]} per line, scaled by `scale`
@@ -121,4 +123,32 @@ def synthetic_uniform(n: int, count: int, seed: int = 0, lo_mbps: float = 10.0,
     rng = np.random.default_rng(seed)
     return [Trace(f"synthetic-uniform-{seed}-{i}", tuple(float(x) for x in rng.uniform(lo_mbps, hi_mbps, n)),
                   source=f"synthetic: iid uniform [{lo_mbps:g}, {hi_mbps:g}] Mbit/s per chunk, seed {seed}")
+            for i in range(count)]
+
+
+ARTIFACT_GBPS_RANGE = (0.1, 10.0)  # the artifact's traces: each chunk i.i.d. uniform in this range (Gbit/s)
+GENERATOR_SEED = 15  # artifact_generator's default seed: used by no tuning set (those use 1, 2, 3)
+
+
+def artifact_generator(n: int, count: int, seed: int = GENERATOR_SEED, scale: float = DEFAULT_SCALE,
+                       lo_gbps: float = ARTIFACT_GBPS_RANGE[0], hi_gbps: float = ARTIFACT_GBPS_RANGE[1]) -> list[Trace]:
+    """`count` traces of n chunks drawn the way the CacheGen artifact's recorded traces
+    (github.com/UChi-JCL/CacheGen, test_data/) are described: each chunk's bandwidth i.i.d.
+    uniform in 0.1-10 Gbit/s (their 100 recorded values fit it: Kolmogorov-Smirnov D = 0.055,
+    p = 0.92; lag-1 autocorrelation -0.06), then scaled like the recorded ones: Gbit/s * 1000 * scale -> Mbit/s,
+    floored at MIN_MBPS (default scale 1/10: 10-1000 Mbit/s). numpy default_rng(seed); the
+    default seed (GENERATOR_SEED = 15) is used by no tuning set of the adaptive policy, so the
+    set is a HELD-OUT evaluation set from the recorded traces' own generator (bench.adapt's
+    trace_set "artifact-generator"). Names "artifact-generator-<seed>-<i>".
+    Raises ValueError when n < 1, count < 0, scale <= 0 or not 0 < lo_gbps <= hi_gbps."""
+    import numpy as np
+
+    if n < 1 or count < 0 or scale <= 0 or not 0 < lo_gbps <= hi_gbps:
+        raise ValueError("need n >= 1, count >= 0, scale > 0 and 0 < lo_gbps <= hi_gbps")
+    rng = np.random.default_rng(seed)
+    src = (f"artifact generator: iid uniform [{lo_gbps:g}, {hi_gbps:g}] Gbit/s per chunk (as the CacheGen "
+           f"artifact's recorded traces are described), seed {seed}, x 1000 x scale -> Mbit/s")
+    return [Trace(f"artifact-generator-{seed}-{i}",
+                  tuple(max(MIN_MBPS, float(g) * 1000.0 * scale) for g in rng.uniform(lo_gbps, hi_gbps, n)),
+                  source=src, scale=scale)
             for i in range(count)]

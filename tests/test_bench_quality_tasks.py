@@ -142,6 +142,12 @@ def test_run_tasks_on_tiny_model_records_paths(tiny, monkeypatch):
     # the two answer paths give the same ids, divergence points and rows
     assert runs["batched"][1] == runs["teacher"][1]
     assert runs["batched"][0] == runs["teacher"][0]
+    # a request's codecs encoded + decoded by one thread: the same answers and rows
+    rows1, info1 = Q.run_tasks(tiny, [("raw", None), ("kivi2", None)], 4, lengths=(40,), topic_lengths=(40,),
+                               max_new_tokens=BUDGET, log=lambda m: None, answer_mode="teacher", codec_workers=1)
+    assert rows1 == runs["teacher"][0] and info1["codec_workers"] == 1 and info["codec_workers"] == 2
+    assert [(x["lossless"]["ids"], {lab: (c["ids"], c["diverged_at"], c["agrees"]) for lab, c in x["codecs"].items()})
+            for x in info1["requests"]] == runs["teacher"][1]
     with pytest.raises(ValueError):
         Q.run_tasks(tiny, [("raw", None)], 1, log=lambda m: None, answer_mode="nope")
 

@@ -34,6 +34,13 @@ def _sym(P, L, T, seed):
     return np.random.default_rng(seed).integers(0, 11, size=(L, T, n)).astype(np.uint8)
 
 
+def _top_level_problem(cal, T, seed):
+    """(L, H, D, T, params, random symbols, offsets 5) of the calibration's finest level."""
+    L, H, D = cal.num_layers, cal.num_heads, cal.head_dim
+    P = cal.torch_params(cal.levels[-1])
+    return L, H, D, T, P, _sym(P, L, T, seed), [5] * L
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rope_from", [None, 0, 777])
 def test_fast_inverse_matches_reference_within_float32_rounding(cal, threads, rope_from,
@@ -60,10 +67,7 @@ def test_fast_inverse_into_model_dtype_is_the_rounded_float32_result(cal, dtype,
     # the cast into ``out`` is the only extra rounding: identical to casting the float32
     # result of the same path, and within one unit of the dtype of the reference
     monkeypatch.setattr(kvtc, "_bf16_gemm", lambda: False)
-    L, H, D, T = cal.num_layers, cal.num_heads, cal.head_dim, 29
-    P = cal.torch_params(cal.levels[-1])
-    sym = _sym(P, L, T, 3)
-    offs = [5] * L
+    L, H, D, T, P, sym, offs = _top_level_problem(cal, 29, 3)
     for threads in (1, 2):
         monkeypatch.setattr(kvtc, "_decode_workers", lambda: threads)
         f32 = kvtc.KvtcCodec._inverse(sym, offs, P, 0, (L, T, H, D), 11, 10000.0)
@@ -87,10 +91,7 @@ def test_bf16_products_within_the_rounding_bound(cal, rope_from, monkeypatch):
     # float32 reference is at most eps_bf16 * (|x| + |q| @ |B_s| + |mean|) per element
     # (twice the pair's bound after the rotation); centroid offsets keep float32 products
     monkeypatch.setattr(kvtc, "_bf16_gemm", lambda: True)
-    L, H, D, T = cal.num_layers, cal.num_heads, cal.head_dim, 31
-    P = cal.torch_params(cal.levels[-1])
-    sym = _sym(P, L, T, 8)
-    offs = [5] * L
+    L, H, D, T, P, sym, offs = _top_level_problem(cal, 31, 8)
     for kv in (0, 1):
         for threads in (1, 2):
             monkeypatch.setattr(kvtc, "_decode_workers", lambda: threads)

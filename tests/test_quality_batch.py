@@ -63,3 +63,23 @@ def test_text_rows_do_not_depend_on_batch(default_bundle):
     assert res[1][1]["lossless_check"]["passed"] and res[1][1]["batch"] == 3
     with pytest.raises(ValueError, match="batch"):
         run_text_quality(default_bundle, ids, pairs, 1, 160, 24, batch=0)
+
+
+def test_text_rows_do_not_depend_on_codec_workers(default_bundle):
+    # the codecs of a batch encoded + decoded by two threads: the same bytes, hence the same
+    # figures as one at a time; a codec that raises is skipped with its reason either way
+    from bench.quality import run_text_quality
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(100, 20000, (1500,), generator=g).tolist()
+    pairs = [("cachegen", 0), ("cachegen", 5), ("kivi2", None), ("cachegen", 99), ("raw", None)]
+    res = [run_text_quality(default_bundle, ids, pairs, 2, 128, 16, seed=1, log=lambda m: None, batch=4,
+                            codec_workers=w) for w in (1, 2)]
+    rows = [sorted(r[0], key=lambda x: (x["codec"], str(x["level"]))) for r in res]
+    assert [(r["codec"], r["level"]) for r in rows[0]] == [("cachegen", 0), ("cachegen", 5), ("kivi2", None),
+                                                            ("raw", None)]
+    for a, b in zip(*rows):
+        assert (a["codec"], a["level"]) == (b["codec"], b["level"])
+        assert a["per_window"] == b["per_window"] and a["bits_per_element"] == b["bits_per_element"]
+    assert res[0][1]["skipped"].keys() == res[1][1]["skipped"].keys() == {"cachegen 99"}
+    assert res[1][1]["codec_workers"] == 2 and res[1][1]["lossless_check"]["passed"]
