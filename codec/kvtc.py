@@ -31,6 +31,13 @@ with this project's rANS coder and probability model as the entropy stage:
    is still decoded.
 4. The first ``sink_tokens`` tokens of the context (attention sinks) and optionally the
    last ``recent_tokens`` are stored exactly, as KVTC and CacheGen's variant do.
+5. Tail tiers (kvtc format 3; this project's addition, docs/codec.md 8.6-8.7): a level
+   may code the last R1 (R1 + R2, ...) tokens of the context at finer levels B1 (B2, ...)
+   (``DEFAULT_LEVEL_TIERS``, ``KvtcConfig.tiers``): the value error of a token reaches
+   the output weighted by the attention it gets, and the last few hundred tokens get
+   most of it. The encoder knows each chunk's absolute position (``token_offset``,
+   ``total_tokens``); the tail rows are coded as spans of the same container, each with
+   its own kept-layout fields and entropy tables, named in the header.
 
 The calibration (bases, means, variances, per-level allocation) is a versioned
 safetensors artifact named by the sha256 of its content (``KvtcCalibration.hash``). The
@@ -70,16 +77,24 @@ __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
            "register_calibration", "registered_calibrations", "get_calibration",
            "load_calibration", "default_calibration_dir", "apply_rope", "undo_rope",
            "CALIBRATION_FORMAT", "CALIBRATION_VERSION", "DEFAULT_LEVEL_TARGETS",
-           "KVTC_FORMAT_VERSION"]
+           "DEFAULT_LEVEL_TIERS", "DEFAULT_LEVEL_SINKS", "DEFAULT_KEY_WATER",
+           "KVTC_FORMAT_VERSION", "KVTC_TIERED_FORMAT",
+           "check_tiers", "level_tiers"]
 
 CALIBRATION_FORMAT = "kvtc-calibration"
 CALIBRATION_VERSION = 1
 # level -> target bits per coded element (empirical entropy on the calibration data);
 # bf16 is 16 bits per element. With the metric-whitened default calibration, measured on
-# WikiText-2 validation windows (docs/codec.md 8.5): level 4 (the default) sits at or
+# WikiText-2 validation windows (docs/codec.md 8.5, 8.7): level 4 (the default) sits at or
 # below cachegen level 1's KL and above its top-1 (~13x), level 5 is the near-lossless
-# one (~8x); levels 0-3 trade quality for size (~28x ... ~15x).
-DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
+# one (~8x); levels 0-2 trade quality for size (~27x ... ~17x). Level 3 is the tiered
+# one (docs/codec.md 8.7): level 2's rate for the bulk with the keys' water level x2
+# (``DEFAULT_KEY_WATER``), the last 64 context tokens at level 5 and the 320 before them
+# at level 4 (``DEFAULT_LEVEL_TIERS``), 1 exact sink (``DEFAULT_LEVEL_SINKS``): ~16x.
+DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.85, 4: 1.1, 5: 1.85}
+# level -> factor on the keys' water level in the default fit (``fit_calibration(
+# key_water=)``, used by ``kv_extraction_hf.calibrate`` with the default targets)
+DEFAULT_KEY_WATER: dict[int, float] = {3: 2.0}
 DEFAULT_LEVEL = 4
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
@@ -555,7 +570,8 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                     recent_tokens: int = DEFAULT_RECENT_TOKENS, meta: Optional[dict] = None,
                     centroid: bool = False, rounding: float = 0.5,
                     metric: Optional[tuple] = None, metric_power: float = 1.0,
-                    whiten: bool = False, progress=None) -> KvtcCalibration:
+                    whiten: bool = False, key_water: Optional[dict] = None,
+                    progress=None) -> KvtcCalibration:
     """Fit a KVTC calibration on sample KV (pure function: no model, no I/O).
 
     Args:
@@ -598,6 +614,9 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         quantization MSE there is the weighted distortion e^T M^p e; the stored ``basis``
         is then the synthesis matrix S^-1 U (not orthonormal) and ``analysis`` = S U the
         encoder's (basis^T analysis = I).
+      key_water: optional level -> factor (> 0) on the keys' water levels at that level
+        (2 = keys coarser, values finer at the same rate; levels not named: 1). The values
+        carry ~3/4 of the KL the model sees (docs/codec.md 8.6); recorded in ``meta``.
       progress: optional callable(str) for progress lines.
     Returns: KvtcCalibration (hash set). Source: PCA + reverse water-filling (module doc).
     Raises: ValueError on bad shapes, too few samples or bad options.
@@ -628,6 +647,11 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         if not (isinstance(metric_power, (int, float)) and 0.0 <= metric_power <= 2.0):
             raise ValueError(f"metric_power must be in [0, 2], got {metric_power!r}")
     targets = dict(DEFAULT_LEVEL_TARGETS if level_targets is None else level_targets)
+    kwater = dict(key_water or {})
+    if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1e6
+           or lv not in targets for lv, f in kwater.items()):
+        raise ValueError(f"key_water must map levels of the targets to factors > 0, got "
+                         f"{key_water!r}")
     if len(targets) < 1 or default_level not in targets or \
             any(not (isinstance(t, (int, float)) and t > 0) for t in targets.values()):
         raise ValueError(f"bad level_targets {targets!r} / default_level {default_level}")
@@ -690,8 +714,10 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         coefs = np.take_along_axis(coefs, order[:, :, None, :], axis=-1)
     n_elem = 2 * L * len(sub) * C
 
-    def rate(lg: float) -> tuple[float, np.ndarray]:      # lg = log of the water scale
-        st = _steps_for(np.exp(lg) * w, var, cap)
+    def rate(lg: float, kf: float = 1.0) -> tuple[float, np.ndarray]:
+        # lg = log of the water scale; kf = the keys' factor (key_water)
+        wl = w if kf == 1.0 else np.concatenate([w[:1] * kf, w[1:]])
+        st = _steps_for(np.exp(lg) * wl, var, cap)
         return _rate_bits(coefs, st, rounding) / n_elem, st
 
     levels = sorted(targets)
@@ -700,9 +726,14 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
     # rate falls as the water level grows: a coarse log grid brackets each target, then
     # regula falsi (Illinois variant) on log g to within 0.2% of the target
     grid = np.linspace(np.log(1e-9), np.log(1e2), 12)
-    grid_rate = [rate(float(g))[0] for g in grid]
+    grid_rates: dict = {}
     for i, lv in enumerate(levels):
         tgt = float(targets[lv])
+        kf = float(kwater.get(lv, 1.0))
+        if kf not in grid_rates:
+            grid_rates[kf] = [rate(float(g), kf)[0] for g in grid]
+        grid_rate = grid_rates[kf]
+        rate_l = functools.partial(rate, kf=kf)
         j = next((j for j, r in enumerate(grid_rate) if r <= tgt), len(grid) - 1)
         a, b = float(grid[max(0, j - 1)]), float(grid[j])
         ra, rb = grid_rate[max(0, j - 1)], grid_rate[j]
@@ -711,7 +742,7 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
             if not ra > tgt >= rb or abs(rb - tgt) <= 2e-3 * tgt:
                 break
             m = b - (rb - tgt) * (b - a) / (rb - ra)
-            rm, _ = rate(m)
+            rm, _ = rate_l(m)
             if rm > tgt:
                 a, ra = m, rm
                 if side == -1:
@@ -722,7 +753,7 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                 if side == 1:
                     ra = tgt + (ra - tgt) / 2
                 side = 1
-        r, st = rate(b)
+        r, st = rate_l(b)
         steps[i] = st
         if centroid:
             shrink[i] = _shrink(coefs, st, rounding)
@@ -734,7 +765,10 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         int(default_level), key_space, theta_rope, bool(per_head), int(sink_tokens),
         int(recent_tokens), dict(meta or {}, calibration_tokens=N,
                                  weighting=weighting if isinstance(weighting, str)
-                                 else [[float(x) for x in r] for r in weighting]),
+                                 else [[float(x) for x in r] for r in weighting],
+                                 **({"key_water": {str(k): float(f) for k, f in
+                                                   sorted(kwater.items())}}
+                                    if kwater else {})),
         shrink=shrink.astype(np.float32) if centroid else None, rounding=float(rounding),
         analysis=None if analysis is None else analysis.astype(np.float32))
     _check_calibration(cal, "fit_calibration")
@@ -749,18 +783,37 @@ class KvtcConfig:
     ``encode_chunks``). ``calibration``: a KvtcCalibration, an artifact path or a hash
     (None = the registered/cached calibration matching the KV's shape); ``level``: None =
     the calibration's default; ``recent_tokens`` / ``sink_tokens``: None = the
-    calibration's; ``chunk_tokens``: ``encode_chunks``' default chunk size."""
+    calibration's (sinks: the level's ``DEFAULT_LEVEL_SINKS`` entry first);
+    ``chunk_tokens``: ``encode_chunks``' default chunk size; ``tiers``:
+    tail tiers ((tokens, level), ...) from the end of the context (kvtc format 3,
+    docs/codec.md 8.7), None = the level's (``DEFAULT_LEVEL_TIERS``), () = none."""
 
     calibration: Any = None
     level: Optional[int] = None
     recent_tokens: Optional[int] = None
     sink_tokens: Optional[int] = None
     chunk_tokens: int = 1024
+    tiers: Optional[tuple] = None
 
     def describe(self) -> dict:
-        return {"calibration": getattr(self.calibration, "hash", self.calibration),
-                "level": self.level, "recent_tokens": self.recent_tokens,
-                "sink_tokens": self.sink_tokens}
+        d = {"calibration": getattr(self.calibration, "hash", self.calibration),
+             "level": self.level, "recent_tokens": self.recent_tokens,
+             "sink_tokens": self.sink_tokens}
+        if self.tiers is not None:
+            d["tiers"] = [list(p) for p in self.tiers]
+        return d
+
+    def to_dict(self) -> dict:
+        """The fields as a dict for ``codec.config_hash`` (``tiers`` only when set, so the
+        hashes of configs made before it existed do not change)."""
+        import dataclasses
+
+        d = dataclasses.asdict(self)
+        if self.tiers is None:
+            d.pop("tiers")
+        else:
+            d["tiers"] = [list(p) for p in self.tiers]
+        return d
 
 
 def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
@@ -806,6 +859,7 @@ def _exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recen
 # "kept"): only each (K/V, layer)'s kept columns, in one [Tq, S] concatenation split into
 # two equal halves (the entropy stage's K and V arrays, [1, Tq, ceil(S/2)] each).
 KVTC_FORMAT_VERSION = 2
+KVTC_TIERED_FORMAT = 3           # a tiered level's chunks: format 2 plus tail spans
 KVTC_LAYOUT = "kept"
 _PADDED = None
 
@@ -879,6 +933,182 @@ class _KeptSymbols:
             for lo, hi, src in self.pieces(layer):
                 out[layer, :, lo:hi] = src.numpy()
         return out
+
+
+# Tail tiers (kvtc format 3, docs/codec.md 8.7): the last R1 tokens of a context coded at
+# level B1, the R2 before them at level B2, ...; the rest at the chunk's level. The value
+# error of a context token reaches the output weighted by the attention it gets, and the
+# last few hundred tokens get most of it (docs/codec.md 8.6), so coding them finer lowers
+# the KL at equal bytes. level -> ((R1, B1), (R2, B2), ...), from the end of the context.
+DEFAULT_LEVEL_TIERS: dict[int, tuple] = {3: ((64, 5), (320, 4))}
+# level -> exact attention-sink tokens when the config does not say (levels not named: the
+# calibration's ``sink_tokens``)
+DEFAULT_LEVEL_SINKS: dict[int, int] = {3: 1}
+MAX_TIERS = 8                    # spans per chunk at most (header validation)
+
+
+def check_tiers(tiers: Any) -> tuple:
+    """``tiers`` as a tuple of (tokens, level) int pairs, tokens >= 1, at most
+    ``MAX_TIERS``. Raises ValueError otherwise (the levels are checked against the
+    calibration by the encoder)."""
+    try:
+        out = tuple((r, b) for r, b in tiers)
+    except (TypeError, ValueError):
+        raise ValueError(f"tiers must be a sequence of (tokens, level) pairs, got "
+                         f"{tiers!r}") from None
+    if len(out) > MAX_TIERS or any(
+            isinstance(x, bool) or not isinstance(x, int) for p in out for x in p) or \
+            any(r < 1 for r, _ in out):
+        raise ValueError(f"tiers must be at most {MAX_TIERS} (tokens >= 1, level) int "
+                         f"pairs, got {tiers!r}")
+    return out
+
+
+def level_tiers(level: Optional[int]) -> tuple:
+    """The tail tiers of a kvtc level (``DEFAULT_LEVEL_TIERS``; () = untiered)."""
+    return tuple(DEFAULT_LEVEL_TIERS.get(DEFAULT_LEVEL if level is None else level, ()))
+
+
+def _tail_spans(lo: int, hi: int, total: int, tiers: tuple) -> list:
+    """[(first absolute token, count, level)] ascending: the rows of the coded range
+    [lo, hi) that fall in each tier (the last R1 tokens of ``total`` at B1, the R2 before
+    them at B2, ...). Contiguous, and the last one ends at ``hi`` when any exists."""
+    spans, end = [], total
+    for r, b in tiers:
+        s, e = max(end - r, lo), min(end, hi)
+        if e > s:
+            spans.append((s, e - s, b))
+        end -= r
+        if end <= lo:
+            break
+    return spans[::-1]
+
+
+_SPAN_ARRAY_RE = re.compile(r"^ent_t\d+_")
+
+
+def _span_array(i: int, name: str) -> str:
+    """Container name of tail span i's entropy array ``name`` (ent_X -> ent_t<i>_X)."""
+    return f"ent_t{i}_{name[4:]}"
+
+
+def _parse_spans(raw: Any, cal: KvtcCalibration, first: int, Tq: int, paylen: int
+                 ) -> list:
+    """Validated ``tiers`` header list of a format-3 chunk (None/absent = no spans).
+    Each span: start, count >= 1, level (a calibration level), payload_bytes; contiguous,
+    ending at first + Tq (the end of the coded rows), payload_bytes summing to at most
+    ``paylen``. Raises CodecError otherwise."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_TIERS:
+        raise CodecError(f"kvtc: header tiers must be a list of 1..{MAX_TIERS} spans")
+    spans, used = [], 0
+    for i, s in enumerate(raw):
+        if not isinstance(s, dict):
+            raise CodecError(f"kvtc: tail span {i} is not a dict")
+        vals = {}
+        for key, lo_, hi_ in (("start", first, first + Tq), ("count", 1, Tq),
+                              ("payload_bytes", 0, paylen)):
+            x = s.get(key)
+            if isinstance(x, bool) or not isinstance(x, int) or not lo_ <= x <= hi_:
+                raise CodecError(f"kvtc: tail span {i} field {key!r} must be an int in "
+                                 f"[{lo_}, {hi_}], got {x!r}")
+            vals[key] = x
+        lv = s.get("level")
+        if isinstance(lv, bool) or lv not in cal.levels:
+            raise CodecError(f"kvtc: tail span {i} level {lv!r} not in calibration levels "
+                             f"{list(cal.levels)}")
+        if spans and vals["start"] != spans[-1]["start"] + spans[-1]["count"]:
+            raise CodecError(f"kvtc: tail span {i} does not follow span {i - 1}")
+        used += vals["payload_bytes"]
+        spans.append({**s, **vals, "level": lv})
+    if spans[-1]["start"] + spans[-1]["count"] != first + Tq or used > paylen:
+        raise CodecError("kvtc: tail spans do not end at the last coded row or exceed "
+                         "the payload")
+    return spans
+
+
+def _code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
+               pos0: int) -> tuple[dict, Any, int]:
+    """Transform-code the rows k, v [L, Tr, H, D] (absolute positions pos0, pos0 + 1, ...:
+    keys of a pre-RoPE calibration are rotated back there) at ``lvl``, kept layout
+    (format 2). Returns (the header fields layout, n_kept, offset_k, offset_v, entropy;
+    the ``codec.entropy.EncodedSymbols``; the number of coded symbols)."""
+    from .entropy import encode_symbols
+
+    L, Tq, H, D = k.shape
+    P = cal.torch_params(lvl)
+    keep = P["keep"]
+    syms, offs = [], []
+    for kv, x in enumerate((k, v)):
+        x = x.to(torch.float32)
+        if kv == 0 and cal.key_space == "pre_rope" and Tq:
+            x = undo_rope(x, torch.arange(pos0, pos0 + Tq), cal.rope_theta)
+        xc = x.reshape(L, Tq, H * D) - P["mean"][kv]
+        coef = torch.bmm(xc, P["basis"][kv]) / P["step"][kv]         # [L, Tq, n]
+        if cal.rounding == 0.5:
+            q = torch.round(coef)
+        else:          # dead zone: sign(u) floor(|u| + rounding)
+            q = torch.floor(coef.abs() + cal.rounding).copysign_(coef)
+        q = q.clamp_(-MAX_Q, MAX_Q).to(torch.int16)
+        off = q.abs().amax(dim=(1, 2)) if Tq else torch.zeros(L, dtype=torch.int16)
+        syms.append((q + off[:, None, None]).to(torch.uint8).numpy())
+        offs.append([int(o) for o in off])
+    # layout "kept" (format 2): only each (K/V, layer)'s own kept columns are coded,
+    # concatenated (K layers 0..L-1, then V) into [Tq, S] and split in two halves
+    sym_a, sym_b, nba, nbb = _kept_halves(syms, keep, offs, Tq)
+    es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
+    return ({"layout": KVTC_LAYOUT, "n_kept": _n_kept(keep), "offset_k": offs[0],
+             "offset_v": offs[1], "entropy": es.header}, es, int(sym_a.size + sym_b.size))
+
+
+def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
+                 lvl: int, P: dict, L: int, Tq: int) -> tuple[list, list]:
+    """The symbols of Tq rows coded at ``lvl`` (header fields ``hdr``: layout, n_kept or
+    n_components, offset_k/v, entropy): ([K, V] as ``_KeptSymbols`` or uint8 [L, Tq, n],
+    [offset_k, offset_v]). Raises CodecError on any inconsistency."""
+    from .codecs import need_int
+    from .entropy import decode_symbols
+
+    keep = P["keep"]
+    offs = []
+    for tag in ("k", "v"):
+        o = hdr.get(f"offset_{tag}")
+        if not isinstance(o, list) or len(o) != L or any(
+                isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_Q
+                for x in o):
+            raise CodecError(f"kvtc: bad offset_{tag} in header")
+        offs.append(o)
+    ent = hdr.get("entropy")
+    if not isinstance(ent, dict):
+        raise CodecError("kvtc: missing entropy-coder header")
+    layout = hdr.get("layout", _PADDED)
+    if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
+        S = need_int(hdr, "n_kept", 0, 2 * L * cal.C)
+        if S != _n_kept(keep):
+            raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
+                             f"calibration keeps {_n_kept(keep)}")
+        half = max(1, (S + 1) // 2)
+        nba, nbb = _kept_nbins(keep, offs, half)
+        sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
+        if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
+            raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
+        return [_KeptSymbols(sa[0], sb[0], keep, kv) for kv in (0, 1)], offs
+    if layout == _PADDED and "start" not in hdr:   # format 1: the max kept width
+        n = need_int(hdr, "n_components", 1, cal.C)
+        if n != P["n"]:
+            raise CodecError(f"kvtc: header has {n} components, level {lvl} of the "
+                             f"calibration codes {P['n']}")
+        nbk = [max(2, 2 * o + 1) for o in offs[0]]
+        nbv = [max(2, 2 * o + 1) for o in offs[1]]
+        srcs = list(decode_symbols(ent, ent_arrays, payload, L, Tq, n, nbk, nbv))
+        for sym, tag in zip(srcs, "kv"):
+            if sym.shape != (L, Tq, n):
+                raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
+        return srcs, offs
+    raise CodecError(f"kvtc: unknown column layout {layout!r} (this decoder reads "
+                     f"{KVTC_LAYOUT!r} and, outside tail spans, the older padded layout, "
+                     f"field absent)")
 
 
 # Decode workers (Python threads running torch ops, which release the GIL): at most this
@@ -1040,8 +1270,10 @@ class KvtcCodec:
     padded layout) and n_kept (kept columns of all (K/V, layer); the padded layout has
     n_components, coded columns per layer, instead), offset_k / offset_v (per layer: the
     symbol of coefficient 0, = max |q|), token_offset (the chunk's first position, for
-    RoPE), entropy (``codec.entropy`` header). Arrays: sink_k/v, recent_k/v (exact
-    tokens, the KV dtype's bits), ent_* (entropy coder). docs/bitstream.md section 4.5.
+    RoPE), entropy (``codec.entropy`` header); format 3 adds tiers (the tail spans: start,
+    count, level, their own layout/n_kept/offset_k/offset_v/entropy, payload_bytes).
+    Arrays: sink_k/v, recent_k/v (exact tokens, the KV dtype's bits), ent_* (entropy
+    coder; span i's as ent_t<i>_*). docs/bitstream.md section 4.5.
     Decode raises CodecError on any inconsistent field, a missing or different
     calibration, or corrupt streams."""
 
@@ -1070,13 +1302,14 @@ class KvtcCodec:
             raise ValueError(f"level={level} contradicts config.level={config.level}")
         if level is not None:
             config = KvtcConfig(config.calibration, level, config.recent_tokens,
-                                config.sink_tokens, config.chunk_tokens)
+                                config.sink_tokens, config.chunk_tokens, config.tiers)
+        if config.tiers is not None:
+            check_tiers(config.tiers)
         return config
 
     # ---- encode ----------------------------------------------------------------------
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         from .codecs import EncodedChunk, to_bits
-        from .entropy import encode_symbols
 
         L, T, H, D = k.shape
         cfg = self.resolve_config(L, level, config)
@@ -1085,61 +1318,67 @@ class KvtcCodec:
         if lvl not in cal.levels:
             raise ValueError(f"unknown kvtc level {lvl!r}; calibration {cal.hash[:16]} has "
                              f"levels {list(cal.levels)}")
-        sink = cal.sink_tokens if cfg.sink_tokens is None else cfg.sink_tokens
+        sink = DEFAULT_LEVEL_SINKS.get(lvl, cal.sink_tokens) if cfg.sink_tokens is None \
+            else cfg.sink_tokens
         recent = cal.recent_tokens if cfg.recent_tokens is None else cfg.recent_tokens
         for nm, x in (("sink_tokens", sink), ("recent_tokens", recent)):
             if isinstance(x, bool) or not isinstance(x, int) or x < 0:
                 raise ValueError(f"{nm} must be an int >= 0, got {x!r}")
+        tiers = check_tiers(level_tiers(lvl) if cfg.tiers is None else cfg.tiers)
+        for _, b in tiers:
+            if b not in cal.levels:
+                raise ValueError(f"tier level {b!r} is not a level of calibration "
+                                 f"{cal.hash[:16]} ({list(cal.levels)})")
         ns, nr = _exact_counts(T, token_offset, total_tokens, sink, recent)
         Tq = T - ns - nr
-        header: dict[str, Any] = {"config": {"level": lvl, "calibration": cal.hash,
-                                             "sink_tokens": sink, "recent_tokens": recent},
-                                  "n_sink": ns, "n_recent": nr, "token_offset": token_offset}
+        spans = _tail_spans(token_offset + ns, token_offset + T - nr, total_tokens, tiers)
+        Tb = Tq - sum(c for _, c, _ in spans)          # rows at the base level
+        conf: dict[str, Any] = {"level": lvl, "calibration": cal.hash,
+                                "sink_tokens": sink, "recent_tokens": recent}
+        if tiers:              # absent for an untiered level: format-2 bytes unchanged
+            conf["tiers"] = [[r, b] for r, b in tiers]
+        header: dict[str, Any] = {"config": conf, "n_sink": ns, "n_recent": nr,
+                                  "token_offset": token_offset}
         arrays: dict[str, np.ndarray] = {}
         if ns:
             arrays["sink_k"], arrays["sink_v"] = to_bits(k[:, :ns]), to_bits(v[:, :ns])
         if nr:
             arrays["recent_k"] = to_bits(k[:, T - nr:])
             arrays["recent_v"] = to_bits(v[:, T - nr:])
-        P = cal.torch_params(lvl)
-        n = P["n"]
-        keep = P["keep"]
-        syms, offs = [], []
-        for kv, x in enumerate((k, v)):
-            x = x[:, ns:T - nr].to(torch.float32)
-            if kv == 0 and cal.key_space == "pre_rope" and Tq:
-                pos = torch.arange(token_offset + ns, token_offset + ns + Tq)
-                x = undo_rope(x, pos, cal.rope_theta)
-            xc = x.reshape(L, Tq, H * D) - P["mean"][kv]
-            coef = torch.bmm(xc, P["basis"][kv]) / P["step"][kv]         # [L, Tq, n]
-            if cal.rounding == 0.5:
-                q = torch.round(coef)
-            else:          # dead zone: sign(u) floor(|u| + rounding)
-                q = torch.floor(coef.abs() + cal.rounding).copysign_(coef)
-            q = q.clamp_(-MAX_Q, MAX_Q).to(torch.int16)
-            off = q.abs().amax(dim=(1, 2)) if Tq else torch.zeros(L, dtype=torch.int16)
-            syms.append((q + off[:, None, None]).to(torch.uint8).numpy())
-            offs.append([int(o) for o in off])
-        # layout "kept" (format 2): only each (K/V, layer)'s own kept columns are coded,
-        # concatenated (K layers 0..L-1, then V) into [Tq, S] and split in two halves
-        sym_a, sym_b, nba, nbb = _kept_halves(syms, keep, offs, Tq)
-        es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
-        header.update(layout=KVTC_LAYOUT, n_kept=_n_kept(keep), offset_k=offs[0],
-                      offset_v=offs[1], entropy=es.header)
+        # the base rows [ns, ns + Tb) at ``lvl`` (the format-2 fields), then each tail span
+        fields, es, nsym = _code_rows(k[:, ns:ns + Tb], v[:, ns:ns + Tb], cal, lvl,
+                                      token_offset + ns)
+        header.update(fields)
         arrays.update(es.arrays)
-        stats = {"symbols": int(sym_a.size + sym_b.size), "components": n,
+        payload, parts = [es.payload], [es]
+        if spans:
+            tl = []
+            for i, (start, count, b) in enumerate(spans):
+                r0 = start - token_offset
+                f2, e2, n2 = _code_rows(k[:, r0:r0 + count], v[:, r0:r0 + count], cal, b,
+                                        start)
+                tl.append({"start": start, "count": count, "level": b, **f2,
+                           "payload_bytes": len(e2.payload)})
+                arrays.update({_span_array(i, nm): a for nm, a in e2.arrays.items()})
+                payload.append(e2.payload)
+                parts.append(e2)
+                nsym += n2
+            header["tiers"] = tl
+        stats = {"symbols": nsym, "components": cal.torch_params(lvl)["n"],
                  "sink_bytes": int(sum(a.nbytes for nm, a in arrays.items()
                                        if nm.startswith(("sink_", "recent_")))),
-                 "entropy_bits": es.entropy_bits, "ideal_bits": es.ideal_bits,
-                 "model_bytes": es.model_bytes, "length_table_bytes": es.length_table_bytes,
-                 "payload_bytes": es.payload_bytes, "scale_bytes": 0}
-        return EncodedChunk(header, arrays, es.payload, stats)
+                 "entropy_bits": sum(e.entropy_bits for e in parts),
+                 "ideal_bits": sum(e.ideal_bits for e in parts),
+                 "model_bytes": sum(e.model_bytes for e in parts),
+                 "length_table_bytes": sum(e.length_table_bytes for e in parts),
+                 "payload_bytes": sum(e.payload_bytes for e in parts), "scale_bytes": 0,
+                 "tail_tokens": Tq - Tb}
+        return EncodedChunk(header, arrays, b"".join(payload), stats)
 
     # ---- decode ----------------------------------------------------------------------
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
                device=None):
         from .codecs import DTYPES, from_bits, need_int
-        from .entropy import decode_symbols
 
         L, T, H, D = shape
         cfgd = header.get("config")
@@ -1158,69 +1397,66 @@ class KvtcCodec:
         nr = need_int(header, "n_recent", 0, T - ns)
         Tq = T - ns - nr
         off0 = need_int(header, "token_offset", 0, 1 << 24)
-        P = cal.torch_params(lvl)
-        keep = P["keep"]
-        offs = []
-        for tag in ("k", "v"):
-            o = header.get(f"offset_{tag}")
-            if not isinstance(o, list) or len(o) != L or any(
-                    isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_Q
-                    for x in o):
-                raise CodecError(f"kvtc: bad offset_{tag} in header")
-            offs.append(o)
-        ent = header.get("entropy")
-        if not isinstance(ent, dict):
-            raise CodecError("kvtc: missing entropy-coder header")
-        ent_arrays = {nm: a for nm, a in arrays.items() if nm.startswith("ent_")}
-        layout = header.get("layout", _PADDED)
-        if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
-            S = need_int(header, "n_kept", 0, 2 * L * cal.C)
-            if S != _n_kept(keep):
-                raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
-                                 f"calibration keeps {_n_kept(keep)}")
-            half = max(1, (S + 1) // 2)
-            nba, nbb = _kept_nbins(keep, offs, half)
-            sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
-            if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
-                raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
-            srcs = [_KeptSymbols(sa[0], sb[0], keep, kv) for kv in (0, 1)]
-        elif layout == _PADDED:              # format 1: n = max kept width for every layer
-            n = need_int(header, "n_components", 1, cal.C)
-            if n != P["n"]:
-                raise CodecError(f"kvtc: header has {n} components, level {lvl} of the "
-                                 f"calibration codes {P['n']}")
-            nbk = [max(2, 2 * o + 1) for o in offs[0]]
-            nbv = [max(2, 2 * o + 1) for o in offs[1]]
-            srcs = list(decode_symbols(ent, ent_arrays, payload, L, Tq, n, nbk, nbv))
-            for sym, tag in zip(srcs, "kv"):
-                if sym.shape != (L, Tq, n):
-                    raise CodecError(f"kvtc: decoded {tag} symbols have shape {sym.shape}")
-        else:
-            raise CodecError(f"kvtc: unknown column layout {layout!r} (this decoder reads "
-                             f"{KVTC_LAYOUT!r} and the older padded layout, field absent)")
+        # format 3: tail spans (absolute rows [start, start + count) at their own level),
+        # contiguous and ending where the coded rows end; the base rows come first
+        spans = _parse_spans(header.get("tiers"), cal, off0 + ns, Tq, len(payload))
+        Tb = Tq - sum(s["count"] for s in spans)
+        span_bytes = sum(s["payload_bytes"] for s in spans)
+        base_arrays = {nm: a for nm, a in arrays.items()
+                       if nm.startswith("ent_") and not _SPAN_ARRAY_RE.match(nm)}
+        pay = memoryview(payload) if not isinstance(payload, memoryview) else payload
+        pos = len(pay) - span_bytes
+        # (without spans the payload is passed as it came: no copy)
+        jobs = [(lvl, off0 + ns, Tb, ns, header, base_arrays,
+                 payload if not spans else bytes(pay[:pos]))]
+        for i, s in enumerate(spans):
+            pre = f"ent_t{i}_"
+            sa = {"ent_" + nm[len(pre):]: a for nm, a in arrays.items() if nm.startswith(pre)}
+            jobs.append((s["level"], s["start"], s["count"], s["start"] - off0, s, sa,
+                         bytes(pay[pos:pos + s["payload_bytes"]])))
+            pos += s["payload_bytes"]
         dt = DTYPES[dtype_name]
-        out = []
+        res = [torch.empty((L, T, H, D), dtype=dt) for _ in range(2)]   # model dtype
         with torch.inference_mode():
-            for kv, (sym, tag) in enumerate(zip(srcs, ("k", "v"))):
-                res = torch.empty((L, T, H, D), dtype=dt)      # the output, model dtype
+            for kv, tag in enumerate(("k", "v")):
                 if ns:
-                    res[:, :ns] = from_bits(arrays.get(f"sink_{tag}"), dtype_name,
-                                            (L, ns, H, D), f"sink_{tag}")
+                    res[kv][:, :ns] = from_bits(arrays.get(f"sink_{tag}"), dtype_name,
+                                                (L, ns, H, D), f"sink_{tag}")
                 if nr:
-                    res[:, T - nr:] = from_bits(arrays.get(f"recent_{tag}"), dtype_name,
-                                                (L, nr, H, D), f"recent_{tag}")
-                if Tq:
+                    res[kv][:, T - nr:] = from_bits(arrays.get(f"recent_{tag}"), dtype_name,
+                                                    (L, nr, H, D), f"recent_{tag}")
+            for lv, start, count, row, hdr, ent_arrays, pl in jobs:
+                P = cal.torch_params(lv)
+                srcs, offs = _decode_rows(hdr, ent_arrays, pl, cal, lv, P, L, count)
+                if not count:
+                    continue
+                for kv in (0, 1):
                     self._inverse(
-                        sym, offs[kv], P, kv, (L, Tq, H, D),
-                        off0 + ns if kv == 0 and cal.key_space == "pre_rope" else None,
-                        cal.rope_theta, out=res[:, ns:ns + Tq])
-                out.append(res)
-        return out[0], out[1]
+                        srcs[kv], offs[kv], P, kv, (L, count, H, D),
+                        start if kv == 0 and cal.key_space == "pre_rope" else None,
+                        cal.rope_theta, out=res[kv][:, row:row + count])
+        return res[0], res[1]
 
     def identity(self, level=None, config=None, num_layers=None) -> dict:
-        """Part of ``codec.config_hash`` (store keys): the kvtc bitstream format version,
-        so that a store entry of an older format is never served as the current one."""
-        return {"kvtc_format": KVTC_FORMAT_VERSION}
+        """Part of ``codec.config_hash`` (store keys): the kvtc bitstream format version
+        (``KVTC_FORMAT_VERSION`` = 2 for a level without tail tiers, so that store entries
+        of untiered levels written before format 3 stay valid; ``KVTC_TIERED_FORMAT`` = 3
+        with the level's tiers ``[[tokens, level], ...]`` for a tiered one) and the level's
+        own sink count (``DEFAULT_LEVEL_SINKS``, when it has one), so that a store entry of
+        an older format or an older level table is never served.
+        ``level``: None = the default level; ``config``: a KvtcConfig whose ``tiers``
+        overrides the table."""
+        lvl = DEFAULT_LEVEL if level is None else level
+        if config is not None and getattr(config, "level", None) is not None:
+            lvl = config.level
+        t = getattr(config, "tiers", None)
+        tiers = check_tiers(level_tiers(lvl) if t is None else t)
+        sinks = {} if lvl not in DEFAULT_LEVEL_SINKS else {
+            "sink_tokens": int(DEFAULT_LEVEL_SINKS[lvl])}
+        if not tiers:
+            return {"kvtc_format": KVTC_FORMAT_VERSION, **sinks}
+        return {"kvtc_format": KVTC_TIERED_FORMAT, "tiers": [[r, b] for r, b in tiers],
+                **sinks}
 
     @staticmethod
     def _inverse(sym, offs: list, P: dict, kv: int, shape: tuple,

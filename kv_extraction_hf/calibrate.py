@@ -282,7 +282,8 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
               sensitivity_tokens: int = 512, default_level: int | None = None,
               centroid: bool = False, rounding: float = 0.5, sensitivity_batch: int = 12,
               metric: str = "none", metric_power: float = 1.0,
-              level_targets: dict | None = None, data_name: str = "", log=print):
+              level_targets: dict | None = None, key_water: dict | None = None,
+              data_name: str = "", log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
     is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
@@ -297,6 +298,8 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     (orthonormal PCA, per-component water levels divided by the metric's gain) or "none"
     (MSE per (K/V, layer)).
     ``level_targets``: level -> bits per element (None = the codec's defaults).
+    ``key_water``: level -> factor on the keys' water level (None = the codec's
+    ``DEFAULT_KEY_WATER`` with the default targets, else none).
     Raises ExtractionError."""
     from codec import kvtc
 
@@ -349,6 +352,8 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
                                metric=metric_kv, metric_power=metric_power,
                                whiten=metric == "whitened",
                                level_targets=level_targets,
+                               key_water=(kvtc.DEFAULT_KEY_WATER if level_targets is None
+                                          else None) if key_water is None else key_water,
                                progress=lambda s: log(f"[calibrate] {s}"))
     log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
     return cal
@@ -360,7 +365,10 @@ def _settings_key(weights_hash: str, settings: dict) -> str:
     # the codec's level table is part of the key: new targets mean a new default fit
     blob = json.dumps({"weights": weights_hash, "settings": settings,
                        "version": kvtc.CALIBRATION_VERSION,
-                       "targets": {str(k): v for k, v in kvtc.DEFAULT_LEVEL_TARGETS.items()}},
+                       "targets": {str(k): v for k, v in kvtc.DEFAULT_LEVEL_TARGETS.items()},
+                       # the codec's per-level key water (absent when none: older keys hold)
+                       **({"key_water": {str(k): v for k, v in kvtc.DEFAULT_KEY_WATER.items()}}
+                          if kvtc.DEFAULT_KEY_WATER else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

@@ -12,20 +12,26 @@ decoded) of the next-token distributions and top-1 agreement, as ``bench.quality
     python scripts/kvtc_tune.py --variants white1 --levels '' --tiers 2/128x5/384x3,3/128x5
 
 --diag adds, per KVTC row, the KL with only K decoded (V exact) and with only V decoded
-(K exact): where the distortion the model sees comes from. --tiers simulates
-position-graded precision (docs/codec.md 8.6): 'A/R1xB1/R2xB2' codes the last R1 context
-tokens at level B1, the R2 tokens before them at level B2 and the rest at level A, each
-span as its own container, with the first variant's calibration
-(``codec.api._encode_one`` with the span's token offset, so keys are rotated back at
-their true positions); the ratio counts all the containers' bytes. It is a measurement
-of what a tail-tiered format would gain, not a codec mode.
+(K exact): where the distortion the model sees comes from. --tiers runs position-graded
+precision, the codec's tail tiers (kvtc format 3, docs/codec.md 8.7): 'A/R1xB1/R2xB2'
+codes the last R1 context tokens at level B1, the R2 tokens before them at level B2 and
+the rest at level A, in ONE container (``KvtcConfig(level=A, tiers=((R1, B1), (R2,
+B2)))``, one container per window as ``bench.quality`` makes it, or chunks of --chunk
+tokens), with the first
+variant's calibration. With --sim, the round-5 simulation instead (docs/codec.md 8.6):
+each span its own container (``codec.api._encode_one`` at the span's token offset).
+A plain level A of the table is the tiered level when ``kvtc.DEFAULT_LEVEL_TIERS`` has
+it; 'A/' is level A without tiers.
 
-Variants (joined with +): base (orthonormal PCA, MSE water-filling with the per-(K/V,
-layer) sensitivity weights), metricP (per-component water levels / metric gain^P),
+Variants (joined with +): default (the default calibration of the model,
+``kv_extraction_hf.calibrate.default_calibration``: no samples, no fit), base
+(orthonormal PCA, MSE water-filling with the per-(K/V, layer) sensitivity weights), metricP (per-component water levels / metric gain^P),
 whiteP (PCA and water-filling in the metric-whitened space, power P), konlyP / vonlyP
 (the metric on K or V only), relw (relative weighting instead of sensitivity), kxS (the
-keys' water levels multiplied by S: coarser keys, finer values at the same rate). Results
-of the runs behind the default: docs/codec.md 8.5; the later search: 8.6.
+keys' water levels multiplied by S: coarser keys, finer values at the same rate),
+kw<levels>xS (the same at the named levels only, ``fit_calibration(key_water=)``: e.g.
+kw24x2 = levels 2 and 4). Results of the runs behind the default: docs/codec.md 8.5;
+the later search: 8.6; the tail tiers: 8.7.
 """
 from __future__ import annotations
 
@@ -59,6 +65,13 @@ def main() -> int:
     ap.add_argument("--diag", action="store_true", help="also K-only / V-only error rows")
     ap.add_argument("--tiers", default="", help="position-graded precision simulations, "
                     "e.g. 2/128x5/384x3 (see the module docstring)")
+    ap.add_argument("--sim", action="store_true", help="--tiers as the round-5 simulation "
+                    "(one container per span) instead of the codec's format-3 mode")
+    ap.add_argument("--tier-sinks", type=int, default=None, help="sink_tokens of the "
+                    "format-3 --tiers rows (default: the calibration's)")
+    ap.add_argument("--chunk", type=int, default=0, help="chunk tokens of the "
+                    "format-3 --tiers rows (encode_chunks; 0 = one container, as "
+                    "bench.quality codes a window)")
     ap.add_argument("--sinks", default="", help="comma-separated sink_tokens overrides to "
                     "measure besides the calibration's (e.g. 1,2)")
     args = ap.parse_args()
@@ -76,7 +89,10 @@ def main() -> int:
     text, _ = kc._default_text()
     cache = Path(args.cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    if cache.is_file():
+    only_default = all(x == "default" for x in args.variants.split(","))
+    if only_default:
+        d = None
+    elif cache.is_file():
         d = torch.load(cache, weights_only=True)  # tensors only: never unpickle arbitrary objects
     else:
         t0 = time.perf_counter()
@@ -91,14 +107,15 @@ def main() -> int:
         torch.save(d, cache)
         print(f"samples in {time.perf_counter() - t0:.0f} s")
     theta = kc.rope_theta_of(bundle)
-    sens = d["sens"].numpy()
-    weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
+    sens = d["sens"].numpy() if d is not None else None
+    weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max()) if d is not None else None
     levels = [int(x) for x in filter(None, args.levels.split(","))]
     targets = dict(kvtc.DEFAULT_LEVEL_TARGETS)
     for item in filter(None, args.targets.split(",")):
         a, b = item.split("=")
         targets[int(a)] = float(b)
-    mk, mv = kc.metric_from_stats(d["qe"].numpy(), d["wo"].numpy(), bundle)
+    mk, mv = kc.metric_from_stats(d["qe"].numpy(), d["wo"].numpy(), bundle) \
+        if d is not None else (None, None)
 
     def variant(name: str):
         kw = {}
@@ -123,6 +140,9 @@ def main() -> int:
                 kw["metric_power"] = p
             elif part == "relw":
                 kw["weighting"] = "relative"
+            elif part.startswith("kw"):     # kw<levels>x<S>: key_water, e.g. kw24x2
+                lv_, s_ = part[2:].split("x")
+                kw["key_water"] = {int(c): float(s_) for c in lv_}
             elif part.startswith("kx"):                  # keys' water levels x S
                 w = weighting.copy()
                 w[0] *= float(part[2:])
@@ -139,6 +159,8 @@ def main() -> int:
         return cal
 
     def cached(name: str):
+        if name == "default":
+            return kvtc.load_calibration(kc.default_calibration(bundle, log=lambda m: None))
         tag = name + "|" + json.dumps(sorted(targets.items()))
         import hashlib
         f = cache.parent / ("cal_" + hashlib.sha256(tag.encode()).hexdigest()[:16] + ".txt")
@@ -169,14 +191,26 @@ def main() -> int:
         for spec in filter(None, args.tiers.split(",")):
             parts = spec.split("/")
             bounds, end = [], args.context
-            for item in parts[1:]:                       # (tokens, level), from the end
+            for item in filter(None, parts[1:]):         # (tokens, level), from the end
                 r_, b_ = (int(x) for x in item.split("x"))
                 bounds.append((end - r_, end, b_))
                 end -= r_
             bounds = [(0, end, int(parts[0]))] + bounds[::-1]
-            todo.append((f"tiers:{spec}", 0, first, bounds))
+            tiers = tuple((int(x.split("x")[0]), int(x.split("x")[1]))
+                          for x in filter(None, parts[1:]))
+            todo.append((f"tiers:{spec}", int(parts[0]), first,
+                         bounds if args.sim else ("mode", tiers)))
         for name, lv, cal, sk in todo:
-            if isinstance(sk, list):                     # a --tiers simulation
+            if isinstance(sk, tuple):                    # --tiers: the format-3 mode
+                cfg = kvtc.KvtcConfig(calibration=cal, level=lv, tiers=sk[1],
+                                      chunk_tokens=args.chunk or 1024,
+                                      sink_tokens=args.tier_sinks)
+                blobs = codec.encode_chunks(k, v, codec="kvtc", config=cfg) if args.chunk \
+                    else [codec.encode_kv(k, v, codec="kvtc", config=cfg)]
+                k2, v2 = codec.decode_chunks(blobs)
+                data = b"".join(blobs)
+                modes = [(name, None)]
+            elif isinstance(sk, list):                   # --tiers --sim: the simulation
                 cfg = kvtc.KvtcConfig(calibration=cal)
                 blobs = [_encode_one(k[:, a:b], v[:, a:b], "kvtc", b_, cfg, a, args.context, i,
                                      len(sk))[0] for i, (a, b, b_) in enumerate(sk)]

@@ -126,8 +126,10 @@ def test_round_trip_random(cal, dtype):
     k = _correlated(3, 200, 2, 8, 11).to(dtype)
     v = _correlated(3, 200, 2, 8, 12).to(dtype)
     errs, sizes = [], []
+    # the plain levels (a tiered level's tail spans and own sink count: test_kvtc_tiers.py)
+    plain = kvtc.KvtcConfig(tiers=(), sink_tokens=4)
     for lv in cal.levels:
-        data = codec.encode_kv(k, v, codec="kvtc", level=lv)
+        data = codec.encode_kv(k, v, codec="kvtc", level=lv, config=plain)
         h = codec.peek_header(data)
         assert h["codec"] == "kvtc" and h["level"] == lv and h["bytes"] == len(data)
         assert h["config"]["calibration"] == cal.hash
@@ -313,8 +315,9 @@ def test_real_kv_pre_rope_round_trip(default_bundle, fixtures_dir):
     kt, vt = prefill_kv(default_bundle, ids)
     errs = []
     for lv in c.levels:
-        data = codec.encode_kv(kt, vt, codec="kvtc", level=lv,
-                               config=kvtc.KvtcConfig(calibration=c))
+        data = codec.encode_kv(kt, vt, codec="kvtc", level=lv,     # the plain levels
+                               config=kvtc.KvtcConfig(calibration=c, tiers=(),
+                                                      sink_tokens=4))
         assert len(data) < 2 * kt.numel() * 2 / 3
         k2, v2 = codec.decode_kv(data)
         assert k2.dtype == torch.bfloat16

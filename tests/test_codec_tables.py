@@ -372,3 +372,22 @@ def test_normalize_freqs_matches_a_stable_sort_of_remainders():
              rng.integers(0, 256, size=(8, nb)) ** 2][trial % 4]
         c[0] = 0                                                                     # all zero
         assert np.array_equal(prob.normalize_freqs(c), _normalize_by_stable_sort(c))
+
+
+@pytest.mark.parametrize("density", [0.03, 0.1, 0.4, 0.9])
+def test_sparse_and_dense_seeding_choose_the_same_codebook(density, monkeypatch):
+    # _cluster_group seeds with the CSR kernel below SPARSE_SEED_DENSITY nonzeros, else the
+    # dense one: both sum each model's nonzero symbols in ascending order, so the seeds, the
+    # codebook, the assignment and the coded bits are identical whichever runs
+    rng = np.random.default_rng(int(density * 100))
+    n, nb = 700, 120
+    H = rng.poisson(rng.gamma(0.5, 30.0, size=(n, nb))) * (rng.random((n, nb)) < density)
+    H[rng.integers(0, n, 5)] = 0               # all-zero models too
+    H = H.astype(np.int64)
+    out = {}
+    for mode, thr in (("dense", 0.0), ("sparse", 2.0)):
+        monkeypatch.setattr(prob, "SPARSE_SEED_DENSITY", thr)
+        out[mode] = prob._cluster_group(H, [1, 16, 64, 256])
+    (cd, fd, ad, bd, td), (cs, fs, as_, bs, ts) = out["dense"], out["sparse"]
+    assert np.array_equal(cd, cs) and np.array_equal(fd, fs) and np.array_equal(ad, as_)
+    assert bd == bs and td == ts and fd.shape[0] > 1
