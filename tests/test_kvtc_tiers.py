@@ -9,8 +9,6 @@ Run: .venv/bin/python -m pytest tests/test_kvtc_tiers.py -q
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -19,45 +17,13 @@ import torch
 
 import codec
 from codec import CodecError, bitstream, kvtc
+# the correlated random KV, the fuzz loop, the hand-made exact calibration of
+# tests/fixtures/kvtc_padded (fixture ``exact``) and the decoded-bit digests of its level
+# 0/1 containers (the format-2 kvtc_kept containers decode to the same bits)
+from test_codec_kvtc import _correlated, _undetected
+from test_codec_kvtc_layout import PADDED_FIXTURES as FIXTURE_DIGESTS, _digest, exact  # noqa: F401
 
 FIX = Path(__file__).parent / "fixtures"
-# sha256 of the decoded K and V bits of the format-1 (kvtc_padded) and format-2
-# (kvtc_kept) fixture containers, as their writers' decoders gave them
-FIXTURE_DIGESTS = {
-    0: "cc32991adf904abbaa7088d99709b36659559702047abc3d08f615d8599c9e27",
-    1: "471d4bd7f665728aa7ee129f48c6e6a93a4367d7b0d2ad523d98daa892e3de6a",
-}
-
-
-def _maker():
-    spec = importlib.util.spec_from_file_location("kvtc_padded_make",
-                                                  FIX / "kvtc_padded" / "make_fixture.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def exact():
-    mod = _maker()
-    h = kvtc.register_calibration(FIX / "kvtc_padded" / "calibration.safetensors")
-    assert h == mod.exact_calibration().hash
-    yield mod, kvtc.get_calibration(h)
-    with kvtc._LOCK:       # leave the registry as found
-        kvtc._CALIBRATIONS.pop(h, None)
-
-
-def _digest(k, v) -> str:
-    return hashlib.sha256(k.view(torch.uint16).numpy().tobytes()
-                          + v.view(torch.uint16).numpy().tobytes()).hexdigest()
-
-
-def _correlated(L, T, H, D, seed, decay=-2.0):
-    g = torch.Generator().manual_seed(1000)
-    mix = torch.randn(L, H * D, H * D, generator=g)
-    g2 = torch.Generator().manual_seed(seed)
-    z = torch.randn(L, T, H * D, generator=g2) * torch.logspace(0, decay, H * D)
-    return (torch.bmm(z, mix) + 0.5).reshape(L, T, H, D)
 
 
 @pytest.fixture(scope="module")
