@@ -380,7 +380,7 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
                                           "link": "simulated", "chunks": r.timeline})
                 orc_levels = list(orc.options)
                 reqs.append(_req("oracle", set_name, tr, slo, orc.finish_s, orc_levels, model, kl, orc_u, "simulated"))
-        log(f"simulated {set_name}: {len(traces)} traces x {len(slos)} SLOs ({time.perf_counter() - t_set:.1f} s)")
+        log(f"simulated {set_name}: {len(traces)} requests x {len(slos)} SLOs ({time.perf_counter() - t_set:.1f} s)")
     return reqs, timelines
 
 
@@ -661,8 +661,11 @@ def _goal(rows: list[dict], trace_set: str, link: str, slo: float) -> dict | Non
                   "best_fixed_quality_kl_met": best["quality_kl_met"],
                   "g2_quality": a["quality_kl_met"] <= best["quality_kl_met"] + 1e-9})
     else:
+        # no fixed level or text at no more violations: goal 2 holds (nothing to match) -
+        # unless no fixed row was measured at all (e.g. the real link): then it is unknown
+        measured = any(p.startswith("fixed-") or p == "text" for p in g)
         d.update({"adaptive_quality_kl_met": a["quality_kl_met"], "best_fixed": None,
-                  "g2_quality": None if a["quality_kl_met"] is None else True})
+                  "g2_quality": None if a["quality_kl_met"] is None or not measured else True})
     fa = [r for r in fx if r["quality_kl"] is not None]
     if fa and a["quality_kl"] is not None:
         ba = min(fa, key=lambda r: r["quality_kl"])
@@ -897,6 +900,12 @@ def _main(argv: list[str] | None = None) -> int:
             raise ValueError("--chunk-tokens must be a positive multiple of 16 and --context-tokens > 0")
         if any(s <= 0 for s in a.slo_s) or a.scale <= 0:
             raise ValueError("SLOs and --scale must be > 0")
+        # counts checked before any measuring (the level table takes a minute)
+        for flag, value, lo in (("--offsets", a.offsets, 1), ("--real-offsets", a.real_offsets, 1),
+                                ("--generator-traces", a.generator_traces, 0),
+                                ("--bootstrap-reps", a.bootstrap_reps, 1)):
+            if value < lo:
+                raise ValueError(f"{flag} must be >= {lo}, got {value}")
         src_calib = None
         if a.level_table:
             src = json.loads(a.level_table.read_text())
@@ -919,10 +928,6 @@ def _main(argv: list[str] | None = None) -> int:
             kl, qnote = None, (f"{a.quality.name} lacks levels {sorted(set(map(int, table['sizes'])) - set(kl))} "
                                "of codec cachegen: quality_kl unavailable")
         n = len(table["tokens"])
-        if a.offsets < 1 or a.real_offsets < 1:
-            raise ValueError("--offsets and --real-offsets must be >= 1")
-        if a.generator_traces < 0 or a.bootstrap_reps < 1:
-            raise ValueError("--generator-traces must be >= 0 and --bootstrap-reps >= 1")
         sets = trace_sets(n, a.scale, a.quick, a.synthetic, a.offsets, a.offset_seed, a.generator_traces,
                           a.generator_seed)
         # the real-link requests: real_offsets of the simulated offsets of each recorded trace
@@ -1068,17 +1073,36 @@ def _print_summary(rows, agree, checks, gl=()) -> None:
               f"{100 * x['violation_rate_real']:.0f}% real, {100 * x['violation_rate_sim']:.0f}% simulated "
               f"({x['diff_points']} points; {x['same_outcome']}/{x['n']} same outcome; total_s real - sim "
               f"{x['total_s_real_minus_sim_mean']:+.3f} s)")
+    if gl:
+        print("goals (point estimates; met / MISSED / - where a side was not measured or nothing qualifies): "
+              "G1 adaptive violations <= oracle's + 5 points; G2 adaptive KL of met loads <= the best fixed "
+              "level's (or text's) at no more violations")
     for x in gl:
         orc = "-" if x["oracle_violation_rate"] is None else f"{100 * x['oracle_violation_rate']:.0f}%"
-        print(f"goals {x['trace_set']} {x['link']} SLO {x['slo_s']:g} (n={x['n']}, {x.get('n_traces')} traces): "
-              f"G1 violations adaptive "
-              f"{100 * x['adaptive_violation_rate']:.0f}% vs oracle {orc} -> {x['g1_slo']}; G2 KL of met loads "
-              f"adaptive {x.get('adaptive_quality_kl_met')} vs {x.get('best_fixed')} "
-              f"{x.get('best_fixed_quality_kl_met')} -> {x.get('g2_quality')} (all loads: "
-              f"{x.get('adaptive_quality_kl_all')} vs {x.get('best_fixed_all')} {x.get('best_fixed_quality_kl_all')})")
+        kl = x.get("adaptive_quality_kl_met")
+        g2 = (f"G2 KL of met loads adaptive {_num(kl)} vs {x['best_fixed']} {_num(x.get('best_fixed_quality_kl_met'))} "
+              f"-> {_verdict(x.get('g2_quality'))} (all loads: {_num(x.get('adaptive_quality_kl_all'))} vs "
+              f"{x.get('best_fixed_all') or '-'} {_num(x.get('best_fixed_quality_kl_all'))})"
+              if x.get("best_fixed") else f"G2 KL of met loads adaptive {_num(kl)}, no fixed level at no more "
+              f"violations -> {_verdict(x.get('g2_quality'))}")
+        print(f"goals {x['trace_set']} {x['link']} SLO {x['slo_s']:g} ({_requests(x)}): G1 violations adaptive "
+              f"{100 * x['adaptive_violation_rate']:.0f}% vs oracle {orc} -> {_verdict(x['g1_slo'])}; {g2}")
     _print_goal_cis(gl)
     if checks:
         print("checks:", json.dumps(checks, default=str))
+
+
+def _verdict(v) -> str:
+    return "-" if v is None else ("met" if v else "MISSED")
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _requests(x: dict) -> str:
+    nt = x.get("n_traces")
+    return f"{x['n']} requests" + ("" if nt is None else f" from {nt} trace{'s' if nt != 1 else ''}")
 
 
 def _fmt_ci(x: dict, name: str, scale: float, fmt: str) -> str:
@@ -1100,11 +1124,11 @@ def _print_goal_cis(gl, sets=("artifact", "artifact-generator")) -> None:
           "verdict of the interval: met / missed / inconclusive")
     for slo in sorted({x["slo_s"] for x in sel}):
         for x in sorted((x for x in sel if x["slo_s"] == slo), key=lambda x: sets.index(x["trace_set"])):
-            print(f"  SLO {slo:g} s {x['trace_set']:>18} n={x['n']} ({x.get('n_traces')} traces): "
-                  f"G1 {_fmt_ci(x, 'violation_diff_vs_oracle', 100, '+.1f')} -> {x.get('g1_slo')} "
-                  f"(interval: {x.get('g1_ci')}); G2 vs {x.get('best_fixed')} "
-                  f"{_fmt_ci(x, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} -> {x.get('g2_quality')} "
-                  f"(interval: {x.get('g2_ci')}; comparators {x.get('g2_ci_comparators')}); all loads vs "
+            print(f"  SLO {slo:g} s {x['trace_set']:>18} ({_requests(x)}): "
+                  f"G1 {_fmt_ci(x, 'violation_diff_vs_oracle', 100, '+.1f')} -> point {_verdict(x.get('g1_slo'))}, "
+                  f"interval {x.get('g1_ci')}; G2 vs {x.get('best_fixed') or '-'} "
+                  f"{_fmt_ci(x, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} -> point {_verdict(x.get('g2_quality'))}, "
+                  f"interval {x.get('g2_ci')} (comparators {x.get('g2_ci_comparators')}); all loads vs "
                   f"{x.get('best_fixed_all')} "
                   f"{_fmt_ci(x, 'kl_all_diff_vs_best_fixed_all', 1, '+.4f')} ({x.get('g2_all_ci')})")
 

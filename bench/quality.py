@@ -73,7 +73,7 @@ TASK_MAX_NEW_TOKENS = 40
 # the codecs/levels measured on tasks by default: the default cachegen level, LMCache's schedule, kvtc's
 # TTFT level and its near-lossless one, quant8 and raw (the check: agreement must be 1). KIVI-2 left
 # the default in round 6 to keep the run within 20 min (its answers were the slowest: 54 of 60 diverge
-# and continue token by token; agreement 0.45 [0.33, 0.58] in the round-5 run): --task-codecs adds it
+# and continue token by token; agreement 0.45 [0.33, 0.58] in the round-5 run): a --task-codecs list naming it measures it
 DEFAULT_TASK_CODECS = "cachegen:1;cachegen-ref:0;kvtc:4,5;quant8;raw"
 # codecs whose continuation runs in one batched forward (inject.continuation_logits_batch);
 # 7 splits the 21 default rows into 3 forwards (~1.5 GB of KV, logits and activations)
@@ -914,6 +914,8 @@ def _main(args, argv: list[str]) -> int:
     context = _positive("--context", args.context if args.context is not None else (512 if args.quick else 2048))
     continuation = _positive("--continuation", args.continuation if args.continuation is not None
                              else (QUICK_CONTINUATION if args.quick else 256))
+    batch = _positive("--batch", args.batch)
+    codec_workers = _positive("--codec-workers", args.codec_workers)
     pairs = parse_codec_spec(args.codecs)
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
@@ -952,8 +954,7 @@ def _main(args, argv: list[str]) -> int:
         print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
               f"{len(pairs)} codec/levels")
         rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
-                                       log=_log, batch=_positive("--batch", args.batch),
-                                       codec_workers=_positive("--codec-workers", args.codec_workers))
+                                       log=_log, batch=batch, codec_workers=codec_workers)
         doc["rows"] = rows
         doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
         doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
@@ -979,8 +980,7 @@ def _main(args, argv: list[str]) -> int:
             answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
         trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
                                  answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
-                                 answer_mode=args.task_answers,
-                                 codec_workers=_positive("--codec-workers", args.codec_workers))
+                                 answer_mode=args.task_answers, codec_workers=codec_workers)
         doc["tasks"] = trows
         doc["tasks_info"] = {k: v for k, v in tinfo.items()}
         doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),

@@ -500,12 +500,14 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
                if isinstance(x.get("n"), int) and isinstance(x.get("same_outcome"), int) else "")
             for x in svr) + ".")
         lines.append("")
+    lines += _adaptation_goals(adoc)
     sets = sorted({r.get("trace_set") for r in rows}, key=lambda t: _order(t, TRACE_SET_ORDER))
     for i, ts in enumerate(sets):
         sub = sorted((r for r in rows if r.get("trace_set") == ts),
                      key=lambda r: (r.get("slo_s") or 0, r.get("link") != "real", _order(r.get("policy"),
                                                                                          POLICY_ORDER)))
-        head = f"Trace set `{ts}` ({', '.join(sorted({str(r.get('n')) for r in sub}))} loads per row)"
+        per_link = sorted({(str(r.get("link")), r.get("n")) for r in sub}, key=lambda x: x[0] != "simulated")
+        head = f"Trace set `{ts}` (loads per row: {', '.join(f'{n} {ln}' for ln, n in per_link)})"
         if i:
             lines += ["<details>", f"<summary>{head}</summary>", ""]
         else:
@@ -524,6 +526,43 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
         if i:
             lines += ["</details>", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+GOAL_SETS = ("artifact", "artifact-generator")
+
+
+def _adaptation_goals(adoc: dict[str, Any]) -> list[str]:
+    """Issue 15's two goals per SLO on the recorded artifact traces and the held-out
+    generator set (simulated link), each difference with its paired cluster-bootstrap 95%
+    interval and verdict, as ``bench.adapt`` wrote them in ``goals``; [] when absent."""
+    gl = [g for g in adoc.get("goals") or [] if isinstance(g, dict) and g.get("link") == "simulated"
+          and g.get("trace_set") in GOAL_SETS and "n_traces" in g]
+    if not gl:
+        return []
+
+    def diff(g, name, scale, fmt):
+        v, ci = g.get(name), g.get(name + "_ci95")
+        if v is None:
+            return "-"
+        return f"{scale * v:{fmt}}" + (f" [{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]" if ci else "")
+
+    def verdict(point, interval):
+        p = "-" if point is None else ("met" if point else "**missed**")
+        return p + (f" (interval: {interval})" if interval else "")
+
+    lines = ["Goals (simulated link; adaptive minus the reference, paired cluster-bootstrap 95% interval "
+             "resampling whole traces; G1: violations vs the oracle's, limit +5 points; G2: KL of met loads vs "
+             "the best fixed level at no more violations, limit 0; `artifact-generator` = fresh traces from "
+             "the artifact's own generator, a held-out set; docs/streaming.md section 4):", "",
+             "| SLO (s) | trace set | requests (traces) | G1 points | G1 | G2 vs | G2 KL diff | G2 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for g in sorted(gl, key=lambda g: (g.get("slo_s") or 0, _order(g.get("trace_set"), GOAL_SETS))):
+        lines.append(f"| {_f(g.get('slo_s'), 'g')} | {g.get('trace_set')} | {g.get('n')} ({g.get('n_traces')}) | "
+                     f"{diff(g, 'violation_diff_vs_oracle', 100, '+.0f')} | "
+                     f"{verdict(g.get('g1_slo'), g.get('g1_ci'))} | {g.get('best_fixed') or '-'} | "
+                     f"{diff(g, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} | "
+                     f"{verdict(g.get('g2_quality'), g.get('g2_ci'))} |")
+    return lines + [""]
 
 
 def replace_block(readme: str, block: str, start: str = START, end: str = END) -> str:

@@ -86,8 +86,17 @@ def load_artifact_traces(path: str | Path | None = None, scale: float = DEFAULT_
                 raise ValueError(f"{p}:{i + 1}: not a {{'bw': [...]}} trace line: {e}") from None
             if not vals:
                 raise ValueError(f"{p}:{i + 1}: empty trace")
-            traces.append(Trace(f"{p.stem}-{i}", vals, str(p), scale))
+            traces.append(Trace(f"{p.stem}-{i}", vals, _source_name(p), scale))
     return traces
+
+
+def _source_name(p: Path) -> str:
+    """A trace file as results name it: relative to the repository for the carried artifact
+    traces (streaming/traces_data/...), so result files hold no machine's paths; else as given."""
+    try:
+        return Path(p).resolve().relative_to(ARTIFACT_DIR.resolve().parent.parent).as_posix()
+    except ValueError:
+        return str(p)
 
 
 @dataclass

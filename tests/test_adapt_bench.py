@@ -50,9 +50,28 @@ def test_trace_sets_and_simulation_of_every_policy():
             assert r["regret_vs_oracle"] >= -1e-9
 
 
-def test_bad_input_exits_2(capsys):
+def test_bad_input_exits_2(capsys, monkeypatch):
     assert B.main(["--no-real", "--chunk-tokens", "100"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
+    # counts are checked before the level table is measured (that takes a minute)
+    monkeypatch.setattr(B, "measure_level_table", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    for flag, bad, lo in (("--generator-traces", "-1", 0), ("--bootstrap-reps", "0", 1), ("--offsets", "0", 1),
+                          ("--real-offsets", "0", 1)):
+        assert B.main(["--no-real", flag, bad]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} must be >= {lo}, got {bad}" in err and "Traceback" not in err
+
+
+def test_goal_2_unknown_without_fixed_rows_and_vacuous_without_a_qualifying_one():
+    def row(policy, v, kl):
+        return {"policy": policy, "trace_set": "t", "link": "simulated", "slo_s": 1.0, "n": 10,
+                "violation_rate": v, "quality_kl_met": kl, "quality_kl": kl}
+    only = B._goal([row("adaptive", 0.1, 0.02), row("oracle", 0.0, 0.01)], "t", "simulated", 1.0)
+    assert only["g2_quality"] is None and only["best_fixed"] is None        # no fixed level measured
+    worse = B._goal([row("adaptive", 0.1, 0.02), row("fixed-l5", 0.5, 0.001)], "t", "simulated", 1.0)
+    assert worse["g2_quality"] is True and worse["best_fixed"] is None      # none at no more violations
+    beat = B._goal([row("adaptive", 0.1, 0.02), row("fixed-l2", 0.1, 0.01)], "t", "simulated", 1.0)
+    assert beat["g2_quality"] is False and beat["best_fixed"] == "fixed-l2"
 
 
 def test_adaptation_figures(tmp_path):

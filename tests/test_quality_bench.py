@@ -127,6 +127,17 @@ def test_cli_no_tasks_and_tasks_only_exclude(tmp_path, capsys):
     assert err.startswith("error:") and "exclude" in err and "\n" not in err
 
 
+def test_cli_bad_counts_fail_before_the_model(tmp_path, capsys, monkeypatch):
+    # --codec-workers / --batch are checked before the data and the model are loaded
+    import kv_extraction_hf.model as M
+
+    monkeypatch.setattr(M, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    for flag in ("--codec-workers", "--batch"):
+        assert Q.main([flag, "0", "--data-path", str(tmp_path / "missing"), "--out", str(tmp_path / "q.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: {flag} must be a positive integer, got 0"
+
+
 def test_cli_bad_data_path_one_line(tmp_path, capsys):
     rc = Q.main(["--quick", "--data-path", str(tmp_path / "missing"), "--out", str(tmp_path / "q.json")])
     err = capsys.readouterr().err.strip()
