@@ -57,7 +57,7 @@ def _numba_or_py_early(fn):
 
 from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/rans_spec.py)
 K_LADDER = (1, 4, 16, 64, 256, 512, 768, 1024, 1536, 2048)  # candidate codebook sizes per nbins group
-SPARSE_SEED_DENSITY = 0.15  # nonzero share below which seeding uses _seed_kernel_sparse (same results, faster)
+SPARSE_SEED_DENSITY = 0.15  # nonzero share below which _seed_kernel sums sparsely (same results, faster)
 LLOYD_ITERS = 3  # fixed K-means iterations: 3 is within 0.05% of 6 on real KV at half the time
 # Codebook size (docs/bitstream.md 4.3, informative): K minimises the group's description
 # length (MDL); where that K leaves the cross-entropy more than XENT_TARGET above the
@@ -528,59 +528,21 @@ def _centroid_kernel(Hi, assign, K):
 
 
 @_numba_or_py
-def _seed_kernel_dense(Ht, own_bits, best, seed_nlq, n_have, k_target):
+def _seed_kernel(Hi, Ht, indptr, idx, val, sparse, own_bits, best, seed_nlq, n_have, k_target):
     """Extend the farthest-point seed sequence up to k_target seeds.
-    Ht float64 [nb, n] (transposed histograms); seed_nlq float64 [kmax, nb] holds
-    -log2(q) of the seeds (rows < n_have filled); best[i] = current min cost of model i
-    over the seeds (updated). Returns the new number of seeds. The dense form of
-    `_seed_kernel_sparse` (same results), faster for dense histograms (vectorises over i)."""
-    nb, n = Ht.shape
-    k = n_have
-    cost = np.empty(n, np.float64)
-    row = np.empty((1, nb), np.int64)
-    f = np.empty((1, nb), np.int64)
-    while k < k_target:
-        gi = 0
-        gv = best[0] - own_bits[0]
-        for i in range(1, n):
-            g = best[i] - own_bits[i]
-            if g > gv:
-                gv = g
-                gi = i
-        if gv <= 1e-9:
-            break  # every model is already coded at (about) its own entropy
-        # the chosen model's own normalised histogram becomes the new seed
-        for s in range(nb):
-            row[0, s] = np.int64(Ht[s, gi])
-        _normalize_rows(row, f)
-        for s in range(nb):
-            seed_nlq[k, s] = 16.0 - np.log2(np.float64(f[0, s]))
-        for i in range(n):
-            cost[i] = 0.0
-        for s in range(nb):  # vectorises over i
-            w = seed_nlq[k, s]
-            for i in range(n):
-                cost[i] += Ht[s, i] * w
-        for i in range(n):
-            if cost[i] < best[i]:
-                best[i] = cost[i]
-        k += 1
-    return k
-
-
-@_numba_or_py
-def _seed_kernel_sparse(indptr, idx, val, Hi, own_bits, best, seed_nlq, n_have, k_target):
-    """Extend the farthest-point seed sequence up to k_target seeds.
-    The histograms come twice: Hi int64 [n, nb] and their nonzeros row by row (CSR:
-    indptr int64 [n + 1], idx int64 [nnz] symbols ascending within a row, val float64
-    [nnz] counts). seed_nlq float64 [kmax, nb] holds -log2(q) of the seeds (rows <
+    Hi int64 [n, nb] histograms; the costs are summed either densely over Ht float64
+    [nb, n] (the transposed histograms; vectorises over models: fast for dense
+    histograms) or, with ``sparse``, over the nonzeros row by row (CSR: indptr int64
+    [n + 1], idx int64 [nnz] symbols ascending within a row, val float64 [nnz] counts;
+    the gather does not vectorise, but the work is the histograms' density: fast for
+    sparse ones); the unused form may be empty arrays. Both sum a model's symbols in
+    ascending order, the dense one adding +0.0 for the zeros: the same float64 costs,
+    seeds and results. seed_nlq float64 [kmax, nb] holds -log2(q) of the seeds (rows <
     n_have filled); best[i] = current min cost of model i over the seeds (updated).
-    Returns the new number of seeds. A model's cost sums its nonzero symbols in
-    ascending order: the same float64 sum as over all symbols (the skipped terms are
-    +0.0), for the histograms' density of the work; slower than `_seed_kernel_dense` on
-    dense ones (the gather does not vectorise): `_cluster_group` picks by density."""
+    Returns the new number of seeds."""
     n, nb = Hi.shape
     k = n_have
+    cost = np.empty(n, np.float64)
     row = np.empty((1, nb), np.int64)
     f = np.empty((1, nb), np.int64)
     while k < k_target:
@@ -599,12 +561,22 @@ def _seed_kernel_sparse(indptr, idx, val, Hi, own_bits, best, seed_nlq, n_have, 
         _normalize_rows(row, f)
         for s in range(nb):
             seed_nlq[k, s] = 16.0 - np.log2(np.float64(f[0, s]))
+        if sparse:
+            for i in range(n):
+                c = 0.0
+                for j in range(indptr[i], indptr[i + 1]):
+                    c += val[j] * seed_nlq[k, idx[j]]
+                cost[i] = c
+        else:
+            for i in range(n):
+                cost[i] = 0.0
+            for s in range(nb):  # vectorises over i
+                w = seed_nlq[k, s]
+                for i in range(n):
+                    cost[i] += Ht[s, i] * w
         for i in range(n):
-            c = 0.0
-            for j in range(indptr[i], indptr[i + 1]):
-                c += val[j] * seed_nlq[k, idx[j]]
-            if c < best[i]:
-                best[i] = c
+            if cost[i] < best[i]:
+                best[i] = cost[i]
         k += 1
     return k
 
@@ -633,19 +605,14 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     Hi = np.ascontiguousarray(H, dtype=np.int64)
     Hf = Hi.astype(np.float64)
     nz_rows, nz_idx = np.nonzero(Hi)   # row-major: symbols ascending within a row
-    if nz_rows.size < SPARSE_SEED_DENSITY * n * nb:
+    sparse = bool(nz_rows.size < SPARSE_SEED_DENSITY * n * nb)
+    none_i, none_f = np.zeros(1, np.int64), np.zeros((1, 1), np.float64)
+    if sparse:
         indptr = np.zeros(n + 1, np.int64)
         np.cumsum(np.bincount(nz_rows, minlength=n), out=indptr[1:])
-        nz_idx = nz_idx.astype(np.int64)
-        sparse = (indptr, nz_idx, Hf[nz_rows, nz_idx], Hi)
-
-        def extend_seeds(have, k_target):
-            return _seed_kernel_sparse(*sparse, own_bits, best, seed_nlq, have, k_target)
+        forms = (none_f, indptr, nz_idx.astype(np.int64), Hf[nz_rows, nz_idx])
     else:
-        Ht = np.ascontiguousarray(Hf.T)
-
-        def extend_seeds(have, k_target):
-            return _seed_kernel_dense(Ht, own_bits, best, seed_nlq, have, k_target)
+        forms = (np.ascontiguousarray(Hf.T), none_i, none_i, none_f[0])
     del nz_rows, nz_idx
     ks = sorted({min(int(k), n, MAX_K) for k in ladder} | {1})
     kmax = ks[-1]
@@ -662,7 +629,7 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     choices = []   # (codes, freqs, assign, bits, est) per K tried
     trials = []
     for K in ks:
-        n_seeds = extend_seeds(n_seeds, K)
+        n_seeds = _seed_kernel(Hi, *forms, sparse, own_bits, best, seed_nlq, n_seeds, K)
         k_eff = min(K, n_seeds)
         if k_eff == 1:
             codes, freqs = pooled_codes, pooled
