@@ -23,12 +23,22 @@ with this project's rANS coder and probability model as the entropy stage:
    the allocation minimises the error the model sees rather than the plain MSE; the
    artifact then holds the encoder's ``analysis`` matrix S U beside the decoder's
    ``basis`` S^-1 U.
+   Joint transform over layer groups (kvtc format 4, the default calibration; this
+   project's addition, docs/codec.md 8.8): with ``group_layers`` = G the K and V of G
+   consecutive layers share ONE basis (each (K/V, layer) block whitened by its metric
+   and scaled by its water-level weight, the blocks concatenated, one PCA per group and
+   one water level for all): K, V and neighbouring layers are all projections of the
+   same residual stream, and the joint basis codes what they share once (the idea of
+   cross-layer SVD, Chang et al., "xKV: Cross-Layer SVD for KV-Cache Compression",
+   arXiv 2503.18893, 2025, here with bit allocation and entropy coding). On the default
+   model it roughly halves the weighted error at equal bytes.
 3. Entropy coding: the quantized coefficients of each (K/V, layer)'s kept components
    only (the "kept" column layout, kvtc format 2: all of them concatenated, split into
    two halves) go through ``codec.entropy.encode_symbols`` (per-column models clustered
    into a codebook, 32-bit rANS; docs/bitstream.md sections 1-4 and 4.5) - the same
    coder as cachegen. The older padded layout (every layer at the largest kept width)
-   is still decoded.
+   is still decoded. A grouped calibration codes each group's kept columns the same way
+   (layout "grouped", one symbol offset per group).
 4. The first ``sink_tokens`` tokens of the context (attention sinks) and optionally the
    last ``recent_tokens`` are stored exactly, as KVTC and CacheGen's variant do.
 5. Tail tiers (kvtc format 3; this project's addition, docs/codec.md 8.6-8.7): a level
@@ -84,17 +94,18 @@ __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
 CALIBRATION_FORMAT = "kvtc-calibration"
 CALIBRATION_VERSION = 1
 # level -> target bits per coded element (empirical entropy on the calibration data);
-# bf16 is 16 bits per element. With the metric-whitened default calibration, measured on
-# WikiText-2 validation windows (docs/codec.md 8.5, 8.7): level 4 (the default) sits at or
-# below cachegen level 1's KL and above its top-1 (~13x), level 5 is the near-lossless
-# one (~8x); levels 0-2 trade quality for size (~27x ... ~17x). Level 3 is the tiered
-# one (docs/codec.md 8.7): level 2's rate for the bulk with the keys' water level x2
-# (``DEFAULT_KEY_WATER``), the last 64 context tokens at level 5 and the 320 before them
-# at level 4 (``DEFAULT_LEVEL_TIERS``), 1 exact sink (``DEFAULT_LEVEL_SINKS``): ~16x.
-DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.85, 4: 1.1, 5: 1.85}
+# bf16 is 16 bits per element. Chosen on WikiText-2 VALIDATION windows with the default
+# calibration (joint basis of the K and V of 2 layers, metric-whitened; docs/codec.md
+# 8.8): level 4 (the default) ~21x with about 60% of cachegen level 1's KL and a higher
+# top-1, level 5 the near-lossless one (~11x), levels 0-3 ~55x ... ~26x (level 2 ~31x
+# sits near cachegen level 1's KL). A calibration made with ``group_layers=0`` (one basis
+# per K/V and layer) is ~1.6-2x larger at each target's quality (8.5-8.7).
+DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.25, 1: 0.35, 2: 0.45, 3: 0.55, 4: 0.65,
+                                           5: 1.25}
 # level -> factor on the keys' water level in the default fit (``fit_calibration(
-# key_water=)``, used by ``kv_extraction_hf.calibrate`` with the default targets)
-DEFAULT_KEY_WATER: dict[int, float] = {3: 2.0}
+# key_water=)``; per-(K/V, layer) fits only: none by default since the default fit is
+# grouped, docs/codec.md 8.7-8.8)
+DEFAULT_KEY_WATER: dict[int, float] = {}
 DEFAULT_LEVEL = 4
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
@@ -164,6 +175,14 @@ class KvtcCalibration:
     bin middles, artifacts made before it existed). ``rounding``: the encoder's
     quantizer, q = sign(u) floor(|u| + rounding) (0.5 = nearest). ``meta``: free-form provenance (model, weights hash, data,
     tokens). ``hash``: sha256 hex of the canonical content (``content_hash``).
+
+    ``group_layers`` = G > 0 (kvtc format 4, a joint transform, docs/codec.md 8.8): the
+    K and V of G consecutive layers share ONE basis. Group g covers layers [gG, min(L,
+    (g+1)G)); its feature vector is [K_l, V_l for each layer l of the group] (C each,
+    keys pre-RoPE when ``key_space`` says so), Cg = 2 G C wide (a last, shorter group is
+    zero-padded: padded features have zero variance and are never kept). The tensors are
+    then mean [NG, Cg], basis / analysis [NG, Cg, Cg], var [NG, Cg], step [NL, NG, Cg]
+    with NG = ceil(L / G). 0 = one basis per (K/V, layer), the shapes above.
     """
 
     num_layers: int
@@ -185,6 +204,7 @@ class KvtcCalibration:
     shrink: Optional[np.ndarray] = None
     rounding: float = 0.5
     analysis: Optional[np.ndarray] = None
+    group_layers: int = 0
     hash: str = ""
     _torch: dict = field(default_factory=dict, repr=False)
 
@@ -199,7 +219,8 @@ class KvtcCalibration:
                 "recent_tokens": self.recent_tokens, "meta": self.meta,
                 # only when not the default: artifacts made before these existed keep
                 # their hash
-                **({"rounding": float(self.rounding)} if self.rounding != 0.5 else {})}
+                **({"rounding": float(self.rounding)} if self.rounding != 0.5 else {}),
+                **({"group_layers": int(self.group_layers)} if self.group_layers else {})}
 
     def tensors(self) -> dict[str, np.ndarray]:
         t = {"mean": self.mean, "basis": self.basis, "var": self.var, "step": self.step}
@@ -224,8 +245,20 @@ class KvtcCalibration:
     def C(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def num_groups(self) -> int:
+        """NG = ceil(L / group_layers) (0 for an ungrouped calibration)."""
+        G = self.group_layers
+        return -(-self.num_layers // G) if G else 0
+
+    def group_layer_ids(self, g: int) -> range:
+        """The layers of group ``g`` (grouped calibrations)."""
+        G = self.group_layers
+        return range(g * G, min(self.num_layers, (g + 1) * G))
+
     def n_keep(self, level: int) -> np.ndarray:
-        """int [2, L]: components kept per (K/V, layer) at ``level``."""
+        """int [2, L] (ungrouped) or [NG] (grouped): components kept per (K/V, layer)
+        or per layer group at ``level``."""
         return (self.step[self.levels.index(level)] > 0).sum(-1)
 
     def describe(self) -> dict:
@@ -241,6 +274,8 @@ class KvtcCalibration:
         ``basis`` scaled by the steps, for decode), colsum [2, L, C] (its column sums),
         n (int), keep (kept components per [K/V][layer]); the decoder adds bf16 copies
         ``basis_ts_bf16`` / ``mean_bf16`` on first use (``KvtcCodec._inverse``)."""
+        if level not in self._torch and self.group_layers:
+            self._torch[level] = self._grouped_params(level)
         if level not in self._torch:
             i = self.levels.index(level)
             keep = self.n_keep(level)
@@ -271,6 +306,26 @@ class KvtcCalibration:
                              ).astype(np.float32))[:, :, None, :].contiguous()}
             self._torch[level]["colsum"] = self._torch[level]["basis_ts"].sum(dim=2)
         return self._torch[level]
+
+    def _grouped_params(self, level: int) -> dict:
+        """``torch_params`` of a grouped calibration: mean [NG, 1, Cg], basis (the
+        encoder's matrix) [NG, Cg, n], step [NG, 1, n] (1 where dropped), basis_ts [NG, n,
+        Cg] (synthesis x step), colsum [NG, Cg], n, keep = [[kept per group], []] (the
+        kept layout's column counts: one list, no second K/V list)."""
+        i = self.levels.index(level)
+        keep = self.n_keep(level)
+        n = max(1, int(keep.max()))
+        step = np.array(self.step[i][:, :n], np.float32)
+        mask = torch.from_numpy(step > 0)[:, None, :]
+        basis = torch.from_numpy(np.array(self.basis[:, :, :n], np.float32)) * mask
+        enc = basis if self.analysis is None else torch.from_numpy(
+            np.array(self.analysis[:, :, :n], np.float32)) * mask
+        step[step <= 0] = 1.0
+        bts = (basis * torch.from_numpy(step)[:, None, :]).transpose(-1, -2).contiguous()
+        return {"mean": torch.from_numpy(np.array(self.mean, np.float32))[:, None, :],
+                "basis": enc.contiguous(), "step": torch.from_numpy(step)[:, None, :],
+                "n": n, "basis_ts": bts, "colsum": bts.sum(dim=1),
+                "keep": [[int(x) for x in keep], []], "shrink": None}
 
     # ---- file ----------------------------------------------------------------------
     def save(self, out: Union[str, os.PathLike]) -> Path:
@@ -323,7 +378,7 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
             str(info["key_space"]), float(info["rope_theta"]), bool(info["per_head"]),
             int(info["sink_tokens"]), int(info["recent_tokens"]), dict(info["meta"]),
             shrink=t.get("shrink"), rounding=float(info.get("rounding", 0.5)),
-            analysis=t.get("analysis"))
+            analysis=t.get("analysis"), group_layers=int(info.get("group_layers", 0)))
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"{p}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
     _check_calibration(cal, str(p))
@@ -336,10 +391,24 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
 
 def _check_calibration(cal: KvtcCalibration, where: str) -> None:
     L, C, NL = cal.num_layers, cal.C, len(cal.levels)
-    want = {"mean": (2, L, C), "basis": (2, L, C, C), "var": (2, L, C), "step": (NL, 2, L, C)}
+    G = cal.group_layers
+    if isinstance(G, bool) or not isinstance(G, int) or G < 0 or (G and G > max(1, L)):
+        raise CodecError(f"{where}: group_layers {G!r} must be 0 or in [1, {L}]")
+    if G and (cal.shrink is not None or cal.per_head):
+        raise CodecError(f"{where}: a grouped calibration has no centroid offsets and no "
+                         f"per-head bases")
+    if G:
+        NG, Cg = cal.num_groups, 2 * G * C
+        want = {"mean": (NG, Cg), "basis": (NG, Cg, Cg), "var": (NG, Cg),
+                "step": (NL, NG, Cg)}
+        if cal.analysis is not None:
+            want["analysis"] = (NG, Cg, Cg)
+    else:
+        want = {"mean": (2, L, C), "basis": (2, L, C, C), "var": (2, L, C),
+                "step": (NL, 2, L, C)}
     if cal.shrink is not None:
         want["shrink"] = (NL, 2, L, C)
-    if cal.analysis is not None:
+    if cal.analysis is not None and not G:
         want["analysis"] = (2, L, C, C)
     for name, shape in want.items():
         a = getattr(cal, name)
@@ -562,6 +631,145 @@ def _metric_sqrt(metric: np.ndarray, power: float, H: int, D: int
     return s, si
 
 
+def _solve_levels(w: np.ndarray, var: np.ndarray, cap: np.ndarray, coefs: np.ndarray,
+                  n_elem: int, targets: dict, kwater: dict, rounding: float, say
+                  ) -> np.ndarray:
+    """Per-level quantization steps [NL, *var.shape] (levels sorted): the water scale g of
+    each level solved so that the empirical entropy of the quantized calibration
+    coefficients ``coefs`` [..., N, C'] is the level's target bits per element
+    (``n_elem`` coded elements). w: water-level weights (var's shape or one per block,
+    var.shape[:-1]); kwater: level -> factor on the keys' weights (w[0]; ungrouped only).
+    The rate falls as the water level grows: a coarse log grid brackets each target, then
+    regula falsi (Illinois variant) on log g to within 0.2% of the target."""
+    def rate(lg: float, kf: float = 1.0) -> tuple[float, np.ndarray]:
+        # lg = log of the water scale; kf = the keys' factor (key_water)
+        wl = w if kf == 1.0 else np.concatenate([w[:1] * kf, w[1:]])
+        st = _steps_for(np.exp(lg) * wl, var, cap)
+        return _rate_bits(coefs, st, rounding) / n_elem, st
+
+    levels = sorted(targets)
+    steps = np.zeros((len(levels),) + var.shape, np.float64)
+    total = n_elem // max(1, coefs.shape[-2])
+    grid = np.linspace(np.log(1e-9), np.log(1e2), 12)
+    grid_rates: dict = {}
+    for i, lv in enumerate(levels):
+        tgt = float(targets[lv])
+        kf = float(kwater.get(lv, 1.0))
+        if kf not in grid_rates:
+            grid_rates[kf] = [rate(float(g), kf)[0] for g in grid]
+        grid_rate = grid_rates[kf]
+        rate_l = functools.partial(rate, kf=kf)
+        j = next((j for j, r in enumerate(grid_rate) if r <= tgt), len(grid) - 1)
+        a, b = float(grid[max(0, j - 1)]), float(grid[j])
+        ra, rb = grid_rate[max(0, j - 1)], grid_rate[j]
+        side = 0
+        for _ in range(12):
+            if not ra > tgt >= rb or abs(rb - tgt) <= 2e-3 * tgt:
+                break
+            m = b - (rb - tgt) * (b - a) / (rb - ra)
+            rm, _ = rate_l(m)
+            if rm > tgt:
+                a, ra = m, rm
+                if side == -1:
+                    rb = tgt + (rb - tgt) / 2
+                side = -1
+            else:
+                b, rb = m, rm
+                if side == 1:
+                    ra = tgt + (ra - tgt) / 2
+                side = 1
+        r, st = rate_l(b)
+        steps[i] = st
+        say(f"level {lv}: target {tgt:.3f} bits/element -> {r:.3f} on the calibration "
+            f"data, {int((st > 0).sum())} of {total} components kept")
+    return steps
+
+
+def _fit_grouped(k: torch.Tensor, v: torch.Tensor, G: int, targets: dict,
+                 default_level: int, weighting: Any, metric: Optional[tuple],
+                 metric_power: float, rounding: float, key_space: str, theta_rope: float,
+                 sink_tokens: int, recent_tokens: int, meta: dict, say) -> KvtcCalibration:
+    """``fit_calibration`` with ``group_layers`` = G (k pre-RoPE already when asked).
+    Block b = (K/V, layer): z_b = (x_b - mean_b) S_b / sqrt(w_b), S_b the metric's square
+    root (identity without a metric), w_b the block's water-level weight; group g's
+    features are its blocks' z side by side ([K_l, V_l] per layer), and one PCA per group
+    and ONE water level for all components (the weighted distortion sum_b ||e_b S_b||^2
+    / w_b is the plain squared error of z). analysis_g = blockdiag(S_b / sqrt(w_b)) U_g,
+    basis_g = blockdiag(S_b^-1 sqrt(w_b)) U_g (basis^T analysis = I)."""
+    L, N, H, D = k.shape
+    C = H * D
+    NG = -(-L // G)
+    Cg = 2 * G * C
+    mean = np.zeros((NG, Cg))
+    var = np.zeros((NG, Cg))
+    basis = np.zeros((NG, Cg, Cg))
+    analysis = np.zeros((NG, Cg, Cg))
+    cap = np.zeros((NG, Cg))
+    rng = np.random.default_rng(0)
+    sub = np.sort(rng.choice(N, size=min(N, _RATE_SAMPLE_TOKENS), replace=False))
+    coefs = np.zeros((NG, len(sub), Cg), np.float32)
+    # per-block whitening matrices and centred, whitened features
+    sq = np.zeros((2, L, C, C))
+    isq = np.zeros((2, L, C, C))
+    blk_mean = np.zeros((2, L, C))
+    zvar = np.zeros((2, L))
+    for kv, x in enumerate((k, v)):
+        for layer in range(L):
+            if metric is not None:
+                sq[kv, layer], isq[kv, layer] = _metric_sqrt(metric[kv][layer],
+                                                             float(metric_power), H, D)
+            else:
+                sq[kv, layer] = isq[kv, layer] = np.eye(C)
+            xl = x[layer].reshape(N, C).numpy().astype(np.float64)
+            blk_mean[kv, layer] = xl.mean(0)
+            zvar[kv, layer] = ((xl - blk_mean[kv, layer]) @ sq[kv, layer]).var(0).mean()
+    if isinstance(weighting, np.ndarray):
+        w = weighting.astype(np.float64)
+    else:
+        w = zvar if weighting == "relative" else np.ones((2, L))
+    w = np.maximum(w, 1e-30)
+    for g in range(NG):
+        ls = range(g * G, min(L, (g + 1) * G))
+        width = 2 * len(ls) * C
+        a = np.zeros((Cg, Cg))          # blockdiag(S_b / sqrt(w_b)), padded
+        ai = np.zeros((Cg, Cg))         # its inverse
+        z = np.zeros((N, Cg))
+        for j, layer in enumerate(ls):
+            for kv, x in enumerate((k, v)):
+                sl = slice((2 * j + kv) * C, (2 * j + kv + 1) * C)
+                a[sl, sl] = sq[kv, layer] / np.sqrt(w[kv, layer])
+                ai[sl, sl] = isq[kv, layer] * np.sqrt(w[kv, layer])
+                mean[g, sl] = blk_mean[kv, layer]
+                xl = x[layer].reshape(N, C).numpy().astype(np.float64)
+                z[:, sl] = (xl - blk_mean[kv, layer]) @ a[sl, sl]
+        cov = z[:, :width].T @ z[:, :width] / N
+        lam, u = np.linalg.eigh(cov)
+        order = np.argsort(-lam, kind="stable")
+        lam, u = np.clip(lam[order], 0.0, None), u[:, order]
+        sign = np.sign(u[np.abs(u).argmax(0), np.arange(width)])
+        sign[sign == 0] = 1
+        u = u * sign
+        var[g, :width] = lam
+        analysis[g, :, :width] = a[:, :width] @ u
+        basis[g, :, :width] = ai[:, :width] @ u
+        cl = z[:, :width] @ u
+        cap[g, :width] = np.abs(cl).max(0) * 1.05 / MAX_Q
+        coefs[g, :, :width] = cl[sub]
+        say(f"PCA group {g + 1}/{NG} (layers {ls.start}-{ls.stop - 1}, {width} features)")
+    steps = _solve_levels(np.ones(NG), var, cap, coefs, 2 * L * len(sub) * C, targets, {},
+                          rounding, say)
+    levels = sorted(targets)
+    cal = KvtcCalibration(
+        L, H, D, mean.astype(np.float32), basis.astype(np.float32), var.astype(np.float32),
+        steps.astype(np.float32), tuple(levels), tuple(float(targets[x]) for x in levels),
+        int(default_level), key_space, theta_rope, False, sink_tokens, recent_tokens,
+        dict(meta, group_layers=G), shrink=None, rounding=float(rounding),
+        analysis=analysis.astype(np.float32), group_layers=G)
+    _check_calibration(cal, "fit_calibration")
+    cal.hash = cal.content_hash()
+    return cal
+
+
 def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                     positions: Optional[torch.Tensor] = None,
                     rope_theta: Optional[float] = None, per_head: bool = False,
@@ -571,7 +779,7 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                     centroid: bool = False, rounding: float = 0.5,
                     metric: Optional[tuple] = None, metric_power: float = 1.0,
                     whiten: bool = False, key_water: Optional[dict] = None,
-                    progress=None) -> KvtcCalibration:
+                    group_layers: int = 0, progress=None) -> KvtcCalibration:
     """Fit a KVTC calibration on sample KV (pure function: no model, no I/O).
 
     Args:
@@ -617,6 +825,13 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
       key_water: optional level -> factor (> 0) on the keys' water levels at that level
         (2 = keys coarser, values finer at the same rate; levels not named: 1). The values
         carry ~3/4 of the KL the model sees (docs/codec.md 8.6); recorded in ``meta``.
+      group_layers: G > 0 = one joint basis for the K and V of G consecutive layers
+        (kvtc format 4, docs/codec.md 8.8): each (K/V, layer) block is whitened by its
+        metric (identity without one) and scaled by 1 / sqrt(its water-level weight), the
+        blocks of a group are concatenated and one PCA + one water level serve all groups
+        (reverse water-filling of the same weighted distortion, but the components may mix
+        K and V and neighbouring layers, which share the residual stream). Not with
+        ``per_head``, ``centroid``, ``key_water`` or a ``metric`` without ``whiten``.
       progress: optional callable(str) for progress lines.
     Returns: KvtcCalibration (hash set). Source: PCA + reverse water-filling (module doc).
     Raises: ValueError on bad shapes, too few samples or bad options.
@@ -655,6 +870,13 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
     if len(targets) < 1 or default_level not in targets or \
             any(not (isinstance(t, (int, float)) and t > 0) for t in targets.values()):
         raise ValueError(f"bad level_targets {targets!r} / default_level {default_level}")
+    if isinstance(group_layers, bool) or not isinstance(group_layers, int) or \
+            not 0 <= group_layers <= L:
+        raise ValueError(f"group_layers must be an int in [0, {L}], got {group_layers!r}")
+    if group_layers and (per_head or centroid or kwater or
+                         (metric is not None and not whiten)):
+        raise ValueError("group_layers does not combine with per_head, centroid, "
+                         "key_water or a metric without whiten")
     C = H * D
     k = k_samples.detach().to("cpu", torch.float32)
     v = v_samples.detach().to("cpu", torch.float32)
@@ -667,6 +889,13 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
             raise ValueError("pre-RoPE decorrelation needs an even head_dim")
         k = undo_rope(k, positions.to(torch.int64), float(rope_theta))
         key_space, theta_rope = "pre_rope", float(rope_theta)
+    if group_layers:
+        return _fit_grouped(
+            k, v, group_layers, targets, default_level, weighting, metric, metric_power,
+            rounding, key_space, theta_rope, int(sink_tokens), int(recent_tokens),
+            dict(meta or {}, calibration_tokens=N,
+                 weighting=weighting if isinstance(weighting, str)
+                 else [[float(x) for x in r] for r in weighting]), say)
     mean = np.zeros((2, L, C), np.float64)
     basis = np.zeros((2, L, C, C), np.float64)
     var = np.zeros((2, L, C), np.float64)
@@ -713,52 +942,12 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         cap = np.take_along_axis(cap, order, axis=-1)
         coefs = np.take_along_axis(coefs, order[:, :, None, :], axis=-1)
     n_elem = 2 * L * len(sub) * C
-
-    def rate(lg: float, kf: float = 1.0) -> tuple[float, np.ndarray]:
-        # lg = log of the water scale; kf = the keys' factor (key_water)
-        wl = w if kf == 1.0 else np.concatenate([w[:1] * kf, w[1:]])
-        st = _steps_for(np.exp(lg) * wl, var, cap)
-        return _rate_bits(coefs, st, rounding) / n_elem, st
-
     levels = sorted(targets)
-    steps = np.zeros((len(levels), 2, L, C), np.float64)
+    steps = _solve_levels(w, var, cap, coefs, n_elem, targets, kwater, rounding, say)
     shrink = np.zeros((len(levels), 2, L, C), np.float64)
-    # rate falls as the water level grows: a coarse log grid brackets each target, then
-    # regula falsi (Illinois variant) on log g to within 0.2% of the target
-    grid = np.linspace(np.log(1e-9), np.log(1e2), 12)
-    grid_rates: dict = {}
-    for i, lv in enumerate(levels):
-        tgt = float(targets[lv])
-        kf = float(kwater.get(lv, 1.0))
-        if kf not in grid_rates:
-            grid_rates[kf] = [rate(float(g), kf)[0] for g in grid]
-        grid_rate = grid_rates[kf]
-        rate_l = functools.partial(rate, kf=kf)
-        j = next((j for j, r in enumerate(grid_rate) if r <= tgt), len(grid) - 1)
-        a, b = float(grid[max(0, j - 1)]), float(grid[j])
-        ra, rb = grid_rate[max(0, j - 1)], grid_rate[j]
-        side = 0
-        for _ in range(12):
-            if not ra > tgt >= rb or abs(rb - tgt) <= 2e-3 * tgt:
-                break
-            m = b - (rb - tgt) * (b - a) / (rb - ra)
-            rm, _ = rate_l(m)
-            if rm > tgt:
-                a, ra = m, rm
-                if side == -1:
-                    rb = tgt + (rb - tgt) / 2
-                side = -1
-            else:
-                b, rb = m, rm
-                if side == 1:
-                    ra = tgt + (ra - tgt) / 2
-                side = 1
-        r, st = rate_l(b)
-        steps[i] = st
-        if centroid:
-            shrink[i] = _shrink(coefs, st, rounding)
-        say(f"level {lv}: target {tgt:.3f} bits/element -> {r:.3f} on the calibration "
-            f"data, {int((st > 0).sum())} of {2 * L * C} components kept")
+    if centroid:
+        for i in range(len(levels)):
+            shrink[i] = _shrink(coefs, steps[i], rounding)
     cal = KvtcCalibration(
         L, H, D, mean.astype(np.float32), basis.astype(np.float32), var.astype(np.float32),
         steps.astype(np.float32), tuple(levels), tuple(float(targets[x]) for x in levels),
@@ -940,10 +1129,13 @@ class _KeptSymbols:
 # error of a context token reaches the output weighted by the attention it gets, and the
 # last few hundred tokens get most of it (docs/codec.md 8.6), so coding them finer lowers
 # the KL at equal bytes. level -> ((R1, B1), (R2, B2), ...), from the end of the context.
-DEFAULT_LEVEL_TIERS: dict[int, tuple] = {3: ((64, 5), (320, 4))}
+# None by default since the grouped calibration (docs/codec.md 8.8): its untiered levels
+# are simpler and robust to where the question sits; a caller may still pass
+# ``KvtcConfig(tiers=...)`` (e.g. ((64, 5), (320, 4)), round 6's level 3).
+DEFAULT_LEVEL_TIERS: dict[int, tuple] = {}
 # level -> exact attention-sink tokens when the config does not say (levels not named: the
 # calibration's ``sink_tokens``)
-DEFAULT_LEVEL_SINKS: dict[int, int] = {3: 1}
+DEFAULT_LEVEL_SINKS: dict[int, int] = {}
 MAX_TIERS = 8                    # spans per chunk at most (header validation)
 
 
@@ -1039,6 +1231,8 @@ def _code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
     L, Tq, H, D = k.shape
     P = cal.torch_params(lvl)
     keep = P["keep"]
+    if cal.group_layers:
+        return _code_rows_grouped(k, v, cal, P, pos0)
     syms, offs = [], []
     for kv, x in enumerate((k, v)):
         x = x.to(torch.float32)
@@ -1062,6 +1256,56 @@ def _code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
              "offset_v": offs[1], "entropy": es.header}, es, int(sym_a.size + sym_b.size))
 
 
+KVTC_GROUPED_FORMAT = 4          # chunks of a grouped calibration (layout "grouped")
+KVTC_GROUPED_LAYOUT = "grouped"
+
+
+def _group_features(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, pos0: int
+                    ) -> torch.Tensor:
+    """float32 [NG, Tr, Cg]: each layer group's features [K_l, V_l, ...] of rows k, v [L,
+    Tr, H, D] (keys rotated back by RoPE at positions pos0, ... for a pre-RoPE
+    calibration), zero-padded past a short last group."""
+    L, Tr, H, D = k.shape
+    C, G = H * D, cal.group_layers
+    kf = k.to(torch.float32)
+    if cal.key_space == "pre_rope" and Tr:
+        kf = undo_rope(kf, torch.arange(pos0, pos0 + Tr), cal.rope_theta)
+    X = torch.zeros((cal.num_groups, Tr, 2 * G * C), dtype=torch.float32)
+    for g in range(cal.num_groups):
+        for j, layer in enumerate(cal.group_layer_ids(g)):
+            X[g, :, 2 * j * C:(2 * j + 1) * C] = kf[layer].reshape(Tr, C)
+            X[g, :, (2 * j + 1) * C:(2 * j + 2) * C] = v[layer].reshape(Tr, C)
+    return X
+
+
+def _code_rows_grouped(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, P: dict,
+                       pos0: int) -> tuple[dict, Any, int]:
+    """``_code_rows`` of a grouped calibration (kvtc format 4, layout "grouped"): per layer
+    group, coefficients (x - mean) @ analysis / step rounded, |q| <= MAX_Q, symbol = q +
+    the group's offset (max |q|); the kept columns of all groups concatenated [Tr, S] and
+    split into two halves for ``codec.entropy.encode_symbols``. Header fields: layout,
+    n_kept (S), offsets (per group), entropy."""
+    from .entropy import encode_symbols
+
+    Tq = k.shape[1]
+    keep = P["keep"]
+    X = _group_features(k, v, cal, pos0)
+    coef = torch.bmm(X - P["mean"], P["basis"]) / P["step"]                 # [NG, Tq, n]
+    q = torch.round(coef) if cal.rounding == 0.5 else \
+        torch.floor(coef.abs() + cal.rounding).copysign_(coef)
+    q = q.clamp_(-MAX_Q, MAX_Q).to(torch.int16)
+    # a group's offset covers its kept columns only (dropped ones are never coded)
+    mask = torch.arange(q.shape[-1])[None, :] < torch.tensor(keep[0])[:, None]   # [NG, n]
+    off = (q.abs() * mask[:, None, :]).amax(dim=(1, 2)) if Tq else \
+        torch.zeros(len(keep[0]), dtype=torch.int16)
+    syms = (q + off[:, None, None]).to(torch.uint8).numpy()
+    offs = [int(o) for o in off]
+    sym_a, sym_b, nba, nbb = _kept_halves([syms, None], keep, [offs, []], Tq)
+    es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
+    return ({"layout": KVTC_GROUPED_LAYOUT, "n_kept": _n_kept(keep), "offsets": offs,
+             "entropy": es.header}, es, int(sym_a.size + sym_b.size))
+
+
 def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
                  lvl: int, P: dict, L: int, Tq: int) -> tuple[list, list]:
     """The symbols of Tq rows coded at ``lvl`` (header fields ``hdr``: layout, n_kept or
@@ -1071,6 +1315,12 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     from .entropy import decode_symbols
 
     keep = P["keep"]
+    layout = hdr.get("layout", _PADDED)
+    if (layout == KVTC_GROUPED_LAYOUT) != bool(cal.group_layers):
+        raise CodecError(f"kvtc: column layout {layout!r} does not match calibration "
+                         f"{cal.hash[:16]} (group_layers {cal.group_layers})")
+    if cal.group_layers:
+        return _decode_rows_grouped(hdr, ent_arrays, payload, cal, lvl, keep, Tq)
     offs = []
     for tag in ("k", "v"):
         o = hdr.get(f"offset_{tag}")
@@ -1082,7 +1332,6 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     ent = hdr.get("entropy")
     if not isinstance(ent, dict):
         raise CodecError("kvtc: missing entropy-coder header")
-    layout = hdr.get("layout", _PADDED)
     if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
         S = need_int(hdr, "n_kept", 0, 2 * L * cal.C)
         if S != _n_kept(keep):
@@ -1109,6 +1358,33 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     raise CodecError(f"kvtc: unknown column layout {layout!r} (this decoder reads "
                      f"{KVTC_LAYOUT!r} and, outside tail spans, the older padded layout, "
                      f"field absent)")
+
+
+def _decode_rows_grouped(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
+                         lvl: int, keep: list, Tq: int) -> tuple[list, list]:
+    """The symbols of Tq rows of a grouped calibration (layout "grouped"):
+    ([_KeptSymbols over the groups], [offsets per group]). Raises CodecError."""
+    from .codecs import need_int
+    from .entropy import decode_symbols
+
+    NG = cal.num_groups
+    o = hdr.get("offsets")
+    if not isinstance(o, list) or len(o) != NG or any(
+            isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_Q for x in o):
+        raise CodecError(f"kvtc: bad offsets in header (want {NG} ints in [0, {MAX_Q}])")
+    ent = hdr.get("entropy")
+    if not isinstance(ent, dict):
+        raise CodecError("kvtc: missing entropy-coder header")
+    S = need_int(hdr, "n_kept", 0, NG * 2 * cal.group_layers * cal.C)
+    if S != _n_kept(keep):
+        raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
+                         f"calibration keeps {_n_kept(keep)}")
+    half = max(1, (S + 1) // 2)
+    nba, nbb = _kept_nbins(keep, [o, []], half)
+    sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
+    if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
+        raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
+    return [_KeptSymbols(sa[0], sb[0], keep, 0)], [o]
 
 
 # Decode workers (Python threads running torch ops, which release the GIL): at most this
@@ -1430,6 +1706,12 @@ class KvtcCodec:
                 srcs, offs = _decode_rows(hdr, ent_arrays, pl, cal, lv, P, L, count)
                 if not count:
                     continue
+                if cal.group_layers:
+                    self._inverse_grouped(
+                        srcs[0], offs[0], P, cal, (L, count, H, D),
+                        start if cal.key_space == "pre_rope" else None,
+                        res[0][:, row:row + count], res[1][:, row:row + count])
+                    continue
                 for kv in (0, 1):
                     self._inverse(
                         srcs[kv], offs[kv], P, kv, (L, count, H, D),
@@ -1596,6 +1878,102 @@ class KvtcCodec:
             for f in futs:
                 f.result()
         return out
+
+    @staticmethod
+    def _inverse_grouped(sym: "_KeptSymbols", offs: list, P: dict, cal: KvtcCalibration,
+                         shape: tuple, rope_from: Optional[int], out_k: torch.Tensor,
+                         out_v: torch.Tensor) -> None:
+        """K and V [L, Tq, H, D] of a grouped calibration from the symbols of its layer
+        groups, written into ``out_k`` / ``out_v`` (views of the model-dtype result).
+
+        Per group g: x = (sym - off) @ B_s[:n_g] + mean, one ``addmm`` [Tq, n_g] x [n_g,
+        Cg] (bf16 with float32 accumulation for a bf16 destination on a CPU with bf16 dot
+        products, ``_bf16_gemm``; float32 otherwise), then each layer's V slice is copied
+        out and its K slice rotated by RoPE from ``rope_from`` (None = no RoPE; the same
+        numba kernels as ``_inverse``). Groups are split over ``_decode_pool()`` as
+        ``_inverse`` splits layers; each group's arithmetic is the same whatever the thread
+        count, so the result does not depend on it."""
+        L, Tq, H, D = shape
+        C = H * D
+        if L == 0 or Tq == 0:
+            return
+        NG, G = cal.num_groups, cal.group_layers
+        keep = P["keep"][0]
+        basis = P["basis_ts"]                                              # [NG, n, Cg]
+        n, Cg = basis.shape[1], basis.shape[2]
+        rope = rope_from is not None
+        bf16 = out_k.dtype == torch.bfloat16 and out_v.dtype == torch.bfloat16 and \
+            _bf16_gemm()
+        if bf16:
+            if "basis_ts_bf16" not in P:
+                P["basis_ts_bf16"] = P["basis_ts"].to(torch.bfloat16)
+                P["mean_bf16"] = P["mean"][:, 0].to(torch.bfloat16)
+            basis_h, mean_h = P["basis_ts_bf16"], P["mean_bf16"]
+        else:
+            offt = torch.tensor(offs, dtype=torch.float32)
+            bias = P["mean"][:, 0] - offt[:, None] * P["colsum"]              # [NG, Cg]
+        kern = _rope_kernel() if rope else None
+        kern16 = _rope_bf16_kernel() if (bf16 and rope and kern is not None) else None
+        if rope:
+            cos_full, sin_signed, cos_np, sin_np = _rope_tables(rope_from, Tq, D,
+                                                                cal.rope_theta)
+        h = D // 2
+
+        def groups(idx) -> None:
+            with torch.inference_mode():
+                _groups(idx)
+
+        def _groups(idx) -> None:
+            xb = torch.empty((Tq, Cg), dtype=torch.bfloat16 if bf16 else torch.float32)
+            qb = torch.empty((Tq, n), dtype=torch.bfloat16 if bf16 else torch.float32)
+            q16 = torch.empty((Tq, n), dtype=torch.int16) if bf16 else None
+            kb = torch.empty((Tq, C), dtype=xb.dtype) if rope else None
+            kf = torch.empty((Tq, C), dtype=torch.float32) if rope else None
+            for g in idx:
+                nl = keep[g]
+                if nl:
+                    if bf16:
+                        q, qi = qb[:, :nl], q16[:, :nl]
+                        for lo, hi, src in sym.pieces(g):
+                            qi[:, lo:hi].copy_(src)
+                        qi -= offs[g]              # exact integers, exact in bf16
+                        q.copy_(qi)
+                        torch.addmm(mean_h[g], q, basis_h[g, :nl], out=xb)
+                    else:
+                        q = qb[:, :nl]
+                        for lo, hi, src in sym.pieces(g):
+                            q[:, lo:hi].copy_(src)
+                        torch.addmm(bias[g], q, basis[g, :nl], out=xb)
+                else:
+                    xb.copy_((mean_h[g] if bf16 else P["mean"][g, 0]).expand(Tq, Cg))
+                for j, layer in enumerate(cal.group_layer_ids(g)):
+                    ks = xb[:, 2 * j * C:(2 * j + 1) * C]
+                    out_v[layer].view(Tq, C).copy_(xb[:, (2 * j + 1) * C:(2 * j + 2) * C])
+                    ok = out_k[layer]
+                    if not rope:
+                        ok.view(Tq, C).copy_(ks)
+                        continue
+                    if kern16 is not None and ok.is_contiguous():
+                        kb.copy_(ks)
+                        kern16(kb.view(torch.int16).numpy().view(np.uint16).reshape(Tq, H, D),
+                               ok.view(torch.int16).numpy().view(np.uint16), cos_np, sin_np)
+                        continue
+                    kf.copy_(ks)
+                    if kern is not None:
+                        kern(kf.numpy().reshape(Tq, H, D), cos_np, sin_np)
+                        ok.copy_(kf.view(Tq, H, D))
+                    else:
+                        xv = kf.view(Tq, H, D)
+                        ok.copy_(xv * cos_full + xv.roll(h, dims=-1) * sin_signed)
+
+        workers = min(NG, _decode_workers())
+        if workers == 1:
+            groups(range(NG))
+        else:
+            futs = [_decode_pool().submit(groups, range(w, NG, workers))
+                    for w in range(workers)]
+            for f in futs:
+                f.result()
 
     @staticmethod
     def _inverse_ref(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,

@@ -42,7 +42,7 @@ DEFAULT_SETTINGS = {"windows": 4, "window_tokens": 1024, "sensitivity_tokens": 5
                     "per_head": False, "weighting": "sensitivity", "sink_tokens": 4,
                     "recent_tokens": 0, "default_level": 4, "centroid": False,
                     "rounding": 0.5, "sensitivity_batch": 12, "metric": "whitened",
-                    "metric_power": 1.0}
+                    "metric_power": 1.0, "group_layers": 2}
 
 
 def rope_theta_of(bundle) -> float | None:
@@ -283,7 +283,7 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
               centroid: bool = False, rounding: float = 0.5, sensitivity_batch: int = 12,
               metric: str = "none", metric_power: float = 1.0,
               level_targets: dict | None = None, key_water: dict | None = None,
-              data_name: str = "", log=print):
+              group_layers: int = 0, data_name: str = "", log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
     is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
@@ -300,6 +300,9 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     ``level_targets``: level -> bits per element (None = the codec's defaults).
     ``key_water``: level -> factor on the keys' water level (None = the codec's
     ``DEFAULT_KEY_WATER`` with the default targets, else none).
+    ``group_layers``: G > 0 = one joint basis for the K and V of G consecutive layers
+    (``codec.kvtc.fit_calibration(group_layers=)``, kvtc format 4, docs/codec.md 8.8; the
+    default calibration uses 2); needs ``metric`` "whitened" or "none".
     Raises ExtractionError."""
     from codec import kvtc
 
@@ -310,6 +313,12 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
         log("[calibrate] model RoPE is not plain rotate-half: decorrelating keys after RoPE")
     if metric not in ("whitened", "weights", "none"):
         raise ExtractionError(f"metric must be whitened, weights or none, got {metric!r}")
+    if isinstance(group_layers, bool) or not isinstance(group_layers, int) or \
+            group_layers < 0:
+        raise ExtractionError(f"group_layers must be an int >= 0, got {group_layers!r}")
+    if group_layers and (metric == "weights" or per_head or centroid):
+        raise ExtractionError("group_layers needs metric whitened or none, no per-head "
+                              "bases and no centroid offsets")
     if metric != "none":
         try:
             _attn_modules(bundle)
@@ -343,6 +352,9 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
     meta = {"model_id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
             "data": data_name, "windows": windows, "window_tokens": window_tokens,
             **({"metric": metric, "metric_power": metric_power} if metric != "none" else {})}
+    if group_layers > k.shape[0]:
+        raise ExtractionError(f"group_layers {group_layers} exceeds the model's "
+                              f"{k.shape[0]} layers")
     t0 = time.perf_counter()
     cal = kvtc.fit_calibration(k, v, positions=pos, rope_theta=theta, per_head=per_head,
                                weighting=weighting, sink_tokens=sink_tokens,
@@ -353,7 +365,9 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
                                whiten=metric == "whitened",
                                level_targets=level_targets,
                                key_water=(kvtc.DEFAULT_KEY_WATER if level_targets is None
-                                          else None) if key_water is None else key_water,
+                                          and not group_layers else None)
+                               if key_water is None else key_water,
+                               group_layers=group_layers,
                                progress=lambda s: log(f"[calibrate] {s}"))
     log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
     return cal
@@ -417,7 +431,7 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
                         default_level=s["default_level"], centroid=s["centroid"],
                         rounding=s["rounding"], sensitivity_batch=s["sensitivity_batch"],
                         metric=s["metric"], metric_power=s["metric_power"],
-                        data_name=data_name, log=log)
+                        group_layers=s["group_layers"], data_name=data_name, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,
@@ -467,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default %(default)s)")
     ap.add_argument("--metric-power", type=float, default=DEFAULT_SETTINGS["metric_power"],
                     help="exponent of the metric, in [0, 2] (default %(default)s)")
+    ap.add_argument("--group-layers", type=int, default=DEFAULT_SETTINGS["group_layers"],
+                    help="one joint basis for the K and V of this many consecutive layers "
+                         "(0 = one basis per K/V and layer; default %(default)s; "
+                         "docs/codec.md 8.8)")
     ap.add_argument("--rounding", type=float, default=DEFAULT_SETTINGS["rounding"],
                     help="encoder quantizer q = sign(u) floor(|u| + ROUNDING), in (0, 0.5]; "
                          "below 0.5 = dead zone (default %(default)s)")
@@ -492,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ExtractionError("--metric-power must be in [0, 2]")
         if not 0.0 < args.rounding <= 0.5:
             raise ExtractionError("--rounding must be in (0, 0.5]")
+        if args.group_layers < 0:
+            raise ExtractionError("--group-layers must be >= 0")
+        if args.group_layers and (args.metric == "weights" or args.per_head or args.centroid):
+            raise ExtractionError("--group-layers needs --metric whitened or none, no "
+                                  "--per-head and no --centroid (or --group-layers 0)")
         t0 = time.perf_counter()
         bundle = load_model(args.model)
         if args.default:
@@ -510,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                             sensitivity_tokens=args.sensitivity_tokens,
                             centroid=args.centroid, rounding=args.rounding,
                             sensitivity_batch=args.sensitivity_batch, metric=args.metric,
-                            metric_power=args.metric_power, data_name=name)
+                            metric_power=args.metric_power,
+                            group_layers=args.group_layers, data_name=name)
             path = cal.save(args.out if args.out else _mkdir(kvtc.default_calibration_dir()))
         print(f"[calibrate] wrote {path} in {time.perf_counter() - t0:.1f} s")
         return 0

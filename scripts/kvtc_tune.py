@@ -138,6 +138,8 @@ def main() -> int:
                 p = float(part[5:] or 1.0)
                 kw["metric"] = (np.broadcast_to(np.eye(mk.shape[-1]), mk.shape).copy(), mv)
                 kw["metric_power"] = p
+            elif part.startswith("grp"):               # grpG: joint basis of G layers' K+V
+                kw["group_layers"] = int(part[3:])
             elif part == "relw":
                 kw["weighting"] = "relative"
             elif part.startswith("kw"):     # kw<levels>x<S>: key_water, e.g. kw24x2
