@@ -276,9 +276,12 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
             layer_rows.append({"mode": name, "level": level, "layer": layer, "kv": kv,
                                "rel_l2": vals[layer]})
     n_el, by = tot["elements"], tot["bytes"]
+    # the calibration artifact a codec names in its headers (kvtc), so a row says which
+    calib = (api.peek_header(chunks[0]).get("config") or {}).get("calibration")
     row = {
         "codec": name, "level": level,
         "label": name if level is None else f"{name}-l{level}",
+        **({"calibration": calib} if isinstance(calib, str) else {}),
         "contexts": len(ctxs), "tokens": int(ctxs[0]["k"].shape[1]),
         "chunk_tokens": args.chunk_tokens,
         "bytes": by / len(ctxs),

@@ -296,3 +296,28 @@ def test_grouped_fit_option_checks():
                {"group_layers": 2, "key_water": {4: 2.0}}):
         with pytest.raises(ValueError):
             kvtc.fit_calibration(k, v, **kw)
+
+
+@pytest.mark.parametrize("argv", [["--group-layers", "-1"],
+                                  ["--group-layers", "2", "--per-head"],
+                                  ["--group-layers", "2", "--metric", "weights"],
+                                  ["--group-layers", "2", "--centroid"]])
+def test_calibrate_cli_refuses_bad_grouping_before_loading(argv, capsys, monkeypatch):
+    from kv_extraction_hf import calibrate, model
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded for a bad flag")
+
+    monkeypatch.setattr(model, "load_model", no_load)
+    assert calibrate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --group-layers")
+
+
+def test_default_settings_are_grouped():
+    from kv_extraction_hf.calibrate import DEFAULT_SETTINGS
+
+    assert DEFAULT_SETTINGS["group_layers"] == 2 and DEFAULT_SETTINGS["metric"] == "whitened"
+    assert kvtc.DEFAULT_LEVEL_TIERS == {} and kvtc.DEFAULT_KEY_WATER == {}
+    t = kvtc.DEFAULT_LEVEL_TARGETS
+    assert [t[lv] for lv in sorted(t)] == sorted(t.values())    # more bits at higher levels
