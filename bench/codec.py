@@ -401,9 +401,12 @@ def prepare_kvtc(args, bundle, log) -> Optional[str]:
     fitted on WikiText-2 validation on first use, then cached). ``--quick``: a calibration
     fitted on synthetic KV of another seed than the measured contexts (never on them).
     ``--kv`` without the model: None, the codec picks the cached artifact of the KV's shape
-    (an error names the missing one)."""
+    (the default calibration's first; an error names the missing one).
+    ``--kvtc-calibration FILE``: that artifact, whatever else applies."""
     from codec import kvtc
 
+    if getattr(args, "kvtc_calibration", None):
+        return kvtc.register_calibration(args.kvtc_calibration)
     if bundle is not None:
         from kv_extraction_hf.calibrate import default_calibration
 
@@ -471,6 +474,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv", nargs="+", help="KV dumps (python -m kv_extraction_hf); with the "
                     "model loaded, their continuation_ids give perplexity")
     ap.add_argument("--no-model", action="store_true", help="do not load a model (no ppl)")
+    ap.add_argument("--kvtc-calibration", default=None, metavar="FILE",
+                    help="kvtc calibration artifact for the kvtc rows (python -m "
+                         "kv_extraction_hf.calibrate --out FILE); default: the model's "
+                         "default calibration")
     ap.add_argument("--model", default=None, help="model spec for kv_extraction_hf.load_model "
                     "(default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--task", default="pydoc_ppl", help="prompt task (default pydoc_ppl: "

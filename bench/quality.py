@@ -768,12 +768,28 @@ def environment() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print) -> dict:
+def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print,
+                 user=None, user_path: Optional[Path] = None) -> dict:
     """Make the KVTC codec usable: its default calibration for ``bundle``'s model, fitted on
     WikiText-2 VALIDATION (never on the test split evaluated here) by
     ``kv_extraction_hf.calibrate.default_calibration`` (cached after the first fit) and
-    registered. Returns a record (path, sha256 of the artifact, calibration text source) or
-    ``{"error": ...}``; a failure only means the kvtc rows are skipped."""
+    registered; or ``user``, a loaded ``codec.kvtc.KvtcCalibration`` (``--kvtc-calibration``),
+    registered last so the kvtc rows encode with it. Returns a record (path name, sha256 of
+    the artifact file, ``hash`` = the calibration hash the chunks' headers name, ``source``,
+    ``group_layers``, calibration text source) or ``{"error": ...}``; a failure only means
+    the kvtc rows are skipped."""
+    if user is not None:
+        from codec import kvtc
+        from kv_extraction_hf.model import sha256_file
+
+        if (user.num_layers, user.num_heads, user.head_dim) != (
+                bundle.info.num_layers, bundle.info.num_kv_heads, bundle.info.head_dim):
+            raise QualityError(f"--kvtc-calibration {user.hash[:16]} is for L={user.num_layers}, "
+                               f"H={user.num_heads}, D={user.head_dim}, not this model")
+        kvtc.register_calibration(user)
+        return {"path_name": Path(user_path).name, "sha256": sha256_file(user_path),
+                "hash": user.hash, "source": "--kvtc-calibration",
+                "group_layers": int(user.group_layers), "data": user.meta.get("data", "")}
     try:
         from kv_extraction_hf.calibrate import default_calibration
         from kv_extraction_hf.model import sha256_file
@@ -782,7 +798,12 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
         valid = load_wikitext2_split("valid", None if data_path is None else data_path)
         path = default_calibration(bundle, text=valid.text, data_name=f"WikiText-2 valid ({valid.sha256[:12]})",
                                    log=lambda m: None)
-        return {"path_name": Path(path).name, "sha256": sha256_file(path), "data": valid.record()}
+        from codec import kvtc
+
+        cal = kvtc.get_calibration(Path(path).stem)
+        return {"path_name": Path(path).name, "sha256": sha256_file(path), "hash": cal.hash,
+                "source": "default", "group_layers": int(cal.group_layers),
+                "data": valid.record()}
     except Exception as exc:  # noqa: BLE001 - kvtc is optional here
         reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         log(f"kvtc calibration unavailable ({reason}): kvtc rows will be skipped")
@@ -805,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "answer, Wilson 95% CIs). Default: 32 windows x (2048 + 256) tokens for every registered "
                     "codec and level (continuations of --batch codecs per forward), then 60 task requests (30 "
                     "needle 1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
-                    + ". The committed default run took 17.9 min on 2 quiet cores (2026-12-01; "
+                    + ". The committed default run took 16.7 min on 2 quiet cores (2026-12-01; "
                     "docs/codec.md section 5b). --quick: "
                     "a smoke run, 4 windows x (512 + 128) tokens + 4 requests of 512-1024 tokens.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -831,6 +852,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "codec's logits are those of its own batch-1 forward, bit for bit; 1 = one forward "
                         "per codec, least memory)")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--kvtc-calibration", type=Path, default=None, metavar="FILE",
+                   help="a kvtc calibration artifact to measure (python -m kv_extraction_hf.calibrate "
+                        "--out FILE) instead of the model's default calibration")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (default benchmarks/quality.json)")
     p.add_argument("--tasks", action="store_true", help=argparse.SUPPRESS)   # tasks are measured by default now
     p.add_argument("--no-tasks", action="store_true", help="skip the task answers (text fidelity only)")
@@ -917,6 +941,15 @@ def _main(args, argv: list[str]) -> int:
     batch = _positive("--batch", args.batch)
     codec_workers = _positive("--codec-workers", args.codec_workers)
     pairs = parse_codec_spec(args.codecs)
+    user_cal = None
+    if args.kvtc_calibration is not None:      # checked before the model loads
+        from codec import kvtc as _kvtc
+        from codec.errors import CodecError
+
+        try:
+            user_cal = _kvtc.load_calibration(args.kvtc_calibration)
+        except CodecError as exc:
+            raise QualityError(f"--kvtc-calibration: {exc}") from None
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
     do_tasks = not args.no_tasks
@@ -947,7 +980,11 @@ def _main(args, argv: list[str]) -> int:
                   "dtype": bundle.info.dtype, "num_layers": bundle.info.num_layers},
         "environment": environment()})
     if any(name == "kvtc" for name, _ in pairs + task_pairs):
-        doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path)
+        doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path, user=user_cal,
+                                               user_path=args.kvtc_calibration)
+        cal_rec = doc["kvtc_calibration"]
+        if "hash" in cal_rec:
+            print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
     if wt is not None:
         print(f"data: WikiText-2 {wt.split} from {wt.source} ({wt.location}), sha256 {wt.sha256}")
         ids = bundle.tokenizer(wt.text)["input_ids"]

@@ -302,10 +302,11 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
       k, v: [L, T, H, D] (layers, tokens, KV heads, head_dim), float16/bfloat16/float32,
         finite, any device.
       codec: a name in ``codec.CODECS`` (raw, fp8, quant8, kivi2, kivi4, cachegen,
-        cachegen-ref).
+        cachegen-ref, kvtc).
       level: the codec's level (None = its default, ``resolve_level``: cachegen 1 of
-        0-5, cachegen-ref 0 of 0-3); must be None for codecs without levels.
-      config: explicit CodecConfig for cachegen codecs (overrides the level preset).
+        0-5, cachegen-ref 0 of 0-3, kvtc 4 of 0-5); must be None for codecs without levels.
+      config: explicit CodecConfig for cachegen codecs (overrides the level preset), or a
+        ``codec.kvtc.KvtcConfig`` for kvtc (its calibration, sinks, tiers).
       backend: "auto" (default: Triton when k is on CUDA and Triton is usable, else CPU),
         "cpu" (copies to the host) or "triton" (the Triton kernels of
         ``codec.triton_kernels``, on k's device). Same bytes either way. Only cachegen

@@ -489,11 +489,25 @@ def _find_for_shape(L: int, H: int, D: int) -> KvtcCalibration:
     if cands:
         return cands[-1]
     folder = default_calibration_dir()
-    if folder.is_dir():      # newest matching artifact in the cache folder
+    if folder.is_dir():      # a default calibration of the folder, else the newest artifact
         from safetensors import safe_open
 
-        for p in sorted(folder.glob("*.safetensors"), key=lambda q: q.stat().st_mtime,
-                        reverse=True):
+        # artifacts named by a default-calibration index (``default-<key>.json``, written
+        # by the model-side calibration tool), newest index first, before any other: a
+        # calibration a user fitted into the same folder never replaces the default
+        # silently (register it, or pass KvtcConfig(calibration=...), to use it)
+        named = []
+        for idx in sorted(folder.glob("default-*.json"), key=lambda q: q.stat().st_mtime,
+                          reverse=True):
+            try:
+                h = json.loads(idx.read_text()).get("hash")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(h, str) and _HASH_RE.match(h) and (folder / f"{h}.safetensors").is_file():
+                named.append(folder / f"{h}.safetensors")
+        rest = sorted(folder.glob("*.safetensors"), key=lambda q: q.stat().st_mtime,
+                      reverse=True)
+        for p in named + [q for q in rest if q not in named]:
             if not _HASH_RE.match(p.stem):
                 continue
             try:
@@ -1727,7 +1741,9 @@ class KvtcCodec:
         own sink count (``DEFAULT_LEVEL_SINKS``, when it has one), so that a store entry of
         an older format or an older level table is never served.
         ``level``: None = the default level; ``config``: a KvtcConfig whose ``tiers``
-        overrides the table."""
+        overrides the table. It sees no calibration: a grouped calibration's chunks (format
+        4) get the same 2 or 3; the calibration hash, which the store's entry identity
+        holds and every chunk header names, tells them apart."""
         lvl = DEFAULT_LEVEL if level is None else level
         if config is not None and getattr(config, "level", None) is not None:
             lvl = config.level

@@ -276,16 +276,24 @@ def metric_from_stats(qe, wo, bundle, pre_rope: bool = True):
     return mk, mv
 
 
-def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
-              key_space: str = "pre_rope", per_head: bool = False,
-              weighting: str = "relative", sink_tokens: int = 4, recent_tokens: int = 0,
-              sensitivity_tokens: int = 512, default_level: int | None = None,
-              centroid: bool = False, rounding: float = 0.5, sensitivity_batch: int = 12,
-              metric: str = "none", metric_power: float = 1.0,
+def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
+              window_tokens: int = DEFAULT_SETTINGS["window_tokens"],
+              key_space: str = DEFAULT_SETTINGS["key_space"], per_head: bool = False,
+              weighting: str = DEFAULT_SETTINGS["weighting"],
+              sink_tokens: int = DEFAULT_SETTINGS["sink_tokens"],
+              recent_tokens: int = DEFAULT_SETTINGS["recent_tokens"],
+              sensitivity_tokens: int = DEFAULT_SETTINGS["sensitivity_tokens"],
+              default_level: int | None = None, centroid: bool = False,
+              rounding: float = DEFAULT_SETTINGS["rounding"],
+              sensitivity_batch: int = DEFAULT_SETTINGS["sensitivity_batch"],
+              metric: str = DEFAULT_SETTINGS["metric"],
+              metric_power: float = DEFAULT_SETTINGS["metric_power"],
               level_targets: dict | None = None, key_water: dict | None = None,
-              group_layers: int = 0, data_name: str = "", log=print):
+              group_layers: int = DEFAULT_SETTINGS["group_layers"], data_name: str = "",
+              log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
-    ``text``. ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
+    ``text``. The defaults are ``DEFAULT_SETTINGS`` (those of the command line and of the
+    cached default calibration). ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
     is not the plain rotate-half kind) or "post_rope". ``weighting``: "sensitivity"
     (per-(K/V, layer) water levels from ``measure_sensitivity`` on the first
     ``sensitivity_tokens`` tokens), or "relative" / "absolute" (see
@@ -317,8 +325,12 @@ def calibrate(bundle, text: str, *, windows: int = 8, window_tokens: int = 1024,
             group_layers < 0:
         raise ExtractionError(f"group_layers must be an int >= 0, got {group_layers!r}")
     if group_layers and (metric == "weights" or per_head or centroid):
-        raise ExtractionError("group_layers needs metric whitened or none, no per-head "
-                              "bases and no centroid offsets")
+        raise ExtractionError("per-head bases, centroid offsets and metric 'weights' need "
+                              f"group_layers=0 (got {group_layers})")
+    n_layers = getattr(bundle.model.config, "num_hidden_layers", None)
+    if isinstance(n_layers, int) and group_layers > n_layers:
+        raise ExtractionError(f"group_layers {group_layers} exceeds the model's {n_layers} "
+                              f"layers")
     if metric != "none":
         try:
             _attn_modules(bundle)
@@ -513,12 +525,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.group_layers < 0:
             raise ExtractionError("--group-layers must be >= 0")
         if args.group_layers and (args.metric == "weights" or args.per_head or args.centroid):
-            raise ExtractionError("--group-layers needs --metric whitened or none, no "
-                                  "--per-head and no --centroid (or --group-layers 0)")
+            bad = ", ".join(f for f, on in (("--per-head", args.per_head),
+                                            ("--centroid", args.centroid),
+                                            ("--metric weights", args.metric == "weights"))
+                            if on)
+            raise ExtractionError(f"{bad} needs --group-layers 0 (one basis per K/V and "
+                                  f"layer; the default is --group-layers "
+                                  f"{DEFAULT_SETTINGS['group_layers']})")
         t0 = time.perf_counter()
         bundle = load_model(args.model)
+        n_layers = getattr(bundle.model.config, "num_hidden_layers", None)
+        if isinstance(n_layers, int) and args.group_layers > n_layers:
+            raise ExtractionError(f"--group-layers {args.group_layers} exceeds the model's "
+                                  f"{n_layers} layers")
         if args.default:
+            fresh = not _default_index(bundle).is_file()
             path = default_calibration(bundle)
+            print(f"[calibrate] default calibration {'written to' if fresh else 'cached at'} "
+                  f"{path} ({time.perf_counter() - t0:.1f} s)")
+            return 0
         else:
             if args.data:
                 p = Path(args.data)
@@ -541,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ExtractionError, CodecError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _default_index(bundle) -> Path:
+    """The default calibration's index file for ``bundle``'s model (may not exist)."""
+    from kv_extraction_hf.model import cache_dir
+
+    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS)
+    return cache_dir() / "kvtc" / f"default-{key}.json"
 
 
 def _mkdir(p: Path) -> Path:

@@ -311,7 +311,8 @@ def test_calibrate_cli_refuses_bad_grouping_before_loading(argv, capsys, monkeyp
     monkeypatch.setattr(model, "load_model", no_load)
     assert calibrate.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --group-layers")
+    assert len(err) == 1 and err[0].startswith("error: --")
+    assert "--group-layers" in err[0]
 
 
 def test_default_settings_are_grouped():
@@ -321,3 +322,54 @@ def test_default_settings_are_grouped():
     assert kvtc.DEFAULT_LEVEL_TIERS == {} and kvtc.DEFAULT_KEY_WATER == {}
     t = kvtc.DEFAULT_LEVEL_TARGETS
     assert [t[lv] for lv in sorted(t)] == sorted(t.values())    # more bits at higher levels
+
+
+def test_cache_folder_prefers_the_default_calibration(tmp_path, monkeypatch):
+    # a calibration a user fits into the cache folder must not replace the default one
+    # that a default-<key>.json index names, even when it is newer
+    import os
+    import time
+
+    monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    folder = tmp_path / "kvtc"
+    dflt = _fit(G=2, meta={"which": "default"})
+    mine = _fit(G=0, meta={"which": "mine"})
+    folder.mkdir(parents=True)
+    p_d = dflt.save(folder)
+    (folder / "default-abc.json").write_text('{"hash": "%s"}' % dflt.hash)
+    time.sleep(0.01)
+    p_m = mine.save(folder)
+    os.utime(p_m, (time.time() + 10, time.time() + 10))       # clearly the newest file
+    assert p_d.is_file() and p_m.is_file()
+    k, v = _kv(4, 12, 2, 8, 71)
+    data = codec.encode_kv(k, v, codec="kvtc")
+    assert codec.peek_header(data)["config"]["calibration"] == dflt.hash
+    # without an index: the newest artifact of the shape, as before
+    (folder / "default-abc.json").unlink()
+    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    data = codec.encode_kv(k, v, codec="kvtc")
+    assert codec.peek_header(data)["config"]["calibration"] == mine.hash
+    # a broken index is skipped
+    (folder / "default-zzz.json").write_text("not json")
+    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    assert codec.peek_header(codec.encode_kv(k, v, codec="kvtc"))["config"]["calibration"] \
+        == mine.hash
+
+
+@pytest.mark.parametrize("bad", ["missing.safetensors", "notacal.safetensors"])
+def test_quality_bench_refuses_a_bad_kvtc_calibration_before_loading(bad, tmp_path, capsys,
+                                                                    monkeypatch):
+    from bench import quality
+    from kv_extraction_hf import model
+
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("model loaded")))
+    p = tmp_path / bad
+    if bad.startswith("notacal"):
+        p.write_bytes(b"\x00" * 64)
+    rc = quality.main(["--quick", "--no-tasks", "--kvtc-calibration", str(p),
+                       "--out", str(tmp_path / "q.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--kvtc-calibration" in err[0]
+    assert not (tmp_path / "q.json").exists()

@@ -115,12 +115,12 @@ def test_calibrate_with_the_whitened_metric(default_bundle, fixtures_dir):
     assert all(not m._forward_hooks for m in mods)                  # hooks removed
     cal = calibrate(default_bundle, text, windows=1, window_tokens=96, weighting="relative",
                     metric="whitened", level_targets={0: 1.0, 1: 2.0}, default_level=1,
-                    log=lambda s: None)
+                    group_layers=0, log=lambda s: None)
     assert cal.analysis is not None and cal.meta["metric"] == "whitened"
     eye = np.einsum("klci,klcj->klij", cal.basis.astype(np.float64),
                     cal.analysis.astype(np.float64))
     np.testing.assert_allclose(eye, np.broadcast_to(np.eye(cal.C), eye.shape), atol=1e-3)
     plain = calibrate(default_bundle, text, windows=1, window_tokens=96, weighting="relative",
                       metric="none", level_targets={0: 1.0, 1: 2.0}, default_level=1,
-                      log=lambda s: None)
+                      group_layers=0, log=lambda s: None)
     assert plain.analysis is None and "metric" not in plain.meta
