@@ -466,15 +466,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "cache folder, <cache>/kvtc/<hash>.safetensors)")
     ap.add_argument("--default", action="store_true", help="make (or show) the model's "
                     "cached default calibration instead")
-    ap.add_argument("--windows", type=int, default=DEFAULT_SETTINGS["windows"])
-    ap.add_argument("--window-tokens", type=int, default=DEFAULT_SETTINGS["window_tokens"])
+    ap.add_argument("--windows", type=int, default=DEFAULT_SETTINGS["windows"],
+                    help="calibration windows prefilled (default %(default)s)")
+    ap.add_argument("--window-tokens", type=int, default=DEFAULT_SETTINGS["window_tokens"],
+                    help="tokens per calibration window (default %(default)s)")
     ap.add_argument("--key-space", choices=("pre_rope", "post_rope"),
-                    default=DEFAULT_SETTINGS["key_space"])
+                    default=DEFAULT_SETTINGS["key_space"],
+                    help="decorrelate keys before or after rotary position embedding "
+                         "(default %(default)s; docs/codec.md 8.1)")
     ap.add_argument("--per-head", action="store_true", help="block-diagonal per-head bases")
     ap.add_argument("--weighting", choices=("sensitivity", "relative", "absolute"),
                     default=DEFAULT_SETTINGS["weighting"])
-    ap.add_argument("--sink-tokens", type=int, default=DEFAULT_SETTINGS["sink_tokens"])
-    ap.add_argument("--recent-tokens", type=int, default=DEFAULT_SETTINGS["recent_tokens"])
+    ap.add_argument("--sink-tokens", type=int, default=DEFAULT_SETTINGS["sink_tokens"],
+                    help="first tokens of a context stored exactly (attention sinks; "
+                         "default %(default)s)")
+    ap.add_argument("--recent-tokens", type=int, default=DEFAULT_SETTINGS["recent_tokens"],
+                    help="last tokens of a context stored exactly (default %(default)s)")
     ap.add_argument("--sensitivity-tokens", type=int,
                     default=DEFAULT_SETTINGS["sensitivity_tokens"],
                     help="tokens of the window used to measure per-layer sensitivity")
