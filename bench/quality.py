@@ -826,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "answer, Wilson 95% CIs). Default: 32 windows x (2048 + 256) tokens for every registered "
                     "codec and level (continuations of --batch codecs per forward), then 60 task requests (30 "
                     "needle 1K-4K tokens, 30 topic retrieval 512 tokens) for " + DEFAULT_TASK_CODECS
-                    + ". The committed default run took 16.7 min on 2 quiet cores (2026-12-01; "
+                    + ". The committed default run took 17.8 min on 2 quiet cores (2026-12-01; "
                     "docs/codec.md section 5b). --quick: "
                     "a smoke run, 4 windows x (512 + 128) tokens + 4 requests of 512-1024 tokens.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
