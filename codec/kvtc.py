@@ -1552,6 +1552,19 @@ def _decode_pool():
     return _POOL
 
 
+def _split_over_workers(fn, n: int) -> None:
+    """Run ``fn(idx)`` over the items 0..n-1: in the calling thread with one worker
+    (``_decode_workers()``), else item w, w + W, ... on worker w of ``_decode_pool()``
+    (each item's arithmetic is the same either way). Re-raises a worker's exception."""
+    workers = min(n, _decode_workers())
+    if workers <= 1:
+        fn(range(n))
+        return
+    futs = [_decode_pool().submit(fn, range(w, n, workers)) for w in range(workers)]
+    for f in futs:
+        f.result()
+
+
 class KvtcCodec:
     """The ``kvtc`` codec behind ``codec.api`` (see the module docstring).
 
@@ -1885,14 +1898,7 @@ class KvtcCodec:
                     xv = xv * cos_full + xv.roll(h, dims=-1) * sin_signed
                 out[layer].copy_(xv)
 
-        workers = min(L, _decode_workers())
-        if workers == 1:
-            layers(range(L))
-        else:
-            futs = [_decode_pool().submit(layers, range(w, L, workers))
-                    for w in range(workers)]
-            for f in futs:
-                f.result()
+        _split_over_workers(layers, L)
         return out
 
     @staticmethod
@@ -1982,14 +1988,7 @@ class KvtcCodec:
                         xv = kf.view(Tq, H, D)
                         ok.copy_(xv * cos_full + xv.roll(h, dims=-1) * sin_signed)
 
-        workers = min(NG, _decode_workers())
-        if workers == 1:
-            groups(range(NG))
-        else:
-            futs = [_decode_pool().submit(groups, range(w, NG, workers))
-                    for w in range(workers)]
-            for f in futs:
-                f.result()
+        _split_over_workers(groups, NG)
 
     @staticmethod
     def _inverse_ref(sym: np.ndarray, offs: list, P: dict, kv: int, shape: tuple,

@@ -127,28 +127,38 @@ def test_inverse_transform_matches_float64_reference(cal, threads, monkeypatch):
 
 
 # --------------------------------------------------------------------------- round trip
+def round_trip_levels(cal, k, v, config, sinks=4):
+    """Encode + decode k, v [L, T, H, D] with kvtc at every level of ``cal``: checks the
+    dtype and shapes, the exact sink tokens and the size bounds (below the raw dtype size,
+    above the exact sinks alone) and that sizes grow with the level. Returns (containers,
+    relative errors K + V) per level."""
+    datas, errs = [], []
+    L, _, H, D = k.shape
+    for lv in cal.levels:
+        data = codec.encode_kv(k, v, codec="kvtc", level=lv, config=config)
+        k2, v2 = codec.decode_kv(data)
+        assert k2.dtype == k.dtype and k2.shape == k.shape and v2.shape == v.shape
+        assert torch.equal(k2[:, :sinks], k[:, :sinks]) and torch.equal(v2[:, :sinks], v[:, :sinks])
+        errs.append(_relerr(k2, k) + _relerr(v2, v))
+        raw = 2 * k.numel() * k.element_size()
+        assert 2 * L * sinks * H * D * k.element_size() < len(data) < raw
+        datas.append(data)
+    sizes = [len(d) for d in datas]
+    assert sizes == sorted(sizes)                 # more bits at higher levels
+    return datas, errs
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_trip_random(cal, dtype):
     k = _correlated(3, 200, 2, 8, 11).to(dtype)
     v = _correlated(3, 200, 2, 8, 12).to(dtype)
-    errs, sizes = [], []
     # the plain levels (a tiered level's tail spans and own sink count: test_kvtc_tiers.py)
     plain = kvtc.KvtcConfig(tiers=(), sink_tokens=4)
-    for lv in cal.levels:
-        data = codec.encode_kv(k, v, codec="kvtc", level=lv, config=plain)
+    datas, errs = round_trip_levels(cal, k, v, plain)
+    for lv, data in zip(cal.levels, datas):
         h = codec.peek_header(data)
         assert h["codec"] == "kvtc" and h["level"] == lv and h["bytes"] == len(data)
         assert h["config"]["calibration"] == cal.hash
-        k2, v2 = codec.decode_kv(data)
-        assert k2.dtype == dtype and k2.shape == k.shape and v2.shape == v.shape
-        # attention sinks exact
-        assert torch.equal(k2[:, :4], k[:, :4]) and torch.equal(v2[:, :4], v[:, :4])
-        errs.append(_relerr(k2, k) + _relerr(v2, v))
-        sizes.append(len(data))
-        # size bounds: below the raw dtype size, above the exact sink tokens alone
-        raw = 2 * k.numel() * k.element_size()
-        assert 2 * 3 * 4 * 16 * k.element_size() < len(data) < raw
-    assert sizes == sorted(sizes)                 # more bits at higher levels
     assert errs[-1] < errs[0] and errs[-1] < 0.05
     assert errs == sorted(errs, reverse=True)
 
