@@ -38,13 +38,28 @@ def kv_sha256(k: torch.Tensor, v: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _share_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges overlap inside one storage (same tensor, views of
+    one buffer, overlapping slices)."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa.data_ptr() != sb.data_ptr():
+        return False
+    a0 = a.data_ptr()
+    b0 = b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
 def save_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, metadata: dict | None = None) -> Path:
     """Write ``k`` and ``v`` (each ``[L, T, H_kv, D]``, same shape and dtype) to ``path``.
 
     ``metadata`` values are stored as strings (non-strings are JSON-encoded). If it holds
     ``token_ids`` (list or JSON string), their sha256 is added as ``token_ids_sha256``.
-    Atomic: a temporary file in the same folder is renamed over ``path``. Raises
-    ExtractionError for mismatched tensors.
+    Atomic: a temporary file in the same folder is renamed over ``path``. ``k`` and ``v``
+    may share storage (the same tensor, views of one buffer, overlapping slices): ``v`` is
+    then written from its own copy. Raises ExtractionError for mismatched tensors,
+    metadata that is not JSON-serialisable, or a tensor safetensors refuses.
     """
     from safetensors.torch import save_file
 
@@ -55,7 +70,15 @@ def save_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, metadata:
                               "[num_layers, num_tokens, num_kv_heads, head_dim] of one dtype")
     k = k.detach().cpu().contiguous()
     v = v.detach().cpu().contiguous()
-    meta = {key: val if isinstance(val, str) else json.dumps(val) for key, val in (metadata or {}).items()}
+    if k.numel() and v.numel() and _share_storage(k, v):
+        # the same tensor twice, two views of one buffer, overlapping slices (issue 26.8,
+        # kind of safetensors #202: it refuses tensors that share memory): V gets its own copy
+        v = v.clone()
+    try:
+        meta = {key: val if isinstance(val, str) else json.dumps(val)
+                for key, val in (metadata or {}).items()}
+    except (TypeError, ValueError) as exc:
+        raise ExtractionError(f"KV dump metadata is not JSON-serialisable: {exc}") from exc
     if "token_ids" in meta:
         meta["token_ids_sha256"] = token_ids_sha256(json.loads(meta["token_ids"]))
     meta.update({
@@ -69,6 +92,8 @@ def save_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, metadata:
     try:
         save_file({"k": k, "v": v}, str(tmp), metadata=meta)
         os.replace(tmp, path)
+    except (RuntimeError, ValueError, TypeError) as exc:  # safetensors' refusals, one line
+        raise ExtractionError(f"cannot write KV dump {path}: {' '.join(str(exc).split())[:200]}") from exc
     finally:
         if tmp.exists():
             tmp.unlink()
