@@ -110,6 +110,7 @@ def _connector(extra: dict):
     c._extra, c._block_size, c._identity, c._key_fn = dict(extra), 128, None, None
     c._sources, c._lookups, c._checked, c._local_hits = {}, {}, {}, {}
     c._pending, c._saves, c._stats_lock = {}, {}, threading.Lock()
+    c._outcome = {}
     c._prefix_caching, c._allow_lossy_cache = False, False
     return c
 

@@ -143,3 +143,26 @@ def test_load_decodes_on_every_core(report):
     assert len(th["affinity"]) == n
     assert th["numba_threads"] == n
     assert isinstance(r["load_cpu_s"], float) and r["load_cpu_s"] > 0
+
+
+def test_engine_dropped_hit_leaves_one_miss_record(report):
+    """Issue 26.5 (kind of vLLM #57596): with prompt_logprobs vLLM's scheduler discards the
+    connector's external hit (skip_reading_prefix_cache); the request is a plain prefill
+    with the right output and its ONE stats record is a miss that says why."""
+    assert report["outputs"]["prompt_logprobs"] == report["outputs"]["text"]
+    assert report["num_cached_tokens"]["prompt_logprobs"] == 0
+    recs = [r for r in report["stats"] if r.get("stats_tag") == "prompt_logprobs"]
+    assert len(recs) == 1 and recs[0]["kind"] == "miss"
+    assert recs[0]["reason"] == "engine skipped the external hit (prompt_logprobs)"
+
+
+def test_every_kv_request_has_exactly_one_record(report):
+    """Every request with KV parameters (one stats_tag each here) leaves exactly one record
+    among load / miss / local_hit / rejected."""
+    kinds = ("load", "miss", "local_hit", "rejected")
+    tags = ["load_vllm_kv", "local_raw", "store_raw", "corrupt", "miss", "foreign",
+            "prompt_logprobs"]
+    for tag in tags:
+        recs = [r for r in report["stats"] if r.get("stats_tag") == tag and r.get("kind") in kinds]
+        assert len(recs) == 1, (tag, [r.get("kind") for r in recs])
+

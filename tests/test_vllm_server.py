@@ -65,6 +65,16 @@ def test_escape_is_rejected_and_the_server_stops_cleanly(report):
     # docs/vllm-connector.md, "Shutdown"), so under load it is not a property of this code.
 
 
+def test_engine_dropped_hit_is_one_miss_record(report):
+    """Issue 26.5 on the OpenAI server path: a completion with prompt_logprobs (vLLM drops
+    the external hit) leaves exactly one record, a miss with the reason, and one log line."""
+    assert report["server"]["prompt_logprobs_http_ok"]
+    recs = [r for r in report["stats"] if r.get("stats_tag") == "prompt_logprobs"]
+    assert [r["kind"] for r in recs] == ["miss"]
+    assert recs[0]["reason"] == "engine skipped the external hit (prompt_logprobs)"
+    assert sum("[prompt_logprobs]" in ln for ln in report["log_miss_lines"]) == 1
+
+
 def test_first_load_after_start_is_timed(report):
     """The codec warm-up ran at start and every timed request loaded the context (the
     first-vs-tenth TTFT figure is reported by the check, not asserted: no timed asserts)."""

@@ -123,6 +123,15 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
                 toks, lps, ncached, ttft = _generate_lp(llm, prompt, max_tokens, kp)
                 report["outputs"][name], report["logprobs"][name] = toks, lps
                 report["num_cached_tokens"][name], report["ttft_s"][name] = ncached, ttft
+            # issue 26.5 (kind of vLLM #57596): prompt_logprobs makes vLLM skip the external
+            # hit (skip_reading_prefix_cache); the connector must still leave one record
+            llm.reset_prefix_cache()
+            toks, _, ncached, _ = _generate_lp(
+                llm, prompt, max_tokens, {"source": "local", "context_key": "ctx",
+                                          "mode": "raw", "stats_tag": "prompt_logprobs"},
+                prompt_logprobs=1)
+            report["outputs"]["prompt_logprobs"] = toks
+            report["num_cached_tokens"]["prompt_logprobs"] = ncached
             # vLLM's own partial prefill: the same prompt again hits the local prefix cache
             # left by the previous (plain) request
             llm.reset_prefix_cache()
@@ -162,12 +171,14 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
     return report
 
 
-def _generate_lp(llm, prompt: list[int], max_tokens: int, kp: dict | None):
+def _generate_lp(llm, prompt: list[int], max_tokens: int, kp: dict | None,
+                 prompt_logprobs: int | None = None):
     """Greedy run -> (token ids, logprob of each chosen token, num_cached_tokens, ttft_s)."""
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": kp} if kp else None
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, extra_args=extra)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, extra_args=extra,
+                        prompt_logprobs=prompt_logprobs)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
     c = out.outputs[0]
     lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]

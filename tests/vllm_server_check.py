@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                           kv_transfer_params={"mode": "cachegen", "stats_tag": "completion"}))
                 report["server"]["completion_s"] = time.perf_counter() - t0
                 report["server"]["completion"] = r["choices"][0]["text"]
+                # issue 26.5: prompt_logprobs makes vLLM drop the external hit; the
+                # connector still leaves one record (a miss saying why)
+                r = _post(f"{base}/v1/completions", dict(body, prompt=completion_text,
+                          max_tokens=1, prompt_logprobs=1,
+                          kv_transfer_params={"mode": "cachegen",
+                                              "stats_tag": "prompt_logprobs"}))
+                report["server"]["prompt_logprobs_http_ok"] = bool(r.get("choices"))
                 # a client trying an escape: rejected, plain prefill, HTTP 200
                 r = _post(f"{base}/v1/completions", dict(body, prompt=completion_text, max_tokens=1,
                           kv_transfer_params={"source": "local", "source_dir": "/etc",
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         text = log_path.read_text(errors="replace")
         report["log_engine_dead"] = "EngineDeadError" in text
         report["log_load_lines"] = [ln for ln in text.splitlines() if "KV load " in ln]
+        report["log_miss_lines"] = [ln for ln in text.splitlines() if "KV miss " in ln]
         report["log_tail"] = text[-3000:]
         report["stats"] = [json.loads(x) for x in stats.read_text().splitlines()] \
             if stats.exists() else []

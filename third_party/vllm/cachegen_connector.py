@@ -108,6 +108,7 @@ class LoadRequest:
     params: dict[str, Any]
     lookup: Lookup
     prompt_tokens: int = 0
+    after_preemption: bool = False  # a reload of a preempted request (its 2nd load record)
 
     def slot_mapping(self) -> torch.Tensor:
         """Slots of tokens [start, end): block_ids[p // bs] * bs + p % bs, int64 [end-start]."""
@@ -191,6 +192,10 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._local_hits: dict[str, int] = {}
         self._pending: dict[str, tuple["Request", int, int]] = {}
         self._saves: dict[str, _SaveTrack] = {}
+        # per request: what its one stats record is (issue 26.5): "recorded" (a scheduler
+        # record was written), "hit" (an external hit was offered, not yet allocated),
+        # "load" (a LoadRequest went to the worker, which writes the load record)
+        self._outcome: dict[str, str] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layers: list[tuple[int, str]] = []  # (layer index, name) sorted by index
@@ -220,6 +225,7 @@ class CacheGenConnector(KVConnectorBase_V1):
                                    "stats_tag": str(p.get("stats_tag"))[:200]
                                    if isinstance(p, dict) and p.get("stats_tag") else None,
                                    "reason": str(e), "time": time.time()})
+                self._outcome[rid] = "recorded"
         self._checked[rid] = out
         return out
 
@@ -297,12 +303,25 @@ class CacheGenConnector(KVConnectorBase_V1):
         params = self._params(request)
         prompt = list(request.prompt_token_ids or [])
         if params is None or len(prompt) < 2:
-            if first and num_computed_tokens > 0:
-                self._write_stats({"kind": "local_hit", "req_id": rid, "mode": "text",
-                                   "prompt_tokens": len(prompt),
-                                   "local_hit_tokens": num_computed_tokens, "loaded_tokens": 0,
-                                   "prefill_tokens": len(prompt) - num_computed_tokens,
-                                   "time": time.time()})
+            if not first or rid in self._outcome:
+                return 0, False
+            raw = getattr(request, "kv_transfer_params", None)
+            tag = raw.get("stats_tag") if isinstance(raw, dict) else None
+            if num_computed_tokens > 0:
+                self._record({"kind": "local_hit", "req_id": rid, "stats_tag": tag,
+                              "mode": "text", "prompt_tokens": len(prompt),
+                              "local_hit_tokens": num_computed_tokens, "loaded_tokens": 0,
+                              "prefill_tokens": len(prompt) - num_computed_tokens,
+                              "reason": "a request that loads nothing hit vLLM's local "
+                              "prefix cache", "time": time.time()}, log=bool(raw))
+            else:
+                reason = self._no_load_reason(raw, prompt)
+                if reason:  # it carries KV parameters but loads nothing: say why
+                    self._record({"kind": "miss", "req_id": rid, "stats_tag": tag,
+                                  "mode": raw.get("mode"), "prompt_tokens": len(prompt),
+                                  "local_hit_tokens": 0, "loaded_tokens": 0,
+                                  "prefill_tokens": len(prompt), "reason": reason,
+                                  "time": time.time()})
             return 0, False
         lk = self._lookups.get(rid)
         if lk is None:
@@ -335,15 +354,67 @@ class CacheGenConnector(KVConnectorBase_V1):
             logger.info("KV %s %s [%s]: %s (stored %d, local hits %d, prefill %d tokens)",
                         kind, rid, params.get("stats_tag") or "-", reason, lk.num_tokens,
                         num_computed_tokens, len(prompt) - num_computed_tokens)
-            self._write_stats({"kind": kind, "req_id": rid,
-                               "stats_tag": params.get("stats_tag"), "mode": params.get("mode"),
-                               "context_key": params.get("context_key"),
-                               "stored_tokens": lk.num_tokens, "prompt_tokens": len(prompt),
-                               "local_hit_tokens": num_computed_tokens, "loaded_tokens": 0,
-                               "prefill_tokens": len(prompt) - num_computed_tokens,
-                               "lookup_s": lk.lookup_s, "reason": reason,
-                               "time": time.time()})
+            self._record({"kind": kind, "req_id": rid,
+                          "stats_tag": params.get("stats_tag"), "mode": params.get("mode"),
+                          "context_key": params.get("context_key"),
+                          "stored_tokens": lk.num_tokens, "prompt_tokens": len(prompt),
+                          "local_hit_tokens": num_computed_tokens, "loaded_tokens": 0,
+                          "prefill_tokens": len(prompt) - num_computed_tokens,
+                          "lookup_s": lk.lookup_s, "reason": reason,
+                          "time": time.time()}, log=False)  # logged just above
+        if n > num_computed_tokens:
+            # offered to the engine: the load record (worker) follows, or, if the engine
+            # drops the hit, update_state_after_alloc / request_finished record why
+            self._outcome.setdefault(rid, "hit")
         return max(0, n - num_computed_tokens), False
+
+    def _no_load_reason(self, raw: Any, prompt: list[int]) -> str | None:
+        """Why a request whose kv_transfer_params passed the trust check loads nothing
+        (``_params`` returned None), or None when no record is due: no parameters, or a
+        save-only request (its record is the "save" record)."""
+        if not isinstance(raw, dict) or not raw:
+            return None
+        if raw.get("save") and set(raw) <= {"save", "stats_tag"}:
+            return None
+        if str(raw.get("mode", "")).lower() == "text":
+            return "mode text: a plain prefill, nothing to load"
+        if len(prompt) < 2:
+            return f"prompt of {len(prompt)} token(s): nothing can be loaded"
+        return ("no context_key / context_tokens and no prefix search (extra config "
+                f"prefix_match={self._extra.get('prefix_match', 'off')!r}, source "
+                f"{raw.get('source', self._extra.get('source', 'store'))!r})")
+
+    @staticmethod
+    def _engine_skip_reason(request: "Request") -> str:
+        """Why vLLM's scheduler did not take the external hit the connector offered
+        (vllm 0.32 v1/core/sched/scheduler.py: a request with skip_reading_prefix_cache -
+        set by SamplingParams for prompt_logprobs / prompt_logprob_token_ids, by pooling
+        params, or explicitly - gets 0 external tokens; a sub-block local hit that the
+        external hit does not exceed is kept instead)."""
+        sp = getattr(request, "sampling_params", None)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            if sp is not None and getattr(sp, "prompt_logprobs", None) is not None:
+                why = "prompt_logprobs"
+            elif sp is not None and getattr(sp, "prompt_logprob_token_ids", None) is not None:
+                why = "prompt_logprob_token_ids"
+            elif getattr(request, "pooling_params", None) is not None:
+                why = "pooling request"
+            else:
+                why = "skip_reading_prefix_cache"
+            return f"engine skipped the external hit ({why})"
+        return "engine did not use the external hit (0 external tokens allocated)"
+
+    def _record(self, rec: dict[str, Any], log: bool = True) -> None:
+        """Write a scheduler-side record (rejected / miss / local_hit) and mark the
+        request as recorded: every request with KV parameters gets exactly one record."""
+        if rec.get("req_id") is not None:
+            self._outcome[rec["req_id"]] = "recorded"
+        if log:
+            logger.info("KV %s %s [%s]: %s (loaded 0, local hits %s, prefill %s tokens)",
+                        rec["kind"], rec.get("req_id"), rec.get("stats_tag") or "-",
+                        rec.get("reason"), rec.get("local_hit_tokens"),
+                        rec.get("prefill_tokens"))
+        self._write_stats(rec)
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -353,6 +424,10 @@ class CacheGenConnector(KVConnectorBase_V1):
             # by get_num_new_matched_tokens (0 with prefix caching off).
             start = self._local_hits.get(request.request_id, 0)
             self._pending[request.request_id] = (request, start, start + num_external_tokens)
+        elif self._outcome.get(request.request_id) == "hit":
+            # the connector offered a hit and vLLM allocated none of it (issue 26.5, kind of
+            # vLLM #57596: prompt_logprobs): the request is a plain prefill, say so now
+            self._record_dropped_hit(request, self._engine_skip_reason(request))
         p = self._checked_params(request) or {}  # "save" only when the operator allows it
         if p.get("save") and request.request_id not in self._saves:
             save = dict(p["save"])
@@ -388,7 +463,9 @@ class CacheGenConnector(KVConnectorBase_V1):
             if not params.get("context_key") and lk.info.get("key"):
                 params["context_key"] = lk.info["key"]  # found by the prefix index
             meta.loads.append(LoadRequest(rid, start, end, block_ids[rid], self._block_size,
-                                          params, lk, len(request.prompt_token_ids or [])))
+                                          params, lk, len(request.prompt_token_ids or []),
+                                          after_preemption=self._outcome.get(rid) == "load"))
+            self._outcome[rid] = "load"
             del self._pending[rid]
         return meta
 
@@ -421,7 +498,46 @@ class CacheGenConnector(KVConnectorBase_V1):
                                               self._block_size, tr.params))
                 del self._saves[rid]
 
+    def _record_dropped_hit(self, request: "Request", reason: str) -> None:
+        """The one record of a request whose offered external hit was never loaded: a
+        "miss" with the reason (a "local_hit" when vLLM's own prefix cache served it)."""
+        rid = request.request_id
+        params = self._checked.get(rid) or {}
+        lk = self._lookups.get(rid) or Lookup(0)
+        prompt_n = len(getattr(request, "prompt_token_ids", None) or [])
+        local = self._local_hits.get(rid, 0)
+        aborted = _is_aborted(request)
+        self._record({"kind": "local_hit" if local and not aborted else "miss", "req_id": rid,
+                      "stats_tag": params.get("stats_tag"), "mode": params.get("mode"),
+                      "context_key": params.get("context_key") or lk.info.get("key"),
+                      "stored_tokens": lk.num_tokens, "prompt_tokens": prompt_n,
+                      "local_hit_tokens": local, "loaded_tokens": 0,
+                      "prefill_tokens": prompt_n - local, "lookup_s": lk.lookup_s,
+                      "reason": reason, "aborted": aborted, "time": time.time()})
+
     def request_finished(self, request: "Request", block_ids: list[int]):
+        """vLLM frees the request (finished, aborted, errored). A request with KV
+        parameters that has no record yet (its hit was offered but never loaded, e.g.
+        aborted while waiting; or the connector never saw it) gets its one record here.
+        An abort DURING a load cannot stop it: the load is synchronous in the worker
+        process and vLLM applies aborts only after the step (docs/vllm-connector.md,
+        "Aborted requests"); that request keeps its load record."""
+        rid = request.request_id
+        outcome = self._outcome.pop(rid, None)
+        aborted = _is_aborted(request)
+        raw = getattr(request, "kv_transfer_params", None)
+        if outcome == "hit" or (outcome is None and rid not in self._checked and raw
+                                and self._no_load_reason(raw, [0, 0]) is not None):
+            st = str(getattr(request, "status", "finished"))
+            reason = ("request aborted before its KV load" if aborted else
+                      f"request finished ({st}) before its KV load")
+            if outcome is None:  # never reached get_num_new_matched_tokens
+                p = raw if isinstance(raw, dict) else {}
+                self._checked[rid] = {"stats_tag": p.get("stats_tag"), "mode": p.get("mode")}
+            self._record_dropped_hit(request, reason)
+        elif outcome == "load" and aborted:
+            logger.info("KV request %s aborted after its KV load (the synchronous load ran "
+                        "to its end: vLLM applies aborts after the step)", rid)
         self._lookups.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         self._checked.pop(request.request_id, None)
@@ -555,6 +671,7 @@ class CacheGenConnector(KVConnectorBase_V1):
             "error": err or (stats.error if stats else None) or _chunk_failure(stats),
             "chunks": stats.chunks if stats else [],
             "lookup_info": lr.lookup.info,
+            "after_preemption": lr.after_preemption,
             "time": time.time(),
         }
         if stats and stats.extra:
@@ -679,6 +796,12 @@ class CacheGenConnector(KVConnectorBase_V1):
             ks.append(k.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
             vs.append(v.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
         return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
+
+
+def _is_aborted(request: Any) -> bool:
+    """Whether vLLM finished the request as aborted (RequestStatus.FINISHED_ABORTED)."""
+    st = getattr(request, "status", None)
+    return st is not None and getattr(st, "name", str(st)) == "FINISHED_ABORTED"
 
 
 def decode_cpus(setting: Any = "all") -> set[int] | None:
