@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.textcheck import check_text
 
 LONGBENCH_HUB = "THUDM/LongBench"
 LONGBENCH_FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
@@ -92,6 +93,11 @@ def load_longbench(name: str, source: str | None = None) -> list[dict]:
     for i, row in enumerate(rows):
         if not isinstance(row["answers"], list) or not isinstance(row["context"], str):
             raise ExtractionError(f"{where} row {i}: 'answers' must be a list and 'context' a string")
+        for f in ("context", "input"):
+            if isinstance(row[f], str):
+                check_text(row[f], f"{where} row {i} field {f!r}")
+        for j, a in enumerate(row["answers"]):
+            check_text(str(a), f"{where} row {i} field 'answers' answer {j}")
     return rows
 
 
@@ -118,7 +124,7 @@ def load_wikitext2(source: str | None = None, split: str = "test") -> str:
     text = "\n".join(line.rstrip("\n") for line in ds["text"])
     if not text.strip():
         raise ExtractionError(f"{where} holds no text")
-    return text
+    return check_text(text, where)
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,16 +210,17 @@ def _field(row: dict, name: str, where: str, n: int) -> object:
 
 def _answers(value: object, where: str, n: int, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
-        return (value,)
+        return (check_text(value, f"{where} row {n} field {name!r}"),)
     if isinstance(value, (list, tuple)) and value and all(isinstance(a, (str, int, float)) for a in value):
-        return tuple(str(a) for a in value)
+        return tuple(check_text(str(a), f"{where} row {n} field {name!r} answer {i}")
+                     for i, a in enumerate(value))
     raise ExtractionError(f"{where} row {n}: field {name!r} must be a string or a non-empty list of strings")
 
 
 def _text(value: object, where: str, n: int, name: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ExtractionError(f"{where} row {n}: field {name!r} must be a non-empty string")
-    return value
+    return check_text(value, f"{where} row {n} field {name!r}")
 
 
 def split_longchat_prompt(prompt: str) -> tuple[str, str]:

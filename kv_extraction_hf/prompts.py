@@ -36,6 +36,7 @@ import random
 import re
 
 from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.textcheck import check_text
 
 CONTINUATION_TOKENS = 256
 SYNTHETIC_TASKS = ("needle", "longchat_lines", "topic_retrieval", "pydoc_ppl")
@@ -119,7 +120,9 @@ def _rng(task: str, seed: int, index: int) -> random.Random:
 
 
 def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=special))
+    # the backstop of every data path: a lone surrogate or NUL is one ExtractionError line,
+    # not the tokenizer's TypeError (issue 26.7); the loaders check first, naming the row
+    return list(tokenizer.encode(check_text(text, "prompt text"), add_special_tokens=special))
 
 
 def _wrap(tokenizer, context_body: str, question_body: str) -> tuple[str, str, bool]:

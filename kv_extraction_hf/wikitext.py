@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.textcheck import check_text
 
 SPLITS = ("test", "valid")
 _FILE_NAMES = {
@@ -88,6 +89,7 @@ def _read_file(path: Path, split: str, source: str) -> WikiText:
         raise ExtractionError(f"cannot read WikiText-2 file {path}: {exc}") from exc
     if not text.strip():
         raise ExtractionError(f"WikiText-2 file {path} holds no text")
+    check_text(text, f"WikiText-2 file {path}")
     return WikiText(text, split, source, str(path), hashlib.sha256(raw).hexdigest())
 
 
@@ -124,6 +126,7 @@ def _from_hub(split: str) -> WikiText | None:
         return None
     if not text.strip():
         return None
+    check_text(text, "/".join(WIKITEXT_HUB) + f":{_HUB_SPLIT[split]}")
     return WikiText(text, split, "hub", "/".join(WIKITEXT_HUB) + f":{_HUB_SPLIT[split]}",
                     hashlib.sha256(text.encode("utf-8")).hexdigest())
 
