@@ -60,6 +60,7 @@ from pathlib import Path
 
 from streaming import standin
 from streaming.adapt import AdaptivePolicy, ClockModel, FixedPolicy, oracle, oracle_labels, simulate
+from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
 from streaming.traces import (GENERATOR_SEED, Trace, apply_trace, artifact_generated, artifact_generator,
                               artifact_recorded, constant, synthetic_uniform)
 
@@ -209,13 +210,17 @@ def clock_model(table: dict, prefill_tps: float, inject_s_per_token: float, over
                       overhead_s, start_s, utility, None if utility is None else 0.0)
 
 
-SLO_MARGIN = 0.05  # AdaptivePolicy(slo_margin=...) used by the benchmark (its default)
+# The benchmark's adaptive policy is a preset of the ONE policy object
+# streaming.adapt_params.PolicyParams (issue 27.3): "tuned" by default (DEFAULT_PRESET, chosen
+# on the TUNING traces below), "tuned-dip" with --dip-reserve, any preset with --policy-preset.
+# The constants and comments below are the record of how "tuned" was chosen.
+SLO_MARGIN = POLICY_PRESETS["tuned"].slo_margin  # AdaptivePolicy(slo_margin=...) (its default)
 # AdaptivePolicy(slo_reserve_s=...): seconds of the SLO held back for a bandwidth dip. Chosen on
 # the TUNING traces only (the artifact's generated traces + 40 synthetic iid-uniform 10-1000
 # Mbit/s traces, seed 1; simulated, SLO 1 and 2 s; grid 0, 0.25, 0.3, 0.35 s and slo_margin
 # 0.1-0.3): the smallest value whose SLO-1 s violations exceed the oracle's by <= 5 points there.
 # The 10 recorded artifact traces are the evaluation set and were not used to choose it.
-SLO_RESERVE_S = 0.3
+SLO_RESERVE_S = POLICY_PRESETS["tuned"].slo_reserve_s  # 0.3
 # The rules of round 3 (issue 15), each checked on the same TUNING traces (generated + synthetic
 # + constant + step, simulated, SLO 0.5/1/2/4 s) against the two goals, never on the artifact's
 # recorded traces: after an abandon the chunk takes its smallest level or text; the probe is the
@@ -226,17 +231,18 @@ SLO_RESERVE_S = 0.3
 # the reserve cost quality without fewer violations) with reserve 0.3 s - chosen on the same
 # TUNING traces with 10 cyclic start offsets per generated trace (435 requests per SLO); see
 # TUNING["round4"].
-POLICY_PARAMS = {"slo_margin": SLO_MARGIN, "slo_reserve_s": SLO_RESERVE_S, "after_abandon": "smallest",
-                 "probe_level": "smallest", "probe_deadline_frac": 0.5, "probe_backoff": 1.0,
-                 "defer_text": True, "text_slack": True, "robust": False, "min_plan_frac": 0.3,
-                 "early_abandon": True, "early_min_s": 0.02, "early_margin": 0.0, "partial_sample": True}
+# (The "tuned" preset: slo_reserve_s 0.3, robust False, min_plan_frac 0.3; every other
+# field - after_abandon "smallest", probe_level "smallest", probe_deadline_frac 0.5,
+# probe_backoff 1, defer_text, text_slack, early_abandon, early_min_s 0.02, early_margin 0,
+# partial_sample, slo_margin 0.05 - equals AdaptivePolicy's default.)
 # Round 6: the dip reserve (AdaptivePolicy.dip_reserve_s): from the 3rd goodput sample on, the
 # reserve is min(0.3 s, 5 chunks at their smallest level at the lowest rate in the window) -
 # a link that has not dipped keeps little of it (at SLO 0.5 s the fixed 0.3 s held every plan at
 # level 0). Selected by scripts/adapt_tune.py on TUNING requests only (TUNING["round6"]), then
 # evaluated on the artifact: quality at 0.5 s better but still below fixed level 2, and goal 1
 # lost at 1 s by one request (6% vs oracle 0%) - so NOT the default; `--dip-reserve` runs it.
-DIP_RESERVE = {"dip_chunks": 5, "dip_min_samples": 3}
+DIP_RESERVE = {"dip_chunks": 5, "dip_min_samples": 3}  # = preset "tuned-dip" minus "tuned"
+assert POLICY_PRESETS["tuned-dip"] == POLICY_PRESETS["tuned"].with_(**DIP_RESERVE)
 # Round 5: early abandon from the bytes received (AdaptivePolicy.should_abandon, checked every
 # 64 KiB as streaming.client does) and the cut transfer's bytes/time as a provisional sample;
 # early_min_bytes is the estimator's sample floor max(64 KiB, 4 shaper bursts) (the burst rule
@@ -324,14 +330,17 @@ TUNING = {"evaluation_trace_set": "artifact",
 
 def make_adaptive(slo: float, prefill_tps: float, table: dict, inject: float, utility, init_mbps: float | None,
                   burst_bytes: int = 0, overhead_s: float = 0.001, burst_s: float = 0.0,
-                  **overrides) -> AdaptivePolicy:
-    """The benchmark's AdaptivePolicy: POLICY_PARAMS (chosen on the tuning traces), the level
-    table's decode cost, per-level utility -KL; `overrides` replace POLICY_PARAMS entries."""
+                  preset: str = DEFAULT_PRESET, **overrides) -> AdaptivePolicy:
+    """The benchmark's AdaptivePolicy: the PolicyParams preset `preset` ("tuned": chosen on
+    the tuning traces), the level table's decode cost, per-level utility -KL; `overrides`
+    replace preset fields (scripts/adapt_tune.py's candidates). ValueError on an unknown
+    preset or field."""
     dec = {int(k): float(v) for k, v in table["decode_s_per_token"].items()}
-    params = dict(POLICY_PARAMS, **overrides)
-    return AdaptivePolicy(slo, prefill_tps, init_mbps, decode_s_per_token=dec, inject_s_per_token=inject,
-                          burst_bytes=burst_bytes, utility=utility, text_utility=0.0,
-                          request_overhead_s=overhead_s, probe_rate_mbps=1000.0, burst_s=burst_s, **params)
+    params = policy_preset(preset).with_(**overrides) if overrides else policy_preset(preset)
+    return AdaptivePolicy.from_params(slo, prefill_tps, init_mbps, params, decode_s_per_token=dec,
+                                      inject_s_per_token=inject, burst_bytes=burst_bytes, utility=utility,
+                                      text_utility=0.0, request_overhead_s=overhead_s, probe_rate_mbps=1000.0,
+                                      burst_s=burst_s)
 
 
 def _kl_of(levels: list, tokens: list[int], kl: dict[int, float] | None) -> float | None:
@@ -347,7 +356,7 @@ def _util_per_token(levels: list, model: ClockModel) -> float:
 
 # --------------------------------------------------------------------------- simulation
 def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl, log=print,
-                 decode_scale: float = 1.0) -> tuple[list, list]:
+                 decode_scale: float = 1.0, preset: str = DEFAULT_PRESET) -> tuple[list, list]:
     """Every policy on every trace and SLO with the clock model -> (request rows, timelines).
     The model's decode clock is the level table x decode_scale (calibrated on the real run);
     the adaptive policy starts from the unscaled table, as on the real link."""
@@ -365,7 +374,8 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
             for slo in slos:
                 orc = oracle(model, rates, slo, labels=labels)
                 orc_u = orc.utility / sum(model.tokens)
-                pols = {"adaptive": make_adaptive(slo, prefill_tps, table, inject, util, tr.at(0), 0, overhead_s),
+                pols = {"adaptive": make_adaptive(slo, prefill_tps, table, inject, util, tr.at(0), 0, overhead_s,
+                                                   preset=preset),
                         "text": FixedPolicy(None)}
                 pols.update({f"fixed-l{lv}": FixedPolicy(lv) for lv in man.levels})
                 for name, pol in pols.items():
@@ -719,7 +729,7 @@ def _calibrate_rounds(nbytes: int, target_s: float) -> int:
 
 
 def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: float, inject: float, kl,
-             method: str, log=print, extra_cases=()) -> tuple[list, list, dict, dict]:
+             method: str, log=print, extra_cases=(), preset: str = DEFAULT_PRESET) -> tuple[list, list, dict, dict]:
     """The adaptive policy on the real shaped link for each (set, trace) at `slo`.
     Returns (request rows, timelines, link description, calibration)."""
     from streaming.client import stream_load
@@ -754,7 +764,8 @@ def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: fl
             stream_load(c, key, 0, decode_fn, keep_decoded=False)  # warm-up (connection, page cache)
             for set_name, tr, slo_c, tps in cases:
                 link.set_rate(tr.at(0))
-                pol = make_adaptive(slo_c, tps, table, inject, util, tr.at(0), burst, burst_s=burst_s)
+                pol = make_adaptive(slo_c, tps, table, inject, util, tr.at(0), burst, burst_s=burst_s,
+                                preset=preset)
                 mod = clock_model(table, tps, inject, 0.0, 0.0, util)
                 r = stream_load(c, key, pol, decode_fn, keep_decoded=False, before_chunk=apply_trace(link, tr))
                 levels = [ch.level for ch in r.chunks]
@@ -839,13 +850,8 @@ def _env() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI (module docstring); POLICY_PARAMS is restored after a --dip-reserve run."""
-    saved = dict(POLICY_PARAMS)
-    try:
-        return _main(argv)
-    finally:
-        POLICY_PARAMS.clear()
-        POLICY_PARAMS.update(saved)
+    """The CLI (module docstring)."""
+    return _main(argv)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -875,6 +881,10 @@ def _main(argv: list[str] | None = None) -> int:
                     help="of those, start offsets per artifact trace also run on the real link (default 2: "
                          "20 requests; the simulation's figures are compared on the same requests)")
     ap.add_argument("--offset-seed", type=int, default=0, help="seed of the start offsets drawn")
+    ap.add_argument("--policy-preset", choices=sorted(POLICY_PRESETS), default=DEFAULT_PRESET,
+                    help="the adaptive policy's parameters: a preset of streaming.adapt_params.PolicyParams "
+                         f"(default {DEFAULT_PRESET}: chosen on the tuning traces; 'default': AdaptivePolicy's "
+                         "own defaults); recorded as config.policy_preset")
     ap.add_argument("--dip-reserve", action="store_true",
                     help="run the adaptive policy with round 6's dip reserve (DIP_RESERVE: dip_chunks=5, "
                          "dip_min_samples=3; evaluated, not the default - docs/streaming.md section 4)")
@@ -893,8 +903,7 @@ def _main(argv: list[str] | None = None) -> int:
     from streaming.errors import StreamingError
 
     t_start = time.perf_counter()
-    if a.dip_reserve:
-        POLICY_PARAMS.update(DIP_RESERVE)  # make_adaptive reads it; config.policy records it
+    preset = "tuned-dip" if a.dip_reserve else a.policy_preset  # config records it
     try:
         if a.chunk_tokens <= 0 or a.chunk_tokens % 16 or a.context_tokens <= 0:
             raise ValueError("--chunk-tokens must be a positive multiple of 16 and --context-tokens > 0")
@@ -956,7 +965,7 @@ def _main(argv: list[str] | None = None) -> int:
             drop = sets["step"][0]
             extra = [("issue-drop", drop, 0.6, sum(table["tokens"]) / ISSUE_ALL_TEXT_S)]
             real_reqs, real_tl, link_desc, calib = run_real(table, real_traces, a.real_slo_s, prefill_tps, inject, kl,
-                                                            a.method, extra_cases=extra)
+                                                            a.method, extra_cases=extra, preset=preset)
             c1000 = [r for r in real_reqs if r["trace"] == "constant-1000" and r["slo_s"] == a.real_slo_s]
             if c1000:
                 ests = [e for e in c1000[0]["estimates_mbps"][1:] if e is not None]
@@ -973,7 +982,8 @@ def _main(argv: list[str] | None = None) -> int:
                                                                                "abandons", "prefill_tps")}
                 checks["drop_1000_to_10_slo_0.6"]["all_text_s"] = round(all_text_s, 4)
         sim_reqs, sim_tl = simulate_all(table, sets, a.slo_s, prefill_tps, inject, calib["request_overhead_s"],
-                                        calib["start_s"], kl, decode_scale=calib.get("decode_scale", 1.0))
+                                        calib["start_s"], kl, decode_scale=calib.get("decode_scale", 1.0),
+                                        preset=preset)
         rows = aggregate(sim_reqs + real_reqs)
         agree = sim_vs_real(sim_reqs, real_reqs)
         doc = {
@@ -992,7 +1002,7 @@ def _main(argv: list[str] | None = None) -> int:
                                                       "(o + k) mod len (bench.adapt.rotate); offsets drawn by "
                                                       "bench.adapt.start_offsets, the same for every policy",
                                               "real_requests": [t.name for t in real_art] if a.real else []},
-                       "policy": dict(POLICY_PARAMS), "tuning": TUNING,
+                       "policy_preset": preset, "policy": policy_preset(preset).as_dict(), "tuning": TUNING,
                        "held_out": {"trace_set": "artifact-generator",
                                     "traces": len(sets.get("artifact-generator", [])), "seed": a.generator_seed,
                                     "generator": "streaming.traces.artifact_generator: iid uniform 0.1-10 Gbit/s "

@@ -97,7 +97,8 @@ def adaptation_experiment(cfg: RunConfig, bundle, link, store_addr: str, info,
         params = {"source": "store", "store": store_addr, "context_key": ctx.keys["cachegen"],
                   "model_id": info.model_id, "weights_hash": info.weights_hash,
                   "codec_tag": "cachegen", "identity": ctx.identities.get("cachegen"),
-                  "policy": {"slo_s": cfg.slo_s, "prefill_tokens_per_s": prefill_tps,
+                  "policy": {"preset": cfg.policy_preset,
+                             "slo_s": cfg.slo_s, "prefill_tokens_per_s": prefill_tps,
                              "initial_throughput_mbps": trace.at(0),
                              # the shaper's burst rule (the estimator corrects samples for it)
                              # and the rate a probe tests after text fallbacks

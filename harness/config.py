@@ -14,6 +14,7 @@ import yaml
 
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import check_data_flags
+from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "benchmark.yaml"
@@ -49,6 +50,7 @@ class RunConfig:
     num_contexts: int = 3
     repeats: int = 2
     slo_s: float = 1.0
+    policy_preset: str = DEFAULT_PRESET  # the cachegen-adaptive row's PolicyParams preset
     chunk_tokens: int = 1024
     block_tokens: int = 128
     store: str | None = None
@@ -81,6 +83,9 @@ class RunConfig:
                               f"block_tokens ({self.block_tokens})")
         if self.slo_s <= 0:
             raise ConfigError("slo_s must be > 0 seconds")
+        if self.policy_preset not in POLICY_PRESETS:
+            raise ConfigError(f"unknown policy_preset {self.policy_preset!r}; available: "
+                              f"{', '.join(POLICY_PRESETS)}")
         if self.link_method not in ("auto", "netns", "userspace"):
             raise ConfigError("link_method must be auto, netns or userspace")
         try:

@@ -104,8 +104,9 @@ def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunCo
     """The per-request KV transfer parameters (the vLLM connector's ``kv_transfer_params``,
     docs/vllm-connector.md) of ``var`` on ``ctx``; None for text mode (plain prefill).
 
-    The adaptive mode gets a ``policy`` (SLO in seconds, the engine's measured prefill
-    speed in tokens/s, the link rate in Mbit/s as the first throughput estimate);
+    The adaptive mode gets a ``policy`` (``preset``: cfg.policy_preset, a
+    streaming.adapt_params.PolicyParams preset; SLO in seconds, the engine's measured
+    prefill speed in tokens/s, the link rate in Mbit/s as the first throughput estimate);
     the other modes a fixed ``level``.
     """
     if var.mode == "text":
@@ -117,7 +118,8 @@ def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunCo
     if ctx.identities.get(var.codec):  # the reader checks the entry against what was stored
         params["identity"] = ctx.identities[var.codec]
     if var.mode == "cachegen-adaptive":
-        params["policy"] = {"slo_s": cfg.slo_s, "prefill_tokens_per_s": prefill_tps,
+        params["policy"] = {"preset": cfg.policy_preset, "slo_s": cfg.slo_s,
+                            "prefill_tokens_per_s": prefill_tps,
                             "initial_throughput_mbps": link_mbps}
     else:
         params["level"] = var.level if var.level is not None else 0

@@ -15,7 +15,8 @@ calibration of an earlier bench.adapt output):
   --offsets each;
 * floor: 40 traces, each with its own floor (synthetic_floor below), seed 3; --offsets each;
 * constant 10/100/1000 Mbit/s and the two steps 1000 <-> 10 Mbit/s.
-For each candidate setting (POLICY_PARAMS overrides) it reports, per SLO, the adaptive
+For each candidate setting (field overrides of the "tuned" PolicyParams preset,
+streaming.adapt_params) it reports, per SLO, the adaptive
 policy's violation rate against the oracle's and its mean KL (all loads and met loads)
 against the best fixed level (or text) at no more violations - the two goals of issue 15,
 judged the way bench.adapt.goals judges the evaluation set - and picks the candidate by the
@@ -48,9 +49,9 @@ from streaming.traces import Trace, artifact_generated, constant, synthetic_unif
 
 SLOS = (0.5, 1.0, 2.0, 4.0)
 
-# The candidates compared in round 6 (each a set of POLICY_PARAMS overrides).
+# The candidates compared in round 6 (each a set of field overrides of the "tuned" preset).
 CANDIDATES = {
-    "round5": {},  # POLICY_PARAMS of round 5: fixed 0.3 s reserve, plain harmonic mean
+    "round5": {},  # the "tuned" preset (round 5): fixed 0.3 s reserve, plain harmonic mean
     "reserve_frac 0.2": {"slo_reserve_frac": 0.2},
     "reserve_frac 0.3": {"slo_reserve_frac": 0.3},
     "robust, reserve 0": {"robust": True, "slo_reserve_s": 0.0},
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
                     help="an earlier bench.adapt output (its level table and real-run clock calibration)")
     ap.add_argument("--results", type=Path, default=_REPO / "benchmarks" / "results.json")
     ap.add_argument("--quality", type=Path, default=_REPO / "benchmarks" / "quality.json")
-    ap.add_argument("--candidates", help="JSON {name: {POLICY_PARAMS overrides}} (default: the round-6 list)")
+    ap.add_argument("--candidates", help="JSON {name: {overrides of the tuned preset's fields}} (default: the round-6 list)")
     ap.add_argument("--only", nargs="*", help="candidate names to run (default: all)")
     ap.add_argument("--offsets", type=int, default=5, help="cyclic start offsets per tuning trace (default 5)")
     ap.add_argument("--sets", nargs="*", help="tuning sets (default: all)")

@@ -46,7 +46,17 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
+
+from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy object (issue 27.3)
+    DEFAULT_PRESET,
+    POLICY_INPUTS,
+    POLICY_PRESETS,
+    POLICY_REQUEST_KEYS,
+    PolicyParams,
+    preset,
+    split_policy_args,
+)
 
 MIN_BYTES_FOR_ESTIMATE = 64 * 1024  # below this a transfer is latency-bound: not a sample
 BURST_SAMPLE_FACTOR = 4  # a sample must be >= this many shaper bursts (correction error bounded)
@@ -626,6 +636,42 @@ class AdaptivePolicy:
         self.abandons = 0
         self._lock = threading.Lock()
         self.manifest = None
+        self.preset: str | None = None  # the PolicyParams preset it was built from, if any
+
+    @classmethod
+    def from_params(cls, slo_s: float, prefill_tokens_per_s: float,
+                    initial_throughput_mbps: float | None,
+                    params: "PolicyParams | str" = DEFAULT_PRESET, **inputs: Any) -> "AdaptivePolicy":
+        """The policy of a :class:`streaming.adapt_params.PolicyParams` (or a preset's
+        name: "default", "tuned", "tuned-dip") with this request's measurements: slo_s (s),
+        prefill_tokens_per_s, initial_throughput_mbps (Mbit/s or None) and ``inputs`` (the
+        non-tuned arguments: decode_s_per_token, utility, burst_bytes, probe_rate_mbps,
+        ...). ``.preset`` records the preset's name (None for an unnamed PolicyParams).
+        Raises ValueError (unknown preset, bad values)."""
+        name = params if isinstance(params, str) else None
+        p = preset(params) if isinstance(params, str) else params.checked()
+        bad = sorted(set(inputs) & set(PolicyParams.field_names()))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: tuned parameters go in PolicyParams, not inputs")
+        pol = cls(slo_s, prefill_tokens_per_s, initial_throughput_mbps, **inputs, **p.as_dict())
+        pol.preset = name
+        return pol
+
+    @classmethod
+    def from_request(cls, policy: dict[str, Any]) -> "AdaptivePolicy":
+        """The policy of a request's ``kv_transfer_params["policy"]`` object: ``preset``
+        (default DEFAULT_PRESET, "tuned"), the measurements of POLICY_INPUTS (slo_s,
+        prefill_tokens_per_s, initial_throughput_mbps required) and optional PolicyParams
+        field overrides (then ``.preset`` is "NAME+overrides"). Raises ValueError."""
+        name, p, inputs = split_policy_args(policy)
+        missing = [k for k in ("slo_s", "prefill_tokens_per_s", "initial_throughput_mbps")
+                   if k not in inputs]
+        if missing:
+            raise ValueError(f"policy needs {', '.join(missing)}")
+        pol = cls.from_params(inputs.pop("slo_s"), inputs.pop("prefill_tokens_per_s"),
+                              inputs.pop("initial_throughput_mbps"), p, **inputs)
+        pol.preset = name if p == preset(name) else f"{name}+overrides"
+        return pol
 
     # -- compatibility with the previous policy's attributes
     @property

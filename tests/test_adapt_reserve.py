@@ -114,6 +114,7 @@ def test_bench_dip_reserve_flag_is_recorded_and_not_kept(tmp_path):
     assert B.main(args + ["--out", str(out), "--dip-reserve"]) == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["policy"]["dip_chunks"] == 5 and doc["config"]["policy"]["dip_min_samples"] == 3
-    assert "dip_chunks" not in B.POLICY_PARAMS  # the default is restored
-    assert B.main(args + ["--out", str(out)]) == 0
-    assert "dip_chunks" not in json.loads(out.read_text())["config"]["policy"]
+    assert doc["config"]["policy_preset"] == "tuned-dip"
+    assert B.main(args + ["--out", str(out)]) == 0  # the next run is the tuned preset again
+    doc = json.loads(out.read_text())
+    assert doc["config"]["policy_preset"] == "tuned" and doc["config"]["policy"]["dip_chunks"] is None

@@ -252,7 +252,7 @@ def test_harness_request_params_pass_the_check(mode, level):
     ctx = SimpleNamespace(keys={var.codec: "a" * 64}, identities={var.codec: ident},
                           load_tokens=1024, cid="ctx0")
     info = SimpleNamespace(model_id="m", weights_hash="w" * 64)
-    cfg = SimpleNamespace(slo_s=1.0)
+    cfg = SimpleNamespace(slo_s=1.0, policy_preset="tuned")
     params = engines.request_params(var, ctx, addr, info, cfg, 5000.0, 100.0)
     out = validate_request(params, {"stores": {"harness": addr}, "source": "store"})
     assert out["store"] == addr and out["context_key"] == "a" * 64

@@ -131,8 +131,12 @@ def test_request_params_protocol():
     assert p["context_key"] == "K1" and p["level"] == 3 and p["codec_tag"] == "cachegen"
     assert p["stats_tag"] == "cachegen-l3/needle-0" and "policy" not in p
     a = request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, 50.0)
-    assert a["policy"] == {"slo_s": 2.0, "prefill_tokens_per_s": 100.0, "initial_throughput_mbps": 50.0}
+    assert a["policy"] == {"preset": "tuned", "slo_s": 2.0, "prefill_tokens_per_s": 100.0,
+                           "initial_throughput_mbps": 50.0}
     assert "level" not in a
+    d = request_params(Variant("cachegen-adaptive"), ctx, "h:1", info,
+                       RunConfig(slo_s=2.0, policy_preset="default"), 100.0, 50.0)
+    assert d["policy"]["preset"] == "default"
 
 
 def test_decisions_reach_chunks_under_both_engines():

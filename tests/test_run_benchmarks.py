@@ -67,6 +67,8 @@ def _check_doc(doc: dict, engine: str) -> None:
     # (the policy decides at chunk 0 and again wherever it changes course)
     assert adaptive and adaptive[0].get("decision") and adaptive[0].get("throughput_mbps_est")
     assert doc["complete"] is True
+    # the cachegen-adaptive row ran the tuned PolicyParams preset, and results.json says so
+    assert doc["config"]["policy_preset"] == "tuned"
 
 
 def test_quick_run_hf_engine(tmp_path):

@@ -23,7 +23,8 @@ the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow
         "context_key": "...",          # a plain name: the store key or a folder under the root
         "mode": "cachegen", "level": 1,  # mode: a label; level: stored level to fetch
                                        # (omitted: the codec's default level when stored)
-        "policy": {...},               # or streaming.adapt.AdaptivePolicy scalar arguments
+        "policy": {"preset": "tuned", "slo_s": 1.0, ...},  # or an adaptive policy: a
+                                       # streaming.adapt_params preset + the request's inputs
         "load_tokens": N,              # optional cap on loaded tokens
         "stats_tag": "..."}})          # copied into the stats record
 Anything else is rejected (log ERROR + stats record "rejected"; the request is a plain
@@ -672,6 +673,9 @@ class CacheGenConnector(KVConnectorBase_V1):
             "chunks": stats.chunks if stats else [],
             "lookup_info": lr.lookup.info,
             "after_preemption": lr.after_preemption,
+            # the adaptive policy's preset (streaming.adapt_params) and inputs; None for a level
+            "policy_preset": _policy_preset(lr.params.get("policy")),
+            "policy": lr.params.get("policy"),
             "time": time.time(),
         }
         if stats and stats.extra:
@@ -796,6 +800,16 @@ class CacheGenConnector(KVConnectorBase_V1):
             ks.append(k.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
             vs.append(v.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
         return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
+
+
+def _policy_preset(policy: Any) -> str | None:
+    """The PolicyParams preset a request's policy object runs (its "preset", else the
+    default one), or None without a policy."""
+    if not isinstance(policy, dict):
+        return None
+    from streaming.adapt_params import DEFAULT_PRESET
+
+    return str(policy.get("preset") or DEFAULT_PRESET)
 
 
 def _is_aborted(request: Any) -> bool:

@@ -579,7 +579,10 @@ class StoreSource:
         if pol:
             if not isinstance(pol, dict):
                 raise SourceError("'policy' must be a dict of streaming.adapt.AdaptivePolicy args")
-            return AdaptivePolicy(**pol)
+            try:  # a preset of streaming.adapt_params.PolicyParams + this request's inputs
+                return AdaptivePolicy.from_request(pol)
+            except (TypeError, ValueError) as e:
+                raise SourceError(f"bad policy: {e}") from None
         level = params.get("level")
         if isinstance(level, (list, tuple)):  # per-chunk levels, None = text (experiments)
             return FixedPolicy([None if x is None else int(x) for x in level])

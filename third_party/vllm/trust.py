@@ -31,18 +31,19 @@ import math
 import re
 from typing import Any
 
+from streaming.adapt_params import POLICY_INPUTS, POLICY_PRESETS, POLICY_REQUEST_KEYS
+from streaming.adapt_params import check_value as check_policy_value
+
 # request keys and the check each gets (see _check_* below)
 REQUEST_KEYS = ("source", "store", "context_key", "context_tokens", "mode", "level",
                 "policy", "model_id", "weights_hash", "codec_tag", "identity", "load_tokens",
                 "save", "stats_tag", "prefix_match")
 SAVE_KEYS = ("source", "store", "context_key", "codec", "level", "chunk_tokens",
              "num_tokens", "model_id", "weights_hash", "codec_tag", "stats_tag")
-# streaming.adapt.AdaptivePolicy's scalar arguments (numbers; "robust" a bool)
-POLICY_KEYS = ("slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", "initial_decode_s",
-               "inject_s_per_token", "burst_bytes", "window", "abandon_margin",
-               "abandon_slack_s", "probe_after", "text_utility", "request_overhead_s",
-               "min_sample_bytes", "probe_rate_mbps", "max_abandons", "abandon_backoff",
-               "robust", "burst_s", "overrun_share", "slo_margin")
+# a request's "policy": "preset" (a streaming.adapt_params.POLICY_PRESETS name), the
+# per-request measurements (POLICY_INPUTS, numbers) and exactly the fields of the one policy
+# object streaming.adapt_params.PolicyParams (each checked by its kind) - issue 27.3
+POLICY_KEYS = POLICY_REQUEST_KEYS
 SOURCES = ("store", "local")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]*$")
 _TEXT_MAX = 200  # mode, model_id, codec_tag, stats_tag, ...
@@ -155,18 +156,22 @@ def default_source(extra: dict[str, Any]) -> str:
 def _policy(v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise RequestRejected("policy must be an object of numbers")
-    bad = sorted(set(v) - set(POLICY_KEYS))
+    bad = sorted(set(map(str, v)) - set(POLICY_KEYS))
     if bad:
         raise RequestRejected(f"policy keys not allowed: {', '.join(map(str, bad))[:200]}")
     out: dict[str, Any] = {}
     for k, x in v.items():
-        if k == "robust":
-            if not isinstance(x, bool):
-                raise RequestRejected("policy.robust must be true or false")
-            out[k] = x
-        else:
+        if k == "preset":
+            if not isinstance(x, str) or x not in POLICY_PRESETS:
+                raise RequestRejected(f"policy.preset must be one of {', '.join(POLICY_PRESETS)}")
+        elif k in POLICY_INPUTS:
             _num(f"policy.{k}", x)
-            out[k] = x  # ints stay ints (window, probe_after, ...)
+        else:
+            try:
+                check_policy_value(k, x)
+            except ValueError as e:
+                raise RequestRejected(str(e)) from None
+        out[k] = x  # ints stay ints (window, probe_after, ...)
     return out
 
 
