@@ -342,6 +342,7 @@ def stream_load(
     queue_depth: int = 2,
     clock: Callable[[], float] = time.perf_counter,
     plan: Sequence[tuple[int, int]] | None = None,
+    plan_gen: str | None = None,
 ) -> LoadResult:
     """Load one stored context through `client` (a streaming.store.StoreClient).
 
@@ -364,6 +365,10 @@ def stream_load(
             manifest) and will place decoded chunks at; a manifest whose first ranges
             differ (the entry was re-stored with another chunking since) is a clean miss
             with the reason, never KV at other positions.
+        plan_gen: the write generation the caller planned from (Manifest.gen of its
+            lookup): that generation's own manifest is read (and its chunks fetched), so a
+            load racing an overwrite still gets the complete entry it planned from; a
+            generation deleted since is a clean miss.
     Every chunk is checked against the manifest the load planned from (size, CRC-32,
     sha256, fetched from that manifest's write generation); a chunk missing or failing
     the check after one refetch is recomputed from text (ChunkStat.note says why) and the
@@ -379,6 +384,8 @@ def stream_load(
     t0 = clock()
     try:
         exp = {"identity": identity} if identity is not None else {}
+        if plan_gen:
+            exp["gen"] = plan_gen
         manifest = client.get_manifest(key, model_id=model_id, weights_hash=weights_hash, codec_tag=codec_tag,
                                        **exp)
     except (OSError, StreamingError) as e:

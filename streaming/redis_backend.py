@@ -586,11 +586,13 @@ class RedisStoreClient:
         return True
 
     # reads
-    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None, identity=None):
-        """streaming.store.Manifest of a stored context, or None (clean miss; reason in
-        last_miss_reason: unknown key, evicted manifest, corrupt or foreign entry - another
-        model or codec config, checked with streaming.identity.check_entry)."""
-        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag, identity)
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None, identity=None,
+                     gen=None):
+        """streaming.store.Manifest of a stored context (gen: of that write generation),
+        or None (clean miss; reason in last_miss_reason: unknown key, evicted manifest or
+        chunks - the entry is then dropped -, corrupt or foreign entry - another model or
+        codec config, checked with streaming.identity.check_entry)."""
+        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag, identity, gen=gen)
         if m is None:
             self.last_miss_reason = why
         return m
@@ -633,10 +635,10 @@ class RedisStoreClient:
         from streaming.store import _chunk_key, _manifest_key
 
         key, gen = man["key"], man["gen"]
+        blob = json.dumps(man).encode("utf-8")
         items = [(_chunk_key(key, lv, i, gen), bytes(c)) for lv in man["levels"]
-                 for i, c in enumerate(chunks[lv])]
-        if not self.backend.publish_many(_manifest_key(key), base_raw,
-                                         json.dumps(man).encode("utf-8"), items):
+                 for i, c in enumerate(chunks[lv])] + [(_manifest_key(key, gen), blob)]
+        if not self.backend.publish_many(_manifest_key(key), base_raw, blob, items):
             raise StoreRaceLostError(f"another writer published key {key[:16]} first: the store "
                                      "keeps the other complete entry")
 

@@ -137,8 +137,12 @@ def new_generation() -> str:
     return secrets.token_hex(16)
 
 
-def _manifest_key(key: str) -> str:
-    return f"ctx/{key}/manifest"
+def _manifest_key(key: str, gen: str | None = None) -> str:
+    """The published manifest of a key, or (gen) the immutable copy of generation gen's
+    manifest that a load planned from that generation reads."""
+    if gen is None:
+        return f"ctx/{key}/manifest"
+    return f"ctx/{key}/g/{_check_gen(gen)}/manifest"
 
 
 def _check_hex_key(key) -> str:
@@ -421,7 +425,9 @@ class KVStore:
                     d["prev"] = None
             else:
                 d["prev"] = None
-            if self._cas(mk, cur, json.dumps(d).encode("utf-8")):
+            blob = json.dumps(d).encode("utf-8")
+            self.backend.put(_manifest_key(m.key, m.gen), blob)  # the generation's own copy
+            if self._cas(mk, cur, blob):
                 break
             if base_gen is not _ANY:
                 raise StoreRaceLostError(f"another writer published key {m.key[:16]} first")
@@ -439,6 +445,7 @@ class KVStore:
         """Delete the chunks of one write generation (a loser's, a failed writer's, or an
         entry two overwrites back). Never touches a published manifest."""
         _check_hex_key(key)
+        self.backend.delete(_manifest_key(key, gen))
         for lv in levels:
             for i in range(int(chunk_count)):
                 self.backend.delete(_chunk_key(key, lv, i, gen))
@@ -446,19 +453,24 @@ class KVStore:
     # ------------------------------------------------------------------ reads
     def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None,
                      identity: EntryIdentity | dict | None = None,
-                     verify: bool = True) -> tuple[Manifest | None, str]:
+                     verify: bool = True, gen: str | None = None) -> tuple[Manifest | None, str]:
         """(manifest, "") or (None, reason) - unknown key, corrupt, previous-format or
         mismatched entry (model/codec expectation and identity checked by
         Manifest.mismatch). verify: also check that every chunk and calibration the
         manifest names is stored; an entry that lost any (eviction, deletion) is dropped
-        (manifest removed by compare-and-swap) and is a miss with the reason."""
+        (manifest removed by compare-and-swap) and is a miss with the reason. gen: the
+        manifest of that write generation (what a lookup planned from), published or
+        replaced since; a generation deleted since (two overwrites later) is a miss."""
         try:
             _check_hex_key(key)
+            if gen is not None:
+                _check_gen(gen)
         except ValueError as e:
             return None, str(e)
-        raw = self.backend.get(_manifest_key(key))
+        raw = self.backend.get(_manifest_key(key, gen))
         if raw is None:
-            return None, "unknown key"
+            return None, "unknown key" if gen is None else \
+                f"generation {gen[:8]} gone (the entry was replaced since it was planned)"
         try:
             m = Manifest.from_dict(json.loads(raw.decode("utf-8")))
         except (StoreError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
@@ -476,7 +488,7 @@ class KVStore:
                 why = (f"entry incomplete: {len(keys) - have} of {len(keys)} chunks missing "
                        f"(evicted or deleted)" if have < len(keys) else
                        f"entry incomplete: calibration {cal_missing[0][:16]} missing (evicted or deleted)")
-                self._drop(key, raw, why)
+                self._drop(key, raw, why)  # the published manifest only if it is these bytes
                 return None, why + "; entry dropped"
         return m, ""
 
@@ -512,8 +524,9 @@ class KVStore:
     def list_contexts(self, limit: int = 10000) -> list[str]:
         out = []
         for k in self.backend.keys("ctx/"):
-            if k.endswith("/manifest"):
-                out.append(k.split("/")[1])
+            parts = k.split("/")
+            if len(parts) == 3 and parts[2] == "manifest":  # not a generation's own copy
+                out.append(parts[1])
                 if len(out) >= limit:
                     break
         return sorted(out)
@@ -715,7 +728,7 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
         if ftype == FrameType.GET_MANIFEST:
             exp = meta.get("expect") or {}
             m, why = st.get_manifest(meta.get("key"), exp.get("model_id"), exp.get("weights_hash"),
-                                     exp.get("codec_tag"), exp.get("identity"))
+                                     exp.get("codec_tag"), exp.get("identity"), gen=meta.get("gen"))
             if m is None:
                 return FrameType.MISS, {"reason": why}, b""
             return FrameType.OK, {"manifest": m.to_dict()}, b""
@@ -882,15 +895,20 @@ class StoreClient:
         return self._call(FrameType.PING, {}).type == FrameType.OK
 
     def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None,
-                     identity: EntryIdentity | dict | None = None) -> Manifest | None:
-        """Manifest of a stored context, or None (clean miss; reason in last_miss_reason).
+                     identity: EntryIdentity | dict | None = None,
+                     gen: str | None = None) -> Manifest | None:
+        """Manifest of a stored context (gen: of that write generation, see
+        KVStore.get_manifest), or None (clean miss; reason in last_miss_reason).
         The expectation (and `identity`, see streaming.identity.check_entry) is checked by
         the server and again here."""
         if isinstance(identity, EntryIdentity):
             identity = identity.to_dict()
         exp = {"model_id": model_id, "weights_hash": weights_hash, "codec_tag": codec_tag,
                "identity": identity}
-        f = self._call(FrameType.GET_MANIFEST, {"key": key, "expect": exp})
+        req = {"key": key, "expect": exp}
+        if gen is not None:
+            req["gen"] = gen
+        f = self._call(FrameType.GET_MANIFEST, req)
         if f.type == FrameType.MISS:
             self.last_miss_reason = str(f.meta.get("reason", "miss"))
             return None
@@ -899,7 +917,8 @@ class StoreClient:
         except (StoreError, KeyError, TypeError) as e:
             self.last_miss_reason = f"server sent an unusable manifest: {e}"
             return None
-        why = m.mismatch(model_id, weights_hash, codec_tag, identity) or (None if m.key == key else "wrong key")
+        why = m.mismatch(model_id, weights_hash, codec_tag, identity) or (None if m.key == key else "wrong key") \
+            or (None if gen is None or m.gen == gen else "wrong generation")
         if why:
             self.last_miss_reason = why
             return None
@@ -992,6 +1011,96 @@ class StoreClient:
         """put_context keyed by a full identity (streaming.store.entry_key): the manifest
         records it, readers check it. Raises ValueError for an incomplete identity or
         levels that differ from identity.level_configs."""
+        identity.require_complete()
+        return self.put_context(identity.model_id, identity.weights_hash, identity.codec_tag(),
+                                token_ids, chunks, token_ranges, meta, identity, calibrations)
+
+
+class LocalStoreClient:
+    """The StoreClient interface in-process over a KVStore (a local folder path or any
+    StoreBackend): no server; stream_load, put_context and the write steps work on it.
+    Misses set `last_miss_reason`. Same guarantees as the server (KVStore)."""
+
+    def __init__(self, backend: StoreBackend | str | os.PathLike):
+        self.backend = backend if isinstance(backend, StoreBackend) and not isinstance(backend, (str, os.PathLike)) \
+            else open_backend(backend)
+        self.store = KVStore(self.backend)
+        self.last_miss_reason = ""
+
+    def clone(self) -> "LocalStoreClient":
+        c = LocalStoreClient(self.backend)
+        c.store = self.store
+        return c
+
+    def connect(self) -> None:
+        pass
+
+    reconnect = close = connect
+
+    def ping(self) -> bool:
+        return True
+
+    def __enter__(self) -> "LocalStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None, identity=None,
+                     gen=None) -> Manifest | None:
+        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag, identity, gen=gen)
+        if m is None:
+            self.last_miss_reason = why
+        return m
+
+    def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
+        data = self.store.get_chunk(key, level, index, gen)
+        if data is None:
+            self.last_miss_reason = f"no chunk {int(index)} at level {int(level)}"
+        return data
+
+    def get_calibration(self, h: str) -> bytes | None:
+        data = self.store.get_calibration(h)
+        if data is None:
+            self.last_miss_reason = f"no calibration {h[:16]} in the store"
+        return data
+
+    def has(self, key: str) -> bool:
+        return self.store.get_manifest(key)[0] is not None
+
+    def list_contexts(self, limit: int = 10000) -> list[str]:
+        return self.store.list_contexts(limit)
+
+    def delete_context(self, key: str) -> None:
+        self.store.delete_context(key)
+
+    def current_gen(self, key: str):
+        return self.store.current_gen(key)
+
+    def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
+        self.store.put_chunk(key, level, index, data, gen)
+
+    def put_manifest(self, manifest: dict, *base_gen):
+        return self.store.put_manifest(manifest, *base_gen)
+
+    def put_calibration(self, h: str, data: bytes) -> None:
+        self.store.put_calibration(h, data)
+
+    def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
+        self.store.discard(key, gen, levels, chunk_count)
+
+    def invalidate(self, key: str, gen: str, reason: str) -> bool:
+        return self.store.invalidate(key, gen, reason)
+
+    def put_context(self, model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
+                    meta=None, identity=None, calibrations=None) -> str:
+        """As StoreClient.put_context (save_steps on the KVStore)."""
+        key, man = build_manifest(model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
+                                  meta, identity)
+        run_steps(save_steps(self.store, man, chunks, calibrations))
+        return key
+
+    def put_entry(self, identity, token_ids, chunks, token_ranges, meta=None, calibrations=None) -> str:
         identity.require_complete()
         return self.put_context(identity.model_id, identity.weights_hash, identity.codec_tag(),
                                 token_ids, chunks, token_ranges, meta, identity, calibrations)

@@ -866,7 +866,8 @@ class StoreSource:
         plan = [(starts[i], starts[i + 1]) for i in range(needed)]
         res = stream_load(client, params["context_key"], policy, decode,
                           on_decoded=on_decoded, keep_decoded=False, before_chunk=before_chunk,
-                          plan=plan, **self._expect(params))
+                          plan=plan, plan_gen=lookup.info.get("gen") or None,
+                          **self._expect(params))
         if not res.hit:
             raise SourceMiss(f"store miss at load time: {res.reason}")
         for c in res.chunks:
