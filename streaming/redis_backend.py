@@ -645,9 +645,9 @@ class RedisStoreClient:
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
         self.store.put_chunk(key, level, index, data, gen)
 
-    def put_manifest(self, manifest: dict, *base_gen):
+    def put_manifest(self, manifest: dict, **base_gen):
         """Publish (streaming.store.KVStore.put_manifest; base_gen as there)."""
-        return self.store.put_manifest(manifest, *base_gen)
+        return self.store.put_manifest(manifest, **base_gen)
 
     def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
         self.store.discard(key, gen, levels, chunk_count)

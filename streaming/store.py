@@ -1080,8 +1080,8 @@ class LocalStoreClient:
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
         self.store.put_chunk(key, level, index, data, gen)
 
-    def put_manifest(self, manifest: dict, *base_gen):
-        return self.store.put_manifest(manifest, *base_gen)
+    def put_manifest(self, manifest: dict, base_gen=_ANY):
+        return self.store.put_manifest(manifest, base_gen)
 
     def put_calibration(self, h: str, data: bytes) -> None:
         self.store.put_calibration(h, data)
