@@ -381,7 +381,7 @@ return 1
 local cur = redis.call('GET', KEYS[1])
 if ARGV[1] == '0' then
   if cur then return 0 end
-elseif cur ~= ARGV[2] then
+elseif cur and cur ~= ARGV[2] then
   return 0
 end
 for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 2]) end
@@ -392,7 +392,7 @@ return 1
     def publish_many(self, manifest_key: str, expected: bytes | None, manifest: bytes,
                      items: Sequence[tuple[str, bytes]]) -> bool:
         """One Lua script, atomic in Redis: if `manifest_key` still holds `expected` (None =
-        absent), SET every (key, bytes) of `items` and then the manifest, and return True;
+        absent) or holds nothing any more (evicted / dropped: no entry to keep), SET every (key, bytes) of `items` and then the manifest, and return True;
         else write nothing and return False. A client that dies while sending the script
         leaves nothing (Redis runs only complete commands). Errors as put."""
         keys = [self._k(manifest_key)] + [self._k(k) for k, _ in items]

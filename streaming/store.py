@@ -408,7 +408,9 @@ class KVStore:
         for _ in range(100):  # retried only when a no-race publish (base _ANY) sees a change
             cur = self.backend.get(mk)
             cur_gen = _parse_gen(cur)
-            if base_gen is not _ANY and cur_gen != base_gen:
+            # a key whose manifest is gone (evicted, dropped, deleted) has no entry to keep:
+            # publishing over nothing never hides another writer's complete entry
+            if base_gen is not _ANY and cur_gen != base_gen and cur is not None:
                 raise StoreRaceLostError(
                     f"another writer published key {m.key[:16]} first (its generation "
                     f"{str(cur_gen)[:8] or '-'}, this writer read {str(base_gen)[:8] or '-'}): "
@@ -482,12 +484,18 @@ class KVStore:
             return None, why
         if verify:
             keys = m.chunk_keys()
-            have = self._count_existing(keys)
+            have = self._count_existing(keys + [_manifest_key(key, m.gen)])  # + the copy a load reads
             cal_missing = [h for h in m.calibrations if not self.backend.exists(_cal_key(h))]
-            if have < len(keys) or cal_missing:
-                why = (f"entry incomplete: {len(keys) - have} of {len(keys)} chunks missing "
-                       f"(evicted or deleted)" if have < len(keys) else
-                       f"entry incomplete: calibration {cal_missing[0][:16]} missing (evicted or deleted)")
+            if have < len(keys) + 1 or cal_missing:
+                chunks_have = self._count_existing(keys) if have < len(keys) + 1 else len(keys)
+                if chunks_have < len(keys):
+                    why = (f"entry incomplete: {len(keys) - chunks_have} of {len(keys)} chunks "
+                           "missing (evicted or deleted)")
+                elif cal_missing:
+                    why = (f"entry incomplete: calibration {cal_missing[0][:16]} missing "
+                           "(evicted or deleted)")
+                else:
+                    why = "entry incomplete: its generation's manifest copy is missing (evicted or deleted)"
                 self._drop(key, raw, why)  # the published manifest only if it is these bytes
                 return None, why + "; entry dropped"
         return m, ""

@@ -25,6 +25,7 @@ from streaming.backends import LocalFolderBackend
 from streaming.client import stream_load
 from streaming.errors import StoreRaceLostError
 from streaming.redis_server import RedisServer, find_redis_server
+from streaming.identity import EntryIdentity
 from streaming.store import KVStoreServer, LocalStoreClient, StoreClient, build_manifest, save_steps
 
 L, H, D = 2, 1, 2
@@ -45,12 +46,18 @@ def ids_of(case: int, n: int = T) -> list[int]:
     return [case * 100_000 + i for i in range(n)]
 
 
+IDENTITY = EntryIdentity(model_id="m", weights_hash="w", dtype="float32", num_layers=L,
+                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={0: "raw-test"})
+
+
 def entry(ids: list[int], ct: int, version: int):
-    """(key, manifest, chunks) of a raw entry of `ids` with chunk_tokens ct."""
+    """(key, manifest, chunks) of a raw entry of `ids` with chunk_tokens ct (the key does
+    not depend on ct or version: every save of `ids` is a save of the same key)."""
     k, v = kv(len(ids), version)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=ct)
     ranges = codec.chunk_bounds(len(ids), ct)
-    key, man = build_manifest("m", "w", "raw", ids, {0: chunks}, ranges, meta={"version": version})
+    key, man = build_manifest("m", "w", "raw", ids, {0: chunks}, ranges, meta={"version": version},
+                              identity=IDENTITY)
     return key, man, {0: chunks}
 
 

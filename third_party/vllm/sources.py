@@ -309,7 +309,7 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
         fcntl.flock(fd, fcntl.LOCK_EX)
         cur = _read_local_manifest(d / MANIFEST)
         cur_gen = None if cur is None else str(cur.get("gen") or "")
-        if cur_gen != base_gen:
+        if cur_gen != base_gen and cur is not None:  # (a deleted entry has nothing to keep)
             shutil.rmtree(g, ignore_errors=True)
             raise StoreRaceLostError(f"another writer published {context_key!r} first: the "
                                      "folder keeps the other complete entry")
