@@ -658,6 +658,9 @@ class RedisStoreClient:
     def put_calibration(self, h: str, data: bytes) -> None:
         self.store.put_calibration(h, data)
 
+    def has_calibration(self, h: str) -> bool:
+        return self.store.has_calibration(h)
+
     def get_calibration(self, h: str) -> bytes | None:
         data = self.store.get_calibration(h)
         if data is None:

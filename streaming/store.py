@@ -386,6 +386,9 @@ class KVStore:
     def get_calibration(self, h: str) -> bytes | None:
         return self.backend.get(_cal_key(h))
 
+    def has_calibration(self, h: str) -> bool:
+        return self.backend.exists(_cal_key(h))
+
     def put_manifest(self, manifest: dict, base_gen=_ANY) -> Manifest:
         """Verify every chunk of the manifest's generation (present, size, CRC, sha256)
         and its calibrations, then publish the manifest atomically if the key's manifest
@@ -601,10 +604,11 @@ def save_steps(ops, man: dict, chunks: dict[int, Sequence[bytes]],
     man = dict(man, gen=gen)
     yield ("base", base)
     for h in man.get("calibrations") or ():
-        data = (calibrations or {}).get(h)
-        if data is None:
-            data = _calibration_bytes(h)
-        ops.put_calibration(h, data)
+        if not ops.has_calibration(h):  # content-addressed: stored once per store
+            data = (calibrations or {}).get(h)
+            if data is None:
+                data = _calibration_bytes(h)
+            ops.put_calibration(h, data)
         yield ("cal", h)
     if atomic is not None:
         man["prev"] = _prev_of(base_raw)
@@ -768,6 +772,8 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
         if ftype == FrameType.LIST:
             return FrameType.OK, {"keys": st.list_contexts(int(meta.get("limit", 10000)))}, b""
         if ftype == FrameType.HAS:
+            if meta.get("cal") is not None:
+                return FrameType.OK, {"exists": st.has_calibration(meta.get("cal"))}, b""
             if meta.get("gen_only"):
                 return FrameType.OK, {"gen": st.current_gen(meta.get("key"))}, b""
             m, why = st.get_manifest(meta.get("key"))
@@ -978,6 +984,9 @@ class StoreClient:
         self._check_size(len(data))
         self._call(FrameType.PUT_CHUNK, {"cal": h}, bytes(data))
 
+    def has_calibration(self, h: str) -> bool:
+        return bool(self._call(FrameType.HAS, {"cal": h}).meta.get("exists"))
+
     def get_calibration(self, h: str) -> bytes | None:
         """Bytes stored under cal/<h>, or None (reason in last_miss_reason)."""
         f = self._call(FrameType.GET_CHUNK, {"cal": h})
@@ -1072,6 +1081,9 @@ class LocalStoreClient:
         if data is None:
             self.last_miss_reason = f"no calibration {h[:16]} in the store"
         return data
+
+    def has_calibration(self, h: str) -> bool:
+        return self.store.has_calibration(h)
 
     def has(self, key: str) -> bool:
         return self.store.get_manifest(key)[0] is not None
