@@ -206,25 +206,70 @@ def test_writer_killed_at_every_step(store, old_ct, new_ct, prior):
 
 
 def test_server_writer_dies_mid_frame(tmp_path):
-    """A writer whose connection dies inside a PUT_CHUNK frame (half the bytes sent) leaves
-    the entry as it was; the server keeps serving; the next save succeeds."""
+    """A writer whose connection dies inside its PUT_MANIFEST frame (chunks all sent, half
+    the manifest frame's bytes on the wire) leaves the entry as it was; the server keeps
+    serving; the same frame sent whole publishes (control)."""
     import socket
 
-    from streaming.protocol import FrameType, encode_frame
+    from streaming.protocol import FrameType, encode_frame, recv_frame
 
     s = _Server(tmp_path)
     try:
         c = s.client()
         ids = ids_of(7)
         key = run_full(c, ids, 128, 1)
+        base = c.current_gen(key)
         _, man, chunks = entry(ids, 64, 2)
-        frame = encode_frame(FrameType.PUT_CHUNK, {"key": key, "level": 0, "index": 0, "gen": "ab" * 16},
-                             chunks[0][0])
+        man = dict(man, gen="ab" * 16)
+        for i, ch in enumerate(chunks[0]):
+            c.put_chunk(key, 0, i, ch, gen=man["gen"])
+        frame = encode_frame(FrameType.PUT_MANIFEST, {"manifest": man, "base_gen": base, "has_base": True})
         raw = socket.create_connection(s.srv.address)
         raw.sendall(frame[: len(frame) // 2])
         raw.close()
         assert classify(c, key) == ("load", 1)
-        run_full(c, ids, 64, 2)
+        raw = socket.create_connection(s.srv.address)
+        raw.sendall(frame)
+        assert recv_frame(raw).type == FrameType.OK
+        raw.close()
+        assert classify(c, key) == ("load", 2)
+    finally:
+        s.close()
+
+
+@needs_redis
+def test_redis_writer_dies_mid_command(tmp_path):
+    """A writer that dies while sending its publish script (half the command's bytes on the
+    wire) leaves the old entry as it was: Redis runs only complete commands."""
+    import socket
+
+    from streaming.redis_backend import RedisBackend
+    from streaming.store import _chunk_key, _manifest_key
+
+    s = _Redis(tmp_path)
+    try:
+        c = s.client()
+        ids = ids_of(8)
+        key = run_full(c, ids, 128, 1)
+        _, man, chunks = entry(ids, 64, 2)
+        man = dict(man, gen="cd" * 16)
+        blob = json.dumps(man).encode()
+        items = [(_chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
+        items.append((_manifest_key(key, man["gen"]), blob))
+        keys = [b"cg:" + _manifest_key(key).encode()] + [b"cg:" + k.encode() for k, _ in items]
+        base = c.manifest_raw(key)
+        args = [b"EVAL", RedisBackend._PUBLISH_LUA.encode(), str(len(keys)).encode(), *keys,
+                b"1", base, blob, *[d for _, d in items]]
+        cmd = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+        host, port = s.rs.url.split("//")[1].split("/")[0].split(":")
+        raw = socket.create_connection((host, int(port)))
+        raw.sendall(cmd[: len(cmd) // 2])
+        raw.close()
+        assert classify(c, key) == ("load", 1)
+        raw = socket.create_connection((host, int(port)))  # control: the whole command publishes
+        raw.sendall(cmd)
+        assert raw.recv(16).startswith(b":1")
+        raw.close()
         assert classify(c, key) == ("load", 2)
     finally:
         s.close()

@@ -205,6 +205,39 @@ def test_local_previous_format_is_a_clean_miss(tmp_path):
     assert lk.num_tokens == 0 and "previous format" in lk.info["miss"]
 
 
+def test_local_every_interleaving_of_two_writers(tmp_path):
+    """The connector's local source: every interleaving of two savers of one key (2 and 3
+    chunks): each publishes or gets StoreRaceLostError; the last publisher's entry loads."""
+    import itertools
+
+    ids = ids_of(24, 384)
+    n = [len(list(_local_entry(tmp_path / f"probe{ct}", "A", ids, ct, 0))) for ct in (192, 128)]
+    src = LocalDirSource(tmp_path / "kv", decode)
+    cases = 0
+    for pos in itertools.combinations(range(sum(n)), n[0]):
+        root = tmp_path / "kv"
+        for _ in _local_entry(root, "A", ids, 384, 9):
+            pass
+        gens = {1: _local_entry(root, "A", ids, 192, 1), 2: _local_entry(root, "A", ids, 128, 2)}
+        lost, published = set(), []
+        for j in range(sum(n)):
+            who = 1 if j in pos else 2
+            if who in lost:
+                continue
+            try:
+                if next(gens[who])[0] == "manifest":
+                    published.append(who)
+            except StoreRaceLostError:
+                lost.add(who)
+        for g in gens.values():
+            g.close()
+        assert published and len(published) + len(lost) == 2
+        kind, _lk, placed = _local_load(src, ids, 384)
+        assert kind == "load" and placed == {t: (float(t), float(published[-1])) for t in range(384)}
+        cases += 1
+    assert cases == 126
+
+
 def test_local_two_writers_one_wins(tmp_path):
     """Two savers of one local key interleaved: one publishes, the other gets
     StoreRaceLostError and leaves no folder behind."""
@@ -363,3 +396,28 @@ def test_failure6_variant_evicted_entry_is_dropped_from_the_index(server):
         lk = StoreSource(decode).lookup({"store": f"{server.address[0]}:{server.address[1]}",
                                          "prefix_match": True, "weights_hash": "w"}, long_ids)
         assert lk.num_tokens == 512 and lk.info["key"] == k_short
+
+
+def test_chunk_whose_header_names_other_tokens_is_never_placed(server, tmp_path):
+    """A writer bug (chunks stored in the wrong order, checksums consistent with it): the
+    decoded header's token range disagrees with the plan, the chunk is not placed - in the
+    store source and in the local source."""
+    ids = ids_of(14, 512)
+    k, v = kv(512, 1)
+    chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=256)[::-1]  # swapped
+    from tests.test_store_faults import IDENTITY
+
+    with StoreClient(*server.address) as cl:
+        key = cl.put_entry(IDENTITY, ids, {0: chunks}, [(0, 256), (256, 512)])
+        src = StoreSource(decode)
+        params = _store_params(server, key)
+        lk = src.lookup(params, ids + [1])
+        got = []
+        st = src.load(params, lk, 512, lambda s, k, v: got.append(s))
+    assert got == [] and st.loaded_tokens == 0 and "header says tokens 256..512" in st.error
+    save_local_context(tmp_path, "A", ids, chunks, [256, 256])
+    lsrc = LocalDirSource(tmp_path, decode)
+    lk = lsrc.lookup({"context_key": "A"}, ids + [1])
+    with pytest.raises(Exception, match="header says tokens 256..512"):
+        lsrc.load({"context_key": "A"}, lk, 512, lambda s, k, v: got.append(s))
+    assert got == []

@@ -389,6 +389,22 @@ def _invalidate_local(d: Path, gen: str | None, why: str) -> None:
         os.close(fd)
 
 
+def _header_range(data: bytes) -> tuple[int, int] | None:
+    """(token_offset, T) from a codec container's header (header only, no CRC or arrays
+    read: codec.bitstream.peek_header), or None for bytes that are not a codec container
+    (stand-in chunks of tests)."""
+    try:
+        from codec.bitstream import peek_header
+
+        h = peek_header(data)
+        off, t = h.get("token_offset"), h.get("T")
+    except (ImportError, ValueError):
+        return None
+    if isinstance(off, int) and isinstance(t, int) and not isinstance(off, bool):
+        return off, t
+    return None
+
+
 def calibration_of(chunks: list[bytes]) -> str:
     """The calibration hash the first encoded chunk names in its header (kvtc's
     ``config.calibration``), "" when none (or the bytes are not a codec container)."""
@@ -576,6 +592,10 @@ class LocalDirSource:
                 if err is not None:
                     _invalidate_local(d, lookup.info.get("gen"), f"chunk {i}: {err}")
                     raise SourceError(f"chunk {i}: {err}")
+                hr = _header_range(data)
+                if hr is not None and hr != (start, t):
+                    raise SourceError(f"chunk {i}: its header says tokens {hr[0]}..{hr[0] + hr[1]}, "
+                                      f"the plan {start}..{start + t}: not placed")
                 t0 = time.perf_counter()
                 k, v = decode(data)
                 dec_s = time.perf_counter() - t0
@@ -833,7 +853,12 @@ class StoreSource:
         trace driving the link) runs just before chunk k is requested."""
         from streaming.client import stream_load
 
-        decode = self._decode_fn or default_decode_fn()
+        inner = self._decode_fn or default_decode_fn()
+
+        def decode(data: bytes):  # (k, v, the header's (token_offset, T) or None)
+            k, v = inner(data)
+            return k, v, _header_range(data)
+
         client = self._client(params)
         starts = [0]
         for t in lookup.chunk_tokens:
@@ -851,8 +876,14 @@ class StoreSource:
             if starts[i] != delivered[0] or bad:
                 policy.stopped = True  # a gap before chunk i: it is useless to vLLM
                 return
-            k, v = out
+            k, v, hr = out
             want = starts[i + 1] - starts[i]
+            if hr is not None and hr != (starts[i], want):
+                bad.append(f"chunk {i}: its header says tokens {hr[0]}..{hr[0] + hr[1]}, the plan "
+                           f"{starts[i]}..{starts[i + 1]}")
+                policy.stopped = True
+                logger.warning("store source: %s: %s", params.get("context_key"), bad[-1])
+                return
             if getattr(k, "shape", None) is None or len(k.shape) < 2 or k.shape[1] != want:
                 # never place KV of another token range: the plan says chunk i holds `want`
                 bad.append(f"chunk {i} decoded to {getattr(k, 'shape', None)}, the plan says "
