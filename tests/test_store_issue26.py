@@ -12,22 +12,14 @@ import json
 import threading
 
 import pytest
-import torch
 
 import codec
 from streaming.backends import LocalFolderBackend
 from streaming.errors import StoreRaceLostError
 from streaming.redis_server import RedisServer, find_redis_server
-from streaming.store import KVStoreServer, StoreClient, build_manifest, save_steps
+from streaming.store import KVStoreServer, StoreClient, save_steps
 from tests.test_store_faults import classify, decode, entry, ids_of, kv
-from third_party.vllm.sources import (
-    LocalDirSource,
-    Lookup,
-    SourceMiss,
-    StoreSource,
-    local_save_steps,
-    save_local_context,
-)
+from third_party.vllm.sources import LocalDirSource, StoreSource, local_save_steps, save_local_context
 
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
 
