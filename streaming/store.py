@@ -638,12 +638,17 @@ def save_steps(ops, man: dict, chunks: dict[int, Sequence[bytes]],
 
 
 def _prev_of_prev(raw: bytes | None) -> dict | None:
+    """The "prev" record ({"gen", "levels", "chunk_count"}) of a stored manifest's bytes:
+    the generation two saves back once a new save replaces this one (None if none)."""
     if raw is None:
         return None
     try:
-        return _prev_of(json.dumps(json.loads(raw.decode("utf-8")).get("prev")).encode()) \
-            if json.loads(raw.decode("utf-8")).get("prev") else None
-    except (ValueError, AttributeError, UnicodeDecodeError):
+        prev = json.loads(raw.decode("utf-8")).get("prev")
+        if not prev:
+            return None
+        return {"gen": _check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
+                "chunk_count": int(prev["chunk_count"])}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
 
 
