@@ -383,11 +383,15 @@ def test_redis_eviction_is_a_clean_miss(tmp_path, policy):
         COUNTS[f"evict_{policy}_load"] += out["load"]
         COUNTS[f"evict_{policy}_miss"] += out["miss"]
         assert out["miss"] > 0
-        for key, ids in keys[-3:]:
-            k2, man, chunks = entry(ids, 1024, 2)
+        for key, ids in keys[-3:]:  # re-saved at full memory: loads, or (evicted as it
+            k2, man, chunks = entry(ids, 1024, 2)  # was written) a clean miss
             for _ in steps_of(c, man, chunks):
                 pass
-            assert classify(c, k2, n) == ("load", 2)
+            assert classify(c, k2, n) in (("load", 2), ("miss", None))
+        c.backend._client.flushdb()  # room again: a re-save always loads
+        for _ in steps_of(c, man, chunks):
+            pass
+        assert classify(c, k2, n) == ("load", 2)
     finally:
         s.close()
 

@@ -322,14 +322,15 @@ def test_failure4_redis_eviction_lookup_and_load_records(tmp_path):
                 assert "unknown key" in lk.info["miss"] or "entry incomplete" in lk.info["miss"]
         assert loaded == promised and promised < 20
         # evicted after the lookup (removed by hand, as eviction would): a recorded miss
-        key, ids = stored[-1]
-        key = put(cl, ids[:1024], 256, 3)
-        ids = ids[:1024]
-        params = {"source": "store", "store": f"{h.host}:{h.port}", "context_key": key, "level": 0}
-        lk = src.lookup(params, ids + [1])
         from streaming.redis_backend import RedisBackend
 
         with RedisBackend(rs.url) as rb:
+            rb._client.flushdb()  # room again: the next entry is not evicted as it is written
+            ids = stored[-1][1][:1024]
+            key = put(cl, ids, 256, 3)
+            params = {"source": "store", "store": f"{h.host}:{h.port}", "context_key": key, "level": 0}
+            lk = src.lookup(params, ids + [1])
+            assert lk.num_tokens == 1024
             rb.delete(f"ctx/{key}/g/{lk.info['gen']}/0/0")
         c, placed = _connector(tmp_path, src)
         rec = _load(c, tmp_path, params, lk, 1024, 1025)
