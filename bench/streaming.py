@@ -58,13 +58,14 @@ def run_pipeline(rate_mbps: float, chunks: int, chunk_bytes: int, decode_s: floa
         with start_store_server(d, link) as h, h.client(timeout=60) as c:
             key = _put(c, chunks, {1: chunk_bytes}, 100)
             stream_load(c, key, 1, dec)  # warm-up (connections, page cache), excluded
+            gen = c.get_manifest(key).gen  # the sequential loop reads that generation, as stream_load
             for _ in range(repeats):
                 r = stream_load(c, key, 1, dec, keep_decoded=False)
                 t0 = time.perf_counter()  # sequential baseline on the same connection
                 tx = dx = 0.0
                 for k in range(chunks):
                     t = time.perf_counter()
-                    data = c.get_chunk(key, 1, k)
+                    data = c.get_chunk(key, 1, k, gen=gen)
                     tx += time.perf_counter() - t
                     t = time.perf_counter()
                     dec(data)

@@ -38,6 +38,11 @@ class StoreBackend(Protocol):
 
     def keys(self, prefix: str = "") -> Iterator[str]: ...
 
+    # optional: compare_and_put(key, expected: bytes | None, data: bytes | None) -> bool
+    # (atomically: if the stored value equals `expected` (None = absent), store `data`
+    # (None = delete) and return True; else change nothing and return False). Backends
+    # without it get an in-process lock in streaming.store.KVStore (one process only).
+
 
 def _check_key(key: str) -> bytes:
     if not isinstance(key, str) or not key:
@@ -144,6 +149,32 @@ class LocalFolderBackend:
             except FileNotFoundError:
                 pass
             raise
+
+    def compare_and_put(self, key: str, expected: bytes | None, data: bytes | None) -> bool:
+        """Atomic compare-and-swap of one key across threads and processes: under an
+        exclusive flock(2) on `root/locks/<sha256(key)>`, if the stored value equals
+        `expected` (None = absent) store `data` (None = delete) and return True; else
+        return False and change nothing. Errors as put."""
+        import fcntl
+
+        h = hashlib.sha256(_check_key(key)).hexdigest()
+        locks = self.root / "locks"
+        try:
+            locks.mkdir(exist_ok=True)
+            fd = os.open(locks / h, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise classify_os_error(e, f"store folder {self.root}", "locking a key") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.get(key) != expected:
+                return False
+            if data is None:
+                self.delete(key)
+            else:
+                self.put(key, data)
+            return True
+        finally:
+            os.close(fd)  # releases the lock
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

@@ -24,7 +24,9 @@ Not runnable by itself; see `python -m bench.streaming`.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import logging
 import queue
 import socket
 import struct
@@ -38,6 +40,7 @@ from streaming.adapt import FixedPolicy
 from streaming.errors import StreamingError
 
 DecodeFn = Callable[[bytes], Any]
+logger = logging.getLogger("cachegen.stream")
 
 
 def default_decode_fn() -> DecodeFn:
@@ -223,21 +226,26 @@ class _WireClock:
         return getattr(self._s, name)
 
 
-def _timed_get_chunk(cl, key: str, lv: int, k: int, on_progress=None):
-    """cl.get_chunk with the wire clock around its socket -> (data, wire_s or None,
-    bytes after the first read). Uses the StoreClient's socket when it exposes one.
-    on_progress(bytes received so far) is called every PROGRESS_BYTES of the response."""
+def _get(cl, key: str, lv: int, k: int, gen: str | None):
+    return cl.get_chunk(key, lv, k, gen=gen) if gen else cl.get_chunk(key, lv, k)
+
+
+def _timed_get_chunk(cl, key: str, lv: int, k: int, on_progress=None, gen: str | None = None):
+    """cl.get_chunk (of write generation `gen`, the manifest's) with the wire clock around
+    its socket -> (data, wire_s or None, bytes after the first read). Uses the
+    StoreClient's socket when it exposes one. on_progress(bytes received so far) is called
+    every PROGRESS_BYTES of the response."""
     if not hasattr(cl, "_sock") or not hasattr(cl, "connect"):
-        return cl.get_chunk(key, lv, k), None, 0
+        return _get(cl, key, lv, k, gen), None, 0
     cl.connect()
     raw = cl._sock
     if not isinstance(raw, socket.socket):
-        return cl.get_chunk(key, lv, k), None, 0
+        return _get(cl, key, lv, k, gen), None, 0
     w = _WireClock(raw)
     w.on_progress = on_progress
     cl._sock = w
     try:
-        data = cl.get_chunk(key, lv, k)
+        data = _get(cl, key, lv, k, gen)
     finally:
         if cl._sock is w:  # the client closes (sets None) on errors; keep that
             cl._sock = raw
@@ -264,6 +272,52 @@ def _abort_connection(client, fired: threading.Event) -> None:
             pass
 
 
+def ensure_calibrations(client, hashes: Sequence[str]) -> str | None:
+    """Make every codec calibration an entry needs available before its chunks are decoded
+    (issue 25.5: an entry encoded with calibration H decodes on a machine that never fitted
+    H). For each hash: nothing to do when this process or the cache folder has it
+    (codec.kvtc.has_calibration); else the artifact is fetched once from the store
+    (client.get_calibration: cal/<hash>), verified by its content hash and registered
+    (codec.kvtc.calibration_from_bytes: safetensors + JSON, never unpickled; kept in the
+    cache folder). Returns None when all are available, else the reason (one line): the
+    caller treats it as a clean miss."""
+    for h in hashes or ():
+        try:
+            from codec import kvtc
+        except ImportError as e:
+            return f"calibration {h[:16]} needed: codec unavailable ({e})"
+        if kvtc.has_calibration(h):
+            continue
+        getter = getattr(client, "get_calibration", None)
+        if getter is None:
+            return f"calibration {h[:16]} not on this machine and the store cannot serve it"
+        try:
+            data = getter(h)
+        except (OSError, StreamingError) as e:
+            return f"calibration {h[:16]} not on this machine; fetching it failed: {e}"
+        if data is None:
+            return (f"calibration {h[:16]} not on this machine and not in the store "
+                    f"({getattr(client, 'last_miss_reason', '') or 'absent'})")
+        try:
+            kvtc.calibration_from_bytes(data, h)
+        except ValueError as e:  # codec.CodecError
+            return f"calibration {h[:16]} from the store does not verify: {e}"
+        logger.info("stream: calibration %s fetched from the store (%d bytes)", h[:16], len(data))
+    return None
+
+
+def _invalidate(client, key: str, gen: str, why: str) -> None:
+    """Drop an entry whose stored chunk is missing or corrupt (if it is still that
+    generation), so later lookups miss instead of failing forever. Best effort."""
+    f = getattr(client, "invalidate", None)
+    if f is None or not gen:
+        return
+    try:
+        f(key, gen, why)
+    except (OSError, StreamingError, ValueError) as e:
+        logger.warning("stream: could not drop entry %s: %s", key[:16], e)
+
+
 def _as_policy(p):
     if hasattr(p, "choose") and hasattr(p, "start"):
         return p
@@ -287,6 +341,8 @@ def stream_load(
     keep_decoded: bool = True,
     queue_depth: int = 2,
     clock: Callable[[], float] = time.perf_counter,
+    plan: Sequence[tuple[int, int]] | None = None,
+    plan_gen: str | None = None,
 ) -> LoadResult:
     """Load one stored context through `client` (a streaming.store.StoreClient).
 
@@ -305,6 +361,20 @@ def stream_load(
         on_decoded: callback(k, decoded) in the calling thread as each chunk is decoded.
         keep_decoded: keep decoded chunks in LoadResult.decoded (False to save memory).
         queue_depth: chunks buffered between receiver and decoder (memory bound).
+        plan: the token ranges (start, end) the caller planned from (a lookup's
+            manifest) and will place decoded chunks at; a manifest whose first ranges
+            differ (the entry was re-stored with another chunking since) is a clean miss
+            with the reason, never KV at other positions.
+        plan_gen: the write generation the caller planned from (Manifest.gen of its
+            lookup): that generation's own manifest is read (and its chunks fetched), so a
+            load racing an overwrite still gets the complete entry it planned from; a
+            generation deleted since is a clean miss.
+    Every chunk is checked against the manifest the load planned from (size, CRC-32,
+    sha256, fetched from that manifest's write generation); a chunk missing or failing
+    the check after one refetch is recomputed from text (ChunkStat.note says why) and the
+    entry is dropped from the store if it is still that generation (no entry fails every
+    later load). Calibrations the manifest names are fetched first (ensure_calibrations);
+    one that cannot be had is a clean miss.
     Returns LoadResult (seconds, bytes). Raises only for programming errors (bad
     arguments, a decode_fn raising something other than ValueError, a hook failing).
     """
@@ -314,6 +384,8 @@ def stream_load(
     t0 = clock()
     try:
         exp = {"identity": identity} if identity is not None else {}
+        if plan_gen:
+            exp["gen"] = plan_gen
         manifest = client.get_manifest(key, model_id=model_id, weights_hash=weights_hash, codec_tag=codec_tag,
                                        **exp)
     except (OSError, StreamingError) as e:
@@ -321,6 +393,20 @@ def stream_load(
     t_man = clock() - t0
     if manifest is None:
         return LoadResult(False, key, reason=client.last_miss_reason, total_s=t_man, manifest_s=t_man)
+    if plan is not None:
+        want = [(int(a), int(b)) for a, b in plan]
+        have = [tuple(r) for r in manifest.token_ranges[:len(want)]]
+        if have != want:
+            why = (f"entry changed since lookup: re-stored with other chunks (planned "
+                   f"{len(want)} chunks {want[:2]}..., stored {have[:2]}...): not loaded")
+            logger.warning("stream: miss for %s: %s", key[:16], why)
+            return LoadResult(False, key, reason=why, manifest=manifest, total_s=clock() - t0,
+                              manifest_s=t_man)
+    gen = getattr(manifest, "gen", "") or None
+    why = ensure_calibrations(client, getattr(manifest, "calibrations", ()))
+    if why:
+        logger.warning("stream: miss for %s: %s", key[:16], why)
+        return LoadResult(False, key, reason=why, manifest=manifest, total_s=clock() - t0, manifest_s=t_man)
     policy.start(manifest)
     n = manifest.chunk_count
     q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
@@ -337,18 +423,28 @@ def stream_load(
     def fetch_verified(cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
         """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once on CRC failure."""
         want_crc, want_len = manifest.crc32[lv][k], manifest.sizes[lv][k]
+        shas = getattr(manifest, "sha256", None) or {}
+        want_sha = shas[lv][k] if lv in shas else None
         total_dt, refetched = 0.0, False
         for attempt in range(2):
             t = clock()
-            data, wire, wire_bytes = _timed_get_chunk(cl, key, lv, k, on_progress if attempt == 0 else None)
+            data, wire, wire_bytes = _timed_get_chunk(cl, key, lv, k, on_progress if attempt == 0 else None,
+                                                      gen)
             total_dt += clock() - t
             wire_of[k] = (wire, wire_bytes)
             if data is None:
-                return None, total_dt, False, refetched, f"chunk missing: {cl.last_miss_reason}"
-            if len(data) == want_len and zlib.crc32(data) == want_crc:
+                note = f"chunk missing: {cl.last_miss_reason}"
+                logger.warning("stream: %s chunk %d level %d: %s; entry dropped", key[:16], k, lv, note)
+                _invalidate(cl, key, gen, note)
+                return None, total_dt, False, refetched, note
+            if len(data) == want_len and zlib.crc32(data) == want_crc and \
+                    (want_sha is None or hashlib.sha256(data).hexdigest() == want_sha):
                 return data, total_dt, True, refetched, ""
             refetched = attempt == 0
-        return None, total_dt, False, True, "CRC mismatch after refetch"
+        note = "CRC/sha256 mismatch after refetch"
+        logger.warning("stream: %s chunk %d level %d: %s; entry dropped", key[:16], k, lv, note)
+        _invalidate(cl, key, gen, note)
+        return None, total_dt, False, True, note
 
     deadline_of = getattr(policy, "transfer_deadline_s", None)
     early_of = getattr(policy, "should_abandon", None)

@@ -12,9 +12,11 @@ client, Redis, the local folder), so that a message names the cause and the fix:
       StoreReadOnlyError            read-only replica / folder / file system, or writes
                                     refused until replicas or persistence recover
       StoreAuthError                authentication required or refused
+      StoreRaceLostError            another writer published the same key first (the
+                                    store keeps exactly one complete entry: the winner's)
 
 Each class has a `kind` string ("unavailable", "timeout", "too_large", "full",
-"read_only", "auth", "error") that the store server sends with an ERR reply so its client
+"read_only", "auth", "race_lost", "error") that the store server sends with an ERR reply so its client
 raises the same class (`store_error(kind, message)`).
 
 Timeouts of every store client apply to lack of progress (no byte moved for that many
@@ -87,8 +89,16 @@ class StoreAuthError(StoreError):
     kind = "auth"
 
 
+class StoreRaceLostError(StoreError):
+    """Another writer published an entry under the same key after this writer read the
+    key's state and before it published: the store kept the other (complete) entry and
+    nothing of this write is visible. Retry the save to overwrite it, or keep the winner's."""
+
+    kind = "race_lost"
+
+
 _KINDS = {c.kind: c for c in (StoreError, StoreUnavailableError, StoreTimeoutError, StoreTooLargeError,
-                              StoreFullError, StoreReadOnlyError, StoreAuthError)}
+                              StoreFullError, StoreReadOnlyError, StoreAuthError, StoreRaceLostError)}
 
 
 def store_error(kind: str | None, message: str) -> StoreError:

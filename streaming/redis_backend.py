@@ -17,7 +17,9 @@ CRC32 per chunk) and partial-miss logic live in streaming.store; this backend gi
 - `get_many_iter(keys, depth)`: a prefetching iterator - a reader thread requests value
   k+1 (and up to `depth` ahead) while the caller decodes value k.
 - `RedisStoreClient(url)`: the streaming.store.StoreClient interface straight over Redis
-  (stream_load works on it; put_context is one MULTI/EXEC);
+  (stream_load works on it; put_context writes chunks under a fresh generation, then
+  publishes the manifest with a compare-and-swap Lua script);
+- `compare_and_put` (the CAS script) and `count_existing` (one EXISTS for many keys);
 - `open_redis_backend(url, fallback_dir)`: the local store when Redis is down and asked.
 Every socket operation has a timeout that applies to lack of progress (each send and recv
 call, never a whole value: a large value over a slow link does not time out while bytes
@@ -355,6 +357,56 @@ class RedisBackend:
             sizes.append(len(data))
         self._write(f"MULTI/EXEC of {len(sizes)} values, {sum(sizes)} bytes", sizes, pipe.execute)
 
+    _CAS_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if ARGV[1] == '0' then
+  if cur then return 0 end
+elseif cur ~= ARGV[2] then
+  return 0
+end
+if ARGV[3] == '1' then redis.call('SET', KEYS[1], ARGV[4]) else redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+    def compare_and_put(self, key: str, expected: bytes | None, data: bytes | None) -> bool:
+        """Atomic compare-and-swap (one Lua script, run by Redis without interleaving): if
+        the stored value equals `expected` (None = absent) store `data` (None = delete) and
+        return True; else change nothing and return False. Errors as put."""
+        args = ["0" if expected is None else "1", b"" if expected is None else bytes(expected),
+                "0" if data is None else "1", b"" if data is None else bytes(data)]
+        return bool(self._write(f"compare-and-set of {len(data or b'')} bytes", [len(data or b"")],
+                                self._client.eval, self._CAS_LUA, 1, self._k(key), *args))
+
+    _PUBLISH_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if ARGV[1] == '0' then
+  if cur then return 0 end
+elseif cur and cur ~= ARGV[2] then
+  return 0
+end
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 2]) end
+redis.call('SET', KEYS[1], ARGV[3])
+return 1
+"""
+
+    def publish_many(self, manifest_key: str, expected: bytes | None, manifest: bytes,
+                     items: Sequence[tuple[str, bytes]]) -> bool:
+        """One Lua script, atomic in Redis: if `manifest_key` still holds `expected` (None =
+        absent) or holds nothing any more (evicted / dropped: no entry to keep), SET every (key, bytes) of `items` and then the manifest, and return True;
+        else write nothing and return False. A client that dies while sending the script
+        leaves nothing (Redis runs only complete commands). Errors as put."""
+        keys = [self._k(manifest_key)] + [self._k(k) for k, _ in items]
+        args = ["0" if expected is None else "1", b"" if expected is None else bytes(expected),
+                bytes(manifest)] + [bytes(d) for _, d in items]
+        sizes = [len(manifest)] + [len(d) for _, d in items]
+        return bool(self._write(f"publish of {len(items)} values, {sum(sizes)} bytes", sizes,
+                                self._client.eval, self._PUBLISH_LUA, len(keys), *keys, *args))
+
+    def count_existing(self, keys: Sequence[str]) -> int:
+        """How many of `keys` are stored (one EXISTS with every key)."""
+        ks = [self._k(k) for k in keys]
+        return int(self._call("EXISTS", self._client.exists, *ks)) if ks else 0
+
     def exists(self, key: str) -> bool:
         """True if key is stored (EXISTS)."""
         return bool(self._call("EXISTS", self._client.exists, self._k(key)))
@@ -484,13 +536,13 @@ class RedisStoreClient:
     the link's server namespace): no store server in between. Keys, manifest format and
     checks are streaming.store's (KVStore); a miss sets `last_miss_reason`.
 
-    Writes: `put_context` sends every chunk and then the manifest in ONE MULTI/EXEC
-    transaction, so a reader sees the whole context or nothing, and concurrent writers of
-    the same context cannot interleave (each transaction replaces all keys at once; the
-    content keys make identical writers write identical bytes). Reads: the chunk CRC32 /
-    size are checked against the manifest by stream_load (a mismatch is refetched once,
-    then recomputed from text and reported in ChunkStat.note); a chunk evicted by
-    maxmemory is a clean partial miss (text fallback for its tokens).
+    Writes: `put_context` writes every chunk under a fresh write generation, then the
+    manifest with a compare-and-swap (a Lua script), so a reader sees the old entry, the
+    new one or nothing, and of two concurrent writers of one key exactly one wins (the
+    other gets StoreRaceLostError). Reads: get_manifest checks that every chunk the
+    manifest names is stored (one EXISTS): an entry that lost chunks to eviction is
+    dropped and is a clean miss; a chunk evicted after that check, or failing its sha256
+    / CRC32 / size, is recomputed from text (ChunkStat.note) and the entry is dropped.
 
     Args: url (redis://HOST:PORT/DB) and RedisBackend keyword arguments. Raises
     RedisUnavailableError if Redis is not reachable.
@@ -534,28 +586,86 @@ class RedisStoreClient:
         return True
 
     # reads
-    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None, identity=None):
-        """streaming.store.Manifest of a stored context, or None (clean miss; reason in
-        last_miss_reason: unknown key, evicted manifest, corrupt or foreign entry - another
-        model or codec config, checked with streaming.identity.check_entry)."""
-        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag, identity)
+    def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None, identity=None,
+                     gen=None):
+        """streaming.store.Manifest of a stored context (gen: of that write generation),
+        or None (clean miss; reason in last_miss_reason: unknown key, evicted manifest or
+        chunks - the entry is then dropped -, corrupt or foreign entry - another model or
+        codec config, checked with streaming.identity.check_entry)."""
+        m, why = self.store.get_manifest(key, model_id, weights_hash, codec_tag, identity, gen=gen)
         if m is None:
             self.last_miss_reason = why
         return m
 
-    def get_chunk(self, key: str, level: int, index: int) -> bytes | None:
-        """Bytes of chunk `index` at `level`, or None if absent (evicted or never stored)."""
-        data = self.store.get_chunk(key, level, index)
+    def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
+        """Bytes of chunk `index` at `level` of write generation `gen` (None: the current
+        entry's, or a raw slot), or None if absent (evicted or never stored)."""
+        data = self.store.get_chunk(key, level, index, gen)
         if data is None:
             self.last_miss_reason = f"no chunk {int(index)} at level {int(level)} (evicted or never stored)"
         return data
 
-    def iter_chunks(self, key: str, plan: Sequence[tuple[int, int]], depth: int | None = None):
-        """Prefetching reads of chunks [(level, index), ...] in order: yields FetchedValue
-        (key, data or None, fetch_s, wait_s); see RedisBackend.get_many_iter."""
+    def iter_chunks(self, key: str, plan: Sequence[tuple[int, int]], depth: int | None = None,
+                    gen: str | None = None):
+        """Prefetching reads of chunks [(level, index), ...] of write generation `gen` (a
+        manifest's .gen; None: the current entry's) in order: yields FetchedValue (key,
+        data or None, fetch_s, wait_s); see RedisBackend.get_many_iter."""
         from streaming.store import _chunk_key
 
-        return self.backend.get_many_iter([_chunk_key(key, lv, i) for lv, i in plan], depth, with_timing=True)
+        if gen is None:
+            gen = self.store.current_gen(key) or None
+        return self.backend.get_many_iter([_chunk_key(key, lv, i, gen) for lv, i in plan], depth,
+                                          with_timing=True)
+
+    # write steps and entry maintenance (streaming.store.save_steps, KVStore)
+    def current_gen(self, key: str):
+        return self.store.current_gen(key)
+
+    def manifest_raw(self, key: str) -> bytes | None:
+        from streaming.store import _manifest_key
+
+        return self.backend.get(_manifest_key(key))
+
+    def publish_atomic(self, man: dict, chunks: dict, base_raw: bytes | None) -> None:
+        """Chunks (under man["gen"]) and manifest in one Lua script, if the key still holds
+        `base_raw`. Raises StoreRaceLostError when another writer published first."""
+        import json
+
+        from streaming.errors import StoreRaceLostError
+        from streaming.store import _chunk_key, _manifest_key
+
+        key, gen = man["key"], man["gen"]
+        blob = json.dumps(man).encode("utf-8")
+        items = [(_chunk_key(key, lv, i, gen), bytes(c)) for lv in man["levels"]
+                 for i, c in enumerate(chunks[lv])] + [(_manifest_key(key, gen), blob)]
+        if not self.backend.publish_many(_manifest_key(key), base_raw, blob, items):
+            raise StoreRaceLostError(f"another writer published key {key[:16]} first: the store "
+                                     "keeps the other complete entry")
+
+    def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
+        self.store.put_chunk(key, level, index, data, gen)
+
+    def put_manifest(self, manifest: dict, **base_gen):
+        """Publish (streaming.store.KVStore.put_manifest; base_gen as there)."""
+        return self.store.put_manifest(manifest, **base_gen)
+
+    def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
+        self.store.discard(key, gen, levels, chunk_count)
+
+    def invalidate(self, key: str, gen: str, reason: str) -> bool:
+        return self.store.invalidate(key, gen, reason)
+
+    def put_calibration(self, h: str, data: bytes) -> None:
+        self.store.put_calibration(h, data)
+
+    def has_calibration(self, h: str) -> bool:
+        return self.store.has_calibration(h)
+
+    def get_calibration(self, h: str) -> bytes | None:
+        data = self.store.get_calibration(h)
+        if data is None:
+            self.last_miss_reason = f"no calibration {h[:16]} (evicted or never stored)"
+        return data
 
     def list_contexts(self, limit: int = 10000) -> list[str]:
         return self.store.list_contexts(limit)
@@ -569,29 +679,31 @@ class RedisStoreClient:
     # writes
     def put_context(self, model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
                     chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
-                    meta: dict | None = None, identity=None) -> str:
+                    meta: dict | None = None, identity=None,
+                    calibrations: dict[str, bytes] | None = None) -> str:
         """Store a context (same arguments as streaming.store.StoreClient.put_context):
         chunks[level][i] = encoded bytes of chunk i at that level, token_ranges[i] =
-        (start, end) of chunk i in token_ids. One MULTI/EXEC: chunks, then the manifest.
-        Returns the context key. Raises (before anything is written) ValueError when a
-        level's chunk count differs from token_ranges, StoreError when the ranges do not
-        tile token_ids (as StoreClient does); a streaming.errors.StoreError subclass when
-        Redis refuses or fails (then nothing of the context was written)."""
-        import json
-
-        from streaming.store import _chunk_key, _manifest_key, build_manifest
+        (start, end) of chunk i in token_ids. Steps (streaming.store.save_steps): the
+        calibration (cal/<hash>), then the chunks under a fresh write generation and the
+        manifest in ONE Lua script that first checks the key still holds what this
+        writer read (compare-and-swap): all of it lands or none. Returns the context key.
+        Raises (before anything is written) ValueError when a level's chunk count differs
+        from token_ranges, StoreError when the ranges do not tile token_ids (as StoreClient
+        does); StoreRaceLostError when another writer published the key first; a
+        streaming.errors.StoreError subclass when Redis refuses or fails (then no new
+        entry is visible)."""
+        from streaming.store import build_manifest, run_steps, save_steps
 
         key, man = build_manifest(model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
                                   meta, identity)
-        items = [(_chunk_key(key, lv, i), bytes(c)) for lv in man["levels"] for i, c in enumerate(chunks[lv])]
-        items.append((_manifest_key(key), json.dumps(man).encode("utf-8")))  # last
-        self.backend.put_many(items)
+        run_steps(save_steps(self, man, chunks, calibrations))
         return key
 
     def put_entry(self, identity, token_ids: Sequence[int], chunks: dict[int, Sequence[bytes]],
-                  token_ranges: Sequence[tuple[int, int]], meta: dict | None = None) -> str:
+                  token_ranges: Sequence[tuple[int, int]], meta: dict | None = None,
+                  calibrations: dict[str, bytes] | None = None) -> str:
         """put_context keyed by a full streaming.identity.EntryIdentity (see
         streaming.store.StoreClient.put_entry)."""
         identity.require_complete()
         return self.put_context(identity.model_id, identity.weights_hash, identity.codec_tag(),
-                                token_ids, chunks, token_ranges, meta, identity)
+                                token_ids, chunks, token_ranges, meta, identity, calibrations)

@@ -116,8 +116,12 @@ _ENGINE = textwrap.dedent(
     c = RedisStoreClient(url)
     key = context_key("m", "w", TAG, ids)
     if role == "store":
-        c.put_context("m", "w", TAG, ids, chunks, ranges)
-        print(json.dumps({"stored": key}))
+        from streaming.errors import StoreRaceLostError
+        try:
+            c.put_context("m", "w", TAG, ids, chunks, ranges)
+            print(json.dumps({"stored": key}))
+        except StoreRaceLostError as e:  # another engine published first: its entry stays
+            print(json.dumps({"lost": str(e)}))
     else:
         res = _load(c, key)
         ok = res.hit and res.decoded == [standin.decode(x) for x in chunks[2]]
@@ -150,12 +154,14 @@ def test_two_engines_share_one_redis(server):
 
 
 def test_concurrent_writers_of_one_context(server):
-    """Three engines store the same context at once (MULTI/EXEC each): the result loads
-    intact, and a reader racing them sees nothing or the complete context."""
+    """Three engines store the same context at once: each either publishes (one wins each
+    race; a later writer overwrites) or is told it lost (StoreRaceLostError); the result
+    loads intact, and a reader racing them sees nothing or the complete context."""
     ws = [_engine(server.url, "store") for _ in range(3)]
     r = _engine(server.url, "load")
-    for w in ws:
-        _result(w)
+    outs = [_result(w) for w in ws]
+    assert all(("stored" in o) != ("lost" in o) for o in outs)
+    assert any("stored" in o for o in outs)
     racing = _result(r)
     assert racing["correct"] or (not racing["hit"] and racing["reason"] == "unknown key")
     assert _result(_engine(server.url, "load"))["correct"]
@@ -167,13 +173,28 @@ def test_evicted_chunk_is_a_clean_partial_miss(server):
     ids, chunks, ranges = _context()
     with RedisStoreClient(server.url) as c:
         key = c.put_context("m", "w", TAG, ids, chunks, ranges)
-        c.backend.delete(f"ctx/{key}/chunk/2/1")
-        res = _load(c, key)
+        gen = c.get_manifest(key).gen
+        c.backend.delete(f"ctx/{key}/g/{gen}/2/1")
+        res = _load(c, key)  # the lookup sees the hole: the entry is dropped, a clean miss
+        assert not res.hit and "1 of 8 chunks missing" in res.reason and not c.has(key)
+        key = c.put_context("m", "w", TAG, ids, chunks, ranges)  # stored again: it loads
+        assert _load(c, key).decoded == [standin.decode(x) for x in chunks[2]]
+        # evicted after the lookup: that chunk is recomputed, the others load and are right
+        m = c.get_manifest(key, model_id="m")
+
+        class Late(RedisStoreClient):
+            def get_manifest(self, *a, **kw):
+                c.backend.delete(f"ctx/{key}/g/{m.gen}/2/1")
+                return m
+
+        late = Late(server.url)
+        res = _load(late, key)
         assert res.hit and res.error is None
         assert res.text_token_ranges == [ranges[1]]
         assert "missing" in res.chunks[1].note
         for i in (0, 2, 3):
             assert res.decoded[i] == standin.decode(chunks[2][i])
+        assert not c.has(key)  # and the entry is dropped: the next lookup misses
 
 
 def test_eviction_under_small_maxmemory():
@@ -189,7 +210,8 @@ def test_eviction_under_small_maxmemory():
         for key, chunks in stored:
             res = _load(c, key)
             if not res.hit:
-                assert res.reason == "unknown key"  # manifest evicted: clean full miss
+                # manifest evicted, or chunks evicted (the lookup drops the entry): clean miss
+                assert res.reason == "unknown key" or res.reason.startswith("entry incomplete")
                 kinds.append("miss")
                 continue
             for st in res.chunks:
@@ -207,15 +229,16 @@ def test_corrupt_value_fails_crc_and_is_reported(server):
     ids, chunks, ranges = _context()
     with RedisStoreClient(server.url) as c:
         key = c.put_context("m", "w", TAG, ids, chunks, ranges)
-        k = f"ctx/{key}/chunk/2/2"
+        k = f"ctx/{key}/g/{c.get_manifest(key).gen}/2/2"
         bad = bytearray(c.backend.get(k))
         bad[len(bad) // 2] ^= 0xFF  # same length, one byte flipped
         c.backend.put(k, bytes(bad))
         res = _load(c, key)
         st = res.chunks[2]
-        assert st.text_fallback and not st.crc_ok and "CRC mismatch" in st.note
+        assert st.text_fallback and not st.crc_ok and "CRC/sha256 mismatch" in st.note
         assert res.text_token_ranges == [ranges[2]]
         assert [res.decoded[i] for i in (0, 1, 3)] == [standin.decode(chunks[2][i]) for i in (0, 1, 3)]
+        assert not c.has(key)  # the rotten entry is dropped: no entry that fails every load
 
 
 def test_redis_down_at_start(tmp_path):

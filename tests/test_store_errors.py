@@ -121,7 +121,8 @@ def test_store_client_stalled_server_is_timeout_without_progress(stalled_server)
     cl = StoreClient(*stalled_server, timeout=0.5)
     cl._server_max_body = 1 << 30  # skip the PING: exercise the send path
     with pytest.raises(StoreTimeoutError, match="no progress for 0.5 s while sending PUT_CHUNK"):
-        _put_one(cl, 64 * MIB)  # larger than the socket buffers: the send stalls
+        cl.put_chunk("a" * 64, 0, 0, os.urandom(64 * MIB), gen="b" * 32)  # larger than the
+        # socket buffers: the send stalls
     with pytest.raises(StoreTimeoutError, match="timeout without progress"):
         StoreClient(*stalled_server, timeout=0.5).ping()  # waiting for a reply that never comes
 

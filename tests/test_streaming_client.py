@@ -132,16 +132,21 @@ def test_persistent_corruption_falls_back_to_text(inproc):
         b = inproc.store.backend
         bad = bytearray(chunks[1][2])
         bad[100] ^= 0x01
-        b.put(f"ctx/{key}/chunk/1/2", bytes(bad))  # stored bytes rot on disk
+        gen = c.get_manifest(key).gen
+        b.put(f"ctx/{key}/g/{gen}/1/2", bytes(bad))  # stored bytes rot on disk
         r = stream_load(c, key, 1, standin.decoder(), model_id="m")
         c2 = r.chunks[2]
         assert c2.text_fallback and c2.level is None and c2.refetched and not c2.crc_ok
         assert "CRC" in c2.note and r.decoded[2] is None and r.text_token_ranges == [(200, 300)]
         assert [ch.text_fallback for ch in r.chunks] == [False, False, True, False]
-        # a missing chunk also falls back to text
-        b.delete(f"ctx/{key}/chunk/1/0")
+        # the rotten entry was dropped: later loads miss cleanly instead of failing forever
         r = stream_load(c, key, 1, standin.decoder(), model_id="m")
-        assert r.chunks[0].text_fallback and "missing" in r.chunks[0].note
+        assert not r.hit and r.reason == "unknown key"
+        # a missing chunk: the lookup sees the entry is incomplete, drops it, misses
+        key, chunks = put_context(c, levels=(1,))
+        b.delete(f"ctx/{key}/g/{c.get_manifest(key).gen}/1/0")
+        r = stream_load(c, key, 1, standin.decoder(), model_id="m")
+        assert not r.hit and "1 of 4 chunks missing" in r.reason and not c.has(key)
 
 
 def test_decode_error_refetch_then_text(inproc):
@@ -227,12 +232,12 @@ class StubClient:
     def get_manifest(self, *a, **kw):
         return self.c.get_manifest(*a, **kw)
 
-    def get_chunk(self, key, level, index):
+    def get_chunk(self, key, level, index, gen=None):
         if index == self.drop_at and self.dropped == 0:
             self.dropped += 1
             from streaming.protocol import ConnectionClosed
             raise ConnectionClosed("connection closed mid-frame after 10 of 100 bytes")
-        return self.c.get_chunk(key, level, index)
+        return self.c.get_chunk(key, level, index, gen)
 
     def reconnect(self):
         self.reconnects += 1

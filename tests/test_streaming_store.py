@@ -106,10 +106,8 @@ def test_put_get_manifest_and_chunks(server):
 def test_manifest_refused_when_chunks_missing(server, tmp_path):
     with StoreClient(*server.address, timeout=5) as c:
         ids = list(range(100))
-        key = context_key("m", "w", "standin", ids)
-        man = {"format": "cgh-manifest-v1", "key": key, "model_id": "m", "weights_hash": "w",
-               "codec_tag": "standin", "levels": [1], "chunk_count": 1, "token_ranges": [[0, 100]],
-               "sizes": {"1": [10]}, "crc32": {"1": [0]}, "text": [ids], "meta": {}}
+        from streaming.store import build_manifest
+        key, man = build_manifest("m", "w", "standin", ids, {1: [b"x" * 10]}, [(0, 100)])
         from streaming.protocol import FrameType
         with pytest.raises(StoreError, match="missing"):
             c._call(FrameType.PUT_MANIFEST, {"manifest": man})

@@ -80,13 +80,16 @@ def test_local_load_delivers_needed_chunks_in_order(ctx_dir):
 
 def test_local_load_missing_chunk_raises(ctx_dir):
     root, ids = ctx_dir
-    (root / "c1" / "chunk_1.bin").unlink()
     src = LocalDirSource(root, _raw_decode)
     lk = src.lookup({"context_key": "c1"}, ids + [1])
+    gen_dir = root / "c1" / f"g-{lk.info['gen']}"
+    (gen_dir / "chunk_1.bin").unlink()  # deleted after the lookup
     got = []
     with pytest.raises(SourceError):
         src.load({"context_key": "c1"}, lk, 300, lambda s, k, v: got.append(s))
     assert got == [0]  # the first chunk was delivered before the failure
+    # the entry was unpublished: the next lookup is a clean miss, not a load that fails
+    assert src.lookup({"context_key": "c1"}, ids + [1]).num_tokens == 0
 
 
 def test_local_load_sink_failure_stops_reader(tmp_path):

@@ -148,7 +148,7 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
     vdir = work / "kv" / "vllm_ctx"
     if (vdir / "manifest.json").exists():
         man = json.loads((vdir / "manifest.json").read_text())
-        dec = [codec.decode_kv((vdir / f"chunk_{i}.bin").read_bytes())
+        dec = [codec.decode_kv((vdir / f"g-{man['gen']}" / f"chunk_{i}.bin").read_bytes())
                for i in range(len(man["chunk_tokens"]))]
         vk = torch.cat([d[0] for d in dec], 1).float()
         vv = torch.cat([d[1] for d in dec], 1).float()

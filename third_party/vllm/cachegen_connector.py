@@ -680,6 +680,8 @@ class CacheGenConnector(KVConnectorBase_V1):
         }
         if stats and stats.extra:
             rec.update({k: v for k, v in stats.extra.items() if k not in rec})
+        if loaded == lr.start and lr.end > lr.start:  # nothing placed: a miss, with its reason
+            rec["kind"], rec["reason"] = "miss", _load_miss_reason(err, stats)
         logger.info("KV load %s [%s]: loaded %d of %d tokens (local hits %d, prefill %s) "
                     "from %s %s in %.3f s, %s bytes%s", lr.req_id, rec["stats_tag"] or "-",
                     rec["loaded_tokens"], rec["requested_tokens"], lr.start,
@@ -838,6 +840,21 @@ def decode_cpus(setting: Any = "all") -> set[int] | None:
             and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in setting)):
         return set(setting)
     raise ValueError(f'decode_cpus must be "all", "inherit" or a list of CPU ids, got {setting!r}')
+
+
+def _load_miss_reason(err: str | None, stats) -> str:
+    """Why a load placed nothing (issue 26.4: the record says miss with the reason, never
+    kind=load loaded_tokens=0): the load's error, else the first chunk's note (a chunk
+    evicted or failing its checksum after the lookup)."""
+    if err:
+        return f"at load: {err}"
+    if stats is not None and stats.error:
+        return f"at load: {stats.error}"
+    for c in (getattr(stats, "chunks", None) or []):
+        note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
+        if note:
+            return f"at load: chunk {c.get('index') if isinstance(c, dict) else '?'}: {note}"
+    return "at load: no chunk could be loaded"
 
 
 def _chunk_failure(stats) -> str | None:

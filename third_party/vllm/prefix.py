@@ -20,8 +20,10 @@ depends only on tokens <= t, so the first tokens of a longer context are exact).
 
 Records live in the KV store as chunks (level 0, index 0) under key_i (64 hex, domain
 separated from context keys): JSON {"format", "entries": [{"key", "tokens", "codec"}]}.
-Stale records (a deleted entry) are a clean miss. No vLLM import; unit-tested in
-tests/test_connector_prefix.py. Not runnable.
+Stale records (a deleted or evicted entry) are dropped by `find_loadable`, which falls
+back from the longest indexed prefix to shorter chain levels until an entry really loads
+(issue 26.6: two entries share 512 tokens, the longer is deleted: the shorter still gives
+512). No vLLM import; unit-tested in tests/test_connector_prefix.py. Not runnable.
 """
 
 from __future__ import annotations
@@ -114,6 +116,67 @@ def find_longest(client, namespace: str, token_ids: Sequence[int], max_tokens: i
     entries, i = best
     entries = sorted(entries, key=lambda e: -e["tokens"])
     return i * chunk, entries, trips
+
+
+def _drop_from_record(client, key: str, dead: set[str]) -> None:
+    """Rewrite one index record without the entries in `dead` (best effort: a concurrent
+    index_entry may re-add one; a record left empty is written empty = no record)."""
+    entries = _read_record(client, key)
+    keep = [e for e in entries if e["key"] not in dead]
+    if len(keep) != len(entries):
+        client.put_chunk(key, 0, 0, json.dumps({"format": INDEX_FORMAT, "entries": keep}).encode()
+                         if keep else b"")
+
+
+def find_loadable(client, namespace: str, token_ids: Sequence[int], usable,
+                  max_tokens: int | None = None, chunk: int = CHAIN_TOKENS
+                  ) -> tuple[int, str | None, Any, dict[str, Any]]:
+    """The longest indexed prefix of token_ids whose entry really loads.
+
+    usable(entry key) -> (manifest or None, miss reason): the caller's full check (identity,
+    chunks present). Starts at the longest chain level with a record (find_longest) and
+    walks down level by level; an entry whose manifest is gone ("unknown key") or that the
+    store dropped ("entry incomplete") is removed from every record visited. Returns
+    (matched tokens = level * chunk, entry key or None, its manifest, info {trips,
+    dropped, tried, miss}). Raises what the client raises."""
+    limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+    keys = chain_keys(namespace, token_ids[:limit], chunk)
+    n, entries, trips = find_longest(client, namespace, token_ids, max_tokens, chunk)
+    level = n // chunk
+    dead: set[str] = set()
+    tried: dict[str, str] = {}
+    info: dict[str, Any] = {"trips": trips, "dropped": 0, "tried": 0}
+    while level >= 1:
+        if level != n // chunk:
+            entries = sorted(_read_record(client, keys[level - 1]), key=lambda e: -e["tokens"])
+            info["trips"] += 1
+        stale = False
+        for e in entries:
+            k = e["key"]
+            if k in dead:
+                stale = True
+                continue
+            if k in tried:
+                continue
+            m, why = usable(k)
+            info["tried"] += 1
+            if m is not None:
+                if stale:
+                    _drop_from_record(client, keys[level - 1], dead)
+                info["dropped"] = len(dead)
+                return level * chunk, k, m, info
+            tried[k] = why or "miss"
+            if why == "unknown key" or str(why).startswith("entry incomplete"):
+                dead.add(k)
+                stale = True
+        if stale:
+            _drop_from_record(client, keys[level - 1], dead)
+        level -= 1
+    info["dropped"] = len(dead)
+    if tried:
+        info["miss"] = "no indexed entry sharing the prompt's prefix loads: " + "; ".join(
+            f"{k[:12]}: {w}" for k, w in list(tried.items())[:3])
+    return 0, None, None, info
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -11,9 +11,10 @@ Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5: the context is split into 
 each independently decodable; decoding is pipelined with transfer.
 
 Sources:
-  * LocalDirSource ("local"): a folder `<root>/<context_key>/` with `manifest.json` and
-    `chunk_<i>.bin` files (encoded by `codec.encode_chunks`). For tests and the demo; disk
-    reads are pipelined with decoding by a reader thread.
+  * LocalDirSource ("local"): a folder `<root>/<context_key>/` with `manifest.json` (the
+    published entry) and `g-<gen>/chunk_<i>.bin` files of each save's generation (encoded
+    by `codec.encode_chunks`; see save_local_context for the guarantees). For tests and
+    the demo; disk reads are pipelined with decoding by a reader thread.
   * StoreSource ("store"): our KV store server through `streaming.store.StoreClient`, chunks
     fetched and decoded by `streaming.client.stream_load` (pipelined, adaptive, with text
     fallback). Imported lazily.
@@ -52,6 +53,12 @@ DecodeFn = Callable[[bytes], tuple[Any, Any]]
 
 class SourceError(RuntimeError):
     """A KV source could not answer (bad parameters, unreadable manifest, lost store)."""
+
+
+class SourceMiss(SourceError):
+    """The entry the lookup planned from cannot be loaded any more (deleted, evicted,
+    re-stored with another chunking, a calibration unavailable): a clean miss with the
+    reason; nothing was placed."""
 
 
 @dataclass
@@ -210,6 +217,123 @@ def encode_for_save(params: dict[str, Any], k, v) -> tuple[list[bytes], list[int
 
 # --------------------------------------------------------------------------- local folder
 MANIFEST = "manifest.json"
+LOCAL_FORMAT = 2          # manifest "version": 2 = generations + per-chunk sha256
+CAL_DIR = ".cal"          # <root>/.cal/<hash>.safetensors: calibrations the entries need
+
+
+def _gen_dir(d: Path, gen: str) -> Path:
+    if not isinstance(gen, str) or not gen or any(c not in "0123456789abcdef" for c in gen):
+        raise SourceError(f"bad generation {str(gen)[:40]!r} in the manifest of {d}")
+    return d / f"g-{gen}"
+
+
+def _fsync_write(p: Path, data: bytes) -> None:
+    with open(p, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _local_calibration_bytes(h: str, calibrations: dict[str, bytes] | None) -> bytes:
+    if calibrations and h in calibrations:
+        return calibrations[h]
+    from streaming.store import _calibration_bytes
+
+    return _calibration_bytes(h)
+
+
+def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[int],
+                     chunks: list[bytes], chunk_tokens: list[int],
+                     info: dict[str, Any] | None = None, identity: EntryIdentity | None = None,
+                     calibrations: dict[str, bytes] | None = None):
+    """The write steps of save_local_context as a generator (tests stop it anywhere to
+    model a crash). Yields ("base", gen read), ("cal", hash), ("chunk", i) per chunk,
+    ("manifest", folder). Layout: <root>/<key>/g-<gen>/chunk_<i>.bin and a copy of the
+    manifest there (immutable), then <root>/<key>/manifest.json published last by
+    rename under an exclusive flock of <root>/<key>/.lock, only if the key still holds
+    the generation read first (else streaming.errors.StoreRaceLostError, and this save's
+    folder is removed). The entry two saves back is deleted (one overwrite of grace for
+    readers that planned from the previous one)."""
+    import fcntl
+    import hashlib
+    import secrets
+    import shutil
+
+    from streaming.errors import StoreRaceLostError
+
+    if not context_key or "/" in context_key or context_key.startswith("."):
+        raise ValueError(f"context key {context_key!r} must be a plain file name")
+    if len(chunks) != len(chunk_tokens) or sum(chunk_tokens) != len(token_ids):
+        raise ValueError(
+            f"{len(chunks)} chunks, chunk_tokens sum {sum(chunk_tokens)}, "
+            f"{len(token_ids)} token ids: must agree"
+        )
+    d = Path(root) / context_key
+    d.mkdir(parents=True, exist_ok=True)
+    base = _read_local_manifest(d / MANIFEST)
+    base_gen = None if base is None else str(base.get("gen") or "")
+    gen = secrets.token_hex(16)
+    yield ("base", base_gen)
+    cals = [identity.calibration_hash] if identity is not None and identity.calibration_hash else []
+    for h in cals:
+        cdir = Path(root) / CAL_DIR
+        cdir.mkdir(exist_ok=True)
+        dst = cdir / f"{h}.safetensors"
+        if not dst.is_file():
+            tmp = cdir / f".tmp-{secrets.token_hex(8)}"
+            _fsync_write(tmp, _local_calibration_bytes(h, calibrations))
+            os.replace(tmp, dst)
+        yield ("cal", h)
+    g = _gen_dir(d, gen)
+    g.mkdir()
+    for i, data in enumerate(chunks):
+        _fsync_write(g / f"chunk_{i}.bin", bytes(data))
+        yield ("chunk", i)
+    man = {
+        "version": LOCAL_FORMAT,
+        "gen": gen,
+        "num_tokens": len(token_ids),
+        "chunk_tokens": [int(t) for t in chunk_tokens],
+        "sizes": [len(c) for c in chunks],
+        "sha256": [hashlib.sha256(bytes(c)).hexdigest() for c in chunks],
+        "token_ids": [int(t) for t in token_ids],
+        "calibrations": cals,
+        "info": dict(info or {}),
+    }
+    if identity is not None:
+        man["identity"] = identity.to_dict()
+    blob = json.dumps(man).encode()
+    _fsync_write(g / MANIFEST, blob)          # the immutable copy a load plans from
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        cur = _read_local_manifest(d / MANIFEST)
+        cur_gen = None if cur is None else str(cur.get("gen") or "")
+        if cur_gen != base_gen and cur is not None:  # (a deleted entry has nothing to keep)
+            shutil.rmtree(g, ignore_errors=True)
+            raise StoreRaceLostError(f"another writer published {context_key!r} first: the "
+                                     "folder keeps the other complete entry")
+        old = (cur or {}).get("prev")
+        man["prev"] = cur_gen or None
+        tmp = d / f".{MANIFEST}.tmp-{gen}"
+        _fsync_write(tmp, json.dumps(man).encode())
+        os.replace(tmp, d / MANIFEST)
+    finally:
+        os.close(fd)
+    if isinstance(old, str) and old and old != gen:
+        shutil.rmtree(_gen_dir(d, old), ignore_errors=True)
+    yield ("manifest", d)
+
+
+def _read_local_manifest(p: Path) -> dict | None:
+    """The JSON manifest at p (None when absent; {} when unreadable)."""
+    try:
+        m = json.loads(p.read_text())
+        return m if isinstance(m, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
 
 
 def save_local_context(
@@ -220,40 +344,95 @@ def save_local_context(
     chunk_tokens: list[int],
     info: dict[str, Any] | None = None,
     identity: EntryIdentity | None = None,
+    calibrations: dict[str, bytes] | None = None,
 ) -> Path:
     """Write encoded chunks of one context for LocalDirSource; returns its folder.
 
     token_ids: the context's token ids (len == sum(chunk_tokens)); chunks: encoded bytes,
-    one per chunk, in token order (e.g. `codec.encode_chunks(k, v, codec="raw")`). The
-    manifest is written last (atomically), so a reader never sees a half-written context.
+    one per chunk, in token order (e.g. `codec.encode_chunks(k, v, codec="raw")`).
+    Entries are immutable: the chunks go to a fresh generation folder, the manifest (per
+    chunk size and sha256) is published last, atomically, so a reader never sees a
+    half-written or mixed context whatever the writer's crash point (local_save_steps).
     `identity` (streaming.identity.EntryIdentity of the model and codec config that made
-    the chunks) is recorded; LocalDirSource serves the entry only to a matching reader.
-    Raises ValueError on inconsistent lengths or a key that is not a plain name.
+    the chunks) is recorded; LocalDirSource serves the entry only to a matching reader; a
+    calibration it names is stored under <root>/.cal/ (bytes from `calibrations` or the
+    codec). Raises ValueError on inconsistent lengths or a key that is not a plain name,
+    streaming.errors.StoreRaceLostError when another writer published the key first.
     """
-    if not context_key or "/" in context_key or context_key.startswith("."):
-        raise ValueError(f"context key {context_key!r} must be a plain file name")
-    if len(chunks) != len(chunk_tokens) or sum(chunk_tokens) != len(token_ids):
-        raise ValueError(
-            f"{len(chunks)} chunks, chunk_tokens sum {sum(chunk_tokens)}, "
-            f"{len(token_ids)} token ids: must agree"
-        )
-    d = Path(root) / context_key
-    d.mkdir(parents=True, exist_ok=True)
-    for i, data in enumerate(chunks):
-        (d / f"chunk_{i}.bin").write_bytes(data)
-    man = {
-        "version": 1,
-        "num_tokens": len(token_ids),
-        "chunk_tokens": [int(t) for t in chunk_tokens],
-        "token_ids": [int(t) for t in token_ids],
-        "info": dict(info or {}),
-    }
-    if identity is not None:
-        man["identity"] = identity.to_dict()
-    tmp = d / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(man))
-    os.replace(tmp, d / MANIFEST)
-    return d
+    out = None
+    for step in local_save_steps(root, context_key, token_ids, chunks, chunk_tokens, info,
+                                 identity, calibrations):
+        if step[0] == "manifest":
+            out = step[1]
+    return out
+
+
+def _invalidate_local(d: Path, gen: str | None, why: str) -> None:
+    """Unpublish a local entry whose chunk file is missing or corrupt, if manifest.json
+    still names generation `gen` (under the folder's lock): later lookups miss instead of
+    failing every load. Best effort."""
+    import fcntl
+
+    try:
+        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        cur = _read_local_manifest(d / MANIFEST)
+        if cur and gen and cur.get("gen") == gen:
+            os.unlink(d / MANIFEST)
+            logger.warning("local source: dropped entry %s: %s", d.name, why)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _header_range(data: bytes) -> tuple[int, int] | None:
+    """(token_offset, T) from a codec container's header (header only, no CRC or arrays
+    read: codec.bitstream.peek_header), or None for bytes that are not a codec container
+    (stand-in chunks of tests)."""
+    try:
+        from codec.bitstream import peek_header
+
+        h = peek_header(data)
+        off, t = h.get("token_offset"), h.get("T")
+    except (ImportError, ValueError):
+        return None
+    if isinstance(off, int) and isinstance(t, int) and not isinstance(off, bool):
+        return off, t
+    return None
+
+
+def calibration_of(chunks: list[bytes]) -> str:
+    """The calibration hash the first encoded chunk names in its header (kvtc's
+    ``config.calibration``), "" when none (or the bytes are not a codec container)."""
+    if not chunks:
+        return ""
+    try:
+        import codec
+
+        cfg = codec.peek_header(chunks[0]).get("config") or {}
+    except (ImportError, ValueError):
+        return ""
+    h = cfg.get("calibration") if isinstance(cfg, dict) else None
+    return str(h) if isinstance(h, str) else ""
+
+
+class _LocalCalClient:
+    """ensure_calibrations' view of a LocalDirSource root: get_calibration(h) reads
+    <root>/.cal/<h>.safetensors."""
+
+    def __init__(self, root: Path):
+        self.root, self.last_miss_reason = root, ""
+
+    def get_calibration(self, h: str) -> bytes | None:
+        try:
+            return (self.root / CAL_DIR / f"{h}.safetensors").read_bytes()
+        except OSError as e:
+            self.last_miss_reason = f"not in {self.root / CAL_DIR} ({e.strerror or e})"
+            return None
 
 
 class LocalDirSource:
@@ -302,6 +481,21 @@ class LocalDirSource:
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": "no manifest"})
         except (OSError, ValueError) as e:
             raise SourceError(f"unreadable manifest in {d}: {e}") from e
+        if not isinstance(man, dict) or man.get("version") != LOCAL_FORMAT:
+            why = (f"entry in the previous format (version {man.get('version') if isinstance(man, dict) else '?'}: "
+                   "chunks written in place, no checksums): not served; save it again")
+            logger.warning("local source: miss for context %s: %s", params.get("context_key"), why)
+            return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": why})
+        try:
+            g = _gen_dir(d, man.get("gen"))
+            n_files = len(man["chunk_tokens"])
+            missing = [i for i in range(n_files) if not (g / f"chunk_{i}.bin").is_file()]
+        except (SourceError, KeyError, TypeError) as e:
+            return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"manifest unusable: {e}"})
+        if missing:
+            why = f"entry incomplete: {len(missing)} of {n_files} chunk files missing (deleted)"
+            logger.warning("local source: miss for context %s: %s", params.get("context_key"), why)
+            return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": why})
         try:
             why = check_entry(expected_identity(self.identity, params), man.get("identity"))
         except ValueError as e:
@@ -314,7 +508,8 @@ class LocalDirSource:
             return Lookup(0, lookup_s=time.perf_counter() - t0,
                           info={"miss": "stored token ids differ from the prompt"})
         return Lookup(n_match, [int(t) for t in man["chunk_tokens"]],
-                      time.perf_counter() - t0, {"key": d.name, **man.get("info", {})})
+                      time.perf_counter() - t0, {"key": d.name, **man.get("info", {}),
+                                                 "gen": man["gen"]})
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
         """Encode and write one context (params: source_dir, context_key, codec, level,
@@ -322,7 +517,7 @@ class LocalDirSource:
         d = self._dir(params)
         chunks, sizes, enc_s = encode_for_save(params, k, v)
         ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
-                               [params.get("level")])
+                               [params.get("level")], calibration_hash=calibration_of(chunks))
         t0 = time.perf_counter()
         save_local_context(d.parent, d.name, token_ids, chunks, sizes,
                            info={"codec": params.get("codec", "raw"), "level": params.get("level")},
@@ -331,8 +526,31 @@ class LocalDirSource:
                 "bytes": sum(len(c) for c in chunks), "context_key": d.name}
 
     def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink) -> LoadStats:
+        """Chunks of the generation the lookup planned from (lookup.info["gen"]: its
+        immutable manifest copy), each checked against that manifest (size, sha256) and
+        its decoded token count against the plan. Raises SourceMiss (nothing placed)
+        when that generation is gone or its calibration is unavailable; SourceError for a
+        chunk that fails its check (the chunks before it are placed)."""
+        import hashlib
+
         d = self._dir(params)
         decode = self._decode_fn or default_decode_fn()
+        try:
+            g = _gen_dir(d, lookup.info.get("gen"))
+            man = json.loads((g / MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            raise SourceMiss(f"local entry {d.name!r} replaced since the lookup (its generation "
+                             f"is gone: {e})") from None
+        if [int(t) for t in man.get("chunk_tokens", [])] != [int(t) for t in lookup.chunk_tokens]:
+            raise SourceMiss(f"local entry {d.name!r}: the planned generation's chunking differs "
+                             "from the lookup's plan")
+        if man.get("calibrations"):
+            from streaming.client import ensure_calibrations
+
+            why = ensure_calibrations(_LocalCalClient(Path(d.parent)), man["calibrations"])
+            if why:
+                raise SourceMiss(f"local entry {d.name!r}: {why}")
+        shas, sizes = man["sha256"], man["sizes"]
         # chunks needed to cover [0, num_tokens)
         needed, acc = [], 0
         for i, t in enumerate(lookup.chunk_tokens):
@@ -357,7 +575,9 @@ class LocalDirSource:
             for i, start, t in needed:
                 t0 = time.perf_counter()
                 try:
-                    data = (d / f"chunk_{i}.bin").read_bytes()
+                    data = (g / f"chunk_{i}.bin").read_bytes()
+                    if len(data) != sizes[i] or hashlib.sha256(data).hexdigest() != shas[i]:
+                        raise OSError(f"chunk file differs from its manifest (size/sha256)")
                 except OSError as e:
                     put((i, start, t, None, 0.0, e))
                     return
@@ -370,7 +590,12 @@ class LocalDirSource:
             for _ in needed:
                 i, start, t, data, tr_s, err = q.get()
                 if err is not None:
+                    _invalidate_local(d, lookup.info.get("gen"), f"chunk {i}: {err}")
                     raise SourceError(f"chunk {i}: {err}")
+                hr = _header_range(data)
+                if hr is not None and hr != (start, t):
+                    raise SourceError(f"chunk {i}: its header says tokens {hr[0]}..{hr[0] + hr[1]}, "
+                                      f"the plan {start}..{start + t}: not placed")
                 t0 = time.perf_counter()
                 k, v = decode(data)
                 dec_s = time.perf_counter() - t0
@@ -529,17 +754,13 @@ class StoreSource:
             expect = self._expect(params)
         except ValueError as e:
             return _identity_miss("store", params, str(e), t0)
-        candidates, info = [key], {}
+        info: dict[str, Any] = {}
         try:
-            if not key:  # prefix matching: the index names the entries sharing the prefix
-                candidates, info = self._prefix_candidates(client, params, prompt_token_ids)
-            man, why = None, "not in store"
-            for cand in candidates:
-                man = client.get_manifest(cand, **expect)
-                if man is not None:
-                    key = cand
-                    break
-                why = client.last_miss_reason or "not in store"
+            if key:
+                man = client.get_manifest(key, **expect)
+                why = "" if man is not None else (client.last_miss_reason or "not in store")
+            else:  # prefix matching: the index names the entries sharing the prefix
+                key, man, why, info = self._prefix_lookup(client, params, prompt_token_ids, expect)
         except (OSError, StreamingError) as e:
             raise SourceError(f"store {params.get('store')} unreachable: {e}") from e
         dt = time.perf_counter() - t0
@@ -553,24 +774,33 @@ class StoreSource:
         if n_match <= 0:
             return Lookup(0, lookup_s=dt, info={"miss": "stored token ids differ from the prompt"})
         chunk_tokens = [b - a for a, b in man.token_ranges]
+        # the plan this request keeps for its lifetime: the load verifies against it
         return Lookup(n_match, chunk_tokens, dt,
                       {"key": key, "levels": list(man.levels), "codec_tag": man.codec_tag,
                        "codec": (man.identity or {}).get("codec") or None,
-                       "stored_tokens": len(stored), **info})
+                       "stored_tokens": len(stored), "gen": getattr(man, "gen", ""), **info})
 
-    def _prefix_candidates(self, client, params, prompt: list[int]) -> tuple[list[str], dict]:
-        """Entries sharing the longest indexed chunk prefix of the prompt
-        (third_party.vllm.prefix.find_longest): (context keys, longest first; info)."""
-        from third_party.vllm.prefix import find_longest
+    def _prefix_lookup(self, client, params, prompt: list[int], expect: dict):
+        """(key, manifest, miss reason, info) of the longest indexed prefix of the prompt
+        whose entry really loads (third_party.vllm.prefix.find_loadable: falls back to
+        shorter chain levels, drops index records of deleted / evicted entries)."""
+        from third_party.vllm.prefix import find_loadable
 
         ns = (self.identity.weights_hash if self.identity else "") or params.get("weights_hash")
         if not ns:
-            return [], {"miss": "prefix matching needs the model's weights hash"}
-        matched, entries, trips = find_longest(client, ns, prompt)
-        info = {"prefix_index_tokens": matched, "prefix_index_trips": trips}
-        if not entries:
-            info["miss"] = "no stored chunk matches the prompt's first tokens (prefix index)"
-        return [e["key"] for e in entries], info
+            return None, None, "", {"miss": "prefix matching needs the model's weights hash"}
+
+        def usable(k):
+            m = client.get_manifest(k, **expect)
+            return m, ("" if m is not None else (client.last_miss_reason or "not in store"))
+
+        matched, key, man, fi = find_loadable(client, ns, prompt, usable)
+        info = {"prefix_index_tokens": matched, "prefix_index_trips": fi["trips"],
+                "prefix_index_dropped": fi["dropped"]}
+        if man is None:
+            info["miss"] = fi.get("miss") or \
+                "no stored chunk matches the prompt's first tokens (prefix index)"
+        return key, man, "", info
 
     def _policy(self, params, lookup: Lookup):
         from streaming.adapt import AdaptivePolicy, FixedPolicy
@@ -598,7 +828,7 @@ class StoreSource:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         ranges = [(a, a + t) for a, t in zip(starts, sizes)]
         ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
-                               [params.get("level")])
+                               [params.get("level")], calibration_hash=calibration_of(chunks))
         t0 = time.perf_counter()
         client = self._client(params)
         if ident.model_id and ident.weights_hash:  # full identity: the key commits to it
@@ -626,7 +856,12 @@ class StoreSource:
         trace driving the link) runs just before chunk k is requested."""
         from streaming.client import stream_load
 
-        decode = self._decode_fn or default_decode_fn()
+        inner = self._decode_fn or default_decode_fn()
+
+        def decode(data: bytes):  # (k, v, the header's (token_offset, T) or None)
+            k, v = inner(data)
+            return k, v, _header_range(data)
+
         client = self._client(params)
         starts = [0]
         for t in lookup.chunk_tokens:
@@ -636,21 +871,39 @@ class StoreSource:
         st = LoadStats()
         delivered = [0]
 
+        bad: list[str] = []
+
         def on_decoded(i: int, out) -> None:
             # (policy.stopped may already be set by the receiver, which runs ahead: chunks
             # before the first text chunk are still part of the prefix)
-            if starts[i] != delivered[0]:
+            if starts[i] != delivered[0] or bad:
                 policy.stopped = True  # a gap before chunk i: it is useless to vLLM
                 return
-            k, v = out
+            k, v, hr = out
+            want = starts[i + 1] - starts[i]
+            if hr is not None and hr != (starts[i], want):
+                bad.append(f"chunk {i}: its header says tokens {hr[0]}..{hr[0] + hr[1]}, the plan "
+                           f"{starts[i]}..{starts[i + 1]}")
+                policy.stopped = True
+                logger.warning("store source: %s: %s", params.get("context_key"), bad[-1])
+                return
+            if getattr(k, "shape", None) is None or len(k.shape) < 2 or k.shape[1] != want:
+                # never place KV of another token range: the plan says chunk i holds `want`
+                bad.append(f"chunk {i} decoded to {getattr(k, 'shape', None)}, the plan says "
+                           f"{want} tokens at {starts[i]}")
+                policy.stopped = True
+                logger.warning("store source: %s: %s", params.get("context_key"), bad[-1])
+                return
             on_chunk(starts[i], k, v)
             delivered[0] = starts[i + 1]
 
+        plan = [(starts[i], starts[i + 1]) for i in range(needed)]
         res = stream_load(client, params["context_key"], policy, decode,
                           on_decoded=on_decoded, keep_decoded=False, before_chunk=before_chunk,
+                          plan=plan, plan_gen=lookup.info.get("gen") or None,
                           **self._expect(params))
         if not res.hit:
-            raise SourceError(f"store miss at load time: {res.reason}")
+            raise SourceMiss(f"store miss at load time: {res.reason}")
         for c in res.chunks:
             rec = {k: getattr(c, k) for k in ("index", "level", "text_fallback", "bytes",
                                               "transfer_s", "decode_s", "crc_ok", "refetched",
@@ -664,7 +917,7 @@ class StoreSource:
         st.decode_s = res.decode_s
         st.loaded_tokens = min(num_tokens, delivered[0])
         st.fallback = st.loaded_tokens < num_tokens
-        st.error = res.error
+        st.error = res.error or (bad[0] if bad else None)
         st.extra = {"manifest_s": res.manifest_s, "stream_total_s": res.total_s,
                     "decisions": [dict(d.__dict__) for d in res.decisions]}
         return st
