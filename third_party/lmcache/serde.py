@@ -68,15 +68,18 @@ MAX_CONTAINERS = 4096
 MAX_IDENT = 1 << 16
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
-# Upper bounds of whole-container bits per KV element, per (codec, level), for LMCache's
-# 256-token chunks of the default model (SmolLM2-135M, 30 layers x 3 KV heads x 64):
-# max over every chunk of three 4K-token pydoc contexts of (container bytes * 8 /
-# elements), times 1.10, rounded up to 0.01. Measured by
+# Upper bounds of whole-container bits per KV element, per (codec, chunk tokens, level),
+# for the default model (SmolLM2-135M, 30 layers x 3 KV heads x 64, bf16): max over every
+# chunk of three 4K-token pydoc contexts of (container bytes * 8 / elements), times 1.05,
+# rounded up to 0.01 (the measured spread, max / median, is <= 1.04). An object of T
+# tokens uses the entry of the largest chunk size <= T (else the smallest). Measured by
 # `python -m bench.lmcache --estimate` (docs/lmcache.md); a serde config's
-# "bits_per_element" replaces the entry for other models.
+# "bits_per_element" replaces the table for other models.
 BITS_PER_ELEMENT = {
-    "cachegen": {0: 1.33, 1: 1.62, 2: 2.05, 3: 2.63, 4: 3.36, 5: 4.27},
-    "kvtc": {0: 0.42, 1: 0.52, 2: 0.63, 3: 0.79, 4: 0.98, 5: 1.72},
+    "cachegen": {256: {0: 1.97, 1: 2.36, 2: 2.50, 3: 2.81, 4: 3.26, 5: 4.88},
+                 1024: {0: 1.70, 1: 2.10, 2: 2.24, 3: 2.55, 4: 3.00, 5: 4.62}},
+    "kvtc": {256: {0: 0.57, 1: 0.71, 2: 0.84, 3: 0.99, 4: 1.13, 5: 2.04},
+             1024: {0: 0.36, 1: 0.49, 2: 0.62, 3: 0.76, 4: 0.90, 5: 1.80}},
 }
 # bytes a container may need beyond bits_per_element * elements (JSON header digits,
 # alignment): a fixed allowance per container
@@ -103,11 +106,13 @@ class SerdeSettings:
     pad: bool = True
     fallback: bool = True
 
-    def bound(self) -> float:
-        """Bits per element of the slot (float > 0)."""
+    def bound(self, tokens: int = 256) -> float:
+        """Bits per element of the slot for an object (or sub-chunk) of ``tokens`` tokens."""
         if self.bits_per_element is not None:
             return self.bits_per_element
-        return BITS_PER_ELEMENT[self.codec][self.level]
+        table = BITS_PER_ELEMENT[self.codec]
+        fit = [c for c in table if c <= tokens]
+        return table[max(fit) if fit else min(table)][self.level]
 
     def identity(self) -> str:
         """16 hex digits naming everything that changes the bytes this serde writes or
@@ -116,7 +121,9 @@ class SerdeSettings:
         ch = codec.config_hash(self.codec, None if cfg is not None else self.level, cfg)
         blob = json.dumps({"frame": FRAME_VERSION, "codec": self.codec, "config": ch,
                            "chunk_tokens": self.chunk_tokens, "heads": self.num_kv_heads,
-                           "head_dim": self.head_dim, "bpe": self.bound(),
+                           "head_dim": self.head_dim,
+                           "bpe": self.bits_per_element if self.bits_per_element is not None
+                           else BITS_PER_ELEMENT[self.codec],
                            "pad": self.pad}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -317,7 +324,9 @@ def estimate_bytes(s: SerdeSettings, ident_hash: str, layout: MemoryLayoutDesc) 
         if not shapes or any(dt not in DTYPES or len(sh) not in (3, 4, 5)
                              for sh, dt in zip(shapes, dtypes)):
             return max(1, raw)
-        payload = sum(math.ceil(math.prod(int(d) for d in sh) * s.bound() / 8)
+        ct = s.chunk_tokens
+        payload = sum(math.ceil(math.prod(int(d) for d in sh)
+                                * s.bound(min(_tokens(sh), ct or _tokens(sh))) / 8)
                       for sh in shapes)
         return frame_overhead(s, ident_hash, shapes, dtypes) + payload \
             + CONTAINER_SLACK * _n_containers(shapes, s)
