@@ -432,3 +432,73 @@ def test_resp_corrupted_object_is_a_miss(redis_srv):
 
     bits, _ = _store_load(_resp(redis_srv), x, [_key(22)], corrupt=flip)
     assert bits == [False]
+
+
+# ------------------------------------------- LMCache's own serde test properties, on ours
+# The checks LMCache's tests/v1/distributed/serde/ make of its CPU serdes
+# (test_async_processor.py: distinct fds, results True once then None, a failing task
+# reports False and still signals, estimate delegated; test_fp8.py: duck-typed objects with
+# only ``.tensor``, multi-group estimates, round-trip correlation > 0.99, a missing tensor
+# is a ValueError), asserted here of our serdes (their files are not in the wheel).
+class _Fake:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def test_processor_contract_as_lmcache_tests_it():
+    ser, de = S.make_pair("cachegen", {"bits_per_element": LOOSE})
+    proc = AsyncSerdeProcessor(ser, de)
+    try:
+        assert proc.get_serialize_event_fd() != proc.get_deserialize_event_fd()
+        assert proc.query_serialize_result(42) is None and proc.query_deserialize_result(42) is None
+        x, _, _ = _layout_case("2LTC-bf16")
+        lay = MemoryLayoutDesc([x.shape], [x.dtype])
+        assert proc.estimate_serialized_size(lay) == ser.estimate_serialized_size(lay)
+        tmp = _Fake(torch.zeros(ser.estimate_serialized_size(lay), dtype=torch.uint8))
+        tid = proc.submit_serialize([_Fake(x), _Fake(x)], [tmp, _Fake(tmp.tensor.clone())],
+                                    [_key(1), _key(1)])
+        _wait(proc.get_serialize_event_fd())
+        assert proc.query_serialize_result(tid) is True
+        assert proc.query_serialize_result(tid) is None            # not idempotent
+        tid = proc.submit_deserialize([_Fake(torch.zeros(64, dtype=torch.uint8))],
+                                      [_Fake(torch.zeros_like(x))], [_key(1)])
+        _wait(proc.get_deserialize_event_fd())                     # failure still signals
+        assert proc.query_deserialize_result(tid) is False
+    finally:
+        proc.close()
+
+
+def test_duck_typed_round_trip_and_estimates():
+    shape = torch.Size([2, 4, 64, 128])
+    x = torch.randn(shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    ser, de = S.make_pair("cachegen", {"level": 5, "bits_per_element": LOOSE})
+    one = ser.estimate_serialized_size(MemoryLayoutDesc([shape], [torch.bfloat16]))
+    two = ser.estimate_serialized_size(MemoryLayoutDesc([shape, torch.Size([2, 4, 16, 128])],
+                                                        [torch.bfloat16, torch.float16]))
+    assert two > one > 0
+    tmp = _Fake(torch.zeros(one, dtype=torch.uint8))
+    assert ser.serialize(_Fake(x.clone()), tmp, _key(1)) == one
+    got = _Fake(torch.zeros(shape, dtype=torch.bfloat16))
+    de.deserialize(tmp, got, _key(1))
+    corr = torch.corrcoef(torch.stack([got.tensor.float().flatten(), x.float().flatten()]))[0, 1]
+    assert corr > 0.99
+    with pytest.raises(ValueError):
+        ser.serialize(_Fake(None), _Fake(torch.zeros(4, dtype=torch.uint8)), _key(1))
+    with pytest.raises(ValueError):
+        de.deserialize(_Fake(torch.zeros(4, dtype=torch.uint8)), _Fake(None), _key(1))
+
+
+def test_lmcache_fp8_row_is_our_fp8():
+    """The bench rows' fairness: LMCache's fp8 serde (bench/lmcache_peers.py) gives 2.00x
+    and exactly the values our fp8 codec gives on in-range KV."""
+    from bench import lmcache_peers
+
+    k, v = synthetic_kv(L, T, H, D, seed=6)
+    blob, st = lmcache_peers.encode_with_stats(k, v, "lmcache-fp8")
+    assert st["dtype_bytes"] / st["bytes"] == 2.0
+    k2, v2 = lmcache_peers.decode(blob)
+    k3, v3 = codec.decode_kv(codec.encode_kv(k, v, codec="fp8"))
+    assert torch.equal(k2, k3) and torch.equal(v2, v3)
+    blob, st = lmcache_peers.encode_with_stats(k, v, "lmcache-asym_k16_v8")
+    k4, v4 = lmcache_peers.decode(blob)
+    assert torch.equal(k4, k) and not torch.equal(v4, v)        # K kept, V to fp8
