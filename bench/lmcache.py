@@ -15,7 +15,7 @@ frame bytes / slot (max, min), fallbacks, and the measured bits per element that
 ``third_party.lmcache.serde.BITS_PER_ELEMENT`` is made from (max * 1.05).
 ``--sizes``: each context's chunks stored through LMCache's ``SerdeL2AdapterWrapper`` on
 its ``FSL2Adapter`` (and ``--redis``: its RESP adapter on a redis-server started here),
-loaded back (every chunk must hit and equal our codec's decode), bytes on disk / in Redis
+loaded back (hits counted; without a serde each chunk compared bit for bit), bytes on disk / in Redis
 per serde vs none; decode ms per 1K tokens of LMCache's deserialize vs ``codec.decode_kv``
 of the container our store path keeps for the same chunk.
 """
