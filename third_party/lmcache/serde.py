@@ -28,7 +28,7 @@ only if its stored length equals that slot (measured: a shorter value reads as
 pad unless the installed LMCache's L2 adapters report stored object sizes) the frame is
 zero-padded to the slot and the slot is what L2 stores: the slot is sized from a bits-per-
 element bound per level (``BITS_PER_ELEMENT``, measured on the default model's KV at
-LMCache's 256-token chunks, docs/lmcache.md) plus the frame's exact overhead. When a
+chunks of 256 and 1024 tokens, docs/lmcache.md) plus the frame's exact overhead. When a
 chunk's bitstream does not fit (KV unlike the measured one), the serializer re-encodes
 at the next smaller levels (``fallback``, counted in ``stats``) and fails the store
 (LMCache keeps the chunk out of L2) only if none fits.
