@@ -230,9 +230,73 @@ def quality(base: dict, test: dict, cont: list[int]) -> dict:
 
 
 # --------------------------------------------------------------------------------- run
+def run_peer_row(name: str, ctxs: list[dict], bundle, bases: list, args
+                 ) -> tuple[dict, list[dict]]:
+    """One row computed by LMCache's own serde ``name`` (bench/lmcache_peers.py): each
+    ``--chunk-tokens`` chunk serialised as LMCache stores it; the same size, speed, error
+    and quality columns as ``run_row`` (coder-internal columns None)."""
+    from bench import lmcache_peers
+
+    by = n_el = dtype_b = 0
+    enc_s = dec_s = 0.0
+    q_rows, rel_k_all, rel_v_all = [], [], []
+    for ci, ctx in enumerate(ctxs):
+        k, v = ctx["k"], ctx["v"]
+        T = k.shape[1]
+        spans = [(a, min(T, a + args.chunk_tokens)) for a in range(0, T, args.chunk_tokens)]
+        blobs = []
+        for a, b in spans:
+            blob, st = lmcache_peers.encode_with_stats(k[:, a:b], v[:, a:b], name)
+            blobs.append(blob)
+            by, n_el, dtype_b = by + st["bytes"], n_el + st["elements"], dtype_b + st["dtype_bytes"]
+        enc_s += _median_time(lambda: [lmcache_peers.encode_with_stats(k[:, a:b], v[:, a:b], name)
+                                       for a, b in spans], args.repeats)
+        dec_s += _median_time(lambda: [lmcache_peers.decode(x) for x in blobs], args.repeats)
+        parts = [lmcache_peers.decode(x) for x in blobs]
+        k2, v2 = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        rel_k_all.append(rel_l2_per_layer(k, k2))
+        rel_v_all.append(rel_l2_per_layer(v, v2))
+        if bundle is not None and bases[ci] is not None:
+            q = quality(bases[ci], continuation_stats(bundle, k2, v2, ctx), ctx["continuation_ids"])
+            q["context"] = ctx["name"]
+            q_rows.append(q)
+    L = ctxs[0]["k"].shape[0]
+    mean_k = [statistics.fmean(r[i] for r in rel_k_all) for i in range(L)]
+    mean_v = [statistics.fmean(r[i] for r in rel_v_all) for i in range(L)]
+    tokens = int(ctxs[0]["k"].shape[1])
+    row = {"codec": name, "level": None, "label": name, "peer": "lmcache",
+           "contexts": len(ctxs), "tokens": tokens, "chunk_tokens": args.chunk_tokens,
+           "bytes": by / len(ctxs), "bits_per_element": 8 * by / n_el,
+           "ratio_vs_dtype": dtype_b / by, "payload_over_entropy": None,
+           "payload_over_coded_entropy": None, "payload_share": None, "model_share": 0.0,
+           "length_table_share": 0.0, "scale_share": 0.0, "sink_share": 0.0,
+           "encode_s": enc_s / len(ctxs), "decode_s": dec_s / len(ctxs),
+           "encode_msym_s": n_el / enc_s / 1e6, "decode_msym_s": n_el / dec_s / 1e6,
+           "decode_e2e_msym_s": n_el / dec_s / 1e6,
+           "encode_ms_per_1k_tokens": 1e6 * enc_s / (len(ctxs) * tokens),
+           "decode_ms_per_1k_tokens": 1e6 * dec_s / (len(ctxs) * tokens),
+           "encode_mb_s": dtype_b / enc_s / 1e6, "decode_mb_s": dtype_b / dec_s / 1e6,
+           "rel_l2_k": statistics.fmean(mean_k), "rel_l2_v": statistics.fmean(mean_v),
+           "rel_l2_per_layer": {"k": mean_k, "v": mean_v},
+           "ppl_increase_pct": None, "kl": None, "top1_match": None}
+    if q_rows:
+        row.update(ppl_increase_pct=statistics.fmean(q["ppl_increase_pct"] for q in q_rows),
+                   ppl_increase_pct_each=[q["ppl_increase_pct"] for q in q_rows],
+                   kl=statistics.fmean(q["kl"] for q in q_rows), kl_each=[q["kl"] for q in q_rows],
+                   top1_match=statistics.fmean(q["top1_match"] for q in q_rows),
+                   ppl_base=[q["ppl_base"] for q in q_rows])
+    layer_rows = [{"mode": name, "level": None, "layer": i, "kv": kv, "rel_l2": vals[i]}
+                  for i in range(L) for kv, vals in (("k", mean_k), ("v", mean_v))]
+    return row, layer_rows
+
+
 def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: list,
             args) -> tuple[dict, list[dict]]:
     """Encode/decode every context with one (codec, level); aggregate one JSON row."""
+    from bench import lmcache_peers
+
+    if lmcache_peers.is_peer(name):
+        return run_peer_row(name, ctxs, bundle, bases, args)
     tot = {"bytes": 0, "elements": 0, "dtype_bytes": 0, "payload_bytes": 0, "ideal_bits": 0.0,
            "entropy_bits": 0.0, "model_bytes": 0, "length_table_bytes": 0, "scale_bytes": 0,
            "sink_bytes": 0}
@@ -421,11 +485,20 @@ def prepare_kvtc(args, bundle, log) -> Optional[str]:
 
 def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
     """``["raw", "cachegen:2", "cachegen-ref:0"]`` -> [(codec, level), ...]."""
-    if not spec:
-        return list(DEFAULT_ROWS)
+    from bench import lmcache_peers
+
+    if not spec:   # LMCache's own serdes too when lmcache imports (bench/lmcache_peers.py)
+        return list(DEFAULT_ROWS) + [(n, None) for n in lmcache_peers.available()]
     out = []
     for s in spec:
         name, _, lv = s.partition(":")
+        if lmcache_peers.is_peer(name):
+            if name not in lmcache_peers.available() or lv:
+                print(f"error: {name} needs lmcache (bash scripts/setup.sh lmcache; run with "
+                      f".venv-lmcache/bin/python) and takes no level", file=sys.stderr)
+                raise SystemExit(2)
+            out.append((name, None))
+            continue
         if name not in CODECS:
             print(f"error: unknown codec {name!r}; available: {sorted(CODECS)}",
                   file=sys.stderr)

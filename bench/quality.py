@@ -146,16 +146,27 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     last; else ``"name[:l1,l2];name2;..."`` (``;``-separated; levels optional = all).
     Raises QualityError for an unknown codec or level."""
     import codec
+    from bench import lmcache_peers
 
     out: list[tuple[str, Optional[int]]] = []
     if spec is None or spec.strip() == "all":
         names = [n for n in codec.CODECS if n != "raw"] + (["raw"] if "raw" in codec.CODECS else [])
         for n in names:
             out.extend((n, lv) for lv in codec_levels(n))
+        # LMCache's own serdes, when lmcache imports (the optional .venv-lmcache)
+        out[-1:-1] = [(n, None) for n in lmcache_peers.available()] if out else []
         return out
     for part in [p.strip() for p in spec.split(";") if p.strip()]:
         name, _, levels = part.partition(":")
         name = name.strip()
+        if lmcache_peers.is_peer(name):
+            if name not in lmcache_peers.available():
+                raise QualityError(f"'{name}' needs lmcache (bash scripts/setup.sh lmcache; "
+                                   f"run with .venv-lmcache/bin/python)")
+            if levels.strip():
+                raise QualityError(f"'{name}' has no levels")
+            out.append((name, None))
+            continue
         if name not in codec.CODECS:
             raise QualityError(f"unknown codec '{name}' (available: {', '.join(sorted(codec.CODECS))})")
         allowed = codec_levels(name)
@@ -323,11 +334,17 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         todo = [p for p in pairs if _label(*p) not in skipped]
         def code_one(pair):
             """(k2, v2, stats, encode s, decode s) from the real bitstream, or the exception."""
+            from bench import lmcache_peers
+
+            peer = lmcache_peers.is_peer(pair[0])
             try:
                 t1 = time.perf_counter()
-                data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
+                if peer:       # LMCache's own serde code (bench/lmcache_peers.py)
+                    data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
+                else:
+                    data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
                 t2 = time.perf_counter()
-                k2, v2 = codec.decode_kv(data)
+                k2, v2 = lmcache_peers.decode(data) if peer else codec.decode_kv(data)
                 t3 = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
                 return exc

@@ -3,6 +3,10 @@
 #   bash scripts/setup.sh          set up only
 #   bash scripts/setup.sh run      set up, then .venv/bin/python run_benchmarks.py [ARGS...] (defaults)
 #   bash scripts/setup.sh test     set up, then .venv/bin/python -m pytest -q tests [ARGS...]
+#   bash scripts/setup.sh lmcache  set up, then the optional LMCache environment .venv-lmcache
+#                                  (requirements-lmcache.txt, docs/lmcache.md)
+#   bash scripts/setup.sh lmcache-test  that, then .venv-lmcache/bin/python -m pytest -q
+#                                  tests/test_lmcache_serde.py [ARGS...]
 # Set-up: .venv/ in the repository root (python3 >= 3.10); pinned requirements installed only
 # when requirements.txt changed (stamp in .venv/); the torchvision/torchaudio/torchcodec wheels
 # that break `import transformers` with the CPU torch removed; the default model
@@ -16,7 +20,7 @@ cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
 MODE="${1:-setup}"
 [ $# -gt 0 ] && shift
-case "$MODE" in setup|run|test) ;; *) echo "usage: bash scripts/setup.sh [setup|run|test] [ARGS...]" >&2; exit 2;; esac
+case "$MODE" in setup|run|test|lmcache|lmcache-test) ;; *) echo "usage: bash scripts/setup.sh [setup|run|test|lmcache|lmcache-test] [ARGS...]" >&2; exit 2;; esac
 
 say() { echo "[setup] $*"; }
 T0=$(date +%s)
@@ -101,8 +105,40 @@ else
 fi
 say "set-up done in $(( $(date +%s) - T0 )) s"
 
-# 6. the job
+# 6. optional: LMCache 0.5.6 in .venv-lmcache, layered on .venv (requirements-lmcache.txt
+#    says why --no-deps); created without its own pip/setuptools so nothing shadows .venv's
+#    (pip is .venv's, reached through the .pth)
+if [ "$MODE" = lmcache ] || [ "$MODE" = lmcache-test ]; then
+    T1=$(date +%s)
+    LVENV="$ROOT/.venv-lmcache"
+    LPY="$LVENV/bin/python"
+    MAINSP="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    if [ ! -x "$LPY" ]; then
+        say "creating .venv-lmcache (layered on .venv)"
+        "$PY" -m venv --without-pip "$LVENV"
+    fi
+    LSP="$("$LPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$MAINSP" > "$LSP/_cachegen_main_venv.pth"
+    LSTAMP="$LVENV/.requirements.sha256"
+    LWANT="$( (cat "$ROOT/requirements-lmcache.txt"; "$LPY" --version 2>&1; echo "$MAINSP") | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$LSTAMP" 2>/dev/null || true)" != "$LWANT" ]; then
+        say "installing requirements-lmcache.txt into .venv-lmcache (--no-deps)"
+        "$LPY" -m pip install -q --disable-pip-version-check --no-deps -r "$ROOT/requirements-lmcache.txt"
+        echo "$LWANT" > "$LSTAMP"
+    else
+        say "lmcache requirements ok (stamp matches)"
+    fi
+    LVER="$("$LPY" -c 'import lmcache.v1.distributed.serde, lmcache.v1.distributed.l2_adapters.fs_l2_adapter, lmcache.v1.distributed.l2_adapters.resp_l2_adapter, lmcache.lmcache_redis, codec; import importlib.metadata as m; print(m.version("lmcache"))' 2>/dev/null)" || {
+        echo "[setup] error: lmcache's serde / fs / RESP modules do not import in .venv-lmcache" >&2; exit 1; }
+    say "lmcache $LVER imports in .venv-lmcache ($(( $(date +%s) - T1 )) s); skipped requirements: $("$LPY" -m pip check 2>/dev/null | grep -c '^lmcache ' || true) (docs/lmcache.md)"
+fi
+
+# 7. the job
 case "$MODE" in
+    lmcache-test)
+        set +e
+        "$ROOT/.venv-lmcache/bin/python" -m pytest -q tests/test_lmcache_serde.py "$@"
+        exit $? ;;
     run) exec "$PY" run_benchmarks.py "$@" ;;
     test)
         set +e

@@ -9,6 +9,8 @@ rules of docs/architecture.md:
   harness, bench, third_party;
 - no stage package (kv_extraction_hf, codec, streaming, evaluation, third_party) imports
   the orchestration (harness) or the measurements (bench);
+- the LMCache serde plugin (third_party.lmcache) imports only the codec of ours (none of
+  kv_extraction_hf, streaming, harness, bench, evaluation, third_party.vllm);
 - visualize_results.py reads results.json: it imports none of the stage packages that do
   work (kv_extraction_hf, codec, streaming, third_party), nor harness or bench (the pure
   summary functions of `evaluation` are allowed);
@@ -107,7 +109,8 @@ def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
         if name != prefix and not name.startswith(prefix + "."):
             continue
         for mod, line in _imports(path, module_level_only=False):
-            if _top(mod) in forbidden:
+            if _top(mod) in forbidden or (prefix == "third_party.lmcache"
+                                          and mod.startswith("third_party.vllm")):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
     return bad
 
@@ -115,7 +118,8 @@ def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
 def test_modules_found():
     # the scan must see the project, or every rule below passes vacuously
     for must in ("codec.api", "streaming.store", "kv_extraction_hf.model", "harness.results",
-                 "bench.codec", "third_party.vllm.cachegen_connector", "visualize_results"):
+                 "bench.codec", "third_party.vllm.cachegen_connector",
+                 "third_party.lmcache.serde", "visualize_results"):
         assert must in MODULES, must
 
 
@@ -140,6 +144,9 @@ def test_import_scanner_resolves_relative_and_lazy_imports(tmp_path):
     ("kv_extraction_hf", ("harness", "bench")),
     ("evaluation", ("harness", "bench")),
     ("third_party", ("harness", "bench")),
+    # the LMCache serde plugin is our codec inside LMCache: codec only (issue 29)
+    ("third_party.lmcache", ("kv_extraction_hf", "streaming", "harness", "bench",
+                             "evaluation")),
     ("visualize_results", ("kv_extraction_hf", "codec", "streaming", "third_party", "harness",
                            "bench")),
 ])

@@ -10,7 +10,7 @@ import importlib
 import pytest
 
 COMMANDS = ("codec", "triton", "coder", "schedules", "linkcheck", "streaming", "redis", "vllm_demo",
-            "taskcheck")
+            "taskcheck", "lmcache")
 
 
 @pytest.mark.parametrize("name", COMMANDS)
