@@ -179,7 +179,10 @@ def _grow_layer_class():
             if not self._mine() or cur + n > self._kb.shape[-2]:
                 b, h, _, d = key_states.shape
                 cap = max(self.capacity, cur + n)
-                kb, vb = key_states.new_empty((b, h, cap, d)), value_states.new_empty((b, h, cap, d))
+                # zeros, not new_empty: the attention reads keys/values as a slice
+                # [..., :cur + n, :] of this buffer, and no kernel's reads past a slice may
+                # meet undefined memory (issue 25; codec/scratch.py says why)
+                kb, vb = key_states.new_zeros((b, h, cap, d)), value_states.new_zeros((b, h, cap, d))
                 if cur:
                     kb[..., :cur, :] = self.keys
                     vb[..., :cur, :] = self.values
