@@ -759,13 +759,16 @@ def print_task_paths(info: dict, out=None) -> None:
 
 
 def environment() -> dict:
-    """Versions, CPU count and torch threads of this run."""
+    """Versions, CPU count and torch threads of this run, and ``numerics`` (CPU vendor and
+    model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses: ``harness.machine``)."""
     import transformers
+
+    from harness.machine import numerics
 
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "numpy": np.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "numerics": numerics()}
 
 
 def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print,
