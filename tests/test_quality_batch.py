@@ -61,6 +61,7 @@ def test_text_rows_do_not_depend_on_batch(default_bundle):
         assert r1["per_window"] == r3["per_window"]
         assert r1["bits_per_element"] == r3["bits_per_element"]
     assert res[1][1]["lossless_check"]["passed"] and res[1][1]["batch"] == 3
+    assert res[1][1]["batch_exact"] in (True, False) and res[0][1]["batch_exact"] is True   # batch 1: exact
     with pytest.raises(ValueError, match="batch"):
         run_text_quality(default_bundle, ids, pairs, 1, 160, 24, batch=0)
 
