@@ -437,6 +437,10 @@ def print_table(rows: list[dict], out=None) -> None:
 
 
 def _environment() -> dict:
+    """Versions, CPU, threads, commit, load, and ``numerics`` (``harness.machine``: CPU
+    vendor and model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses)."""
+    from harness.machine import numerics
+
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
@@ -455,7 +459,8 @@ def _environment() -> dict:
             "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "packages": pk,
             "git_commit": commit or None,
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "numerics": numerics()}
 
 
 def prepare_kvtc(args, bundle, log) -> Optional[str]:

@@ -308,7 +308,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     """
     import codec
     from kv_extraction_hf.extract import prefill_kv
-    from kv_extraction_hf.inject import continuation_logits, continuation_logits_batch
+    from kv_extraction_hf.inject import batch_is_exact, continuation_logits, continuation_logits_batch
     from kv_extraction_hf.wikitext import token_windows
 
     if batch < 1:
@@ -318,6 +318,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                      "elements": 0, "encode_s": 0.0, "decode_s": 0.0, "forward_s": 0.0} for p in pairs}
     skipped: dict[str, str] = {}
     ref_ppl: list[float] = []
+    exact_shapes: list[bool] = []        # per batched forward: ran batched (True) or at batch 1
     t_prefill = t_scores = 0.0
     t0 = time.perf_counter()
     for w, off in enumerate(offsets):
@@ -368,6 +369,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
             t3 = time.perf_counter()
             all_logits = continuation_logits_batch(bundle, [(g[1], g[2]) for g in group], ctx, cont)
             t4 = time.perf_counter()
+            exact_shapes.append(bool(batch_is_exact(len(group), len(ctx), len(cont), k.dtype)))
             for (pair, _, _, stats), logits in zip(group, all_logits):
                 a = acc[pair]
                 s = window_scores(ref, logits, cont)
@@ -393,7 +395,8 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                  "passed": max(r["per_window"]["kl"]) == 0.0 and min(r["per_window"]["top1"]) == 1.0}
     info = {"offsets": offsets, "skipped": skipped, "lossless_check": check,
             "reference_ppl_mean": float(np.mean(ref_ppl)) if ref_ppl else None,
-            "prefill_s": t_prefill, "scores_s": t_scores, "batch": batch, "codec_workers": codec_workers,
+            "prefill_s": t_prefill, "scores_s": t_scores, "batch": batch,
+            "batch_exact": all(exact_shapes) if exact_shapes else None, "codec_workers": codec_workers,
             "total_s": time.perf_counter() - t0}
     return rows, info
 
@@ -776,13 +779,16 @@ def print_task_paths(info: dict, out=None) -> None:
 
 
 def environment() -> dict:
-    """Versions, CPU count and torch threads of this run."""
+    """Versions, CPU count and torch threads of this run, and ``numerics`` (CPU vendor and
+    model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses: ``harness.machine``)."""
     import transformers
+
+    from harness.machine import numerics
 
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "numpy": np.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "numerics": numerics()}
 
 
 def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print,
@@ -1016,7 +1022,8 @@ def _main(args, argv: list[str]) -> int:
                          "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
                          "10000 resamples, seed 0 (exact enumeration for n <= 7)"}
         doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
-                                                 "prefill_s", "scores_s", "batch", "codec_workers", "total_s")}
+                                                 "prefill_s", "scores_s", "batch", "batch_exact",
+                                                 "codec_workers", "total_s")}
         print()
         print_table(rows)
         chk = info["lossless_check"]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import quantize as Q
+from . import scratch
 from .config import (HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, LEVELS as REF_LEVELS,
                      REFERENCE_DEFAULT_LEVEL, CodecConfig)
 from .errors import CodecError
@@ -116,7 +117,7 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
 def unpack_bits(b: np.ndarray, bits: int, n: int) -> np.ndarray:
     per = 8 // bits
     mask = (1 << bits) - 1
-    out = np.empty((b.size, per), np.uint8)
+    out = scratch.np_empty((b.size, per), np.uint8)
     for i in range(per):
         out[:, i] = (b >> (i * bits)) & mask
     return out.reshape(-1)[:n]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import quantize as Q
+from . import scratch
 from .errors import CodecError
 from .threads import run_kernel
 
@@ -131,7 +132,7 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
     Tq = T - ns
     dt = DTYPES[dtype_name]
     if out is None:
-        k_out, v_out = torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt)
+        k_out, v_out = scratch.empty(shape, dtype=dt), scratch.empty(shape, dtype=dt)
     else:
         k_out, v_out = check_out(out, shape, dt)
     if ns:
@@ -225,7 +226,7 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
 # ------------------------------------------------------------------ baselines (issue 14.5)
 def _dest(shape: tuple, dt: torch.dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:
-        return torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt)
+        return scratch.empty(shape, dtype=dt), scratch.empty(shape, dtype=dt)
     return check_out(out, shape, dt)
 
 
@@ -447,7 +448,7 @@ def quantize_fast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> Opti
     # exactly the torch expression of codec.quantize.quantize (one float32 division)
     inv = torch.where(s > 0, mm / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
     inv_np = np.ascontiguousarray(inv.reshape(L, s.shape[1], G).numpy())
-    out = np.empty((L, T, G, D), dtype=np.uint8)
+    out = scratch.np_empty((L, T, G, D), dtype=np.uint8)
     par = x.numel() >= _PAR_MIN
     from .rans_cpu import _num_workers
     nchunks = max(1, min(L * T, 8 * _num_workers())) if par else 1

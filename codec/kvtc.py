@@ -81,6 +81,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from . import scratch as _scratch
 from .errors import CodecError
 
 __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
@@ -1130,7 +1131,7 @@ class _KeptSymbols:
         """The same symbols in the padded layout, uint8 [L, Tq, n] (dropped columns = the
         layer's offset symbol): for tests and the reference decode."""
         L, Tq = len(self.keep), self.a.shape[0]
-        out = np.empty((L, Tq, n), np.uint8)
+        out = _scratch.np_empty((L, Tq, n), np.uint8)
         for layer in range(L):
             out[layer] = offs[layer]
             for lo, hi, src in self.pieces(layer):
@@ -1552,6 +1553,13 @@ def _decode_pool():
     return _POOL
 
 
+def _rows(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The first rows * cols elements of the 1-D scratch ``flat`` as a contiguous [rows,
+    cols] matrix (a GEMM operand with leading dimension = cols: no undefined element
+    inside its rows, whatever the kernel reads; codec/scratch.py)."""
+    return flat[:rows * cols].view(rows, cols)
+
+
 def _split_over_workers(fn, n: int) -> None:
     """Run ``fn(idx)`` over the items 0..n-1: in the calling thread with one worker
     (``_decode_workers()``), else item w, w + W, ... on worker w of ``_decode_pool()``
@@ -1719,7 +1727,7 @@ class KvtcCodec:
                          bytes(pay[pos:pos + s["payload_bytes"]])))
             pos += s["payload_bytes"]
         dt = DTYPES[dtype_name]
-        res = [torch.empty((L, T, H, D), dtype=dt) for _ in range(2)]   # model dtype
+        res = [_scratch.empty((L, T, H, D), dtype=dt) for _ in range(2)]   # model dtype
         with torch.inference_mode():
             for kv, tag in enumerate(("k", "v")):
                 if ns:
@@ -1811,7 +1819,7 @@ class KvtcCodec:
         C = H * D
         rope = rope_from is not None
         if out is None:
-            out = torch.empty((L, Tq, H, D), dtype=torch.float32)
+            out = _scratch.empty((L, Tq, H, D), dtype=torch.float32)
         if L == 0 or Tq == 0:
             return out
         basis = P["basis_ts"][kv]                                         # [L, n, C]
@@ -1852,10 +1860,13 @@ class KvtcCodec:
                 _layers(idx)
 
         def _layers(idx) -> None:
-            x = torch.empty((Tq, C), dtype=torch.float32)
-            qb = torch.empty((Tq, n), dtype=torch.bfloat16 if bf16 else torch.float32)
-            xh = torch.empty((Tq, C), dtype=torch.bfloat16) if bf16 else None
-            q16 = torch.empty((Tq, n), dtype=torch.int16) if bf16 else None
+            x = _scratch.empty((Tq, C), dtype=torch.float32)
+            # the coefficient operands are flat buffers whose first Tq * nl elements are
+            # viewed as a CONTIGUOUS [Tq, nl] matrix (never a column slice of [Tq, n]: on
+            # AMX oneDNN's bf16 GEMM reads a row up to its stride, codec/scratch.py)
+            qb = _scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
+            xh = _scratch.empty((Tq, C), dtype=torch.bfloat16) if bf16 else None
+            q16 = _scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
             for layer in idx:
                 nl = keep[layer]
                 if bf16:
@@ -1863,7 +1874,7 @@ class KvtcCodec:
                     dst = out[layer].view(Tq, C) if not rope and out[layer].is_contiguous() \
                         else xh
                     if nl:
-                        q, qi = qb[:, :nl], q16[:, :nl]
+                        q, qi = _rows(qb, Tq, nl), _rows(q16, Tq, nl)
                         for lo, hi, src in pieces(layer):
                             qi[:, lo:hi].copy_(src)
                         qi -= offs[layer]        # integer q = symbol - M (int16 ops are
@@ -1882,7 +1893,7 @@ class KvtcCodec:
                         continue
                     x.copy_(xh)
                 elif nl:
-                    q = qb[:, :nl]
+                    q = _rows(qb, Tq, nl)
                     for lo, hi, src in pieces(layer):    # symbols of the kept columns
                         q[:, lo:hi].copy_(src)
                     if shrink is not None:
@@ -1946,23 +1957,24 @@ class KvtcCodec:
                 _groups(idx)
 
         def _groups(idx) -> None:
-            xb = torch.empty((Tq, Cg), dtype=torch.bfloat16 if bf16 else torch.float32)
-            qb = torch.empty((Tq, n), dtype=torch.bfloat16 if bf16 else torch.float32)
-            q16 = torch.empty((Tq, n), dtype=torch.int16) if bf16 else None
-            kb = torch.empty((Tq, C), dtype=xb.dtype) if rope else None
-            kf = torch.empty((Tq, C), dtype=torch.float32) if rope else None
+            xb = _scratch.empty((Tq, Cg), dtype=torch.bfloat16 if bf16 else torch.float32)
+            # flat operands viewed as contiguous [Tq, nl] (as in ``_inverse``)
+            qb = _scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
+            q16 = _scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
+            kb = _scratch.empty((Tq, C), dtype=xb.dtype) if rope else None
+            kf = _scratch.empty((Tq, C), dtype=torch.float32) if rope else None
             for g in idx:
                 nl = keep[g]
                 if nl:
                     if bf16:
-                        q, qi = qb[:, :nl], q16[:, :nl]
+                        q, qi = _rows(qb, Tq, nl), _rows(q16, Tq, nl)
                         for lo, hi, src in sym.pieces(g):
                             qi[:, lo:hi].copy_(src)
                         qi -= offs[g]              # exact integers, exact in bf16
                         q.copy_(qi)
                         torch.addmm(mean_h[g], q, basis_h[g, :nl], out=xb)
                     else:
-                        q = qb[:, :nl]
+                        q = _rows(qb, Tq, nl)
                         for lo, hi, src in sym.pieces(g):
                             q[:, lo:hi].copy_(src)
                         torch.addmm(bias[g], q, basis[g, :nl], out=xb)

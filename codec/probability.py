@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import CodecError
+from .scratch import np_empty
 from .threads import run_kernel
 
 try:
@@ -102,7 +103,7 @@ def normalize_freqs(counts: np.ndarray) -> np.ndarray:
     flat = np.ascontiguousarray(c.reshape(-1, nb))
     if np.any(flat.sum(axis=1) > (1 << 46)):  # keep count * (M - nb) inside int64
         raise ValueError("counts too large to normalise")
-    out = np.empty_like(flat)
+    out = np_empty(flat.shape, flat.dtype)
     _normalize_rows(flat, out)
     return out.reshape(c.shape)
 
@@ -617,7 +618,7 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     ks = sorted({min(int(k), n, MAX_K) for k in ladder} | {1})
     kmax = ks[-1]
     own_bits = (Hf * _neg_log2_q(normalize_freqs(Hi))).sum(axis=1)
-    seed_nlq = np.empty((kmax, nb), np.float64)
+    seed_nlq = np_empty((kmax, nb), np.float64)
     pooled_codes = table_codes(Hi.sum(axis=0)[None, :])
     pooled = freqs_from_codes(pooled_codes)
     seed_nlq[0] = _neg_log2_q(pooled[0])
@@ -681,7 +682,7 @@ def _by_use(assign: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
     assignment renumbered accordingly (table order[j] becomes table j)."""
     cnt = np.bincount(assign, minlength=K)
     order = np.argsort(-cnt, kind="stable")
-    rank = np.empty(K, dtype=np.int64)
+    rank = np_empty(K, dtype=np.int64)
     rank[order] = np.arange(K)
     return order, rank[assign]
 
@@ -891,7 +892,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
             q = np.zeros((K, nb), dtype=np.int64)
             pos = _ranged_read(buf, pos, K, nb, _range_bits(nb), k, TABLE_QMAX, q)
         else:
-            q = np.empty(nb * K, dtype=np.int64)
+            q = np_empty(nb * K, dtype=np.int64)
             pos = _rice_read(buf, pos, nb * K, nb, k, TABLE_QMAX, q)
         if pos < 0:
             raise CodecError(f"{tname}: bad or truncated table codes for nbins={nb}")
@@ -909,7 +910,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
             raise CodecError(f"ent_model_index of {li.size} bytes cannot hold {nread} indices")
         local = np.zeros((2, L, C), dtype=np.int64)
         pos = 0
-        row = np.empty(C, dtype=np.int64)
+        row = np_empty(C, dtype=np.int64)
         for kv in range(2):
             for layer in range(L):
                 K, ik = kmap[int(nb_layer[kv, layer])]

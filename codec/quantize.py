@@ -59,6 +59,8 @@ import math
 import numpy as np
 import torch
 
+from . import scratch
+
 __all__ = [
     "LOG8_MANTISSA",
     "max_levels",
@@ -278,10 +280,10 @@ def anchor_delta_quantize(x: torch.Tensor, max_level: torch.Tensor, group: int,
     sd = row_scales(d)
     symd = quantize(d, sd, dml)
     xd_hat = ref + dequantize(symd, sd, dml)
-    x_hat = torch.empty_like(x32)
+    x_hat = scratch.empty(x32.shape, dtype=x32.dtype)
     x_hat[:, is_anchor] = xa_hat
     x_hat[:, ~is_anchor] = xd_hat
-    scales = torch.empty((L, T, G, 1), dtype=torch.float32)
+    scales = scratch.empty((L, T, G, 1), dtype=torch.float32)
     scales[:, is_anchor] = sa
     scales[:, ~is_anchor] = sd
     return syma, symd, x_hat, scales

@@ -44,6 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import CodecError
+from .scratch import np_empty
 from .threads import run_kernel
 
 try:  # numba is a hard requirement for speed, but keep the reference usable without it
@@ -689,7 +690,7 @@ def _work_items(L: int, T: int, C: int, G: int, B: int) -> np.ndarray:
     single_g = np.arange(n_quads * LANES, n_groups, dtype=np.int64)
     quads = (base[:, None] + quad_g[None, :] * n_blocks).reshape(-1)
     singles = (base[:, None] + single_g[None, :] * n_blocks).reshape(-1)
-    items = np.empty((quads.size + singles.size, 2), dtype=np.int64)
+    items = np_empty((quads.size + singles.size, 2), dtype=np.int64)
     items[: quads.size, 0] = quads
     items[: quads.size, 1] = LANES
     items[quads.size :, 0] = singles
@@ -748,7 +749,7 @@ def encode_streams(
     counts = stream_symbol_counts(L, T, C, G, B)
     scr_off = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum(counts + 2, out=scr_off[1:])
-    scratch = np.empty(int(scr_off[-1]), dtype=np.uint16)
+    scratch = np_empty(int(scr_off[-1]), dtype=np.uint16)
     nwords = np.zeros(n_streams, dtype=np.int64)
     err = np.zeros(n_streams, dtype=np.int64)
     items = _work_items(L, T, C, G, B)
@@ -760,7 +761,7 @@ def encode_streams(
         raise ValueError(f"stream {i}: {ERR_MESSAGES.get(int(err[i]), 'encode error')}")
     out_off = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum(nwords, out=out_off[1:])
-    out = np.empty(int(out_off[-1]), dtype=np.uint16)
+    out = np_empty(int(out_off[-1]), dtype=np.uint16)
     run_kernel(_compact_par, _compact_ser, par, scratch, scr_off, nwords, out_off, out)
     return out.view(np.uint8), nwords * 2
 
@@ -793,7 +794,7 @@ def build_decode_tables(cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     c = np.ascontiguousarray(cum, dtype=np.int64)
     freq = c[:, 1:] - c[:, :-1]
     packed = freq | (c[:, :256] << 16)
-    lut = np.empty((c.shape[0], 256), dtype=np.uint8)
+    lut = np_empty((c.shape[0], 256), dtype=np.uint8)
     run_kernel(_lut_par, _lut_ser, c.shape[0] >= LUT_PARALLEL_MODELS, c, lut)
     return packed, lut
 
@@ -814,8 +815,8 @@ def decode_streams(
     Raises: CodecError on any inconsistency (lengths not adding up to the payload, odd or
       too-short or too-long streams, truncated/corrupt streams).
     """
-    out_k = np.empty((L, T, C), dtype=np.uint8) if _dims_ok(L, T, C) else None
-    out_v = np.empty((L, T, C), dtype=np.uint8) if out_k is not None else None
+    out_k = np_empty((L, T, C), dtype=np.uint8) if _dims_ok(L, T, C) else None
+    out_v = np_empty((L, T, C), dtype=np.uint8) if out_k is not None else None
     ident = np.ascontiguousarray(np.broadcast_to(np.arange(256, dtype=np.uint8), (max(int(L), 1) if out_k is not None else 1, 1, 256)))
     decode_streams_into(payload, lengths, cum, model_index, L, T, C, G, B, out_k, out_v,
                         ident, ident, 0, C, 0, parallel=parallel)

@@ -65,6 +65,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import scratch
 from .errors import CodecError
 
 try:  # Triton is optional: the CPU backend never needs it
@@ -545,7 +546,7 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tenso
     N = xf.shape[1]
     if N >= 2**31 - 1024:
         raise ValueError(f"{N} elements per layer: at most 2^31 - 1024 supported")
-    out = torch.empty((L, N), dtype=torch.uint8, device=dev)
+    out = scratch.empty((L, N), dtype=torch.uint8, device=dev)
     if N:
         BLOCK = 1024
         opts = _launch_opts(4)
@@ -580,7 +581,7 @@ def dequantize_triton(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.T
     N = sf.shape[1]
     if N >= 2**31 - 1024:
         raise ValueError(f"{N} elements per layer: at most 2^31 - 1024 supported")
-    out = torch.empty((L, N), dtype=out_dtype, device=dev)
+    out = scratch.empty((L, N), dtype=out_dtype, device=dev)
     if N:
         BLOCK = 1024
         opts = _launch_opts(4)
@@ -742,7 +743,7 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     woff = torch.zeros(n_streams + 1, dtype=torch.int64, device=dev)
     torch.cumsum(nwords.to(torch.int64), 0, out=woff[1:])
     total = int(woff[-1])
-    words = torch.empty(total, dtype=torch.int16, device=dev)
+    words = scratch.empty(total, dtype=torch.int16, device=dev)
     with _on(dev):
         kern[grid](sk, sv, mi, cum_t, woff, words, nwords, err, L, T, C, G, B,
                    n_groups, n_blocks, WRITE=True, BLOCK=block, **opts)
@@ -833,8 +834,8 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
     words = buf.view(torch.int16)
     woff = torch.zeros(n_streams + 1, dtype=torch.int64, device=dev)
     torch.cumsum(lens // 2, 0, out=woff[1:])
-    out_k = torch.empty((L, T, C), dtype=torch.uint8, device=dev)
-    out_v = torch.empty((L, T, C), dtype=torch.uint8, device=dev)
+    out_k = scratch.empty((L, T, C), dtype=torch.uint8, device=dev)
+    out_v = scratch.empty((L, T, C), dtype=torch.uint8, device=dev)
     err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
     block, opts = _rans_block(block)
     if lookup not in ("auto", "search", "scan"):

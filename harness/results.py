@@ -64,7 +64,11 @@ def _cpu_name() -> str:
 
 
 def environment(link_method: str | None = None) -> dict[str, Any]:
-    """Describe the machine and software: python, CPU, GPU, package versions, link method."""
+    """Describe the machine and software: python, CPU, GPU, package versions, link method,
+    and ``numerics`` (what changes bf16 results: CPU vendor/model, AMX / AVX512-BF16 /
+    AVX2 flags, torch's CPU capability, the ISA oneDNN uses; ``harness.machine.numerics``)."""
+    from harness.machine import numerics
+
     packages = {}
     for name in PACKAGES:
         try:
@@ -87,6 +91,7 @@ def environment(link_method: str | None = None) -> dict[str, Any]:
         "gpu": gpu,
         "packages": packages,
         "link_method": link_method,
+        "numerics": numerics(),
     }
 
 

@@ -115,15 +115,28 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     ``ids`` (T = len(ids)). Returns float64 [2, L]: KL (nats) per unit of absolute
     noise variance per element; KVTC's water level of a (K/V, layer) is made inversely
     proportional to it (minimising the first-order KL, which is linear in the error
-    variance). One reference forward pass plus ceil(2L / ``batch``) batched passes of
-    ``continuation`` tokens (``batch`` noisy caches per pass, one perturbed (K/V, layer)
-    each; the noise is drawn in the same order whatever the batch, so the result does not
-    depend on it beyond float rounding).
+    variance). ceil(2L / ``batch``) batched passes of ``continuation`` tokens, each of
+    ``batch`` noisy caches (one perturbed (K/V, layer) each) plus the clean cache as entry
+    0: every KL is measured against the clean logits of its own forward pass.
+
+    The passes run with FLOAT32 activations (a float32 copy of a bf16/fp16 model: the same
+    weights, exactly; the noisy KV is rounded to the KV dtype first, as a codec's decoded
+    KV is): with bf16 activations the forward's own rounding (unit roundoff 2^-8) adds a
+    KL of ~1e-3 nats on the default model, as large as some layers' probe KL, and that
+    rounding depends on the matmul kernels, which depend on the batch (on an AMX Xeon
+    oneDNN's bf16 GEMMs of 8 and of 2 rows differ; the measured sensitivities moved by up
+    to 119%, issue 25). In float32 (2^-24, 2^16 times finer) that term is negligible and
+    the probe KL moves only by the cross term 2 r / d (rounding shift r, probe shift d): the result depends on the batch and on the CPU's kernel family by float32
+    rounding only (measured <= 3.2e-3 relative on an AMX Xeon; tests/test_kvtc_calibrate.py
+    bounds it at 1e-2). Memory: a
+    float32 copy of the weights while it runs (0.5 GB for the default model).
+    The noise is drawn in the same order whatever the batch.
     """
+    import copy
+
     import numpy as np
     from transformers import DynamicCache
 
-    from kv_extraction_hf.inject import make_cache
 
     if batch < 1:
         raise ExtractionError("sensitivity batch must be >= 1")
@@ -134,27 +147,29 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     kc, vc = k[:, :T], v[:, :T]
     cont_ids = torch.as_tensor(cont, dtype=torch.long).reshape(1, -1)
     cfg = bundle.model.config
+    model = bundle.model
+    if next(model.parameters()).dtype != torch.float32:
+        model = copy.deepcopy(model).float()
 
-    ref = torch.log_softmax(bundle.model(input_ids=cont_ids, past_key_values=make_cache(kc, vc, cfg),
-                                         use_cache=True).logits[0].float(), -1)
-    pref = ref.exp()
     gen = torch.Generator().manual_seed(0)
     L = k.shape[0]
     out = np.zeros((2, L))
     probes = [(kv, layer) for kv in range(2) for layer in range(L)]
     # clean cache in the model's layout [1, H, T, D] per layer
-    clean = [(kc[layer].transpose(0, 1).unsqueeze(0), vc[layer].transpose(0, 1).unsqueeze(0))
-             for layer in range(L)]
+    # (float32: exact widening of the KV dtype)
+    clean = [(kc[layer].transpose(0, 1).unsqueeze(0).float(),
+              vc[layer].transpose(0, 1).unsqueeze(0).float()) for layer in range(L)]
     t0 = time.perf_counter()
     for start in range(0, len(probes), batch):
         group = probes[start:start + batch]
-        B = len(group)
+        B = len(group) + 1               # entry 0: the clean cache (this pass's reference)
         noisy, scale = {}, []
         for kv, layer in group:          # same draw order as one probe per pass
             xl = (kc, vc)[kv][layer, sink_tokens:].float()
             var = float(xl.reshape(xl.shape[0], -1).var(0).mean())
             noise = torch.randn(xl.shape, generator=gen) * (rel_noise * var) ** 0.5
-            noisy[(kv, layer)] = (xl + noise).to(kc.dtype).transpose(0, 1)   # [H, T-s, D]
+            # [H, T-s, D], rounded to the KV dtype, then widened exactly
+            noisy[(kv, layer)] = (xl + noise).to(kc.dtype).float().transpose(0, 1)
             scale.append(rel_noise * var)
         try:
             cache = DynamicCache(config=cfg)
@@ -163,16 +178,19 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
         for layer in range(L):
             kb = clean[layer][0].expand(B, -1, -1, -1).clone()
             vb = clean[layer][1].expand(B, -1, -1, -1).clone()
-            for b, (kv, ly) in enumerate(group):
+            for b, (kv, ly) in enumerate(group, start=1):
                 if ly == layer:
                     (kb, vb)[kv][b, :, sink_tokens:] = noisy[(kv, ly)]
             cache.update(kb, vb, layer)
-        logits = bundle.model(input_ids=cont_ids.expand(B, -1), past_key_values=cache,
-                              use_cache=True).logits.float()
-        for b, (kv, layer) in enumerate(group):
+        with torch.inference_mode():
+            logits = model(input_ids=cont_ids.expand(B, -1), past_key_values=cache,
+                           use_cache=True).logits.float()
+        ref = torch.log_softmax(logits[0], -1)
+        pref = ref.exp()
+        for b, (kv, layer) in enumerate(group, start=1):
             lq = torch.log_softmax(logits[b], -1)
-            out[kv, layer] = float((pref * (ref - lq)).sum(-1).mean()) / scale[b]
-        log(f"[calibrate] sensitivity: {start + B}/{len(probes)} (K/V, layer) probes "
+            out[kv, layer] = float((pref * (ref - lq)).sum(-1).mean()) / scale[b - 1]
+        log(f"[calibrate] sensitivity: {start + B - 1}/{len(probes)} (K/V, layer) probes "
             f"({time.perf_counter() - t0:.1f} s)")
     return out
 

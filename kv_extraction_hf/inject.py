@@ -179,7 +179,10 @@ def _grow_layer_class():
             if not self._mine() or cur + n > self._kb.shape[-2]:
                 b, h, _, d = key_states.shape
                 cap = max(self.capacity, cur + n)
-                kb, vb = key_states.new_empty((b, h, cap, d)), value_states.new_empty((b, h, cap, d))
+                # zeros, not new_empty: the attention reads keys/values as a slice
+                # [..., :cur + n, :] of this buffer, and no kernel's reads past a slice may
+                # meet undefined memory (issue 25; codec/scratch.py says why)
+                kb, vb = key_states.new_zeros((b, h, cap, d)), value_states.new_zeros((b, h, cap, d))
                 if cur:
                     kb[..., :cur, :] = self.keys
                     vb[..., :cur, :] = self.values
@@ -238,15 +241,23 @@ def continuation_logits_batch(bundle, kvs, context_ids, continuation_ids) -> lis
     one context's KV decoded by several codecs), as one batched forward per step.
 
     ``kvs``: list of (k, v), each ``[L, T, H_kv, D]`` in the model's dtype, the KV of
-    ``context_ids``; returns one float32 ``[n, vocab]`` tensor per entry, computed exactly
-    as :func:`continuation_logits` does: row 0 from ``context_ids[-1]`` over the first T-1
-    tokens' KV (a batch-1 one-token forward per entry, as there), rows 1..n-1 over the full
-    KV in ONE forward of batch ``len(kvs)``. Every operation of that forward is per batch
-    row (linear layers, RMSNorm, rotary, attention per batch and head), so each entry's
-    logits are those of its own batch-1 forward: bit for bit on the CPU builds measured here
-    (tests/test_quality_batch.py; and in every quality run the lossless ``raw`` row, batched,
-    must give KL exactly 0 against the batch-1 reference). Memory: about ``len(kvs)``
-    times the batch-1 forward's. Raises ExtractionError like :func:`continuation_logits` (any entry)."""
+    ``context_ids``; returns one float32 ``[n, vocab]`` tensor per entry, equal bit for bit
+    to that entry's own :func:`continuation_logits`: row 0 from ``context_ids[-1]`` over the
+    first T-1 tokens' KV (a batch-1 one-token forward per entry, as there), rows 1..n-1
+    over the full KV in ONE forward of batch ``len(kvs)``.
+
+    Identity by construction, on any CPU: every operation of the batched forward is per
+    batch row, but a matmul kernel's reduction order may depend on the number of rows (on
+    an AMX Xeon oneDNN's bf16 GEMMs of 7 x 40 rows and of 40 rows differ by an ulp, and the
+    logits by ~1e-2; on AVX2 / AVX512-BF16 machines they were identical, issue 25). The
+    first call for a shape (entries, context, continuation, torch threads, dtype) also runs
+    every entry at batch 1 and compares: identical -> that shape is batched from then on
+    (kernels are chosen by shape, never by value); different -> the batch-1 logits are
+    returned, and every later call of that shape runs at batch 1 (``batch_is_exact``
+    tells which). The lossless ``raw`` row of every quality run checks it again (KL
+    exactly 0 against the batch-1 reference; tests/test_quality_batch.py). Memory: about
+    ``len(kvs)`` times the batch-1 forward's. Raises ExtractionError like
+    :func:`continuation_logits` (any entry)."""
     kvs = list(kvs)
     if not kvs:
         return []
@@ -275,10 +286,38 @@ def continuation_logits_batch(bundle, kvs, context_ids, continuation_ids) -> lis
         del prefix
     if len(cont) == 1:
         return first
+    key = _batch_key(B, T, len(cont), kvs[0][0].dtype)
+    exact = True if B == 1 else _EXACT_BATCH.get(key)
+    if exact is False:      # this shape's batched forward rounds differently here
+        return [continuation_logits(bundle, k, v, context_ids, cont) for k, v in kvs]
     cache = _batch_cache(kvs, model.config)
     ids = torch.as_tensor(cont[:-1], dtype=torch.long).reshape(1, -1).expand(B, -1)
     rest = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-    return [torch.cat([first[b], rest[b].float()], dim=0) for b in range(B)]
+    out = [torch.cat([first[b], rest[b].float()], dim=0) for b in range(B)]
+    del cache, rest
+    if exact is None:       # first call of this shape: compare with batch 1 once
+        single = [continuation_logits(bundle, k, v, context_ids, cont) for k, v in kvs]
+        _EXACT_BATCH[key] = all(torch.equal(a, b) for a, b in zip(out, single))
+        if not _EXACT_BATCH[key]:
+            return single
+    return out
+
+
+# (entries, context tokens, continuation tokens, torch threads, KV dtype) -> whether the
+# batched continuation forward of that shape gave the batch-1 logits bit for bit here
+_EXACT_BATCH: dict = {}
+
+
+def _batch_key(B: int, T: int, n: int, dtype) -> tuple:
+    return (int(B), int(T), int(n), torch.get_num_threads(), str(dtype))
+
+
+def batch_is_exact(B: int, T: int, n: int, dtype) -> bool | None:
+    """Whether :func:`continuation_logits_batch` of ``B`` entries, ``T`` context and ``n``
+    continuation tokens (KV ``dtype``; at the current torch thread count) runs batched
+    (True: checked bit-identical to batch 1 on this machine), at batch 1 (False: it was
+    not), or is not checked yet (None)."""
+    return True if B == 1 else _EXACT_BATCH.get(_batch_key(B, T, n, dtype))
 
 
 def teacher_forcing_margin(dtype: torch.dtype) -> float:

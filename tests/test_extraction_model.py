@@ -50,12 +50,31 @@ def test_info_and_prefill_shape(default_bundle, needle):
     assert k.shape == v.shape == (30, len(p.context_ids), 3, 64)
     assert k.dtype == v.dtype == torch.bfloat16 and k.is_contiguous()
     # prefill is deterministic, and the KV of a prefix is the prefix of the KV (causal), up to
-    # bf16 rounding of differently shaped matmuls
+    # the rounding of differently shaped matmuls (issue 25: a bound from the dtype, any CPU)
     k1, v1 = prefill_kv(default_bundle, p.context_ids)
     assert torch.equal(k1, k) and torch.equal(v1, v)
     k2, v2 = prefill_kv(default_bundle, p.context_ids[:50])
+    # bf16: a 30-layer bf16 prefill is up to ~2.2% (relative L2; V 1.7%, K 0.7% on this
+    # prompt) from the float32 one on every kernel family measured (AVX2, AVX512-BF16, AMX);
+    # two prefills of other shapes carry two such errors, sqrt(2) x 2.2% ~ 3.1% if
+    # independent, 4.4% at worst: 5%. (Measured: V 2.5%, K 1.0% on AMX, < 1% elsewhere.) A
+    # causality or position fault is O(100%).
     for short, full in ((k2, k[:, :50]), (v2, v[:, :50])):
-        assert (short.float() - full.float()).norm() / full.float().norm() < 0.01
+        assert (short.float() - full.float()).norm() / full.float().norm() < 0.05
+    # the sharp check of the same property: float32 activations (unit roundoff 2^-24 = 6e-8;
+    # measured 2.4e-7 for V, 9e-8 for K on AMX, i.e. a few roundoffs), bound 1e-5
+    import copy
+
+    from kv_extraction_hf.model import ModelBundle
+
+    b32 = ModelBundle(copy.deepcopy(default_bundle.model).float(), default_bundle.tokenizer,
+                      default_bundle.info)
+    kf, vf = prefill_kv(b32, p.context_ids[:80])
+    ks, vs = prefill_kv(b32, p.context_ids[:50])
+    del b32
+    for short, full in ((ks, kf[:, :50]), (vs, vf[:, :50])):
+        assert short.dtype == torch.float32
+        assert (short - full).norm() / full.norm() < 1e-5
 
 
 def test_generation_from_injected_kv_equals_generation_from_prompt(default_bundle, needle, tmp_path):

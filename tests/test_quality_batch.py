@@ -61,6 +61,7 @@ def test_text_rows_do_not_depend_on_batch(default_bundle):
         assert r1["per_window"] == r3["per_window"]
         assert r1["bits_per_element"] == r3["bits_per_element"]
     assert res[1][1]["lossless_check"]["passed"] and res[1][1]["batch"] == 3
+    assert res[1][1]["batch_exact"] in (True, False) and res[0][1]["batch_exact"] is True   # batch 1: exact
     with pytest.raises(ValueError, match="batch"):
         run_text_quality(default_bundle, ids, pairs, 1, 160, 24, batch=0)
 
@@ -83,3 +84,36 @@ def test_text_rows_do_not_depend_on_codec_workers(default_bundle):
         assert a["per_window"] == b["per_window"] and a["bits_per_element"] == b["bits_per_element"]
     assert res[0][1]["skipped"].keys() == res[1][1]["skipped"].keys() == {"cachegen 99"}
     assert res[1][1]["codec_workers"] == 2 and res[1][1]["lossless_check"]["passed"]
+
+
+def test_batch_of_a_shape_is_checked_once_and_falls_back_to_batch_one(default_bundle, monkeypatch):
+    # identity by construction on any CPU (issue 25): the first call of a shape compares the
+    # batched logits with batch 1; a shape whose kernels round differently (AMX) runs at batch 1
+    from kv_extraction_hf import inject
+
+    p = build_prompt("pydoc_ppl", default_bundle.tokenizer, 64, seed=0, index=0)
+    ctx, cont = p.context_ids, p.continuation_ids[:6]
+    k, v = prefill_kv(default_bundle, ctx)
+    k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="quant8"))
+    kvs = [(k, v), (k2.to(k.dtype), v2.to(v.dtype))]
+    monkeypatch.setattr(inject, "_EXACT_BATCH", {})
+    assert inject.batch_is_exact(2, len(ctx), len(cont), k.dtype) is None
+    ones = [continuation_logits(default_bundle, kk, vv, ctx, cont) for kk, vv in kvs]
+    seen = []
+    hook = default_bundle.model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        got = continuation_logits_batch(default_bundle, kvs, ctx, cont)
+        assert all(torch.equal(a, b) for a, b in zip(got, ones))
+        assert inject.batch_is_exact(2, len(ctx), len(cont), k.dtype) in (True, False)
+        assert 2 in seen                       # the batched forward ran (and was compared)
+        for exact in (False, True):
+            inject._EXACT_BATCH[inject._batch_key(2, len(ctx), len(cont), k.dtype)] = exact
+            seen.clear()
+            got = continuation_logits_batch(default_bundle, kvs, ctx, cont)
+            assert (2 in seen) == exact        # inexact: batch-1 forwards only
+            if exact and not all(torch.equal(a, b) for a, b in zip(got, ones)):
+                continue                       # (forced True on a machine where it is not)
+            assert all(torch.equal(a, b) for a, b in zip(got, ones))
+    finally:
+        hook.remove()
