@@ -139,7 +139,7 @@ class ResultsWriter:
         self.written = False
         self.doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created_utc": utc_now(),
                                     "complete": False, **header, "runs": [], "summaries": [],
-                                    "codec_layers": [], "adaptation": []}
+                                    "failures": [], "codec_layers": [], "adaptation": []}
 
     def add_run(self, run: dict[str, Any]) -> None:
         """Append one run record (see docs/results-schema.md) and rewrite the file.
@@ -153,6 +153,14 @@ class ResultsWriter:
         self.doc["runs"].append(run)
         self.flush()
 
+    def add_failures(self, failures: list[dict[str, Any]]) -> None:
+        """Append ``failures`` entries (a codec's calibration, encode, perplexity pass or a
+        request that failed: ``harness.contexts.failure_record``) and rewrite the file
+        (nothing is written for an empty list)."""
+        if failures:
+            self.doc.setdefault("failures", []).extend(failures)
+            self.flush()
+
     def extend(self, section: str, rows: list[dict[str, Any]]) -> None:
         """Append rows to ``codec_layers`` or ``adaptation`` and rewrite the file."""
         self.doc.setdefault(section, []).extend(rows)
@@ -160,7 +168,8 @@ class ResultsWriter:
 
     def flush(self) -> None:
         """Recompute the summaries and write the whole document atomically."""
-        self.doc["summaries"] = summarize(self.doc["runs"])
+        self.doc["summaries"] = summarize(self.doc["runs"], self.doc.get("failures"),
+                                          self.doc.get("config", {}).get("bandwidth_mbps"))
         atomic_write_json(self.path, self.doc)
         self.written = True
 
@@ -220,6 +229,8 @@ def summary_table(doc: dict[str, Any]) -> str:
         for c, _, w, f in SUMMARY_TABLE:
             val = row.get(c)
             cells.append(f"{'-':>{w}}" if val is None else f"{val:>{w}{f}}" if f != "s" else f"{val:>{w}}")
+        if s.get("failed"):
+            cells.append(f"failed: {s['failed']}"[:120])
         lines.append(" ".join(cells))
     return "\n".join(lines)
 
