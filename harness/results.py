@@ -187,10 +187,17 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
 
     ``ratio_vs_dtype`` is the model-dtype size (never fp32) of the KV actually loaded over
     the bytes moved (None when nothing was loaded); ``stored_bytes`` the size of the store
-    entry at this level.
+    entry at this level; ``load_error`` the engine's, else (chunks that failed to decode
+    and were recomputed) "<n> chunk(s) recomputed: <the first chunk's note>".
     """
     size = ctx.sizes.get((var.codec, var.level)) if var.codec else None
     per_token = ctx.dtype_bytes / ctx.load_tokens
+    load_error = t.load_error
+    if load_error is None:   # chunks that failed to decode (refetched once, then text)
+        bad = [c for c in (t.chunks or []) if isinstance(c, dict) and c.get("text_fallback")
+               and str(c.get("note") or "").startswith("decode failed")]
+        if bad:
+            load_error = f"{len(bad)} chunk(s) recomputed: {bad[0]['note']}"[:300]
     ratio = (per_token * t.loaded_tokens / t.bytes) if t.bytes and t.loaded_tokens else None
     return {
         "mode": var.mode, "level": var.level, "label": var.label, "bandwidth_mbps": bw,
@@ -198,7 +205,7 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
         "context_tokens": len(ctx.prompt.context_ids), "prompt_tokens": len(ctx.prompt.input_ids),
         "truncated_from_tokens": (getattr(ctx.prompt, "meta", None) or {}).get("truncated_from_tokens"),
         "loaded_tokens": t.loaded_tokens, "repeat": rep,
-        "recomputed_tokens": t.recomputed_tokens, "load_error": t.load_error,
+        "recomputed_tokens": t.recomputed_tokens, "load_error": load_error,
         "ttft_s": t.ttft_s, "lookup_s": t.lookup_s, "transfer_s": t.transfer_s,
         "decode_s": t.decode_s, "load_s": t.load_s, "inject_s": t.inject_s,
         "load_cpu_s": getattr(t, "load_cpu_s", None),

@@ -279,6 +279,11 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
     lines.append("")
     failed_rows = [(plot_label(m, lv), next((r["failed"] for r in by_label[(m, lv)].values()
                                              if r.get("failed")), None)) for m, lv in keys]
+    for m, lv in keys:          # requests whose load failed (chunks recomputed)
+        per = by_label[(m, lv)].values()
+        n_err, n_all = sum(int(r.get("load_errors") or 0) for r in per), sum(int(r.get("n") or 0) for r in per)
+        if n_err:
+            failed_rows.append((plot_label(m, lv), f"load errors in {n_err}/{n_all} requests (run `load_error`)"))
     failed_rows = [(lab, why) for lab, why in failed_rows if why]
     if failed_rows:
         lines.append("Failed (results.json `failures`; the run went on without them):")
