@@ -59,3 +59,20 @@ def test_default_key_names_the_text_and_records_it():
     old = SimpleNamespace(meta={"data": "wikitext-2 valid (valid.txt)"})
     assert kc.text_record(old) == {"source": "", "description": "wikitext-2 valid (valid.txt)",
                                    "sha256": ""}
+
+
+def test_calibrate_data_file_records_its_text(tmp_path, fixtures_dir):
+    """``python -m kv_extraction_hf.calibrate --data FILE`` (WikiText-2 validation or any
+    text a user has): the artifact names the file and the sha256 of the text it used."""
+    from codec import kvtc
+    from kv_extraction_hf.datasets_loaders import load_wikitext2
+
+    src = fixtures_dir / "wikitext2" / "wiki.test.raw"
+    out = tmp_path / "cal.safetensors"
+    assert kc.main(["--data", str(src), "--windows", "1", "--window-tokens", "256",
+                    "--weighting", "relative", "--metric", "none", "--group-layers", "0",
+                    "--out", str(out)]) == 0
+    cal = kvtc.load_calibration(out)
+    text = load_wikitext2(str(src), split="validation")
+    assert kc.text_record(cal) == {"source": "file", "description": src.name,
+                                   "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
