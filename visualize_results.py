@@ -259,6 +259,20 @@ class ResultsData:
         return str(model.get("dtype") or "model dtype")
 
     @property
+    def failed(self) -> list[str]:
+        """``"<label>: <stage>: <reason>"`` per (mode, level) in the file's ``failures`` (a
+        codec's calibration, encode, perplexity pass or a request that failed; the run
+        went on without it), in file order, one per label."""
+        out: dict[str, str] = {}
+        fails = self.doc.get("failures")
+        for f in fails if isinstance(fails, list) else []:
+            if not isinstance(f, dict) or not isinstance(f.get("mode"), str):
+                continue
+            lab = summary_rules.plot_label(f["mode"], f.get("level"))
+            out.setdefault(lab, f"{lab}: {f.get('stage', 'failed')}: {str(f.get('reason', ''))[:90]}")
+        return list(out.values())
+
+    @property
     def incomplete(self) -> bool:
         """True when the file says ``"complete": false`` (an interrupted run's records)."""
         return self.doc.get("complete") is False
@@ -856,6 +870,21 @@ def mark_incomplete(fig, data: ResultsData) -> None:
     fig.suptitle(f"{mark}: {title}" if title else mark, color="firebrick")
 
 
+FAILED_MARK = "FAILED"
+
+
+def mark_failed(fig, data: ResultsData) -> None:
+    """A red footnote "FAILED: <label>: <stage>: <reason>; ..." on the figure: the file's
+    ``failures`` (the run went on without those codecs/requests, so they are missing or
+    partial in the figure)."""
+    lines = data.failed
+    if not lines:
+        return
+    shown = lines[:3] + ([f"+{len(lines) - 3} more"] if len(lines) > 3 else [])
+    fig.text(0.01, 0.005, f"{FAILED_MARK}: " + "; ".join(shown), color="firebrick",
+             fontsize=7, ha="left", va="bottom", wrap=True)
+
+
 def render_all(data: ResultsData, out_dir: Path, formats: Sequence[str], only: Sequence[str] | None = None,
                dpi: int = 150) -> tuple[list[Path], list[tuple[str, str]]]:
     """Draw every figure (or those in ``only``) and write it in each format.
@@ -878,6 +907,7 @@ def render_all(data: ResultsData, out_dir: Path, formats: Sequence[str], only: S
             continue
         if data.incomplete:
             mark_incomplete(fig, data)
+        mark_failed(fig, data)
         for fmt in formats:
             path = out_dir / f"{name}.{fmt}"
             save_figure(fig, path, fmt, dpi=dpi)

@@ -107,7 +107,9 @@ def load_contexts(args, log) -> tuple[list[dict], Optional[Any], dict]:
             cont = json.loads(meta["continuation_ids"]) if meta.get("continuation_ids") else None
             ctxs.append({"name": Path(path).stem, "k": k, "v": v, "context_ids": ids,
                          "continuation_ids": cont or None})
-            info = info or {"model_id": meta.get("model_id"), "dtype": meta.get("dtype")}
+            info = info or {"model_id": meta.get("model_id"), "dtype": meta.get("dtype"),
+                            **({"weights_hash": meta["weights_hash"]}
+                               if meta.get("weights_hash") else {})}
         return ctxs, bundle, info
     if bundle is None:
         print("error: without --kv the benchmark needs the model (drop --no-model) or use "
@@ -291,8 +293,10 @@ def run_peer_row(name: str, ctxs: list[dict], bundle, bases: list, args
 
 
 def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: list,
-            args) -> tuple[dict, list[dict]]:
-    """Encode/decode every context with one (codec, level); aggregate one JSON row."""
+            args, config=None) -> tuple[dict, list[dict]]:
+    """Encode/decode every context with one (codec, level); aggregate one JSON row.
+    ``config``: the codec's config object for every encode (kvtc: the ``KvtcConfig``
+    naming its calibration), None = the level's preset."""
     from bench import lmcache_peers
 
     if lmcache_peers.is_peer(name):
@@ -312,12 +316,13 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         chunks = []
         for i in range(n_chunks):
             a, b = i * args.chunk_tokens, min(T, (i + 1) * args.chunk_tokens)
-            data, st = api._encode_one(k[:, a:b], v[:, a:b], name, level, None, a, T, i,
+            data, st = api._encode_one(k[:, a:b], v[:, a:b], name, level, config, a, T, i,
                                        n_chunks)
             chunks.append(data)
             for key in tot:
                 tot[key] += st.get(key, 0) or 0
         enc_s += _median_time(lambda: api.encode_chunks(k, v, codec=name, level=level,
+                                                        config=config,
                                                         chunk_tokens=args.chunk_tokens),
                               args.repeats)
         dec_s += _median_time(lambda: [api.decode_kv(c) for c in chunks], args.repeats)
@@ -463,15 +468,16 @@ def _environment() -> dict:
             "numerics": numerics()}
 
 
-def prepare_kvtc(args, bundle, log) -> Optional[str]:
-    """Register the calibration the ``kvtc`` rows encode with; returns its hash.
+def prepare_kvtc(args, bundle, log, info: Optional[dict] = None) -> str:
+    """The calibration the ``kvtc`` rows encode with (registered, so their chunks decode);
+    returns its hash, which the caller passes to every kvtc encode (``KvtcConfig``).
 
-    With the model: its default calibration (kv_extraction_hf.calibrate.default_calibration,
-    fitted on WikiText-2 validation on first use, then cached). ``--quick``: a calibration
-    fitted on synthetic KV of another seed than the measured contexts (never on them).
-    ``--kv`` without the model: None, the codec picks the cached artifact of the KV's shape
-    (the default calibration's first; an error names the missing one).
-    ``--kvtc-calibration FILE``: that artifact, whatever else applies."""
+    ``--kvtc-calibration FILE``: that artifact, whatever else applies. With the model: its
+    default calibration (kv_extraction_hf.calibrate.default_calibration, fitted on the
+    default calibration text on first use, then cached). ``--quick``: a calibration fitted
+    on synthetic KV of another seed than the measured contexts (never on them). ``--kv``
+    without the model: the cached default calibration of the dump's model (its
+    ``weights_hash``, ``info``), else ValueError naming the two ways to give one."""
     from codec import kvtc
 
     if getattr(args, "kvtc_calibration", None):
@@ -485,7 +491,13 @@ def prepare_kvtc(args, bundle, log) -> Optional[str]:
         k, v = synthetic_kv(L, T, H, D, seed=args.seed + 10_000)
         return kvtc.register_calibration(kvtc.fit_calibration(
             k[:, 4:].float(), v[:, 4:].float(), meta={"data": "synthetic (bench.codec --quick)"}))
-    return None
+    from kv_extraction_hf.calibrate import cached_default_calibration
+
+    path = cached_default_calibration((info or {}).get("weights_hash"))
+    if path is None:
+        raise ValueError("the kvtc rows need a calibration: --kvtc-calibration FILE, or the "
+                         "model (drop --no-model) for its default calibration")
+    return kvtc.register_calibration(path)
 
 
 def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
@@ -601,20 +613,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return 2
             else:
                 bases.append(None)
+    configs: dict = {}     # codec -> the config its encodes get (kvtc: its calibration)
     if any(name == "kvtc" for name, _ in rows_spec):
         try:
-            cal_hash = prepare_kvtc(args, bundle, log)
+            cal_hash = prepare_kvtc(args, bundle, log, info)
         except Exception as e:  # noqa: BLE001 - no calibration: one line, exit 2
             print(f"error: kvtc calibration: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
-        if cal_hash:
-            log(f"kvtc calibration {cal_hash[:16]}")
+        log(f"kvtc calibration {cal_hash[:16]}")
+        from codec.kvtc import KvtcConfig
+
+        configs["kvtc"] = KvtcConfig(calibration=cal_hash)
     rows, layer_rows = [], []
     started = time.time()
     for name, level in rows_spec:
         log(f"{name} level={level} ...")
         try:
-            row, lr = run_row(name, level, ctxs, bundle, bases, args)
+            row, lr = run_row(name, level, ctxs, bundle, bases, args, config=configs.get(name))
         except ValueError as e:  # includes kv_extraction_hf.ExtractionError (model mismatch)
             print(f"error: {name} level {level}: {e}", file=sys.stderr)
             return 2

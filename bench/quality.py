@@ -288,7 +288,8 @@ def _encode_decode_all(jobs: list, one: Callable, workers: int) -> list:
 def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Optional[int]]],
                      n_windows: int, context: int, continuation: int, seed: int = 0,
                      log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH,
-                     codec_workers: int = DEFAULT_CODEC_WORKERS) -> tuple[list[dict], dict]:
+                     codec_workers: int = DEFAULT_CODEC_WORKERS,
+                     configs: Optional[dict] = None) -> tuple[list[dict], dict]:
     """Paired text-fidelity measurement on ``n_windows`` windows of ``token_ids``.
 
     ``token_ids``: the tokenized corpus; windows of ``context + continuation`` tokens at
@@ -304,11 +305,14 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     printed and recorded). ``codec_workers``: codecs of a batch encoded + decoded at once by
     that many threads (the same bytes and logits as one at a time; a row's ``encode_s`` /
     ``decode_s`` are then wall seconds while another codec ran beside it). Raises
-    ValueError when ``batch`` < 1.
+    ValueError when ``batch`` < 1. ``configs``: codec name -> the config its encodes get
+    (kvtc: a ``codec.kvtc.KvtcConfig`` naming its calibration; ``prepare_kvtc``).
     """
     import codec
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import batch_is_exact, continuation_logits, continuation_logits_batch
+
+    configs = configs or {}
     from kv_extraction_hf.wikitext import token_windows
 
     if batch < 1:
@@ -343,7 +347,8 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                 if peer:       # LMCache's own serde code (bench/lmcache_peers.py)
                     data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
                 else:
-                    data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1])
+                    data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1],
+                                                          config=configs.get(pair[0]))
                 t2 = time.perf_counter()
                 k2, v2 = lmcache_peers.decode(data) if peer else codec.decode_kv(data)
                 t3 = time.perf_counter()
@@ -425,7 +430,8 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
               lengths: Sequence[int] = TASK_LENGTHS, max_new_tokens: int = TASK_MAX_NEW_TOKENS,
               topic_lengths: Sequence[int] = TOPIC_LENGTHS, answer_bundle=None, verify: bool = False,
               log: Callable[[str], None] = print, answer_mode: str = "teacher",
-              codec_workers: int = DEFAULT_CODEC_WORKERS) -> tuple[list[dict], dict]:
+              codec_workers: int = DEFAULT_CODEC_WORKERS,
+              configs: Optional[dict] = None) -> tuple[list[dict], dict]:
     """Task answers from decoded KV vs lossless KV, ``n_requests`` per codec/level.
 
     Each request's context is prefilled once by ``bundle`` (the engine dtype, bf16 for the
@@ -485,7 +491,8 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
             """(k2, v2 in the engine's dtype, codec seconds) from the real bitstream, or the exception."""
             try:
                 t2 = time.perf_counter()
-                k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1]))
+                k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1],
+                                                         config=(configs or {}).get(pair[0])))
                 return k2.to(k.dtype), v2.to(v.dtype), time.perf_counter() - t2
             except Exception as exc:  # noqa: BLE001
                 return exc
@@ -793,14 +800,19 @@ def environment() -> dict:
 
 def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print,
                  user=None, user_path: Optional[Path] = None) -> dict:
-    """Make the KVTC codec usable: its default calibration for ``bundle``'s model, fitted on
-    WikiText-2 VALIDATION (never on the test split evaluated here) by
-    ``kv_extraction_hf.calibrate.default_calibration`` (cached after the first fit) and
-    registered; or ``user``, a loaded ``codec.kvtc.KvtcCalibration`` (``--kvtc-calibration``),
-    registered last so the kvtc rows encode with it. Returns a record (path name, sha256 of
-    the artifact file, ``hash`` = the calibration hash the chunks' headers name, ``source``,
-    ``group_layers``, calibration text source) or ``{"error": ...}``; a failure only means
-    the kvtc rows are skipped."""
+    """The calibration the kvtc rows encode with (the caller passes its ``hash`` to every
+    kvtc encode, ``KvtcConfig``): ``bundle``'s model's default calibration
+    (``kv_extraction_hf.calibrate.default_calibration``: the default calibration text, the
+    standard library's docstring prose, never the WikiText-2 test split evaluated here;
+    fitted once, then cached; the same calibration as ``run_benchmarks.py``'s), or
+    ``user``, a loaded ``codec.kvtc.KvtcCalibration`` (``--kvtc-calibration``). Both are
+    registered so their chunks decode. Returns a record (``path_name``, ``sha256`` of the
+    artifact file, ``hash`` = the calibration hash the chunks' headers name, ``source``,
+    ``group_layers``, ``text`` = the calibration text's source, description, sha256) or
+    ``{"error": ...}``; a failure only means the kvtc rows are skipped. ``data_path`` is
+    not used for the calibration (kept for callers)."""
+    from kv_extraction_hf.calibrate import calibration_provenance
+
     if user is not None:
         from codec import kvtc
         from kv_extraction_hf.model import sha256_file
@@ -811,22 +823,18 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
                                f"H={user.num_heads}, D={user.head_dim}, not this model")
         kvtc.register_calibration(user)
         return {"path_name": Path(user_path).name, "sha256": sha256_file(user_path),
-                "hash": user.hash, "source": "--kvtc-calibration",
-                "group_layers": int(user.group_layers), "data": user.meta.get("data", "")}
+                **calibration_provenance(user, "--kvtc-calibration"),
+                "data": user.meta.get("data", "")}
     try:
         from kv_extraction_hf.calibrate import default_calibration
         from kv_extraction_hf.model import sha256_file
-        from kv_extraction_hf.wikitext import load_wikitext2_split
 
-        valid = load_wikitext2_split("valid", None if data_path is None else data_path)
-        path = default_calibration(bundle, text=valid.text, data_name=f"WikiText-2 valid ({valid.sha256[:12]})",
-                                   log=lambda m: None)
+        path = default_calibration(bundle, log=lambda m: None)
         from codec import kvtc
 
         cal = kvtc.get_calibration(Path(path).stem)
-        return {"path_name": Path(path).name, "sha256": sha256_file(path), "hash": cal.hash,
-                "source": "default", "group_layers": int(cal.group_layers),
-                "data": valid.record()}
+        return {"path_name": Path(path).name, "sha256": sha256_file(path),
+                **calibration_provenance(cal, "default")}
     except Exception as exc:  # noqa: BLE001 - kvtc is optional here
         reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         log(f"kvtc calibration unavailable ({reason}): kvtc rows will be skipped")
@@ -1002,11 +1010,15 @@ def _main(args, argv: list[str]) -> int:
         "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
                   "dtype": bundle.info.dtype, "num_layers": bundle.info.num_layers},
         "environment": environment()})
+    configs: dict[str, Any] = {}     # codec -> the config its encodes get (kvtc: calibration)
     if any(name == "kvtc" for name, _ in pairs + task_pairs):
         doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path, user=user_cal,
                                                user_path=args.kvtc_calibration)
         cal_rec = doc["kvtc_calibration"]
         if "hash" in cal_rec:
+            from codec.kvtc import KvtcConfig
+
+            configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
             print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
     if wt is not None:
         print(f"data: WikiText-2 {wt.split} from {wt.source} ({wt.location}), sha256 {wt.sha256}")
@@ -1014,7 +1026,8 @@ def _main(args, argv: list[str]) -> int:
         print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
               f"{len(pairs)} codec/levels")
         rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
-                                       log=_log, batch=batch, codec_workers=codec_workers)
+                                       log=_log, batch=batch, codec_workers=codec_workers,
+                                       configs=configs)
         doc["rows"] = rows
         doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
         doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
@@ -1041,7 +1054,8 @@ def _main(args, argv: list[str]) -> int:
             answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
         trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
                                  answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
-                                 answer_mode=args.task_answers, codec_workers=codec_workers)
+                                 answer_mode=args.task_answers, codec_workers=codec_workers,
+                                 configs=configs)
         doc["tasks"] = trows
         doc["tasks_info"] = {k: v for k, v in tinfo.items()}
         doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),

@@ -52,13 +52,21 @@ def run_demo(args) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     k, v = prefill_kv(bundle, ctx)
+    configs = {}     # codec -> the config its encodes get (kvtc: the model's default calibration)
+    if "kvtc" in args.codecs:
+        from codec.kvtc import KvtcConfig
+        from kv_extraction_hf.calibrate import default_calibration
+
+        configs["kvtc"] = KvtcConfig(calibration=str(default_calibration(
+            bundle, log=lambda m: print(m, file=sys.stderr))))
     del bundle  # the HF model is not needed any more; vLLM loads its own copy
     bf16_bytes = 2 * k.numel() * k.element_size()
     print(f"context {len(ctx)} tokens + question {len(q)}; bf16 KV {bf16_bytes / 1e6:.1f} MB")
     codecs = [(c, args.level if c == "cachegen" else None) for c in args.codecs]
     enc = {}
     for name, level in codecs:
-        chunks = codec.encode_chunks(k, v, codec=name, level=level, chunk_tokens=args.chunk_tokens)
+        chunks = codec.encode_chunks(k, v, codec=name, level=level, config=configs.get(name),
+                                     chunk_tokens=args.chunk_tokens)
         enc[name] = chunks
         print(f"  {name:9s} {sum(map(len, chunks)) / 1e6:7.2f} MB in {len(chunks)} chunks "
               f"({bf16_bytes / sum(map(len, chunks)):.2f}x vs bf16)")

@@ -51,17 +51,22 @@ with this project's rANS coder and probability model as the entropy stage:
 
 The calibration (bases, means, variances, per-level allocation) is a versioned
 safetensors artifact named by the sha256 of its content (``KvtcCalibration.hash``). The
-bitstream header names that hash; ``decode_kv`` finds the calibration among those
-registered with ``register_calibration`` or in the cache folder
-(``$CACHEGEN_CACHE`` or ``~/.cache/cachegen-harness``)/kvtc/<hash>.safetensors, and raises
-CodecError naming the hash otherwise.
+bitstream header names that hash. An ENCODE is given its calibration explicitly
+(``KvtcConfig(calibration=...)``: the object, an artifact path or a hash; the
+documented default for a model is ``kv_extraction_hf.calibrate.default_calibration``,
+resolved once by the caller that owns the model); there is no implicit choice. A
+DECODE finds the calibration by the hash its chunk names (content-addressed): among
+those registered with ``register_calibration`` (or used by an encode in this process),
+else in the cache folder (``$CACHEGEN_CACHE`` or
+``~/.cache/cachegen-harness``)/kvtc/<hash>.safetensors, and raises CodecError naming the
+hash otherwise.
 
     from codec import kvtc
     cal = kvtc.fit_calibration(k_samples, v_samples)          # [L, N, H, D] each
     path = cal.save(kvtc.default_calibration_dir())           # <dir>/<hash>.safetensors
-    kvtc.register_calibration(path)
-    data = codec.encode_kv(k, v, codec="kvtc", level=2)       # uses the registered one
-    k2, v2 = codec.decode_kv(data)
+    data = codec.encode_kv(k, v, codec="kvtc", level=2,
+                           config=kvtc.KvtcConfig(calibration=cal))
+    k2, v2 = codec.decode_kv(data)                            # finds it by its hash
 
 Make a calibration for a model: python -m kv_extraction_hf.calibrate --model default --out FILE
 Run the tests: .venv/bin/python -m pytest tests/test_codec_kvtc.py -q
@@ -433,15 +438,18 @@ def _check_calibration(cal: KvtcCalibration, where: str) -> None:
         raise CodecError(f"{where}: negative steps or token counts")
 
 
-# registry of loaded calibrations, keyed by hash (most recently registered last)
+# content-addressed registry of loaded calibrations, keyed by hash: where a DECODE finds
+# the calibration its chunk names (then the cache folder, ``get_calibration``). An encode
+# never picks one from here: it is given its calibration (``KvtcConfig.calibration``).
 _CALIBRATIONS: dict[str, KvtcCalibration] = {}
 _LOCK = threading.Lock()
 
 
 def register_calibration(cal: Union[KvtcCalibration, str, os.PathLike]) -> str:
-    """Make a calibration (object or artifact path) available to encode/decode; returns
-    its hash. The most recently registered calibration of a KV shape is the encoder's
-    default for that shape. Raises CodecError for an unreadable artifact."""
+    """Make a calibration (object or artifact path) available, by its hash, to the decode
+    of the chunks that name it (``get_calibration``); returns its hash. It does not make
+    it an encoder's default (an encode names its calibration:
+    ``KvtcConfig(calibration=...)``). Raises CodecError for an unreadable artifact."""
     if not isinstance(cal, KvtcCalibration):
         cal = load_calibration(cal)
     if not cal.hash:
@@ -453,7 +461,7 @@ def register_calibration(cal: Union[KvtcCalibration, str, os.PathLike]) -> str:
 
 
 def registered_calibrations() -> list[str]:
-    """Hashes of the registered calibrations, oldest first."""
+    """Hashes of the registered calibrations (registration order; informational only)."""
     with _LOCK:
         return list(_CALIBRATIONS)
 
@@ -481,47 +489,6 @@ def get_calibration(h: str, search_dir: Optional[Union[str, os.PathLike]] = None
         raise CodecError(f"{p} holds calibration {cal.hash}, not {h}")
     register_calibration(cal)
     return cal
-
-
-def _find_for_shape(L: int, H: int, D: int) -> KvtcCalibration:
-    with _LOCK:
-        cands = [c for c in _CALIBRATIONS.values()
-                 if (c.num_layers, c.num_heads, c.head_dim) == (L, H, D)]
-    if cands:
-        return cands[-1]
-    folder = default_calibration_dir()
-    if folder.is_dir():      # a default calibration of the folder, else the newest artifact
-        from safetensors import safe_open
-
-        # artifacts named by a default-calibration index (``default-<key>.json``, written
-        # by the model-side calibration tool), newest index first, before any other: a
-        # calibration a user fitted into the same folder never replaces the default
-        # silently (register it, or pass KvtcConfig(calibration=...), to use it)
-        named = []
-        for idx in sorted(folder.glob("default-*.json"), key=lambda q: q.stat().st_mtime,
-                          reverse=True):
-            try:
-                h = json.loads(idx.read_text()).get("hash")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(h, str) and _HASH_RE.match(h) and (folder / f"{h}.safetensors").is_file():
-                named.append(folder / f"{h}.safetensors")
-        rest = sorted(folder.glob("*.safetensors"), key=lambda q: q.stat().st_mtime,
-                      reverse=True)
-        for p in named + [q for q in rest if q not in named]:
-            if not _HASH_RE.match(p.stem):
-                continue
-            try:
-                with safe_open(str(p), framework="numpy") as f:
-                    info = json.loads((f.metadata() or {}).get("kvtc", "null"))
-                if (info["num_layers"], info["num_heads"], info["head_dim"]) == (L, H, D):
-                    return get_calibration(p.stem)
-            except Exception:  # noqa: BLE001 - skip unreadable files, keep looking
-                continue
-    raise ValueError(
-        f"no KVTC calibration for a KV of {L} layers x {H} KV heads x head_dim {D}: make "
-        f"one (python -m kv_extraction_hf.calibrate --model ... --out FILE) and register "
-        f"it (codec.kvtc.register_calibration(FILE)) or pass KvtcConfig(calibration=...)")
 
 
 # -------------------------------------------------------------------------- fitting
@@ -985,7 +952,9 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
 class KvtcConfig:
     """Per-call options of the ``kvtc`` codec (pass as ``config=`` to ``encode_kv`` /
     ``encode_chunks``). ``calibration``: a KvtcCalibration, an artifact path or a hash
-    (None = the registered/cached calibration matching the KV's shape); ``level``: None =
+    naming the calibration this encode uses (required: None is refused with a ValueError
+    naming the default, ``kv_extraction_hf.calibrate.default_calibration``; a hash is
+    looked up like a decode's, registered then cache folder); ``level``: None =
     the calibration's default; ``recent_tokens`` / ``sink_tokens``: None = the
     calibration's (sinks: the level's ``DEFAULT_LEVEL_SINKS`` entry first);
     ``chunk_tokens``: ``encode_chunks``' default chunk size; ``tiers``:
@@ -1012,7 +981,11 @@ class KvtcConfig:
         hashes of configs made before it existed do not change)."""
         import dataclasses
 
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if isinstance(d["calibration"], KvtcCalibration):   # named by its hash
+            d["calibration"] = d["calibration"].hash or d["calibration"].content_hash()
+        elif isinstance(d["calibration"], os.PathLike):
+            d["calibration"] = os.fspath(d["calibration"])
         if self.tiers is None:
             d.pop("tiers")
         else:
@@ -1021,9 +994,17 @@ class KvtcConfig:
 
 
 def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
+    """The calibration an encode was given (``KvtcConfig.calibration``: the object, an
+    artifact path, or the hash of a registered / cache-folder one). ValueError when none
+    is given: there is no implicit "latest of this shape" choice."""
     if c is None:
-        cal = _find_for_shape(L, H, D)
-    elif isinstance(c, KvtcCalibration):
+        raise ValueError(
+            f"kvtc encode needs its calibration: pass config=codec.kvtc.KvtcConfig("
+            f"calibration=CAL) with CAL a KvtcCalibration, an artifact path or its hash "
+            f"(the documented default for a model: "
+            f"kv_extraction_hf.calibrate.default_calibration(bundle); the KV here has "
+            f"L={L}, H={H}, D={D})")
+    if isinstance(c, KvtcCalibration):
         if not c.hash:
             c.hash = c.content_hash()
         register_calibration(c)

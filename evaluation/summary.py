@@ -89,17 +89,45 @@ def higher_is_better() -> dict[str, bool]:
     return out
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def failure_text(failures: Iterable[dict[str, Any]], mode: Any, level: Any) -> str | None:
+    """``"<stage>: <reason>"`` of the first of ``failures`` (results.json ``failures``) for
+    (mode, level) (a failure with level None counts for every level of its mode), with
+    ``" (+N more)"`` when there are several; None when none."""
+    hits = [f for f in failures or () if isinstance(f, dict) and f.get("mode") == mode
+            and (f.get("level") is None or f.get("level") == level)]
+    if not hits:
+        return None
+    first = hits[0]
+    more = f" (+{len(hits) - 1} more)" if len(hits) > 1 else ""
+    return f"{first.get('stage', 'failed')}: {first.get('reason', '')}{more}"
+
+
+def summarize(runs: list[dict[str, Any]], failures: list[dict[str, Any]] | None = None,
+              bandwidths: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     """Per (mode, level, bandwidth_mbps): medians over contexts and repeats.
 
     Timing and size columns: medians (``ttft_s`` also p25/p75); quality columns by their
     metric's rule (``accuracy`` = share of correct answers, the others medians);
-    ``slo_violation_rate`` = share of adaptive runs over the SLO. Units as in the runs
-    (s, bytes, Mbit/s). Rows sorted by bandwidth, mode, level.
+    ``slo_violation_rate`` = share of adaptive runs over the SLO; ``load_errors`` = runs
+    whose load stopped early (``load_error`` set). Units as in the runs (s, bytes,
+    Mbit/s). Rows sorted by bandwidth, mode, level.
+    ``failures`` (results.json ``failures``: a codec's calibration, encode, perplexity
+    pass or request that failed): a row of a (mode, level) with failures gets ``failed``
+    = ``failure_text``; a failed (mode, level) without any run gets a row per bandwidth
+    of ``bandwidths`` (the configured ones) with ``n`` 0, empty columns and ``failed``.
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault(tuple(run.get(k) for k in GROUP_KEYS), []).append(run)
+    seen = {(m, lv) for m, lv, _ in groups}
+    for f in failures or ():
+        key = (f.get("mode"), f.get("level")) if isinstance(f, dict) else None
+        if key is None or key in seen or (key[1] is None and any(m == key[0] for m, _ in seen)):
+            continue
+        seen.add(key)
+        for bw in bandwidths or ():
+            if isinstance(bw, (int, float)) and not isinstance(bw, bool):
+                groups.setdefault((key[0], key[1], bw), [])
 
     def order(key: tuple) -> tuple:
         mode, level, bw = key
@@ -125,5 +153,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[m.summary_key] = aggregate_metric(m, [(r.get("quality") or {}).get(m.column)
                                                       for r in rows])
         row["slo_violation_rate"] = mean(float(bool(s)) for s in slo) if slo else None
+        row["load_errors"] = sum(1 for r in rows if r.get("load_error"))
+        failed = failure_text(failures, mode, level)
+        if failed:
+            row["failed"] = failed
         out.append(row)
     return out

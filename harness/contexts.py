@@ -174,21 +174,39 @@ def chunk_ranges(load_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
 
 
 def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
-                   codec_levels: dict[str, list[int | None]]) -> None:
+                   codec_levels: dict[str, list[int | None]],
+                   configs: dict[str, Any] | None = None,
+                   failures: list[dict] | None = None) -> None:
     """Encode every context with every codec (all levels) and put it into the store.
 
     Fills ``ctx.keys`` (codec -> store key) and ``ctx.sizes`` ((codec, level) -> bytes).
-    A codec that names a calibration artifact in its header (kvtc) puts the artifact's
-    hash into the entry identity, so an entry made with another calibration never hits.
+    ``configs``: codec name -> the config object its encodes get (kvtc: a
+    ``codec.kvtc.KvtcConfig`` naming its calibration; the level is set per call). A codec
+    that names a calibration artifact in its header (kvtc) puts the artifact's hash into
+    the entry identity, so an entry made with another calibration never hits.
+    An encode that fails (ValueError, incl. codec.CodecError) leaves that codec out of
+    ``ctx.keys``: with ``failures`` (a list) a ``failure_record`` ("encode") is appended
+    and a one-line log says why; without it the error is raised as BenchmarkError.
     """
+    configs = configs or {}
     jobs = [(c, name) for c in contexts for name in codec_levels]
     for ctx, name in tqdm(jobs, desc="encode + store", unit="entry", file=sys.stderr):
         chunks: dict[int, list[bytes]] = {}
-        for lv in codec_levels[name]:
-            data = codec_pkg.encode_chunks(ctx.k, ctx.v, codec=name, level=lv,
-                                           chunk_tokens=cfg.chunk_tokens)
-            chunks[0 if lv is None else lv] = data
-            ctx.sizes[(name, lv)] = sum(len(d) for d in data)
+        try:
+            for lv in codec_levels[name]:
+                data = codec_pkg.encode_chunks(ctx.k, ctx.v, codec=name, level=lv,
+                                               config=configs.get(name),
+                                               chunk_tokens=cfg.chunk_tokens)
+                chunks[0 if lv is None else lv] = data
+                ctx.sizes[(name, lv)] = sum(len(d) for d in data)
+        except ValueError as exc:
+            reason = one_line(exc)
+            if failures is None:
+                raise BenchmarkError(f"{name} encode failed: {reason}") from None
+            log(f"{name}: encode failed on {ctx.cid}: {reason} (its runs are skipped)")
+            failures.extend(failure_record("encode", name, lv, reason, context_id=ctx.cid)
+                            for lv in codec_levels[name])
+            continue
         # the key and manifest carry the full identity (model, tokenizer, dtype, shape, codec
         # config per level, codec version): a reused store with a changed schedule misses
         ident = codec_identity(model_identity(info), name, codec_levels[name],
@@ -197,6 +215,22 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
         ctx.keys[name] = client.put_entry(ident, ctx.prompt.context_ids[:ctx.load_tokens], chunks,
                                           chunk_ranges(ctx.load_tokens, cfg.chunk_tokens),
                                           meta={"context": ctx.cid})
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``"<Type>: <message>"`` of an exception on one line, at most ``limit`` characters."""
+    msg = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {msg}"[:limit] if msg else type(exc).__name__
+
+
+def failure_record(stage: str, mode: str, level: int | None, reason: str,
+                   **extra: Any) -> dict[str, Any]:
+    """One entry of results.json ``failures`` (docs/results-schema.md): ``stage``
+    ("calibration" | "encode" | "perplexity" | "request"), ``mode``, ``level``, ``label``
+    (``plot_label``), ``reason`` (one line) and optional extra fields (``context_id``,
+    ``bandwidth_mbps``, ``repeat``)."""
+    return {"stage": stage, "mode": mode, "level": level, "label": plot_label(mode, level),
+            "reason": reason, **extra}
 
 
 def calibration_of(chunks: dict[int, list[bytes]]) -> str:

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 import codec as codec_pkg
 from evaluation import metrics as M
-from evaluation.summary import aggregate_metric
+from evaluation.summary import aggregate_metric, plot_label
 from harness.config import RunConfig
-from harness.contexts import KV_MODES, Variant
+from harness.contexts import KV_MODES, Variant, failure_record, log, one_line
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.inject import continuation_logits
 from kv_extraction_hf.prompts import build_prompt
@@ -65,15 +65,23 @@ def rel_l2_rows(var: Variant, k, v, k2, v2) -> list[dict]:
     return rows
 
 
-def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant]) -> tuple[dict, list[dict]]:
+def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant],
+                    configs: dict[str, Any] | None = None,
+                    failures: list[dict] | None = None) -> tuple[dict, list[dict]]:
     """Perplexity increase and KL of a held-out continuation per variant (HF engine).
 
     Returns ({label: {"ppl_increase_pct", "kl"}} aggregated over the natural-text contexts
     by the registry's rule (medians), codec_layers rows (relative L2 per layer of the
-    first context)).
+    first context)). ``configs``: codec name -> the config its encodes get (kvtc: its
+    ``KvtcConfig`` naming the calibration). A variant whose encode or decode fails
+    (ValueError, incl. codec.CodecError: e.g. a decoded KV with NaN) is left out of the
+    pass from then on: its reason goes to ``failures`` (a ``failure_record``, stage
+    "perplexity") and to a one-line log; without a ``failures`` list it is raised.
     """
+    configs = configs or {}
     kv_variants = [v for v in vlist if v.mode in KV_MODES]
     per: dict[str, list[tuple[float, float]]] = {v.label: [] for v in kv_variants}
+    failed: set[str] = set()
     layers: list[dict] = []
     for i in tqdm(range(cfg.ppl_contexts), desc="perplexity", unit="ctx", file=sys.stderr):
         p = build_prompt(PPL_TASK, bundle.tokenizer, cfg.ppl_context_tokens, seed=cfg.seed, index=i)
@@ -82,9 +90,24 @@ def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant]) -> tuple[dict,
         ref_logits = continuation_logits(bundle, k, v, p.context_ids, p.continuation_ids)
         ppl_ref = M.perplexity(ref_logits, cont)  # row i predicts continuation_ids[i]
         for var in kv_variants:
-            chunks = codec_pkg.encode_chunks(k, v, codec=var.codec, level=var.level,
-                                             chunk_tokens=cfg.chunk_tokens)
-            k2, v2 = codec_pkg.decode_chunks(chunks)
+            if var.label in failed:
+                continue
+            try:
+                chunks = codec_pkg.encode_chunks(k, v, codec=var.codec, level=var.level,
+                                                 config=configs.get(var.codec),
+                                                 chunk_tokens=cfg.chunk_tokens)
+                k2, v2 = codec_pkg.decode_chunks(chunks)
+            except ValueError as exc:
+                if failures is None:
+                    raise
+                reason = one_line(exc)
+                log(f"{var.label}: perplexity pass failed: {reason} (its ppl/KL are left "
+                    f"empty, the run goes on)")
+                failures.append(failure_record("perplexity", var.mode, var.level, reason,
+                                               context_index=i))
+                failed.add(var.label)
+                per[var.label] = []
+                continue
             logits = continuation_logits(bundle, k2, v2, p.context_ids, p.continuation_ids)
             ppl = M.perplexity(logits, cont)
             per[var.label].append((M.ppl_increase_pct(ppl, ppl_ref), M.kl_divergence(ref_logits, logits)))
@@ -94,4 +117,4 @@ def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant]) -> tuple[dict,
     out = {lab: {ppl_m.column: aggregate_metric(ppl_m, [a for a, _ in rows]),
                  kl_m.column: aggregate_metric(kl_m, [b for _, b in rows])}
            for lab, rows in per.items() if rows}
-    return out, layers
+    return out, [r for r in layers if plot_label(r["mode"], r["level"]) not in failed]

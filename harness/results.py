@@ -144,7 +144,7 @@ class ResultsWriter:
         self.written = False
         self.doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created_utc": utc_now(),
                                     "complete": False, **header, "runs": [], "summaries": [],
-                                    "codec_layers": [], "adaptation": []}
+                                    "failures": [], "codec_layers": [], "adaptation": []}
 
     def add_run(self, run: dict[str, Any]) -> None:
         """Append one run record (see docs/results-schema.md) and rewrite the file.
@@ -158,6 +158,14 @@ class ResultsWriter:
         self.doc["runs"].append(run)
         self.flush()
 
+    def add_failures(self, failures: list[dict[str, Any]]) -> None:
+        """Append ``failures`` entries (a codec's calibration, encode, perplexity pass or a
+        request that failed: ``harness.contexts.failure_record``) and rewrite the file
+        (nothing is written for an empty list)."""
+        if failures:
+            self.doc.setdefault("failures", []).extend(failures)
+            self.flush()
+
     def extend(self, section: str, rows: list[dict[str, Any]]) -> None:
         """Append rows to ``codec_layers`` or ``adaptation`` and rewrite the file."""
         self.doc.setdefault(section, []).extend(rows)
@@ -165,7 +173,8 @@ class ResultsWriter:
 
     def flush(self) -> None:
         """Recompute the summaries and write the whole document atomically."""
-        self.doc["summaries"] = summarize(self.doc["runs"])
+        self.doc["summaries"] = summarize(self.doc["runs"], self.doc.get("failures"),
+                                          self.doc.get("config", {}).get("bandwidth_mbps"))
         atomic_write_json(self.path, self.doc)
         self.written = True
 
@@ -183,10 +192,17 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
 
     ``ratio_vs_dtype`` is the model-dtype size (never fp32) of the KV actually loaded over
     the bytes moved (None when nothing was loaded); ``stored_bytes`` the size of the store
-    entry at this level.
+    entry at this level; ``load_error`` the engine's, else (chunks that failed to decode
+    and were recomputed) "<n> chunk(s) recomputed: <the first chunk's note>".
     """
     size = ctx.sizes.get((var.codec, var.level)) if var.codec else None
     per_token = ctx.dtype_bytes / ctx.load_tokens
+    load_error = t.load_error
+    if load_error is None:   # chunks that failed to decode (refetched once, then text)
+        bad = [c for c in (t.chunks or []) if isinstance(c, dict) and c.get("text_fallback")
+               and str(c.get("note") or "").startswith("decode failed")]
+        if bad:
+            load_error = f"{len(bad)} chunk(s) recomputed: {bad[0]['note']}"[:300]
     ratio = (per_token * t.loaded_tokens / t.bytes) if t.bytes and t.loaded_tokens else None
     return {
         "mode": var.mode, "level": var.level, "label": var.label, "bandwidth_mbps": bw,
@@ -194,7 +210,7 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
         "context_tokens": len(ctx.prompt.context_ids), "prompt_tokens": len(ctx.prompt.input_ids),
         "truncated_from_tokens": (getattr(ctx.prompt, "meta", None) or {}).get("truncated_from_tokens"),
         "loaded_tokens": t.loaded_tokens, "repeat": rep,
-        "recomputed_tokens": t.recomputed_tokens, "load_error": t.load_error,
+        "recomputed_tokens": t.recomputed_tokens, "load_error": load_error,
         "ttft_s": t.ttft_s, "lookup_s": t.lookup_s, "transfer_s": t.transfer_s,
         "decode_s": t.decode_s, "load_s": t.load_s, "inject_s": t.inject_s,
         "load_cpu_s": getattr(t, "load_cpu_s", None),
@@ -225,6 +241,8 @@ def summary_table(doc: dict[str, Any]) -> str:
         for c, _, w, f in SUMMARY_TABLE:
             val = row.get(c)
             cells.append(f"{'-':>{w}}" if val is None else f"{val:>{w}{f}}" if f != "s" else f"{val:>{w}}")
+        if s.get("failed"):
+            cells.append(f"failed: {s['failed']}"[:120])
         lines.append(" ".join(cells))
     return "\n".join(lines)
 

@@ -25,11 +25,11 @@ from tqdm import tqdm
 import codec as codec_pkg
 from codec.config import HARNESS_LEVELS
 from evaluation.summary import higher_is_better
-from harness import lifecycle
+from harness import faults, lifecycle
 from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
-from harness.contexts import (BenchmarkError, build_contexts, log, populate_store,
-                              store_levels, variants)
+from harness.contexts import (BenchmarkError, build_contexts, failure_record, log,
+                              one_line, populate_store, store_levels, variants)
 from harness.engines import (Engine, HFEngine, VLLMEngine, check_vllm, measure_prefill_speed,
                              request_params)
 from harness.quality import perplexity_pass, score_output
@@ -155,6 +155,7 @@ def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any
             if cfg.engine == "vllm":
                 check_vllm()
             with ExitStack() as stack:
+                stack.enter_context(faults.install(log=log))   # off unless $CACHEGEN_FAULT
                 _run_stages(cfg, argv, out_path, stack, registry, state, verbose)
         except (KeyboardInterrupt, SystemExit) as exc:
             writer = state.get("writer")
@@ -182,8 +183,22 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     codec_levels_all = tuple(sorted(HARNESS_LEVELS))
     vlist = variants(cfg, codec_levels_all, tuple(codec_pkg.levels("kvtc")))
     levels = store_levels(vlist, cfg, codec_levels_all)
+    # a codec that fails (its calibration, an encode, a decode) is recorded in "failures"
+    # with its reason and the run goes on without it (issue 25.4)
+    failures: list[dict[str, Any]] = []
+    configs: dict[str, Any] = {}     # codec -> the config its encodes get
+    kvtc_record = None
     if "kvtc" in levels:
-        prepare_kvtc(bundle)
+        try:
+            kvtc_record = prepare_kvtc(bundle)
+            from codec.kvtc import KvtcConfig
+
+            configs["kvtc"] = KvtcConfig(calibration=kvtc_record["hash"])
+        except BenchmarkError as exc:
+            log(f"kvtc: {exc} (the kvtc rows are recorded as failed, the run goes on)")
+            failures.extend(failure_record("calibration", "kvtc", lv, str(exc))
+                            for lv in levels["kvtc"])
+            levels.pop("kvtc")
     contexts = build_contexts(cfg, bundle)
     max_new = max(c.prompt.max_new_tokens for c in contexts)
     max_len = max(len(c.prompt.input_ids) for c in contexts) + max_new + MAX_LEN_MARGIN_TOKENS
@@ -209,19 +224,28 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     store_addr = f"{server.host}:{server.port}"
     client = server.client(timeout=STORE_CLIENT_TIMEOUT_S)
     link.set_rate(FILL_RATE_MBPS)
-    populate_store(cfg, client, info, contexts, levels)
+    populate_store(cfg, client, info, contexts, levels, configs=configs, failures=failures)
 
     header = {"command": " ".join(argv), "git_commit": git_commit(Path(ROOT)),
               "environment": environment(link.method),
               "model": {k: getattr(info, k) for k in ("model_id", "weights_hash", "dtype",
                                                       "num_layers", "num_kv_heads", "head_dim")},
               "config": cfg.to_dict(), "higher_is_better": higher_is_better()}
+    if kvtc_record is not None:
+        header["kvtc_calibration"] = kvtc_record
     writer = state["writer"] = ResultsWriter(out_path, header)
+    writer.add_failures(failures)
     ppl: dict[str, dict] = {}
+    # variants whose codec has no store entry for a context are not served there (failed)
     if cfg.quality:
         log("quality: perplexity and KL of held-out continuations (HF engine)")
-        ppl, layer_rows = perplexity_pass(cfg, bundle, vlist)
+        ppl_fail: list[dict[str, Any]] = []
+        ppl, layer_rows = perplexity_pass(cfg, bundle,
+                                          [v for v in vlist if v.codec is None
+                                           or v.codec in levels], configs=configs,
+                                          failures=ppl_fail)
         writer.extend("codec_layers", layer_rows)
+        writer.add_failures(ppl_fail)
 
     engine: Engine
     if cfg.engine == "vllm":
@@ -243,11 +267,22 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
             for ctx in contexts for rep in range(cfg.repeats)]
     current_bw = None
     for bw, var, ctx, rep in tqdm(jobs, desc="TTFT runs", unit="req", file=sys.stderr):
+        if var.codec is not None and var.codec not in ctx.keys:
+            continue            # its calibration or encode failed: in "failures" already
         if bw != current_bw:
             link.set_rate(bw)
             current_bw = bw
         params = request_params(var, ctx, store_addr, info, cfg, prefill_tps, bw)
-        t = engine.serve(ctx, var, params, ctx.prompt.max_new_tokens)
+        try:
+            t = engine.serve(ctx, var, params, ctx.prompt.max_new_tokens)
+        except (BenchmarkError, ValueError) as exc:   # incl. codec.CodecError
+            reason = one_line(exc)
+            log(f"{var.label}: request on {ctx.cid} failed: {reason} (recorded, the run "
+                f"goes on)")
+            writer.add_failures([failure_record("request", var.mode, var.level, reason,
+                                                context_id=ctx.cid, bandwidth_mbps=bw,
+                                                repeat=rep)])
+            continue
         text = bundle.tokenizer.decode(t.output_ids, skip_special_tokens=True)
         if var.mode == "text" and ctx.cid not in refs:
             refs[ctx.cid] = (text, t.output_ids)
@@ -266,18 +301,24 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
                                                           contexts, hf_tps))
 
 
-def prepare_kvtc(bundle) -> str:
-    """Fit (first use, cached) or load the model's default kvtc calibration and register it
-    (kv_extraction_hf.calibrate.default_calibration); returns its hash. The hash enters
-    every kvtc entry's identity (harness.contexts.populate_store); the vLLM connector's
-    worker finds the artifact by that hash in the cache folder. BenchmarkError when no
-    calibration can be made (e.g. no calibration text)."""
+def prepare_kvtc(bundle) -> dict[str, Any]:
+    """Fit (first use, cached) or load the model's default kvtc calibration
+    (kv_extraction_hf.calibrate.default_calibration, on the default calibration text) and
+    register it; returns its provenance for results.json ``kvtc_calibration``
+    (``calibration_provenance``: hash, source, group_layers, text {source, description,
+    sha256}). The caller passes the hash to every kvtc encode (``KvtcConfig``); the hash
+    enters every kvtc entry's identity (harness.contexts.populate_store); a decode (here
+    or in the vLLM connector's worker) finds the artifact by that hash in the cache
+    folder. BenchmarkError when no calibration can be made."""
     from codec import kvtc
-    from kv_extraction_hf.calibrate import default_calibration
+    from kv_extraction_hf.calibrate import calibration_provenance, default_calibration
 
     log("kvtc: default calibration (fitted on first use, then cached)")
     try:
         path = default_calibration(bundle, log=log)
-        return kvtc.load_calibration(path).hash
+        rec = calibration_provenance(kvtc.load_calibration(path), "default")
     except (ExtractionError, kvtc.CodecError, OSError, ValueError) as exc:
         raise BenchmarkError(f"kvtc calibration unavailable: {exc}") from None
+    log(f"kvtc: calibration {rec['hash'][:16]} (text: {rec['text']['source']}, sha256 "
+        f"{rec['text']['sha256'][:12]})")
+    return rec

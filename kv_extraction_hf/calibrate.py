@@ -12,11 +12,14 @@ and not ``python -m codec.calibrate``.
     python -m kv_extraction_hf.calibrate --model default --data wiki.valid.raw --out cal.safetensors
     python -m kv_extraction_hf.calibrate --model default --default   # (re)make the cached default
 
-Calibrate on a split you do not evaluate on (WikiText-2 *validation* for WikiText-2 test
-measurements). ``default_calibration(bundle)`` returns the embedded model's default
-calibration, made on first use and cached like the model:
-``<cache>/kvtc/<hash>.safetensors`` plus an index keyed by the model's weights hash and
-the calibration settings.
+Calibrate on text you do not evaluate on (WikiText-2 *validation* for WikiText-2 test
+measurements, with ``--data FILE``). ``default_calibration(bundle)`` returns the model's
+default calibration, fitted on first use on the default calibration text (the standard
+library's docstring prose, ``kv_extraction_hf.calibration_text``: on every machine
+offline, no sentence shared with the pydoc_data.topics text the main job evaluates on)
+and cached like the model: ``<cache>/kvtc/<hash>.safetensors`` plus an index keyed by
+the model's weights hash, the calibration settings and the text's sha256. Every record
+of a calibration names its text (source, description, sha256: ``text_record``).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch
 from kv_extraction_hf.errors import ExtractionError
 
 __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calibrate", "default_calibration",
+           "file_text", "text_record", "calibration_provenance", "cached_default_calibration",
            "query_energy", "output_gram", "metric_from_stats",
            "DEFAULT_SETTINGS", "main"]
 
@@ -308,7 +312,7 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
               metric_power: float = DEFAULT_SETTINGS["metric_power"],
               level_targets: dict | None = None, key_water: dict | None = None,
               group_layers: int = DEFAULT_SETTINGS["group_layers"], data_name: str = "",
-              log=print):
+              data_record: dict | None = None, log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. The defaults are ``DEFAULT_SETTINGS`` (those of the command line and of the
     cached default calibration). ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
@@ -329,6 +333,9 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
     ``group_layers``: G > 0 = one joint basis for the K and V of G consecutive layers
     (``codec.kvtc.fit_calibration(group_layers=)``, kvtc format 4, docs/codec.md 8.8; the
     default calibration uses 2); needs ``metric`` "whitened" or "none".
+    ``data_name`` / ``data_record``: the text's provenance, recorded in the artifact's
+    ``meta`` (``data``; ``data_source``, ``data_description``, ``data_sha256`` from the
+    record's source, description, sha256: ``text_record`` reads them back).
     Raises ExtractionError."""
     from codec import kvtc
 
@@ -380,7 +387,11 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
         # water level per (K/V, layer) inversely proportional to its sensitivity
         weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max())
     meta = {"model_id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
-            "data": data_name, "windows": windows, "window_tokens": window_tokens,
+            "data": data_name or (data_record or {}).get("description", ""),
+            **({"data_source": data_record.get("source", ""),
+                "data_description": data_record.get("description", ""),
+                "data_sha256": data_record.get("sha256", "")} if data_record else {}),
+            "windows": windows, "window_tokens": window_tokens,
             **({"metric": metric, "metric_power": metric_power} if metric != "none" else {})}
     if group_layers > k.shape[0]:
         raise ExtractionError(f"group_layers {group_layers} exceeds the model's "
@@ -403,42 +414,79 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
     return cal
 
 
-def _settings_key(weights_hash: str, settings: dict) -> str:
+def _settings_key(weights_hash: str, settings: dict, text_sha256: str = "") -> str:
     from codec import kvtc
 
-    # the codec's level table is part of the key: new targets mean a new default fit
+    # the codec's level table is part of the key: new targets mean a new default fit; so is
+    # the calibration text (its sha256): another text (another Python's docstrings) is
+    # another default
     blob = json.dumps({"weights": weights_hash, "settings": settings,
                        "version": kvtc.CALIBRATION_VERSION,
                        "targets": {str(k): v for k, v in kvtc.DEFAULT_LEVEL_TARGETS.items()},
                        # the codec's per-level key water (absent when none: older keys hold)
                        **({"key_water": {str(k): v for k, v in kvtc.DEFAULT_KEY_WATER.items()}}
-                          if kvtc.DEFAULT_KEY_WATER else {})},
+                          if kvtc.DEFAULT_KEY_WATER else {}),
+                       **({"text_sha256": text_sha256} if text_sha256 else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _default_text() -> tuple[str, str]:
-    """WikiText-2 validation text: the hub (datasets) or, offline, the repository's
-    ../shared/data/wikitext-2/valid.txt next to the checkout, if present."""
+def _default_text() -> tuple[str, dict]:
+    """(text, record) of the default calibration text: the Python standard library's
+    docstring prose (``kv_extraction_hf.calibration_text``; on every machine, offline, and
+    disjoint from the pydoc_data.topics text the main job evaluates on). ``record``:
+    source, description, sha256, chars."""
+    from kv_extraction_hf.calibration_text import calibration_text
+
+    return calibration_text()
+
+
+def file_text(path: str | os.PathLike) -> tuple[str, dict]:
+    """(text, record) of a user's calibration file (``--data FILE``: raw text, or WikiText-2
+    ``.raw`` / ``.tokens`` / ``.parquet``). record: source "file", description (the file's
+    name), sha256 (of the UTF-8 text used), chars. Raises ExtractionError."""
     from kv_extraction_hf.datasets_loaders import load_wikitext2
 
-    here = Path(__file__).resolve().parent.parent
-    for cand in (here.parent / "shared" / "data" / "wikitext-2" / "valid.txt",):
-        if cand.is_file():
-            return load_wikitext2(str(cand), split="validation"), f"wikitext-2 valid ({cand.name})"
-    return load_wikitext2(None, split="validation"), "wikitext-2-raw-v1 validation (hub)"
+    p = Path(path)
+    text = load_wikitext2(str(p), split="validation")
+    return text, {"source": "file", "description": p.name,
+                  "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                  "chars": len(text)}
 
 
-def default_calibration(bundle, text: str | None = None, data_name: str = "",
-                        log=print) -> Path:
+def text_record(cal) -> dict:
+    """The calibration text a ``codec.kvtc.KvtcCalibration`` was fitted on, from its
+    ``meta``: {"source", "description", "sha256"} ("" for what an older artifact lacks;
+    its free-form ``data`` name is then the description)."""
+    m = getattr(cal, "meta", None) or {}
+    return {"source": str(m.get("data_source", "")),
+            "description": str(m.get("data_description", m.get("data", ""))),
+            "sha256": str(m.get("data_sha256", ""))}
+
+
+def calibration_provenance(cal, source: str) -> dict:
+    """What a results file records about the kvtc calibration used (docs/results-schema.md
+    "kvtc_calibration"): ``hash`` (the calibration hash every kvtc chunk names), ``source``
+    ("default" | "--kvtc-calibration" | ...), ``group_layers`` and ``text`` (the
+    calibration text's source, description, sha256: ``text_record``)."""
+    return {"hash": cal.hash, "source": source, "group_layers": int(cal.group_layers),
+            "text": text_record(cal)}
+
+
+def default_calibration(bundle, log=print) -> Path:
     """Path of the default KVTC calibration for ``bundle``'s model, fitting it on first use
-    (WikiText-2 validation, ``DEFAULT_SETTINGS``) and caching it in ``<cache>/kvtc/``
-    keyed by the model's weights hash + settings. The artifact is also registered with
-    ``codec.kvtc.register_calibration``. Raises ExtractionError if no calibration text."""
+    (the default calibration text, ``_default_text``: the standard library's docstring
+    prose, offline everywhere; ``DEFAULT_SETTINGS``) and caching it in ``<cache>/kvtc/``
+    keyed by the model's weights hash + settings + the text's sha256. This is the
+    documented default calibration of the kvtc codec: a caller that owns the model
+    resolves it once and passes it to every encode (``codec.kvtc.KvtcConfig(calibration=
+    ...)``); the artifact is also registered (``codec.kvtc.register_calibration``) so the
+    chunks that name its hash decode. Raises ExtractionError if no calibration text."""
     from codec import kvtc
     from kv_extraction_hf.model import _file_lock, cache_dir
 
-    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS)
+    text, rec = _default_text()
+    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, rec["sha256"])
     folder = cache_dir() / "kvtc"
     folder.mkdir(parents=True, exist_ok=True)
     index = folder / f"default-{key}.json"
@@ -448,10 +496,9 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
                 path = folder / f"{json.loads(index.read_text())['hash']}.safetensors"
                 kvtc.register_calibration(path)
                 return path
-        if text is None:
-            text, data_name = _default_text()
-        log(f"[calibrate] no default KVTC calibration for this model yet: fitting one "
-            f"(key {key})")
+        log(f"[calibrate] no default KVTC calibration for this model yet: fitting one on "
+            f"{rec['source']} ({rec['chars']} characters, sha256 {rec['sha256'][:12]}; "
+            f"key {key})")
         s = DEFAULT_SETTINGS
         cal = calibrate(bundle, text, windows=s["windows"], window_tokens=s["window_tokens"],
                         key_space=s["key_space"], per_head=s["per_head"],
@@ -461,14 +508,31 @@ def default_calibration(bundle, text: str | None = None, data_name: str = "",
                         default_level=s["default_level"], centroid=s["centroid"],
                         rounding=s["rounding"], sensitivity_batch=s["sensitivity_batch"],
                         metric=s["metric"], metric_power=s["metric_power"],
-                        group_layers=s["group_layers"], data_name=data_name, log=log)
+                        group_layers=s["group_layers"], data_record=rec, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,
-                                   "settings": DEFAULT_SETTINGS}))
+                                   "settings": DEFAULT_SETTINGS, "text": rec}))
         os.replace(tmp, index)
         kvtc.register_calibration(cal)
         return path
+
+
+def cached_default_calibration(weights_hash: str | None) -> Path | None:
+    """The cached default calibration artifact of the model with ``weights_hash`` (made by
+    ``default_calibration`` with the current settings and default text), without loading
+    the model; None when there is none (or no hash)."""
+    from kv_extraction_hf.model import cache_dir
+
+    if not weights_hash:
+        return None
+    key = _settings_key(weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
+    index = cache_dir() / "kvtc" / f"default-{key}.json"
+    try:
+        path = index.parent / f"{json.loads(index.read_text())['hash']}.safetensors"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -478,8 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "calibration text and write it as a safetensors artifact.")
     ap.add_argument("--model", default="default", help="HF id, local folder, GGUF, or "
                     "'default' (the embedded SmolLM2-135M)")
-    ap.add_argument("--data", default=None, help="calibration text: a raw text file or a "
-                    "WikiText-2 .parquet (default: WikiText-2 validation)")
+    ap.add_argument("--data", default=None, help="calibration text: a raw text file, or "
+                    "WikiText-2 validation (.raw / .tokens / .parquet) if you have it "
+                    "(default: the standard library's docstring prose, "
+                    "kv_extraction_hf.calibration_text, on every machine offline)")
     ap.add_argument("--out", default=None, help="artifact path or folder (default: the "
                     "cache folder, <cache>/kvtc/<hash>.safetensors)")
     ap.add_argument("--default", action="store_true", help="make (or show) the model's "
@@ -532,7 +598,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from codec import kvtc
     from codec.errors import CodecError
-    from kv_extraction_hf.datasets_loaders import load_wikitext2
     from kv_extraction_hf.model import load_model
 
     try:
@@ -571,11 +636,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         else:
             if args.data:
-                p = Path(args.data)
-                text = load_wikitext2(str(p), split="validation")
-                name = p.name
+                text, rec = file_text(args.data)
             else:
-                text, name = _default_text()
+                text, rec = _default_text()
             cal = calibrate(bundle, text, windows=args.windows,
                             window_tokens=args.window_tokens, key_space=args.key_space,
                             per_head=args.per_head, weighting=args.weighting,
@@ -584,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                             centroid=args.centroid, rounding=args.rounding,
                             sensitivity_batch=args.sensitivity_batch, metric=args.metric,
                             metric_power=args.metric_power,
-                            group_layers=args.group_layers, data_name=name)
+                            group_layers=args.group_layers, data_record=rec)
             path = cal.save(args.out if args.out else _mkdir(kvtc.default_calibration_dir()))
         print(f"[calibrate] wrote {path} in {time.perf_counter() - t0:.1f} s")
         return 0
@@ -597,7 +660,7 @@ def _default_index(bundle) -> Path:
     """The default calibration's index file for ``bundle``'s model (may not exist)."""
     from kv_extraction_hf.model import cache_dir
 
-    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS)
+    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
     return cache_dir() / "kvtc" / f"default-{key}.json"
 
 

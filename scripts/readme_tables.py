@@ -101,7 +101,7 @@ def summaries(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = doc.get("summaries")
     if isinstance(rows, list) and rows:
         return rows
-    return summarize(doc["runs"])
+    return summarize(doc["runs"], doc.get("failures"), (doc.get("config") or {}).get("bandwidth_mbps"))
 
 
 def _mode_key(mode: str, level: Any) -> tuple:
@@ -246,8 +246,12 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
             label = f"raw ({model.get('dtype', 'dtype')} KV)"
         if mode.endswith("adaptive") and slo_s:
             label += f" (SLO {slo_s:g} s)"
-        ttft = [_f(per[b].get("ttft_s_median"), ".2f") if b in per else "-" for b in bws]
         rs = [per[b] for b in bws if b in per]
+        failed = next((r["failed"] for r in rs if r.get("failed")), None)
+        if failed:
+            label += " (failed)"
+        ttft = ["failed" if b in per and failed and not per[b].get("n") else
+                _f(per[b].get("ttft_s_median"), ".2f") if b in per else "-" for b in bws]
         size = _one_or_range([r.get("bytes_median") for r in rs], _mb)
         ratio = _one_or_range([r.get("ratio_vs_dtype") for r in rs], _ratio) if mode != "text" else "-"
         if quality is not None:
@@ -273,6 +277,18 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
         lines.append(f"| {label} | {' | '.join(ttft)} | {size} | {ratio} | {qual_cells} | {', '.join(ks)} | "
                      f"{acc_all} |")
     lines.append("")
+    failed_rows = [(plot_label(m, lv), next((r["failed"] for r in by_label[(m, lv)].values()
+                                             if r.get("failed")), None)) for m, lv in keys]
+    for m, lv in keys:          # requests whose load failed (chunks recomputed)
+        per = by_label[(m, lv)].values()
+        n_err, n_all = sum(int(r.get("load_errors") or 0) for r in per), sum(int(r.get("n") or 0) for r in per)
+        if n_err:
+            failed_rows.append((plot_label(m, lv), f"load errors in {n_err}/{n_all} requests (run `load_error`)"))
+    failed_rows = [(lab, why) for lab, why in failed_rows if why]
+    if failed_rows:
+        lines.append("Failed (results.json `failures`; the run went on without them):")
+        lines.extend(f"- {lab}: failed: {why.replace('|', '/')}" for lab, why in failed_rows)
+        lines.append("")
     lines.extend(_derived(doc, rows, bws, keys, by_label, quality))
     return "\n".join(lines).rstrip() + "\n"
 

@@ -153,7 +153,7 @@ def test_round_trip_random(cal, dtype):
     k = _correlated(3, 200, 2, 8, 11).to(dtype)
     v = _correlated(3, 200, 2, 8, 12).to(dtype)
     # the plain levels (a tiered level's tail spans and own sink count: test_kvtc_tiers.py)
-    plain = kvtc.KvtcConfig(tiers=(), sink_tokens=4)
+    plain = kvtc.KvtcConfig(calibration=cal, tiers=(), sink_tokens=4)
     datas, errs = round_trip_levels(cal, k, v, plain)
     for lv, data in zip(cal.levels, datas):
         h = codec.peek_header(data)
@@ -183,10 +183,12 @@ def test_T1_and_context_shorter_than_recent_window(cal):
     for T in (1, 3, 5, 12):
         k = _correlated(3, T, 2, 8, 30 + T).bfloat16()
         v = _correlated(3, T, 2, 8, 40 + T).bfloat16()
-        data = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(recent_tokens=64))
+        data = codec.encode_kv(k, v, codec="kvtc",
+                               config=kvtc.KvtcConfig(calibration=cal, recent_tokens=64))
         k2, v2 = codec.decode_kv(data)
         assert torch.equal(k2, k) and torch.equal(v2, v)     # every token kept exact
-        data = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(sink_tokens=0))
+        data = codec.encode_kv(k, v, codec="kvtc",
+                               config=kvtc.KvtcConfig(calibration=cal, sink_tokens=0))
         k2, v2 = codec.decode_kv(data)
         assert k2.shape == k.shape and _relerr(k2, k) < 0.5
 
@@ -263,9 +265,15 @@ def test_bad_hash_never_builds_a_path():
 def test_encode_errors(cal):
     k = _correlated(3, 10, 2, 8, 60)
     with pytest.raises(ValueError, match="level"):
-        codec.encode_kv(k, k, codec="kvtc", level=99)
-    with pytest.raises(ValueError, match="no KVTC calibration"):
-        codec.encode_kv(torch.zeros(2, 4, 1, 6), torch.zeros(2, 4, 1, 6), codec="kvtc")
+        codec.encode_kv(k, k, codec="kvtc", level=99, config=kvtc.KvtcConfig(calibration=cal))
+    # an encode names its calibration: none given is refused, even with one registered of
+    # this very shape (no "most recent of this shape" choice, issue 27.4)
+    assert cal.hash in kvtc.registered_calibrations()
+    with pytest.raises(ValueError, match="needs its calibration"):
+        codec.encode_kv(k, k, codec="kvtc")
+    with pytest.raises(ValueError, match="is for L=3"):
+        codec.encode_kv(torch.zeros(2, 4, 1, 6), torch.zeros(2, 4, 1, 6), codec="kvtc",
+                        config=kvtc.KvtcConfig(calibration=cal))
     with pytest.raises(ValueError):
         codec.encode_kv(k, k, codec="kvtc", config=kvtc.KvtcConfig(calibration=123))
     with pytest.raises(ValueError):
@@ -304,7 +312,8 @@ def _mutations(data):
 def test_fuzzed_bytes_raise_codec_error_only(cal):
     k = _correlated(3, 64, 2, 8, 70).bfloat16()
     v = _correlated(3, 64, 2, 8, 71).bfloat16()
-    data = codec.encode_kv(k, v, codec="kvtc", level=cal.levels[2])
+    data = codec.encode_kv(k, v, codec="kvtc", level=cal.levels[2],
+                           config=kvtc.KvtcConfig(calibration=cal))
     assert _undetected(_mutations(data), k.shape) < 20   # nearly every mutation is detected
 
 

@@ -92,15 +92,16 @@ def test_populate_store_identity_carries_kvtc_calibration_hash():
     mix = torch.randn(H * D, H * D, generator=g)
     k, v = ((torch.randn(L, N, H * D, generator=g) @ mix).reshape(L, N, H, D) for _ in range(2))
     cal = kvtc.fit_calibration(k, v, sink_tokens=0, recent_tokens=0)
-    kvtc.register_calibration(cal)
     puts = []
     client = SimpleNamespace(put_entry=lambda ident, ids, chunks, ranges, meta: puts.append(ident) or "key")
     info = SimpleNamespace(model_id="m", weights_hash="w" * 64, tokenizer_hash="", dtype="bfloat16",
                            num_layers=L, num_kv_heads=H, head_dim=D)
     ctx = _ctx(k=k[:, :128].to(torch.bfloat16).contiguous(), v=v[:, :128].to(torch.bfloat16).contiguous(),
                load_tokens=128, prompt=_prompt(context_ids=list(range(130))))
+    # the calibration is an argument of the encode (issue 27.4), never found by shape
     populate_store(RunConfig(chunk_tokens=128, block_tokens=128), client, info, [ctx],
-                   {"kvtc": [3, 4], "raw": [None]})
+                   {"kvtc": [3, 4], "raw": [None]},
+                   configs={"kvtc": kvtc.KvtcConfig(calibration=cal)})
     by_codec = {i.codec: i for i in puts}
     assert by_codec["kvtc"].calibration_hash == cal.hash
     assert by_codec["raw"].calibration_hash == ""
@@ -108,6 +109,21 @@ def test_populate_store_identity_carries_kvtc_calibration_hash():
     assert {("kvtc", 3), ("kvtc", 4), ("raw", None)} <= set(ctx.sizes)
     # another calibration gives another store key (a stale entry misses)
     assert by_codec["kvtc"].codec_tag() != by_codec["kvtc"].replace(calibration_hash="0" * 64).codec_tag()
+    # without its calibration the kvtc encode fails: with a failures list it is recorded
+    # (issue 25.4) and the other codecs are stored; without one it is a BenchmarkError
+    from harness.contexts import BenchmarkError
+
+    ctx2 = _ctx(k=ctx.k, v=ctx.v, load_tokens=128, prompt=_prompt(context_ids=list(range(130))))
+    failures: list = []
+    populate_store(RunConfig(chunk_tokens=128, block_tokens=128), client, info, [ctx2],
+                   {"kvtc": [3, 4], "raw": [None]}, failures=failures)
+    assert "kvtc" not in ctx2.keys and "raw" in ctx2.keys
+    assert [(f["stage"], f["mode"], f["level"], f["label"]) for f in failures] == [
+        ("encode", "kvtc", 3, "kvtc-l3"), ("encode", "kvtc", 4, "kvtc-l4")]
+    assert "needs its calibration" in failures[0]["reason"] and "\n" not in failures[0]["reason"]
+    with pytest.raises(BenchmarkError, match="kvtc encode failed"):
+        populate_store(RunConfig(chunk_tokens=128, block_tokens=128), client, info, [ctx2],
+                       {"kvtc": [3]})
 
 
 @pytest.mark.parametrize("ctx_tokens,prompt_tokens,block,want", [

@@ -317,9 +317,11 @@ def test_default_settings_are_grouped():
     assert [t[lv] for lv in sorted(t)] == sorted(t.values())    # more bits at higher levels
 
 
-def test_cache_folder_prefers_the_default_calibration(tmp_path, monkeypatch):
-    # a calibration a user fits into the cache folder must not replace the default one
-    # that a default-<key>.json index names, even when it is newer
+def test_encode_names_its_calibration_and_decode_finds_it_by_hash(tmp_path, monkeypatch):
+    # issue 27.4: an encode is given its calibration (object, path or hash); nothing in the
+    # registry or the cache folder (a default index, a newer artifact of the same shape) is
+    # ever picked for it. A decode finds the calibration by the hash its chunk names:
+    # registry first, then <cache>/kvtc/<hash>.safetensors.
     import os
     import time
 
@@ -334,20 +336,33 @@ def test_cache_folder_prefers_the_default_calibration(tmp_path, monkeypatch):
     time.sleep(0.01)
     p_m = mine.save(folder)
     os.utime(p_m, (time.time() + 10, time.time() + 10))       # clearly the newest file
-    assert p_d.is_file() and p_m.is_file()
     k, v = _kv(4, 12, 2, 8, 71)
-    data = codec.encode_kv(k, v, codec="kvtc")
-    assert codec.peek_header(data)["config"]["calibration"] == dflt.hash
-    # without an index: the newest artifact of the shape, as before
-    (folder / "default-abc.json").unlink()
+    with pytest.raises(ValueError, match="needs its calibration"):
+        codec.encode_kv(k, v, codec="kvtc")
+    kvtc.register_calibration(mine)                 # registered: still no implicit choice
+    with pytest.raises(ValueError, match="needs its calibration"):
+        codec.encode_kv(k, v, codec="kvtc")
     monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
-    data = codec.encode_kv(k, v, codec="kvtc")
-    assert codec.peek_header(data)["config"]["calibration"] == mine.hash
-    # a broken index is skipped
-    (folder / "default-zzz.json").write_text("not json")
+    # the same bytes whether the calibration is given as the object, its hash (found in
+    # the cache folder) or its artifact path
+    by_hash = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=dflt.hash))
+    assert codec.peek_header(by_hash)["config"]["calibration"] == dflt.hash
     monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
-    assert codec.peek_header(codec.encode_kv(k, v, codec="kvtc"))["config"]["calibration"] \
-        == mine.hash
+    by_obj = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=dflt))
+    by_path = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=p_d))
+    assert by_obj == by_hash == by_path
+    other = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=mine))
+    assert codec.peek_header(other)["config"]["calibration"] == mine.hash
+    # decode: by the hash the chunk names, from the cache folder when not registered
+    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    for data, cal in ((by_hash, dflt), (other, mine)):
+        k2, _ = codec.decode_kv(data)
+        assert k2.shape == k.shape
+        assert cal.hash in kvtc.registered_calibrations()
+    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    p_m.unlink()
+    with pytest.raises(CodecError, match=mine.hash):
+        codec.decode_kv(other)
 
 
 @pytest.mark.parametrize("bad", ["missing.safetensors", "notacal.safetensors"])

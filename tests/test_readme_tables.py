@@ -344,3 +344,38 @@ def test_bad_quality_file_exit_2(tmp_path):
     readme.write_text(f"{rt.START}\n{rt.END}\n{_other_markers()}")
     cp = _run("--check", "--results", str(res), "--readme", str(readme))
     assert cp.returncode == 2 and cp.stderr.count("\n") == 1 and "quality.json" in cp.stderr
+
+
+def test_summaries_tables_and_figures_show_failures(tmp_path):
+    # issue 25.4: failures recorded in results.json reach the summary rows, the console
+    # table, the README table generator and the figures
+    from evaluation.summary import summarize
+    from harness.results import summary_table
+
+    runs = [dict(mode=m, level=lv, bandwidth_mbps=100.0, ttft_s=t, bytes=b, quality={},
+                 load_error=err)
+            for m, lv, t, b, err in (("text", None, 1.0, 0, None), ("raw", None, 0.5, 1000, None),
+                                     ("kvtc", 4, 0.4, 100, "chunk 0: CodecError: bad"))]
+    failures = [{"stage": "perplexity", "mode": "kvtc", "level": 4, "label": "kvtc-l4",
+                 "reason": "CodecError: kvtc: decoded KV contains NaN/inf"},
+                {"stage": "encode", "mode": "kvtc", "level": 5, "label": "kvtc-l5",
+                 "reason": "ValueError: no calibration"}]
+    rows = {(s["mode"], s["level"]): s for s in summarize(runs, failures, [100.0])}
+    assert rows[("kvtc", 4)]["failed"] == "perplexity: CodecError: kvtc: decoded KV contains NaN/inf"
+    assert rows[("kvtc", 4)]["load_errors"] == 1 and rows[("raw", None)]["load_errors"] == 0
+    assert rows[("kvtc", 5)]["n"] == 0 and rows[("kvtc", 5)]["failed"].startswith("encode: ")
+    assert "failed" not in rows[("raw", None)]
+    doc = {"runs": runs, "failures": failures, "summaries": list(rows.values()),
+           "config": {"bandwidth_mbps": [100.0]}, "model": {}, "environment": {}}
+    table = summary_table(doc)
+    assert "failed: perplexity: CodecError" in table and "failed: encode: ValueError" in table
+    md = rt.render(doc)
+    assert "kvtc-l5: failed: encode: ValueError: no calibration" in md
+    assert "kvtc-l4: failed: perplexity" in md
+    import visualize_results as vr
+
+    data = vr.prepare(doc)
+    assert data.failed == ["kvtc-l4: perplexity: CodecError: kvtc: decoded KV contains NaN/inf",
+                           "kvtc-l5: encode: ValueError: no calibration"]
+    written, skipped = vr.render_all(data, tmp_path, ["png"])
+    assert written       # the figures draw from a file with failures (a red FAILED note)

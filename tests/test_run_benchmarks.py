@@ -93,6 +93,39 @@ def test_quick_run_vllm_engine(tmp_path):
     _check_doc(json.loads(out.read_text()), "vllm")
 
 
+def test_a_failing_kvtc_decode_never_ends_the_main_job(tmp_path):
+    """Issue 25.4: with every kvtc decode made to fail (the off-by-default fault hook
+    CACHEGEN_FAULT=kvtc-decode), the run completes (rc 0, "complete": true), records the
+    perplexity pass's failure and each request's recomputed chunks with their reasons,
+    and the summary says so; one console line per failure, no traceback."""
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CACHEGEN_FAULT="kvtc-decode")
+    proc = subprocess.run([sys.executable, str(ROOT / "run_benchmarks.py"), "--quick", "--tasks",
+                           "needle", "--context-tokens", "400", "--bandwidth-mbps", "200",
+                           "--modes", "text", "raw", "kvtc", "--kvtc-levels", "4",
+                           "--chunk-tokens", "128", "--engine", "hf", "--traces",
+                           "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "kvtc-l4: perplexity pass failed: CodecError: kvtc: injected fault" in proc.stderr
+    doc = json.loads(out.read_text())
+    assert validate(doc) == [] and doc["complete"] is True
+    assert [(f["stage"], f["label"]) for f in doc["failures"]] == [("perplexity", "kvtc-l4")]
+    assert "injected fault" in doc["failures"][0]["reason"]
+    kv = [r for r in doc["runs"] if r["mode"] == "kvtc"]
+    assert kv and all(r["recomputed_tokens"] > 0 and r["loaded_tokens"] == 0 for r in kv)
+    assert all("injected fault" in r["load_error"] for r in kv)
+    summ = {s["mode"]: s for s in doc["summaries"]}
+    assert summ["kvtc"]["failed"].startswith("perplexity: CodecError")
+    assert summ["kvtc"]["load_errors"] == len(kv) and summ["kvtc"]["kl"] is None
+    assert summ["raw"].get("failed") is None and summ["raw"]["kl"] == pytest.approx(0.0, abs=1e-9)
+    # the calibration the kvtc entries were encoded with, and its text, are recorded
+    cal = doc["kvtc_calibration"]
+    assert len(cal["hash"]) == 64 and cal["source"] == "default"
+    assert cal["text"]["source"] == "python-stdlib-docstrings" and len(cal["text"]["sha256"]) == 64
+
+
 def test_bad_flags_exit_2_with_one_line():
     proc = _run(["--modes", "nonsense"], timeout=120)
     assert proc.returncode == 2
