@@ -201,15 +201,36 @@ def _matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int]
     return 0
 
 
-def encode_for_save(params: dict[str, Any], k, v) -> tuple[list[bytes], list[int], float]:
+def _save_config(name: str, identity) -> Any:
+    """The codec config a save encodes with: None (the level's preset), or for kvtc a
+    KvtcConfig naming the cached default calibration of the engine's model (fitted once by
+    `python -m kv_extraction_hf.calibrate --default` or by the first run_benchmarks / bench
+    run). SourceError when kvtc has no calibration for this model."""
+    if name != "kvtc":
+        return None
+    from codec.kvtc import KvtcConfig
+    from kv_extraction_hf.calibrate import cached_default_calibration
+
+    weights_hash = getattr(identity, "weights_hash", None) if identity is not None else None
+    path = cached_default_calibration(weights_hash)
+    if path is None:
+        raise SourceError("kvtc save needs the model's default calibration: run "
+                          "`python -m kv_extraction_hf.calibrate --default` once")
+    return KvtcConfig(calibration=str(path))
+
+
+def encode_for_save(params: dict[str, Any], k, v, identity=None) -> tuple[list[bytes], list[int], float]:
     """Encode k, v [L, T, H, D] with codec.encode_chunks per the save params ("codec",
     default "raw"; "level", default the codec's (codec.resolve_level); "chunk_tokens", default
-    codec.DEFAULT_CHUNK_TOKENS) -> (chunks, chunk token counts, encode seconds)."""
+    codec.DEFAULT_CHUNK_TOKENS) -> (chunks, chunk token counts, encode seconds). kvtc encodes
+    with the default calibration of ``identity``'s model (`_save_config`)."""
     import codec
 
     ct = int(params.get("chunk_tokens") or codec.DEFAULT_CHUNK_TOKENS)
+    name = params.get("codec", "raw")
+    config = _save_config(name, identity)
     t0 = time.perf_counter()
-    chunks = codec.encode_chunks(k, v, codec=params.get("codec", "raw"),
+    chunks = codec.encode_chunks(k, v, codec=name, config=config,
                                  level=params.get("level"), chunk_tokens=ct)
     bounds = codec.chunk_bounds(int(k.shape[1]), ct)
     return chunks, [e - s for s, e in bounds], time.perf_counter() - t0
@@ -515,7 +536,7 @@ class LocalDirSource:
         """Encode and write one context (params: source_dir, context_key, codec, level,
         chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
         d = self._dir(params)
-        chunks, sizes, enc_s = encode_for_save(params, k, v)
+        chunks, sizes, enc_s = encode_for_save(params, k, v, self.identity)
         ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
                                [params.get("level")], calibration_hash=calibration_of(chunks))
         t0 = time.perf_counter()
@@ -824,7 +845,7 @@ class StoreSource:
         """Encode and put one context into the store (params: store, model_id,
         weights_hash, codec_tag (default: the codec name), codec, level (stored level,
         default 0), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
-        chunks, sizes, enc_s = encode_for_save(params, k, v)
+        chunks, sizes, enc_s = encode_for_save(params, k, v, self.identity)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         ranges = [(a, a + t) for a, t in zip(starts, sizes)]
         ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
