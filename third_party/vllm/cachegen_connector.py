@@ -16,7 +16,7 @@ goes to --kv-transfer-config, docs/vllm-connector.md "Running it in vLLM's OpenA
 Trust boundary (third_party/vllm/trust.py): paths, hosts/ports and saving come ONLY from
 the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow_client_save",
 "prefix_match", "allow_lossy_prefix_cache", "stats_path", "model_id", "weights_hash",
-"warmup"); a request's kv_transfer_params only choose among them:
+"warmup", "async_load"); a request's kv_transfer_params only choose among them:
     SamplingParams(extra_args={"kv_transfer_params": {
         "source": "store" | "local",   # default: extra config "source"
         "store": "main",               # a configured store's NAME
@@ -37,6 +37,9 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
   stored prefix (a manifest read, no side effects) and returns a multiple of the block size,
   strictly fewer than the prompt's tokens (the last token is always recomputed for logits),
   minus local hits; the load is synchronous (False), so it completes before the forward.
+  With extra config "async_load": true it is asynchronous (True): the request waits in
+  WAITING_FOR_REMOTE_KVS while a worker background thread loads it (reported through
+  get_finished), and an abort stops the load at the next chunk (its record says aborted).
 * Worker side: `start_load_kv` streams + decodes chunks and writes each chunk's K/V into the
   paged cache through the attention backend's own cache-write op
   (`impl.do_kv_cache_update` -> `torch.ops._C.cpu_attn_reshape_and_cache`) with a slot
@@ -621,8 +624,10 @@ class CacheGenConnector(KVConnectorBase_V1):
                         "worker (stops at the next chunk)", rid,
                         "aborted" if aborted else "finished")
         elif outcome == "load" and aborted:
-            logger.info("KV request %s aborted after its KV load (the synchronous load ran "
-                        "to its end: vLLM applies aborts after the step)", rid)
+            logger.info("KV request %s aborted after its KV load (%s)", rid,
+                        "the async load had finished" if self._async else
+                        "the synchronous load ran to its end: vLLM applies aborts after "
+                        "the step")
         self._lookups.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         self._checked.pop(request.request_id, None)
