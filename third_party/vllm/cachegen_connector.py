@@ -179,6 +179,10 @@ class CacheGenConnector(KVConnectorBase_V1):
     External hits keep the base class's EXTERNAL_UNSPECIFIED label (vLLM's label for a
     remote store)."""
 
+    # defaults of _init_async_state (sync mode, no hook) for connectors built by hand
+    _async = False
+    _chunk_hook = None
+
     def __init__(
         self,
         vllm_config: "VllmConfig",
