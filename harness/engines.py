@@ -398,6 +398,9 @@ class VLLMEngine(Engine):
         max_model_len: tokens (prompt + output) per request.
         store_addr: "host:port" of the run's KV store server, registered in the
             connector's configuration (requests may only name configured stores).
+        async_load: the connector's extra config "async_load" (docs/vllm-connector.md,
+            "Aborted requests"): load in the worker's background so that an abort stops
+            the load at the next chunk. Default False (synchronous load, the measured default).
     Raises:
         BenchmarkError: vLLM is not importable.
     """
@@ -405,14 +408,15 @@ class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, model_dir: Path, stats_path: Path, max_model_len: int,
-                 store_addr: str | None = None):
+                 store_addr: str | None = None, async_load: bool = False):
         check_vllm()
         from third_party.vllm.engine import make_llm  # lazy: imports vllm
 
         self.stats_path = stats_path
         # the connector connects only to stores of its own configuration (issue 17): the
         # run's store server is registered here; requests name it (request_params)
-        extra = {"stats_path": str(stats_path), "source": "store"}
+        extra = {"stats_path": str(stats_path), "source": "store",
+                 "async_load": bool(async_load)}
         if store_addr:
             extra["stores"] = {"harness": store_addr}
         # explicit OpenMP binding of the worker (engine_thread_binding): two runs on one
@@ -433,6 +437,7 @@ class VLLMEngine(Engine):
                          "omp_threads": binding["omp_threads"], "bind_source": binding["source"],
                          "allowed_cpus": binding["allowed_cpus"], "reserved_cpus": RESERVED_CPUS,
                          "dtype": ENGINE_DTYPE, "seed": ENGINE_SEED, "prefix_caching": False,
+                         "async_load": bool(async_load),
                          "harness_torch_threads": torch.get_num_threads(), "env": user_env}
         self._seen = 0
 

@@ -99,4 +99,5 @@ def scheduler_connector(extra: dict, prefix_caching: bool = False):
     c._outcome = {}
     c._prefix_caching = prefix_caching
     c._allow_lossy_cache = bool(extra.get("allow_lossy_prefix_cache"))
+    c._init_async_state()
     return c

@@ -16,7 +16,7 @@ goes to --kv-transfer-config, docs/vllm-connector.md "Running it in vLLM's OpenA
 Trust boundary (third_party/vllm/trust.py): paths, hosts/ports and saving come ONLY from
 the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow_client_save",
 "prefix_match", "allow_lossy_prefix_cache", "stats_path", "model_id", "weights_hash",
-"warmup"); a request's kv_transfer_params only choose among them:
+"warmup", "async_load"); a request's kv_transfer_params only choose among them:
     SamplingParams(extra_args={"kv_transfer_params": {
         "source": "store" | "local",   # default: extra config "source"
         "store": "main",               # a configured store's NAME
@@ -37,6 +37,9 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
   stored prefix (a manifest read, no side effects) and returns a multiple of the block size,
   strictly fewer than the prompt's tokens (the last token is always recomputed for logits),
   minus local hits; the load is synchronous (False), so it completes before the forward.
+  With extra config "async_load": true it is asynchronous (True): the request waits in
+  WAITING_FOR_REMOTE_KVS while a worker background thread loads it (reported through
+  get_finished), and an abort stops the load at the next chunk (its record says aborted).
 * Worker side: `start_load_kv` streams + decodes chunks and writes each chunk's K/V into the
   paged cache through the attention backend's own cache-write op
   (`impl.do_kv_cache_update` -> `torch.ops._C.cpu_attn_reshape_and_cache`) with a slot
@@ -60,6 +63,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,6 +148,21 @@ class _SaveTrack:
 class CacheGenConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
+    # async mode: requests vLLM finished (aborted) while their load runs: stop at the next
+    # chunk (the worker also learns it from get_finished's finished_req_ids)
+    cancels: list[str] = field(default_factory=list)
+
+
+class _LoadCancelled(Exception):
+    """Raised inside a background load's chunk sink when its request was finished."""
+
+
+@dataclass
+class _AsyncJob:
+    """One background load (worker side): its request and its cancel flag."""
+
+    lr: LoadRequest
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 def _layer_index(name: str) -> int:
@@ -159,6 +178,10 @@ class CacheGenConnector(KVConnectorBase_V1):
 
     External hits keep the base class's EXTERNAL_UNSPECIFIED label (vLLM's label for a
     remote store)."""
+
+    # defaults of _init_async_state (sync mode, no hook) for connectors built by hand
+    _async = False
+    _chunk_hook = None
 
     def __init__(
         self,
@@ -187,6 +210,7 @@ class CacheGenConnector(KVConnectorBase_V1):
         # this engine's model (name, dtype, shape, weights + tokenizer hash): every stored
         # entry is checked against it (streaming.identity.check_entry); hashed once at start
         self._identity = engine_identity(vllm_config, self._extra)
+        self._init_async_state()
         # scheduler side
         self._lookups: dict[str, Lookup] = {}
         self._checked: dict[str, dict[str, Any] | None] = {}  # validated kv_transfer_params
@@ -204,6 +228,34 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._layer_objs: dict[str, Any] = {}
         self._gather_maps: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stats_lock = threading.Lock()
+
+    def _init_async_state(self) -> None:
+        """Async-load options and state (both sides), from self._extra. Raises ValueError
+        on a bad "async_load" or "test_chunk_hook"."""
+        # extra config "async_load": load in a worker background thread (vLLM's async load
+        # contract: WAITING_FOR_REMOTE_KVS until get_finished reports it), so an abort
+        # stops the load at the next chunk; default false (synchronous, before the forward)
+        self._async = _bool_option(self._extra, "async_load", False)
+        # test-only hook (off by default): "module:function" called as
+        # hook(params, chunk_start_token, cancelled) before each chunk is placed
+        # (params: the request's kv_transfer_params; cancelled() -> bool)
+        self._chunk_hook = load_callable(self._extra["test_chunk_hook"]) \
+            if self._extra.get("test_chunk_hook") else None
+        # scheduler side (async mode): loads built at allocation (the request is not
+        # scheduled while it waits), requests whose load the worker has not reported yet, cancels to send, and
+        # request.num_preemptions at each load (a re-query without a preemption since is
+        # vLLM retrying after a load that placed nothing: then 0 is offered)
+        self._async_ready: list[LoadRequest] = []
+        self._async_inflight: set[str] = set()
+        self._cancels: list[str] = []
+        self._async_gen: dict[str, int] = {}
+        # async worker side: jobs by request id (queued or running), ids whose load stopped
+        # (to report in get_finished) and one background thread that runs jobs in order
+        self._jobs: dict[str, _AsyncJob] = {}
+        self._done_recving: set[str] = set()
+        self._async_lock = threading.Lock()
+        self._job_queue: "queue.Queue[_AsyncJob | None]" = queue.Queue()
+        self._loader: threading.Thread | None = None
 
     # ------------------------------------------------------------------ helpers
     def _checked_params(self, request: "Request") -> dict[str, Any] | None:
@@ -300,6 +352,11 @@ class CacheGenConnector(KVConnectorBase_V1):
         request hit it) - so a local hit never reads as a miss."""
         rid = request.request_id
         first = rid not in self._local_hits
+        if self._async and not first and rid in self._async_gen and \
+                self._async_gen[rid] == getattr(request, "num_preemptions", 0):
+            # vLLM re-asks after an async load that placed nothing (it freed the blocks and
+            # recomputes): offering the hit again would load again, forever
+            return 0, False
         self._local_hits[rid] = num_computed_tokens
         params = self._params(request)
         prompt = list(request.prompt_token_ids or [])
@@ -367,7 +424,8 @@ class CacheGenConnector(KVConnectorBase_V1):
             # offered to the engine: the load record (worker) follows, or, if the engine
             # drops the hit, update_state_after_alloc / request_finished record why
             self._outcome.setdefault(rid, "hit")
-        return max(0, n - num_computed_tokens), False
+            return n - num_computed_tokens, self._async
+        return 0, False
 
     def _no_load_reason(self, raw: Any, prompt: list[int]) -> str | None:
         """Why a request whose kv_transfer_params passed the trust check loads nothing
@@ -424,7 +482,15 @@ class CacheGenConnector(KVConnectorBase_V1):
             # request.num_computed_tokens is not yet updated here: use the local hits seen
             # by get_num_new_matched_tokens (0 with prefix caching off).
             start = self._local_hits.get(request.request_id, 0)
-            self._pending[request.request_id] = (request, start, start + num_external_tokens)
+            if self._async:
+                # the request now waits (WAITING_FOR_REMOTE_KVS) and is not scheduled, so
+                # its blocks come from the allocation; the load goes out in this step's meta
+                self._async_ready.append(self._load_request(
+                    request, start, start + num_external_tokens, list(blocks.get_block_ids()[0])))
+                self._async_inflight.add(request.request_id)
+                self._async_gen[request.request_id] = getattr(request, "num_preemptions", 0)
+            else:
+                self._pending[request.request_id] = (request, start, start + num_external_tokens)
         elif self._outcome.get(request.request_id) == "hit":
             # the connector offered a hit and vLLM allocated none of it (issue 26.5, kind of
             # vLLM #57596: prompt_logprobs): the request is a plain prefill, say so now
@@ -445,6 +511,9 @@ class CacheGenConnector(KVConnectorBase_V1):
         meta = CacheGenConnectorMetadata()
         if self._saves:
             self._build_saves(scheduler_output, meta)
+        meta.loads.extend(self._async_ready)
+        meta.cancels.extend(self._cancels)
+        self._async_ready, self._cancels = [], []
         if not self._pending:
             return meta
         block_ids: dict[str, list[int]] = {}
@@ -458,17 +527,30 @@ class CacheGenConnector(KVConnectorBase_V1):
         for rid, (request, start, end) in list(self._pending.items()):
             if rid not in block_ids:
                 continue
-            params = self._params(request) or {}
-            self._resolve_key(params, list(request.prompt_token_ids or []))
-            lk = self._lookups.get(rid, Lookup(0))
-            if not params.get("context_key") and lk.info.get("key"):
-                params["context_key"] = lk.info["key"]  # found by the prefix index
-            meta.loads.append(LoadRequest(rid, start, end, block_ids[rid], self._block_size,
-                                          params, lk, len(request.prompt_token_ids or []),
-                                          after_preemption=self._outcome.get(rid) == "load"))
-            self._outcome[rid] = "load"
+            meta.loads.append(self._load_request(request, start, end, block_ids[rid]))
             del self._pending[rid]
         return meta
+
+    def _load_request(self, request: "Request", start: int, end: int,
+                      block_ids: list[int]) -> LoadRequest:
+        """The LoadRequest of tokens [start, end) into block_ids; marks the request's
+        outcome "load" (the worker writes its one record)."""
+        rid = request.request_id
+        params = self._params(request) or {}
+        self._resolve_key(params, list(request.prompt_token_ids or []))
+        lk = self._lookups.get(rid, Lookup(0))
+        if not params.get("context_key") and lk.info.get("key"):
+            params["context_key"] = lk.info["key"]  # found by the prefix index
+        lr = LoadRequest(rid, start, end, block_ids, self._block_size, params, lk,
+                         len(request.prompt_token_ids or []),
+                         after_preemption=self._outcome.get(rid) == "load")
+        self._outcome[rid] = "load"
+        return lr
+
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler side: loads the worker reported finished (async mode)."""
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._async_inflight.discard(rid)
 
     def _build_saves(self, so: "SchedulerOutput", meta: CacheGenConnectorMetadata) -> None:
         """Track blocks and prefill progress of requests to save; emit a SaveRequest in the
@@ -520,9 +602,13 @@ class CacheGenConnector(KVConnectorBase_V1):
         """vLLM frees the request (finished, aborted, errored). A request with KV
         parameters that has no record yet (its hit was offered but never loaded, e.g.
         aborted while waiting; or the connector never saw it) gets its one record here.
-        An abort DURING a load cannot stop it: the load is synchronous in the worker
-        process and vLLM applies aborts only after the step (docs/vllm-connector.md,
-        "Aborted requests"); that request keeps its load record."""
+        An abort DURING a synchronous load cannot stop it: the load runs inside the
+        worker's step and vLLM applies aborts only after the step (docs/vllm-connector.md,
+        "Aborted requests"); that request keeps its load record. In async mode a request
+        finished while its load runs gets a cancel in the next step's metadata (vLLM
+        itself delays freeing its blocks until the worker reports the load stopped); the
+        worker's load record says aborted. Returns (False, None): the connector holds no
+        blocks of its own."""
         rid = request.request_id
         outcome = self._outcome.pop(rid, None)
         aborted = _is_aborted(request)
@@ -536,14 +622,22 @@ class CacheGenConnector(KVConnectorBase_V1):
                 p = raw if isinstance(raw, dict) else {}
                 self._checked[rid] = {"stats_tag": p.get("stats_tag"), "mode": p.get("mode")}
             self._record_dropped_hit(request, reason)
+        elif outcome == "load" and rid in self._async_inflight:
+            self._cancels.append(rid)
+            logger.info("KV request %s %s during its async KV load: cancel sent to the "
+                        "worker (stops at the next chunk)", rid,
+                        "aborted" if aborted else "finished")
         elif outcome == "load" and aborted:
-            logger.info("KV request %s aborted after its KV load (the synchronous load ran "
-                        "to its end: vLLM applies aborts after the step)", rid)
+            logger.info("KV request %s aborted after its KV load (%s)", rid,
+                        "the async load had finished" if self._async else
+                        "the synchronous load ran to its end: vLLM applies aborts after "
+                        "the step")
         self._lookups.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         self._checked.pop(request.request_id, None)
         self._saves.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._async_gen.pop(request.request_id, None)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -608,17 +702,84 @@ class CacheGenConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, CacheGenConnectorMetadata):
             return
+        for rid in meta.cancels:
+            self._cancel(rid)
         if not meta.loads:
             return
         layers = getattr(forward_context, "no_compile_layers", None) or {}
         if not all(n in layers for _, n in self._layers):
             layers = self._vllm_config.compilation_config.static_forward_context
         self._layer_objs = layers
+        if self._async:
+            for lr in meta.loads:
+                job = _AsyncJob(lr)
+                with self._async_lock:
+                    self._jobs[lr.req_id] = job
+                self._ensure_loader()
+                self._job_queue.put(job)
+            return
         with _DecodeAffinity(self._decode_cpus):   # the load gets every core (issue 14)
             for lr in meta.loads:
-                self._load_one(lr)
+                self._failed_blocks.update(self._load_one(lr))
 
-    def _load_one(self, lr: LoadRequest) -> None:
+    # ------------------------------------------------------------------ async worker side
+    def _cancel(self, rid: str) -> None:
+        with self._async_lock:
+            job = self._jobs.get(rid)
+        if job is not None:
+            job.cancel.set()
+
+    def _ensure_loader(self) -> None:
+        if self._loader is None or not self._loader.is_alive():
+            self._loader = threading.Thread(target=self._loader_main, daemon=True,
+                                            name="cachegen-kv-loader")
+            self._loader.start()
+
+    def _loader_main(self) -> None:
+        """Background loader: runs jobs in order; each finished job (loaded, failed or
+        cancelled) publishes its failed blocks and its id together, under the lock, so
+        get_block_ids_with_load_errors reports them no later than get_finished reports the
+        id (vLLM's contract for async loads)."""
+        with _DecodeAffinity(self._decode_cpus):
+            while True:
+                job = self._job_queue.get()
+                if job is None:
+                    return
+                try:
+                    failed = self._load_one(job.lr, job.cancel)
+                except Exception as e:  # never leave a request waiting forever
+                    logger.error("KV async load of %s crashed: %s", job.lr.req_id, e)
+                    failed = set(job.lr.block_ids[job.lr.start // job.lr.block_size:
+                                                  -(-job.lr.end // job.lr.block_size)])
+                with self._async_lock:
+                    self._failed_blocks.update(failed)
+                    self._done_recving.add(job.lr.req_id)
+                    self._jobs.pop(job.lr.req_id, None)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker side: (None, ids whose async load stopped since the last call). A
+        request in finished_req_ids (vLLM finished or aborted it) whose load still runs is
+        cancelled here too (the route vLLM itself uses; the metadata's cancels come first)."""
+        if not self._async:
+            return None, None
+        for rid in finished_req_ids or ():
+            self._cancel(rid)
+        with self._async_lock:
+            done, self._done_recving = self._done_recving, set()
+        return None, (done or None)
+
+    def shutdown(self):
+        if self._loader is not None and self._loader.is_alive():
+            with self._async_lock:
+                for job in self._jobs.values():
+                    job.cancel.set()
+            self._job_queue.put(None)
+            self._loader.join(timeout=30)
+
+    def _load_one(self, lr: LoadRequest, cancel: threading.Event | None = None) -> set[int]:
+        """Load one request's KV (writes its one load / miss record); returns the block
+        ids vLLM must recompute (none for a cancelled load: its request is finished).
+        cancel: set when vLLM finished the request; checked before each chunk."""
         t_wall = time.perf_counter()
         t_cpu = time.process_time()   # issue 14.1 probe: CPU-s / wall-s = cores the load got
         slots = lr.slot_mapping()
@@ -626,6 +787,11 @@ class CacheGenConnector(KVConnectorBase_V1):
         written = [lr.start]  # next token not yet written (contiguous prefix)
 
         def on_chunk(start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            if self._chunk_hook is not None:
+                self._chunk_hook(lr.params, start, cancel.is_set if cancel else lambda: False)
+            if cancel is not None and cancel.is_set():
+                raise _LoadCancelled(f"request finished (aborted) before the chunk at "
+                                     f"token {start}")
             if start > written[0]:  # a gap: anything after it cannot be used
                 raise SourceError(f"chunk starting at token {start} after a gap at {written[0]}")
             n = self._inject(lr, slots, start, k, v, inject_s)
@@ -634,17 +800,28 @@ class CacheGenConnector(KVConnectorBase_V1):
 
         stats = None
         err = None
+        aborted = cancel is not None and cancel.is_set()
         try:
+            if aborted:
+                raise _LoadCancelled("request finished (aborted) before its load started")
             stats = self._source(lr.params.get("source", "store")).load(
                 lr.params, lr.lookup, lr.end, on_chunk)
         except Exception as e:  # any failure: recompute what was not written
-            err = f"{type(e).__name__}: {e}"
-            logger.warning("KV load of %s failed after %d tokens: %s", lr.req_id, written[0], err)
+            if isinstance(e, _LoadCancelled) or isinstance(e.__cause__, _LoadCancelled) \
+                    or (cancel is not None and cancel.is_set()):
+                aborted = True
+                logger.info("KV load of %s stopped after %d tokens: %s", lr.req_id,
+                            written[0] - lr.start, e)
+            else:
+                err = f"{type(e).__name__}: {e}"
+                logger.warning("KV load of %s failed after %d tokens: %s", lr.req_id,
+                               written[0], err)
         loaded = written[0]
-        if loaded < lr.end:
+        failed: set[int] = set()
+        if loaded < lr.end and not aborted:
             first_bad = loaded // lr.block_size
             last = (lr.end - 1) // lr.block_size
-            self._failed_blocks.update(lr.block_ids[first_bad: last + 1])
+            failed.update(lr.block_ids[first_bad: last + 1])
         rec = {
             "kind": "load",
             "req_id": lr.req_id,
@@ -673,6 +850,10 @@ class CacheGenConnector(KVConnectorBase_V1):
             "chunks": stats.chunks if stats else [],
             "lookup_info": lr.lookup.info,
             "after_preemption": lr.after_preemption,
+            # vLLM finished (aborted) the request while its async load ran: the load stopped
+            # at the next chunk; loaded_tokens = tokens placed before it stopped
+            "aborted": aborted,
+            "async_load": cancel is not None,
             # the adaptive policy's preset (streaming.adapt_params) and inputs; None for a level
             "policy_preset": _policy_preset(lr.params.get("policy")),
             "policy": lr.params.get("policy"),
@@ -680,14 +861,21 @@ class CacheGenConnector(KVConnectorBase_V1):
         }
         if stats and stats.extra:
             rec.update({k: v for k, v in stats.extra.items() if k not in rec})
+        if aborted:
+            rec["recomputed_tokens"] = 0  # the request is finished: nothing is recomputed
+            rec["reason"] = (f"request aborted during its KV load: stopped after "
+                             f"{loaded - lr.start} of {lr.end - lr.start} tokens")
         if loaded == lr.start and lr.end > lr.start:  # nothing placed: a miss, with its reason
-            rec["kind"], rec["reason"] = "miss", _load_miss_reason(err, stats)
+            rec["kind"] = "miss"
+            if not aborted:
+                rec["reason"] = _load_miss_reason(err, stats)
         logger.info("KV load %s [%s]: loaded %d of %d tokens (local hits %d, prefill %s) "
                     "from %s %s in %.3f s, %s bytes%s", lr.req_id, rec["stats_tag"] or "-",
                     rec["loaded_tokens"], rec["requested_tokens"], lr.start,
                     rec["prefill_tokens"], rec["source"], str(rec["context_key"])[:16],
                     rec["load_s"], rec["bytes"], f", error: {rec['error']}" if rec["error"] else "")
         self._write_stats(rec)
+        return failed
 
     def _write_stats(self, rec: dict[str, Any]) -> None:
         path = self._extra.get("stats_path")
@@ -701,11 +889,12 @@ class CacheGenConnector(KVConnectorBase_V1):
                 f.flush()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._failed_blocks = self._failed_blocks, set()
+        with self._async_lock:
+            out, self._failed_blocks = self._failed_blocks, set()
         return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous load: everything is in place before the forward
+        return  # sync: in place before the forward; async: the request is not scheduled yet
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
@@ -812,6 +1001,14 @@ def _policy_preset(policy: Any) -> str | None:
     from streaming.adapt_params import DEFAULT_PRESET
 
     return str(policy.get("preset") or DEFAULT_PRESET)
+
+
+def _bool_option(extra: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean extra-config option; raises ValueError on anything but true/false."""
+    v = extra.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"extra config {key} must be true or false, got {v!r}")
+    return v
 
 
 def _is_aborted(request: Any) -> bool:
