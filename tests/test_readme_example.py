@@ -34,3 +34,17 @@ def test_readme_python_example_runs_and_prints_ratio_and_error():
     # the bounds catch a codec that stops compressing or a decode that returns other numbers.
     assert 2.0 < ratio < 16.0
     assert 0.0 < err_k < 0.2 and 0.0 < err_v < 0.5
+
+
+def test_relative_links_of_the_readmes_and_docs_resolve():
+    # issue 27.6: the README, benchmarks/README.md and docs/ link each other with relative
+    # paths; every one must name a file or folder that exists (anchors are not checked)
+    files = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = []
+    for f in files:
+        for target in re.findall(r"\]\(([^)\s]+)\)", f.read_text()):
+            if re.match(r"[a-z]+://|#|mailto:", target):
+                continue
+            if not (f.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{f.relative_to(ROOT)}: {target}")
+    assert broken == []
