@@ -493,7 +493,7 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
         for r in rows:
             lines.append(
                 f"| {_codec_label(r.get('codec'), r.get('level'), bool(r.get('default')))} | "
-                f"{_f(r.get('ratio_vs_dtype'), '.2f')}x | {_f(r.get('bits_per_element'), '.3f')} | "
+                f"{_one_or_range([r.get('ratio_vs_dtype')], _ratio)} | {_f(r.get('bits_per_element'), '.3f')} | "
                 f"{_ci(r.get('kl'), r.get('kl_ci'), _g)} | "
                 f"{_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), lambda v: f'{v:.3f}')} | "
                 f"{_ci(r.get('ppl_change_pct'), r.get('ppl_change_pct_ci'), _pct)} | {r.get('n_windows', '-')} |")
