@@ -1,6 +1,6 @@
-"""Generate the README's results tables from the committed benchmark files (never typed by hand).
+"""Generate the results tables from the committed benchmark files (never typed by hand).
 
-Three blocks of README.md are generated, each between its markers:
+Four blocks are generated, each between its markers. In ``benchmarks/README.md`` (``--tables``):
 
 - ``<!-- results-table:start -->`` ... ``<!-- results-table:end -->``: the TTFT grid of
   benchmarks/results.json (below);
@@ -11,6 +11,12 @@ Three blocks of README.md are generated, each between its markers:
 - ``<!-- adaptation-table:start -->`` ... ``<!-- adaptation-table:end -->``: bandwidth
   adaptation vs oracle and fixed levels, benchmarks/adaptation.json (``python -m bench.adapt``).
 
+In the front ``README.md`` (``--readme``):
+
+- ``<!-- headline-table:start -->`` ... ``<!-- headline-table:end -->``: a few rows (text,
+  quant8, the default levels of cachegen and kvtc) with median TTFT at the lowest and the
+  highest link rate, the ratio vs the model's dtype and quality.json's KL [95% CI] (n).
+
 A missing quality.json / adaptation.json gives a one-line "not yet measured" block.
 The TTFT block is rendered from a results file: a line on
 what was run (engine, model, contexts, link, machine), the table of median TTFT per mode
@@ -19,13 +25,15 @@ correct (k/n per rate, and all rates pooled with a Wilson 95% CI), and the deriv
 figures (TTFT ratios, SLO misses of the adaptive mode, wrong answers per context). Where
 quality.json is present, the ppl change / KL columns (a few contexts of the TTFT grid) are
 replaced by the matching codec/level's KL [95% CI] (n windows) from quality.json.
-Summaries come from the file's ``summaries`` when present, else from its ``runs`` through
-``evaluation.summary.summarize`` - the same rule the figures (visualize_results.py) use.
+Summaries come from the file's ``summaries`` when present, else from its ``runs`` (and
+``failures``) through ``evaluation.summary.summarize`` - the same rule the figures
+(visualize_results.py) use. Keys the generator does not use (``environment.numerics``, ...)
+are ignored.
 
-    python scripts/readme_tables.py            # rewrite the block in README.md
-    python scripts/readme_tables.py --check    # exit 1 with a diff when the README is stale
+    python scripts/readme_tables.py            # rewrite the blocks in README.md and benchmarks/README.md
+    python scripts/readme_tables.py --check    # exit 1 with a diff when either file is stale
     python scripts/readme_tables.py --results other.json --readme /tmp/README.md \
-        --quality other-quality.json --adaptation other-adaptation.json
+        --tables /tmp/tables.md --quality other-quality.json --adaptation other-adaptation.json
 
 Exit status: 0 up to date / rewritten; 1 stale (--check, any block); 2 unreadable input or
 markers missing. CI runs --check before the tests (.ci/run).
@@ -56,6 +64,10 @@ QUALITY_START = "<!-- quality-table:start -->"
 QUALITY_END = "<!-- quality-table:end -->"
 ADAPT_START = "<!-- adaptation-table:start -->"
 ADAPT_END = "<!-- adaptation-table:end -->"
+HEADLINE_START = "<!-- headline-table:start -->"
+HEADLINE_END = "<!-- headline-table:end -->"
+# The headline rows: (mode, level); None = the codec's default level.
+HEADLINE_ROWS = (("text", None), ("quant8", None), ("cachegen", "default"), ("kvtc", "default"))
 QUALITY_ABSENT = "Not yet measured: run `python -m bench.quality` (writes `benchmarks/quality.json`).\n"
 ADAPT_ABSENT = "Not yet measured: run `python -m bench.adapt` (writes `benchmarks/adaptation.json`).\n"
 # Row order of the table; modes not listed follow in name order.
@@ -293,6 +305,51 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
     return "\n".join(lines).rstrip() + "\n"
 
 
+def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
+                    tables: str = "benchmarks/README.md", source: str = "benchmarks/results.json",
+                    quality_source: str = "benchmarks/quality.json") -> str:
+    """The front README's headline block (without the markers), Markdown: one row per
+    HEADLINE_ROWS entry present in the results (text, quant8, cachegen and kvtc at their
+    default levels), median TTFT (s) at the lowest and highest link rate of the grid, ratio
+    vs the model's dtype and quality.json's KL(lossless || decoded) [95% CI] (n windows).
+    Rows absent from the results are left out; a failed row says so."""
+    rows = summaries(doc)
+    qrows = _quality_rows(quality)
+    model = doc.get("model") or {}
+    gpu = (doc.get("environment") or {}).get("gpu")
+    by_label: dict[tuple, dict[float, dict]] = defaultdict(dict)
+    for r in rows:
+        if r.get("bandwidth_mbps") is not None:
+            by_label[(r["mode"], r.get("level"))][float(r["bandwidth_mbps"])] = r
+    bws = sorted({b for per in by_label.values() for b in per})
+    ends = [bws[0], bws[-1]] if len(bws) > 1 else bws
+    incomplete = "**INCOMPLETE run** (`\"complete\": false`): " if doc.get("complete") is False else ""
+    lines = [f"{incomplete}Generated by `python scripts/readme_tables.py` from `{source}` "
+             f"({str(doc.get('created_utc', '?'))[:10]}, git {str(doc.get('git_commit') or '?')[:7]})"
+             + (f" and `{quality_source}`" if quality is not None else " (no quality.json: KL not yet measured)")
+             + f"; {model.get('model_id', '?')} {model.get('dtype', '')}, {f'GPU {gpu}' if gpu else 'CPU run'}; "
+             f"the full tables, the machine and the n of every cell: [{tables}]({tables}).", "",
+             "| mode | " + " | ".join(f"median TTFT at {b:g} Mbit/s (s)" for b in ends)
+             + f" | ratio vs {model.get('dtype', 'dtype')} | KL (nats/token) [95% CI] (n windows) |",
+             "|---" * (len(ends) + 3) + "|"]
+    for mode, level in HEADLINE_ROWS:
+        if level == "default":
+            level = _default_level(mode)
+        per = by_label.get((mode, level))
+        if not per:
+            continue
+        label = "text (prefill)" if mode == "text" else plot_label(mode, level)
+        if level is not None:
+            label = f"{mode} level {level} (default)"
+        failed = next((r["failed"] for r in per.values() if r.get("failed")), None)
+        ttft = ["failed" if failed and not (per.get(b) or {}).get("n") else
+                _f((per.get(b) or {}).get("ttft_s_median"), ".2f") for b in ends]
+        ratio = "-" if mode == "text" else _one_or_range([r.get("ratio_vs_dtype") for r in per.values()], _ratio)
+        kl = "-" if mode == "text" else _quality_kl_cell(qrows.get((mode, level)))
+        lines.append(f"| {label} | {' | '.join(ttft)} | {ratio} | {kl} |")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def _derived(doc, rows, bws, keys, by_label, quality=None) -> list[str]:
     out = []
     cfg = doc.get("config") or {}
@@ -436,7 +493,7 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
         for r in rows:
             lines.append(
                 f"| {_codec_label(r.get('codec'), r.get('level'), bool(r.get('default')))} | "
-                f"{_f(r.get('ratio_vs_dtype'), '.2f')}x | {_f(r.get('bits_per_element'), '.3f')} | "
+                f"{_one_or_range([r.get('ratio_vs_dtype')], _ratio)} | {_f(r.get('bits_per_element'), '.3f')} | "
                 f"{_ci(r.get('kl'), r.get('kl_ci'), _g)} | "
                 f"{_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), lambda v: f'{v:.3f}')} | "
                 f"{_ci(r.get('ppl_change_pct'), r.get('ppl_change_pct_ci'), _pct)} | {r.get('n_windows', '-')} |")
@@ -598,18 +655,30 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _write(path: Path, text: str) -> None:
+    """Replace ``path`` atomically (temp file in its folder, then rename), keeping its mode."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, path.stat().st_mode & 0o777)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python scripts/readme_tables.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="do not write; exit 1 with a unified diff when the README's block is stale")
+                    help="do not write; exit 1 with a unified diff when a generated block is stale")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.json"))
-    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--readme", default=str(ROOT / "README.md"),
+                    help="the front README: the headline block (default: README.md)")
+    ap.add_argument("--tables", default=str(ROOT / "benchmarks" / "README.md"),
+                    help="the results, quality and adaptation blocks (default: benchmarks/README.md)")
     ap.add_argument("--quality", default=None,
                     help="quality.json of python -m bench.quality (default: quality.json beside --results)")
     ap.add_argument("--adaptation", default=None,
                     help="adaptation.json of python -m bench.adapt (default: adaptation.json beside --results)")
     a = ap.parse_args(argv)
-    readme_path = Path(a.readme)
+    readme_path, tables_path = Path(a.readme), Path(a.tables)
     res_path = Path(a.results)
     q_path = Path(a.quality) if a.quality else res_path.parent / "quality.json"
     ad_path = Path(a.adaptation) if a.adaptation else res_path.parent / "adaptation.json"
@@ -618,33 +687,36 @@ def main(argv: list[str] | None = None) -> int:
         qdoc = load_optional(q_path, "quality")
         adoc = load_optional(ad_path, "adaptation")
         source = _rel(res_path)
-        old = readme_path.read_text()
-        new = replace_block(old, render(doc, source=source, quality=qdoc, quality_source=_rel(q_path)))
-        new = replace_block(new, render_quality(qdoc, source=_rel(q_path)), QUALITY_START, QUALITY_END)
-        new = replace_block(new, render_adaptation(adoc, source=_rel(ad_path)), ADAPT_START, ADAPT_END)
+        old_t = tables_path.read_text()
+        new_t = replace_block(old_t, render(doc, source=source, quality=qdoc, quality_source=_rel(q_path)))
+        new_t = replace_block(new_t, render_quality(qdoc, source=_rel(q_path)), QUALITY_START, QUALITY_END)
+        new_t = replace_block(new_t, render_adaptation(adoc, source=_rel(ad_path)), ADAPT_START, ADAPT_END)
+        old_r = readme_path.read_text()
+        tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
+        new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,
+                                                           quality_source=_rel(q_path)), HEADLINE_START, HEADLINE_END)
     except (ReadmeTableError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    files = ((tables_path, old_t, new_t), (readme_path, old_r, new_r))
     if a.check:
-        if new == old:
-            print(f"{readme_path.name}: results, quality and adaptation tables up to date with {source}")
+        stale = [(p, o, n) for p, o, n in files if o != n]
+        if not stale:
+            print(f"{_rel(readme_path)} (headline) and {_rel(tables_path)} (results, quality and adaptation "
+                  f"tables) up to date with {source}")
             return 0
-        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                   f"{readme_path.name} (committed)",
-                                                   f"{readme_path.name} (from {source})"))
-        print(f"\nerror: a generated table in the README differs from {source} / {_rel(q_path)} / "
-              f"{_rel(ad_path)}; run "
-              "python scripts/readme_tables.py", file=sys.stderr)
+        for p, o, n in stale:
+            sys.stdout.writelines(difflib.unified_diff(o.splitlines(True), n.splitlines(True),
+                                                       f"{_rel(p)} (committed)", f"{_rel(p)} (from {source})"))
+        print(f"\nerror: a generated table in {', '.join(_rel(p) for p, _, _ in stale)} differs from "
+              f"{source} / {_rel(q_path)} / {_rel(ad_path)}; run python scripts/readme_tables.py", file=sys.stderr)
         return 1
-    if new != old:
-        fd, tmp = tempfile.mkstemp(dir=readme_path.parent, prefix=f".{readme_path.name}.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(new)
-        os.chmod(tmp, readme_path.stat().st_mode & 0o777)
-        os.replace(tmp, readme_path)
-        print(f"rewrote the results table in {readme_path}")
-    else:
-        print(f"{readme_path.name}: results table already up to date")
+    for p, o, n in files:
+        if n != o:
+            _write(p, n)
+            print(f"rewrote the generated tables in {p}")
+        else:
+            print(f"{_rel(p)}: generated tables already up to date")
     return 0
 
 

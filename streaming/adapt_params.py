@@ -18,7 +18,7 @@ Presets (:data:`POLICY_PRESETS`):
   with 10 offsets, constant and step traces; simulated; SLO 0.5/1/2/4 s; 435 requests per
   SLO): ``slo_reserve_s=0.3``, ``robust=False``, ``min_plan_frac=0.3`` (the rest equals the
   defaults). The artifact's 10 recorded traces are the evaluation set and were not used.
-  This is what README's adaptation table reports and what run_benchmarks.py's
+  This is what benchmarks/README.md's adaptation table reports and what run_benchmarks.py's
   ``cachegen-adaptive`` row runs by default (``--policy-preset``).
 - ``"tuned-dip"``: ``tuned`` plus round 6's dip reserve (``dip_chunks=5``,
   ``dip_min_samples=3``), selected by scripts/adapt_tune.py on tuning traces, evaluated and
@@ -147,7 +147,7 @@ POLICY_PRESETS: dict[str, PolicyParams] = {
 Read-only by convention; the values are frozen objects."""
 
 DEFAULT_PRESET = "tuned"
-"""The preset of run_benchmarks.py's cachegen-adaptive row and of bench.adapt (README's
+"""The preset of run_benchmarks.py's cachegen-adaptive row and of bench.adapt (benchmarks/README.md's
 adaptation table reports it)."""
 
 POLICY_REQUEST_KEYS = ("preset",) + POLICY_INPUTS + PolicyParams.field_names()

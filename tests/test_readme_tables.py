@@ -1,9 +1,10 @@
-"""The README's results tables are generated from benchmarks/results.json, quality.json and
-adaptation.json (scripts/readme_tables.py).
+"""The results tables are generated from benchmarks/results.json, quality.json and
+adaptation.json (scripts/readme_tables.py): the TTFT, quality and adaptation blocks into
+benchmarks/README.md (``--tables``), the headline block into the front README.md (``--readme``).
 
-The committed README must match what the committed results file gives (the same check
-.ci/run makes before the tests); the generator's output is checked on a small results
-document built here, and --check fails with a diff on a stale README.
+The committed README.md and benchmarks/README.md must match what the committed results files
+give (the same check .ci/run makes before the tests); the generator's output is checked on a
+small results document built here, and --check fails with a diff on a stale file.
 
 Run: .venv/bin/python -m pytest tests/test_readme_tables.py -q
 """
@@ -110,12 +111,12 @@ def test_check_fails_with_a_diff_then_rewrite_fixes_it(tmp_path):
     res.write_text(json.dumps(_doc()))
     readme = tmp_path / "README.md"
     readme.write_text(f"# t\n{rt.START}\n| typed by hand | 4/6 |\n{rt.END}\nrest\n{_other_markers()}")
-    cp = _run("--check", "--results", str(res), "--readme", str(readme))
+    cp = _run("--check", "--results", str(res), "--tables", str(readme), *_front(tmp_path))
     assert cp.returncode == 1
     assert "-| typed by hand | 4/6 |" in cp.stdout and "+| quant8 | 4.00 |" in cp.stdout
     assert "differs" in cp.stderr
-    assert _run("--results", str(res), "--readme", str(readme)).returncode == 0
-    assert _run("--check", "--results", str(res), "--readme", str(readme)).returncode == 0
+    assert _run("--results", str(res), "--tables", str(readme), *_front(tmp_path)).returncode == 0
+    assert _run("--check", "--results", str(res), "--tables", str(readme), *_front(tmp_path)).returncode == 0
     text = readme.read_text()
     assert f"{rt.END}\nrest\n" in text
     # absent quality.json / adaptation.json beside the results: the one-line blocks
@@ -128,9 +129,18 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     readme.write_text("no markers\n")
     res = tmp_path / "r.json"
     res.write_text(json.dumps(_doc()))
-    for args in (("--results", str(tmp_path / "missing.json")), ("--results", str(res), "--readme", str(readme))):
+    for args in (("--results", str(tmp_path / "missing.json")),
+                 ("--results", str(res), "--tables", str(readme), *_front(tmp_path))):
         cp = _run("--check", *args)
         assert cp.returncode == 2 and cp.stderr.count("\n") == 1 and cp.stderr.startswith("error:")
+
+
+def _front(tmp_path) -> tuple[str, str]:
+    """A front README with the headline markers (created once per test), as CLI arguments."""
+    front = tmp_path / "FRONT.md"
+    if not front.exists():
+        front.write_text(f"# front\n{rt.HEADLINE_START}\n{rt.HEADLINE_END}\nlinks\n")
+    return "--readme", str(front)
 
 
 def _other_markers() -> str:
@@ -306,7 +316,7 @@ def test_check_covers_every_block(tmp_path):
     (tmp_path / "adaptation.json").write_text(json.dumps(_adapt_doc()))
     readme = tmp_path / "README.md"
     readme.write_text(f"# t\n{rt.START}\n{rt.END}\n{_other_markers()}")
-    args = ("--results", str(res), "--readme", str(readme))
+    args = ("--results", str(res), "--tables", str(readme), *_front(tmp_path))
     assert _run(*args).returncode == 0
     good = readme.read_text()
     assert "0.0429 [0.0397, 0.0465] (n=32)" in good  # the TTFT table reads quality.json beside results.json
@@ -342,7 +352,7 @@ def test_bad_quality_file_exit_2(tmp_path):
     (tmp_path / "quality.json").write_text("{not json")
     readme = tmp_path / "README.md"
     readme.write_text(f"{rt.START}\n{rt.END}\n{_other_markers()}")
-    cp = _run("--check", "--results", str(res), "--readme", str(readme))
+    cp = _run("--check", "--results", str(res), "--tables", str(readme), *_front(tmp_path))
     assert cp.returncode == 2 and cp.stderr.count("\n") == 1 and "quality.json" in cp.stderr
 
 
@@ -379,3 +389,58 @@ def test_summaries_tables_and_figures_show_failures(tmp_path):
                            "kvtc-l5: encode: ValueError: no calibration"]
     written, skipped = vr.render_all(data, tmp_path, ["png"])
     assert written       # the figures draw from a file with failures (a red FAILED note)
+
+
+def test_committed_readme_is_a_front_door():
+    # issue 27.6: <= 150 lines, one generated headline block, the big blocks in benchmarks/README.md
+    readme = (ROOT / "README.md").read_text()
+    tables = (ROOT / "benchmarks" / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert readme.count(rt.HEADLINE_START) == 1 and tables.count(rt.HEADLINE_START) == 0
+    for marker in (rt.START, rt.QUALITY_START, rt.ADAPT_START):
+        assert readme.count(marker) == 0 and tables.count(marker) == 1
+    assert "bash scripts/setup.sh run" in readme and "bash scripts/setup.sh test" in readme
+
+
+def test_headline_rows_and_cells():
+    doc = _doc()
+    doc["environment"]["numerics"] = {"matmul": "whatever a newer file records"}  # ignored
+    out = rt.render_headline(doc, _quality_doc(), tables="benchmarks/README.md", source="x.json",
+                             quality_source="q.json")
+    assert out.startswith("Generated by `python scripts/readme_tables.py` from `x.json` (2026-01-02, git abcdef1)"
+                          " and `q.json`; tiny bfloat16, CPU run;")
+    assert "[benchmarks/README.md](benchmarks/README.md)" in out
+    rows = _table_rows(out)
+    assert list(rows) == ["mode", "text (prefill)", "quant8", "cachegen level 1 (default)"]  # no kvtc in the grid
+    assert rows["mode"] == ("| mode | median TTFT at 100 Mbit/s (s) | median TTFT at 1000 Mbit/s (s) | "
+                            "ratio vs bfloat16 | KL (nats/token) [95% CI] (n windows) |")
+    assert rows["text (prefill)"] == "| text (prefill) | 10.00 | 10.00 | - | - |"
+    assert rows["quant8"] == "| quant8 | 4.00 | 1.50 | 2.00x | 0.0014 [0.0012, 0.0016] (n=32) |"
+    assert rows["cachegen level 1 (default)"] == \
+        "| cachegen level 1 (default) | 2.00 | 1.00 | 8.00x | 0.0429 [0.0397, 0.0465] (n=32) |"
+    bare = rt.render_headline(doc, None)
+    assert "no quality.json" in bare and "| quant8 | 4.00 | 1.50 | 2.00x | - |" in bare
+
+
+def test_headline_failed_row_and_check(tmp_path):
+    # a kvtc that failed to encode (results.json `failures`) shows "failed"; --check covers the front README
+    doc = _doc()
+    doc["failures"] = [{"stage": "encode", "mode": "kvtc", "level": 4, "label": "kvtc-l4",
+                        "reason": "ValueError: no calibration"}]
+    doc["config"]["bandwidth_mbps"] = [100.0, 1000.0]
+    assert "| kvtc level 4 (default) | failed | failed | - | - |" in rt.render_headline(doc)
+    res = tmp_path / "results.json"
+    res.write_text(json.dumps(doc))
+    tables = tmp_path / "T.md"
+    tables.write_text(f"{rt.START}\n{rt.END}\n{_other_markers()}")
+    args = ("--results", str(res), "--tables", str(tables), *_front(tmp_path))
+    assert _run(*args).returncode == 0 and _run("--check", *args).returncode == 0
+    front = tmp_path / "FRONT.md"
+    good = front.read_text()
+    assert "| quant8 | 4.00 | 1.50 | 2.00x | - |" in good and good.endswith(f"{rt.HEADLINE_END}\nlinks\n")
+    front.write_text(good.replace("| 4.00 | 1.50 |", "| 4.00 | 1.40 |"))
+    cp = _run("--check", *args)
+    assert cp.returncode == 1 and "+| quant8 | 4.00 | 1.50 |" in cp.stdout and "FRONT.md" in cp.stderr
+    front.write_text("# no markers\n")
+    cp = _run("--check", *args)
+    assert cp.returncode == 2 and cp.stderr.count("\n") == 1 and "headline-table:start" in cp.stderr
