@@ -414,6 +414,12 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
     return cal
 
 
+# The fitting procedure's own version: part of the default-calibration cache key, so a
+# default fitted by an older procedure is not served after the procedure changed (2: the
+# sensitivity probe in float32 activations, each KL against its own pass's clean entry).
+FIT_VERSION = 2
+
+
 def _settings_key(weights_hash: str, settings: dict, text_sha256: str = "") -> str:
     from codec import kvtc
 
@@ -426,7 +432,8 @@ def _settings_key(weights_hash: str, settings: dict, text_sha256: str = "") -> s
                        # the codec's per-level key water (absent when none: older keys hold)
                        **({"key_water": {str(k): v for k, v in kvtc.DEFAULT_KEY_WATER.items()}}
                           if kvtc.DEFAULT_KEY_WATER else {}),
-                       **({"text_sha256": text_sha256} if text_sha256 else {})},
+                       **({"text_sha256": text_sha256} if text_sha256 else {}),
+                       "fit_version": FIT_VERSION},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

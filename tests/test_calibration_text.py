@@ -76,3 +76,11 @@ def test_calibrate_data_file_records_its_text(tmp_path, fixtures_dir):
     text = load_wikitext2(str(src), split="validation")
     assert kc.text_record(cal) == {"source": "file", "description": src.name,
                                    "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+
+
+def test_default_key_names_the_fitting_procedure(monkeypatch):
+    """A default fitted by an older fitting procedure is another cache entry (never served
+    after the procedure changed)."""
+    a = kc._settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
+    monkeypatch.setattr(kc, "FIT_VERSION", kc.FIT_VERSION + 1)
+    assert a != kc._settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
