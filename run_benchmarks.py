@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-context-tokens", type=int, help="tokens per perplexity/KL context")
     p.add_argument("--traces", nargs="*", help="adaptation traces: constant step artifact (none: skip)")
     p.add_argument("--seed", type=int, help="seed of the prompt generators")
-    p.add_argument("--out", help="results file (default benchmarks/results.json)")
+    p.add_argument("--out", help="results file (default benchmarks/results.json; with --quick benchmarks/results-quick.json, so a smoke run never replaces the committed file)")
     add_data_flags(p)
     p.add_argument("--quick", action="store_const", const=True, help="smoke run of a few minutes")
     p.add_argument("--verbose", action="store_true",

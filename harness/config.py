@@ -28,6 +28,12 @@ QUICK_CHUNK_TOKENS = 256  # 4 chunks of a 1024-token context: the step trace cha
 QUICK_PPL_CONTEXT_TOKENS = 512  # the perplexity pass encodes every variant once per context
 QUICK_LEVELS = (1,)  # codec.config.HARNESS_DEFAULT_LEVEL (not imported: parsing flags must not load torch)
 QUICK_KVTC_LEVELS = (4,)  # codec.kvtc.DEFAULT_LEVEL (not imported, as above)
+# the levels each leveled mode has: codec.levels("cachegen") and the default kvtc calibration's
+# levels (not imported, as above; tests/test_harness_units.py checks them against the codec)
+CACHEGEN_LEVELS = (0, 1, 2, 3, 4, 5)
+KVTC_LEVELS = (0, 1, 2, 3, 4, 5)
+DEFAULT_OUT = "benchmarks/results.json"
+QUICK_OUT = "benchmarks/results-quick.json"  # --quick without --out: never the committed file
 
 
 class ConfigError(ValueError):
@@ -63,7 +69,7 @@ class RunConfig:
     data_path: str | None = None
     data_map: dict[str, str] | None = None
     truncate: bool = True
-    out: str = "benchmarks/results.json"
+    out: str = DEFAULT_OUT
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -81,6 +87,10 @@ class RunConfig:
         if self.chunk_tokens % self.block_tokens:
             raise ConfigError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of "
                               f"block_tokens ({self.block_tokens})")
+        for name, known in (("levels", CACHEGEN_LEVELS), ("kvtc_levels", KVTC_LEVELS)):
+            bad = [x for x in (getattr(self, name) or ()) if x not in known]
+            if bad:
+                raise ConfigError(f"unknown {name} {bad}; available: {', '.join(map(str, known))}")
         if self.slo_s <= 0:
             raise ConfigError("slo_s must be > 0 seconds")
         if self.policy_preset not in POLICY_PRESETS:
@@ -107,7 +117,8 @@ class RunConfig:
             kvtc_levels=(self.kvtc_levels or QUICK_KVTC_LEVELS)[:2], ppl_contexts=1,
             ppl_context_tokens=min(self.ppl_context_tokens, QUICK_PPL_CONTEXT_TOKENS),
             traces=("step",) if self.traces else (), quick=True,
-            chunk_tokens=min(self.chunk_tokens, chunk))
+            chunk_tokens=min(self.chunk_tokens, chunk),
+            out=QUICK_OUT if self.out == DEFAULT_OUT else self.out)
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

@@ -295,7 +295,13 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
                                   slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None))
 
     engine.close()  # a live vLLM engine would compete for the CPU with the HF engine below
-    if cfg.traces and "cachegen" in levels:
+    if cfg.traces and "cachegen" in levels and "cachegen" not in contexts[0].keys:
+        # the adaptation experiment streams the first context's cachegen entry: its encode
+        # failed (in "failures" already), so the experiment is recorded as not run
+        why = "adaptation experiment skipped: the first context has no cachegen entry (its encode failed)"
+        log(why)
+        writer.add_failures([failure_record("adaptation", "cachegen-adaptive", None, why)])
+    elif cfg.traces and "cachegen" in levels:
         hf_tps = statistics.median(c.hf_prefill_tps for c in contexts)
         writer.extend("adaptation", adaptation_experiment(cfg, bundle, link, store_addr, info,
                                                           contexts, hf_tps))

@@ -394,6 +394,32 @@ def test_quick_levels_is_the_codec_default():
     assert QUICK_LEVELS == (HARNESS_DEFAULT_LEVEL,)
 
 
+def test_level_lists_are_the_codecs():
+    import codec
+    from harness.config import CACHEGEN_LEVELS, KVTC_LEVELS
+
+    assert CACHEGEN_LEVELS == tuple(codec.levels("cachegen"))
+    assert KVTC_LEVELS == tuple(codec.levels("kvtc"))
+
+
+@pytest.mark.parametrize("flag,value", [("levels", (9,)), ("levels", (1, -1)), ("kvtc_levels", (7,))])
+def test_unknown_levels_are_refused_before_any_work(flag, value):
+    """run_benchmarks --levels 9 / --kvtc-levels 7: a ConfigError (one line, exit 2) when the
+    flags are parsed, not a traceback (or a recorded failure) after the model loaded."""
+    from harness.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError, match=f"unknown {flag}"):
+        resolve(None, {flag: value})
+
+
+def test_quick_run_never_writes_the_committed_results():
+    from harness.config import DEFAULT_OUT, QUICK_OUT, resolve
+
+    assert resolve(None, {"quick": True}).out == QUICK_OUT != DEFAULT_OUT
+    assert resolve(None, {}).out == DEFAULT_OUT
+    assert resolve(None, {"quick": True, "out": "x.json"}).out == "x.json"
+
+
 def test_engine_logs_routed_to_a_file(tmp_path, monkeypatch):
     import logging
     import logging.config
