@@ -453,7 +453,10 @@ class VLLMEngine(Engine):
 
         self._new_stats()
         out_ids, ttft, e2e = run_one(self.llm, ctx.prompt.input_ids, max_new_tokens, params)
-        recs = [r for r in self._new_stats() if r.get("kind", "load") == "load"]
+        # the request's load record; a load that placed nothing is recorded as a miss (its
+        # chunks and the policy's decisions still in it: e.g. the adaptive policy sent chunk 0
+        # as text), so both kinds count (warm-up and other records do not)
+        recs = [r for r in self._new_stats() if r.get("kind", "load") in ("load", "miss")]
         return timing_from_connector(recs[-1] if recs else {}, ttft, e2e, out_ids)
 
     def close(self):

@@ -1047,10 +1047,14 @@ def _load_miss_reason(err: str | None, stats) -> str:
         return f"at load: {err}"
     if stats is not None and stats.error:
         return f"at load: {stats.error}"
-    for c in (getattr(stats, "chunks", None) or []):
+    chunks = getattr(stats, "chunks", None) or []
+    for c in chunks:
         note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
         if note:
             return f"at load: chunk {c.get('index') if isinstance(c, dict) else '?'}: {note}"
+    first = chunks[0] if chunks else None
+    if isinstance(first, dict) and first.get("text_fallback"):
+        return "at load: the policy sent chunk 0 as text (recomputed by the engine)"
     return "at load: no chunk could be loaded"
 
 
