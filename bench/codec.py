@@ -107,9 +107,11 @@ def load_contexts(args, log) -> tuple[list[dict], Optional[Any], dict]:
             cont = json.loads(meta["continuation_ids"]) if meta.get("continuation_ids") else None
             ctxs.append({"name": Path(path).stem, "k": k, "v": v, "context_ids": ids,
                          "continuation_ids": cont or None})
-            info = info or {"model_id": meta.get("model_id"), "dtype": meta.get("dtype"),
-                            **({"weights_hash": meta["weights_hash"]}
-                               if meta.get("weights_hash") else {})}
+            # (kv_extraction_hf.dump writes the model's fields as model_*; older dumps: bare)
+            wh = meta.get("model_weights_hash") or meta.get("weights_hash")
+            info = info or {"model_id": meta.get("model_id"),
+                            "dtype": meta.get("model_dtype") or meta.get("dtype"),
+                            **({"weights_hash": wh} if wh else {})}
         return ctxs, bundle, info
     if bundle is None:
         print("error: without --kv the benchmark needs the model (drop --no-model) or use "

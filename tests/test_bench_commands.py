@@ -53,3 +53,22 @@ def test_schedules_prints_every_level(capsys):
     # LMCache's default schedule for 30 layers: keys 32 bins on [0, 10), values on [0, 2)
     assert lines[0].startswith("level=0 variant=reference K=32@0/16@10 V=32@0/16@2")
     assert schedules.main(["0"]) == 2
+
+
+def test_bench_codec_reads_the_model_fields_of_a_kv_dump(tmp_path):
+    """bench.codec --kv DUMP --no-model: the dump's model fields (kv_extraction_hf writes
+    them as model_*) name its weights hash, so the kvtc rows find the model's cached
+    default calibration without the model."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.codec import load_contexts
+    from kv_extraction_hf.dump import save_kv
+
+    k = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    save_kv(tmp_path / "d.safetensors", k, k.clone(),
+            {"model_id": "m", "model_weights_hash": "ab" * 32, "model_dtype": "bfloat16"})
+    args = SimpleNamespace(quick=False, kv=[str(tmp_path / "d.safetensors")], no_model=True)
+    _, bundle, info = load_contexts(args, log=lambda m: None)
+    assert bundle is None and info["weights_hash"] == "ab" * 32 and info["dtype"] == "bfloat16"
