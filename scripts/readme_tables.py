@@ -82,6 +82,13 @@ class ReadmeTableError(ValueError):
     """Unreadable results file, or README without the markers."""
 
 
+
+def _isa_note(env: dict) -> str:
+    """" (oneDNN: <matmul kernel>)" from ``environment.numerics`` (what set the numerics of
+    the run: AMX, AVX-512 or AVX2 kernels), "" for files without it."""
+    impl = (env.get("numerics") or {}).get("onednn_matmul_impl")
+    return f" (oneDNN bf16 matmul `{impl}`)" if impl else ""
+
 def load_results(path: Path) -> dict[str, Any]:
     """The results document. Raises ReadmeTableError when unreadable or without runs."""
     try:
@@ -225,7 +232,7 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
         f"{engine_s}, {model.get('model_id', '?')} {model.get('dtype', '')}, {cfg.get('num_contexts', '?')} "
         f"{tasks} contexts of {cfg.get('context_tokens', '?')} tokens ({cfg.get('chunk_tokens', '?')}-token chunks), "
         f"{cfg.get('repeats', '?')} repeats, link `{env.get('link_method', '?')}`; {env.get('num_cpus', '?')}-core "
-        f"{env.get('cpu', '?')}, {gpu}; {len(runs)} requests"
+        f"{env.get('cpu', '?')}{_isa_note(env)}, {gpu}; {len(runs)} requests"
         + (f", {wall / 60:.0f} min wall." if isinstance(wall, (int, float)) else "."))
     lines.append("")
     if quality is not None:
