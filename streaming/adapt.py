@@ -843,14 +843,22 @@ class AdaptivePolicy:
             opt, budget = self._last_choice.get(k, (TEXT, None))
             return None if opt is TEXT else budget
 
-    def should_abandon(self, k: int, received_bytes: int, elapsed_s: float) -> bool:
+    def should_abandon(self, k: int, received_bytes: int, elapsed_s: float,
+                       wire_bytes: int | None = None, wire_s: float | None = None) -> bool:
         """Early abandon (issue 15): True when chunk k's running transfer should be cut now.
 
         received_bytes: bytes of the response received so far; elapsed_s: seconds since the
-        request was sent (the clock of transfer_deadline_s). The observed rate is
-        received_bytes / (elapsed_s - request_overhead_s), burst-corrected as a goodput sample
-        (ThroughputEstimator.rate_from: a shaper's burst makes a short transfer look faster,
-        so the projection errs towards continuing). It is trusted only from early_min_bytes
+        request was sent (the clock of transfer_deadline_s). wire_bytes, wire_s: the
+        receiver's wire clock, when it has one (streaming.client: the bytes after the first
+        read and the seconds from the first to the last byte, by the kernel's receive
+        timestamps; wire_s None before a second read), the clock of the completed transfers'
+        goodput samples. The observed rate is wire_bytes / wire_s when wire_bytes is given,
+        else received_bytes / (elapsed_s - request_overhead_s); burst-corrected as a goodput
+        sample (ThroughputEstimator.rate_from: a shaper's burst makes a short transfer look
+        faster, so the projection errs towards continuing). The wire clock keeps a late first
+        byte (a server's or disk's stall before the response) and a receiver thread that was
+        not scheduled out of the rate: neither is the link's (CI, 2026-12-01: a first chunk
+        cut at an apparent 18.6 Mbit/s on a 100 Mbit/s link under load). It is trusted only from early_min_bytes
         and early_min_s of wire time on; the projected finish elapsed_s + bytes left / rate
         is compared with the chunk's deadline x (1 + early_margin). The rule of buffer-based
         ABR's abandonment of a segment download (dash.js AbandonRequestsRule; Spiteri et al.,
@@ -862,10 +870,15 @@ class AdaptivePolicy:
             opt, budget = self._last_choice.get(k, (TEXT, None))
             if opt is TEXT or budget is None or received_bytes < self.early_min_bytes:
                 return False
-            wire = elapsed_s - self.request_overhead_s
-            if wire < max(self.early_min_s, 1e-9):
+            if wire_bytes is not None:  # the receiver has a wire clock: only its rate counts
+                if wire_s is None:  # not two reads yet: no wire time to trust
+                    return False
+                nb, wire = int(wire_bytes), float(wire_s)
+            else:
+                nb, wire = received_bytes, elapsed_s - self.request_overhead_s
+            if wire < max(self.early_min_s, 1e-9) or nb <= 0:
                 return False
-            rate = self.est.rate_from(received_bytes, wire)
+            rate = self.est.rate_from(nb, wire)
             left = max(0, self.manifest.sizes[opt][k] - received_bytes)
             return elapsed_s + left / rate > budget * (1.0 + self.early_margin)
 
@@ -965,7 +978,7 @@ class FixedPolicy:
     def observe_transfer(self, k, level, nbytes, transfer_s, elapsed_end_s=None) -> None:
         pass
 
-    def should_abandon(self, k, received_bytes, elapsed_s) -> bool:
+    def should_abandon(self, k, received_bytes, elapsed_s, wire_bytes=None, wire_s=None) -> bool:
         return False
 
     def observe_abandon(self, k, level, elapsed_wire_s, received_bytes=None) -> None:

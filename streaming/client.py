@@ -14,10 +14,12 @@ of another model/config is a clean miss (LoadResult.hit False, .reason). A polic
 transfer_deadline_s(k) (streaming.adapt.AdaptivePolicy) gets its overrunning transfers cut:
 the connection is shut, nothing of the chunk is kept, the client reconnects and the policy
 re-plans that chunk (LoadResult.abandoned lists the cut attempts). A policy with a
-should_abandon(k, bytes received, s since the request) is asked every PROGRESS_BYTES of a
-chunk's response (the early abandon of issue 15: a transfer whose projected finish at the
-observed rate overruns its deadline is cut then, not at the deadline), with the same clean
-cut; observe_abandon gets the bytes received by the cut.
+should_abandon(k, bytes received, s since the request[, wire_bytes=, wire_s=]) is asked every
+PROGRESS_BYTES of a chunk's response (the early abandon of issue 15: a transfer whose
+projected finish at the observed rate overruns its deadline is cut then, not at the
+deadline), with the same clean cut; the rate is the wire clock's (kernel receive timestamps,
+first to last byte) where the policy takes it; observe_abandon gets the bytes received by
+the cut.
 
 Not runnable by itself; see `python -m bench.streaming`.
 """
@@ -160,7 +162,9 @@ class _WireClock:
         self.kernel = False
         self.reads = 0
         self._lowat = 1
-        self.on_progress = None  # callable(bytes received so far), called every PROGRESS_BYTES
+        # callable(bytes received so far, bytes after the first read, wire_s() or None),
+        # called every PROGRESS_BYTES
+        self.on_progress = None
         self._checked = 0
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_TIMESTAMPNS, 1)
@@ -208,7 +212,8 @@ class _WireClock:
             self.nbytes += n
             if self.on_progress is not None and self.nbytes - self._checked >= PROGRESS_BYTES:
                 self._checked = self.nbytes
-                self.on_progress(self.nbytes)  # may cut the connection: the next read fails
+                # may cut the connection: the next read fails
+                self.on_progress(self.nbytes, self.nbytes - self.first_bytes, self.wire_s())
         return n
 
     def recv(self, n: int, flags: int = 0) -> bytes:
@@ -449,6 +454,10 @@ def stream_load(
     deadline_of = getattr(policy, "transfer_deadline_s", None)
     early_of = getattr(policy, "should_abandon", None)
     try:
+        early_takes_wire = "wire_s" in inspect.signature(early_of).parameters
+    except (TypeError, ValueError):
+        early_takes_wire = False
+    try:
         abandon_takes_bytes = len(inspect.signature(policy.observe_abandon).parameters) >= 4
     except (TypeError, ValueError, AttributeError):
         abandon_takes_bytes = False
@@ -488,10 +497,16 @@ def stream_load(
                 got = [0, None]  # bytes received at the last progress check; s of an early cut
                 on_progress = None
                 if early_of is not None and dl is not None:
-                    def on_progress(nbytes, k=k, t_req=t_req, fired=fired, got=got):
+                    def on_progress(nbytes, wire_bytes=None, wire_s=None, k=k, t_req=t_req, fired=fired, got=got):
                         got[0] = nbytes
                         el = clock() - t_req
-                        if not fired.is_set() and early_of(k, nbytes, el):
+                        if fired.is_set():
+                            return
+                        if early_takes_wire and wire_bytes is not None:
+                            cut = early_of(k, nbytes, el, wire_bytes=wire_bytes, wire_s=wire_s)
+                        else:
+                            cut = early_of(k, nbytes, el)
+                        if cut:
                             got[1] = el
                             _abort_connection(client, fired)
                 try:

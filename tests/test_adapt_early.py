@@ -117,3 +117,27 @@ def test_bad_early_parameters_raise():
     for bad in ({"early_min_s": -1}, {"early_margin": -0.1}, {"early_min_bytes": 0}):
         with pytest.raises(ValueError):
             policy(1.0, 1000, **bad)
+
+
+def test_a_late_first_byte_is_not_the_link_the_wire_clock_projects():
+    """A first byte that comes late (the server or its disk stalled before the response; CI,
+    2026-12-01: a first chunk cut at an apparent 18.6 Mbit/s on a 100 Mbit/s link) is in
+    elapsed_s but not in the receiver's wire clock: with wire_bytes / wire_s the projection
+    is the link's rate and the transfer is kept; without them the same stall cuts it."""
+    man = Man(6, 410, BPT)
+    pol = policy(4.0, 300, init=1000)
+    pol.start(man)
+    assert pol.choose(0, 0.0) == 2
+    size, dl = man.sizes[2][0], pol.transfer_deadline_s(0)
+    stall = 0.6 * dl  # the first byte at 60% of the deadline, then the planned 1000 Mbit/s
+    r = 1000 * MBPS
+    b = 4 * KIB64
+    el = stall + b / r
+    assert el + (size - b) / r < dl  # the link would finish in time
+    assert pol.should_abandon(0, b, el)  # the elapsed clock counts the stall as link time
+    assert not pol.should_abandon(0, b, el, wire_bytes=b - 1460, wire_s=(b - 1460) / r)
+    # a wire clock that has not seen two reads yet is no evidence either way
+    assert not pol.should_abandon(0, b, el, wire_bytes=b, wire_s=None)
+    # and a truly slow link is still cut from the wire clock
+    slow = 5 * MBPS
+    assert pol.should_abandon(0, b, stall + b / slow, wire_bytes=b - 1460, wire_s=(b - 1460) / slow)

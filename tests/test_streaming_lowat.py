@@ -4,6 +4,7 @@ mark at 1 byte afterwards."""
 import socket
 import sys
 import threading
+import time
 
 import pytest
 
@@ -60,5 +61,39 @@ def test_recv_up_to_n_does_not_wait_for_n():
         assert w.recv(1 << 16) == b"abc"
         assert cli.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
     finally:
+        cli.close()
+        peer.close()
+
+
+def test_progress_reports_the_wire_clock_which_excludes_a_late_first_byte():
+    """on_progress(bytes, bytes after the first read, wire_s): the wire clock starts at the
+    first byte, so a stall before the response (here the sender holds it 0.3 s) is not in
+    wire_s, whatever the load; the early abandon's rate comes from it (streaming.adapt)."""
+    cli, peer = _pair()
+    stall = 0.3
+    go = threading.Event()
+    try:
+        data = bytes(range(256)) * (8 * 1024)  # 2 MiB
+
+        def sender():
+            go.wait(stall)  # the server's stall before its first byte
+            _send_pieces(peer, data, 1 << 16)
+
+        seen = []
+        w = _WireClock(cli)
+        w.on_progress = lambda n, wb, ws: seen.append((n, wb, ws, time.time()))
+        t0 = time.time()
+        th = threading.Thread(target=sender)
+        th.start()
+        got = recv_exact(w, len(data))
+        th.join()
+        assert bytes(got) == data
+        assert seen and all(s[0] - s[1] == w.first_bytes for s in seen)
+        for n, wb, ws, t in seen:
+            if ws is not None:
+                assert 0 < ws <= (t - t0) - stall + 0.005, (ws, t - t0)
+        assert w.wire_s() is not None and w.wire_s() <= (time.time() - t0) - stall + 0.005
+    finally:
+        go.set()
         cli.close()
         peer.close()

@@ -682,9 +682,13 @@ class _PrefixPolicy:
         else:
             self.inner.observe_transfer(k, level, nbytes, transfer_s, elapsed_end_s)
 
-    def should_abandon(self, k, received_bytes, elapsed_s) -> bool:
+    def should_abandon(self, k, received_bytes, elapsed_s, wire_bytes=None, wire_s=None) -> bool:
         f = getattr(self.inner, "should_abandon", None)
-        return bool(f(k, received_bytes, elapsed_s)) if f is not None else False
+        if f is None:
+            return False
+        if wire_bytes is None:  # (an inner policy may take only the older 3 arguments)
+            return bool(f(k, received_bytes, elapsed_s))
+        return bool(f(k, received_bytes, elapsed_s, wire_bytes=wire_bytes, wire_s=wire_s))
 
     def observe_abandon(self, k, level, wire_s, received_bytes=None) -> None:
         if hasattr(self.inner, "observe_abandon"):
