@@ -15,7 +15,7 @@ from .api import (CODEC_VERSION, DEFAULT_CHUNK_TOKENS, chunk_bounds, config_hash
                   decode_chunk, decode_chunks, decode_kv, decode_kv_into, default_level, encode_blob,
                   encode_chunks, encode_kv, encode_with_stats, levels, peek_header,
                   resolve_level)
-from .codecs import CODECS, get_codec
+from .registry import CODECS, get_codec
 from .config import CodecConfig, QuantizationSpec
 from .errors import CodecError
 
