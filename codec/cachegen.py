@@ -11,9 +11,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from . import level_table
 from . import quantize as Q
-from .config import (HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, LEVELS as REF_LEVELS,
-                     REFERENCE_DEFAULT_LEVEL, CodecConfig)
+from .config import CodecConfig
 from .errors import CodecError
 
 from .base import Codec, DTYPES, EncodedChunk, from_bits, need_array, need_int, to_bits
@@ -61,12 +61,8 @@ class CacheGenCodec(Codec):
         # levels: cachegen 0 (smallest) .. 5 (near lossless), default 1 (HARNESS_LEVELS);
         # cachegen-ref: 0 = LMCache's default schedule, 1-3 = the CacheGen artifact's
         # levels, default 0; quant8: one fixed config (256 bins), no levels.
-        if not entropy:
-            self.levels, self.default_level = (), None
-        elif variant == "harness":
-            self.levels, self.default_level = tuple(sorted(HARNESS_LEVELS)), HARNESS_DEFAULT_LEVEL
-        else:
-            self.levels, self.default_level = tuple(REF_LEVELS), REFERENCE_DEFAULT_LEVEL
+        # (codec.level_table holds each codec's levels and default)
+        self.levels, self.default_level = level_table.levels(name), level_table.default_level(name)
         # the Triton kernels implement quantization + rANS; quant8 (no entropy coding)
         # stays on the CPU like the other baselines
         self.supports_triton = entropy

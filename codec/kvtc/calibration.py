@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import CodecError
+from ..level_table import KVTC_DEFAULT_LEVEL
 
 
 CALIBRATION_FORMAT = "kvtc-calibration"
@@ -39,7 +40,7 @@ DEFAULT_LEVEL_TARGETS: dict[int, float] = {0: 0.25, 1: 0.35, 2: 0.45, 3: 0.55, 4
 # key_water=)``; per-(K/V, layer) fits only: none by default since the default fit is
 # grouped, docs/codec.md 8.7-8.8)
 DEFAULT_KEY_WATER: dict[int, float] = {}
-DEFAULT_LEVEL = 4
+DEFAULT_LEVEL = KVTC_DEFAULT_LEVEL      # codec.level_table (torch-free) holds it
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
 MAX_Q = 127                      # |quantized coefficient| <= 127: symbols fit in 255 bins

@@ -11,14 +11,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .. import level_table
 from .. import scratch as _scratch
 from ..base import DTYPES, EncodedChunk, from_bits, need_int, to_bits
 from ..errors import CodecError
 
 from .rope import _rope_bf16_kernel, _rope_kernel, _rope_tables, apply_rope
-from .calibration import (DEFAULT_LEVEL, DEFAULT_LEVEL_SINKS, DEFAULT_LEVEL_TARGETS,
-                          KvtcCalibration, _resolve_calibration, get_calibration,
-                          level_tiers)
+from .calibration import (DEFAULT_LEVEL, DEFAULT_LEVEL_SINKS, KvtcCalibration,
+                          _resolve_calibration, get_calibration, level_tiers)
 from .workers import _bf16_gemm, _rows, _split_over_workers
 from .layout import (KVTC_FORMAT_VERSION, KVTC_TIERED_FORMAT, _KeptSymbols, _SPAN_ARRAY_RE,
                      _code_rows, _decode_rows, _exact_counts, _parse_spans, _span_array,
@@ -93,7 +93,7 @@ class KvtcCodec:
 
     @property
     def levels(self) -> tuple:
-        return tuple(sorted(DEFAULT_LEVEL_TARGETS))
+        return level_table.levels("kvtc")     # = sorted(DEFAULT_LEVEL_TARGETS) (tested)
 
     @property
     def default_level(self) -> int:
