@@ -38,6 +38,8 @@ def __getattr__(name: str):
     elif name in ("CODECS", "get_codec"):
         from . import registry
         value = getattr(registry, name)
+    elif not name.isidentifier() or name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
         import importlib
 

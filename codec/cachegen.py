@@ -61,8 +61,11 @@ class CacheGenCodec(Codec):
         # levels: cachegen 0 (smallest) .. 5 (near lossless), default 1 (HARNESS_LEVELS);
         # cachegen-ref: 0 = LMCache's default schedule, 1-3 = the CacheGen artifact's
         # levels, default 0; quant8: one fixed config (256 bins), no levels.
-        # (codec.level_table holds each codec's levels and default)
-        self.levels, self.default_level = level_table.levels(name), level_table.default_level(name)
+        # (codec.level_table holds each scale and default; a codec of another name takes
+        # its variant's)
+        scale = "quant8" if not entropy else "cachegen" if variant == "harness" else "cachegen-ref"
+        self.levels = level_table.levels(scale)
+        self.default_level = level_table.default_level(scale)
         # the Triton kernels implement quantization + rANS; quant8 (no entropy coding)
         # stays on the CPU like the other baselines
         self.supports_triton = entropy

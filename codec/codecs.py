@@ -35,6 +35,8 @@ from .base import (Codec, DTYPES, DTYPE_BYTES, DTYPE_NAMES, EncodedChunk, KIVI_G
                    unpack_bits)
 from .baselines import Fp8Codec, KiviCodec, RawCodec
 from .cachegen import CacheGenCodec
+from .config import CodecConfig
+from .errors import CodecError
 from .registry import CODECS, _build_registry, get_codec, resolve_level
 
 __all__ = ["Codec", "CODECS", "get_codec", "resolve_level", "DTYPES", "EncodedChunk"]

@@ -89,6 +89,7 @@ from __future__ import annotations
 import sys
 import types
 
+from ..errors import CodecError  # callers catch kvtc.CodecError
 from . import calibration, codec, fit, layout, rope, workers
 from .rope import (_ROPE_BF16_KERNEL, _ROPE_KERNEL, _jit_or_false, _rope_bf16_kernel,
                    _rope_bf16_py, _rope_cos_sin, _rope_kernel, _rope_rows_py, _rope_tables,
