@@ -156,7 +156,7 @@ class ModelInfo:
         out = {}
         for k, v in dataclasses.asdict(self).items():
             if k in ("layer_kinds", "sliding_window", "license") and not v:
-                continue     # dumps of all-full models keep their fields
+                continue     # absent when empty: an all-full model has no layer_kinds / window
             out[f"model_{k}" if not k.startswith("model_") else k] = json.dumps(list(v)) if isinstance(
                 v, (tuple, list)) else str(v)
         return out
