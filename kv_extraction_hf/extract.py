@@ -39,15 +39,22 @@ def prefill_kv(bundle, input_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``input_ids`` (list[int] or 1-D/``[1, T]`` tensor) and return its KV cache.
 
     Returns ``(k, v)``, each ``[num_layers, T, num_kv_heads, head_dim]`` in the model's dtype
-    (e.g. bfloat16), contiguous, on the CPU. Raises ExtractionError for an empty prompt or
-    one longer than the model's context.
+    (e.g. bfloat16), contiguous, on the CPU. Every layer holds all T tokens, also a
+    sliding-window layer (``bundle.info.layer_kinds``; its attention still applies the
+    window: the prefill runs on a cache that keeps every token, and the model's masks come
+    from its config), so one layout serves every model. Raises ExtractionError for an
+    empty prompt or one longer than the model's context.
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     num_tokens = ids.shape[1]
     if num_tokens == 0:
         raise ExtractionError("cannot prefill an empty prompt")
     check_length(bundle, num_tokens)
-    out = bundle.model(input_ids=ids, use_cache=True)
+    from transformers import DynamicCache
+
+    # no config: full-length layers everywhere (a sliding layer of the config's cache would
+    # keep only its last window - 1 tokens); the logits are the model's own either way
+    out = bundle.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
     layers = cache_layers(out.past_key_values)
     if len(layers) != bundle.info.num_layers:
         raise ExtractionError(f"model returned {len(layers)} cache layers, expected {bundle.info.num_layers}")
@@ -55,5 +62,5 @@ def prefill_kv(bundle, input_ids) -> tuple[torch.Tensor, torch.Tensor]:
     v = torch.stack([val[0].transpose(0, 1) for _, val in layers]).contiguous()
     if k.shape[1] != num_tokens:
         raise ExtractionError(
-            f"model cached {k.shape[1]} of {num_tokens} tokens (sliding-window models are not supported)")
+            f"model cached {k.shape[1]} of {num_tokens} tokens (a cache layer that drops tokens)")
     return k, v

