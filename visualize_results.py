@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from common import flags  # stdlib only: the shared flag spellings
 from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
 
 KNOWN_SCHEMA_VERSION = 1
@@ -1157,8 +1158,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
                         help="results file written by run_benchmarks.py (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="folder for the figures, created if needed (default: %(default)s)")
+    flags.add_out(parser, type=Path, default=DEFAULT_OUT,
+                  help="folder for the figures, created if needed (default: %(default)s)")
     parser.add_argument("--formats", nargs="+", default=["png", "svg"], choices=["png", "svg", "pdf"],
                         help="image formats to write (default: png svg)")
     parser.add_argument("--only", nargs="+", choices=list(FIGURES), metavar="FIGURE",

@@ -47,8 +47,10 @@ class RunConfig:
     bandwidth_mbps: tuple[float, ...] = (100.0, 500.0, 1000.0)
     modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive",
                               "kvtc")
-    levels: tuple[int, ...] | None = None
-    kvtc_levels: tuple[int, ...] | None = None
+    # the default run's levels, as configs/benchmark.yaml (tests/test_entry_flags.py checks
+    # every field against the file); None = every level of the codec
+    levels: tuple[int, ...] | None = (0, 1, 3, 5)
+    kvtc_levels: tuple[int, ...] | None = (4,)
     engine: str = "vllm"
     model: str | None = None
     tasks: tuple[str, ...] = ("needle",)
