@@ -6,7 +6,7 @@ J. Duda, "Asymmetric numeral systems", arXiv:1311.2540; interleaved streams afte
 F. Giesen's ryg_rans). Not a test: it prints figures (medians over --reps after one
 warm-up). Figures from a busy machine are not final.
 
-    python -m bench.coder rans [--layers 30 --tokens 1024 --channels 192 --reps 5]
+    python -m bench.coder rans [--layers 30 --tokens 1024 --channels 192 --repeats 5]
         numba rANS (codec.rans_cpu) encode/decode Msym/s, 1 thread and parallel, vs
         constriction on the same symbols; --npz FILE for real symbols
     python -m bench.coder entropy [--npz FILE]

@@ -7,7 +7,7 @@ store and are streamed to the engine on reuse, decoding chunk k while chunk k+1 
 The chunks are stand-ins of the real size with real decode work (streaming.standin).
 Not a test: prints one JSON line per (rate, setup); medians over --repeats, warm-up excluded.
 
-Run: python -m bench.redis --rate-mbps 100 1000 --repeats 3     (docs/redis.md)
+Run: python -m bench.redis --bandwidth-mbps 100 1000 --repeats 3     (docs/redis.md)
 """
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ Paper: CacheGen section 5 (pipelined streaming, adaptation). Two experiments:
             overlaps the transfer of chunk k+1) and (b) sequentially (fetch, decode, fetch,
             ...), side by side in one run. Decode is the stand-in codec doing real CPU work
             (SHA-256 rounds calibrated to --decode-s per chunk).
-      python -m bench.streaming pipeline --rate-mbps 100 --chunks 8 --chunk-bytes 1000000 --decode-s 0.08
+      python -m bench.streaming pipeline --bandwidth-mbps 100 --chunks 8 --chunk-bytes 1000000 --decode-s 0.08
   adapt:    store a context at 3 levels, load it with AdaptivePolicy while the shaper follows
             a bandwidth trace (constant:MBPS, step:A,B,C[:PER] or artifact[:I], the artifact's
             Gbit/s scaled by 1/10 to Mbit/s); text chunks are charged tokens / --prefill-tps.
-      python -m bench.streaming adapt --trace artifact --slo-s 5 --json adapt.json
+      python -m bench.streaming adapt --trace artifact --slo-s 5 --out adapt.json
 
 Every output row records the link method. Figures measured on a shared 2-core machine are
 indicative only.

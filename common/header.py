@@ -22,12 +22,12 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import IO, Any, Callable, Iterable, Optional
 
 from common.machine import numerics
 
 __all__ = ["utc_now", "git_commit", "cpu_name", "package_versions", "environment",
-           "atomic_write_json", "atomic_write_text", "json_default", "FIELDS"]
+           "atomic_write", "atomic_write_json", "atomic_write_text", "json_default", "FIELDS"]
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -151,13 +151,16 @@ def json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def atomic_write_text(path: Path | str, text: str, *, keep_mode: bool = False) -> None:
-    """Replace ``path`` with ``text`` atomically: a temporary file in the same folder (made
-    with its parents), fsync, ``os.replace``; the temporary file is removed on any error.
-    With ``keep_mode`` an existing file's permission bits are kept (else 0o666 & ~umask).
+def atomic_write(path: Path | str, write: Callable[[IO], Any], *, binary: bool = False,
+                 keep_mode: bool = False) -> None:
+    """Replace ``path`` atomically with what ``write(fh)`` writes to an open file: a
+    temporary file in the same folder (made with its parents), fsync, ``os.replace``; the
+    temporary file is removed on any error (``path`` is then unchanged). ``binary`` opens it
+    "wb" (else "w", text). With ``keep_mode`` an existing file's permission bits are kept
+    (else a new file's usual 0o666 & ~umask).
 
     Raises:
-        OSError: the folder cannot be written.
+        OSError: the folder cannot be written; whatever ``write`` raises.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +174,8 @@ def atomic_write_text(path: Path | str, text: str, *, keep_mode: bool = False) -
             os.umask(umask)
             mode = 0o666 & ~umask   # mkstemp makes 0600: give the usual mode of a new file
         os.chmod(tmp, mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb" if binary else "w") as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -182,6 +185,15 @@ def atomic_write_text(path: Path | str, text: str, *, keep_mode: bool = False) -
         except OSError:
             pass
         raise
+
+
+def atomic_write_text(path: Path | str, text: str, *, keep_mode: bool = False) -> None:
+    """Replace ``path`` with ``text`` atomically (:func:`atomic_write`).
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    atomic_write(path, lambda fh: fh.write(text), keep_mode=keep_mode)
 
 
 def atomic_write_json(path: Path | str, doc: Any, *, indent: Optional[int] = 1,

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from common.flags import LINK_METHODS
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import check_data_flags
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
@@ -98,8 +99,8 @@ class RunConfig:
         if self.policy_preset not in POLICY_PRESETS:
             raise ConfigError(f"unknown policy_preset {self.policy_preset!r}; available: "
                               f"{', '.join(POLICY_PRESETS)}")
-        if self.link_method not in ("auto", "netns", "userspace"):
-            raise ConfigError("link_method must be auto, netns or userspace")
+        if self.link_method not in LINK_METHODS:
+            raise ConfigError(f"link_method must be {', '.join(LINK_METHODS[:-1])} or {LINK_METHODS[-1]}")
         try:
             check_data_flags(self.tasks, self.data_path, self.data_map)
         except ExtractionError as exc:
