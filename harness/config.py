@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from common.flags import LINK_METHODS
+from common.flags import LINK_METHODS, ConfigFileError, load_config
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import check_data_flags
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
@@ -125,17 +123,12 @@ class RunConfig:
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML config file into a dict; ConfigError on missing/malformed files or unknown keys."""
+    """Read a config file (YAML; TOML or JSON by suffix: ``common.flags.load_config``) into
+    a dict; ConfigError on missing/malformed files or unknown keys."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a mapping of keys to values")
+        data = load_config(path)
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
     known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(data) - known)
     if unknown:

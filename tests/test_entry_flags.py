@@ -313,3 +313,16 @@ def test_result_header_fields_and_atomic_write(tmp_path):
     out.chmod(0o640)
     header.atomic_write_text(out, "new\n", keep_mode=True)
     assert out.read_text() == "new\n" and out.stat().st_mode & 0o777 == 0o640
+
+
+def test_run_benchmarks_config_reads_toml_too(tmp_path):
+    from harness.config import ConfigError, resolve
+
+    f = tmp_path / "b.toml"
+    f.write_text('bandwidth_mbps = [50]\nmodes = ["text", "raw"]\nlink_method = "userspace"\n')
+    cfg = resolve(f, {"repeats": 4})
+    assert (cfg.bandwidth_mbps, cfg.modes, cfg.link_method, cfg.repeats) == ((50.0,), ("text", "raw"),
+                                                                             "userspace", 4)
+    f.write_text("bandwidth_mbps = [50\n")
+    with pytest.raises(ConfigError, match="not valid toml"):
+        resolve(f, {})
