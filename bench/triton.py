@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1")
     ap.add_argument("--tiny", action="store_true", help="tiny shape (interpreter smoke run)")
     flags.add_context_tokens(ap, default=TOKENS_7B, aliases=("--tokens",),
-                             help="tokens of the 7B-shaped KV, tokens (default %(default)s)")
+                             help="tokens of the 7B-shaped KV (default %(default)s)")
     ap.add_argument("--layers", type=int, default=LAYERS_7B)
     flags.add_repeats(ap, default=5)
     flags.add_out(ap, help="also write the results here (JSON, atomically)")
