@@ -106,41 +106,20 @@ class QualityError(ValueError):
 
 # ----------------------------------------------------------------------------- codecs
 def codec_levels(name: str) -> list[Optional[int]]:
-    """The levels to measure for registered codec ``name``: a codec's own ``levels``
-    attribute when it has one, the harness/reference level tables for cachegen /
-    cachegen-ref, ``[None]`` for codecs without levels (raw, fp8, quant8, kivi)."""
-    import codec
-    from codec import config as C
+    """The levels to measure for registered codec ``name`` (``codec.level_table``),
+    ``[None]`` for codecs without levels (raw, fp8, quant8, kivi). ValueError on an
+    unknown codec."""
+    from codec import level_table
 
-    c = codec.get_codec(name)
-    own = getattr(c, "levels", None)
-    if own is not None:       # the registry's own scale; () = a codec without levels
-        own = list(own() if callable(own) else own)
-        return own if own else [None]
-    if not getattr(c, "uses_level", False) or not getattr(c, "entropy", True):
-        return [None]
-    variant = getattr(c, "variant", None)
-    if variant == "harness":
-        return sorted(C.HARNESS_LEVELS)
-    if variant == "reference":
-        return list(C.LEVELS)
-    return [None]
+    return list(level_table.levels(name)) or [None]
 
 
 def default_level(name: str) -> Optional[int]:
-    """The level a codec uses when none is given (the registry's ``default_level``; None
-    for codecs without levels)."""
-    import codec
-    from codec import config as C
+    """The level a codec uses when none is given (``codec.level_table``; None for codecs
+    without levels). ValueError on an unknown codec."""
+    from codec import level_table
 
-    c = codec.get_codec(name)
-    if hasattr(c, "default_level"):
-        return c.default_level
-    if name == "cachegen":
-        return C.HARNESS_DEFAULT_LEVEL
-    if name == "cachegen-ref":
-        return C.REFERENCE_DEFAULT_LEVEL
-    return None
+    return level_table.default_level(name)
 
 
 def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
@@ -187,7 +166,9 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
 
 
 def _label(name: str, level: Optional[int]) -> str:
-    return name if level is None else f"{name} {level}"
+    from codec import level_table
+
+    return level_table.label(name, level)
 
 
 # ----------------------------------------------------------------------------- scores

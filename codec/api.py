@@ -30,7 +30,8 @@ import hashlib
 import json
 
 from . import bitstream
-from .codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES, DTYPES, get_codec, resolve_level
+from .base import DTYPE_BYTES, DTYPE_NAMES, DTYPES
+from .registry import CODECS, get_codec, resolve_level
 from .config import MIN_BLOCK_TOKENS, DEFAULT_CHUNK_TOKENS, CodecConfig
 from .errors import CodecError
 

@@ -31,6 +31,7 @@ import torch
 
 from . import quantize as Q
 from . import scratch
+from .base import DTYPES, KIVI_GROUP, from_bits, need_array, need_int
 from .errors import CodecError
 from .threads import run_kernel
 
@@ -125,7 +126,6 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
     Returns: (k, v) [L, T, H, D] of the dtype (``out`` itself when given).
     Raises: CodecError on any inconsistency of the bitstream; ValueError on a bad ``out``.
     """
-    from .codecs import DTYPES, from_bits, need_array
 
     L, T, H, D = shape
     C = H * D
@@ -235,7 +235,6 @@ def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
     """fp8 (e4m3) decode by a 256-entry table in the model dtype, one pass per tensor,
     both cores; bit-identical to ``fp8_dequantize(...).to(dtype)``.
     Raises CodecError on NaN codes (0x7F / 0xFF) or bad arrays; ValueError on a bad out."""
-    from .codecs import DTYPES, need_array
     from .rans_cpu import lut8_into
 
     dt = DTYPES[dtype_name]
@@ -257,7 +256,6 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
     cast to the dtype: bit-identical), then one numba pass unpacking the codes and looking
     them up; the full-precision tokens are copied behind. Raises CodecError as the
     reference decoder; ValueError on a bad out."""
-    from .codecs import DTYPES, KIVI_GROUP, from_bits, need_array, need_int
     from .rans_cpu import kivi_into
 
     L, T, H, D = shape

@@ -35,7 +35,6 @@ from .scratch import np_empty
 from .threads import run_kernel
 
 try:
-    from . import rans_cpu as _rans_cpu  # noqa: F401  (the threading layer: codec.threads)
     from numba import njit, prange
 except ImportError:  # pragma: no cover
     njit = None

@@ -157,14 +157,8 @@ def max_levels(bins_per_layer, device=None) -> torch.Tensor:
 
 def row_scales(x: torch.Tensor, dim=-1) -> torch.Tensor:
     """max |x| over ``dim`` (keepdim), float32. E.g. x [L, T, G, D] -> [L, T, G, 1].
-    A contiguous CPU bf16/fp32 x [L, T, G, D] reduced over (3,) or (1, 3) takes the fused
-    numba pass ``codec.fused.row_absmax_fast`` (bit-identical, no float32 copy)."""
-    if x.dim() == 4 and x.device.type == "cpu":
-        from .fused import row_absmax_fast
-
-        fast = row_absmax_fast(x, (dim,) if isinstance(dim, int) else tuple(dim))
-        if fast is not None:
-            return fast
+    The reference (torch only); ``codec.fused.row_absmax_fast`` is its bit-identical numba
+    twin, chosen by the caller (``codec.cachegen``), never from here."""
     return x.to(torch.float32).abs().amax(dim=dim, keepdim=True)
 
 
@@ -182,16 +176,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> t
         effective scale, i.e. after any log8 rounding; must be >= max |x| of its group.
       max_level: float32 [L], M = bins/2 - 1 per layer (1..127).
     Returns: uint8 symbols, shape of x, in [0, 2M].
+    The reference (torch only); ``codec.fused.quantize_fast`` is its bit-identical numba
+    twin, chosen by the caller (``codec.cachegen``), never from here.
     """
     if x.shape[0] != max_level.shape[0]:
         raise ValueError(f"x has {x.shape[0]} layers but max_level has {max_level.shape[0]}")
     m = _bcast_levels(max_level, x.dim())
-    if x.dim() == 4 and x.device.type == "cpu" and isinstance(scale, torch.Tensor) and scale.dim() == 4:
-        from .fused import quantize_fast   # same symbols, one numba pass (issue 14.6)
-
-        fast = quantize_fast(x, scale, m)
-        if fast is not None:
-            return fast
     scale = scale.to(torch.float32)
     inv = torch.where(scale > 0, m / torch.where(scale > 0, scale, torch.ones_like(scale)),
                       torch.zeros_like(scale))

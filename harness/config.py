@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from codec import level_table as _level_table  # standard library only
 from common.flags import LINK_METHODS, ConfigFileError, load_config
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import check_data_flags
@@ -25,12 +26,12 @@ MAX_BANDWIDTH_MBPS = 100_000  # 100 Gbit/s: above any link tc/tbf or the token b
 QUICK_CONTEXT_TOKENS = 1024  # about a second of HF prefill per context for the default model
 QUICK_CHUNK_TOKENS = 256  # 4 chunks of a 1024-token context: the step trace changes rate mid-load
 QUICK_PPL_CONTEXT_TOKENS = 512  # the perplexity pass encodes every variant once per context
-QUICK_LEVELS = (1,)  # codec.config.HARNESS_DEFAULT_LEVEL (not imported: parsing flags must not load torch)
-QUICK_KVTC_LEVELS = (4,)  # codec.kvtc.DEFAULT_LEVEL (not imported, as above)
-# the levels each leveled mode has: codec.levels("cachegen") and the default kvtc calibration's
-# levels (not imported, as above; tests/test_harness_units.py checks them against the codec)
-CACHEGEN_LEVELS = (0, 1, 2, 3, 4, 5)
-KVTC_LEVELS = (0, 1, 2, 3, 4, 5)
+# the codecs' default levels and level lists, from the torch-free codec.level_table (parsing
+# flags must not load torch; tests/test_codec_level_table.py checks the table against the codec)
+QUICK_LEVELS = (_level_table.default_level("cachegen"),)
+QUICK_KVTC_LEVELS = (_level_table.default_level("kvtc"),)
+CACHEGEN_LEVELS = _level_table.levels("cachegen")
+KVTC_LEVELS = _level_table.levels("kvtc")
 DEFAULT_OUT = "benchmarks/results.json"
 QUICK_OUT = "benchmarks/results-quick.json"  # --quick without --out: never the committed file
 

@@ -24,16 +24,11 @@ from pathlib import Path
 
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.textcheck import check_text
+from kv_extraction_hf.wikitext import WIKITEXT_HUB, _offline_requested  # defined there (no cycle)
 
 LONGBENCH_HUB = "THUDM/LongBench"
 LONGBENCH_FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
 LONGBENCH_TASKS = ("triviaqa", "narrativeqa")
-WIKITEXT_HUB = ("Salesforce/wikitext", "wikitext-2-raw-v1")
-
-
-def _offline_requested() -> bool:
-    return any(os.environ.get(v, "").lower() in {"1", "true", "yes", "on"}
-               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
 def _one_line(exc: BaseException) -> str:

@@ -38,6 +38,14 @@ from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.textcheck import check_text
 
 SPLITS = ("test", "valid")
+WIKITEXT_HUB = ("Salesforce/wikitext", "wikitext-2-raw-v1")
+
+
+def _offline_requested() -> bool:
+    """HF_DATASETS_OFFLINE or HF_HUB_OFFLINE is set to a true value."""
+    return any(os.environ.get(v, "").lower() in {"1", "true", "yes", "on"}
+               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
 _FILE_NAMES = {
     "test": ("test.txt", "wiki.test.tokens", "wiki.test.raw"),
     "valid": ("valid.txt", "wiki.valid.tokens", "wiki.valid.raw"),
@@ -108,7 +116,6 @@ def _from_data_path(data_path: str | os.PathLike, split: str) -> WikiText:
 
 def _from_hub(split: str) -> WikiText | None:
     """The split from the hub through ``datasets``, or None when it cannot be had (fast)."""
-    from kv_extraction_hf.datasets_loaders import WIKITEXT_HUB, _offline_requested
     from kv_extraction_hf.model import hub_reachable
 
     offline = _offline_requested()

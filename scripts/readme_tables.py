@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's packages
     sys.path.insert(0, str(ROOT))
 
+from codec import level_table  # noqa: E402  (torch-free)
 from common.header import atomic_write_text  # noqa: E402
 from evaluation.stats import wilson_ci  # noqa: E402
 from evaluation.summary import plot_label, summarize  # noqa: E402
@@ -71,8 +72,7 @@ HEADLINE_ROWS = (("text", None), ("quant8", None), ("cachegen", "default"), ("kv
 QUALITY_ABSENT = "Not yet measured: run `python -m bench.quality` (writes `benchmarks/quality.json`).\n"
 ADAPT_ABSENT = "Not yet measured: run `python -m bench.adapt` (writes `benchmarks/adaptation.json`).\n"
 # Row order of the table; modes not listed follow in name order.
-MODE_ORDER = ("text", "raw", "fp8", "quant8", "kivi4", "kivi2", "kvtc", "cachegen-ref", "cachegen",
-              "cachegen-adaptive")
+MODE_ORDER = level_table.MODE_ORDER
 # Published figures quoted beside ours (CacheGen, Liu et al., SIGCOMM 2024, arXiv:2310.07240).
 PAPER_TTFT_VS_QUANT8 = "1.67-1.81x"
 PAPER_TTFT_VS_TEXT = "3.1-4.7x"
@@ -131,9 +131,7 @@ def _mode_key(mode: str, level: Any) -> tuple:
 def _default_level(mode: str) -> Any:
     """The codec's default level (None when unknown or the codec has no levels)."""
     try:
-        from codec.codecs import get_codec
-
-        return get_codec(mode).default_level
+        return level_table.default_level(mode)
     except Exception:  # noqa: BLE001 - not a codec (text, adaptive) or codec unavailable
         return None
 

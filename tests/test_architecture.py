@@ -16,8 +16,13 @@ rules of docs/architecture.md:
 - visualize_results.py reads results.json: it imports none of the stage packages that do
   work (kv_extraction_hf, codec, streaming, third_party), nor harness or bench (the pure
   summary functions of `evaluation` are allowed);
-- no import cycle inside a package among module-level imports (imports inside functions
-  and under `if TYPE_CHECKING:` are not executed at import time and are ignored).
+- no import cycle inside a package, counting imports inside functions (a lazy import
+  defers a cycle, it does not remove it: the two modules still need each other); only
+  imports under `if TYPE_CHECKING:` (never executed) are left out. Third-party imports
+  (numba, triton, torch, ... often lazy because optional or heavy) are not nodes of
+  the graph, so they need no allow-list here. Known cycles outside codec/ that are not
+  cut yet are listed in KNOWN_CYCLES with the reason; the test fails when one is cut
+  (update the list) or a new one appears.
 
 Run: .venv/bin/python -m pytest tests/test_architecture.py -q
 """
@@ -60,12 +65,13 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, module_level_only: bool, name: str | None = None
-             ) -> list[tuple[str, int]]:
+def _imports(path: Path, module_level_only: bool, name: str | None = None,
+             type_checking: bool = True) -> list[tuple[str, int]]:
     """(imported module, line) of every import in the file. A relative import is resolved
     against the file's package; `from P import x` gives P.x when that is a project module,
     else P. With module_level_only, imports inside functions or TYPE_CHECKING blocks are
-    skipped (class bodies and module-level try/if blocks run at import and are kept)."""
+    skipped (class bodies and module-level try/if blocks run at import and are kept);
+    with type_checking=False, TYPE_CHECKING blocks are skipped (at any depth)."""
     name = name or _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -76,7 +82,8 @@ def _imports(path: Path, module_level_only: bool, name: str | None = None
             if module_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                         ast.Lambda)):
                 continue
-            if module_level_only and isinstance(child, ast.If) and _is_type_checking(child):
+            if (module_level_only or not type_checking) and isinstance(child, ast.If) \
+                    and _is_type_checking(child):
                 for sub in child.orelse:
                     visit_stmt(sub)
                 continue
@@ -129,8 +136,12 @@ def test_modules_found():
 def test_import_scanner_resolves_relative_and_lazy_imports(tmp_path):
     """The scanner itself: relative imports resolve to project modules; lazy imports count
     for the rules but not for cycles; TYPE_CHECKING imports are skipped for cycles."""
-    got = {m for m, _ in _imports(ROOT / "codec" / "__init__.py", module_level_only=True)}
-    assert {"codec.api", "codec.errors"} <= got
+    got = {m for m, _ in _imports(ROOT / "codec" / "api.py", module_level_only=True)}
+    assert {"codec.bitstream", "codec.errors"} <= got
+    # codec/__init__ is lazy (PEP 562): codec.api is imported inside __getattr__
+    init = ROOT / "codec" / "__init__.py"
+    assert "codec.api" not in {m for m, _ in _imports(init, module_level_only=True)}
+    assert "codec.api" in {m for m, _ in _imports(init, module_level_only=False)}
     src = tmp_path / "x.py"
     src.write_text("from . import api\nfrom .errors import CodecError\n"
                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import streaming\n"
@@ -161,11 +172,27 @@ def test_dependencies_point_one_way(package, forbidden):
     assert not bad, "\n".join(bad)
 
 
-def _graph(package: str) -> dict[str, list[str]]:
-    """Module-level import edges among the package's modules."""
+def _graph(package: str, module_level_only: bool = False) -> dict[str, list[str]]:
+    """Import edges among the package's modules: every import, inside functions too
+    (module_level_only=False, the default), TYPE_CHECKING blocks left out."""
     nodes = [n for n in MODULES if n == package or n.startswith(package + ".")]
-    return {n: sorted({m for m, _ in _imports(MODULES[n], module_level_only=True)
+    return {n: sorted({m for m, _ in _imports(MODULES[n], module_level_only=module_level_only,
+                                              type_checking=False)
                        if m in nodes and m != n}) for n in nodes}
+
+
+# Cycles not cut yet (issue 27.1), each with its cause. Cutting one: delete its entry.
+KNOWN_CYCLES = {
+    "streaming": [
+        # backends.open_backend (the URL factory) imports redis_backend lazily, which
+        # imports LocalFolderBackend / MAX_KEY_BYTES from backends; RedisStoreClient in
+        # redis_backend builds on store (lazily), and store imports backends. The cut:
+        # the factory above both backends, RedisStoreClient in its own module.
+        ["streaming.backends", "streaming.redis_backend", "streaming.backends"],
+        ["streaming.backends", "streaming.redis_backend", "streaming.store",
+         "streaming.backends"],
+    ],
+}
 
 
 def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
@@ -196,7 +223,29 @@ def test_cycle_search_finds_cycles():
     assert "codec.api" in g["codec"] and g["codec.api"]
 
 
+def test_cycle_search_counts_imports_inside_functions(tmp_path):
+    """A lazy import is an edge for the cycle rule; a TYPE_CHECKING one is not."""
+    src = tmp_path / "x.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import api\n"
+                   "def f():\n    from .errors import CodecError\n"
+                   "    if TYPE_CHECKING:\n        from . import bitstream\n")
+    got = {m for m, _ in _imports(src, module_level_only=False, name="codec.x",
+                                  type_checking=False)}
+    assert "codec.errors" in got and "codec.api" not in got and "codec.bitstream" not in got
+    # the rule would have caught the codec's old lazy circle (quantize -> fused -> codecs)
+    assert _cycles({"codec.quantize": ["codec.fused"], "codec.fused": ["codec.codecs"],
+                    "codec.codecs": ["codec.quantize"]})
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycle_inside_a_package(package):
     cycles = _cycles(_graph(package))
-    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+    assert cycles == KNOWN_CYCLES.get(package, []), \
+        "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_level_import_cycle_at_all():
+    """Stricter for imports that run at import time: none, known cycles included."""
+    for package in PACKAGES:
+        cycles = _cycles(_graph(package, module_level_only=True))
+        assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
