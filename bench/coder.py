@@ -3,7 +3,7 @@
 Purpose: the speed figures of CacheGen's arithmetic-coding stage (Liu et al., SIGCOMM 2024,
 section 5.2) as this project realises it (the rANS coder of docs/bitstream.md sections 2-3;
 J. Duda, "Asymmetric numeral systems", arXiv:1311.2540; interleaved streams after
-F. Giesen's ryg_rans). Not a test: it prints figures (medians over --reps after one
+F. Giesen's ryg_rans). Not a test: it prints figures (medians over --repeats after one
 warm-up). Figures from a busy machine are not final.
 
     python -m bench.coder rans [--layers 30 --tokens 1024 --channels 192 --repeats 5]

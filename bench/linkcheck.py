@@ -3,7 +3,7 @@
 Paper: CacheGen section 5 evaluates streaming at fixed bandwidths; this checks that our
 link delivers them (goal: measured goodput within 10% of the setting).
 
-Run: python -m bench.linkcheck --bandwidth-mbps 100 500 1000 --json linkcheck.json
+Run: python -m bench.linkcheck --bandwidth-mbps 100 500 1000 --out linkcheck.json
 Each JSON row: target_mbps, measured_mbps, method, bytes, seconds (median repeat),
 repeats_mbps, within_10pct, burst_bytes, burst_rule, short_transfers (96 KiB / 256 KiB /
 1 MiB transfers after a 50 ms idle gap: median Mbit/s and ratio to the target - the shaper's

@@ -18,7 +18,7 @@ No latency is added: `netem` is not available in this kernel (see docs/streaming
 Teardown on exit, on error, on SIGINT/SIGTERM/SIGHUP and at interpreter exit; a namespace
 or veth left by a crashed run (owner pid dead) is removed by the next one (cleanup_stale).
 
-Run: `python -m streaming.link --rate-mbps 100` sets up a link, prints it, tears it down;
+Run: `python -m streaming.link --bandwidth-mbps 100` sets up a link, prints it, tears it down;
 `python -m streaming.link --cleanup` removes stale namespaces/veths of dead runs.
 """
 
