@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from common import flags
 from kv_extraction_hf.dataflags import DATA_FLAG_DESTS, add_data_flags, data_map_from_args
 from kv_extraction_hf.errors import ExtractionError
 
@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  python run_benchmarks.py --quick --engine hf\n"
                "  python run_benchmarks.py --bandwidth-mbps 100 1000 --modes text cachegen "
                "--context-tokens 2048\n  python visualize_results.py   # figures from the results")
-    p.add_argument("--config", type=Path, help="YAML defaults (default: configs/benchmark.yaml)")
-    p.add_argument("--bandwidth-mbps", type=float, nargs="+", help="link rates, Mbit/s")
+    flags.add_config(p, help="defaults file, YAML (default: configs/benchmark.yaml)")
+    flags.add_bandwidth(p, nargs="+", help="link rates, Mbit/s (default: configs/benchmark.yaml's)")
     p.add_argument("--modes", nargs="+",
                    help="text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive kvtc")
     p.add_argument("--levels", type=int, nargs="+", help="cachegen levels (default: all)")
@@ -42,13 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvtc levels (default: configs/benchmark.yaml's, 4; --quick: at most "
                         "two of them)")
     p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
-    p.add_argument("--model", help="HF id, local HF folder or .gguf (default: embedded SmolLM2-135M)")
+    flags.add_model(p)
     p.add_argument("--tasks", nargs="+",
                    help="context tasks (needle, topic_retrieval, longchat_lines; your data: longchat, "
                         "longbench, jsonl with --data-path; docs/tasks.md)")
-    p.add_argument("--context-tokens", type=int, help="tokens per context")
+    flags.add_context_tokens(p, help="tokens per context (default 4096; --quick at most 1024)")
     p.add_argument("--num-contexts", type=int, help="distinct contexts per task")
-    p.add_argument("--repeats", type=int, help="repeats per (mode, bandwidth, context)")
+    flags.add_repeats(p, help="repeats per (mode, bandwidth, context), count (default 2; "
+                      "--quick 1)")
     p.add_argument("--slo-s", type=float, help="SLO of the whole KV load, seconds (adaptive mode)")
     p.add_argument("--policy-preset", help="the cachegen-adaptive row's policy parameters: a "
                    "streaming.adapt_params.PolicyParams preset (default tuned: the one benchmarks/README.md's "
@@ -57,18 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int,
                    help="engine KV block size; loaded prefixes are whole blocks (128 on vLLM CPU)")
     p.add_argument("--store", help="KV store backend: a folder (default: temporary) or redis://HOST:PORT/DB")
-    p.add_argument("--link-method", choices=["auto", "netns", "userspace"], help="link shaping method")
+    flags.add_link_method(p, default=None, help="link shaping: auto (netns as root, else "
+                          "userspace), netns (veth + tc tbf; root), userspace (token-bucket "
+                          "proxy on loopback) (default auto)")
     p.add_argument("--no-quality", dest="quality", action="store_const", const=False,
                    help="skip perplexity/KL with the HF engine")
     p.add_argument("--ppl-contexts", type=int, help="natural-text contexts of the perplexity/KL pass")
     p.add_argument("--ppl-context-tokens", type=int, help="tokens per perplexity/KL context")
     p.add_argument("--traces", nargs="*", help="adaptation traces: constant step artifact (none: skip)")
-    p.add_argument("--seed", type=int, help="seed of the prompt generators")
-    p.add_argument("--out", help="results file (default benchmarks/results.json; with --quick benchmarks/results-quick.json, so a smoke run never replaces the committed file)")
+    flags.add_seed(p, default=None, help="seed of the prompt generators (default 0)")
+    flags.add_out(p, help="results file (default benchmarks/results.json; with --quick "
+                  "benchmarks/results-quick.json, so a smoke run never replaces the committed file)")
     add_data_flags(p)
-    p.add_argument("--quick", action="store_const", const=True, help="smoke run of a few minutes")
-    p.add_argument("--verbose", action="store_true",
-                   help="keep vLLM's own logs on the console (default: <results>.engine.log)")
+    flags.add_quick(p, default=None, help="smoke run of a few minutes")
+    flags.add_verbose(p, help="keep vLLM's own logs on the console (default: <results>.engine.log)")
     return p
 
 

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from common import flags  # stdlib only: the shared flag spellings
+from common.header import atomic_write  # stdlib only
 from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
 
 KNOWN_SCHEMA_VERSION = 1
@@ -842,20 +843,12 @@ FIGURES: dict[str, FigureSpec] = {spec.name: spec for spec in [
 
 
 def save_figure(fig, path: Path, fmt: str, dpi: int = 150) -> None:
-    """Write ``fig`` to ``path`` atomically (temp file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".{fmt}", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.15,
-                        metadata={"Date": None} if fmt == "svg" else None)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``fig`` to ``path`` atomically (``common.header.atomic_write``: temp file in
+    the same folder, then rename)."""
+    atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight",
+                                              pad_inches=0.15,
+                                              metadata={"Date": None} if fmt == "svg" else None),
+                 binary=True)
 
 
 INCOMPLETE_MARK = "INCOMPLETE RUN"
@@ -1157,8 +1150,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
                         help="results file written by run_benchmarks.py (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="folder for the figures, created if needed (default: %(default)s)")
+    flags.add_out(parser, type=Path, default=DEFAULT_OUT,
+                  help="folder for the figures, created if needed (default: %(default)s)")
     parser.add_argument("--formats", nargs="+", default=["png", "svg"], choices=["png", "svg", "pdf"],
                         help="image formats to write (default: png svg)")
     parser.add_argument("--only", nargs="+", choices=list(FIGURES), metavar="FIGURE",

@@ -20,8 +20,9 @@ Commands (run from the repository root):
   python -m bench.schedules [NUM_LAYERS]      the codec's bin schedules of every level
   python -m bench.linkcheck --bandwidth-mbps 100 500 1000   goodput of the shaped link
   python -m bench.streaming pipeline|adapt    pipelined load and adaptation (docs/streaming.md)
-  python -m bench.redis --rate-mbps 100 1000  the Redis store behind the link (docs/redis.md)
-  python -m bench.vllm_demo --tokens 2000     vLLM: prefill vs KV load through the connector
+  python -m bench.redis --bandwidth-mbps 100 1000   the Redis store behind the link (docs/redis.md)
+  python -m bench.vllm_demo --context-tokens 2000   vLLM: prefill vs KV load through the
+                                              connector
   python -m bench.warmup                      first vs tenth decode in a fresh process, with and
                                               without the connector's JIT warm-up
   python -m bench.taskcheck --task needle     lossless task scores (docs/tasks.md)

@@ -49,15 +49,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from common import flags
+from common.header import atomic_write_json
+from common.header import environment as header_environment
+from common.units import mbps_to_bytes_per_s
 from streaming import standin
 from streaming.adapt import AdaptivePolicy, ClockModel, FixedPolicy, oracle, oracle_labels, simulate
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
@@ -369,7 +370,7 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
     for set_name, traces in sets.items():
         t_set = time.perf_counter()
         for tr in traces:
-            rates = [tr.at(k) * 1e6 / 8 for k in range(man.chunk_count)]
+            rates = [mbps_to_bytes_per_s(tr.at(k)) for k in range(man.chunk_count)]
             labels = oracle_labels(model, rates)  # one DP per trace, every SLO picks from it
             for slo in slos:
                 orc = oracle(model, rates, slo, labels=labels)
@@ -774,11 +775,11 @@ def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: fl
                 man_s.append(r.manifest_s)
                 for ch in r.chunks:
                     if ch.level is not None and not ch.refetched:
-                        wire_extra.append(ch.transfer_s - ch.bytes / (tr.at(ch.index) * 1e6 / 8))
+                        wire_extra.append(ch.transfer_s - ch.bytes / mbps_to_bytes_per_s(tr.at(ch.index)))
                         want = float(table["decode_s_per_token"][str(ch.level)]) * toks[ch.index]
                         if want > 0:
                             dec_ratio.append(ch.decode_s / want)
-                rates = [tr.at(k) * 1e6 / 8 for k in range(man.chunk_count)]
+                rates = [mbps_to_bytes_per_s(tr.at(k)) for k in range(man.chunk_count)]
                 orc = oracle(mod, rates, slo_c)
                 ests = [dd.throughput_mbps_est for dd in r.decisions]
                 hms = [dd.estimate_mbps for dd in r.decisions]
@@ -840,13 +841,9 @@ def engine_calibration(results_path: Path, table: dict) -> dict:
 
 
 def _env() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=_REPO,
-                                timeout=5).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        commit = None
-    return {"python": platform.python_version(), "platform": platform.platform(), "num_cpus": os.cpu_count(),
-            "git_commit": commit, "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    """adaptation.json's ``environment`` (:func:`common.header.environment`)."""
+    return header_environment(("python", "platform", "num_cpus", "git_commit",
+                               "load_avg_1m_at_start"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -854,13 +851,16 @@ def main(argv: list[str] | None = None) -> int:
     return _main(argv)
 
 
-def _main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's flags (module docstring); defaults in configs/adaptation.yaml."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    ap.add_argument("--out", type=Path, default=_REPO / "benchmarks" / "adaptation.json")
+    flags.add_config(ap, default=flags.CONFIGS / "adaptation.yaml")
+    flags.add_out(ap, type=Path, default=_REPO / "benchmarks" / "adaptation.json",
+                  help="result file (JSON, atomically; default benchmarks/adaptation.json)")
     ap.add_argument("--level-table", type=Path, help="reuse the level table of an earlier output (JSON)")
-    ap.add_argument("--context-tokens", type=int, default=4096)
+    flags.add_context_tokens(ap, default=4096)
     ap.add_argument("--chunk-tokens", type=int, default=416, help="multiple of 16; 416 -> 10 chunks of 4096")
     ap.add_argument("--slo-s", type=float, nargs="+", default=list(SLOS))
     ap.add_argument("--real-slo-s", type=float, default=2.0, help="SLO of the real-link runs")
@@ -870,9 +870,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=_REPO / "benchmarks" / "results.json",
                     help="a run_benchmarks results.json to take the engine's prefill/injection speed from")
     ap.add_argument("--quality", type=Path, default=_REPO / "benchmarks" / "quality.json")
-    ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
+    flags.add_link_method(ap)
     ap.add_argument("--no-real", dest="real", action="store_false", help="simulation only")
-    ap.add_argument("--quick", action="store_true", help="4 artifact traces, 1 generated, 5 synthetic; same SLOs")
+    flags.add_quick(ap, help="4 artifact traces, 1 generated, 5 synthetic; same SLOs")
     ap.add_argument("--offsets", type=int, default=10,
                     help="requests per recorded artifact trace (recorded and generated), each at another "
                          "cyclic start offset, the same for every policy (default 10: all offsets of a "
@@ -899,7 +899,12 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap-reps", type=int, default=BOOT_REPS,
                     help=f"cluster-bootstrap replicates of the goals' 95%% intervals (default {BOOT_REPS}, "
                          f"seed {BOOT_SEED})")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = flags.parse_with_config(ap, argv)
     from streaming.errors import StreamingError
 
     t_start = time.perf_counter()
@@ -965,7 +970,7 @@ def _main(argv: list[str] | None = None) -> int:
             drop = sets["step"][0]
             extra = [("issue-drop", drop, 0.6, sum(table["tokens"]) / ISSUE_ALL_TEXT_S)]
             real_reqs, real_tl, link_desc, calib = run_real(table, real_traces, a.real_slo_s, prefill_tps, inject, kl,
-                                                            a.method, extra_cases=extra, preset=preset)
+                                                            a.link_method, extra_cases=extra, preset=preset)
             c1000 = [r for r in real_reqs if r["trace"] == "constant-1000" and r["slo_s"] == a.real_slo_s]
             if c1000:
                 ests = [e for e in c1000[0]["estimates_mbps"][1:] if e is not None]
@@ -1033,10 +1038,7 @@ def _main(argv: list[str] | None = None) -> int:
             "wall_s": None,
         }
         doc["wall_s"] = round(time.perf_counter() - t_start, 1)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.out.with_suffix(a.out.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
-        os.replace(tmp, a.out)
+        atomic_write_json(a.out, doc, indent=1, default=str)
     except (StreamingError, ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -29,9 +29,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -43,6 +41,9 @@ import torch
 from codec import api
 from codec.codecs import CODECS, DTYPE_BYTES, DTYPE_NAMES
 from codec.config import CodecConfig, DEFAULT_CHUNK_TOKENS
+from common import flags
+from common.header import atomic_write_json
+from common.header import environment as header_environment
 
 # (codec, level) rows run by default. cachegen-ref level 0 = LMCache's default schedule,
 # 1-3 the CacheGen artifact's levels; cachegen = this project's quantizer.
@@ -444,30 +445,12 @@ def print_table(rows: list[dict], out=None) -> None:
 
 
 def _environment() -> dict:
-    """Versions, CPU, threads, commit, load, and ``numerics`` (``harness.machine``: CPU
-    vendor and model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses)."""
-    from harness.machine import numerics
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    import numpy
-
-    pk = {"torch": torch.__version__, "numpy": numpy.__version__}
-    try:
-        import numba
-
-        pk["numba"] = numba.__version__
-    except ImportError:
-        pass
-    return {"python": platform.python_version(), "platform": platform.platform(),
-            "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "packages": pk,
-            "git_commit": commit or None,
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "numerics": numerics()}
+    """codec_bench.json's ``environment``: versions, CPU, threads, commit, load, and
+    ``numerics`` (``common.machine``: CPU vendor and model, AMX / AVX512-BF16 / AVX2 flags,
+    the ISA oneDNN uses); computed by :func:`common.header.environment`."""
+    return header_environment(("python", "platform", "cpu", "num_cpus", "torch_threads",
+                               "packages", "git_commit", "load_avg_1m", "numerics"),
+                              packages=("torch", "numpy", "numba"))
 
 
 def prepare_kvtc(args, bundle, log, info: Optional[dict] = None) -> str:
@@ -561,8 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="cpu (this benchmark) or cuda: run the Triton GPU benchmark "
                     "(python -m bench.triton --device cuda; other options go to it)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"synthetic KV {QUICK_SHAPE} (L,T,H,D), no model, ppl columns null")
+    flags.add_quick(ap, help=f"synthetic KV {QUICK_SHAPE} (L,T,H,D), no model, ppl columns null")
     ap.add_argument("--kv", nargs="+", help="KV dumps (python -m kv_extraction_hf); with the "
                     "model loaded, their continuation_ids give perplexity")
     ap.add_argument("--no-model", action="store_true", help="do not load a model (no ppl)")
@@ -570,21 +552,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="kvtc calibration artifact for the kvtc rows (python -m "
                          "kv_extraction_hf.calibrate --out FILE); default: the model's "
                          "default calibration")
-    ap.add_argument("--model", default=None, help="model spec for kv_extraction_hf.load_model "
-                    "(default: the embedded SmolLM2-135M-Instruct)")
+    flags.add_model(ap)
     ap.add_argument("--task", default="pydoc_ppl", help="prompt task (default pydoc_ppl: "
                     "natural text + held-out 256-token continuation)")
     ap.add_argument("--contexts", type=int, default=4,
                     help="contexts to average over (ppl of one context moves ~0.5%% by noise)")
-    ap.add_argument("--context-tokens", type=int, default=2048)
+    flags.add_context_tokens(ap, default=2048)
     ap.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
     ap.add_argument("--rows", nargs="+", help="codec[:level] rows (default: all codecs and "
                     "levels)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats after a warm-up")
-    ap.add_argument("--seed", type=int, default=0)
+    flags.add_repeats(ap, default=3, help="timed repeats after a warm-up, count (default 3)")
+    flags.add_seed(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--out", default=None, help="JSON output (default benchmarks/"
-                    "codec_bench.json, --quick: benchmarks/tmp/codec_bench_quick.json)")
+    flags.add_out(ap, help="result file (JSON, atomically; default benchmarks/codec_bench.json, "
+                  "--quick: benchmarks/tmp/codec_bench_quick.json)")
     args = ap.parse_args(argv)
     if args.contexts < 1 or args.repeats < 1 or args.context_tokens < 2:
         ap.error("--contexts, --repeats must be >= 1 and --context-tokens >= 2")
@@ -652,10 +633,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "after one warm-up on this machine (busy machines give low figures).",
         "rows": rows, "codec_layers": layer_rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out)
+    atomic_write_json(out, doc, indent=1)
     print_table(rows)
     print(f"\nwrote {out}", file=sys.stderr)
     return 0

@@ -3,10 +3,10 @@
 Purpose: the speed figures of CacheGen's arithmetic-coding stage (Liu et al., SIGCOMM 2024,
 section 5.2) as this project realises it (the rANS coder of docs/bitstream.md sections 2-3;
 J. Duda, "Asymmetric numeral systems", arXiv:1311.2540; interleaved streams after
-F. Giesen's ryg_rans). Not a test: it prints figures (medians over --reps after one
+F. Giesen's ryg_rans). Not a test: it prints figures (medians over --repeats after one
 warm-up). Figures from a busy machine are not final.
 
-    python -m bench.coder rans [--layers 30 --tokens 1024 --channels 192 --reps 5]
+    python -m bench.coder rans [--layers 30 --tokens 1024 --channels 192 --repeats 5]
         numba rANS (codec.rans_cpu) encode/decode Msym/s, 1 thread and parallel, vs
         constriction on the same symbols; --npz FILE for real symbols
     python -m bench.coder entropy [--npz FILE]
@@ -27,6 +27,7 @@ import numpy as np
 from codec import probability as prob
 from codec.entropy import decode_symbols, encode_symbols
 from codec.rans_cpu import PROB_SCALE, decode_streams, encode_streams
+from common import flags
 
 
 def _numba_threads() -> Optional[int]:
@@ -74,7 +75,7 @@ def rans_bench(argv=None) -> int:
     ap.add_argument("--channels", type=int, default=192)
     ap.add_argument("--nbins", type=int, default=16)
     ap.add_argument("--channels-per-stream", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=5)
+    flags.add_repeats(ap, default=5)
     ap.add_argument("--no-constriction", action="store_true")
     ap.add_argument("--npz", default=None, help="real symbols: sym_k, sym_v [L, T, C], nbins_k, nbins_v "
                     "(models from codec.probability.build_models); default: synthetic")
@@ -101,7 +102,7 @@ def rans_bench(argv=None) -> int:
     for par in (False, True):
         encode_streams(sk, sv, cum, mi, G, T, parallel=par)  # warm-up / compile
         te, td, ce, cd = [], [], [], []
-        for _ in range(a.reps):
+        for _ in range(a.repeats):
             c0, t0 = time.process_time(), time.perf_counter()
             pay, lens = encode_streams(sk, sv, cum, mi, G, T, parallel=par)
             c1, t1 = time.process_time(), time.perf_counter()
@@ -117,7 +118,7 @@ def rans_bench(argv=None) -> int:
         # the code costs per core regardless of how long it waited for one
         print(f"numba rANS {tag:8s}: encode {n / np.median(te) / 1e6:7.1f} Msym/s wall "
               f"({n / np.median(ce) / 1e6:5.0f} Msym per CPU-s), decode {n / np.median(td) / 1e6:7.1f} Msym/s wall "
-              f"({n / np.median(cd) / 1e6:5.0f} Msym per CPU-s) (median of {a.reps}); payload "
+              f"({n / np.median(cd) / 1e6:5.0f} Msym per CPU-s) (median of {a.repeats}); payload "
               f"{pay.size} B = {100 * (pay.size * 8 / bits - 1):+.3f}% vs cross-entropy, "
               f"+{lens.size * 2} B length table")
     if a.no_constriction:
@@ -135,7 +136,7 @@ def rans_bench(argv=None) -> int:
              for kv, s in enumerate((sk, sv)) for layer in range(L) for c in range(C)]
     for coder_name in ("RangeEncoder", "AnsCoder"):
         te, td = [], []
-        for _ in range(max(2, a.reps // 2)):
+        for _ in range(max(2, a.repeats // 2)):
             if coder_name == "RangeEncoder":
                 enc = constriction.stream.queue.RangeEncoder()
                 t0 = time.perf_counter()
@@ -191,7 +192,7 @@ def entropy_bench(argv=None) -> int:
     ap.add_argument("--npz", default=None)
     ap.add_argument("--channels-per-stream", type=int, default=4)
     ap.add_argument("--tokens-per-stream", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
+    flags.add_repeats(ap, default=3)
     a = ap.parse_args(argv)
     if a.npz:
         d = np.load(a.npz)
@@ -215,7 +216,7 @@ def entropy_bench(argv=None) -> int:
     n = 2 * sk.size
     encode_symbols(sk[:, :2], sv[:, :2], nbk, nbv)  # compile / warm up
     te, td = [], []
-    for _ in range(a.reps):
+    for _ in range(a.repeats):
         t0 = time.perf_counter()
         enc = encode_symbols(sk, sv, nbk, nbv, a.channels_per_stream, a.tokens_per_stream)
         t1 = time.perf_counter()
@@ -234,7 +235,7 @@ def entropy_bench(argv=None) -> int:
     print(f"models {enc.model_bytes} B = {100 * enc.model_bytes / tot:.2f}% of {tot} B; "
           f"total {100 * (tot * 8 / enc.ideal_bits - 1):+.2f}% vs ideal")
     print(f"encode_symbols {n / np.median(te) / 1e6:.1f} Msym/s, decode_symbols {n / np.median(td) / 1e6:.1f} Msym/s "
-          f"(median of {a.reps}; both include model building / table validation)")
+          f"(median of {a.repeats}; both include model building / table validation)")
     return 0
 
 

@@ -3,7 +3,7 @@
 Paper: CacheGen section 5 evaluates streaming at fixed bandwidths; this checks that our
 link delivers them (goal: measured goodput within 10% of the setting).
 
-Run: python -m bench.linkcheck --bandwidth-mbps 100 500 1000 --json linkcheck.json
+Run: python -m bench.linkcheck --bandwidth-mbps 100 500 1000 --out linkcheck.json
 Each JSON row: target_mbps, measured_mbps, method, bytes, seconds (median repeat),
 repeats_mbps, within_10pct, burst_bytes, burst_rule, short_transfers (96 KiB / 256 KiB /
 1 MiB transfers after a 50 ms idle gap: median Mbit/s and ratio to the target - the shaper's
@@ -14,7 +14,6 @@ request to receiving the last byte), median over --repeats transfers of --second
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -24,6 +23,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from common import flags
+from common.header import atomic_write_json
+from common.units import goodput_mbps, mbps_to_bytes_per_s
 
 _REQ = struct.Struct("<Q")
 _BLOCK = bytes(256 * 1024)
@@ -101,7 +104,7 @@ def measure_goodput(addr: tuple[str, int], nbytes: int) -> tuple[float, float]:
                 raise ConnectionError(f"source closed after {got} of {nbytes} bytes")
             got += r
         dt = time.perf_counter() - t0
-    return dt, nbytes * 8 / dt / 1e6
+    return dt, goodput_mbps(nbytes, dt)
 
 
 SHORT_SIZES = (96 * 1024, 256 * 1024, 1024 * 1024)
@@ -129,7 +132,7 @@ def check_rate(rate_mbps: float, method: str = "auto", seconds: float = 3.0, rep
     """Set up a link at rate_mbps, measure goodput `repeats` times -> one JSON row."""
     from streaming.link import ShapedLink
 
-    nbytes = max(2 << 20, int(rate_mbps * 1e6 / 8 * seconds))
+    nbytes = max(2 << 20, int(mbps_to_bytes_per_s(rate_mbps) * seconds))
     with ShapedLink(rate_mbps, method=method) as link:
         proc, addr = start_source(link)
         measure_goodput(addr, min(nbytes, 1 << 20))  # warm-up (TCP slow start, ARP), excluded
@@ -156,11 +159,12 @@ def check_rate(rate_mbps: float, method: str = "auto", seconds: float = 3.0, rep
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.linkcheck", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bandwidth-mbps", type=float, nargs="+", default=[100.0, 500.0, 1000.0])
-    ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
+    flags.add_bandwidth(ap, nargs="+", default=[100.0, 500.0, 1000.0],
+                        help="target link rates, Mbit/s (default %(default)s)")
+    flags.add_link_method(ap)
     ap.add_argument("--seconds", type=float, default=3.0, help="length of one transfer at the target rate")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=None, help="write the rows here (atomically)")
+    flags.add_repeats(ap, default=3)
+    flags.add_out(ap, type=Path, help="write the rows here (JSON, atomically)")
     ap.add_argument("--serve-source", metavar="HOST", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_source:
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for r in a.bandwidth_mbps:
-            row = check_rate(r, a.method, a.seconds, a.repeats)
+            row = check_rate(r, a.link_method, a.seconds, a.repeats)
             rows.append(row)
             print(f"{row['target_mbps']:>8.1f} Mbit/s target  {row['measured_mbps']:>8.2f} measured  "
                   f"method={row['method']}  runs={row['repeats_mbps']}  within10%={row['within_10pct']}", flush=True)
@@ -179,10 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     except (LinkError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.json:
-        tmp = a.json.with_suffix(a.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=2))
-        os.replace(tmp, a.json)
+    if a.out:
+        atomic_write_json(a.out, rows, indent=2)
     return 0
 
 

@@ -22,7 +22,6 @@ of the container our store path keeps for the same chunk.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import select
 import statistics
@@ -31,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+from common import flags
+from common.header import atomic_write_json
 
 
 def _planes(k, v):
@@ -286,8 +288,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="LMCache chunk size in tokens (default 256, LMCache's)")
     ap.add_argument("--kvtc-calibration", default=None, metavar="FILE",
                     help="kvtc calibration artifact (kvtc rows only with it)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/tmp/lmcache_bench.json"))
+    flags.add_repeats(ap, default=3)
+    flags.add_out(ap, type=Path, default=Path("benchmarks/tmp/lmcache_bench.json"),
+                  help="result file (JSON, atomically; default %(default)s)")
     args = ap.parse_args(argv)
     if not (args.estimate or args.sizes):
         ap.error("give --estimate and/or --sizes")
@@ -317,10 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc["estimate"] = run_estimate(ctxs, args.chunk_size, cal, log)
     if args.sizes:
         doc["sizes"] = run_sizes(ctxs, args.chunk_size, cal, args.redis, args.repeats, log)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    tmp.replace(args.out)
+    atomic_write_json(args.out, doc, indent=1, default=str)
     print(f"wrote {args.out}")
     return 0
 

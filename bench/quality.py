@@ -50,8 +50,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -59,6 +57,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from common import flags
+from common.header import atomic_write_json
+from common.header import environment as header_environment
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "quality.json"
@@ -767,16 +769,11 @@ def print_task_paths(info: dict, out=None) -> None:
 
 
 def environment() -> dict:
-    """Versions, CPU count and torch threads of this run, and ``numerics`` (CPU vendor and
-    model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses: ``harness.machine``)."""
-    import transformers
-
-    from harness.machine import numerics
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "numpy": np.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "numerics": numerics()}
+    """quality.json's ``environment``: versions, CPU count and torch threads of this run, and
+    ``numerics`` (CPU vendor and model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses:
+    ``common.machine``); computed by :func:`common.header.environment`."""
+    return header_environment(("python", "torch", "transformers", "numpy", "platform",
+                               "cpu_count", "torch_threads", "numerics"))
 
 
 def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print,
@@ -823,10 +820,7 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)   # never a half-written file
+    atomic_write_json(path, doc, indent=1)   # never a half-written file
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -842,18 +836,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "docs/codec.md section 5b). --quick: "
                     "a smoke run, 4 windows x (512 + 128) tokens + 4 requests of 512-1024 tokens.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 4 windows x (512 + 128) tokens and 4 task requests (needle 512/1024 tokens, "
+    flags.add_quick(p, help="smoke run: 4 windows x (512 + 128) tokens and 4 task requests (needle 512/1024 tokens, "
                         "topic 512); too few samples to rank codecs")
     p.add_argument("--windows", type=int, default=None, help="number of windows (default 32; quick 4)")
-    p.add_argument("--context", type=int, default=None, help="context tokens per window (default 2048; quick 512)")
+    flags.add_context_tokens(p, aliases=("--context",),
+                             help="context tokens per window, tokens (default 2048; quick 512)")
     p.add_argument("--continuation", type=int, default=None,
                    help="continuation tokens per window (default 256; quick 128)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the window offsets / task prompts (default 0)")
+    flags.add_seed(p, help="seed of the window offsets / task prompts (default 0)")
     p.add_argument("--codecs", default="all",
                    help="'all' (every registered codec and level) or 'name[:l1,l2];name2' (default all)")
-    p.add_argument("--data-path", default=None,
-                   help="folder with WikiText-2 test.txt / wiki.test.raw (default: the hub if reachable, "
+    flags.add_data_path(p, help="folder with WikiText-2 test.txt / wiki.test.raw (default: the hub if reachable, "
                         "else a shared/data/wikitext-2 folder beside the repository)")
     p.add_argument("--codec-workers", type=int, default=DEFAULT_CODEC_WORKERS,
                    help=f"codecs encoded + decoded at once by threads (default {DEFAULT_CODEC_WORKERS}; "
@@ -863,11 +856,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codecs whose continuation runs in one batched forward (default %(default)s; each "
                         "codec's logits are those of its own batch-1 forward, bit for bit; 1 = one forward "
                         "per codec, least memory)")
-    p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
+    flags.add_model(p)
     p.add_argument("--kvtc-calibration", type=Path, default=None, metavar="FILE",
                    help="a kvtc calibration artifact to measure (python -m kv_extraction_hf.calibrate "
                         "--out FILE) instead of the model's default calibration")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file (default benchmarks/quality.json)")
+    flags.add_out(p, type=Path, default=DEFAULT_OUT,
+                  help="results file (JSON, atomically; default benchmarks/quality.json)")
     p.add_argument("--tasks", action="store_true", help=argparse.SUPPRESS)   # tasks are measured by default now
     p.add_argument("--no-tasks", action="store_true", help="skip the task answers (text fidelity only)")
     p.add_argument("--tasks-only", action="store_true",
@@ -947,7 +941,7 @@ def _main(args, argv: list[str]) -> int:
     from kv_extraction_hf.wikitext import load_wikitext2_split
 
     windows = _positive("--windows", args.windows if args.windows is not None else (4 if args.quick else 32))
-    context = _positive("--context", args.context if args.context is not None else (512 if args.quick else 2048))
+    context = _positive("--context-tokens", args.context_tokens if args.context_tokens is not None else (512 if args.quick else 2048))
     continuation = _positive("--continuation", args.continuation if args.continuation is not None
                              else (QUICK_CONTINUATION if args.quick else 256))
     batch = _positive("--batch", args.batch)

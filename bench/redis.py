@@ -7,7 +7,7 @@ store and are streamed to the engine on reuse, decoding chunk k while chunk k+1 
 The chunks are stand-ins of the real size with real decode work (streaming.standin).
 Not a test: prints one JSON line per (rate, setup); medians over --repeats, warm-up excluded.
 
-Run: python -m bench.redis --rate-mbps 100 1000 --repeats 3     (docs/redis.md)
+Run: python -m bench.redis --bandwidth-mbps 100 1000 --repeats 3     (docs/redis.md)
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import Sequence
 
+from common import flags
+from common.units import goodput_mbps
 from streaming import standin
 from streaming.client import stream_load
 from streaming.errors import StoreError
@@ -62,7 +64,7 @@ def bench(rates_mbps: Sequence[float], chunks: int, chunk_mb: float, repeats: in
                     med = statistics.median(times)
                     rows.append({"rate_mbps": rate, "link": link.method, "setup": name, "bytes": res.bytes,
                                  "load_s_median": med, "load_s_min": min(times), "load_s_max": max(times),
-                                 "goodput_mbps": res.bytes * 8 / med / 1e6, "repeats": repeats})
+                                 "goodput_mbps": goodput_mbps(res.bytes, med), "repeats": repeats})
             finally:
                 for handle, client in setups.values():
                     client.close()
@@ -77,18 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         description="Benchmark: load a stored context through the shaped link from the local-folder "
                     "store, the store server over Redis, and Redis directly (prints JSON lines).",
     )
-    ap.add_argument("--rate-mbps", type=float, nargs="+", default=[100.0, 1000.0])
+    flags.add_bandwidth(ap, nargs="+", default=[100.0, 1000.0],
+                        help="link rates, Mbit/s (default %(default)s)")
     ap.add_argument("--chunks", type=int, default=4, help="chunks per context (default 4: ~4K tokens)")
     ap.add_argument("--chunk-mb", type=float, default=3.7,
                     help="bytes per chunk in MB (default 3.7: a 1024-token SmolLM2 chunk, ~6x under bf16)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--link-method", default="auto", choices=["auto", "netns", "userspace"])
+    flags.add_repeats(ap, default=3)
+    flags.add_link_method(ap)
     a = ap.parse_args(argv)
     if a.chunks < 1 or a.repeats < 1 or a.chunk_mb <= 0:
         print("error: --chunks, --repeats and --chunk-mb must be positive", file=sys.stderr)
         return 2
     try:
-        for row in bench(a.rate_mbps, a.chunks, a.chunk_mb, a.repeats, a.link_method):
+        for row in bench(a.bandwidth_mbps, a.chunks, a.chunk_mb, a.repeats, a.link_method):
             print(json.dumps(row), flush=True)
     except (StoreError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

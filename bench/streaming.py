@@ -6,11 +6,11 @@ Paper: CacheGen section 5 (pipelined streaming, adaptation). Two experiments:
             overlaps the transfer of chunk k+1) and (b) sequentially (fetch, decode, fetch,
             ...), side by side in one run. Decode is the stand-in codec doing real CPU work
             (SHA-256 rounds calibrated to --decode-s per chunk).
-      python -m bench.streaming pipeline --rate-mbps 100 --chunks 8 --chunk-bytes 1000000 --decode-s 0.08
+      python -m bench.streaming pipeline --bandwidth-mbps 100 --chunks 8 --chunk-bytes 1000000 --decode-s 0.08
   adapt:    store a context at 3 levels, load it with AdaptivePolicy while the shaper follows
             a bandwidth trace (constant:MBPS, step:A,B,C[:PER] or artifact[:I], the artifact's
             Gbit/s scaled by 1/10 to Mbit/s); text chunks are charged tokens / --prefill-tps.
-      python -m bench.streaming adapt --trace artifact --slo-s 5 --json adapt.json
+      python -m bench.streaming adapt --trace artifact --slo-s 5 --out adapt.json
 
 Every output row records the link method. Figures measured on a shared 2-core machine are
 indicative only.
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from common import flags
+from common.header import atomic_write_json
 from streaming import standin
 from streaming.adapt import AdaptivePolicy
 from streaming.client import stream_load
@@ -134,9 +135,7 @@ def run_adapt(traces: list[Trace], level_bytes: dict[int, int], tokens: int, slo
 
 def _write(path: Path | None, doc) -> None:
     if path:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2))
-        os.replace(tmp, path)
+        atomic_write_json(path, doc, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n")[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pipeline")
-    p.add_argument("--rate-mbps", type=float, default=100.0)
+    flags.add_bandwidth(p, default=100.0)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--chunk-bytes", type=int, default=1_000_000)
     p.add_argument("--decode-s", type=float, default=0.08, help="target stand-in decode seconds per chunk")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
-    p.add_argument("--json", type=Path)
+    flags.add_repeats(p, default=3)
+    flags.add_link_method(p)
+    flags.add_out(p, type=Path, help="also write the row here (JSON, atomically)")
     a2 = sub.add_parser("adapt")
     a2.add_argument("--trace", default="artifact", help="constant:MBPS | step:A,B,C[:PER] | artifact[:I]")
     a2.add_argument("--chunks", type=int, default=10, help="chunks for constant/step traces")
@@ -161,23 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     a2.add_argument("--slo-s", type=float, default=0.5)
     a2.add_argument("--prefill-tps", type=float, default=30000.0, help="engine prefill tokens/s for text chunks")
     a2.add_argument("--decode-s", type=float, default=0.01)
-    a2.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
-    a2.add_argument("--json", type=Path)
+    flags.add_link_method(a2)
+    flags.add_out(a2, type=Path, help="also write the chunks and summaries here (JSON, atomically)")
     a = ap.parse_args(argv)
     from streaming.errors import StreamingError
 
     try:
         if a.cmd == "pipeline":
-            row = run_pipeline(a.rate_mbps, a.chunks, a.chunk_bytes, a.decode_s, a.method, a.repeats)
+            row = run_pipeline(a.bandwidth_mbps, a.chunks, a.chunk_bytes, a.decode_s, a.link_method,
+                               a.repeats)
             print(json.dumps(row, indent=1))
-            _write(a.json, row)
+            _write(a.out, row)
         else:
             traces = parse_trace(a.trace, a.chunks)
             rows, sums = run_adapt(traces, dict(zip((1, 2, 3), a.level_bytes)), a.tokens_per_chunk, a.slo_s,
-                                   a.prefill_tps, a.method, a.decode_s)
+                                   a.prefill_tps, a.link_method, a.decode_s)
             viol = sum(s["slo_violated"] for s in sums)
             print(f"SLO violations: {viol}/{len(sums)}")
-            _write(a.json, {"chunks": rows, "summaries": sums})
+            _write(a.out, {"chunks": rows, "summaries": sums})
     except (StreamingError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

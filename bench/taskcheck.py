@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from common import flags
 from kv_extraction_hf.errors import ExtractionError
 
 
@@ -65,14 +66,15 @@ def run(task: str, context_tokens: int, num_contexts: int, seed: int = 0, model=
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.taskcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="needle")
-    parser.add_argument("--context-tokens", type=int, nargs="+", default=[1024])
+    flags.add_context_tokens(parser, nargs="+", default=[1024],
+                             help="context sizes, tokens (default %(default)s)")
     parser.add_argument("--num-contexts", type=int, default=6)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--data-path", default=None)
+    flags.add_seed(parser)
+    flags.add_model(parser)
+    flags.add_data_path(parser, help="your data for tasks longchat / longbench / jsonl (JSONL file)")
     parser.add_argument("--index-style", default=None, help="longchat_lines: int or words")
     parser.add_argument("--turn-tokens", type=int, default=None, help="topic_retrieval: tokens per reply")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    flags.add_verbose(parser, help="print every record")
     args = parser.parse_args(argv)
     kwargs = {}
     if args.index_style:

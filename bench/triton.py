@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +33,9 @@ import numpy as np
 import torch
 
 from codec import triton_kernels as tk
+from common import flags
+from common.header import atomic_write_json
+from common.header import environment as header_environment
 
 # LMCache/CacheGen default schedule for a 7B model (LMCache cachegen_basics.py)
 LAYERS_7B, HEADS_7B, HEAD_DIM_7B, TOKENS_7B = 32, 8, 128, 4096
@@ -241,21 +243,13 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
 
 
 def environment(device: str) -> dict:
-    """Date, GPU, versions (for docs/gpu.md records)."""
-    import triton
-    env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               python=platform.python_version(), torch=torch.__version__,
-               triton=triton.__version__, numpy=np.__version__, cpu_count=os.cpu_count(),
-               interpret=tk.interpreting())
+    """Date, GPU, versions (for docs/gpu.md records; :func:`common.header.environment`)."""
+    env = header_environment(("date", "python", "torch", "triton", "numpy", "cpu_count",
+                              "interpret", "numba"), interpret=tk.interpreting())
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    try:
-        import numba
-        env["numba"] = numba.__version__
-    except ImportError:
-        env["numba"] = None
     return env
 
 
@@ -286,10 +280,11 @@ def main(argv=None) -> int:
                                  epilog="example: python -m bench.triton --device cuda")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1")
     ap.add_argument("--tiny", action="store_true", help="tiny shape (interpreter smoke run)")
-    ap.add_argument("--tokens", type=int, default=TOKENS_7B)
+    flags.add_context_tokens(ap, default=TOKENS_7B, aliases=("--tokens",),
+                             help="tokens of the 7B-shaped KV (default %(default)s)")
     ap.add_argument("--layers", type=int, default=LAYERS_7B)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default=None, help="also write the results here")
+    flags.add_repeats(ap, default=5)
+    flags.add_out(ap, help="also write the results here (JSON, atomically)")
     a = ap.parse_args(argv)
     if not tk.available():
         print("Triton unavailable (needs triton + a CUDA device, or TRITON_INTERPRET=1)",
@@ -301,11 +296,10 @@ def main(argv=None) -> int:
     if a.tiny:
         res = run(a.device, L=2, T=24, H=2, D=4, layouts=((4, None), (1, 8)), reps=1)
     else:
-        res = run(a.device, L=a.layers, T=a.tokens, reps=a.reps)
+        res = run(a.device, L=a.layers, T=a.context_tokens, reps=a.repeats)
     res["env"] = environment(a.device)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    if a.out:
+        atomic_write_json(a.out, res, indent=1)
     print(json.dumps(res["env"]))
     print(format_table(res))
     return 0 if all(res["checks"].values()) else 1

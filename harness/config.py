@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from codec import level_table as _level_table  # standard library only
+from common.flags import LINK_METHODS, ConfigFileError, load_config
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import check_data_flags
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
@@ -48,8 +47,10 @@ class RunConfig:
     bandwidth_mbps: tuple[float, ...] = (100.0, 500.0, 1000.0)
     modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive",
                               "kvtc")
-    levels: tuple[int, ...] | None = None
-    kvtc_levels: tuple[int, ...] | None = None
+    # the default run's levels, as configs/benchmark.yaml (tests/test_entry_flags.py checks
+    # every field against the file); None = every level of the codec
+    levels: tuple[int, ...] | None = (0, 1, 3, 5)
+    kvtc_levels: tuple[int, ...] | None = (4,)
     engine: str = "vllm"
     model: str | None = None
     tasks: tuple[str, ...] = ("needle",)
@@ -97,8 +98,8 @@ class RunConfig:
         if self.policy_preset not in POLICY_PRESETS:
             raise ConfigError(f"unknown policy_preset {self.policy_preset!r}; available: "
                               f"{', '.join(POLICY_PRESETS)}")
-        if self.link_method not in ("auto", "netns", "userspace"):
-            raise ConfigError("link_method must be auto, netns or userspace")
+        if self.link_method not in LINK_METHODS:
+            raise ConfigError(f"link_method must be {', '.join(LINK_METHODS[:-1])} or {LINK_METHODS[-1]}")
         try:
             check_data_flags(self.tasks, self.data_path, self.data_map)
         except ExtractionError as exc:
@@ -123,17 +124,12 @@ class RunConfig:
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML config file into a dict; ConfigError on missing/malformed files or unknown keys."""
+    """Read a config file (YAML; TOML or JSON by suffix: ``common.flags.load_config``) into
+    a dict; ConfigError on missing/malformed files or unknown keys."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a mapping of keys to values")
+        data = load_config(path)
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
     known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(data) - known)
     if unknown:

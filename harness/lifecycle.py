@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.header import atomic_write_json
+
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "psm_"  # multiprocessing.shared_memory's name prefix (vLLM's message queues)
 TERM_GRACE_S = 3.0  # SIGTERM -> SIGKILL grace for a leftover process (vLLM exits in < 1 s)
@@ -180,9 +182,7 @@ class RunRegistry:
         self.close()
 
     def _write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.rec))
-        os.replace(tmp, self.path)
+        atomic_write_json(self.path, self.rec, indent=None)
 
     def add_dir(self, path: str | os.PathLike) -> None:
         """Record a temp folder of this run (removed by the next run if this one is killed)."""

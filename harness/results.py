@@ -1,26 +1,23 @@
 """results.json: the documented schema (docs/results-schema.md), run records, atomic
 writes, the console summary table.
 
-Every finished run is appended and the whole document is rewritten atomically (temp file
-+ ``os.replace``), so an interrupted benchmark keeps the records already finished; the
-document says ``"complete": false`` until the run's last write. Summaries come from
-:func:`evaluation.summary.summarize` (one path for the harness, the figures, the notebook).
+Every finished run is appended and the whole document is rewritten atomically
+(``common.header.atomic_write_json``: temp file + ``os.replace``), so an interrupted
+benchmark keeps the records already finished; the document says ``"complete": false``
+until the run's last write. Summaries come from :func:`evaluation.summary.summarize` (one
+path for the harness, the figures, the notebook).
 
 Run: used by ``python run_benchmarks.py``; ``python -m harness.results FILE`` validates a file.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
-import platform
-import subprocess
 import sys
-import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from common.header import atomic_write_json, git_commit, utc_now  # noqa: F401 - re-exported
+from common.header import environment as header_environment
 from evaluation.summary import plot_label, summarize
 
 SCHEMA_VERSION = 1
@@ -38,93 +35,14 @@ class ResultsError(ValueError):
     """A results document that does not follow the schema."""
 
 
-def utc_now() -> str:
-    """Current UTC time as ISO-8601 with a trailing ``Z`` (seconds resolution)."""
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def git_commit(repo: Path | None = None) -> str | None:
-    """The repository's HEAD commit hash, or None outside git / without commits."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo or Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def environment(link_method: str | None = None) -> dict[str, Any]:
-    """Describe the machine and software: python, CPU, GPU, package versions, link method,
-    and ``numerics`` (what changes bf16 results: CPU vendor/model, AMX / AVX512-BF16 /
-    AVX2 flags, torch's CPU capability, the ISA oneDNN uses; ``harness.machine.numerics``)."""
-    from harness.machine import numerics
-
-    packages = {}
-    for name in PACKAGES:
-        try:
-            packages[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    gpu = None
-    try:
-        import torch  # local import: results.json writing must not require torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - any torch problem just means "no GPU info"
-        gpu = None
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "num_cpus": os.cpu_count(),
-        "gpu": gpu,
-        "packages": packages,
-        "link_method": link_method,
-        "numerics": numerics(),
-    }
-
-
-def atomic_write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` as JSON to ``path`` through a temporary file and ``os.replace``.
-
-    Raises:
-        OSError: the folder cannot be written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=False, default=_json_default)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+    """The ``environment`` header of results.json (docs/results-schema.md): python, platform,
+    CPU, CPU count, GPU, package versions, link method, and ``numerics`` (what changes bf16
+    results: CPU vendor/model, AMX / AVX512-BF16 / AVX2 flags, torch's CPU capability, the
+    ISA oneDNN uses; ``common.machine.numerics``). Computed by :func:`common.header.environment`."""
+    return header_environment(("python", "platform", "cpu", "num_cpus", "gpu", "packages",
+                               "link_method", "numerics"), packages=PACKAGES,
+                              link_method=link_method)
 
 
 class ResultsWriter:

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import flags
 from kv_extraction_hf.dataflags import add_data_flags, data_map_from_args
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import DATA_PATH_TASKS, TASKS, USER_DATA_TASKS, check_data_flags
@@ -30,15 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kv_extraction_hf",
         description="Prefill contexts and dump their KV caches (safetensors), or generate from a dump.",
         epilog="Tasks: " + ", ".join(TASKS) + ". The default model is SmolLM2-135M-Instruct (embedded).")
-    parser.add_argument("--model", default=None,
-                        help="HF hub id, local HF folder or .gguf path (default: the embedded SmolLM2-135M-Instruct)")
+    flags.add_model(parser)
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: the model's own)")
     parser.add_argument("--task", default="needle", help="prompt generator / dataset (default: needle)")
-    parser.add_argument("--context-tokens", type=int, default=1024, help="context size in tokens (default: 1024)")
+    flags.add_context_tokens(parser, default=1024)
     parser.add_argument("--num-contexts", type=int, default=1, help="number of contexts to dump (default: 1)")
-    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    flags.add_seed(parser, help="prompt seed (default: 0)")
     add_data_flags(parser)
-    parser.add_argument("--out", default=None, help="output folder for the dumps (required unless --generate)")
+    flags.add_out(parser, help="output folder for the dumps (required unless --generate)")
     parser.add_argument("--generate", nargs="+", metavar="DUMP", default=None,
                         help="inject these dumps into the model and print the greedy continuation")
     parser.add_argument("--max-new-tokens", type=int, default=None,

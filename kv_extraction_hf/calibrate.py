@@ -9,11 +9,11 @@ keys can be decorrelated before RoPE, and hands plain tensors to the codec's pur
 ``fit_calibration``. That is why the command is ``python -m kv_extraction_hf.calibrate``
 and not ``python -m codec.calibrate``.
 
-    python -m kv_extraction_hf.calibrate --model default --data wiki.valid.raw --out cal.safetensors
+    python -m kv_extraction_hf.calibrate --model default --data-path wiki.valid.raw --out cal.safetensors
     python -m kv_extraction_hf.calibrate --model default --default   # (re)make the cached default
 
 Calibrate on text you do not evaluate on (WikiText-2 *validation* for WikiText-2 test
-measurements, with ``--data FILE``). ``default_calibration(bundle)`` returns the model's
+measurements, with ``--data-path FILE``). ``default_calibration(bundle)`` returns the model's
 default calibration, fitted on first use on the default calibration text (the standard
 library's docstring prose, ``kv_extraction_hf.calibration_text``: on every machine
 offline, no sentence shared with the pydoc_data.topics text the main job evaluates on)
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from common import flags
 from kv_extraction_hf.errors import ExtractionError
 
 __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calibrate", "default_calibration",
@@ -449,7 +450,7 @@ def _default_text() -> tuple[str, dict]:
 
 
 def file_text(path: str | os.PathLike) -> tuple[str, dict]:
-    """(text, record) of a user's calibration file (``--data FILE``: raw text, or WikiText-2
+    """(text, record) of a user's calibration file (``--data-path FILE``: raw text, or WikiText-2
     ``.raw`` / ``.tokens`` / ``.parquet``). record: source "file", description (the file's
     name), sha256 (of the UTF-8 text used), chars. Raises ExtractionError."""
     from kv_extraction_hf.datasets_loaders import load_wikitext2
@@ -547,14 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kv_extraction_hf.calibrate",
         description="Fit a KVTC calibration (PCA bases + bit allocation) for a model on "
                     "calibration text and write it as a safetensors artifact.")
-    ap.add_argument("--model", default="default", help="HF id, local folder, GGUF, or "
-                    "'default' (the embedded SmolLM2-135M)")
-    ap.add_argument("--data", default=None, help="calibration text: a raw text file, or "
-                    "WikiText-2 validation (.raw / .tokens / .parquet) if you have it "
-                    "(default: the standard library's docstring prose, "
-                    "kv_extraction_hf.calibration_text, on every machine offline)")
-    ap.add_argument("--out", default=None, help="artifact path or folder (default: the "
-                    "cache folder, <cache>/kvtc/<hash>.safetensors)")
+    flags.add_model(ap, default="default", help="HF id, local folder, GGUF, or 'default' "
+                    "(the embedded SmolLM2-135M)")
+    flags.add_data_path(ap, help="calibration text: a raw text file, or WikiText-2 validation "
+                        "(.raw / .tokens / .parquet) if you have it (default: the standard "
+                        "library's docstring prose, kv_extraction_hf.calibration_text, on every "
+                        "machine offline)")
+    flags.add_out(ap, help="artifact path or folder (default: the cache folder, "
+                  "<cache>/kvtc/<hash>.safetensors)")
     ap.add_argument("--default", action="store_true", help="make (or show) the model's "
                     "cached default calibration instead")
     ap.add_argument("--windows", type=int, default=DEFAULT_SETTINGS["windows"],
@@ -642,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{path} ({time.perf_counter() - t0:.1f} s)")
             return 0
         else:
-            if args.data:
-                text, rec = file_text(args.data)
+            if args.data_path:
+                text, rec = file_text(args.data_path)
             else:
                 text, rec = _default_text()
             cal = calibrate(bundle, text, windows=args.windows,

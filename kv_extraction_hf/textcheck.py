@@ -3,7 +3,7 @@ ai-microcore #74): JSON allows escapes of lone UTF-16 surrogates (``"\\ud800"``)
 a Python ``str`` no UTF-8 encoder or tokenizer accepts (HF tokenizers fail deep inside
 with ``TypeError: TextEncodeInput must be Union[...]``), and a NUL character marks binary
 data, not text. Every data path (``--data-path`` JSONL rows, LongBench files, WikiText
-files and the hub split, the calibration ``--data`` text) and the prompt builder's
+files and the hub split, the calibration ``--data-path`` text) and the prompt builder's
 tokenizer calls run it, so bad text is one ExtractionError line (exit 2 in the CLIs).
 Library module, no command.
 """

@@ -33,6 +33,7 @@ import random
 import sys
 from pathlib import Path
 
+from common import flags
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.textcheck import check_text
 
@@ -183,7 +184,7 @@ def token_windows(num_tokens: int, window: int, count: int, seed: int = 0) -> li
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_extraction_hf.wikitext", description=__doc__.split("\n")[0])
-    parser.add_argument("--data-path", default=None, help="folder (or file) holding the WikiText-2 split")
+    flags.add_data_path(parser, help="folder (or file) holding the WikiText-2 split")
     parser.add_argument("--split", default="test", help="test (evaluation) or valid (fitting)")
     parser.add_argument("--no-hub", action="store_true", help="do not try the hub")
     parser.add_argument("--tokens", action="store_true", help="also count the default model's tokens")

@@ -44,6 +44,9 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))
 
 from bench import adapt as B  # noqa: E402
+from common import flags  # noqa: E402
+from common.header import atomic_write_json  # noqa: E402
+from common.units import mbps_to_bytes_per_s  # noqa: E402
 from streaming.adapt import FixedPolicy, oracle, oracle_labels, simulate  # noqa: E402
 from streaming.traces import Trace, artifact_generated, constant, synthetic_uniform  # noqa: E402
 
@@ -146,7 +149,7 @@ class Bench:
         for s, traces in todo.items():
             rows0 = len(self.base)
             for tr in traces:
-                rates = [tr.at(k) * 1e6 / 8 for k in range(n)]
+                rates = [mbps_to_bytes_per_s(tr.at(k)) for k in range(n)]
                 labels = oracle_labels(self.model, rates)
                 for slo in slos:
                     o = oracle(self.model, rates, slo, labels=labels)
@@ -259,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="candidate names to run (default: all)")
     ap.add_argument("--offsets", type=int, default=5, help="cyclic start offsets per tuning trace (default 5)")
     ap.add_argument("--sets", nargs="*", help="tuning sets (default: all)")
-    ap.add_argument("--out", type=Path)
+    flags.add_out(ap, type=Path, help="write the candidates' rows here (JSON)")
     ap.add_argument("--cache", type=Path, help="JSON file caching the oracle and fixed-level rows (they do "
                                                "not depend on the candidate)")
     ap.add_argument("--per-set", action="store_true", help="also print each tuning set's table")
@@ -305,8 +308,8 @@ def main(argv=None) -> int:
         print(f"picked by the round-6 rule: {best} {cands.get(best)}")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if a.out:
-        a.out.write_text(json.dumps({"candidates": cands, "results": results, "per_set": per_set, "picked": best,
-                                     "why": why}, indent=1, default=str))
+        atomic_write_json(a.out, {"candidates": cands, "results": results, "per_set": per_set,
+                                  "picked": best, "why": why}, indent=1, default=str)
     return 0
 
 

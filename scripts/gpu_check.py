@@ -10,7 +10,7 @@ Steps, each bounded:
   3. speed on a 7B-shaped KV (bench.triton), the table printed LAST.
 Exit status: 0 when every check passed, 1 otherwise, 2 when no GPU/Triton.
 
-Run (from the repository root): python -m scripts.gpu_check [--quick] [--json out.json]
+Run (from the repository root): python -m scripts.gpu_check [--quick] [--out out.json]
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ import traceback
 
 import numpy as np
 import torch
+
+from common import flags
+from common.header import atomic_write_json
 
 
 def correctness(device: str, tiny: bool = False, log=print) -> dict:
@@ -116,9 +119,9 @@ def correctness(device: str, tiny: bool = False, log=print) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Triton codec GPU check (correctness + speed)")
-    ap.add_argument("--quick", action="store_true", help="1K tokens instead of 4K in the speed part")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default=None)
+    flags.add_quick(ap, help="1K tokens instead of 4K in the speed part")
+    flags.add_repeats(ap, default=5)
+    flags.add_out(ap, help="also write the results here (JSON, atomically)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny shapes everywhere (smoke run under TRITON_INTERPRET=1 on a CPU)")
@@ -146,14 +149,13 @@ def main(argv=None) -> int:
     if a.tiny:
         res = tb.run(a.device, L=2, T=24, H=2, D=4, layouts=((4, None), (1, 8)), reps=1)
     else:
-        res = tb.run(a.device, T=1024 if a.quick else tb.TOKENS_7B, reps=a.reps,
+        res = tb.run(a.device, T=1024 if a.quick else tb.TOKENS_7B, reps=a.repeats,
                      extra_blocks=(32, 128))
     print(f"speed part: {time.time() - t0:.1f} s", flush=True)
     res["env"] = env
     res["correctness"] = checks
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    if a.out:
+        atomic_write_json(a.out, res, indent=1)
     ok = all(checks.values()) and all(res["checks"].values())
     print()
     print(f"== Triton codec on {env.get('gpu', a.device)} | torch {env['torch']} | triton "

@@ -9,7 +9,7 @@
 # the byte comparison and the CPU speed rows are skipped). Creates nothing but pip packages
 # and Triton/numba caches.
 #
-# Usage: bash scripts/gpu_check.sh [--quick] [--json out.json]
+# Usage: bash scripts/gpu_check.sh [--quick] [--out out.json]
 #   env PYTHON=/path/to/python to choose the interpreter (default: python3, else python).
 set -u
 cd "$(dirname "$0")/.." || exit 2

@@ -48,20 +48,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import flags  # noqa: E402
+from common.header import atomic_write_json  # noqa: E402
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/kvtc_tune.py")
     ap.add_argument("--variants", default="base,metric")
     ap.add_argument("--levels", default="3,4,5")
     ap.add_argument("--targets", default="", help="level=bits,... overrides")
     ap.add_argument("--windows", type=int, default=6)
-    ap.add_argument("--context", type=int, default=2048)
+    flags.add_context_tokens(ap, default=2048, aliases=("--context",),
+                             help="context tokens per evaluation window (default %(default)s)")
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--eval-from", type=int, default=120000)
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "kvtc_tune" / "samples.pt"),
                     help="where the calibration samples (and fitted variants) are cached")
     ap.add_argument("--cachegen", default="1")
-    ap.add_argument("--out", default="")
+    flags.add_out(ap, default="", help="also write the rows here (JSON)")
     ap.add_argument("--diag", action="store_true", help="also K-only / V-only error rows")
     ap.add_argument("--tiers", default="", help="position-graded precision simulations, "
                     "e.g. 2/128x5/384x3 (see the module docstring)")
@@ -74,7 +78,7 @@ def main() -> int:
                     "bench.quality codes a window)")
     ap.add_argument("--sinks", default="", help="comma-separated sink_tokens overrides to "
                     "measure besides the calibration's (e.g. 1,2)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import codec
     from codec import kvtc
@@ -180,13 +184,13 @@ def main() -> int:
     cals = {name: cached(name) for name in args.variants.split(",")}
     ids = bundle.tokenizer(text, add_special_tokens=False)["input_ids"]
     ev = ids[args.eval_from:]
-    win = args.context + args.continuation
+    win = args.context_tokens + args.continuation
     offs = token_windows(len(ev), win, args.windows, seed=0)
     rows: dict = {}
     cg = [int(x) for x in filter(None, args.cachegen.split(","))]
     for w, off in enumerate(offs):
-        ctx = ev[off:off + args.context]
-        cont = ev[off + args.context:off + win]
+        ctx = ev[off:off + args.context_tokens]
+        cont = ev[off + args.context_tokens:off + win]
         k, v = prefill_kv(bundle, ctx)
         ref = reference_scores(continuation_logits(bundle, k, v, ctx, cont), cont)
         sinks = [None] + [int(x) for x in filter(None, args.sinks.split(","))]
@@ -197,7 +201,7 @@ def main() -> int:
         first = next(iter(cals.values()))
         for spec in filter(None, args.tiers.split(",")):
             parts = spec.split("/")
-            bounds, end = [], args.context
+            bounds, end = [], args.context_tokens
             for item in filter(None, parts[1:]):         # (tokens, level), from the end
                 r_, b_ = (int(x) for x in item.split("x"))
                 bounds.append((end - r_, end, b_))
@@ -219,7 +223,7 @@ def main() -> int:
                 modes = [(name, None)]
             elif isinstance(sk, list):                   # --tiers --sim: the simulation
                 cfg = kvtc.KvtcConfig(calibration=cal)
-                blobs = [_encode_one(k[:, a:b], v[:, a:b], "kvtc", b_, cfg, a, args.context, i,
+                blobs = [_encode_one(k[:, a:b], v[:, a:b], "kvtc", b_, cfg, a, args.context_tokens, i,
                                      len(sk))[0] for i, (a, b, b_) in enumerate(sk)]
                 dec = [codec.decode_kv(x) for x in blobs]
                 k2 = torch.cat([x[0] for x in dec], 1)
@@ -250,7 +254,7 @@ def main() -> int:
                       flush=True)
         print(f"window {w + 1}/{len(offs)} done", flush=True)
     print(f"n = {len(offs)} validation windows x {args.continuation} tokens "
-          f"(context {args.context}); mean +- 1.96 sd/sqrt(n)")
+          f"(context {args.context_tokens}); mean +- 1.96 sd/sqrt(n)")
     for key, r in rows.items():
         n = len(r["kl"])
         kl, t1 = np.array(r["kl"]), np.array(r["top1"])
@@ -258,7 +262,7 @@ def main() -> int:
         print(f"{key:24s} {np.mean(r['ratio']):6.2f}x  KL {kl.mean():.4f} +- {h(kl):.4f}  "
               f"top-1 {t1.mean():.3f} +- {h(t1):.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows))
+        atomic_write_json(args.out, rows, indent=None)
     return 0
 
 

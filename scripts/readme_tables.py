@@ -46,7 +46,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's pa
     sys.path.insert(0, str(ROOT))
 
 from codec import level_table  # noqa: E402  (torch-free)
+from common.header import atomic_write_text  # noqa: E402
 from evaluation.stats import wilson_ci  # noqa: E402
 from evaluation.summary import plot_label, summarize  # noqa: E402
 
@@ -662,11 +662,7 @@ def _rel(path: Path) -> str:
 
 def _write(path: Path, text: str) -> None:
     """Replace ``path`` atomically (temp file in its folder, then rename), keeping its mode."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, path.stat().st_mode & 0o777)
-    os.replace(tmp, path)
+    atomic_write_text(path, text, keep_mode=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
 from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy object (issue 27.3)
     DEFAULT_PRESET,
     POLICY_INPUTS,
@@ -562,7 +563,7 @@ class AdaptivePolicy:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
         self.slo_s = float(slo_s)
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
-        init = None if initial_throughput_mbps is None else initial_throughput_mbps * 1e6 / 8
+        init = None if initial_throughput_mbps is None else mbps_to_bytes_per_s(initial_throughput_mbps)
         self.est = ThroughputEstimator(init, window=window, burst_bytes=burst_bytes,
                                        min_sample_bytes=min_sample_bytes, burst_s=burst_s,
                                        prior_error=prior_error, prior_until=prior_until,
@@ -590,7 +591,7 @@ class AdaptivePolicy:
         self._utility = utility
         self.text_utility = float(text_utility)
         pr = probe_rate_mbps or max(initial_throughput_mbps or 0.0, 1000.0)
-        self.probe_rate_bytes_s = float(pr) * 1e6 / 8
+        self.probe_rate_bytes_s = mbps_to_bytes_per_s(float(pr))
         self.max_abandons = int(max_abandons)
         self.robust = bool(robust)
         self.overrun_share = float(overrun_share)
@@ -831,8 +832,8 @@ class AdaptivePolicy:
             if self.decisions and self.decisions[-1].chunk == k:  # re-plan: keep the final one
                 self.decisions.pop()
             hm = self.est.estimate()
-            d = Decision(k, opt, reason, budget, cost, (first_rate or plan_rate) * 8 / 1e6, elapsed_s, fin,
-                         None if hm is None else hm * 8 / 1e6)
+            d = Decision(k, opt, reason, budget, cost, bytes_per_s_to_mbps(first_rate or plan_rate), elapsed_s, fin,
+                         None if hm is None else bytes_per_s_to_mbps(hm))
             self.decisions.append(d)
             self.history.append(d)
         return opt
@@ -920,7 +921,7 @@ class AdaptivePolicy:
                 if self._last_reason.get(k) == "probe":
                     self._probe_wait *= self.probe_backoff
                 self.history.append(Decision(k, level, "abandoned", self._last_choice.get(k, (None, None))[1],
-                                             elapsed_wire_s, measured * 8 / 1e6, -1.0))
+                                             elapsed_wire_s, bytes_per_s_to_mbps(measured), -1.0))
                 return
             nbytes = self.manifest.sizes[level][k]
             ub = self.est.rate_from(nbytes, max(elapsed_wire_s, 1e-6))
@@ -940,7 +941,7 @@ class AdaptivePolicy:
             if self._last_reason.get(k) == "probe":  # a failed probe: wait longer (back-off)
                 self._probe_wait *= self.probe_backoff
             self.history.append(Decision(k, level, "abandoned", self._last_choice.get(k, (None, None))[1],
-                                         elapsed_wire_s, self.est.estimate() * 8 / 1e6, -1.0))
+                                         elapsed_wire_s, bytes_per_s_to_mbps(self.est.estimate()), -1.0))
 
     def observe_text(self, k: int) -> None:
         with self._lock:
@@ -1117,7 +1118,7 @@ def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float 
     levels, timeline = [], []
     ab_total = 0
     for k in range(n):
-        rate = bandwidth_mbps[min(k, len(bandwidth_mbps) - 1)] * 1e6 / 8
+        rate = mbps_to_bytes_per_s(bandwidth_mbps[min(k, len(bandwidth_mbps) - 1)])
         tries = 0
         while True:
             lv = policy.choose(k, r)
@@ -1127,7 +1128,7 @@ def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float 
                 if hasattr(policy, "observe_text"):
                     policy.observe_text(k)
                 timeline.append({"chunk": k, "level": None, "start_s": r, "wire_s": 0.0, "abandoned": False,
-                                 "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dec.budget_s if dec else None,
+                                 "bandwidth_mbps": bytes_per_s_to_mbps(rate), "budget_s": dec.budget_s if dec else None,
                                  "est_mbps": dec.throughput_mbps_est if dec else None})
                 break
             wire = model.transfer_s(k, lv, rate)
@@ -1150,7 +1151,7 @@ def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float 
                     cut = (dl, int(max(0.0, dl - model.request_overhead_s) * rate))
             if cut is not None:
                 timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": cut[0], "abandoned": True,
-                                 "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dl,
+                                 "bandwidth_mbps": bytes_per_s_to_mbps(rate), "budget_s": dl,
                                  "est_mbps": dec.throughput_mbps_est if dec else None})
                 r += cut[0]
                 try:
@@ -1161,7 +1162,7 @@ def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float 
                 ab_total += 1
                 continue
             timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": wire, "abandoned": False,
-                             "bandwidth_mbps": rate * 8 / 1e6, "budget_s": dl,
+                             "bandwidth_mbps": bytes_per_s_to_mbps(rate), "budget_s": dl,
                              "est_mbps": dec.throughput_mbps_est if dec else None})
             r += wire
             policy.observe_transfer(k, lv, manifest.sizes[lv][k], wire - model.request_overhead_s, r)

@@ -18,7 +18,7 @@ No latency is added: `netem` is not available in this kernel (see docs/streaming
 Teardown on exit, on error, on SIGINT/SIGTERM/SIGHUP and at interpreter exit; a namespace
 or veth left by a crashed run (owner pid dead) is removed by the next one (cleanup_stale).
 
-Run: `python -m streaming.link --rate-mbps 100` sets up a link, prints it, tears it down;
+Run: `python -m streaming.link --bandwidth-mbps 100` sets up a link, prints it, tears it down;
 `python -m streaming.link --cleanup` removes stale namespaces/veths of dead runs.
 """
 
@@ -41,6 +41,8 @@ import threading
 import time
 import weakref
 
+from common import flags
+from common.units import mbps_to_bytes_per_s
 from streaming.errors import LinkError
 
 METHOD_NETNS = "netns-tbf"
@@ -80,7 +82,7 @@ def default_burst_bytes(rate_mbps: float) -> int:
     2 ms: 1.33-1.40x measured). The burst is recorded in ShapedLink.describe() so that a
     goodput estimator can correct for it (streaming.adapt.ThroughputEstimator).
     """
-    return max(TBF_BURST_MIN_BYTES, int(rate_mbps * 1e6 / 8 * TBF_BURST_S))
+    return max(TBF_BURST_MIN_BYTES, int(mbps_to_bytes_per_s(rate_mbps) * TBF_BURST_S))
 
 
 USERSPACE_BURST_S = 0.005  # userspace token bucket: 5 ms at the rate
@@ -93,7 +95,7 @@ def userspace_burst_bytes(rate_mbps: float) -> int:
     a late wake-up on a busy machine. (Was max(64 KiB, 10 ms): short transfers after idle
     measured 2.9-9x the rate.)
     """
-    rate_b = rate_mbps * 1e6 / 8
+    rate_b = mbps_to_bytes_per_s(rate_mbps)
     return max(2 * pacing_quantum(rate_b), int(rate_b * USERSPACE_BURST_S))
 
 
@@ -463,7 +465,7 @@ class ShapedLink:
         return self
 
     def _open_userspace(self) -> None:
-        rate_b = self.rate_mbps * 1e6 / 8
+        rate_b = mbps_to_bytes_per_s(self.rate_mbps)
         self.burst_bytes = self._fixed_burst or userspace_burst_bytes(self.rate_mbps)
         self._down = TokenBucket(rate_b, self.burst_bytes)
         self._up = TokenBucket(rate_b, self.burst_bytes)
@@ -577,7 +579,7 @@ class ShapedLink:
         else:
             self.burst_bytes = self._fixed_burst or userspace_burst_bytes(r)
             for b in (self._down, self._up):
-                b.set_rate(r * 1e6 / 8, self.burst_bytes)
+                b.set_rate(mbps_to_bytes_per_s(r), self.burst_bytes)
 
     def describe(self) -> dict:
         """JSON-able description recorded with every result. burst_bytes / burst_s: the
@@ -591,10 +593,10 @@ class ShapedLink:
             "method": self.method,
             "rate_mbps": self.rate_mbps,
             "burst_bytes": self.burst_bytes,
-            "burst_s": round(self.burst_bytes / (self.rate_mbps * 1e6 / 8), 6),
+            "burst_s": round(self.burst_bytes / mbps_to_bytes_per_s(self.rate_mbps), 6),
             "burst_rule": rule,
             "burst_min_bytes": None if self._fixed_burst else (
-                TBF_BURST_MIN_BYTES if self.method == METHOD_NETNS else 2 * pacing_quantum(self.rate_mbps * 1e6 / 8)),
+                TBF_BURST_MIN_BYTES if self.method == METHOD_NETNS else 2 * pacing_quantum(mbps_to_bytes_per_s(self.rate_mbps))),
             "burst_rate_s": 0.0 if self._fixed_burst else (
                 TBF_BURST_S if self.method == METHOD_NETNS else USERSPACE_BURST_S),
             "added_latency_ms": 0,
@@ -606,15 +608,15 @@ class ShapedLink:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Set up / inspect / clean the shaped link.")
-    ap.add_argument("--rate-mbps", type=float, default=100.0)
-    ap.add_argument("--method", default="auto", choices=["auto", "netns", "userspace"])
+    flags.add_bandwidth(ap, default=100.0)
+    flags.add_link_method(ap)
     ap.add_argument("--cleanup", action="store_true", help="only remove stale namespaces/veths")
     a = ap.parse_args(argv)
     if a.cleanup:
         print(json.dumps({"removed": cleanup_stale()}))
         return 0
     try:
-        with ShapedLink(a.rate_mbps, a.method) as link:
+        with ShapedLink(a.bandwidth_mbps, a.link_method) as link:
             print(json.dumps(link.describe()))
     except (LinkError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,7 +6,7 @@ docs/redis.md. Chosen by URL through streaming.backends.open_backend("redis://HO
 (`--store redis://...`). Benchmark (load through the shaped link: local-folder store vs
 Redis behind the store server vs Redis read directly), in the measurement package:
 
-    python -m bench.redis --rate-mbps 100 1000 --repeats 3
+    python -m bench.redis --bandwidth-mbps 100 1000 --repeats 3
 
 This module stores bytes only. Context keys, the per-context manifest (written last, with a
 CRC32 per chunk) and partial-miss logic live in streaming.store; this backend gives it:

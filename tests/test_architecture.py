@@ -2,9 +2,11 @@
 
 Parses every module of the project with `ast` (nothing is imported or run) and checks the
 rules of docs/architecture.md:
+- the shared vocabulary is the basement: `common` (flags, units, result header) imports
+  no project package at all, and `codec` does not import it (the codec stays standalone);
 - the codec knows no model, engine, network or measurement: `codec` imports none of
-  kv_extraction_hf, streaming, harness, third_party, evaluation, bench (anywhere in a
-  module, lazy imports inside functions included);
+  kv_extraction_hf, streaming, harness, third_party, evaluation, bench, common (anywhere in
+  a module, lazy imports inside functions included);
 - the streaming stage knows no model: `streaming` imports none of kv_extraction_hf,
   harness, bench, third_party;
 - no stage package (kv_extraction_hf, codec, streaming, evaluation, third_party) imports
@@ -33,7 +35,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("kv_extraction_hf", "codec", "streaming", "evaluation", "third_party")
-PACKAGES = STAGES + ("harness", "bench")
+PACKAGES = ("common",) + STAGES + ("harness", "bench")
 
 
 def _module_name(path: Path) -> str:
@@ -124,7 +126,8 @@ def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_modules_found():
     # the scan must see the project, or every rule below passes vacuously
-    for must in ("codec.api", "streaming.store", "kv_extraction_hf.model", "harness.results",
+    for must in ("common.flags", "common.units", "common.header", "codec.api", "streaming.store",
+                 "kv_extraction_hf.model", "harness.results",
                  "bench.codec", "third_party.vllm.cachegen_connector",
                  "third_party.lmcache.serde", "visualize_results"):
         assert must in MODULES, must
@@ -150,7 +153,10 @@ def test_import_scanner_resolves_relative_and_lazy_imports(tmp_path):
 
 
 @pytest.mark.parametrize("package, forbidden", [
-    ("codec", ("kv_extraction_hf", "streaming", "harness", "third_party", "evaluation", "bench")),
+    ("common", ("kv_extraction_hf", "codec", "streaming", "harness", "third_party", "evaluation",
+                "bench")),
+    ("codec", ("kv_extraction_hf", "streaming", "harness", "third_party", "evaluation", "bench",
+               "common")),
     ("streaming", ("kv_extraction_hf", "harness", "bench", "third_party")),
     ("kv_extraction_hf", ("harness", "bench")),
     ("evaluation", ("harness", "bench")),

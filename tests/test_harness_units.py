@@ -76,7 +76,7 @@ def test_variants_and_store_levels_with_kvtc():
     assert [v.label for v in got] == ["text", "cachegen-l1", "kvtc-l3", "kvtc-l5"]
     assert [v.codec for v in got] == [None, "cachegen", "kvtc", "kvtc"]
     assert store_levels(got, cfg, (0, 1, 2)) == {"cachegen": [1], "kvtc": [3, 5]}
-    every = variants(RunConfig(modes=("kvtc",)), (0, 1), (2, 4))
+    every = variants(RunConfig(modes=("kvtc",), kvtc_levels=None), (0, 1), (2, 4))
     assert [v.level for v in every] == [2, 4]
     assert RunConfig(modes=("kvtc",), kvtc_levels=(3, 4, 5), quick=True).quick_variant().kvtc_levels == (3, 4)
 
