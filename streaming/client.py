@@ -36,25 +36,25 @@ import time
 import zlib
 from typing import Any, Callable, Sequence
 
-from streaming.errors import StreamingError
 from streaming.client_parts import (  # noqa: F401  (re-exported)
+    _DONE,
     MAX_ABANDONS_PER_CHUNK,
     PROGRESS_BYTES,
-    _DONE,
     ChunkStat,
     DecodeFn,
     LoadResult,
-    _Item,
-    _WireClock,
     _abort_connection,
     _as_policy,
     _get,
     _invalidate,
+    _Item,
     _timed_get_chunk,
+    _WireClock,
     default_decode_fn,
     ensure_calibrations,
     logger,
 )
+from streaming.errors import StreamingError
 
 
 def stream_load(

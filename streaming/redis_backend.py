@@ -46,7 +46,6 @@ import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from streaming.folder_backend import MAX_KEY_BYTES, LocalFolderBackend
 from streaming.errors import (
     StoreAuthError,
     StoreError,
@@ -56,6 +55,7 @@ from streaming.errors import (
     StoreTooLargeError,
     StoreUnavailableError,
 )
+from streaming.folder_backend import MAX_KEY_BYTES, LocalFolderBackend
 from streaming.protocol import send_progress
 
 DEFAULT_SOCKET_TIMEOUT_S = 10.0  # per socket operation (one send or recv call), not per

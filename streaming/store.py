@@ -48,11 +48,15 @@ import threading
 from streaming.backends import StoreBackend, open_backend  # noqa: F401  (re-exported)
 from streaming.errors import StoreError
 from streaming.protocol import DEFAULT_MAX_BODY
+from streaming.store_client import (  # noqa: F401  (re-exported)
+    LocalStoreClient,
+    StoreClient,
+)
 from streaming.store_format import (  # noqa: F401  (re-exported)
-    LEGACY_MANIFEST_FORMATS,
-    MANIFEST_FORMAT,
     _ANY,
     _KEY_DOMAIN,
+    LEGACY_MANIFEST_FORMATS,
+    MANIFEST_FORMAT,
     Manifest,
     _cal_key,
     _check_gen,
@@ -84,10 +88,6 @@ from streaming.store_server import (  # noqa: F401  (re-exported)
     _readline_timeout,
     start_store_server,
     watch_parent,
-)
-from streaming.store_client import (  # noqa: F401  (re-exported)
-    LocalStoreClient,
-    StoreClient,
 )
 
 

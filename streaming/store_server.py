@@ -32,7 +32,6 @@ from streaming.store_client import StoreClient
 from streaming.store_format import _ANY
 from streaming.store_kv import KVStore
 
-
 # --------------------------------------------------------------------------- server
 FaultHook = Callable[[str, int, int, bytes], bytes]
 

@@ -24,8 +24,8 @@ from third_party.vllm.connector_support import (
     _chunk_failure,
     _DecodeAffinity,
     _layer_index,
-    _LoadCancelled,
     _load_miss_reason,
+    _LoadCancelled,
     _policy_preset,
     _thread_probe,
 )
