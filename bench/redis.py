@@ -24,7 +24,7 @@ from streaming import standin
 from streaming.client import stream_load
 from streaming.errors import StoreError
 from streaming.link import ShapedLink
-from streaming.redis_backend import RedisStoreClient
+from streaming.redis_client import RedisStoreClient
 from streaming.redis_server import RedisServer
 from streaming.store import start_store_server
 

@@ -182,17 +182,7 @@ def _graph(package: str, module_level_only: bool = False) -> dict[str, list[str]
 
 
 # Cycles not cut yet (issue 27.1), each with its cause. Cutting one: delete its entry.
-KNOWN_CYCLES = {
-    "streaming": [
-        # backends.open_backend (the URL factory) imports redis_backend lazily, which
-        # imports LocalFolderBackend / MAX_KEY_BYTES from backends; RedisStoreClient in
-        # redis_backend builds on store (lazily), and store imports backends. The cut:
-        # the factory above both backends, RedisStoreClient in its own module.
-        ["streaming.backends", "streaming.redis_backend", "streaming.backends"],
-        ["streaming.backends", "streaming.redis_backend", "streaming.store",
-         "streaming.backends"],
-    ],
-}
+KNOWN_CYCLES: dict[str, list[list[str]]] = {}
 
 
 def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:

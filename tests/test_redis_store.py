@@ -20,10 +20,10 @@ from streaming import standin
 from streaming.backends import LocalFolderBackend
 from streaming.client import stream_load
 from streaming.redis_backend import (
-    RedisStoreClient,
     RedisUnavailableError,
     open_redis_backend,
 )
+from streaming.redis_client import RedisStoreClient
 from streaming.redis_server import RedisServer, find_redis_server, free_port
 from streaming.store import context_key, start_store_server
 
@@ -109,7 +109,7 @@ _ENGINE = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from tests.test_redis_store import _context, _load, TAG
     from streaming import standin
-    from streaming.redis_backend import RedisStoreClient
+    from streaming.redis_client import RedisStoreClient
     from streaming.store import context_key
     url, role = sys.argv[2], sys.argv[3]
     ids, chunks, ranges = _context(seed=5)

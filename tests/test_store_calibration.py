@@ -44,7 +44,7 @@ _MACHINE = textwrap.dedent(
 
     def client():
         if kind == "redis":
-            from streaming.redis_backend import RedisStoreClient
+            from streaming.redis_client import RedisStoreClient
             return RedisStoreClient(where)
         from streaming.store import LocalStoreClient
         return LocalStoreClient(where)

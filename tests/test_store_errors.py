@@ -130,7 +130,8 @@ def test_store_client_stalled_server_is_timeout_without_progress(stalled_server)
 # --------------------------------------------------------------------------- Redis
 @needs_redis
 def test_redis_value_above_proto_max_bulk_len():
-    from streaming.redis_backend import RedisBackend, RedisStoreClient
+    from streaming.redis_backend import RedisBackend
+    from streaming.redis_client import RedisStoreClient
 
     with RedisServer(extra_config=["proto-max-bulk-len 1mb"]) as srv, RedisBackend(srv.url) as b:
         with pytest.raises(StoreTooLargeError, match="proto-max-bulk-len.*1048576") as ei:
@@ -216,7 +217,7 @@ def test_large_writes_over_a_slow_link_do_not_time_out(tmp_path):
     """3 MiB over a 20 Mbit/s shaped link takes ~1.3 s; with 0.5 s timeouts the writes
     succeed because the timeouts apply to lack of progress, not to the value's size."""
     from streaming.link import ShapedLink
-    from streaming.redis_backend import RedisStoreClient
+    from streaming.redis_client import RedisStoreClient
     from streaming.store import start_store_server
 
     chunk = os.urandom(3 * MIB)

@@ -133,7 +133,7 @@ class _Redis:
     atomic_publish = True  # chunks and manifest in one Lua script
 
     def __init__(self, tmp, **kw):
-        from streaming.redis_backend import RedisStoreClient
+        from streaming.redis_client import RedisStoreClient
 
         self.rs = RedisServer(**kw).__enter__()
         self._cls, self._clients = RedisStoreClient, []

@@ -184,7 +184,7 @@ def test_legacy_entry_without_identity_is_a_miss(store_server):
 @pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed "
                     "(apt-get install redis-server, or bash scripts/setup.sh)")
 def test_redis_serves_each_only_its_own():
-    from streaming.redis_backend import RedisStoreClient
+    from streaming.redis_client import RedisStoreClient
 
     with RedisServer() as srv, RedisStoreClient(srv.url) as cl:
         _check_isolation(cl, _fill(cl))

@@ -56,17 +56,17 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
 Stats: one JSON line per load / save / miss / local_hit / rejected / warmup in extra
 config "stats_path", and one log line per load (logger "vllm.cachegen_connector").
 Docs: docs/vllm-connector.md. Tests: tests/test_vllm_connector*.py.
+Modules: connector_support (LoadRequest, SaveRequest, CacheGenConnectorMetadata, helpers)
+and connector_worker (_WorkerSide: the worker-side methods CacheGenConnector inherits);
+this module re-exports their names and stays the kv_connector_module_path.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,13 +77,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from third_party.vllm.connector_support import (  # noqa: F401  (re-exported)
+    CacheGenConnectorMetadata,
+    LoadRequest,
+    SaveRequest,
+    _AsyncJob,
+    _DecodeAffinity,
+    _LoadCancelled,
+    _SaveTrack,
+    _bool_option,
+    _chunk_failure,
+    _is_aborted,
+    _layer_index,
+    _load_miss_reason,
+    _policy_preset,
+    _thread_probe,
+    decode_cpus,
+)
+from third_party.vllm.connector_worker import _WorkerSide
 from third_party.vllm.sources import Lookup, SourceError, engine_identity, load_callable, make_source
 from third_party.vllm.trust import RequestRejected, allowed_stores, validate_request
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -93,91 +109,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.cachegen_connector")
 
 
-@dataclass
-class LoadRequest:
-    """One request's load, sent scheduler -> worker (pickled: kept small).
-
-    start, end: token range [start, end) to write (start = tokens vLLM already holds,
-        end = multiple of block_size, < prompt length).
-    block_ids: the request's block ids (first KV cache group) covering at least [0, end).
-    block_size: tokens per block of the scheduler's block table.
-    params: the request's kv_transfer_params plus engine defaults.
-    lookup: the source's scheduler-side answer (chunk sizes, lookup time).
-    """
-
-    req_id: str
-    start: int
-    end: int
-    block_ids: list[int]
-    block_size: int
-    params: dict[str, Any]
-    lookup: Lookup
-    prompt_tokens: int = 0
-    after_preemption: bool = False  # a reload of a preempted request (its 2nd load record)
-
-    def slot_mapping(self) -> torch.Tensor:
-        """Slots of tokens [start, end): block_ids[p // bs] * bs + p % bs, int64 [end-start]."""
-        pos = torch.arange(self.start, self.end, dtype=torch.int64)
-        blocks = torch.tensor(self.block_ids, dtype=torch.int64)
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-
-
-@dataclass
-class SaveRequest:
-    """Save the KV of tokens [0, num_tokens) of one request after this step's forward.
-
-    token_ids: those tokens (the stored manifest repeats them); block_ids: the request's
-    blocks covering them; params: the request's "save" parameters (destination, codec).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    block_size: int
-    params: dict[str, Any]
-
-
-@dataclass
-class _SaveTrack:
-    token_ids: list[int]
-    params: dict[str, Any]
-    block_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class CacheGenConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadRequest] = field(default_factory=list)
-    saves: list[SaveRequest] = field(default_factory=list)
-    # async mode: requests vLLM finished (aborted) while their load runs: stop at the next
-    # chunk (the worker also learns it from get_finished's finished_req_ids)
-    cancels: list[str] = field(default_factory=list)
-
-
-class _LoadCancelled(Exception):
-    """Raised inside a background load's chunk sink when its request was finished."""
-
-
-@dataclass
-class _AsyncJob:
-    """One background load (worker side): its request and its cancel flag."""
-
-    lr: LoadRequest
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-
-def _layer_index(name: str) -> int:
-    """Decoder-layer index from a vLLM layer name ("model.layers.12.self_attn.attn" -> 12)."""
-    nums = [int(p) for p in name.split(".") if p.isdigit()]
-    if len(nums) != 1:
-        raise ValueError(f"cannot find one layer index in layer name {name!r}")
-    return nums[0]
-
-
-class CacheGenConnector(KVConnectorBase_V1):
+class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
     """KV of a stored context prefix -> vLLM's paged KV cache (and optional save back).
 
     External hits keep the base class's EXTERNAL_UNSPECIFIED label (vLLM's label for a
-    remote store)."""
+    remote store). The worker-side methods are inherited from
+    third_party.vllm.connector_worker._WorkerSide."""
 
     # defaults of _init_async_state (sync mode, no hook) for connectors built by hand
     _async = False
@@ -640,495 +577,3 @@ class CacheGenConnector(KVConnectorBase_V1):
         self._async_gen.pop(request.request_id, None)
         return False, None
 
-    # ------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        """kv_caches: layer name -> [num_blocks, num_kv_heads, block_size, 2 * head_size]
-        (the CPU backend's tensors, the same objects attention reads)."""
-        self._kv_caches = dict(kv_caches)
-        self._layers = sorted((_layer_index(n), n) for n in kv_caches)
-        idx = [i for i, _ in self._layers]
-        if idx != list(range(len(idx))):
-            raise ValueError(f"attention layers are not numbered 0..L-1: {idx}")
-        if self._extra.get("warmup", True):
-            # numba's thread pool starts at the first parallel kernel (here): its threads
-            # inherit this thread's affinity, so start it with the decode's CPUs
-            with _DecodeAffinity(self._decode_cpus):
-                self._warm_up(next(iter(kv_caches.values())).dtype if kv_caches else None)
-
-    def _warm_up(self, dtype) -> None:
-        """Compile / load every codec's JIT kernels now (worker process, engine start), so
-        the first request's decode is as fast as the tenth (third_party.vllm.warmup).
-        Extra config "warmup": false skips it; "warmup_codecs": list of codec names."""
-        from third_party.vllm.warmup import warm_up_codecs
-
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            dtype = torch.bfloat16
-        info = warm_up_codecs(self._extra.get("warmup_codecs"), dtype=dtype)
-        logger.info("CacheGenConnector: codec warm-up took %.2f s (%s)", info["total_s"],
-                    ", ".join(f"{k} {v}" for k, v in info["codecs"].items()))
-        self._write_stats({"kind": "warmup", **info, "time": time.time()})
-
-    def _inject(self, lr: LoadRequest, slots: torch.Tensor, start: int,
-                k: torch.Tensor, v: torch.Tensor, timer: list[float]) -> int:
-        """Write the part of one decoded chunk (tokens [start, start+T)) that lies inside
-        [lr.start, lr.end) into every layer's paged cache; returns tokens written.
-        k, v: [L, T, H, D]. Uses the backend's cache-write op via the layer's impl."""
-        L, T, H, D = k.shape
-        lo, hi = max(start, lr.start), min(start + T, lr.end)
-        if hi <= lo:
-            return 0
-        if L != len(self._layers) or v.shape != k.shape:
-            raise SourceError(f"decoded KV has {L} layers {tuple(k.shape)} / {tuple(v.shape)}; "
-                              f"the engine has {len(self._layers)} attention layers")
-        t0 = time.perf_counter()
-        fctx = self._layer_objs
-        s = slots[lo - lr.start: hi - lr.start]
-        for li, name in self._layers:
-            layer = fctx[name]
-            cache = self._kv_caches[name]
-            if cache.shape[1] != H or cache.shape[3] != 2 * D:
-                raise SourceError(f"decoded KV heads/head_dim {H}/{D} do not match layer "
-                                  f"{name} cache {tuple(cache.shape)}")
-            kk = k[li, lo - start: hi - start]
-            vv = v[li, lo - start: hi - start]
-            if kk.dtype != cache.dtype and cache.dtype in (torch.bfloat16, torch.float16,
-                                                           torch.float32):
-                kk, vv = kk.to(cache.dtype), vv.to(cache.dtype)
-            layer.impl.do_kv_cache_update(layer, kk.contiguous(), vv.contiguous(), cache, s)
-        timer[0] += time.perf_counter() - t0
-        return hi - lo
-
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, CacheGenConnectorMetadata):
-            return
-        for rid in meta.cancels:
-            self._cancel(rid)
-        if not meta.loads:
-            return
-        layers = getattr(forward_context, "no_compile_layers", None) or {}
-        if not all(n in layers for _, n in self._layers):
-            layers = self._vllm_config.compilation_config.static_forward_context
-        self._layer_objs = layers
-        if self._async:
-            for lr in meta.loads:
-                job = _AsyncJob(lr)
-                with self._async_lock:
-                    self._jobs[lr.req_id] = job
-                self._ensure_loader()
-                self._job_queue.put(job)
-            return
-        with _DecodeAffinity(self._decode_cpus):   # the load gets every core (issue 14)
-            for lr in meta.loads:
-                self._failed_blocks.update(self._load_one(lr))
-
-    # ------------------------------------------------------------------ async worker side
-    def _cancel(self, rid: str) -> None:
-        with self._async_lock:
-            job = self._jobs.get(rid)
-        if job is not None:
-            job.cancel.set()
-
-    def _ensure_loader(self) -> None:
-        if self._loader is None or not self._loader.is_alive():
-            self._loader = threading.Thread(target=self._loader_main, daemon=True,
-                                            name="cachegen-kv-loader")
-            self._loader.start()
-
-    def _loader_main(self) -> None:
-        """Background loader: runs jobs in order; each finished job (loaded, failed or
-        cancelled) publishes its failed blocks and its id together, under the lock, so
-        get_block_ids_with_load_errors reports them no later than get_finished reports the
-        id (vLLM's contract for async loads)."""
-        with _DecodeAffinity(self._decode_cpus):
-            while True:
-                job = self._job_queue.get()
-                if job is None:
-                    return
-                try:
-                    failed = self._load_one(job.lr, job.cancel)
-                except Exception as e:  # never leave a request waiting forever
-                    logger.error("KV async load of %s crashed: %s", job.lr.req_id, e)
-                    failed = set(job.lr.block_ids[job.lr.start // job.lr.block_size:
-                                                  -(-job.lr.end // job.lr.block_size)])
-                with self._async_lock:
-                    self._failed_blocks.update(failed)
-                    self._done_recving.add(job.lr.req_id)
-                    self._jobs.pop(job.lr.req_id, None)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Worker side: (None, ids whose async load stopped since the last call). A
-        request in finished_req_ids (vLLM finished or aborted it) whose load still runs is
-        cancelled here too (the route vLLM itself uses; the metadata's cancels come first)."""
-        if not self._async:
-            return None, None
-        for rid in finished_req_ids or ():
-            self._cancel(rid)
-        with self._async_lock:
-            done, self._done_recving = self._done_recving, set()
-        return None, (done or None)
-
-    def shutdown(self):
-        if self._loader is not None and self._loader.is_alive():
-            with self._async_lock:
-                for job in self._jobs.values():
-                    job.cancel.set()
-            self._job_queue.put(None)
-            self._loader.join(timeout=30)
-
-    def _load_one(self, lr: LoadRequest, cancel: threading.Event | None = None) -> set[int]:
-        """Load one request's KV (writes its one load / miss record); returns the block
-        ids vLLM must recompute (none for a cancelled load: its request is finished).
-        cancel: set when vLLM finished the request; checked before each chunk."""
-        t_wall = time.perf_counter()
-        t_cpu = time.process_time()   # issue 14.1 probe: CPU-s / wall-s = cores the load got
-        slots = lr.slot_mapping()
-        inject_s = [0.0]
-        written = [lr.start]  # next token not yet written (contiguous prefix)
-
-        def on_chunk(start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            if self._chunk_hook is not None:
-                self._chunk_hook(lr.params, start, cancel.is_set if cancel else lambda: False)
-            if cancel is not None and cancel.is_set():
-                raise _LoadCancelled(f"request finished (aborted) before the chunk at "
-                                     f"token {start}")
-            if start > written[0]:  # a gap: anything after it cannot be used
-                raise SourceError(f"chunk starting at token {start} after a gap at {written[0]}")
-            n = self._inject(lr, slots, start, k, v, inject_s)
-            written[0] = max(written[0], min(lr.end, start + k.shape[1]))
-            del n
-
-        stats = None
-        err = None
-        aborted = cancel is not None and cancel.is_set()
-        try:
-            if aborted:
-                raise _LoadCancelled("request finished (aborted) before its load started")
-            stats = self._source(lr.params.get("source", "store")).load(
-                lr.params, lr.lookup, lr.end, on_chunk)
-        except Exception as e:  # any failure: recompute what was not written
-            if isinstance(e, _LoadCancelled) or isinstance(e.__cause__, _LoadCancelled) \
-                    or (cancel is not None and cancel.is_set()):
-                aborted = True
-                logger.info("KV load of %s stopped after %d tokens: %s", lr.req_id,
-                            written[0] - lr.start, e)
-            else:
-                err = f"{type(e).__name__}: {e}"
-                logger.warning("KV load of %s failed after %d tokens: %s", lr.req_id,
-                               written[0], err)
-        loaded = written[0]
-        failed: set[int] = set()
-        if loaded < lr.end and not aborted:
-            first_bad = loaded // lr.block_size
-            last = (lr.end - 1) // lr.block_size
-            failed.update(lr.block_ids[first_bad: last + 1])
-        rec = {
-            "kind": "load",
-            "req_id": lr.req_id,
-            "stats_tag": lr.params.get("stats_tag"),
-            "mode": lr.params.get("mode"),
-            "level": lr.params.get("level"),
-            "source": lr.params.get("source"),
-            "context_key": lr.params.get("context_key"),
-            "requested_tokens": lr.end - lr.start,
-            "start_token": lr.start,
-            "local_hit_tokens": lr.start,  # vLLM's own prefix-cache hits (0 with it off)
-            "prompt_tokens": lr.prompt_tokens,
-            "prefill_tokens": lr.prompt_tokens - loaded if lr.prompt_tokens else None,
-            "loaded_tokens": loaded - lr.start,
-            "recomputed_tokens": lr.end - loaded,
-            "lookup_s": lr.lookup.lookup_s,
-            "transfer_s": stats.transfer_s if stats else None,
-            "decode_s": stats.decode_s if stats else None,
-            "inject_s": inject_s[0],
-            "load_s": time.perf_counter() - t_wall,
-            "load_cpu_s": time.process_time() - t_cpu,
-            "decode_threads": _thread_probe(),
-            "bytes": stats.bytes if stats else None,
-            "fallback": bool(stats.fallback) if stats else None,
-            "error": err or (stats.error if stats else None) or _chunk_failure(stats),
-            "chunks": stats.chunks if stats else [],
-            "lookup_info": lr.lookup.info,
-            "after_preemption": lr.after_preemption,
-            # vLLM finished (aborted) the request while its async load ran: the load stopped
-            # at the next chunk; loaded_tokens = tokens placed before it stopped
-            "aborted": aborted,
-            "async_load": cancel is not None,
-            # the adaptive policy's preset (streaming.adapt_params) and inputs; None for a level
-            "policy_preset": _policy_preset(lr.params.get("policy")),
-            "policy": lr.params.get("policy"),
-            "time": time.time(),
-        }
-        if stats and stats.extra:
-            rec.update({k: v for k, v in stats.extra.items() if k not in rec})
-        if aborted:
-            rec["recomputed_tokens"] = 0  # the request is finished: nothing is recomputed
-            rec["reason"] = (f"request aborted during its KV load: stopped after "
-                             f"{loaded - lr.start} of {lr.end - lr.start} tokens")
-        if loaded == lr.start and lr.end > lr.start:  # nothing placed: a miss, with its reason
-            rec["kind"] = "miss"
-            if not aborted:
-                rec["reason"] = _load_miss_reason(err, stats)
-        logger.info("KV load %s [%s]: loaded %d of %d tokens (local hits %d, prefill %s) "
-                    "from %s %s in %.3f s, %s bytes%s", lr.req_id, rec["stats_tag"] or "-",
-                    rec["loaded_tokens"], rec["requested_tokens"], lr.start,
-                    rec["prefill_tokens"], rec["source"], str(rec["context_key"])[:16],
-                    rec["load_s"], rec["bytes"], f", error: {rec['error']}" if rec["error"] else "")
-        self._write_stats(rec)
-        return failed
-
-    def _write_stats(self, rec: dict[str, Any]) -> None:
-        path = self._extra.get("stats_path")
-        if not path:
-            return
-        line = json.dumps(rec, default=str) + "\n"
-        with self._stats_lock:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._async_lock:
-            out, self._failed_blocks = self._failed_blocks, set()
-        return out
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # sync: in place before the forward; async: the request is not scheduled yet
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # saves run once per step in wait_for_save, after every layer is written
-
-    def wait_for_save(self):
-        """Save requested KV (SaveRequest) after the forward wrote it: read back from the
-        paged cache with gather maps probed through the cache-write op, encode, store."""
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, CacheGenConnectorMetadata) or not meta.saves:
-            return
-        for sr in meta.saves:
-            t0 = time.perf_counter()
-            rec: dict[str, Any] = {"kind": "save", "req_id": sr.req_id,
-                                   "stats_tag": sr.params.get("stats_tag"),
-                                   "tokens": len(sr.token_ids), "error": None}
-            try:
-                k, v = self.read_kv(sr.block_ids, sr.block_size, len(sr.token_ids))
-                rec["gather_s"] = time.perf_counter() - t0
-                info = self._source(sr.params["source"]).save(sr.params, sr.token_ids, k, v)
-                rec.update(info)
-            except Exception as e:  # a failed save must not fail the request
-                rec["error"] = f"{type(e).__name__}: {e}"
-                logger.warning("KV save of %s failed: %s", sr.req_id, rec["error"])
-            rec["save_s"] = time.perf_counter() - t0
-            self._write_stats(rec)
-
-    # ------------------------------------------------------------------ read-back
-    def _probe_gather_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Learn where the cache-write op puts K[h, t, d] and V[h, t, d] inside one block.
-
-        Writes small integers (exact in bf16/fp16/fp32) through the op into a scratch block:
-        pass 1 key = t, pass 2 key = d, pass 3 key = h (value = -2 marker), then the same for
-        the value. Returns (pk, pv), int64 [H, bs, D]: flat offsets inside a block's
-        [H, bs, 2 * D] area. Raises RuntimeError for a quantized (fp8) cache or an op whose
-        writes are not a bijection (then save is unsupported on this build)."""
-        name = self._layers[0][1]
-        layer = self._layer_objs.get(name) or \
-            self._vllm_config.compilation_config.static_forward_context[name]
-        cache = self._kv_caches[name]
-        _, H, bs, D2 = cache.shape
-        D = D2 // 2
-        if cache.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
-                str(getattr(layer.impl, "kv_cache_dtype", "auto")) != "auto":
-            raise RuntimeError(f"KV read-back needs an unquantized cache, got {cache.dtype}")
-        t_i = torch.arange(bs).view(bs, 1, 1).expand(bs, H, D)
-        h_i = torch.arange(H).view(1, H, 1).expand(bs, H, D)
-        d_i = torch.arange(D).view(1, 1, D).expand(bs, H, D)
-        slots = torch.arange(bs, dtype=torch.int64)
-        maps = []
-        for which in ("k", "v"):
-            coords = []
-            for idx in (h_i, t_i, d_i):
-                scratch = torch.full((1, H, bs, D2), -1.0, dtype=cache.dtype)
-                val = idx.to(cache.dtype).contiguous()
-                other = torch.full((bs, H, D), -2.0, dtype=cache.dtype)
-                kk, vv = (val, other) if which == "k" else (other, val)
-                layer.impl.do_kv_cache_update(layer, kk, vv, scratch, slots)
-                flat = scratch.reshape(-1).float()
-                coords.append(flat)
-            # positions holding this tensor: not -1 (unwritten) and not -2 (the other one)
-            pos = torch.nonzero((coords[0] >= 0)).flatten()
-            if pos.numel() != H * bs * D:
-                raise RuntimeError(f"cache-write op wrote {pos.numel()} {which} values, "
-                                   f"expected {H * bs * D}")
-            h, t, d = (coords[j][pos].long() for j in range(3))
-            m = torch.full((H, bs, D), -1, dtype=torch.int64)
-            m[h, t, d] = pos
-            if (m < 0).any():
-                raise RuntimeError("cache-write op layout is not a bijection; cannot read back")
-            maps.append(m)
-        return maps[0], maps[1]
-
-    def read_kv(self, block_ids: list[int], block_size: int, num_tokens: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of tokens [0, num_tokens) of a request from the paged cache: [L, T, H, D]
-        in the cache dtype. block_ids: the request's blocks in order."""
-        if self._gather_maps is None:
-            self._gather_maps = self._probe_gather_maps()
-        pk, pv = self._gather_maps
-        H, kbs, D = pk.shape
-        nb = -(-num_tokens // block_size)
-        r = block_size // kbs  # kernel blocks per scheduler block (1 on this build)
-        kb = torch.tensor([b * r + j for b in block_ids[:nb] for j in range(r)], dtype=torch.int64)
-        ks, vs = [], []
-        for _, name in self._layers:
-            cache = self._kv_caches[name]
-            blocks = cache.view(-1, H, kbs, 2 * D)[kb].reshape(len(kb), -1)  # [nkb, H*kbs*2D]
-            k = blocks[:, pk.reshape(-1)].view(len(kb), H, kbs, D)
-            v = blocks[:, pv.reshape(-1)].view(len(kb), H, kbs, D)
-            # [nkb, H, kbs, D] -> [nkb * kbs, H, D]
-            ks.append(k.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
-            vs.append(v.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
-        return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
-
-
-def _policy_preset(policy: Any) -> str | None:
-    """The PolicyParams preset a request's policy object runs (its "preset", else the
-    default one), or None without a policy."""
-    if not isinstance(policy, dict):
-        return None
-    from streaming.adapt_params import DEFAULT_PRESET
-
-    return str(policy.get("preset") or DEFAULT_PRESET)
-
-
-def _bool_option(extra: dict[str, Any], key: str, default: bool) -> bool:
-    """A boolean extra-config option; raises ValueError on anything but true/false."""
-    v = extra.get(key, default)
-    if not isinstance(v, bool):
-        raise ValueError(f"extra config {key} must be true or false, got {v!r}")
-    return v
-
-
-def _is_aborted(request: Any) -> bool:
-    """Whether vLLM finished the request as aborted (RequestStatus.FINISHED_ABORTED)."""
-    st = getattr(request, "status", None)
-    return st is not None and getattr(st, "name", str(st)) == "FINISHED_ABORTED"
-
-
-def decode_cpus(setting: Any = "all") -> set[int] | None:
-    """CPUs the connector's load (receive + decode) may run on, from the extra-config key
-    ``decode_cpus``: "all" (default: every CPU of the machine, as the kernel's cpuset
-    allows), "inherit" (keep the worker's binding: None), or a list of CPU ids.
-
-    Why (issue 14, measured): vLLM's CPU worker binds itself to the cores left after the
-    scheduler's reserved one (ENGINE_ENV reserves 1 of this machine's 2, so the worker runs
-    on {0}), and every thread it starts inherits that, so the decode got ONE core inside
-    the engine although the engine does nothing else while it waits for the load (the
-    scheduler process waits on the worker's step, in a sched_yield spin loop: the second
-    core is shared with it). Raises ValueError on a bad setting."""
-    if setting in (None, "all"):
-        n = os.cpu_count() or 1
-        return set(range(n))
-    if setting == "inherit":
-        return None
-    if (isinstance(setting, (list, tuple)) and setting
-            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in setting)):
-        return set(setting)
-    raise ValueError(f'decode_cpus must be "all", "inherit" or a list of CPU ids, got {setting!r}')
-
-
-def _load_miss_reason(err: str | None, stats) -> str:
-    """Why a load placed nothing (issue 26.4: the record says miss with the reason, never
-    kind=load loaded_tokens=0): the load's error, else the first chunk's note (a chunk
-    evicted or failing its checksum after the lookup)."""
-    if err:
-        return f"at load: {err}"
-    if stats is not None and stats.error:
-        return f"at load: {stats.error}"
-    chunks = getattr(stats, "chunks", None) or []
-    for c in chunks:
-        note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
-        if note:
-            return f"at load: chunk {c.get('index') if isinstance(c, dict) else '?'}: {note}"
-    first = chunks[0] if chunks else None
-    if isinstance(first, dict) and first.get("text_fallback"):
-        return "at load: the policy sent chunk 0 as text (recomputed by the engine)"
-    return "at load: no chunk could be loaded"
-
-
-def _chunk_failure(stats) -> str | None:
-    """The first chunk failure note of a load (a chunk whose decode or refetch failed and
-    whose tokens the engine therefore recomputes), or None: a chunk sent as text by the
-    adaptation policy is a choice, not an error (issue 13.3: the record says why)."""
-    for c in (getattr(stats, "chunks", None) or []):
-        note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
-        if note and "failed" in note and not note.startswith("decode failed once, refetch decoded"):
-            return f"chunk {c.get('index') if isinstance(c, dict) else getattr(c, 'index', '?')}: {note}"
-    return None
-
-
-class _DecodeAffinity:
-    """Context manager: widen the CALLING thread's CPU affinity to ``cpus`` (Linux
-    sched_setaffinity on pid 0 = this thread) and restore it on exit. Threads started
-    inside (the stream receiver, numba's pool when it is launched here) inherit the wide
-    set; the forward pass later runs on the worker's own binding again. A no-op where
-    affinity is not supported or ``cpus`` is None / already allowed."""
-
-    def __init__(self, cpus: set[int] | None):
-        self._cpus = cpus
-        self._old: set[int] | None = None
-
-    def __enter__(self):
-        if not self._cpus or not hasattr(os, "sched_setaffinity"):
-            return self
-        try:
-            old = os.sched_getaffinity(0)
-            if not self._cpus <= old:
-                os.sched_setaffinity(0, self._cpus | old)
-                self._old = old
-        except (OSError, ValueError):   # e.g. CPU ids outside the machine / cpuset
-            self._old = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            try:
-                os.sched_setaffinity(0, self._old)
-            except OSError:
-                pass
-            self._old = None
-        return False
-
-
-def _thread_probe() -> dict[str, Any]:
-    """Cores and threads the decode gets in this (worker) process (issue 14.1): the CPU
-    affinity the worker's threads inherit, torch's and numba's thread counts."""
-    import sys
-
-    out: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
-    try:
-        out["affinity"] = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        out["affinity"] = None
-    try:   # every thread of the process by its allowed CPUs (numba's pool included)
-        census: dict[str, int] = {}
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/status", encoding="ascii", errors="replace") as f:
-                for line in f:
-                    if line.startswith("Cpus_allowed_list:"):
-                        key = line.split(":", 1)[1].strip()
-                        census[key] = census.get(key, 0) + 1
-                        break
-        out["threads_by_cpus"] = census
-    except OSError:
-        out["threads_by_cpus"] = None
-    nb = sys.modules.get("numba")
-    if nb is not None:
-        out["numba_threads"] = nb.get_num_threads()
-        try:
-            out["numba_layer"] = nb.threading_layer()
-        except ValueError:   # no parallel kernel has run yet in this process
-            out["numba_layer"] = None
-    return out

@@ -1,0 +1,214 @@
+"""Types and helpers shared by the KV sources: Lookup, LoadStats, the KVSource protocol.
+
+Part of third_party.vllm.sources (which re-exports every name here; see its docstring for
+what a source is). Also: the reader's identity (engine_identity, expected_identity), the
+prompt-prefix match and encode_for_save. No vLLM import. Not runnable by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from streaming.identity import (
+    EntryIdentity,
+    folder_tokenizer_hash,
+    folder_weights_hash,
+    merge_expected,
+)
+
+logger = logging.getLogger("cachegen.sources")
+
+# on_chunk(start_token, k [L, T, H, D], v [L, T, H, D]) -> None; raises to abort the load.
+ChunkSink = Callable[[int, Any, Any], None]
+DecodeFn = Callable[[bytes], tuple[Any, Any]]
+
+
+class SourceError(RuntimeError):
+    """A KV source could not answer (bad parameters, unreadable manifest, lost store)."""
+
+
+class SourceMiss(SourceError):
+    """The entry the lookup planned from cannot be loaded any more (deleted, evicted,
+    re-stored with another chunking, a calibration unavailable): a clean miss with the
+    reason; nothing was placed."""
+
+
+@dataclass
+class Lookup:
+    """Scheduler-side answer of a source for one request.
+
+    num_tokens: tokens of the prompt's prefix whose KV the source holds (0 = miss).
+    chunk_tokens: token count of each stored chunk, in order (sum >= num_tokens).
+    lookup_s: seconds the lookup took (manifest request over the link included).
+    info: small JSON-able facts for the stats record (codec, level, key, reason of a miss).
+    """
+
+    num_tokens: int
+    chunk_tokens: list[int] = field(default_factory=list)
+    lookup_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadStats:
+    """Worker-side result of one load (all times in seconds, sizes in bytes).
+
+    loaded_tokens: leading tokens actually delivered to on_chunk (< requested when a chunk
+        fell back to text or the load failed; the connector then reports the rest as failed
+        blocks so vLLM recomputes them).
+    transfer_s / decode_s: summed per-chunk fetch and decode times (they overlap in a
+        pipelined load, so they may add up to more than the wall time).
+    chunks: per-chunk records {index, tokens, bytes, transfer_s, decode_s, level, ...}.
+    """
+
+    loaded_tokens: int = 0
+    bytes: int = 0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    fallback: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class KVSource(Protocol):
+    def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup: ...
+
+    def load(
+        self, params: dict[str, Any], lookup: Lookup, num_tokens: int, on_chunk: ChunkSink
+    ) -> LoadStats: ...
+
+
+def default_decode_fn() -> DecodeFn:
+    """`codec.decode_kv` on the CPU (imported lazily so this module imports without codec)."""
+    import codec
+
+    def _decode(data: bytes):
+        return codec.decode_kv(data, device="cpu")
+
+    return _decode
+
+
+def load_callable(path: str) -> Callable:
+    """Import `module:attr` (e.g. "streaming.store:context_key"). Raises ValueError."""
+    mod, sep, attr = str(path).partition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"expected 'module:function', got {path!r}")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{path!r} is not callable")
+    return fn
+
+
+def expected_identity(own: EntryIdentity | None, params: dict[str, Any]) -> EntryIdentity:
+    """What a stored entry must match for this request: the reader's own model identity
+    (`own`, set by the connector from its model config) merged with the request's
+    "identity" dict and "model_id" / "weights_hash". Raises ValueError when they conflict
+    (the request names another model than the engine's)."""
+    req = {k: params[k] for k in ("model_id", "weights_hash") if params.get(k)}
+    return merge_expected(own, params.get("identity") or None, req)
+
+
+def _identity_miss(source: str, params: dict[str, Any], why: str, t0: float) -> "Lookup":
+    logger.warning("%s source: miss for context %s: %s", source, params.get("context_key"), why)
+    return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"identity: {why}"})
+
+
+def engine_identity(vllm_config: Any, extra: dict[str, Any] | None = None,
+                    hash_weights: bool = True) -> EntryIdentity:
+    """Model part of the identity of a vLLM engine (duck-typed, no vLLM import): model path
+    or name, KV dtype, layers, total KV heads, head size from `vllm_config.model_config`;
+    weights hash from extra config "weights_hash", else computed once from the model folder
+    (streaming.identity.folder_weights_hash); tokenizer hash from the tokenizer folder;
+    model_id only from extra config "model_id" (the name the store writer used);
+    hash_weights=False skips hashing (the worker side, which re-checks what the scheduler
+    already matched, does not pay for reading the weights again). Fields
+    that cannot be read stay unknown ("" / 0) and are logged."""
+    extra = extra or {}
+    mc = getattr(vllm_config, "model_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    f: dict[str, Any] = {"model_id": str(extra.get("model_id") or "")}
+    try:
+        f["dtype"] = str(getattr(mc, "dtype", "") or "").replace("torch.", "")
+        total = getattr(mc, "get_total_num_kv_heads", None)
+        f["num_kv_heads"] = int(total() if total else mc.get_num_kv_heads(pc))
+        layers = getattr(mc, "get_total_num_hidden_layers", None)
+        f["num_layers"] = int(layers() if layers else mc.get_num_layers(pc))
+        f["head_dim"] = int(mc.get_head_size())
+    except Exception as e:  # noqa: BLE001 - an unknown field is checked no further
+        logger.warning("connector: cannot read the model shape for identity checks: %s", e)
+    folder = Path(str(getattr(mc, "model", "") or ""))
+    tok = Path(str(getattr(mc, "tokenizer", "") or folder))
+    f["weights_hash"] = str(extra.get("weights_hash") or "")
+    try:
+        if not f["weights_hash"] and hash_weights and folder.is_dir():
+            f["weights_hash"] = folder_weights_hash(folder)
+        if tok.is_dir():
+            f["tokenizer_hash"] = folder_tokenizer_hash(tok)
+    except OSError as e:
+        logger.warning("connector: cannot hash the model folder %s: %s", folder, e)
+    return EntryIdentity(**f)
+
+
+def _prefix_match(prompt: list[int], stored: list[int] | None, n: int) -> bool:
+    return stored is not None and len(stored) >= n and list(prompt[:n]) == list(stored[:n])
+
+
+def _matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int] | None,
+                    n_stored: int) -> int:
+    """Tokens of the prompt whose stored KV can be used: the whole stored prefix when the
+    prompt starts with all of it (or the prompt's length if shorter); with
+    params["prefix_match"] also the longest common prefix when they part (the KV of token t
+    depends only on tokens <= t); else 0 (a different prompt is a miss, never a wrong load)."""
+    from third_party.vllm.prefix import common_prefix
+
+    n = min(n_stored, len(prompt))
+    if _prefix_match(prompt, stored, n):
+        return n
+    if params.get("prefix_match") and stored is not None:
+        return min(n, common_prefix(prompt, stored))
+    return 0
+
+
+def _save_config(name: str, identity) -> Any:
+    """The codec config a save encodes with: None (the level's preset), or for kvtc a
+    KvtcConfig naming the cached default calibration of the engine's model (fitted once by
+    `python -m kv_extraction_hf.calibrate --default` or by the first run_benchmarks / bench
+    run). SourceError when kvtc has no calibration for this model."""
+    if name != "kvtc":
+        return None
+    from codec.kvtc import KvtcConfig
+    from kv_extraction_hf.calibrate import cached_default_calibration
+
+    weights_hash = getattr(identity, "weights_hash", None) if identity is not None else None
+    path = cached_default_calibration(weights_hash)
+    if path is None:
+        raise SourceError("kvtc save needs the model's default calibration: run "
+                          "`python -m kv_extraction_hf.calibrate --default` once")
+    return KvtcConfig(calibration=str(path))
+
+
+def encode_for_save(params: dict[str, Any], k, v, identity=None) -> tuple[list[bytes], list[int], float]:
+    """Encode k, v [L, T, H, D] with codec.encode_chunks per the save params ("codec",
+    default "raw"; "level", default the codec's (codec.resolve_level); "chunk_tokens", default
+    codec.DEFAULT_CHUNK_TOKENS) -> (chunks, chunk token counts, encode seconds). kvtc encodes
+    with the default calibration of ``identity``'s model (`_save_config`)."""
+    import codec
+
+    ct = int(params.get("chunk_tokens") or codec.DEFAULT_CHUNK_TOKENS)
+    name = params.get("codec", "raw")
+    config = _save_config(name, identity)
+    t0 = time.perf_counter()
+    chunks = codec.encode_chunks(k, v, codec=name, config=config,
+                                 level=params.get("level"), chunk_tokens=ct)
+    bounds = codec.chunk_bounds(int(k.shape[1]), ct)
+    return chunks, [e - s for s, e in bounds], time.perf_counter() - t0
+
