@@ -5,7 +5,7 @@ plain libraries; everything that measures them or demonstrates them lives here, 
 per command. Each module prints figures (medians after a warm-up, the machine's load
 recorded) and writes JSON where it says so; none is a test. Dependencies point down:
 bench may import every stage package and the harness; no stage package imports bench
-(tests/test_architecture.py checks it).
+(tests/project/test_architecture.py checks it).
 
 Commands (run from the repository root):
   python -m bench.quality [--quick] [--tasks] quality vs lossless on WikiText-2 test (KL, top-1,

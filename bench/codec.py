@@ -21,7 +21,7 @@ mean KL(lossless || decoded) in nats and top-1 agreement, averaged over contexts
 
 This measurement module is the one place that joins the codec with the model loader
 (``kv_extraction_hf``); the ``codec`` package itself imports no model, engine or network
-package (tests/test_architecture.py checks it).
+package (tests/project/test_architecture.py checks it).
 """
 from __future__ import annotations
 

@@ -253,7 +253,7 @@ def _encode_decode_all(jobs: list, one: Callable, workers: int) -> list:
     cores stall at every barrier when a core is taken (a 1-token forward ran ~6x slower
     under load here), and the codecs' bytes and decoded KV are the same with torch at 1 or
     2 threads (checked for every registered codec and level on a 2048-token window of the
-    default model; tests/test_quality_batch.py compares the rows)."""
+    default model; tests/extraction/test_quality_batch.py compares the rows)."""
     if workers <= 1 or len(jobs) <= 1:
         return [one(j) for j in jobs]
     import torch

@@ -13,14 +13,14 @@ the value of every symbol s is computed ONCE, by the reference torch arithmetic 
 (``codec.rans_cpu.decode_streams_into``) then writes ``deq[layer, row(t, c), s]`` for each
 decoded symbol directly into the destination's memory, both cores, no intermediate
 tensor. Since the table entries are computed by the reference code, the result is
-bit-identical to decode -> dequantize -> cast (tests/test_codec_fused.py).
+bit-identical to decode -> dequantize -> cast (tests/codec/test_codec_fused.py).
 
 CacheGen's decoder: Liu et al., SIGCOMM 2024, section 5.2 (quantization + arithmetic
 coding), section 5.3 (decoding overlapped with streaming); table-driven dequantization
 is the usual way to decode low-bit codes (e.g. the lookup-table dequantization of
 SqueezeLLM, Kim et al., ICML 2024, section 4).
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_fused.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_fused.py -q
 """
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
 # ~2/3 of a cachegen encode (profile in docs/codec.md, section 5b). The kernels below read
 # the KV's bit pattern (bf16 or fp32) once per pass and compute exactly the same float32
 # arithmetic per element (IEEE multiply, round half to even, clamp, + M), so the symbols
-# and scales are bit-identical (tests/test_codec_fused.py::test_fused_quantize_*).
+# and scales are bit-identical (tests/codec/test_codec_fused.py::test_fused_quantize_*).
 
 def _absmax_impl(bits, shift, mode, out):
     """max |x| of a 4-D bit-pattern array ``bits`` [L, T, G, D] (uint16 bf16 with

@@ -5,7 +5,7 @@ One answer to "which levels, which default" for every entry point: the codec reg
 (``codec.registry``, ``codec.api.levels`` / ``default_level``), harness/config.py (flag
 checks that must not load torch), bench/quality.py and scripts/readme_tables.py. Imports
 only the standard library and ``codec.config`` (itself torch-free), so ``import
-codec.level_table`` does not import torch (tests/test_codec_level_table.py checks it in
+codec.level_table`` does not import torch (tests/codec/test_codec_level_table.py checks it in
 a subprocess). Named ``level_table``, not ``levels``: ``codec.levels`` is the public
 function ``codec.api.levels``, which a submodule of that name would shadow.
 

@@ -21,7 +21,7 @@ ranges) and 2 (16-bit tables) are still read. See docs/bitstream.md 4.3.
 Everything here is deterministic for a given input (fixed initialisation, fixed number
 of iterations, lowest-index tie-breaking, integer-only frequency normalisation).
 
-Run: imported by codec/entropy.py; tests: .venv/bin/python -m pytest tests/test_codec_entropy.py tests/test_codec_tables.py -q
+Run: imported by codec/entropy.py; tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_tables.py -q
 """
 from __future__ import annotations
 

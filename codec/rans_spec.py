@@ -10,7 +10,7 @@ numeral systems", 2013; the interleaved-stream organisation of F. Giesen's ryg_r
 coding CacheGen's symbols with one probability model per (layer, channel) (Liu et al.,
 SIGCOMM 2024, section 5.2).
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py -q
 """
 from __future__ import annotations
 

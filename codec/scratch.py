@@ -6,7 +6,7 @@ Purpose: every buffer the codec allocates without initialising it (``torch.empty
 correct result depends on. A correct codec writes every element it later reads; a test
 run with ``mode("nan")`` (float buffers filled with NaN, integer ones with all bits set)
 must then give the same bytes and values as a run with ``mode("zero")``
-(tests/test_codec_scratch.py, every registered codec, level and dtype).
+(tests/codec/test_codec_scratch.py, every registered codec, level and dtype).
 
 Why it exists: on an Intel Xeon with AMX, oneDNN's bf16 GEMM reads a row-major operand's
 whole rows up to its leading dimension (row stride), not only its first K columns: a
@@ -28,7 +28,7 @@ Buffers allocated inside numba-compiled kernels (``np.empty`` in a jitted functi
 ``codec.rans_cpu`` / ``codec.fused``) cannot call Python: they are filled completely by
 the kernel before any read and reach no BLAS call.
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_scratch.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_scratch.py -q
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ build; if another thread holds the lock, it runs the serial build instead (compi
 ``nogil=True``, so threads still run side by side). The bytes and values are identical
 either way, and a single-threaded caller always gets the parallel build (no slowdown).
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_threads.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_threads.py -q
 """
 from __future__ import annotations
 

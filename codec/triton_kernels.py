@@ -51,7 +51,7 @@ Torch/numpy references: codec.quantize.quantize/dequantize, histogram_ref (torch
 bincount), codec.rans_cpu.encode_streams_ref / decode_streams_ref.
 
 Run the tests (CPU, interpreter):
-  TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_codec_triton.py -q
+  TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/codec/test_codec_triton.py -q
 Run the benchmark (GPU):  python -m bench.triton --device cuda
 Whole GPU check (correctness + speed table):  bash scripts/gpu_check.sh
 """

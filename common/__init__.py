@@ -11,5 +11,5 @@ package): one home for what many commands would otherwise spell differently.
 - :mod:`common.machine`: what sets the numerics of a run (CPU flags, oneDNN ISA).
 
 Every package may import it except ``codec`` (which imports no project package);
-``tests/test_architecture.py`` checks that it imports no project package itself.
+``tests/project/test_architecture.py`` checks that it imports no project package itself.
 """

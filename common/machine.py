@@ -26,7 +26,7 @@ every result file records which one ran. ``numerics()`` returns:
 torch is imported only inside the function (for its own fields; None without torch); the
 child process runs once per process (cached; ~2-4 s, 60 s timeout, None on any failure).
 
-Run the test: .venv/bin/python -m pytest tests/test_machine.py -q
+Run the test: .venv/bin/python -m pytest tests/harness/test_machine.py -q
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ by name with ``higher_is_better`` (as lm-evaluation-harness does); look them up 
 :func:`get_metric`. Aggregations (median, quartiles, mean with standard error) are in
 :func:`aggregate`.
 
-Run its tests:  ``python -m pytest tests/test_evaluation_metrics.py -q``
+Run its tests:  ``python -m pytest tests/evaluation/test_evaluation_metrics.py -q``
 Example:        ``python -c "from evaluation import qa_f1; print(qa_f1('The Eiffel Tower', ['eiffel tower']))"``
 """
 

@@ -13,7 +13,7 @@ network.
   Cai & DasGupta 2001, "Interval Estimation for a Binomial Proportion").
 - :func:`mean_ci`: mean + bootstrap CI as a dict ready for a results row.
 
-Run the tests: ``python -m pytest tests/test_evaluation_stats.py -q``
+Run the tests: ``python -m pytest tests/evaluation/test_evaluation_stats.py -q``
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ docs/results-schema.md says); speed columns are medians with p25/p75 for TTFT.
 
 This module imports only the standard library and :mod:`evaluation.metrics` (numpy, no
 torch), so the figures can use it while reading nothing but the results file.
-Run its tests: ``python -m pytest tests/test_harness_units.py -q -k summar``.
+Run its tests: ``python -m pytest tests/harness/test_harness_units.py -q -k summar``.
 """
 from __future__ import annotations
 

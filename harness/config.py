@@ -27,7 +27,7 @@ QUICK_CONTEXT_TOKENS = 1024  # about a second of HF prefill per context for the 
 QUICK_CHUNK_TOKENS = 256  # 4 chunks of a 1024-token context: the step trace changes rate mid-load
 QUICK_PPL_CONTEXT_TOKENS = 512  # the perplexity pass encodes every variant once per context
 # the codecs' default levels and level lists, from the torch-free codec.level_table (parsing
-# flags must not load torch; tests/test_codec_level_table.py checks the table against the codec)
+# flags must not load torch; tests/codec/test_codec_level_table.py checks the table against the codec)
 QUICK_LEVELS = (_level_table.default_level("cachegen"),)
 QUICK_KVTC_LEVELS = (_level_table.default_level("kvtc"),)
 CACHEGEN_LEVELS = _level_table.levels("cachegen")
@@ -47,7 +47,7 @@ class RunConfig:
     bandwidth_mbps: tuple[float, ...] = (100.0, 500.0, 1000.0)
     modes: tuple[str, ...] = ("text", "raw", "quant8", "kivi2", "cachegen", "cachegen-adaptive",
                               "kvtc")
-    # the default run's levels, as configs/benchmark.yaml (tests/test_entry_flags.py checks
+    # the default run's levels, as configs/benchmark.yaml (tests/project/test_entry_flags.py checks
     # every field against the file); None = every level of the codec
     levels: tuple[int, ...] | None = (0, 1, 3, 5)
     kvtc_levels: tuple[int, ...] | None = (4,)

@@ -132,7 +132,7 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     oneDNN's bf16 GEMMs of 8 and of 2 rows differ; the measured sensitivities moved by up
     to 119%, issue 25). In float32 (2^-24, 2^16 times finer) that term is negligible and
     the probe KL moves only by the cross term 2 r / d (rounding shift r, probe shift d): the result depends on the batch and on the CPU's kernel family by float32
-    rounding only (measured <= 3.2e-3 relative on an AMX Xeon; tests/test_kvtc_calibrate.py
+    rounding only (measured <= 3.2e-3 relative on an AMX Xeon; tests/extraction/test_kvtc_calibrate.py
     bounds it at 1e-2). Memory: a
     float32 copy of the weights while it runs (0.5 GB for the default model).
     The noise is drawn in the same order whatever the batch.

@@ -19,7 +19,7 @@ every CPython the harness supports), in a fixed order:
   ``natural_sentences()`` (the ``pydoc_data.topics`` prose that the main job's needle
   filler and its ``pydoc_ppl`` perplexity pass evaluate on) is dropped, as is a sentence
   seen before, so the calibration text shares no sentence with the evaluated text by
-  construction (tests/test_calibration_text.py checks it);
+  construction (tests/extraction/test_calibration_text.py checks it);
 - paragraphs are joined with blank lines.
 
 Why this text: it is real, human-written English prose (not generated filler), it is on

@@ -51,7 +51,7 @@ def make_cache(k: torch.Tensor, v: torch.Tensor, config=None, capacity: int = 0)
     the cache without touching ``k``/``v``. ``capacity`` (tokens, > T): preallocate that
     many positions per layer so that decoding appends in place instead of copying the
     whole cache at every step (the stock layer concatenates); the attention reads the same
-    values (identical logits, tests/test_bench_quality_tasks.py). 0 = the stock cache.
+    values (identical logits, tests/bench/test_bench_quality_tasks.py). 0 = the stock cache.
     """
     cache = _new_cache(config, capacity)
     for layer in range(k.shape[0]):
@@ -261,7 +261,7 @@ def continuation_logits_batch(bundle, kvs, context_ids, continuation_ids) -> lis
     (kernels are chosen by shape, never by value); different -> the batch-1 logits are
     returned, and every later call of that shape runs at batch 1 (``batch_is_exact``
     tells which). The lossless ``raw`` row of every quality run checks it again (KL
-    exactly 0 against the batch-1 reference; tests/test_quality_batch.py). Memory: about
+    exactly 0 against the batch-1 reference; tests/extraction/test_quality_batch.py). Memory: about
     ``len(kvs)`` times the batch-1 forward's. Raises ExtractionError like
     :func:`continuation_logits` (any entry)."""
     kvs = list(kvs)

@@ -34,8 +34,8 @@ done
 
 rc=0
 if "$PY" -c "import pytest" 2>/dev/null; then
-    echo "== kernel tests on CUDA (tests/test_codec_triton.py)"
-    timeout 150 "$PY" -m pytest tests/test_codec_triton.py -q -x -p no:cacheprovider || rc=1
+    echo "== kernel tests on CUDA (tests/codec/test_codec_triton.py)"
+    timeout 150 "$PY" -m pytest tests/codec/test_codec_triton.py -q -x -p no:cacheprovider || rc=1
 else
     echo "== pytest unavailable: kernel tests skipped (the correctness step still runs)"
 fi

@@ -37,7 +37,7 @@ with ClockModel on a per-chunk rate trace, with the same abandon rules (deadline
 progress checks) as the real client.
 
 Run: `python -m bench.adapt` (real shaped link and simulated sweep); pure functions here are
-unit-tested in tests/test_adapt_policy.py.
+unit-tested in tests/streaming/test_adapt_policy.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Abort-during-load check of CacheGenConnector in a real vLLM engine (issue 26), run by
-tests/test_vllm_connector_abort.py in a subprocess (vLLM's LLM() must be created under
+tests/vllm_connector/test_vllm_connector_abort.py in a subprocess (vLLM's LLM() must be created under
 ``__main__``). Writes a JSON report the tests assert on.
 
 One engine with the connector in the chosen load mode (extra config "async_load") and the

@@ -1,4 +1,4 @@
-"""Self-check of CacheGenConnector in a real vLLM engine, run by tests/test_vllm_connector.py
+"""Self-check of CacheGenConnector in a real vLLM engine, run by tests/vllm_connector/test_vllm_connector.py
 in a subprocess (vLLM's LLM() must be created under ``__main__``, and the subprocess's exit
 guarantees no engine process outlives the test). Writes a JSON report the tests assert on.
 
@@ -45,7 +45,7 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
               max_tokens: int = 16, chunk_tokens: int = 256, prompt_kind: str = "needle",
               keep_workdir: bool = False) -> dict[str, Any]:
     """One engine, several scenarios; writes a JSON report to out_path (used by
-    tests/test_vllm_connector.py). Must be called under `if __name__ == "__main__":`.
+    tests/vllm_connector/test_vllm_connector.py). Must be called under `if __name__ == "__main__":`.
     The model, the prompt (kv_extraction_hf.prompts.build_prompt, seed 1) and HF
     transformers' KV of the context (kv_extraction_hf.extract.prefill_kv) come from the
     extraction package, as in the harness.

@@ -1,5 +1,5 @@
 """Server check of CacheGenConnector in vLLM's OpenAI server (issue 17, item 5), run by
-tests/test_vllm_server.py in a subprocess. Writes a JSON report the test asserts on.
+tests/vllm_connector/test_vllm_server.py in a subprocess. Writes a JSON report the test asserts on.
 
 Steps: start a KV store server (loopback) and `python -m vllm.entrypoints.openai.api_server`
 with our connector on 127.0.0.1 and a free port (the recipe of docs/vllm-connector.md);

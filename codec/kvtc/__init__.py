@@ -69,7 +69,7 @@ hash otherwise.
     k2, v2 = codec.decode_kv(data)                            # finds it by its hash
 
 Make a calibration for a model: python -m kv_extraction_hf.calibrate --model default --out FILE
-Run the tests: .venv/bin/python -m pytest tests/test_codec_kvtc.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_kvtc.py -q
 
 Package layout (one job per module; this ``__init__`` re-exports every name the single
 ``codec/kvtc.py`` module had, so ``from codec import kvtc; kvtc.X`` keeps working):

@@ -300,14 +300,14 @@ class KvtcCodec:
         threads collapsed ~8x on a busy machine; docs/codec.md section 8.4). Each layer's
         arithmetic is the same ops in the same order either way, so the bytes do not
         depend on the thread count. float32 rounding only: ``_inverse_ref`` (the
-        textbook path) agrees within float32 rounding (tests/test_kvtc_decode_fast.py).
+        textbook path) agrees within float32 rounding (tests/codec/test_kvtc_decode_fast.py).
         bf16 products: with a bf16 ``out``, no centroid offsets and a CPU with bf16 dot
         products (``_bf16_gemm``), the product is a bf16 ``addmm`` (float32 accumulation)
         of the exact integer coefficients q - off with the step-scaled basis and the mean
         rounded to bf16 (values written straight into ``out``; keys rotated by
         ``_rope_bf16_py`` on the bf16 bits: widened exactly, RoPE in float32, rounded
         once); error within eps_bf16 (|x| + |q| @ |B_s| + |mean|) of the float32 result
-        (twice the pair's bound after RoPE; tests/test_kvtc_decode_fast.py), 2-4x faster
+        (twice the pair's bound after RoPE; tests/codec/test_kvtc_decode_fast.py), 2-4x faster
         than the float32 product (docs/codec.md 8.4b).
         """
         L, Tq, H, D = shape

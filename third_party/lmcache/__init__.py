@@ -15,7 +15,7 @@ server) must call ``register()`` first, or be started with our launcher
   that does not match or verify raises, which LMCache turns into a miss.
 
 Nothing is imported here at import time: importing the package needs no LMCache.
-A library plus one service command (server.py); tests: tests/test_lmcache_serde.py (run
+A library plus one service command (server.py); tests: tests/lmcache_serde/test_lmcache_serde.py (run
 with the optional environment, ``bash scripts/setup.sh lmcache``).
 """
 from __future__ import annotations

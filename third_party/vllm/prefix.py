@@ -23,7 +23,7 @@ separated from context keys): JSON {"format", "entries": [{"key", "tokens", "cod
 Stale records (a deleted or evicted entry) are dropped by `find_loadable`, which falls
 back from the longest indexed prefix to shorter chain levels until an entry really loads
 (issue 26.6: two entries share 512 tokens, the longer is deleted: the shorter still gives
-512). No vLLM import; unit-tested in tests/test_connector_prefix.py. Not runnable.
+512). No vLLM import; unit-tested in tests/vllm_connector/test_connector_prefix.py. Not runnable.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 runs the KV store beside a 
 engine; the split between operator configuration and per-request choice follows vLLM's
 own `kv_transfer_config` (engine-wide) vs `kv_transfer_params` (per request) and LMCache's
 server-side storage configuration. No vLLM import: unit-tested without an engine
-(tests/test_connector_trust.py). Not runnable.
+(tests/vllm_connector/test_connector_trust.py). Not runnable.
 """
 
 from __future__ import annotations

