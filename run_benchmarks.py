@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, help="tokens per streamed chunk")
     p.add_argument("--block-tokens", type=int,
                    help="engine KV block size; loaded prefixes are whole blocks (128 on vLLM CPU)")
-    p.add_argument("--store", help="KV store backend: a folder (default: temporary) or redis://HOST:PORT/DB")
+    p.add_argument("--store", help="KV store backend: a folder (default: temporary), redis (a redis-server "
+                   "the run starts behind the link) or redis://HOST:PORT/DB")
     flags.add_link_method(p, default=None, help="link shaping: auto (netns as root, else "
                           "userspace), netns (veth + tc tbf; root), userspace (token-bucket "
                           "proxy on loopback) (default auto)")

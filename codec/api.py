@@ -17,7 +17,7 @@ and on the CPU otherwise; ``"cpu"`` / ``"triton"`` force one (docs/gpu.md). Both
 the same bytes and the same decoded values, so a KV encoded on a GPU decodes on a CPU and
 the reverse.
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_api*.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_api*.py -q
 """
 from __future__ import annotations
 

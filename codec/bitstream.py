@@ -13,7 +13,7 @@ Layout (all integers little-endian; details and limits in docs/bitstream.md 4.1)
   | zero padding to a multiple of 8 | array data (each padded to a multiple of 8)
   | payload_len u64 | payload | crc32 u32 (zlib.crc32 of every byte before it)
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_bitstream*.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_bitstream*.py -q
 """
 from __future__ import annotations
 

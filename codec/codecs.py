@@ -18,7 +18,7 @@ plus KIVI and an FP8 cast:
   (``CodecConfig.for_model(L, level)``, variant "harness"); ``cachegen-ref``: the LMCache
   reference quantizer and the LMCache/artifact schedules (variant "reference").
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_api*.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_api*.py -q
 
 Layout: ``codec/base.py`` (the shared vocabulary: dtypes, EncodedChunk, bit helpers, the
 Codec base), ``codec/baselines.py`` (raw, fp8, KIVI), ``codec/cachegen.py``

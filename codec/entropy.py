@@ -9,7 +9,7 @@ models (codec/probability.py) and a rANS coder backend (``CoderBackend``: the nu
 constants and stream layout are codec/rans_spec.py's. ``decode_symbols_into`` fuses the
 decoding with a table dequantization into a destination (codec/fused.py).
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy*.py -q
 Run the benchmark: .venv/bin/python -m bench.coder entropy   (prints Msym/s and overheads)
 
 Stats: `entropy_bits` is the cross-entropy of the symbols under the coded (codebook,

@@ -50,7 +50,7 @@ representable value >= s of the grid ``ldexp(LOG8_MANTISSA[(c-1) % 8], e0 + (c-1
 for uint8 codes ``c`` in 1..255 (code 0 = scale 0), ``e0`` = floor(log2(min positive s))
 of the tensor; rounding UP means no element is clipped.
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_quant*.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_quant*.py -q
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ slowed by other work does not hold the others back; small chunks use a serial bu
 reference (`rans_encode_ref`, `rans_decode_ref`, `encode_streams_ref`,
 `decode_streams_ref`), which the Triton kernels (codec/triton_kernels.py) also match.
 
-Run the tests: .venv/bin/python -m pytest tests/test_codec_entropy*.py -q
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy*.py -q
 Run the benchmark: nice -n 5 .venv/bin/python -m bench.coder rans   (Msym/s encode/decode)
 
 Shapes and dtypes used throughout:

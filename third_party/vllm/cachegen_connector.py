@@ -55,7 +55,7 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
   store from HF-transformers KV instead (kv_extraction_hf).
 Stats: one JSON line per load / save / miss / local_hit / rejected / warmup in extra
 config "stats_path", and one log line per load (logger "vllm.cachegen_connector").
-Docs: docs/vllm-connector.md. Tests: tests/test_vllm_connector*.py.
+Docs: docs/vllm-connector.md. Tests: tests/vllm_connector/test_vllm_connector*.py.
 Modules: connector_support (LoadRequest, SaveRequest, CacheGenConnectorMetadata, helpers)
 and connector_worker (_WorkerSide: the worker-side methods CacheGenConnector inherits);
 this module re-exports their names and stays the kv_connector_module_path.
