@@ -220,6 +220,10 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
         x = codec_obj.apply_outliers(part, header, arrays, dtype_name, tag)
         if x.data_ptr() != part.data_ptr() or not part.is_contiguous():
             part.copy_(x)
+    # outlier channels (issue 28.7): the pre-scaling undone after the outliers, as the
+    # reference decoder (codecs.CacheGenCodec.dequantize_tensor) does
+    for tag, o in (("k", k_out), ("v", v_out)):
+        codec_obj.apply_channels(o[:, ns:], header, arrays, tag)
     return k_out, v_out
 
 
