@@ -122,22 +122,11 @@ class CacheGenCodec(Codec):
         arrays: dict[str, np.ndarray] = {}
         s = _row_scales(xg, dims) if xg.numel() else torch.zeros(eshape, device=x.device)
         if cfg.scale_group == "chunk_head" and xg.numel():
-            # outlier channels (issue 28.7; docs/bitstream.md section 4.4b): a channel far
-            # above the rest of its (layer, KV head) is divided by 2^e before the scale is
-            # taken (e stored), so it no longer sets the step of the others
-            ch = Q.outlier_channels(xg)
-            if ch is not None:
-                cidx, cexp = ch
-                arrays[f"chx_{tag}_idx"] = cidx.astype(np.uint32 if L * H * D <= 1 << 32
-                                                       else np.uint64)
-                arrays[f"chx_{tag}_exp"] = cexp
-                hdr[f"n_chx_{tag}"] = int(cidx.size)
-                xg = Q.scale_channels(xg.clone(), cidx, cexp, -1)
-                s = _row_scales(xg, dims)
             # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
             # a sparse side list and set to 0 before the scale is taken (issue 12.3;
             # docs/bitstream.md section 4.4); normal KV stops at the group maxima
             thr = Q.outlier_thresholds(xg, dims)
+            x_orig = xg
             if bool((s > thr).any()):
                 mask = xg.to(torch.float32).abs() > thr
                 flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
@@ -148,6 +137,19 @@ class CacheGenCodec(Codec):
                 arrays[f"out_{tag}_val"] = to_bits(xg.reshape(-1)[flat])
                 hdr[f"n_out_{tag}"] = int(idx.size)
                 xg = torch.where(mask, torch.zeros_like(xg), xg)
+                s = _row_scales(xg, dims)
+            # outlier channels (issue 28.7; docs/bitstream.md section 4.4b): after the side
+            # list took its values out, a channel far above the rest of its (layer, KV
+            # head) is divided by 2^e (e stored) before the scale is taken, so that it no
+            # longer sets the step of the others
+            ch = Q.outlier_channels(xg, x_orig)
+            if ch is not None:
+                cidx, cexp = ch
+                arrays[f"chx_{tag}_idx"] = cidx.astype(np.uint32 if L * H * D <= 1 << 32
+                                                       else np.uint64)
+                arrays[f"chx_{tag}_exp"] = cexp
+                hdr[f"n_chx_{tag}"] = int(cidx.size)
+                xg = Q.scale_channels(xg.clone(), cidx, cexp, -1)
                 s = _row_scales(xg, dims)
         s = Q.flush_tiny_scales(s)      # M / s must not overflow float32 (issue 12.2)
         enc = Q.encode_log8(s) if cfg.scale_format == "log8" and s.numel() else None
@@ -188,13 +190,13 @@ class CacheGenCodec(Codec):
             x = Q.to_dtype_clamped(Q.dequantize(sym.reshape(view),
                                                 eff.reshape(eshape).to(sym.device), m),
                                    out_dtype).reshape(L, T, H, D)
-        x = self.apply_outliers(x, hdr, arrays, dtype_name, tag)
-        return self.apply_channels(x, hdr, arrays, tag)
+        x = self.apply_channels(x, hdr, arrays, tag)
+        return self.apply_outliers(x, hdr, arrays, dtype_name, tag)
 
     @staticmethod
     def apply_channels(x: torch.Tensor, hdr: dict, arrays: dict, tag: str) -> torch.Tensor:
         """Undo the encoder's outlier-channel pre-scaling of ``tag`` ("k" | "v") on the
-        dequantized ``x`` [L, Tq, H, D] (after ``apply_outliers``; in place, x may be a
+        dequantized ``x`` [L, Tq, H, D] (before ``apply_outliers``; in place, x may be a
         view; docs/bitstream.md section 4.4b): channel ``idx`` (flat into [L, H, D],
         strictly increasing) times ``2^exp`` (exp 1..CHANNEL_MAX_EXP), clamped to the
         dtype's finite range. No list (``n_chx_<tag>`` absent) = nothing to do.

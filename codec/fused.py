@@ -211,6 +211,10 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
                                     ns, float(torch.finfo(dt).max), dtype_name, o)
             else:
                 gather_into(sym, o, tab, t_stride, hd, ns)
+    # outlier channels (issue 28.7): the pre-scaling undone before the exact outliers are
+    # scattered, as the reference decoder (codecs.CacheGenCodec.dequantize_tensor) does
+    for tag, o in (("k", k_out), ("v", v_out)):
+        codec_obj.apply_channels(o[:, ns:], header, arrays, tag)
     # exact outliers (issue 12.3): scattered after the fused dequantization
     for tag, o in (("k", k_out), ("v", v_out)):
         if header.get(f"n_out_{tag}") is None and f"out_{tag}_idx" not in arrays \
@@ -220,10 +224,6 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
         x = codec_obj.apply_outliers(part, header, arrays, dtype_name, tag)
         if x.data_ptr() != part.data_ptr() or not part.is_contiguous():
             part.copy_(x)
-    # outlier channels (issue 28.7): the pre-scaling undone after the outliers, as the
-    # reference decoder (codecs.CacheGenCodec.dequantize_tensor) does
-    for tag, o in (("k", k_out), ("v", v_out)):
-        codec_obj.apply_channels(o[:, ns:], header, arrays, tag)
     return k_out, v_out
 
 
