@@ -81,7 +81,8 @@ def test_other_values_error_within_2x(case, level):
         x, y, _, data = _run(case, f, level)
         err = others_err(x, y, chans)
         assert err <= 2 * base + 1e-9, (case, level, f, err, base)
-        assert data[4:6] == (5).to_bytes(2, "little")
+        # version 5 when a channel was pre-scaled (at x3000 the side list may hold it all)
+        assert data[4:6] in ((4).to_bytes(2, "little"), (5).to_bytes(2, "little"))
         # the outlier channels themselves: relative error like a normal channel's at
         # this level (their own step is at most 2x the others')
         for l, h, c in chans:
