@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
-import math
 import os
 import sys
 from collections import defaultdict
@@ -53,147 +51,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's packages
     sys.path.insert(0, str(ROOT))
+if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules below, when imported
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # from elsewhere than scripts/
 
-from codec import level_table  # noqa: E402  (torch-free)
 from common.header import atomic_write_text  # noqa: E402
 from evaluation.stats import wilson_ci  # noqa: E402
-from evaluation.summary import plot_label, summarize  # noqa: E402
-
-START = "<!-- results-table:start -->"
-END = "<!-- results-table:end -->"
-QUALITY_START = "<!-- quality-table:start -->"
-QUALITY_END = "<!-- quality-table:end -->"
-ADAPT_START = "<!-- adaptation-table:start -->"
-ADAPT_END = "<!-- adaptation-table:end -->"
-HEADLINE_START = "<!-- headline-table:start -->"
-HEADLINE_END = "<!-- headline-table:end -->"
-# The headline rows: (mode, level); None = the codec's default level.
-HEADLINE_ROWS = (("text", None), ("quant8", None), ("cachegen", "default"), ("kvtc", "default"))
-QUALITY_ABSENT = "Not yet measured: run `python -m bench.quality` (writes `benchmarks/quality.json`).\n"
-ADAPT_ABSENT = "Not yet measured: run `python -m bench.adapt` (writes `benchmarks/adaptation.json`).\n"
-# Row order of the table; modes not listed follow in name order.
-MODE_ORDER = level_table.MODE_ORDER
-# Published figures quoted beside ours (CacheGen, Liu et al., SIGCOMM 2024, arXiv:2310.07240).
-PAPER_TTFT_VS_QUANT8 = "1.67-1.81x"
-PAPER_TTFT_VS_TEXT = "3.1-4.7x"
+from evaluation.summary import plot_label  # noqa: E402
 
 
-class ReadmeTableError(ValueError):
-    """Unreadable results file, or README without the markers."""
-
-
-
-def _isa_note(env: dict) -> str:
-    """" (oneDNN: <matmul kernel>)" from ``environment.numerics`` (what set the numerics of
-    the run: AMX, AVX-512 or AVX2 kernels), "" for files without it."""
-    impl = (env.get("numerics") or {}).get("onednn_matmul_impl")
-    return f" (oneDNN bf16 matmul `{impl}`)" if impl else ""
-
-def load_results(path: Path) -> dict[str, Any]:
-    """The results document. Raises ReadmeTableError when unreadable or without runs."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-        raise ReadmeTableError(f"{path} is not a results file (no 'runs' list; docs/results-schema.md)")
-    return doc
-
-
-def load_optional(path: Path, what: str, key: str = "rows") -> dict[str, Any] | None:
-    """A quality.json / adaptation.json document, or None when the file does not exist.
-    Raises ReadmeTableError when it exists but is unreadable or has no ``key`` list."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
-        raise ReadmeTableError(f"{path} is not a {what} file (no '{key}' list; docs/results-schema.md)")
-    return doc
-
-
-def summaries(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The file's summaries, else summarize(runs) (the figures' rule)."""
-    rows = doc.get("summaries")
-    if isinstance(rows, list) and rows:
-        return rows
-    return summarize(doc["runs"], doc.get("failures"), (doc.get("config") or {}).get("bandwidth_mbps"))
-
-
-def _mode_key(mode: str, level: Any) -> tuple:
-    idx = MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
-    return (idx, mode, -1 if level is None else level)
-
-
-def _default_level(mode: str) -> Any:
-    """The codec's default level (None when unknown or the codec has no levels)."""
-    try:
-        return level_table.default_level(mode)
-    except Exception:  # noqa: BLE001 - not a codec (text, adaptive) or codec unavailable
-        return None
-
-
-def _f(v: Any, fmt: str, none: str = "-") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return none
-    return format(v, fmt)
-
-
-def _mb(v: float) -> str:
-    return "0" if v == 0 else f"{v / 1e6:.1f} MB"
-
-
-def _one_or_range(vals: list[float], fmt) -> str:
-    vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return "-"
-    lo, hi = min(vals), max(vals)
-    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} - {fmt(hi)}"
-
-
-def _ppl(v: float) -> str:
-    return f"{v:+.2f}%" if v != 0 else "0.00%"
-
-
-def _kl(v: float) -> str:
-    return "0" if v == 0 else f"{v:.2g}"
-
-
-def _ratio(v: float) -> str:
-    return f"{v:.2f}x"
-
-
-def _g(v: Any) -> str:
-    """3 significant digits; exact 0 as "0"."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return "0" if v == 0 else f"{v:.3g}"
-
-
-def _ci(v: Any, ci: Any, fmt) -> str:
-    """``value [lo, hi]``; the bare value when the CI is missing."""
-    if v is None:
-        return "-"
-    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci):
-        return f"{fmt(v)} [{fmt(ci[0])}, {fmt(ci[1])}]"
-    return f"{fmt(v)} [no CI]"
-
-
-def _quality_rows(qdoc: dict[str, Any] | None) -> dict[tuple, dict[str, Any]]:
-    """quality.json rows keyed by (codec, level)."""
-    if not qdoc:
-        return {}
-    return {(r.get("codec"), r.get("level")): r for r in qdoc.get("rows") or [] if isinstance(r, dict)}
-
-
-def _quality_kl_cell(q: dict[str, Any] | None) -> str:
-    if not q or q.get("kl") is None:
-        return "-"
-    return f"{_ci(q['kl'], q.get('kl_ci'), _g)} (n={q.get('n_windows', '?')})"
-
+# Markers, loaders and cell formats live in readme_table_cells.py, the quality and adaptation
+# blocks in readme_file_tables.py (issue 27: modules under 600 lines); re-exported here.
+from readme_table_cells import (  # noqa: E402, F401
+    ADAPT_ABSENT, ADAPT_END, ADAPT_START, END, HEADLINE_END, HEADLINE_ROWS, HEADLINE_START, MODE_ORDER,
+    PAPER_TTFT_VS_QUANT8, PAPER_TTFT_VS_TEXT, QUALITY_ABSENT, QUALITY_END, QUALITY_START,
+    ReadmeTableError, START, _ci, _default_level, _f, _g, _isa_note, _kl, _mb, _mode_key, _one_or_range,
+    _ppl, _quality_kl_cell, _quality_rows, _ratio, load_optional, load_results, summaries
+)
+from readme_file_tables import (  # noqa: E402, F401
+    GOAL_SETS, POLICY_ORDER, TASK_ORDER, TRACE_SET_ORDER, _adaptation_goals, _codec_label, _family_key,
+    _order, _pct, _wilson_cell, render_adaptation, render_quality
+)
 
 def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality: dict[str, Any] | None = None,
            quality_source: str = "benchmarks/quality.json") -> str:
@@ -420,227 +297,6 @@ def _derived(doc, rows, bws, keys, by_label, quality=None) -> list[str]:
         out.append(f"- ppl change and KL: median over {ppl_n} held-out 256-token continuations of "
                    f"{ppl_t}-token natural-text contexts; correct: the needle answer of each request.")
     return out
-
-
-def _family_key(codec: str) -> tuple:
-    idx = MODE_ORDER.index(codec) if codec in MODE_ORDER else len(MODE_ORDER)
-    return (idx, codec)
-
-
-def _codec_label(codec: str, level: Any, default: bool = False) -> str:
-    label = codec if level is None else f"{codec} level {level}"
-    return label + (" (default)" if default else "")
-
-
-def _pct(v: float) -> str:
-    return f"{v:+.1f}%"
-
-
-def _wilson_cell(p: Any, n: Any, ci: Any) -> str:
-    """``k/n = p [lo, hi]`` (k recovered from the share); "-" without a share or n."""
-    if p is None or not n:
-        return "-"
-    k = round(p * n)
-    return f"{k}/{n} = {p:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if isinstance(ci, (list, tuple)) and len(ci) == 2
-                                   else " [no CI]")
-
-
-TASK_ORDER = ("needle", "topic_retrieval", "all")
-
-
-def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/quality.json") -> str:
-    """The quality block (without the markers), Markdown: the text-fidelity table (one row
-    per codec/level, families in MODE_ORDER, then by bits per element), the task table and
-    the data source / config line. ``qdoc`` None: the one-line "not yet measured" block."""
-    if qdoc is None:
-        return QUALITY_ABSENT
-    cfg = qdoc.get("config") or {}
-    data = qdoc.get("data") or {}
-    model = qdoc.get("model") or {}
-    env = qdoc.get("environment") or {}
-    wall = qdoc.get("wall_s")
-    sha = str(data.get("sha256") or "?")[:12]
-    lines = [
-        f"Generated by `python scripts/readme_tables.py` from `{source}`: `{qdoc.get('command', '?')}` of "
-        f"{str(qdoc.get('created_utc', '?'))[:10]}; model {model.get('id', '?')} {model.get('dtype', '')}; "
-        f"data: {data.get('corpus') or 'WikiText-2'}, {data.get('split', '?')} split (source "
-        f"{data.get('source', '?')}, sha256 {sha}...), {cfg.get('n_windows', '?')} windows x "
-        f"({cfg.get('context_tokens', '?')} context + {cfg.get('continuation_tokens', '?')} continuation) tokens, "
-        f"seed {cfg.get('seed', '?')}{', --quick' if cfg.get('quick') else ''}; {env.get('cpu_count', '?')} CPUs"
-        + (f", {wall / 60:.0f} min wall." if isinstance(wall, (int, float)) else "."),
-        "",
-        "Each decoded KV against the lossless KV on the same windows (paired): KL(lossless || decoded) per "
-        "continuation token, top-1 agreement with the lossless argmax, each with a 95% bootstrap CI over "
-        "windows. Rank by KL and top-1 agreement; the perplexity change is reported but is not monotone in "
-        "distortion (quantization noise can lower it).",
-        "",
-    ]
-    info = qdoc.get("text_info") or {}
-    chk = info.get("lossless_check") if isinstance(info.get("lossless_check"), dict) else None
-    extra = []
-    if chk is not None:
-        extra.append("lossless check (`raw` must give KL 0 and top-1 agreement 1 exactly): "
-                     + ("passed" if chk.get("passed") else "**FAILED**"))
-    skipped = info.get("skipped") if isinstance(info.get("skipped"), dict) else {}
-    if skipped:
-        extra.append("skipped (see the file): " + ", ".join(f"`{k}`" for k in sorted(skipped)))
-    if extra:
-        lines += ["; ".join(extra) + ".", ""]
-    dtype = model.get("dtype") or "dtype"
-    rows = [r for r in qdoc.get("rows") or [] if isinstance(r, dict)]
-    if rows:
-        lines.append(f"| codec / level | ratio vs {dtype} | bits/element | KL (nats/token) [95% CI] | "
-                     "top-1 agreement [95% CI] | ppl change [95% CI] (not monotone in distortion) | n windows |")
-        lines.append("|---" * 7 + "|")
-        rows.sort(key=lambda r: (_family_key(str(r.get("codec"))),
-                                 r.get("bits_per_element") if isinstance(r.get("bits_per_element"), (int, float))
-                                 else math.inf, -1 if r.get("level") is None else r.get("level")))
-        for r in rows:
-            lines.append(
-                f"| {_codec_label(r.get('codec'), r.get('level'), bool(r.get('default')))} | "
-                f"{_one_or_range([r.get('ratio_vs_dtype')], _ratio)} | {_f(r.get('bits_per_element'), '.3f')} | "
-                f"{_ci(r.get('kl'), r.get('kl_ci'), _g)} | "
-                f"{_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), lambda v: f'{v:.3f}')} | "
-                f"{_ci(r.get('ppl_change_pct'), r.get('ppl_change_pct_ci'), _pct)} | {r.get('n_windows', '-')} |")
-        lines.append("")
-    else:
-        lines += ["No text-fidelity rows in this file (a `--tasks-only` run).", ""]
-    tasks = [t for t in qdoc.get("tasks") or [] if isinstance(t, dict)]
-    if tasks:
-        tcfg = qdoc.get("tasks_config") or {}
-        tasks.sort(key=lambda t: (t.get("codec") != "lossless", _family_key(str(t.get("codec"))),
-                                  -1 if t.get("level") is None else t.get("level"),
-                                  TASK_ORDER.index(t["task"]) if t.get("task") in TASK_ORDER else len(TASK_ORDER),
-                                  str(t.get("task"))))
-        lines.append(f"Task answers ({tcfg.get('n_requests', '?')} requests per codec/level: needle, context "
-                     f"lengths {', '.join(str(x) for x in tcfg.get('lengths') or []) or '?'} tokens, depths "
-                     f"10-90%, and topic retrieval, {', '.join(str(x) for x in tcfg.get('topic_lengths') or []) or '?'}"
-                     " tokens; `all` pools both). Answer agreement: the scored answer (the number the scorer reads, "
-                     "or whether the gold phrase occurs) equals the lossless answer's for the same request; token "
-                     "agreement: the generated token ids are identical (a rephrasing of the same answer disagrees).")
-        lines.append("")
-        lines.append("| codec / level | task | n | accuracy [Wilson 95% CI] | "
-                     "answer agreement with lossless [Wilson 95% CI] | token agreement [Wilson 95% CI] |")
-        lines.append("|---" * 6 + "|")
-        for t in tasks:
-            lines.append(f"| {_codec_label(t.get('codec'), t.get('level'), bool(t.get('default')))} | "
-                         f"{t.get('task', '?')} | {t.get('n', '-')} | "
-                         f"{_wilson_cell(t.get('accuracy'), t.get('n'), t.get('accuracy_ci'))} | "
-                         f"{_wilson_cell(t.get('agreement'), t.get('n'), t.get('agreement_ci'))} | "
-                         f"{_wilson_cell(t.get('token_agreement'), t.get('n'), t.get('token_agreement_ci'))} |")
-    else:
-        lines.append("Task answers: not yet measured (run `python -m bench.quality`).")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-TRACE_SET_ORDER = ("artifact", "artifact-generator", "generated", "constant", "step", "synthetic", "issue-drop")
-POLICY_ORDER = ("oracle", "adaptive", "text") + tuple(f"fixed-l{i}" for i in range(10))
-
-
-def _order(value: Any, order: tuple) -> tuple:
-    return (order.index(value) if value in order else len(order), str(value))
-
-
-def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/adaptation.json") -> str:
-    """The adaptation block (without the markers), Markdown: per trace set, one table with a
-    row per (SLO, link, policy): violations k/n, mean / p95 overshoot, quality KL, regret vs
-    the oracle; trace sets other than the first are folded (``<details>``). ``adoc`` None:
-    the one-line "not yet measured" block."""
-    if adoc is None:
-        return ADAPT_ABSENT
-    env = adoc.get("environment") or {}
-    link = adoc.get("link") or {}
-    real = link.get("real") or {}
-    cfg = adoc.get("config") or {}
-    wall = adoc.get("wall_s")
-    rows = [r for r in adoc.get("rows") or [] if isinstance(r, dict)]
-    no_kl = all(r.get("quality_kl") is None for r in rows)
-    lines = [
-        f"Generated by `python scripts/readme_tables.py` from `{source}`: `{str(adoc.get('command', '?')).strip()}` "
-        f"of {str(adoc.get('created_utc', '?'))[:10]} (git {str(env.get('git_commit') or '?')[:7]}); "
-        f"{env.get('num_cpus', '?')} CPUs"
-        + (f", {wall / 60:.0f} min wall" if isinstance(wall, (int, float)) else "")
-        + f". Link `real`: the shaped link (`{real.get('method', '?')}`, burst {real.get('burst_rule', '?')}); "
-        "`simulated`: the same policy code on a clock model calibrated from the real run. Artifact traces "
-        f"scaled x{cfg.get('trace_scale', '?')} (Gbit/s x 1000 x scale = Mbit/s). Violations: loads past the "
-        "SLO (k/n); overshoot: seconds past the SLO over all n loads (0 when met); regret: mean per-token "
-        "utility gap to the oracle on the same traces "
-        + ("(quality KL not available in this run - no quality.json when it ran - so the quality column is "
-           "left out and regret is in ordinal level units)." if no_kl else "(KL points)."),
-        "",
-    ]
-    svr = [x for x in adoc.get("sim_vs_real") or [] if isinstance(x, dict)]
-    if svr:
-        lines.append("Simulated vs real link at the real run's SLO: " + "; ".join(
-            f"{x.get('trace_set')} {x.get('policy', '')} SLO {x.get('slo_s')} s: violations real "
-            f"{_f(x.get('violation_rate_real'), '.0%')}, simulated {_f(x.get('violation_rate_sim'), '.0%')}"
-            + (f" (n = {x['n']} paired requests, {x['same_outcome']} with the same outcome)"
-               if isinstance(x.get("n"), int) and isinstance(x.get("same_outcome"), int) else "")
-            for x in svr) + ".")
-        lines.append("")
-    lines += _adaptation_goals(adoc)
-    sets = sorted({r.get("trace_set") for r in rows}, key=lambda t: _order(t, TRACE_SET_ORDER))
-    for i, ts in enumerate(sets):
-        sub = sorted((r for r in rows if r.get("trace_set") == ts),
-                     key=lambda r: (r.get("slo_s") or 0, r.get("link") != "real", _order(r.get("policy"),
-                                                                                         POLICY_ORDER)))
-        per_link = sorted({(str(r.get("link")), r.get("n")) for r in sub}, key=lambda x: x[0] != "simulated")
-        head = f"Trace set `{ts}` (loads per row: {', '.join(f'{n} {ln}' for ln, n in per_link)})"
-        if i:
-            lines += ["<details>", f"<summary>{head}</summary>", ""]
-        else:
-            lines += [head + ":", ""]
-        lines.append("| SLO (s) | link | policy | violations | overshoot mean (s) | overshoot p95 (s) | "
-                     + ("" if no_kl else "quality KL | ") + "regret vs oracle |")
-        lines.append("|---" * (7 if no_kl else 8) + "|")
-        for r in sub:
-            v, n = r.get("violation_rate"), r.get("n")
-            viol = f"{round(v * n)}/{n}" if isinstance(v, (int, float)) and n else "-"
-            lines.append(f"| {_f(r.get('slo_s'), 'g')} | {r.get('link', '?')} | {r.get('policy', '?')} | {viol} | "
-                         f"{_f(r.get('overshoot_s_mean'), '.2f')} | {_f(r.get('overshoot_s_p95'), '.2f')} | "
-                         + ("" if no_kl else f"{_g(r.get('quality_kl'))} | ")
-                         + f"{_f(r.get('regret_vs_oracle'), '.3f')} |")
-        lines.append("")
-        if i:
-            lines += ["</details>", ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-GOAL_SETS = ("artifact", "artifact-generator")
-
-
-def _adaptation_goals(adoc: dict[str, Any]) -> list[str]:
-    """Issue 15's two goals per SLO on the recorded artifact traces and the held-out
-    generator set (simulated link), each difference with its paired cluster-bootstrap 95%
-    interval and verdict, as ``bench.adapt`` wrote them in ``goals``; [] when absent."""
-    gl = [g for g in adoc.get("goals") or [] if isinstance(g, dict) and g.get("link") == "simulated"
-          and g.get("trace_set") in GOAL_SETS and "n_traces" in g]
-    if not gl:
-        return []
-
-    def diff(g, name, scale, fmt):
-        v, ci = g.get(name), g.get(name + "_ci95")
-        if v is None:
-            return "-"
-        return f"{scale * v:{fmt}}" + (f" [{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]" if ci else "")
-
-    def verdict(point, interval):
-        p = "-" if point is None else ("met" if point else "**missed**")
-        return p + (f" (interval: {interval})" if interval else "")
-
-    lines = ["Goals (simulated link; adaptive minus the reference, paired cluster-bootstrap 95% interval "
-             "resampling whole traces; G1: violations vs the oracle's, limit +5 points; G2: KL of met loads vs "
-             "the best fixed level at no more violations, limit 0; `artifact-generator` = fresh traces from "
-             "the artifact's own generator, a held-out set; docs/streaming.md section 4):", "",
-             "| SLO (s) | trace set | requests (traces) | G1 points | G1 | G2 vs | G2 KL diff | G2 |",
-             "|---|---|---|---|---|---|---|---|"]
-    for g in sorted(gl, key=lambda g: (g.get("slo_s") or 0, _order(g.get("trace_set"), GOAL_SETS))):
-        lines.append(f"| {_f(g.get('slo_s'), 'g')} | {g.get('trace_set')} | {g.get('n')} ({g.get('n_traces')}) | "
-                     f"{diff(g, 'violation_diff_vs_oracle', 100, '+.0f')} | "
-                     f"{verdict(g.get('g1_slo'), g.get('g1_ci'))} | {g.get('best_fixed') or '-'} | "
-                     f"{diff(g, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} | "
-                     f"{verdict(g.get('g2_quality'), g.get('g2_ci'))} |")
-    return lines + [""]
 
 
 def replace_block(readme: str, block: str, start: str = START, end: str = END) -> str:

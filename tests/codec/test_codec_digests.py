@@ -86,7 +86,9 @@ def fixed_calibration(group_layers: int = 0, rounding: float = 0.5) -> "kvtc.Kvt
         num_layers=L, num_heads=H, head_dim=D, mean=mean, basis=basis, var=var, step=step,
         levels=levels, targets=tuple(float(kvtc.DEFAULT_LEVEL_TARGETS[x]) for x in levels),
         default_level=4, key_space="post_rope", rope_theta=0.0, per_head=False,
-        meta={"made_by": "tests/codec/test_codec_digests.py"}, rounding=rounding,
+        # the label the digests were made with (the file's path then): part of the
+        # calibration's hash, so of every kvtc container; a new path must not change it
+        meta={"made_by": "tests/test_codec_digests.py"}, rounding=rounding,
         group_layers=group_layers)
     cal.hash = cal.content_hash()
     return cal

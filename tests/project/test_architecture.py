@@ -13,9 +13,9 @@ rules of docs/architecture.md:
   the orchestration (harness) or the measurements (bench);
 - the LMCache serde plugin (third_party.lmcache) imports only the codec of ours (none of
   kv_extraction_hf, streaming, harness, bench, evaluation, third_party.vllm);
-- visualize_results.py reads results.json: it imports none of the stage packages that do
-  work (kv_extraction_hf, codec, streaming, third_party), nor harness or bench (the pure
-  summary functions of `evaluation` are allowed);
+- visualize_results.py and its figure package `visualize` read results.json: they import
+  none of the stage packages that do work (kv_extraction_hf, codec, streaming, third_party),
+  nor harness or bench (the pure summary functions of `evaluation` are allowed);
 - no import cycle inside a package, counting imports inside functions (a lazy import
   defers a cycle, it does not remove it: the two modules still need each other); only
   imports under `if TYPE_CHECKING:` (never executed) are left out. Third-party imports
@@ -35,7 +35,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("kv_extraction_hf", "codec", "streaming", "evaluation", "third_party")
-PACKAGES = ("common",) + STAGES + ("harness", "bench")
+PACKAGES = ("common",) + STAGES + ("harness", "bench", "visualize")
 
 
 def _module_name(path: Path) -> str:
@@ -166,6 +166,8 @@ def test_import_scanner_resolves_relative_and_lazy_imports(tmp_path):
                              "evaluation")),
     ("visualize_results", ("kv_extraction_hf", "codec", "streaming", "third_party", "harness",
                            "bench")),
+    # the figure code visualize_results.py re-exports (issue 27): the same rule
+    ("visualize", ("kv_extraction_hf", "codec", "streaming", "third_party", "harness", "bench")),
 ])
 def test_dependencies_point_one_way(package, forbidden):
     bad = _violations(package, forbidden)

@@ -1,0 +1,480 @@
+"""The numba kernels of the CPU rANS coder (codec.rans_cpu): encode, compaction,
+decode (dynamic scheduling over an atomic counter), and the table decoders of the
+baselines (quant8 gather / direct dequantization, fp8 byte lookup, KIVI, the inf/NaN
+count), each compiled twice by `_dual` (parallel and serial builds, numba cache=True).
+
+Purpose: the hot loops only; argument checks, layout and dispatch are codec.rans_cpu's
+Python wrappers (`encode_streams`, `decode_streams_into`, `gather_into`, ...), which are
+the public API. Shapes and dtypes: see codec/rans_cpu.py's module docstring and each
+kernel's docstring. Moved out of codec/rans_cpu.py unchanged (issue 27, module size).
+
+Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_fused.py -q
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:  # numba is a hard requirement for speed, but keep the reference usable without it
+    from numba import njit, prange
+
+    # numba's threading layer is chosen at the first parallel kernel call, not here:
+    # codec.threads.run_kernel calls codec.threads.configure_threading_layer() first
+    # (no import-time side effects).
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - numba is in requirements.txt
+    HAVE_NUMBA = False
+
+# ---------------------------------------------------------------------------------------
+# numba kernels
+#
+# Every kernel is compiled twice from the same Python source: a `parallel=True` variant
+# (prange over work items, both cores) for big chunks and a serial variant for small ones,
+# where waking the thread pool would cost more than the work (tens of ms on a loaded
+# 2-core machine). Work items bundle up to 4 streams of identical shape (4 consecutive
+# full channel groups of the same kv/layer/token block) that are coded in lockstep, so
+# the 4 independent rANS dependency chains overlap (instruction-level parallelism).
+# ---------------------------------------------------------------------------------------
+LANES = 4
+LUT_SHIFT = 8  # decode: coarse table of 65536 >> 8 = 256 first-candidate symbols per model
+
+
+def _dual(fn):
+    """(parallel, serial) numba compilations of `fn` (distinct cache entries)."""
+    if not HAVE_NUMBA:  # pragma: no cover
+        return None, None
+    import types
+
+    par = njit(cache=True, nogil=True, parallel=True)(fn)
+    ser_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    ser_fn.__qualname__ = fn.__qualname__ + "_serial"
+    ser = njit(cache=True, nogil=True)(ser_fn)
+    return par, ser
+
+
+if HAVE_NUMBA:
+
+    @njit(inline="always")
+    def _enc_step(x, p, f, cc, scratch):
+        # one rANS encode step (section 2), branch-free renormalisation: the word is
+        # always stored at p-1 and p only moves when the renormalisation happens
+        big = x >= (f << 16)
+        scratch[p - 1] = np.uint16(x & 0xFFFF)
+        p -= np.int64(big)
+        x = (x >> 16) if big else x
+        # 32-bit division: on the CPU we measured (AMD EPYC, Zen 4) it beats a 64-bit
+        # division and, with 4 interleaved lanes, also a multiply-by-reciprocal (-13%)
+        q = np.int64(np.uint32(x) // np.uint32(f))
+        return (q << 16) + (x - q * f) + cc, p
+
+    @njit(inline="always")
+    def _dec_step(x, pos, words, lu, cu, pk_):
+        slot = x & 0xFFFF
+        s = np.int64(lu[slot >> 8])
+        while cu[s + 1] <= slot:  # scan forward from the coarse table's candidate
+            s += 1
+        pk = pk_[s]
+        x = (pk & 0xFFFF) * (x >> 16) + slot - (pk >> 16)
+        small = x < 65536
+        w = np.int64(words[pos])  # padded buffer: always readable (see decode_streams)
+        x = ((x << 16) | w) if small else x
+        pos += np.int64(small)
+        return x, pos, s
+
+
+def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scratch, scr_off, nwords, err):
+    """Encode the streams of every work item into their own regions of `scratch`
+    (uint16), writing words backwards from each region's end (the stack of section 2, so
+    the region's tail is the stream in reading order); nwords[i] = words of stream i;
+    err[i] = 6 if a symbol has zero frequency."""
+    L = sym_k.shape[0]
+    T = sym_k.shape[1]
+    C = sym_k.shape[2]
+    n_groups = (C + G - 1) // G
+    n_blocks = (T + B - 1) // B
+    for it in prange(items.shape[0]):
+        i0 = items[it, 0]
+        nl = items[it, 1]
+        b = i0 % n_blocks
+        r = i0 // n_blocks
+        g = r % n_groups
+        r = r // n_groups
+        layer = r % L
+        kv = r // L
+        sym = sym_k if kv == 0 else sym_v
+        t0 = b * B
+        t1 = min(t0 + B, T)
+        if nl == 4:
+            e0 = scr_off[i0 + 1]
+            e1 = scr_off[i0 + n_blocks + 1]
+            e2 = scr_off[i0 + 2 * n_blocks + 1]
+            e3 = scr_off[i0 + 3 * n_blocks + 1]
+            p0, p1, p2, p3 = e0, e1, e2, e3
+            x0 = np.int64(65536)
+            x1 = np.int64(65536)
+            x2 = np.int64(65536)
+            x3 = np.int64(65536)
+            bad = False
+            for k in range(G - 1, -1, -1):
+                c0 = g * G + k
+                c1 = c0 + G
+                c2 = c1 + G
+                c3 = c2 + G
+                f0r = freq_tab[model_index[kv, layer, c0]]
+                f1r = freq_tab[model_index[kv, layer, c1]]
+                f2r = freq_tab[model_index[kv, layer, c2]]
+                f3r = freq_tab[model_index[kv, layer, c3]]
+                u0r = cum_tab[model_index[kv, layer, c0]]
+                u1r = cum_tab[model_index[kv, layer, c1]]
+                u2r = cum_tab[model_index[kv, layer, c2]]
+                u3r = cum_tab[model_index[kv, layer, c3]]
+                for t in range(t1 - 1, t0 - 1, -1):
+                    s0 = sym[layer, t, c0]
+                    s1 = sym[layer, t, c1]
+                    s2 = sym[layer, t, c2]
+                    s3 = sym[layer, t, c3]
+                    f0 = f0r[s0]
+                    f1 = f1r[s1]
+                    f2 = f2r[s2]
+                    f3 = f3r[s3]
+                    if f0 == 0 or f1 == 0 or f2 == 0 or f3 == 0:
+                        bad = True
+                        break
+                    x0, p0 = _enc_step(x0, p0, f0, u0r[s0], scratch)
+                    x1, p1 = _enc_step(x1, p1, f1, u1r[s1], scratch)
+                    x2, p2 = _enc_step(x2, p2, f2, u2r[s2], scratch)
+                    x3, p3 = _enc_step(x3, p3, f3, u3r[s3], scratch)
+                if bad:
+                    break
+            if bad:
+                err[i0] = 6
+                continue
+            scratch[p0 - 1] = np.uint16(x0 >> 16)
+            scratch[p0 - 2] = np.uint16(x0 & 0xFFFF)
+            scratch[p1 - 1] = np.uint16(x1 >> 16)
+            scratch[p1 - 2] = np.uint16(x1 & 0xFFFF)
+            scratch[p2 - 1] = np.uint16(x2 >> 16)
+            scratch[p2 - 2] = np.uint16(x2 & 0xFFFF)
+            scratch[p3 - 1] = np.uint16(x3 >> 16)
+            scratch[p3 - 2] = np.uint16(x3 & 0xFFFF)
+            nwords[i0] = e0 - p0 + 2
+            nwords[i0 + n_blocks] = e1 - p1 + 2
+            nwords[i0 + 2 * n_blocks] = e2 - p2 + 2
+            nwords[i0 + 3 * n_blocks] = e3 - p3 + 2
+        else:
+            c_lo = g * G
+            c_hi = min(c_lo + G, C)
+            end = scr_off[i0 + 1]
+            p = end
+            x = np.int64(65536)
+            bad = False
+            for c in range(c_hi - 1, c_lo - 1, -1):
+                fr = freq_tab[model_index[kv, layer, c]]
+                cu = cum_tab[model_index[kv, layer, c]]
+                for t in range(t1 - 1, t0 - 1, -1):
+                    s = sym[layer, t, c]
+                    f = fr[s]
+                    if f == 0:
+                        bad = True
+                        break
+                    x, p = _enc_step(x, p, f, cu[s], scratch)
+                if bad:
+                    break
+            if bad:
+                err[i0] = 6
+                continue
+            scratch[p - 1] = np.uint16(x >> 16)
+            scratch[p - 2] = np.uint16(x & 0xFFFF)
+            nwords[i0] = end - p + 2
+
+
+def _compact_impl(scratch, scr_off, nwords, out_off, out):
+    """Copy each stream's words from the tail of its scratch region to `out`."""
+    for i in prange(nwords.shape[0]):
+        src = scr_off[i + 1] - nwords[i]
+        dst = out_off[i]
+        for j in range(nwords[i]):
+            out[dst + j] = scratch[src + j]
+
+
+def _decode_item_py(it, words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+                 out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err):
+    """Decode work item `it` (see `_decode_impl`)."""
+    L = out_k.shape[0]
+    C = out_k.shape[2]
+    n_groups = (C + G - 1) // G
+    n_blocks = (T + B - 1) // B
+    i0 = items[it, 0]
+    nl = items[it, 1]
+    b = i0 % n_blocks
+    r = i0 // n_blocks
+    g = r % n_groups
+    r = r // n_groups
+    layer = r % L
+    kv = r // L
+    out = out_k[layer] if kv == 0 else out_v[layer]
+    dq = deq_k[layer] if kv == 0 else deq_v[layer]
+    t0 = b * B
+    t1 = min(t0 + B, T)
+    if nl == 4:
+        i1 = i0 + n_blocks
+        i2 = i1 + n_blocks
+        i3 = i2 + n_blocks
+        q0 = w_off[i0]
+        q1 = w_off[i1]
+        q2 = w_off[i2]
+        q3 = w_off[i3]
+        x0 = np.int64(words[q0]) | (np.int64(words[q0 + 1]) << 16)
+        x1 = np.int64(words[q1]) | (np.int64(words[q1 + 1]) << 16)
+        x2 = np.int64(words[q2]) | (np.int64(words[q2 + 1]) << 16)
+        x3 = np.int64(words[q3]) | (np.int64(words[q3 + 1]) << 16)
+        if x0 < 65536 or x1 < 65536 or x2 < 65536 or x3 < 65536:
+            err[i0] = 2 if x0 < 65536 else 0
+            err[i1] = 2 if x1 < 65536 else 0
+            err[i2] = 2 if x2 < 65536 else 0
+            err[i3] = 2 if x3 < 65536 else 0
+            return
+        q0 += 2
+        q1 += 2
+        q2 += 2
+        q3 += 2
+        for k in range(G):
+            c0 = g * G + k
+            c1 = c0 + G
+            c2 = c1 + G
+            c3 = c2 + G
+            m0 = model_index[kv, layer, c0]
+            m1 = model_index[kv, layer, c1]
+            m2 = model_index[kv, layer, c2]
+            m3 = model_index[kv, layer, c3]
+            l0r, u0r, k0r = lut_tab[m0], cum_tab[m0], packed_tab[m0]
+            l1r, u1r, k1r = lut_tab[m1], cum_tab[m1], packed_tab[m1]
+            l2r, u2r, k2r = lut_tab[m2], cum_tab[m2], packed_tab[m2]
+            l3r, u3r, k3r = lut_tab[m3], cum_tab[m3], packed_tab[m3]
+            h0 = c0 // hd
+            h1 = c1 // hd
+            h2 = c2 // hd
+            h3 = c3 // hd
+            for t in range(t0, t1):
+                x0, q0, s0 = _dec_step(x0, q0, words, l0r, u0r, k0r)
+                x1, q1, s1 = _dec_step(x1, q1, words, l1r, u1r, k1r)
+                x2, q2, s2 = _dec_step(x2, q2, words, l2r, u2r, k2r)
+                x3, q3, s3 = _dec_step(x3, q3, words, l3r, u3r, k3r)
+                rt = t * t_stride
+                ot = t + t_off
+                out[ot, c0] = dq[rt + h0, s0]
+                out[ot, c1] = dq[rt + h1, s1]
+                out[ot, c2] = dq[rt + h2, s2]
+                out[ot, c3] = dq[rt + h3, s3]
+        err[i0] = 3 if q0 > w_off[i0 + 1] else (4 if x0 != 65536 else (5 if q0 != w_off[i0 + 1] else 0))
+        err[i1] = 3 if q1 > w_off[i1 + 1] else (4 if x1 != 65536 else (5 if q1 != w_off[i1 + 1] else 0))
+        err[i2] = 3 if q2 > w_off[i2 + 1] else (4 if x2 != 65536 else (5 if q2 != w_off[i2 + 1] else 0))
+        err[i3] = 3 if q3 > w_off[i3 + 1] else (4 if x3 != 65536 else (5 if q3 != w_off[i3 + 1] else 0))
+    else:
+        c_lo = g * G
+        c_hi = min(c_lo + G, C)
+        pos = w_off[i0]
+        end = w_off[i0 + 1]
+        x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
+        pos += 2
+        if x < 65536:
+            err[i0] = 2
+            return
+        for c in range(c_lo, c_hi):
+            m = model_index[kv, layer, c]
+            lr, ur, kr = lut_tab[m], cum_tab[m], packed_tab[m]
+            h = c // hd
+            for t in range(t0, t1):
+                x, pos, s = _dec_step(x, pos, words, lr, ur, kr)
+                out[t + t_off, c] = dq[t * t_stride + h, s]
+        err[i0] = 3 if pos > end else (4 if x != 65536 else (5 if pos != end else 0))
+
+
+if HAVE_NUMBA:
+    from numba.core import cgutils as _cgutils
+    from numba.core import types as _nbtypes
+    from numba.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _atomic_next(typingctx, counter):
+        """Atomic fetch-and-add of 1 on counter[0] (a C-contiguous int64 array); returns
+        the previous value. LLVM's atomicrmw (monotonic ordering suffices: the items'
+        outputs are disjoint and the parallel region's end synchronizes)."""
+        if not (isinstance(counter, _nbtypes.Array) and counter.dtype == _nbtypes.int64):
+            return None
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            zero = context.get_constant(_nbtypes.intp, 0)
+            ptr = _cgutils.get_item_pointer(context, builder, aryty, ary, [zero])
+            one = context.get_constant(_nbtypes.int64, 1)
+            return builder.atomic_rmw("add", ptr, one, "monotonic")
+
+        return _nbtypes.int64(counter), codegen
+
+    _decode_item = njit(cache=True, nogil=True)(_decode_item_py)
+
+
+def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+                 out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, n_workers):
+    """Decode the streams of every work item and write each symbol s of (kv, layer, t, c)
+    as out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s] (out = out_k for
+    kv 0, out_v for kv 1; deq likewise): with an identity table (deq[l, 0, s] = s,
+    t_stride 0, hd = C) this is plain symbol decoding; with a table of dequantized values
+    in the model dtype's bit pattern it is the fused decode + dequantize + cast of
+    `decode_streams_into` (one pass, no intermediate tensor).
+
+    `words` is the payload as uint16 followed by enough zero padding that the hot loop
+    needs no bounds checks (a stream reads at most one word per symbol): a stream that
+    reads past its end finishes with pos > its end and is reported as truncated; err[i]
+    per stream (0 = ok).
+
+    Scheduling (issue 14): `n_workers` prange iterations each take the next work item
+    from a shared atomic counter (`counter[0]`, starts at 0) until none is left, instead
+    of numba's static split of the items into one contiguous share per thread. Inside
+    vLLM's worker a decode thread shares its core with the scheduler process's spin loop
+    and the stream receiver; with a static split the whole kernel waited for the slowed
+    thread's share, with this one the other thread takes the remaining items. Every item
+    writes its own outputs, so the result does not depend on the assignment.
+    """
+    n_items = items.shape[0]
+    for w in prange(n_workers):
+        while True:
+            it = _atomic_next(counter)
+            if it >= n_items:
+                break
+            _decode_item(it, words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
+                         out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err)
+
+
+def _gather_impl(sym, out, deq, t_stride, hd, t_off):
+    """Dequantize stored symbols (no entropy coding: quant8) in one pass:
+    out[l, t_off + t, c] = deq[l, t * t_stride + c // hd, sym[l, t, c]], parallel over
+    (layer, token)."""
+    L = sym.shape[0]
+    T = sym.shape[1]
+    C = sym.shape[2]
+    for lt in prange(L * T):
+        layer = lt // T
+        t = lt % T
+        dq = deq[layer]
+        rt = t * t_stride
+        for c in range(C):
+            out[layer, t + t_off, c] = dq[rt + c // hd, sym[layer, t, c]]
+
+
+_encode_par, _encode_ser = _dual(_encode_impl)
+_compact_par, _compact_ser = _dual(_compact_impl)
+_decode_par, _decode_ser = _dual(_decode_impl)
+
+
+def _lut8_impl(codes, tab, flag, out):
+    """out[i] = tab[codes[i]] over flat arrays; returns how many codes have flag[c] != 0
+    (fp8: NaN codes)."""
+    n = codes.shape[0]
+    bad = 0
+    for i in prange(n):
+        c = codes[i]
+        out[i] = tab[c]
+        bad += flag[c]
+    return bad
+
+
+def _kivi_impl(qb, bits, tab, sL, sT, gt, sH, sD, gd, sQ, out, nq):
+    """KIVI dequantization by table (codec.fused.decode_kivi_cpu): element (l, t, h, d)
+    of the packed codes (``bits`` in {2, 4} per code, little-endian in bytes, C order over
+    [L, nq, H, D]) becomes tab[l*sL + (t//gt)*sT + h*sH + (d//gd)*sD + q*sQ], written to
+    out[l, t, h, d]; parallel over (layer, token). gd must divide D."""
+    L = out.shape[0]
+    H = out.shape[2]
+    D = out.shape[3]
+    lsh = 2 if bits == 2 else 1          # log2(codes per byte)
+    pmask = (1 << lsh) - 1
+    mask = (1 << bits) - 1
+    ng = D // gd
+    for lt in prange(L * nq):
+        layer = lt // nq
+        t = lt % nq
+        base = layer * sL + (t // gt) * sT
+        i = (layer * nq + t) * H * D
+        for h in range(H):
+            bh = base + h * sH
+            for gi in range(ng):
+                bg = bh + gi * sD
+                for dd in range(gd):
+                    q = (np.int64(qb[i >> lsh]) >> ((i & pmask) * bits)) & mask
+                    out[layer, t, h, gi * gd + dd] = tab[bg + q * sQ]
+                    i += 1
+
+
+def _dequant_direct_impl(sym, m, step, t_stride, hd, t_off, big, mode, out):
+    """Direct dequantization of stored symbols (quant8) for bf16 / fp32 outputs, in one
+    pass: x = (float32(s) - M[l]) * step[l, t * t_stride + c // hd] in float32 (the
+    reference arithmetic of codec.quantize.dequantize), clamped to +-big (the dtype's
+    finite range, as quantize.to_dtype_clamped), then mode 0: bf16 bits by round to
+    nearest even ((b + 0x7FFF + ((b >> 16) & 1)) >> 16, torch's rule for finite values),
+    written to out (uint16); mode 1: the float32 bits (out uint32)."""
+    L = sym.shape[0]
+    T = sym.shape[1]
+    C = sym.shape[2]
+    for lt in prange(L * T):
+        layer = lt // T
+        t = lt % T
+        buf = np.empty(C, np.float32)
+        mm = m[layer]
+        rt = t * t_stride
+        for c in range(C):
+            x = (np.float32(sym[layer, t, c]) - mm) * step[layer, rt + c // hd]
+            if x > big:
+                x = big
+            elif x < -big:
+                x = -big
+            buf[c] = x
+        bb = buf.view(np.uint32)
+        for c in range(C):
+            b = np.uint32(bb[c])
+            if mode == 0:
+                out[layer, t + t_off, c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            else:
+                out[layer, t + t_off, c] = b
+
+
+def _nonfinite_impl(bits, mask):
+    """Number of elements of a flat float bit-pattern array whose exponent field is all
+    ones (inf or NaN): (bits & mask) == mask; parallel over blocks of 64K elements."""
+    n = bits.shape[0]
+    nb = (n + 65535) // 65536
+    bad = 0
+    for blk in prange(nb):
+        lo = blk * 65536
+        hi = min(lo + 65536, n)
+        c = 0
+        for i in range(lo, hi):
+            c += np.int64((bits[i] & mask) == mask)
+        bad += c
+    return bad
+
+
+_dequant_direct_par, _dequant_direct_ser = _dual(_dequant_direct_impl)
+_nonfinite_par, _nonfinite_ser = _dual(_nonfinite_impl)
+_lut8_par, _lut8_ser = _dual(_lut8_impl)
+_kivi_par, _kivi_ser = _dual(_kivi_impl)
+_gather_par, _gather_ser = _dual(_gather_impl)
+
+def _lut_py(c, lut):
+    """lut[m, j] = last s in [0, 255] with c[m, s] <= j << 8 (c int64 [n, 257] valid rows).
+    (prange: models are independent; both cores for codebooks of LUT_PARALLEL_MODELS+.)"""
+    for m in prange(c.shape[0]):
+        s = 0
+        for j in range(256):
+            start = j << 8
+            while s < 255 and c[m, s + 1] <= start:
+                s += 1
+            lut[m, j] = s
+
+
+if HAVE_NUMBA:
+    _lut_par, _lut_ser = _dual(_lut_py)
+else:  # pragma: no cover
+    prange = range
+    _lut_par = _lut_ser = _lut_py

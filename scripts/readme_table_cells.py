@@ -1,0 +1,156 @@
+"""Markers, loaders and cell formatting shared by the README table generator
+(``scripts/readme_tables.py``): block markers, :class:`ReadmeTableError`,
+:func:`load_results` / :func:`load_optional` and the number formats of the cells.
+Moved from ``scripts/readme_tables.py`` (issue 27), which re-exports these names."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's packages
+    sys.path.insert(0, str(ROOT))
+
+from codec import level_table  # noqa: E402  (torch-free)
+from evaluation.summary import summarize  # noqa: E402
+
+
+START = "<!-- results-table:start -->"
+END = "<!-- results-table:end -->"
+QUALITY_START = "<!-- quality-table:start -->"
+QUALITY_END = "<!-- quality-table:end -->"
+ADAPT_START = "<!-- adaptation-table:start -->"
+ADAPT_END = "<!-- adaptation-table:end -->"
+HEADLINE_START = "<!-- headline-table:start -->"
+HEADLINE_END = "<!-- headline-table:end -->"
+# The headline rows: (mode, level); None = the codec's default level.
+HEADLINE_ROWS = (("text", None), ("quant8", None), ("cachegen", "default"), ("kvtc", "default"))
+QUALITY_ABSENT = "Not yet measured: run `python -m bench.quality` (writes `benchmarks/quality.json`).\n"
+ADAPT_ABSENT = "Not yet measured: run `python -m bench.adapt` (writes `benchmarks/adaptation.json`).\n"
+# Row order of the table; modes not listed follow in name order.
+MODE_ORDER = level_table.MODE_ORDER
+# Published figures quoted beside ours (CacheGen, Liu et al., SIGCOMM 2024, arXiv:2310.07240).
+PAPER_TTFT_VS_QUANT8 = "1.67-1.81x"
+PAPER_TTFT_VS_TEXT = "3.1-4.7x"
+
+
+class ReadmeTableError(ValueError):
+    """Unreadable results file, or README without the markers."""
+
+
+
+def _isa_note(env: dict) -> str:
+    """" (oneDNN: <matmul kernel>)" from ``environment.numerics`` (what set the numerics of
+    the run: AMX, AVX-512 or AVX2 kernels), "" for files without it."""
+    impl = (env.get("numerics") or {}).get("onednn_matmul_impl")
+    return f" (oneDNN bf16 matmul `{impl}`)" if impl else ""
+
+def load_results(path: Path) -> dict[str, Any]:
+    """The results document. Raises ReadmeTableError when unreadable or without runs."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise ReadmeTableError(f"{path} is not a results file (no 'runs' list; docs/results-schema.md)")
+    return doc
+
+
+def load_optional(path: Path, what: str, key: str = "rows") -> dict[str, Any] | None:
+    """A quality.json / adaptation.json document, or None when the file does not exist.
+    Raises ReadmeTableError when it exists but is unreadable or has no ``key`` list."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
+        raise ReadmeTableError(f"{path} is not a {what} file (no '{key}' list; docs/results-schema.md)")
+    return doc
+
+
+def summaries(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The file's summaries, else summarize(runs) (the figures' rule)."""
+    rows = doc.get("summaries")
+    if isinstance(rows, list) and rows:
+        return rows
+    return summarize(doc["runs"], doc.get("failures"), (doc.get("config") or {}).get("bandwidth_mbps"))
+
+
+def _mode_key(mode: str, level: Any) -> tuple:
+    idx = MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
+    return (idx, mode, -1 if level is None else level)
+
+
+def _default_level(mode: str) -> Any:
+    """The codec's default level (None when unknown or the codec has no levels)."""
+    try:
+        return level_table.default_level(mode)
+    except Exception:  # noqa: BLE001 - not a codec (text, adaptive) or codec unavailable
+        return None
+
+
+def _f(v: Any, fmt: str, none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return format(v, fmt)
+
+
+def _mb(v: float) -> str:
+    return "0" if v == 0 else f"{v / 1e6:.1f} MB"
+
+
+def _one_or_range(vals: list[float], fmt) -> str:
+    vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return "-"
+    lo, hi = min(vals), max(vals)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} - {fmt(hi)}"
+
+
+def _ppl(v: float) -> str:
+    return f"{v:+.2f}%" if v != 0 else "0.00%"
+
+
+def _kl(v: float) -> str:
+    return "0" if v == 0 else f"{v:.2g}"
+
+
+def _ratio(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def _g(v: Any) -> str:
+    """3 significant digits; exact 0 as "0"."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return "0" if v == 0 else f"{v:.3g}"
+
+
+def _ci(v: Any, ci: Any, fmt) -> str:
+    """``value [lo, hi]``; the bare value when the CI is missing."""
+    if v is None:
+        return "-"
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci):
+        return f"{fmt(v)} [{fmt(ci[0])}, {fmt(ci[1])}]"
+    return f"{fmt(v)} [no CI]"
+
+
+def _quality_rows(qdoc: dict[str, Any] | None) -> dict[tuple, dict[str, Any]]:
+    """quality.json rows keyed by (codec, level)."""
+    if not qdoc:
+        return {}
+    return {(r.get("codec"), r.get("level")): r for r in qdoc.get("rows") or [] if isinstance(r, dict)}
+
+
+def _quality_kl_cell(q: dict[str, Any] | None) -> str:
+    if not q or q.get("kl") is None:
+        return "-"
+    return f"{_ci(q['kl'], q.get('kl_ci'), _g)} (n={q.get('n_windows', '?')})"
+
+
