@@ -274,7 +274,8 @@ def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[in
               "codec_version": CODEC_VERSION}
     bf16 = [n for n, a in enc.arrays.items()
             if dtype_name == "bfloat16" and a.dtype == np.uint16 and not n.startswith("ent_")]
-    data = bitstream.pack(header, enc.arrays, enc.payload, bf16=bf16)
+    data = bitstream.pack(header, enc.arrays, enc.payload, bf16=bf16,
+                          version=enc.format_version)
     stats = dict(enc.stats)
     stats.update(bytes=len(data), elements=2 * L * T * H * D,
                  dtype_bytes=2 * L * T * H * D * DTYPE_BYTES[dtype_name])

@@ -34,12 +34,16 @@ class EncodedChunk:
     """What a codec's ``encode`` returns (before the container): ``header`` (JSON-able,
     codec-specific), ``arrays`` (name -> numpy array), ``payload`` (bytes), ``stats``
     (not serialised: entropy_bits, ideal_bits, model_bytes, length_table_bytes,
-    payload_bytes, scale_bytes, symbols)."""
+    payload_bytes, scale_bytes, symbols); ``format_version``: the container format
+    version the chunk needs (4; 5 when it uses a version-5 feature: a KIVI short last
+    group or cachegen outlier-channel exponents, docs/bitstream.md section 4.1), so that
+    KV without them keeps its version-4 bytes and an older reader refuses the rest."""
 
     header: dict
     arrays: dict
     payload: bytes = b""
     stats: dict = field(default_factory=dict)
+    format_version: int = 4
 
 
 # ------------------------------------------------------------------------ bit helpers

@@ -1,7 +1,9 @@
 """The baseline codecs (CacheGen paper section 7.1 plus KIVI and FP8): ``raw`` (the KV in
 its dtype, lossless), ``fp8`` (float8 e4m3 cast, saturating at +-448) and ``kivi2`` /
 ``kivi4`` (KIVI, Liu et al., ICML 2024: keys per-channel in groups of 32 tokens, values
-per-token in groups of 32 channels, the last 128 tokens kept exact). See codec/codecs.py.
+per-token in groups of 32 channels, the last 128 tokens kept exact; a chunk's tokens before
+those 128 that do not fill a group of 32 form one short last key group with its own
+lo/step, so chunking never leaves a token unquantized). See codec/codecs.py.
 """
 from __future__ import annotations
 
@@ -67,11 +69,42 @@ class KiviCodec(Codec):
         self.name = f"kivi{bits}"
 
     @staticmethod
-    def _split(T: int, token_offset: int, total_tokens: int) -> int:
-        """Tokens of this chunk that are quantized: those before the last KIVI_RESIDUAL
-        tokens of the context, rounded down to a multiple of KIVI_GROUP."""
-        nq = max(0, min(T, total_tokens - KIVI_RESIDUAL - token_offset))
-        return nq - nq % KIVI_GROUP
+    def _split(T: int, token_offset: int, total_tokens: int) -> tuple[int, int]:
+        """``(nq, nt)``: of this chunk's tokens before the last KIVI_RESIDUAL tokens of the
+        context, ``nq`` (a multiple of KIVI_GROUP) form whole key groups and the
+        remaining ``nt`` (0..KIVI_GROUP-1) one short last key group with its own lo/step
+        (issue 28.7: every token before the residual is quantized whatever the
+        chunking; docs/bitstream.md section 4.6)."""
+        n = max(0, min(T, total_tokens - KIVI_RESIDUAL - token_offset))
+        return n - n % KIVI_GROUP, n % KIVI_GROUP
+
+    def _tail(self, header: dict, T: int, nq: int) -> int:
+        """Tokens of the short last key group (header ``nt``, absent = 0), validated."""
+        if "nt" not in header:
+            return 0
+        return need_int(header, "nt", 1, min(KIVI_GROUP - 1, T - nq))
+
+    def decode_tail(self, arrays: dict, shape: tuple, nt: int, dtype_name: str):
+        """The short last group's K and V (``kt_*``/``vt_*`` arrays), each [L, nt, H, D] in
+        the dtype (keys: one lo/step per (layer, head, channel) over the nt tokens; values
+        per token as the full groups). Shared by the fused and reference decoders.
+        Raises CodecError on bad arrays or non-finite values."""
+        L, _, H, D = shape
+        n = L * nt * H * D
+        nbytes = -(-n // (8 // self.bits))
+        g = self._vgroup(D)
+        out = []
+        for name, dim, grp, gshape in (("kt", 1, nt, (L, 1, H, D)),
+                                        ("vt", 3, g, (L, nt, H, D // g))):
+            qb = need_array(arrays.get(f"{name}_q"), np.uint8, (nbytes,), f"{name}_q")
+            q = torch.from_numpy(unpack_bits(qb, self.bits, n).reshape(L, nt, H, D))
+            lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
+            st = from_bits(arrays.get(f"{name}_step"), dtype_name, gshape, f"{name}_step")
+            x = Q.kivi_dequantize(q, lo, st, dim=dim, group=grp)
+            if not bool(torch.isfinite(x).all()):
+                raise CodecError(f"kivi: non-finite values in {name}")
+            out.append(x.to(DTYPES[dtype_name]))
+        return out[0], out[1]
 
     @staticmethod
     def _vgroup(D: int) -> int:
@@ -79,8 +112,8 @@ class KiviCodec(Codec):
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         L, T, H, D = k.shape
-        nq = self._split(T, token_offset, total_tokens)
-        arrays = {"k_full": to_bits(k[:, nq:]), "v_full": to_bits(v[:, nq:])}
+        nq, nt = self._split(T, token_offset, total_tokens)
+        arrays = {"k_full": to_bits(k[:, nq + nt:]), "v_full": to_bits(v[:, nq + nt:])}
         if nq:
             # keys per channel: groups of 32 tokens along dim 1 of [L, nq, H, D]
             qk, lok, stk = Q.kivi_quantize(k[:, :nq], self.bits, dim=1, group=KIVI_GROUP)
@@ -89,7 +122,18 @@ class KiviCodec(Codec):
             arrays.update(k_q=pack_bits(qk.numpy(), self.bits), k_lo=to_bits(lok),
                           k_step=to_bits(stk), v_q=pack_bits(qv.numpy(), self.bits),
                           v_lo=to_bits(lov), v_step=to_bits(stv))
-        return EncodedChunk({"nq": nq}, arrays)
+        header = {"nq": nq}
+        if not nt:
+            return EncodedChunk(header, arrays)
+        # the short last key group (nt < 32 tokens) with its own lo/step: format 5
+        qk, lok, stk = Q.kivi_quantize(k[:, nq:nq + nt], self.bits, dim=1, group=nt)
+        qv, lov, stv = Q.kivi_quantize(v[:, nq:nq + nt], self.bits, dim=3,
+                                       group=self._vgroup(D))
+        arrays.update(kt_q=pack_bits(qk.numpy(), self.bits), kt_lo=to_bits(lok),
+                      kt_step=to_bits(stk), vt_q=pack_bits(qv.numpy(), self.bits),
+                      vt_lo=to_bits(lov), vt_step=to_bits(stv))
+        header["nt"] = nt
+        return EncodedChunk(header, arrays, format_version=5)
 
     fused_cpu = True   # codec.fused.decode_kivi_cpu (issue 14.5)
 
@@ -107,8 +151,12 @@ class KiviCodec(Codec):
             raise CodecError(f"kivi: quantized token count {nq} is not a multiple of "
                              f"{KIVI_GROUP}")
         dt = DTYPES[dtype_name]
-        kf = from_bits(arrays.get("k_full"), dtype_name, (L, T - nq, H, D), "k_full")
-        vf = from_bits(arrays.get("v_full"), dtype_name, (L, T - nq, H, D), "v_full")
+        nt = self._tail(header, T, nq)
+        kf = from_bits(arrays.get("k_full"), dtype_name, (L, T - nq - nt, H, D), "k_full")
+        vf = from_bits(arrays.get("v_full"), dtype_name, (L, T - nq - nt, H, D), "v_full")
+        if nt:
+            kt, vt = self.decode_tail(arrays, shape, nt, dtype_name)
+            kf, vf = torch.cat([kt, kf], 1), torch.cat([vt, vf], 1)
         if not nq:
             return kf, vf
         n = L * nq * H * D

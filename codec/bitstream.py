@@ -44,8 +44,10 @@ __all__ = [
 
 MAGIC = b"KVCG"
 FORMAT_VERSION = 4             # written; docs/bitstream.md section 4.1 "Versions"
-READ_VERSIONS = (1, 2, 3, 4)   # read: 1 = before the outlier side list, 2 = 16-bit model
-#                                tables, 3 = Rice-coded tables without ranges (all decode)
+NEWEST_VERSION = 5             # written only for a chunk that needs it (KIVI short last
+#                                group, cachegen outlier channels; issue 28.7)
+READ_VERSIONS = (1, 2, 3, 4, 5)  # read: 1 = before the outlier side list, 2 = 16-bit
+#                                model tables, 3 = Rice-coded tables without ranges (all decode)
 MAX_HEADER_BYTES = 1 << 20  # JSON header cap: headers are small (layout, shapes, names)
 DEFAULT_MAX_BYTES = 1 << 36  # 64 GiB: refuse anything larger outright
 MAX_ARRAYS = 256
@@ -112,7 +114,8 @@ def _check_json_value(v, depth: int = 0) -> None:
         raise ValueError(f"header values must be JSON types (dict, list, str, int, float, bool, None), got {type(v).__name__}")
 
 
-def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | set = ()) -> bytes:
+def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | set = (),
+         version: int = FORMAT_VERSION) -> bytes:
     """Serialise a header, named arrays and a payload into one checksummed byte string.
 
     Args:
@@ -125,11 +128,15 @@ def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | 
       bf16: names of uint16/int16 arrays holding bfloat16 bit patterns; they are tagged
         "bf16" (dtype code 10) and come back from `unpack` as uint16 arrays, with the tag
         in `unpack_container(...).dtypes`.
+      version: the format version written, FORMAT_VERSION (4) or NEWEST_VERSION (5) for a
+        chunk using a version-5 feature (the caller, codec.api, says which).
     Returns: bytes (docs/bitstream.md section 4.1).
     Raises: ValueError on any unsupported input.
     """
     if not isinstance(header, dict):
         raise ValueError("header must be a dict")
+    if version not in (FORMAT_VERSION, NEWEST_VERSION):
+        raise ValueError(f"version must be {FORMAT_VERSION} or {NEWEST_VERSION}, got {version!r}")
     _check_json_value(header)
     hdr = json.dumps(header, separators=(",", ":"), sort_keys=True, allow_nan=False, ensure_ascii=False).encode("utf-8")
     if len(hdr) > MAX_HEADER_BYTES:
@@ -143,7 +150,7 @@ def pack(header: dict, arrays: dict, payload: bytes = b"", bf16: tuple | list | 
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ValueError(f"payload must be bytes-like, got {type(payload).__name__}")
     payload = bytes(payload) if not isinstance(payload, bytes) else payload
-    parts = [_FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(hdr)), hdr, _U16.pack(len(arrays))]
+    parts = [_FIXED.pack(MAGIC, version, 0, len(hdr)), hdr, _U16.pack(len(arrays))]
     datas = []
     for name, a in arrays.items():
         if not isinstance(name, str) or not _NAME_RE.match(name):

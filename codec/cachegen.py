@@ -126,6 +126,7 @@ class CacheGenCodec(Codec):
             # a sparse side list and set to 0 before the scale is taken (issue 12.3;
             # docs/bitstream.md section 4.4); normal KV stops at the group maxima
             thr = Q.outlier_thresholds(xg, dims)
+            x_orig = xg
             if bool((s > thr).any()):
                 mask = xg.to(torch.float32).abs() > thr
                 flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
@@ -136,6 +137,19 @@ class CacheGenCodec(Codec):
                 arrays[f"out_{tag}_val"] = to_bits(xg.reshape(-1)[flat])
                 hdr[f"n_out_{tag}"] = int(idx.size)
                 xg = torch.where(mask, torch.zeros_like(xg), xg)
+                s = _row_scales(xg, dims)
+            # outlier channels (issue 28.7; docs/bitstream.md section 4.4b): after the side
+            # list took its values out, a channel far above the rest of its (layer, KV
+            # head) is divided by 2^e (e stored) before the scale is taken, so that it no
+            # longer sets the step of the others
+            ch = Q.outlier_channels(xg, x_orig)
+            if ch is not None:
+                cidx, cexp = ch
+                arrays[f"chx_{tag}_idx"] = cidx.astype(np.uint32 if L * H * D <= 1 << 32
+                                                       else np.uint64)
+                arrays[f"chx_{tag}_exp"] = cexp
+                hdr[f"n_chx_{tag}"] = int(cidx.size)
+                xg = Q.scale_channels(xg.clone(), cidx, cexp, -1)
                 s = _row_scales(xg, dims)
         s = Q.flush_tiny_scales(s)      # M / s must not overflow float32 (issue 12.2)
         enc = Q.encode_log8(s) if cfg.scale_format == "log8" and s.numel() else None
@@ -176,7 +190,40 @@ class CacheGenCodec(Codec):
             x = Q.to_dtype_clamped(Q.dequantize(sym.reshape(view),
                                                 eff.reshape(eshape).to(sym.device), m),
                                    out_dtype).reshape(L, T, H, D)
+        x = self.apply_channels(x, hdr, arrays, tag)
         return self.apply_outliers(x, hdr, arrays, dtype_name, tag)
+
+    @staticmethod
+    def apply_channels(x: torch.Tensor, hdr: dict, arrays: dict, tag: str) -> torch.Tensor:
+        """Undo the encoder's outlier-channel pre-scaling of ``tag`` ("k" | "v") on the
+        dequantized ``x`` [L, Tq, H, D] (before ``apply_outliers``; in place, x may be a
+        view; docs/bitstream.md section 4.4b): channel ``idx`` (flat into [L, H, D],
+        strictly increasing) times ``2^exp`` (exp 1..CHANNEL_MAX_EXP), clamped to the
+        dtype's finite range. No list (``n_chx_<tag>`` absent) = nothing to do.
+        Raises CodecError on an inconsistent list."""
+        n = hdr.get(f"n_chx_{tag}")
+        if n is None:
+            if f"chx_{tag}_idx" in arrays or f"chx_{tag}_exp" in arrays:
+                raise CodecError(f"outlier-channel arrays of {tag} without n_chx_{tag}")
+            return x
+        L, _, H, D = x.shape
+        n = need_int(hdr, f"n_chx_{tag}", 1, L * H * D)
+        idx = arrays.get(f"chx_{tag}_idx")
+        ex = arrays.get(f"chx_{tag}_exp")
+        if not isinstance(idx, np.ndarray) or idx.dtype not in (np.uint32, np.uint64) \
+                or idx.shape != (n,):
+            raise CodecError(f"outlier-channel index array of {tag} must be uint32/uint64 [{n}]")
+        ex = need_array(ex, np.uint8, (n,), f"chx_{tag}_exp")
+        idx64 = idx.astype(np.int64)
+        if int(idx.max()) >= L * H * D or (n > 1 and bool(np.any(np.diff(idx64) <= 0))):
+            raise CodecError(f"outlier-channel indices of {tag} are out of range or not "
+                             f"increasing")
+        if int(ex.min()) < 1 or int(ex.max()) > Q.CHANNEL_MAX_EXP:
+            raise CodecError(f"outlier-channel exponents of {tag} must lie in "
+                             f"1..{Q.CHANNEL_MAX_EXP}")
+        if x.shape[1]:
+            Q.scale_channels(x, idx64, ex, +1)
+        return x
 
     def decode_scales(self, hdr: dict, arrays: dict, cfg: CodecConfig, shape: tuple,
                       dtype_name: str, is_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,7 +338,9 @@ class CacheGenCodec(Codec):
         else:
             arrays["sym_k"], arrays["sym_v"] = syms
             stats.update(payload_bytes=int(syms[0].nbytes + syms[1].nbytes))
-        return EncodedChunk(header, arrays, payload, stats)
+        # outlier-channel exponents are a version-5 feature (docs/bitstream.md 4.1)
+        ver = 5 if any(n.startswith("chx_") for n in arrays) else 4
+        return EncodedChunk(header, arrays, payload, stats, format_version=ver)
 
     # the CPU decode is fused (codec.fused): symbols -> model dtype straight into the
     # destination, finite by construction (tables, sinks and outliers are checked)

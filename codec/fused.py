@@ -211,6 +211,10 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
                                     ns, float(torch.finfo(dt).max), dtype_name, o)
             else:
                 gather_into(sym, o, tab, t_stride, hd, ns)
+    # outlier channels (issue 28.7): the pre-scaling undone before the exact outliers are
+    # scattered, as the reference decoder (codecs.CacheGenCodec.dequantize_tensor) does
+    for tag, o in (("k", k_out), ("v", v_out)):
+        codec_obj.apply_channels(o[:, ns:], header, arrays, tag)
     # exact outliers (issue 12.3): scattered after the fused dequantization
     for tag, o in (("k", k_out), ("v", v_out)):
         if header.get(f"n_out_{tag}") is None and f"out_{tag}_idx" not in arrays \
@@ -264,17 +268,21 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
     if nq % KIVI_GROUP:
         raise CodecError(f"kivi: quantized token count {nq} is not a multiple of {KIVI_GROUP}")
     dt = DTYPES[dtype_name]
+    nt = codec_obj._tail(header, T, nq)
     ko, vo = _dest(shape, dt, out)
+    tails = codec_obj.decode_tail(arrays, shape, nt, dtype_name) if nt else (None, None)
     NQ = 1 << bits
     n = L * nq * H * D
     nbytes = -(-n // (8 // bits))
     g = codec_obj._vgroup(D)
-    for name, o in (("k", ko), ("v", vo)):
-        full = from_bits(arrays.get(f"{name}_full"), dtype_name, (L, T - nq, H, D),
+    for name, o, tail in (("k", ko, tails[0]), ("v", vo, tails[1])):
+        full = from_bits(arrays.get(f"{name}_full"), dtype_name, (L, T - nq - nt, H, D),
                          f"{name}_full")
         if not all_finite(full):
             raise CodecError(f"kivi: non-finite full-precision values in {name}")
-        o[:, nq:] = full
+        o[:, nq + nt:] = full
+        if nt:
+            o[:, nq:nq + nt] = tail
         if not nq:
             continue
         if name == "k":   # per channel, groups of 32 tokens: lo/step [L, nq/32, H, D]

@@ -81,6 +81,12 @@ __all__ = [
     "to_dtype_clamped",
     "flush_tiny_scales",
     "outlier_thresholds",
+    "CHANNEL_GAP",
+    "CHANNEL_MAX",
+    "CHANNEL_MEDIAN_GAP",
+    "CHANNEL_MAX_EXP",
+    "outlier_channels",
+    "scale_channels",
 ]
 
 TINY_SCALE = 2.0 ** -100   # smaller group scales are flushed to 0 (M / s would overflow)
@@ -91,6 +97,18 @@ TINY_SCALE = 2.0 ** -100   # smaller group scales are flushed to 0 (M / s would 
 # always taken out.
 OUTLIER_RATIO = 64.0
 OUTLIER_SAMPLE = 4096      # about this many elements per group enter the median
+# Outlier CHANNELS (issue 28.7): per (layer, KV head) group, the channel maxima over the
+# chunk's tokens sorted descending c(1) >= c(2) >= ...; the top j channels (j <= CHANNEL_MAX)
+# are outlier channels when c(j) > CHANNEL_GAP * c(j + 1) for the largest such j (and their
+# medians stand CHANNEL_MEDIAN_GAP above the rest's: see outlier_channels). Measured
+# on the default model's KV (README.md, 1020 tokens after the sinks, chunks of 16..1024
+# tokens): the largest gap is 2.80 at 1024-token chunks and 3.97 at 16-token chunks (keys;
+# values 1.85 / 3.70), so 4 leaves its bytes unchanged, while a channel x20 over all tokens
+# stands 5-50x above the rest.
+CHANNEL_GAP = 4.0
+CHANNEL_MEDIAN_GAP = 2.0   # and their median |x| > 2x the others' (wide, not spikes)
+CHANNEL_MAX = 8            # at most this many outlier channels per (layer, KV head)
+CHANNEL_MAX_EXP = 64       # exponents 1..64 (a channel is divided by 2^e before quantization)
 
 
 def to_dtype_clamped(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -137,6 +155,68 @@ def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
     thr = med * OUTLIER_RATIO
     out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
     return thr.reshape(out_shape)
+
+
+def outlier_channels(x: torch.Tensor, x_orig: torch.Tensor | None = None):
+    """Outlier channels of x [L, T, H, D] (one chunk's tokens, after the outlier side list
+    took its values out; groups = (layer, KV head)); ``x_orig``: the same tokens before
+    the side list (default x), whose medians confirm the candidates.
+
+    Per group the channel maxima ``c = max_t |x|`` (float32, exact) sorted descending; the
+    largest ``j <= min(CHANNEL_MAX, D - 1)`` with ``c(j) > CHANNEL_GAP * c(j + 1)`` (and
+    ``c(j + 1) > 0``) makes the channels with ``c > r = c(j + 1)`` candidates; they are
+    outlier channels when the smallest candidate ``median_t |x_orig|`` (torch's lower
+    median: a selection, exact) exceeds CHANNEL_MEDIAN_GAP times the largest median of the other
+    channels (so a channel is wide, not a few spikes). Exponent ``e = smallest integer
+    >= 1 with c / 2^e <= r`` (from the exact binary exponents), capped at CHANNEL_MAX_EXP.
+    Depends only on values (not on sort tie order), so every backend finds the same.
+    Returns ``(flat indices int64 [n] into [L, H, D], C order, increasing; exponents uint8
+    [n] in 1..CHANNEL_MAX_EXP)`` as numpy arrays, or None when no group has one."""
+    L, T, H, D = x.shape
+    kmax = min(CHANNEL_MAX, D - 1)
+    if kmax < 1 or T == 0:
+        return None
+    ax = x.abs()
+    c = ax.amax(dim=1).to(torch.float32)                         # [L, H, D]
+    top = c.sort(dim=2, descending=True).values[..., :kmax + 1]  # [L, H, kmax + 1]
+    hi, lo = top[..., :kmax], top[..., 1:]
+    ok = (lo > 0) & (hi > CHANNEL_GAP * lo)
+    if not bool(ok.any()):
+        return None
+    j = (ok.to(torch.int64) * torch.arange(1, kmax + 1, device=c.device)).amax(dim=2)
+    rest = top.gather(2, j.clamp(min=1).unsqueeze(2))            # c(j + 1): [L, H, 1]
+    cand = (c > rest) & (j > 0).unsqueeze(2)
+    xo = x if x_orig is None else x_orig
+    med = xo.abs().median(dim=1).values.to(torch.float32)        # [L, H, D]
+    inf = torch.full_like(med, float("inf"))
+    cand_min = torch.where(cand, med, inf).amin(dim=2, keepdim=True)
+    rest_max = torch.where(cand, torch.zeros_like(med), med).amax(dim=2, keepdim=True)
+    mask = cand & (cand_min > CHANNEL_MEDIAN_GAP * rest_max)
+    if not bool(mask.any()):
+        return None
+    mc, ec = torch.frexp(c)
+    mr, er = torch.frexp(rest.expand_as(c))
+    e = (ec - er + (mc > mr).to(ec.dtype)).clamp(1, CHANNEL_MAX_EXP)
+    flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
+    return (flat.cpu().numpy().astype(np.int64),
+            e.reshape(-1)[flat].cpu().numpy().astype(np.uint8))
+
+
+def scale_channels(x: torch.Tensor, idx: np.ndarray, exps: np.ndarray, sign: int
+                   ) -> torch.Tensor:
+    """x [L, T, H, D] with channel ``idx`` (flat into [L, H, D]) multiplied by
+    ``2^(sign * exp)`` (sign -1: the encoder's pre-scaling, +1: the decoder's inverse), in
+    float32 then rounded to x's dtype clamped to its finite range (exact for a power of
+    two unless the result leaves the dtype's normal range). In place on x (which may be a
+    view); returns x."""
+    L, T, H, D = x.shape
+    i = torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(x.device)
+    f = torch.ldexp(torch.ones(len(idx), dtype=torch.float32, device=x.device),
+                    torch.from_numpy(np.asarray(exps, dtype=np.int64) * sign).to(x.device))
+    li, hi, di = i // (H * D), (i // D) % H, i % D
+    vals = x[li, :, hi, di].to(torch.float32) * f.unsqueeze(1)     # [n, T]
+    x[li, :, hi, di] = to_dtype_clamped(vals, x.dtype)
+    return x
 
 
 # float32 constants 2^(j/8) rounded UP to float32 (j = 0..7), written exactly in hex.

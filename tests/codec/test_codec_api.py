@@ -46,13 +46,17 @@ def cachegen_bound(x: torch.Tensor, cfg, is_key: bool, n_sink: int) -> torch.Ten
     """Per-element bound s_eff / (2M) (+ output rounding) of the cachegen quantizer."""
     cg = CacheGenCodec("t", "harness")
     xq = x[:, n_sink:]
-    _, _, _, eff = cg.quantize_tensor(xq, cfg, is_key)
+    _, _, arrays, eff = cg.quantize_tensor(xq, cfg, is_key)
     bins = cfg.key_bins if is_key else cfg.value_bins
     m = Q.max_levels(bins)
     L, T, H, D = xq.shape
     view, _, _, eshape = cg._layout(tuple(xq.shape), cfg, is_key)
     b = (eff.reshape(eshape) / (2 * m.reshape((-1,) + (1,) * (len(eshape) - 1))))
-    b = b.expand(view).reshape(L, T, H, D)
+    b = b.expand(view).reshape(L, T, H, D).clone()
+    tag = "k" if is_key else "v"
+    if f"chx_{tag}_idx" in arrays:     # outlier channels (issue 28.7): step times 2^e
+        Q.scale_channels(b, arrays[f"chx_{tag}_idx"].astype(np.int64),
+                         arrays[f"chx_{tag}_exp"], +1)
     eps = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8, torch.float32: 2 ** -23}[x.dtype]
     b = b * (1 + 1e-5) + eps * (xq.float().abs() + b)
     return torch.cat([torch.zeros(L, n_sink, H, D), b], 1)
@@ -123,9 +127,12 @@ def test_kivi_keeps_last_128_tokens_exact():
     k, v = make_kv(L=2, T=300, H=2, D=32, dtype=torch.float16)
     for name in ("kivi2", "kivi4"):
         k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=name))
-        # quantized prefix: floor((300 - 128) / 32) * 32 = 160 tokens
-        assert torch.equal(k2[:, 160:], k[:, 160:]) and torch.equal(v2[:, 160:], v[:, 160:])
+        # quantized prefix: every token before the last 128 (300 - 128 = 172: five groups
+        # of 32 and a short last key group of 12, issue 28.7)
+        assert torch.equal(k2[:, 172:], k[:, 172:]) and torch.equal(v2[:, 172:], v[:, 172:])
         assert not torch.equal(k2[:, :160], k[:, :160])
+        assert not torch.equal(k2[:, 160:172], k[:, 160:172])
+        assert not torch.equal(v2[:, 160:172], v[:, 160:172])
 
 
 def test_kivi4_better_than_kivi2():

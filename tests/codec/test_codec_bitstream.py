@@ -123,7 +123,7 @@ def test_specific_corruptions():
         with pytest.raises(CodecError):
             bs.unpack(d)
     b = bytearray(data)
-    b[4] = 5  # version 5 (CRC refreshed so the version check itself is exercised)
+    b[4] = 6  # version 6 (CRC refreshed so the version check itself is exercised)
     with pytest.raises(CodecError, match="version"):
         bs.unpack(_refresh_crc(b))
     b = bytearray(data)
