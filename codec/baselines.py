@@ -90,12 +90,21 @@ class KiviCodec(Codec):
         per token as the full groups). Shared by the fused and reference decoders.
         Raises CodecError on bad arrays or non-finite values."""
         L, _, H, D = shape
+        return self._decode_span(arrays, ("kt", "vt"), (L, nt, H, D), nt, dtype_name)
+
+    def _decode_span(self, arrays: dict, names: tuple[str, str], span: tuple, key_group: int,
+                     dtype_name: str):
+        """Dequantize one span of quantized tokens: K and V [L, n, H, D] (span) from the
+        arrays ``<name>_q/_lo/_step`` of names (K's, V's); keys per channel in groups of
+        ``key_group`` tokens, values per token in groups of _vgroup(D) channels. Raises
+        CodecError on bad arrays or non-finite values."""
+        L, nt, H, D = span
         n = L * nt * H * D
         nbytes = -(-n // (8 // self.bits))
         g = self._vgroup(D)
         out = []
-        for name, dim, grp, gshape in (("kt", 1, nt, (L, 1, H, D)),
-                                        ("vt", 3, g, (L, nt, H, D // g))):
+        for name, dim, grp, gshape in ((names[0], 1, key_group, (L, nt // key_group, H, D)),
+                                        (names[1], 3, g, (L, nt, H, D // g))):
             qb = need_array(arrays.get(f"{name}_q"), np.uint8, (nbytes,), f"{name}_q")
             q = torch.from_numpy(unpack_bits(qb, self.bits, n).reshape(L, nt, H, D))
             lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
@@ -150,7 +159,6 @@ class KiviCodec(Codec):
         if nq % KIVI_GROUP:
             raise CodecError(f"kivi: quantized token count {nq} is not a multiple of "
                              f"{KIVI_GROUP}")
-        dt = DTYPES[dtype_name]
         nt = self._tail(header, T, nq)
         kf = from_bits(arrays.get("k_full"), dtype_name, (L, T - nq - nt, H, D), "k_full")
         vf = from_bits(arrays.get("v_full"), dtype_name, (L, T - nq - nt, H, D), "v_full")
@@ -159,18 +167,5 @@ class KiviCodec(Codec):
             kf, vf = torch.cat([kt, kf], 1), torch.cat([vt, vf], 1)
         if not nq:
             return kf, vf
-        n = L * nq * H * D
-        nbytes = -(-n // (8 // self.bits))
-        g = self._vgroup(D)
-        out = []
-        for name, dim, grp, gshape in (("k", 1, KIVI_GROUP, (L, nq // KIVI_GROUP, H, D)),
-                                        ("v", 3, g, (L, nq, H, D // g))):
-            qb = need_array(arrays.get(f"{name}_q"), np.uint8, (nbytes,), f"{name}_q")
-            q = torch.from_numpy(unpack_bits(qb, self.bits, n).reshape(L, nq, H, D))
-            lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
-            st = from_bits(arrays.get(f"{name}_step"), dtype_name, gshape, f"{name}_step")
-            x = Q.kivi_dequantize(q, lo, st, dim=dim, group=grp)
-            if not bool(torch.isfinite(x).all()):
-                raise CodecError(f"kivi: non-finite values in {name}")
-            out.append(x.to(dt))
-        return torch.cat([out[0], kf], 1), torch.cat([out[1], vf], 1)
+        kq, vq = self._decode_span(arrays, ("k", "v"), (L, nq, H, D), KIVI_GROUP, dtype_name)
+        return torch.cat([kq, kf], 1), torch.cat([vq, vf], 1)
