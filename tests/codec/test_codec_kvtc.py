@@ -1,4 +1,4 @@
-"""Tests of the KVTC transform codec (codec/kvtc.py) and its calibration artifact.
+"""Tests of the KVTC transform codec (codec/kvtc/) and its calibration artifact.
 
 Calibrations are fitted on small random data made here (fast); one slow test fits on the
 default model's real KV. Run: .venv/bin/python -m pytest tests/codec/test_codec_kvtc.py -q

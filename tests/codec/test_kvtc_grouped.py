@@ -1,5 +1,5 @@
 """Tests of kvtc's joint transform over layer groups (kvtc format 4, layout "grouped";
-codec/kvtc.py ``fit_calibration(group_layers=)``, docs/codec.md 8.8).
+codec/kvtc/ ``fit_calibration(group_layers=)``, docs/codec.md 8.8).
 
 Calibrations are fitted on small random KV made here, whose K and V share a hidden
 signal across layers (as the residual stream does). Run:
