@@ -292,13 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "--out FILE) instead of the model's default calibration")
     flags.add_out(p, type=Path, default=DEFAULT_OUT,
                   help="results file (JSON, atomically; default benchmarks/quality.json)")
-    p.add_argument("--tasks", action="store_true", help=argparse.SUPPRESS)   # tasks are measured by default now
     p.add_argument("--no-tasks", action="store_true", help="skip the task answers (text fidelity only)")
     p.add_argument("--tasks-only", action="store_true",
                    help="only task answers; keep the text rows already in --out")
     p.add_argument("--task-requests", type=int, default=None,
                    help=f"requests per codec/level (default 60; quick {QUICK_TASK_REQUESTS})")
     p.add_argument("--task-codecs", default=DEFAULT_TASK_CODECS, help="codecs/levels for tasks (default %(default)s)")
+    p.add_argument("--tasks", choices=("synthetic", "longchat"), default="synthetic",
+                   help="task answers on synthetic prompts (needle + topic retrieval, default) or on the "
+                        "rows of a LongChat file (--task-data: the CacheGen artifact's longchat.jsonl, "
+                        "topic retrieval at full length; docs/tasks.md)")
+    p.add_argument("--task-data", type=Path, default=None, metavar="FILE",
+                   help="with --tasks longchat: the LongChat JSONL file (rows test_id, prompt, label)")
     p.add_argument("--task-dtype", choices=("float32", "model"), default="float32",
                    help="activation dtype of the answer forwards: float32 (default; the bf16 KV is upcast "
                         "exactly; batched and token-by-token forwards agree to ~1e-4 logits, so teacher forcing "
@@ -399,6 +404,21 @@ def _main(args, argv: list[str]) -> int:
             else TOPIC_LENGTHS
     except ValueError:
         raise QualityError("--task-lengths / --topic-lengths must be comma-separated integers") from None
+    longchat = None
+    if args.tasks == "longchat" and do_tasks:            # the file is read before the model loads
+        from kv_extraction_hf.datasets_loaders import load_user_data
+        from kv_extraction_hf.errors import ExtractionError
+
+        if args.task_data is None:
+            raise QualityError("--tasks longchat needs --task-data FILE (the LongChat JSONL file)")
+        try:
+            longchat = load_user_data("longchat", str(args.task_data))
+        except ExtractionError as exc:
+            raise QualityError(f"--task-data: {exc}") from None
+        if args.task_requests is None:
+            n_req = len(longchat)
+    elif args.task_data is not None:
+        raise QualityError("--task-data is read by --tasks longchat only")
     previous = None
     if args.tasks_only and args.out.is_file():
         try:
@@ -451,23 +471,43 @@ def _main(args, argv: list[str]) -> int:
         for label, why in info["skipped"].items():
             print(f"skipped {label}: {why}")
     if do_tasks:
-        print(f"tasks: {n_req} requests per codec/level ({', '.join(TASKS)}; needle lengths {list(lengths)}, "
-              f"topic lengths {list(topic_lengths)}); "
-              f"{len(task_pairs)} codec/levels")
+        if longchat is not None:
+            print(f"tasks: {min(n_req, len(longchat))} LongChat rows of {args.task_data} at full length "
+                  f"(up to the model's {bundle.info.max_context} tokens); {len(task_pairs)} codec/levels")
+        else:
+            print(f"tasks: {n_req} requests per codec/level ({', '.join(TASKS)}; needle lengths {list(lengths)}, "
+                  f"topic lengths {list(topic_lengths)}); "
+                  f"{len(task_pairs)} codec/levels")
         answer_bundle = bundle
         if args.task_dtype == "float32" and bundle.info.dtype != "float32":
             answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
+        requests = None
+        if longchat is not None:   # full length: the model's context, middle-truncated only beyond it
+            requests = [("longchat", bundle.info.max_context, i) for i in range(min(n_req, len(longchat)))]
         trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
                                  answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
                                  answer_mode=args.task_answers, codec_workers=codec_workers,
-                                 configs=configs)
+                                 configs=configs, requests=requests,
+                                 data_path=str(args.task_data) if longchat is not None else None)
         doc["tasks"] = trows
         doc["tasks_info"] = {k: v for k, v in tinfo.items()}
         doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),
                                "codecs": args.task_codecs, "answer_dtype": tinfo["answer_dtype"],
                                "kv_dtype": bundle.info.dtype, "verify": bool(args.task_verify),
                                "answer_mode": args.task_answers,
-                               "seed": args.seed, "ci": "Wilson 95%"}
+                               "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks}
+        if longchat is not None:
+            from kv_extraction_hf.model import sha256_file
+
+            recs = tinfo["requests"]
+            doc["tasks_config"].update({
+                "n_requests": len(recs), "lengths": None, "topic_lengths": None,
+                "task_data": {"name": args.task_data.name, "sha256": sha256_file(args.task_data),
+                              "rows": len(longchat), "source": "the CacheGen artifact's LongChat "
+                              "topic-retrieval prompts (UChi-JCL/CacheGen test_data; not in this repository)"},
+                "context_tokens": {"min": min(x["context_tokens"] for x in recs),
+                                   "max": max(x["context_tokens"] for x in recs)},
+                "truncated": sum(x["truncated_from_tokens"] is not None for x in recs)})
         print()
         print_task_table(trows)
         print()

@@ -39,7 +39,9 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
               topic_lengths: Sequence[int] = TOPIC_LENGTHS, answer_bundle=None, verify: bool = False,
               log: Callable[[str], None] = print, answer_mode: str = "teacher",
               codec_workers: int = DEFAULT_CODEC_WORKERS,
-              configs: Optional[dict] = None) -> tuple[list[dict], dict]:
+              configs: Optional[dict] = None,
+              requests: Optional[Sequence[tuple[str, int, int]]] = None,
+              data_path: Optional[str] = None) -> tuple[list[dict], dict]:
     """Task answers from decoded KV vs lossless KV, ``n_requests`` per codec/level.
 
     Each request's context is prefilled once by ``bundle`` (the engine dtype, bf16 for the
@@ -68,7 +70,12 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     per-request records and seconds, per codec the count of answers by path, the verify
     counts). ``codec_workers``: a request's codecs are encoded + decoded that many at once
     (threads; the same bytes; ``codec_s`` is then wall seconds beside another codec), before
-    its answers. Raises ValueError for an unknown ``answer_mode``.
+    its answers. ``requests``: the (task, context_tokens, index) requests to run instead of
+    :func:`task_requests`' (``n_requests`` is then ignored), e.g. rows of a user's LongChat
+    file (task ``longchat``, read from ``data_path``; a context longer than the model's is
+    truncated in the middle and its record's ``truncated_from_tokens`` says from how many).
+    Raises ValueError for an unknown ``answer_mode``; ExtractionError for data that cannot
+    be read.
     """
     import codec
     from evaluation import retrieval_accuracy, scored_answer
@@ -88,9 +95,12 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     paths: dict[str, dict[str, int]] = {}
     checked = mismatches = 0
     t0 = time.perf_counter()
-    for r, (task, length, index) in enumerate(task_requests(n_requests, seed, lengths,
-                                                                      topic_lengths=topic_lengths)):
-        p = build_prompt(task, bundle.tokenizer, length, seed=seed, index=index)
+    if requests is None:
+        requests = task_requests(n_requests, seed, lengths, topic_lengths=topic_lengths)
+    n_requests = len(requests)
+    for r, (task, length, index) in enumerate(requests):
+        user = {} if data_path is None else {"data_path": data_path, "max_prompt_tokens": bundle.info.max_context}
+        p = build_prompt(task, bundle.tokenizer, length, seed=seed, index=index, **user)
         t = time.perf_counter()
         k, v = prefill_kv(bundle, p.context_ids)
         t1 = time.perf_counter()
@@ -167,6 +177,7 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
         ref_text = _answer_text(bundle, ref_ids)
         rec = {"task": task, "context_tokens": len(p.context_ids), "index": index,
                "depth": p.meta.get("depth"), "answer": p.answer,
+               "truncated_from_tokens": p.meta.get("truncated_from_tokens"),
                "lossless": {"text": ref_text, "tokens": len(ref_ids), "ids": ref_ids,
                             "correct": bool(retrieval_accuracy(ref_text, p.answer)),
                             "min_margin": ref_margin if math.isfinite(ref_margin) else None},
@@ -242,13 +253,15 @@ def agreement_split(got: list[dict], recs: list[dict], margin_split: float = MAR
 def task_rows(records: list[dict], pairs: list[tuple[str, Optional[int]]],
               margin_split: float = MARGIN_SPLIT) -> list[dict]:
     """The ``tasks`` rows of quality.json from per-request records (``run_tasks`` info
-    ``requests``): per task (``all`` = pooled, then each of :data:`TASKS`) a ``lossless``
+    ``requests``): per task (``all`` = pooled, then each of :data:`TASKS`, then any other
+    task of the records, e.g. ``longchat``) a ``lossless``
     row and one row per codec/level in ``pairs`` with accuracy, answer agreement and token
     agreement (Wilson 95% CIs) and ``agreement_split`` (:func:`agreement_split`)."""
     from evaluation.stats import wilson_ci
 
     rows = []
-    groups = [("all", records)] + [(t, [x for x in records if x["task"] == t]) for t in TASKS]
+    names = list(TASKS) + [t for t in dict.fromkeys(x["task"] for x in records) if t not in TASKS]
+    groups = [("all", records)] + [(t, [x for x in records if x["task"] == t]) for t in names]
     for task, recs in groups:
         if not recs:
             continue

@@ -259,3 +259,47 @@ def test_preallocated_cache_gives_the_stock_logits(tiny):
             outs.append((a, b, c.get_seq_length()))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
         assert outs[0][2] == outs[1][2] == len(ctx) + len(q) + 1
+
+
+def test_run_tasks_on_given_requests_reads_the_users_file(tiny, monkeypatch):
+    """``requests`` (LongChat rows) replace the synthetic ones: each row is built from
+    ``data_path`` at the model's context, and its truncation is recorded."""
+    from bench import quality as Q
+    from kv_extraction_hf.prompts import Prompt
+
+    seen = []
+
+    def fake_prompt(task, tokenizer, length, seed=0, index=0, data_path=None, max_prompt_tokens=None):
+        seen.append((task, length, index, data_path, max_prompt_tokens))
+        g = torch.Generator().manual_seed(index)
+        ctx = torch.randint(0, VOCAB, (30,), generator=g).tolist()
+        return Prompt(name=f"{task}-{index}", task=task, context_text="", question_text="", answer="7",
+                      answers=["7"], context_ids=ctx, question_ids=[5], max_new_tokens=BUDGET,
+                      meta={"truncated_from_tokens": 900 if index == 1 else None})
+
+    monkeypatch.setattr("kv_extraction_hf.prompts.build_prompt", fake_prompt)
+    reqs = [("longchat", 512, i) for i in range(3)]
+    rows, info = Q.run_tasks(tiny, [("raw", None)], 99, max_new_tokens=BUDGET, log=lambda m: None,
+                             requests=reqs, data_path="rows.jsonl")
+    assert seen == [("longchat", 512, i, "rows.jsonl", 512) for i in range(3)]
+    assert [r["truncated_from_tokens"] for r in info["requests"]] == [None, 900, None]
+    by = {(r["codec"], r["task"]): r for r in rows}
+    assert by[("raw", "longchat")]["n"] == 3 and by[("raw", "all")]["agreement"] == 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "longchat", "--tasks-only"], "--tasks longchat needs --task-data FILE"),
+    (["--tasks-only", "--task-data", "x.jsonl"], "--task-data is read by --tasks longchat only"),
+    (["--tasks", "longchat", "--tasks-only", "--task-data", "/nonexistent/longchat.jsonl"], "--task-data: "),
+])
+def test_longchat_flags_fail_in_one_line_before_the_model(argv, message, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "bench.quality", *argv, "--out", str(tmp_path / "q.json")],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last and not (tmp_path / "q.json").exists()
