@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from common.header import environment as header_environment
 from common.units import mbps_to_bytes_per_s
 from streaming import standin

@@ -19,7 +19,7 @@ from streaming.errors import (
     StreamingError,
     store_error,
 )
-from streaming.identity import EntryIdentity
+from streaming.identity_entry import EntryIdentity
 from streaming.protocol import (
     DEFAULT_MAX_BODY,
     ConnectionClosed,

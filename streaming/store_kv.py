@@ -14,7 +14,7 @@ from typing import Sequence
 
 from streaming.backends import StoreBackend
 from streaming.errors import StoreError, StoreRaceLostError
-from streaming.identity import EntryIdentity
+from streaming.identity_entry import EntryIdentity
 from streaming.store_format import (
     _ANY,
     Manifest,

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streaming.identity import EntryIdentity, check_entry, codec_identity
+from streaming.identity_check import check_entry
+from streaming.identity_entry import EntryIdentity
+from streaming.identity_sources import codec_identity
 from third_party.vllm.source_base import (
     ChunkSink,
     DecodeFn,

@@ -11,7 +11,8 @@ import logging
 import time
 from typing import Any
 
-from streaming.identity import EntryIdentity, codec_identity
+from streaming.identity_entry import EntryIdentity
+from streaming.identity_sources import codec_identity
 from third_party.vllm.source_base import (
     ChunkSink,
     DecodeFn,
