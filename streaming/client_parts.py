@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from streaming.adapt import FixedPolicy
+from streaming.adapt_policy import FixedPolicy
 from streaming.errors import StreamingError
 
 logger = logging.getLogger("cachegen.stream")

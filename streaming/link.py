@@ -46,8 +46,8 @@ from streaming.link_shaper import (  # noqa: F401 - re-exported (issue 27 split)
     PACING_QUANTUM, MAX_PACING_QUANTUM, pacing_quantum, TBF_LATENCY_MS, MTU_BYTES,
     TBF_BURST_MIN_BYTES, TBF_BURST_S, default_burst_bytes, USERSPACE_BURST_S,
     userspace_burst_bytes, _check_rate, _run, _pid_alive, _used_networks, _pick_subnet,
-    TokenBucket, _ShapingProxy,
 )
+from streaming.link_proxy import TokenBucket, _ShapingProxy  # noqa: F401 - re-exported
 
 
 def netns_available() -> tuple[bool, str]:

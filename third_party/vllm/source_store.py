@@ -224,7 +224,7 @@ class StoreSource:
         return key, man, "", info
 
     def _policy(self, params, lookup: Lookup):
-        from streaming.adapt import AdaptivePolicy, FixedPolicy
+        from streaming.adapt_policy import AdaptivePolicy, FixedPolicy
 
         pol = params.get("policy")
         if pol:
