@@ -50,6 +50,7 @@ from streaming.client_parts import (  # noqa: F401  (re-exported)
 from streaming.client_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn  # noqa: F401
 from streaming.client_wire import PROGRESS_BYTES, _get, _timed_get_chunk, _WireClock  # noqa: F401
 from streaming.errors import StreamingError
+from streaming.plumbing import put_until_stopped
 
 
 def stream_load(
@@ -139,12 +140,7 @@ def stream_load(
     stop = threading.Event()
 
     def put(item) -> None:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        put_until_stopped(q, item, stop)
 
     def fetch_verified(cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
         """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once on CRC failure."""

@@ -56,6 +56,7 @@ from streaming.errors import (
     StoreUnavailableError,
 )
 from streaming.folder_backend import MAX_KEY_BYTES, LocalFolderBackend
+from streaming.plumbing import Closing, put_until_stopped
 from streaming.protocol import send_progress
 
 DEFAULT_SOCKET_TIMEOUT_S = 10.0  # per socket operation (one send or recv call), not per
@@ -158,7 +159,7 @@ def parse_redis_url(url: str) -> tuple[str, int, int]:
     return p.hostname, port, int(path or 0)
 
 
-class RedisBackend:
+class RedisBackend(Closing):
     """StoreBackend over a Redis server (redis-py client, connection pool, thread-safe).
 
     Args:
@@ -470,12 +471,7 @@ return 1
                     item = (key, self.get(key), time.perf_counter() - t0)
                 except BaseException as e:  # passed to the consumer, raised there
                     item = e
-                while not stop.is_set():
-                    try:
-                        ready.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                put_until_stopped(ready, item, stop)
                 if isinstance(item, BaseException):
                     return
 
@@ -502,12 +498,6 @@ return 1
     def close(self) -> None:
         """Close the client's connections (the server keeps running)."""
         self._client.close()
-
-    def __enter__(self) -> "RedisBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # --------------------------------------------------------------------------- opening

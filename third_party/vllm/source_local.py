@@ -58,7 +58,7 @@ def _fsync_write(p: Path, data: bytes) -> None:
 def _local_calibration_bytes(h: str, calibrations: dict[str, bytes] | None) -> bytes:
     if calibrations and h in calibrations:
         return calibrations[h]
-    from streaming.store import _calibration_bytes
+    from streaming.store_steps import _calibration_bytes
 
     return _calibration_bytes(h)
 
