@@ -49,7 +49,7 @@ import threading
 
 from streaming.backends import StoreBackend, open_backend  # noqa: F401  (re-exported)
 from streaming.errors import StoreError
-from streaming.protocol import DEFAULT_MAX_BODY
+from streaming.protocol_frame import DEFAULT_MAX_BODY
 from streaming.store_client import (  # noqa: F401  (re-exported)
     LocalStoreClient,
     StoreClient,

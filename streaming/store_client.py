@@ -20,13 +20,8 @@ from streaming.errors import (
     store_error,
 )
 from streaming.identity_entry import EntryIdentity
-from streaming.protocol import (
-    DEFAULT_MAX_BODY,
-    ConnectionClosed,
-    FrameType,
-    recv_frame,
-    send_frame,
-)
+from streaming.protocol import ConnectionClosed, recv_frame, send_frame
+from streaming.protocol_frame import DEFAULT_MAX_BODY, FrameType
 from streaming.store_format import _ANY, Manifest, build_manifest
 from streaming.store_kv import KVStore
 from streaming.store_steps import run_steps, save_steps
