@@ -55,14 +55,15 @@ import time
 from pathlib import Path
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from common.header import environment as header_environment
 from common.units import mbps_to_bytes_per_s
 from streaming import standin
-from streaming.adapt import (  # noqa: F401 - also re-exported (issue 27 split)
-    AdaptivePolicy, ClockModel, FixedPolicy, oracle, oracle_labels, simulate,
-)
+from streaming.adapt_model import ClockModel  # noqa: F401 - also re-exported (issue 27 split)
+from streaming.adapt_oracle import oracle, oracle_labels  # noqa: F401 - also re-exported
+from streaming.adapt_policy import AdaptivePolicy, FixedPolicy  # noqa: F401 - also re-exported
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
+from streaming.adapt_simulate import simulate  # noqa: F401 - also re-exported
 from streaming.traces import (  # noqa: F401 - also re-exported (issue 27 split)
     GENERATOR_SEED, Trace, apply_trace, artifact_generated, artifact_generator, artifact_recorded, constant,
     synthetic_uniform,

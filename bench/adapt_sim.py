@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 from common.units import mbps_to_bytes_per_s
-from streaming.adapt import AdaptivePolicy, ClockModel, FixedPolicy, oracle, oracle_labels, simulate
+from streaming.adapt_model import ClockModel
+from streaming.adapt_oracle import oracle, oracle_labels
+from streaming.adapt_policy import AdaptivePolicy, FixedPolicy
+from streaming.adapt_simulate import simulate
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
 from streaming.traces import (
     GENERATOR_SEED, Trace, artifact_generated, artifact_generator, artifact_recorded, constant,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from streaming.adapt import oracle
+from streaming.adapt_oracle import oracle
 from streaming.traces import constant
 
 

@@ -40,7 +40,7 @@ from codec import api
 from codec.codecs import CODECS, DTYPE_NAMES
 from codec.config import DEFAULT_CHUNK_TOKENS
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from common.header import environment as header_environment
 
 # The measurements live in bench/codec_metrics.py (issue 27: modules under 600 lines);

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from common.units import goodput_mbps, mbps_to_bytes_per_s
 
 _REQ = struct.Struct("<Q")

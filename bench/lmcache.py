@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 
 
 def _planes(k, v):

@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from common.header import environment as header_environment
 
 

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from streaming import standin
-from streaming.adapt import AdaptivePolicy
+from streaming.adapt_policy import AdaptivePolicy
 from streaming.client import stream_load
 from streaming.link import ShapedLink
 from streaming.store import start_store_server

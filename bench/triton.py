@@ -34,7 +34,7 @@ import torch
 
 from codec import triton_kernels as tk
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 from common.header import environment as header_environment
 
 # LMCache/CacheGen default schedule for a 7B model (LMCache cachegen_basics.py)

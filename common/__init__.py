@@ -6,8 +6,11 @@ package): one home for what many commands would otherwise spell differently.
   ``--data-path``, ``--out``, ``--seed``, ``--bandwidth-mbps``, ``--link-method``,
   ``--quick``, ``--verbose``, ``--repeats``, ``--context-tokens``, ``--config``), one
   spelling and one meaning each, with the old spellings as hidden aliases.
-- :mod:`common.header`: the result header (environment, git commit, UTC time) and the
-  atomic JSON write of every result file.
+- :mod:`common.config_file`: a command's ``--config FILE`` defaults (read, then parsed
+  under the command line; re-exported by :mod:`common.flags`).
+- :mod:`common.header`: the result header (environment, git commit, UTC time).
+- :mod:`common.files`: the atomic write of every result file and store object, and the
+  sha256 of a list of files (a model's weights hash).
 - :mod:`common.machine`: what sets the numerics of a run (CPU flags, oneDNN ISA).
 
 Every package may import it except ``codec`` (which imports no project package);

@@ -1,4 +1,4 @@
-"""The result header and the atomic write of every result file, in one place.
+"""The result header of every result file, in one place (its atomic write: common.files).
 
 Every result file (``benchmarks/results.json``, ``quality.json``, ``codec_bench.json``,
 ``adaptation.json``, the link and streaming checks) records the machine and software it
@@ -18,12 +18,13 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
+from common.files import (atomic_write, atomic_write_json,  # noqa: F401  (re-exported:
+                          atomic_write_text, json_default)   # their former home)
 from common.machine import numerics
 
 __all__ = ["utc_now", "git_commit", "cpu_name", "package_versions", "environment",
@@ -139,74 +140,6 @@ def environment(fields: Iterable[str], *, packages: Iterable[str] = (),
         else:
             env[name] = FIELDS[name]()
     return env
-
-
-def json_default(obj: Any) -> Any:
-    """``json.dump``'s ``default``: numpy/torch scalars (``.item()``) and paths (str);
-    TypeError otherwise."""
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
-def atomic_write(path: Path | str, write: Callable[[IO], Any], *, binary: bool = False,
-                 keep_mode: bool = False) -> None:
-    """Replace ``path`` atomically with what ``write(fh)`` writes to an open file: a
-    temporary file in the same folder (made with its parents), fsync, ``os.replace``; the
-    temporary file is removed on any error (``path`` is then unchanged). ``binary`` opens it
-    "wb" (else "w", text). With ``keep_mode`` an existing file's permission bits are kept
-    (else a new file's usual 0o666 & ~umask).
-
-    Raises:
-        OSError: the folder cannot be written; whatever ``write`` raises.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = None
-    if keep_mode and path.exists():
-        mode = path.stat().st_mode & 0o777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        if mode is None:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask   # mkstemp makes 0600: give the usual mode of a new file
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "wb" if binary else "w") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def atomic_write_text(path: Path | str, text: str, *, keep_mode: bool = False) -> None:
-    """Replace ``path`` with ``text`` atomically (:func:`atomic_write`).
-
-    Raises:
-        OSError: the folder cannot be written.
-    """
-    atomic_write(path, lambda fh: fh.write(text), keep_mode=keep_mode)
-
-
-def atomic_write_json(path: Path | str, doc: Any, *, indent: Optional[int] = 1,
-                      default: Callable[[Any], Any] = json_default) -> None:
-    """Write ``doc`` as JSON (``indent``, keys in insertion order, a final newline) to
-    ``path`` atomically (:func:`atomic_write_text`).
-
-    Raises:
-        TypeError: ``doc`` holds a value ``default`` cannot convert (nothing is written).
-        OSError: the folder cannot be written.
-    """
-    text = json.dumps(doc, indent=indent, default=default) + "\n"
-    atomic_write_text(path, text)
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look at this machine's header

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.header import atomic_write_json, git_commit, utc_now  # noqa: F401 - re-exported
+from common.files import atomic_write_json  # noqa: F401 - re-exported
+from common.header import git_commit, utc_now  # noqa: F401 - re-exported
 from common.header import environment as header_environment
 from evaluation.summary import plot_label, summarize
 

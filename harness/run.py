@@ -36,8 +36,9 @@ from harness.quality import perplexity_pass, score_output
 from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model import load_model
-from streaming.link import ShapedLink, cleanup_stale
-from streaming.redis_server import cleanup_stale_dirs
+from streaming.link import ShapedLink
+from streaming.link_cleanup import cleanup_stale
+from streaming.redis_setup import cleanup_stale_dirs
 from streaming.store import start_store_server
 
 FILL_RATE_MBPS = 10_000.0  # link rate while filling the store: not measured, so not throttled

@@ -34,6 +34,7 @@ import urllib.parse
 import zipfile
 from pathlib import Path
 
+from common.files import files_sha256
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model_fetch import (  # noqa: F401  (re-exported: the registry, cache and fetch)
     DEFAULT_MODEL_ID,
@@ -144,13 +145,7 @@ def weights_hash(folder: str | os.PathLike) -> str:
             saved = json.loads(record.read_text())
             if saved.get("files") == stamp:
                 return saved["sha256"]
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
-    digest = h.hexdigest()
+    digest = files_sha256(files)
     tmp = record.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"folder": str(folder), "files": stamp, "sha256": digest}))
     os.replace(tmp, record)

@@ -45,9 +45,11 @@ sys.path.insert(0, str(_REPO))
 
 from bench import adapt as B  # noqa: E402
 from common import flags  # noqa: E402
-from common.header import atomic_write_json  # noqa: E402
+from common.files import atomic_write_json  # noqa: E402
 from common.units import mbps_to_bytes_per_s  # noqa: E402
-from streaming.adapt import FixedPolicy, oracle, oracle_labels, simulate  # noqa: E402
+from streaming.adapt_oracle import oracle, oracle_labels  # noqa: E402
+from streaming.adapt_policy import FixedPolicy  # noqa: E402
+from streaming.adapt_simulate import simulate  # noqa: E402
 from streaming.traces import Trace, artifact_generated, constant, synthetic_uniform  # noqa: E402
 
 SLOS = (0.5, 1.0, 2.0, 4.0)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from common import flags
-from common.header import atomic_write_json
+from common.files import atomic_write_json
 
 
 def correctness(device: str, tiny: bool = False, log=print) -> dict:

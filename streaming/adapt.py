@@ -54,12 +54,14 @@ from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy obj
 from streaming.adapt_estimate import (  # noqa: F401 - re-exported (issue 27 split)
     MIN_BYTES_FOR_ESTIMATE, BURST_SAMPLE_FACTOR, TEXT, ThroughputEstimator, DecodeTable,
 )
-from streaming.adapt_model import (  # noqa: F401 - re-exported (issue 27 split)
-    ClockModel, Decision, choose_level, plan_mpc, overrun_allowance_s,
+from streaming.adapt_model import ClockModel, Decision  # noqa: F401 - re-exported (issue 27 split)
+from streaming.adapt_plan import (  # noqa: F401 - re-exported (issue 27 split)
+    choose_level, plan_mpc, overrun_allowance_s,
 )
 from streaming.adapt_policy import (  # noqa: F401 - re-exported (issue 27 split)
     AdaptivePolicy, FixedPolicy,
 )
 from streaming.adapt_oracle import (  # noqa: F401 - re-exported (issue 27 split)
-    OracleResult, oracle_labels, oracle, _pareto, brute_force, SimResult, simulate,
+    OracleResult, oracle_labels, oracle, _pareto, brute_force,
 )
+from streaming.adapt_simulate import SimResult, simulate  # noqa: F401 - re-exported (issue 27 split)

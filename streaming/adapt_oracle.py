@@ -1,16 +1,15 @@
-"""The offline oracle (exact label-setting DP, brute force) and the simulator that drives any
-policy with ClockModel on a per-chunk rate trace. Split out of streaming.adapt (issue 27),
-which re-exports every name; the design is described there.
+"""The offline oracle: the exact label-setting DP over a whole known rate trace, and the
+brute force that checks it (the simulator that drives a policy: streaming.adapt_simulate).
+Split out of streaming.adapt (issue 27), which re-exports every name; the design is
+described there.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-from common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
-from streaming.adapt_model import ClockModel, Decision
+from streaming.adapt_model import ClockModel
 from streaming.adapt_estimate import TEXT
 
 
@@ -50,9 +49,15 @@ def oracle(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float,
     Raises ValueError if the label set exceeds max_labels (use fewer chunks/levels)."""
     if labels is None:
         labels = oracle_labels(model, rates_bytes_s, max_labels)
+    return _best(((model.finish(st, kv), ut, path) for st, kv, ut, path in labels), slo_s)
+
+
+def _best(candidates, slo_s: float) -> OracleResult:
+    """The best of (finish s, utility, path) candidates, in their order: the highest
+    utility (then earliest finish) with finish <= slo_s, else the earliest finish (then
+    highest utility). Ties keep the first seen."""
     best_fit, best_any = None, None
-    for st, kv, ut, path in labels:
-        fin = model.finish(st, kv)
+    for fin, ut, path in candidates:
         if fin <= slo_s and (best_fit is None or (ut, -fin) > (best_fit[1], -best_fit[0])):
             best_fit = (fin, ut, path)
         if best_any is None or (-fin, ut) > (-best_any[0], best_any[1]):
@@ -91,109 +96,6 @@ def brute_force(model: ClockModel, rates_bytes_s: Sequence[float], slo_s: float)
     """Exhaustive search over all option sequences (small n only; used to test oracle())."""
     import itertools
 
-    best_fit, best_any = None, None
-    for path in itertools.product(model.options, repeat=model.n):
-        fin = model.finish_s(path, rates_bytes_s)
-        ut = sum(model.util(k, o) for k, o in enumerate(path))
-        if fin <= slo_s and (best_fit is None or (ut, -fin) > (best_fit[1], -best_fit[0])):
-            best_fit = (fin, ut, path)
-        if best_any is None or (-fin, ut) > (-best_any[0], best_any[1]):
-            best_any = (fin, ut, path)
-    fin, ut, path = best_fit or best_any
-    return OracleResult(list(path), fin, ut, best_fit is not None)
-
-
-# --------------------------------------------------------------------------- simulation
-@dataclass
-class SimResult:
-    levels: list[int | None]
-    total_s: float
-    slo_violated: bool
-    decisions: list[Decision] = field(default_factory=list)
-    abandons: int = 0
-    timeline: list[dict] = field(default_factory=list)
-
-
-def simulate(policy, manifest, bandwidth_mbps: Sequence[float], decode_s: float | None = None,
-             model: ClockModel | None = None, max_abandons_per_chunk: int = 10,
-             progress_bytes: int = 64 * 1024) -> SimResult:
-    """Drive `policy` with the clock model on a per-chunk rate trace (Mbit/s, chunk k's
-    transfer runs at bandwidth_mbps[k]; the last value repeats). The same rules as the real
-    client: wire time = bytes/rate + request overhead; a transfer past the policy's
-    transfer_deadline_s is cut at the deadline, or earlier where the policy's
-    should_abandon(k, bytes received, s since request) says so at a progress check (every
-    progress_bytes of the response, as streaming.client checks, the bytes arriving at the
-    chunk's rate after the request overhead); the cut attempt's bytes and time go to
-    observe_abandon and the chunk is re-chosen; decode is pipelined
-    (decode clock) at model.decode_s_per_token (or `decode_s` per chunk when no model is
-    given); text chunks are recomputed after the load at the prefill speed.
-    Pure arithmetic (no clock, no sleeps)."""
-    if model is None:
-        tokens = [b - a for a, b in manifest.token_ranges]
-        per_tok = (decode_s or 0.0) / max(1, max(tokens))
-        model = ClockModel({lv: manifest.sizes[lv] for lv in manifest.levels}, tokens,
-                           {lv: per_tok for lv in manifest.levels}, policy.prefill_tokens_per_s
-                           if hasattr(policy, "prefill_tokens_per_s") else 1e9)
-    policy.start(manifest)
-    n = manifest.chunk_count
-    r, d, rc, kv = model.start_s, model.start_s, 0.0, 0
-    levels, timeline = [], []
-    ab_total = 0
-    for k in range(n):
-        rate = mbps_to_bytes_per_s(bandwidth_mbps[min(k, len(bandwidth_mbps) - 1)])
-        tries = 0
-        while True:
-            lv = policy.choose(k, r)
-            dec = policy.decisions[-1] if policy.decisions else None
-            if lv is TEXT:
-                rc += model.recompute_s(k)
-                if hasattr(policy, "observe_text"):
-                    policy.observe_text(k)
-                timeline.append({"chunk": k, "level": None, "start_s": r, "wire_s": 0.0, "abandoned": False,
-                                 "bandwidth_mbps": bytes_per_s_to_mbps(rate), "budget_s": dec.budget_s if dec else None,
-                                 "est_mbps": dec.throughput_mbps_est if dec else None})
-                break
-            wire = model.transfer_s(k, lv, rate)
-            dl = policy.transfer_deadline_s(k) if hasattr(policy, "transfer_deadline_s") else None
-            cut = None  # (seconds since the request, bytes received) of a cut transfer
-            if tries < max_abandons_per_chunk:
-                early = getattr(policy, "should_abandon", None)
-                size = manifest.sizes[lv][k]
-                if early is not None:  # the receiver's progress checks, every progress_bytes
-                    b = progress_bytes
-                    while b < size:
-                        t = model.request_overhead_s + b / rate
-                        if dl is not None and t >= dl:
-                            break
-                        if early(k, b, t):
-                            cut = (t, b)
-                            break
-                        b += progress_bytes
-                if cut is None and dl is not None and wire > dl:
-                    cut = (dl, int(max(0.0, dl - model.request_overhead_s) * rate))
-            if cut is not None:
-                timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": cut[0], "abandoned": True,
-                                 "bandwidth_mbps": bytes_per_s_to_mbps(rate), "budget_s": dl,
-                                 "est_mbps": dec.throughput_mbps_est if dec else None})
-                r += cut[0]
-                try:
-                    policy.observe_abandon(k, lv, cut[0], cut[1])
-                except TypeError:  # a policy with the older 3-argument signature
-                    policy.observe_abandon(k, lv, cut[0])
-                tries += 1
-                ab_total += 1
-                continue
-            timeline.append({"chunk": k, "level": lv, "start_s": r, "wire_s": wire, "abandoned": False,
-                             "bandwidth_mbps": bytes_per_s_to_mbps(rate), "budget_s": dl,
-                             "est_mbps": dec.throughput_mbps_est if dec else None})
-            r += wire
-            policy.observe_transfer(k, lv, manifest.sizes[lv][k], wire - model.request_overhead_s, r)
-            ds = model.decode_s(k, lv)
-            d = max(d, r) + ds
-            policy.observe_decode(k, ds)
-            kv += model.tokens[k]
-            break
-        levels.append(lv)
-    total = max(r, d) + kv * model.inject_s_per_token + rc
-    return SimResult(levels, total, total > getattr(policy, "slo_s", math.inf), list(policy.decisions),
-                     ab_total, timeline)
+    paths = itertools.product(model.options, repeat=model.n)
+    return _best(((model.finish_s(path, rates_bytes_s), sum(model.util(k, o) for k, o in enumerate(path)),
+                   path) for path in paths), slo_s)

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
 from streaming.adapt_params import DEFAULT_PRESET, PolicyParams, preset, split_policy_args
 from streaming.adapt_estimate import BURST_SAMPLE_FACTOR, DecodeTable, TEXT, ThroughputEstimator
-from streaming.adapt_model import ClockModel, Decision, overrun_allowance_s, plan_mpc
+from streaming.adapt_model import ClockModel, Decision
+from streaming.adapt_plan import overrun_allowance_s, plan_mpc
 
 
 class AdaptivePolicy:

@@ -22,8 +22,9 @@ first to last byte) where the policy takes it; observe_abandon gets the bytes re
 the cut.
 
 Not runnable by itself; see `python -m bench.streaming`.
-The result types, the wire clock and the chunk-fetch helpers live in streaming.client_parts
-(re-exported here).
+The result types live in streaming.client_result, the wire clock and timed chunk get in
+streaming.client_wire, the other receiver helpers in streaming.client_parts (all
+re-exported here).
 """
 
 from __future__ import annotations
@@ -39,22 +40,17 @@ from typing import Any, Callable, Sequence
 from streaming.client_parts import (  # noqa: F401  (re-exported)
     _DONE,
     MAX_ABANDONS_PER_CHUNK,
-    PROGRESS_BYTES,
-    ChunkStat,
-    DecodeFn,
-    LoadResult,
     _abort_connection,
     _as_policy,
-    _get,
     _invalidate,
     _Item,
-    _timed_get_chunk,
-    _WireClock,
-    default_decode_fn,
     ensure_calibrations,
     logger,
 )
+from streaming.client_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn  # noqa: F401
+from streaming.client_wire import PROGRESS_BYTES, _get, _timed_get_chunk, _WireClock  # noqa: F401
 from streaming.errors import StreamingError
+from streaming.plumbing import put_until_stopped
 
 
 def stream_load(
@@ -144,12 +140,7 @@ def stream_load(
     stop = threading.Event()
 
     def put(item) -> None:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        put_until_stopped(q, item, stop)
 
     def fetch_verified(cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
         """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once on CRC failure."""

@@ -12,10 +12,10 @@ import errno
 import hashlib
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
+from common.files import atomic_write
 from streaming.errors import StoreError, StoreFullError, StoreReadOnlyError, StoreTooLargeError
 
 _OBJ_MAGIC = b"CGOB"  # object file: magic, u32 key length, key (UTF-8), data
@@ -133,22 +133,13 @@ class LocalFolderBackend:
     def _put(self, key: str, data: bytes) -> None:
         kb = _check_key(key)
         p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=p.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_OBJ_HEAD.pack(_OBJ_MAGIC, len(kb)))
-                f.write(kb)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        def write(f) -> None:
+            f.write(_OBJ_HEAD.pack(_OBJ_MAGIC, len(kb)))
+            f.write(kb)
+            f.write(data)
+
+        # mode 0600 as mkstemp makes it; the ".tmp-" prefix is what the store's sweeps skip
+        atomic_write(p, write, binary=True, mode=0o600, prefix=".tmp-", suffix="")
 
     def compare_and_put(self, key: str, expected: bytes | None, data: bytes | None) -> bool:
         """Atomic compare-and-swap of one key across threads and processes: under an

@@ -27,14 +27,14 @@ call, never a whole value: a large value over a slow link does not time out whil
 move); a broken connection is retried once without back-off, a timed-out one not at all,
 so a dead or hung Redis turns into a RedisTimeoutError / RedisUnavailableError within about
 `socket_timeout_s`, never a hang. Failures are classified (streaming.errors: too large,
-full, read-only, auth, unavailable, timeout). Values are never unpickled.
+full, read-only, auth, unavailable, timeout). Values are never unpickled. The connection
+layer (progress-timed sends, URL parsing, the classification) is streaming.redis_conn.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -42,21 +42,19 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 from urllib.parse import urlparse
 
 import redis
-import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from streaming.errors import (
-    StoreAuthError,
-    StoreError,
-    StoreFullError,
-    StoreReadOnlyError,
-    StoreTimeoutError,
-    StoreTooLargeError,
-    StoreUnavailableError,
-)
+from streaming.errors import StoreError, StoreTooLargeError
 from streaming.folder_backend import MAX_KEY_BYTES, LocalFolderBackend
-from streaming.protocol import send_progress
+from streaming.plumbing import Closing, put_until_stopped
+from streaming.redis_conn import (  # noqa: F401  (RedisTimeoutError re-exported)
+    _CONNECTION_CLASSES,
+    RedisTimeoutError,
+    RedisUnavailableError,
+    classify_redis_error,
+    parse_redis_url,
+)
 
 DEFAULT_SOCKET_TIMEOUT_S = 10.0  # per socket operation (one send or recv call), not per
 # value: a slow link still moves bytes well within it; a dead/frozen peer is detected in this time
@@ -66,52 +64,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 3.0
 DEFAULT_PREFETCH_DEPTH = 2  # values fetched ahead of the consumer (memory: depth+1 values)
 SOCKET_READ_SIZE = 1 << 20  # 1 MiB per recv (redis-py default 32 KiB: slow for MB chunks)
 _SCAN_COUNT = 1000
-
-
-class RedisUnavailableError(StoreUnavailableError):
-    """Redis is not reachable (refused, reset, closed) or died during a request."""
-
-
-class RedisTimeoutError(RedisUnavailableError, StoreTimeoutError):
-    """No byte moved to or from Redis for socket_timeout_s (a stalled server or link)."""
-
-    kind = "timeout"
-
-
-class _ProgressSendMixin:
-    """redis-py connection whose writes apply the socket timeout to each send call (lack of
-    progress) instead of socket.sendall's deadline for the whole value (Python >= 3.5), so a
-    large SET over a slow link does not fail while bytes keep moving. Reads are already per
-    recv call in redis-py."""
-
-    def send_packed_command(self, command, check_health=True):
-        if not self._sock:
-            self.connect_check_health(check_health=False)
-        if check_health:
-            self.check_health()
-        try:
-            if isinstance(command, (str, bytes)):
-                command = [command]
-            for item in command:
-                send_progress(self._sock, item.encode() if isinstance(item, str) else item)
-        except socket.timeout:
-            self.disconnect()
-            raise redis.exceptions.TimeoutError(
-                f"no progress writing to the socket for {self.socket_timeout} s") from None
-        except OSError as e:
-            self.disconnect()
-            raise redis.exceptions.ConnectionError(f"error while writing to the socket: {e}") from None
-        except BaseException:
-            self.disconnect()  # the command may be half sent: never reuse this connection
-            raise
-
-
-_CONNECTION_CLASSES = {
-    scheme: type(f"Progress{base.__name__}", (_ProgressSendMixin, base), {})
-    for scheme, base in (("redis", redis.connection.Connection),
-                         ("rediss", redis.connection.SSLConnection),
-                         ("unix", redis.connection.UnixDomainSocketConnection))
-}
 
 
 class FetchedValue(NamedTuple):
@@ -141,24 +93,7 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
-def parse_redis_url(url: str) -> tuple[str, int, int]:
-    """(host, port, db) of redis://HOST[:PORT][/DB]; raises ValueError with the expected form."""
-    p = urlparse(url)
-    if p.scheme not in ("redis", "rediss"):
-        raise ValueError(f"not a Redis URL: {url!r} (expected redis://HOST:PORT/DB)")
-    try:
-        port = p.port or 6379
-    except ValueError:
-        raise ValueError(f"bad port in Redis URL {url!r} (expected redis://HOST:PORT/DB)") from None
-    path = p.path.strip("/")
-    if path and not path.isdigit():
-        raise ValueError(f"bad database number {path!r} in Redis URL {url!r} (expected redis://HOST:PORT/DB)")
-    if not p.hostname:
-        raise ValueError(f"no host in Redis URL {url!r} (expected redis://HOST:PORT/DB)")
-    return p.hostname, port, int(path or 0)
-
-
-class RedisBackend:
+class RedisBackend(Closing):
     """StoreBackend over a Redis server (redis-py client, connection pool, thread-safe).
 
     Args:
@@ -229,51 +164,7 @@ class RedisBackend:
 
     # ------------------------------------------------------------------ errors
     def _classify(self, e: Exception, what: str) -> StoreError:
-        """One classified StoreError (cause and fix in the message) for a redis-py error."""
-        at = f"Redis at {self.address}"
-        msg = str(e)
-        up = msg.upper()
-        if isinstance(e, redis.exceptions.TimeoutError) or isinstance(e, socket.timeout):
-            return RedisTimeoutError(
-                f"{at}: timeout without progress during {what}: no byte moved for "
-                f"{self.socket_timeout_s:g} s ({msg}); the server or the link stalled (a slow "
-                "transfer that keeps moving does not time out): check the server, or raise "
-                "socket_timeout_s")
-        if isinstance(e, (redis.exceptions.AuthenticationError,
-                          redis.exceptions.AuthenticationWrongNumberOfArgsError,
-                          redis.exceptions.NoPermissionError)) \
-                or any(t in up for t in ("NOAUTH", "WRONGPASS", "INVALID PASSWORD", "NOPERM",
-                                          "INVALID USERNAME-PASSWORD")):
-            return StoreAuthError(
-                f"{at} refused {what}: authentication required or refused ({msg}); give the "
-                "password in the URL: redis://:PASSWORD@HOST:PORT/DB (or redis://USER:PASSWORD@...)")
-        if isinstance(e, (redis.exceptions.ConnectionError, OSError)):
-            return RedisUnavailableError(
-                f"{at} unavailable during {what}: {msg} (start one with "
-                "`python -m streaming.redis_server`, or use a local store folder)")
-        if isinstance(e, redis.exceptions.OutOfMemoryError) or up.startswith("OOM") or " OOM " in up:
-            return StoreFullError(
-                f"{at} is full (out of memory) and refused {what} ({msg}): raise maxmemory "
-                "(CONFIG SET maxmemory / --maxmemory) or use an evicting policy such as allkeys-lru")
-        if isinstance(e, redis.exceptions.ReadOnlyError) or "READONLY" in up:
-            return StoreReadOnlyError(
-                f"{at} is a read-only replica and refused {what} ({msg}): point the store URL "
-                "at the primary, or set replica-read-only no")
-        if "NOREPLICAS" in up:
-            return StoreReadOnlyError(
-                f"{at} refuses writes: not enough replicas ({msg}): start the replicas or lower "
-                "min-replicas-to-write")
-        if "MISCONF" in up:
-            return StoreReadOnlyError(
-                f"{at} refuses writes because it cannot persist ({msg}): fix its disk / dir, or "
-                "set stop-writes-on-bgsave-error no")
-        if "BULK LENGTH" in up or "EXCEEDS MAXIMUM ALLOWED SIZE" in up:
-            return StoreTooLargeError(
-                f"{at} refused {what}: value above its proto-max-bulk-len ({msg}): raise it with "
-                "CONFIG SET proto-max-bulk-len BYTES (or --proto-max-bulk-len), or store smaller chunks")
-        if isinstance(e, redis.exceptions.ResponseError):
-            return StoreError(f"{at} refused {what}: {msg}")
-        return StoreError(f"{at} failed {what}: {msg}")
+        return classify_redis_error(e, what, self.address, self.socket_timeout_s)
 
     def _unavailable(self, e: Exception, what: str) -> StoreError:
         return self._classify(e, what)
@@ -470,12 +361,7 @@ return 1
                     item = (key, self.get(key), time.perf_counter() - t0)
                 except BaseException as e:  # passed to the consumer, raised there
                     item = e
-                while not stop.is_set():
-                    try:
-                        ready.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                put_until_stopped(ready, item, stop)
                 if isinstance(item, BaseException):
                     return
 
@@ -502,12 +388,6 @@ return 1
     def close(self) -> None:
         """Close the client's connections (the server keeps running)."""
         self._client.close()
-
-    def __enter__(self) -> "RedisBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # --------------------------------------------------------------------------- opening

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from streaming.plumbing import Closing
 from streaming.redis_backend import RedisBackend
 
 
-class RedisStoreClient:
+class RedisStoreClient(Closing):
     """The streaming.store.StoreClient interface straight over Redis, for stream_load.
 
     The engine process talks to Redis itself (through the shaped link when Redis runs in
@@ -33,7 +34,7 @@ class RedisStoreClient:
     """
 
     def __init__(self, url: str, **backend_kw):
-        from streaming.store import KVStore  # lazy, as the other streaming.store imports here
+        from streaming.store_kv import KVStore  # lazy, as the other store imports here
 
         self.url = url
         self._kw = backend_kw
@@ -58,12 +59,6 @@ class RedisStoreClient:
 
     def close(self) -> None:
         self.backend.close()
-
-    def __enter__(self) -> "RedisStoreClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def ping(self) -> bool:
         self.backend.ping()
@@ -94,7 +89,7 @@ class RedisStoreClient:
         """Prefetching reads of chunks [(level, index), ...] of write generation `gen` (a
         manifest's .gen; None: the current entry's) in order: yields FetchedValue (key,
         data or None, fetch_s, wait_s); see RedisBackend.get_many_iter."""
-        from streaming.store import _chunk_key
+        from streaming.store_format import _chunk_key
 
         if gen is None:
             gen = self.store.current_gen(key) or None
@@ -106,7 +101,7 @@ class RedisStoreClient:
         return self.store.current_gen(key)
 
     def manifest_raw(self, key: str) -> bytes | None:
-        from streaming.store import _manifest_key
+        from streaming.store_format import _manifest_key
 
         return self.backend.get(_manifest_key(key))
 
@@ -116,7 +111,7 @@ class RedisStoreClient:
         import json
 
         from streaming.errors import StoreRaceLostError
-        from streaming.store import _chunk_key, _manifest_key
+        from streaming.store_format import _chunk_key, _manifest_key
 
         key, gen = man["key"], man["gen"]
         blob = json.dumps(man).encode("utf-8")
@@ -176,7 +171,8 @@ class RedisStoreClient:
         does); StoreRaceLostError when another writer published the key first; a
         streaming.errors.StoreError subclass when Redis refuses or fails (then no new
         entry is visible)."""
-        from streaming.store import build_manifest, run_steps, save_steps
+        from streaming.store_format import build_manifest
+        from streaming.store_steps import run_steps, save_steps
 
         key, man = build_manifest(model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
                                   meta, identity)

@@ -31,9 +31,11 @@ Run the server: python -m streaming.store serve --backend DIR --host 127.0.0.1 -
 (prints "READY host:port" on stdout when listening; SIGTERM/SIGINT stop it).
 List contexts:  python -m streaming.store list --backend DIR
 
-Modules (this one re-exports their names, so `from streaming.store import X` keeps working):
+Modules (this one re-exports their public names, so `from streaming.store import X` keeps
+working; private helpers are imported from their own module):
     streaming.store_format  context_key, entry_key, key layout, Manifest, build_manifest
-    streaming.store_kv      KVStore, save_steps, run_steps (the store logic over a backend)
+    streaming.store_kv      KVStore (the store logic over a backend)
+    streaming.store_steps   save_steps, run_steps (the crash-safe steps of one save)
     streaming.store_server  KVStoreServer, start_store_server, StoreServerHandle, watch_parent
     streaming.store_client  StoreClient (TCP), LocalStoreClient (in-process)
 """
@@ -47,48 +49,29 @@ import threading
 
 from streaming.backends import StoreBackend, open_backend  # noqa: F401  (re-exported)
 from streaming.errors import StoreError
-from streaming.protocol import DEFAULT_MAX_BODY
+from streaming.protocol_frame import DEFAULT_MAX_BODY
 from streaming.store_client import (  # noqa: F401  (re-exported)
     LocalStoreClient,
     StoreClient,
 )
 from streaming.store_format import (  # noqa: F401  (re-exported)
-    _ANY,
-    _KEY_DOMAIN,
     LEGACY_MANIFEST_FORMATS,
     MANIFEST_FORMAT,
     Manifest,
-    _cal_key,
-    _check_gen,
-    _check_hex_key,
-    _chunk_digest,
-    _chunk_key,
-    _manifest_key,
-    _parse_gen,
     build_manifest,
     context_key,
     entry_key,
     new_generation,
 )
-from streaming.store_kv import (  # noqa: F401  (re-exported)
-    KVStore,
-    _cal_named,
-    _calibration_bytes,
-    _prev_of,
-    _prev_of_prev,
-    logger,
-    run_steps,
-    save_steps,
-)
+from streaming.store_kv import KVStore
 from streaming.store_server import (  # noqa: F401  (re-exported)
     FaultHook,
     KVStoreServer,
     StoreServerHandle,
-    _Handler,
-    _readline_timeout,
     start_store_server,
     watch_parent,
 )
+from streaming.store_steps import run_steps, save_steps  # noqa: F401  (re-exported)
 
 
 def main(argv: list[str] | None = None) -> int:

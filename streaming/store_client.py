@@ -19,16 +19,12 @@ from streaming.errors import (
     StreamingError,
     store_error,
 )
-from streaming.identity import EntryIdentity
-from streaming.protocol import (
-    DEFAULT_MAX_BODY,
-    ConnectionClosed,
-    FrameType,
-    recv_frame,
-    send_frame,
-)
+from streaming.identity_entry import EntryIdentity
+from streaming.protocol import ConnectionClosed, recv_frame, send_frame
+from streaming.protocol_frame import DEFAULT_MAX_BODY, FrameType
 from streaming.store_format import _ANY, Manifest, build_manifest
-from streaming.store_kv import KVStore, run_steps, save_steps
+from streaming.store_kv import KVStore
+from streaming.store_steps import run_steps, save_steps
 
 
 # --------------------------------------------------------------------------- client
@@ -123,6 +119,17 @@ class StoreClient:
             raise store_error(f.meta.get("kind"), f"{self._where}: {f.meta.get('error', 'server error')}")
         return f
 
+    def _lookup(self, ftype: FrameType, meta: dict, gen: str | None = None):
+        """_call for a read that may miss: `gen` (a write generation) added to `meta` when
+        given; the reply frame, or None on a MISS frame (its reason in last_miss_reason)."""
+        if gen is not None:
+            meta["gen"] = gen
+        f = self._call(ftype, meta)
+        if f.type == FrameType.MISS:
+            self.last_miss_reason = str(f.meta.get("reason", "miss"))
+            return None
+        return f
+
     def server_max_body(self) -> int | None:
         """The server's largest accepted chunk in bytes (from its PING reply; None for a
         server that does not say). Cached per client."""
@@ -153,12 +160,8 @@ class StoreClient:
             identity = identity.to_dict()
         exp = {"model_id": model_id, "weights_hash": weights_hash, "codec_tag": codec_tag,
                "identity": identity}
-        req = {"key": key, "expect": exp}
-        if gen is not None:
-            req["gen"] = gen
-        f = self._call(FrameType.GET_MANIFEST, req)
-        if f.type == FrameType.MISS:
-            self.last_miss_reason = str(f.meta.get("reason", "miss"))
+        f = self._lookup(FrameType.GET_MANIFEST, {"key": key, "expect": exp}, gen)
+        if f is None:
             return None
         try:
             m = Manifest.from_dict(f.meta["manifest"])
@@ -175,12 +178,8 @@ class StoreClient:
     def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
         """Bytes of chunk `index` at `level` of write generation `gen` (a manifest's
         .gen; None: the current entry's, or a raw slot), or None if absent."""
-        meta = {"key": key, "level": int(level), "index": int(index)}
-        if gen is not None:
-            meta["gen"] = gen
-        f = self._call(FrameType.GET_CHUNK, meta)
-        if f.type == FrameType.MISS:
-            self.last_miss_reason = str(f.meta.get("reason", "miss"))
+        f = self._lookup(FrameType.GET_CHUNK, {"key": key, "level": int(level), "index": int(index)}, gen)
+        if f is None:
             return None
         return bytes(f.body) if isinstance(f.body, bytearray) else f.body
 
@@ -223,11 +222,8 @@ class StoreClient:
 
     def get_calibration(self, h: str) -> bytes | None:
         """Bytes stored under cal/<h>, or None (reason in last_miss_reason)."""
-        f = self._call(FrameType.GET_CHUNK, {"cal": h})
-        if f.type == FrameType.MISS:
-            self.last_miss_reason = str(f.meta.get("reason", "miss"))
-            return None
-        return bytes(f.body)
+        f = self._lookup(FrameType.GET_CHUNK, {"cal": h})
+        return None if f is None else bytes(f.body)
 
     def list_contexts(self, limit: int = 10000) -> list[str]:
         return list(self._call(FrameType.LIST, {"limit": limit}).meta.get("keys", []))

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from streaming.errors import StoreError
-from streaming.identity import EntryIdentity, check_entry
+from streaming.identity_check import check_entry
+from streaming.identity_entry import EntryIdentity
 
 MANIFEST_FORMAT = "cgh-manifest-v2"
 LEGACY_MANIFEST_FORMATS = ("cgh-manifest-v1",)

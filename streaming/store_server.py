@@ -19,15 +19,8 @@ from typing import Callable, Sequence
 
 from streaming.backends import StoreBackend
 from streaming.errors import ProtocolError, StoreError, StoreTooLargeError
-from streaming.protocol import (
-    DEFAULT_MAX_BODY,
-    DEFAULT_MAX_META,
-    ConnectionClosed,
-    FrameTooLarge,
-    FrameType,
-    recv_frame,
-    send_frame,
-)
+from streaming.protocol import ConnectionClosed, recv_frame, send_frame
+from streaming.protocol_frame import DEFAULT_MAX_BODY, DEFAULT_MAX_META, FrameTooLarge, FrameType
 from streaming.store_client import StoreClient
 from streaming.store_format import _ANY
 from streaming.store_kv import KVStore

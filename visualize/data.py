@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from common.header import atomic_write  # stdlib only
+from common.files import atomic_write  # stdlib only
 from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
 
 KNOWN_SCHEMA_VERSION = 1

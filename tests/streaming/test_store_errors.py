@@ -18,16 +18,8 @@ import threading
 
 import pytest
 
+from streaming import errors  # the classes under test: errors.Store*Error
 from streaming.backends import LocalFolderBackend
-from streaming.errors import (
-    StoreAuthError,
-    StoreError,
-    StoreFullError,
-    StoreReadOnlyError,
-    StoreTimeoutError,
-    StoreTooLargeError,
-    StoreUnavailableError,
-)
 from streaming.redis_server import RedisServer, find_redis_server, free_port
 from streaming.store import KVStoreServer, StoreClient
 
@@ -80,13 +72,13 @@ def store_server(tmp_path):
 # --------------------------------------------------------------------------- store server client
 def test_store_client_unreachable():
     port = free_port()
-    with pytest.raises(StoreUnavailableError, match="unreachable.*streaming.store serve"):
+    with pytest.raises(errors.StoreUnavailableError, match="unreachable.*streaming.store serve"):
         StoreClient("127.0.0.1", port, timeout=2).ping()
 
 
 def test_store_client_refuses_a_chunk_above_the_server_limit(store_server):
     with StoreClient(*store_server.address, timeout=5) as cl:
-        with pytest.raises(StoreTooLargeError, match="--max-body-mb 2") as ei:
+        with pytest.raises(errors.StoreTooLargeError, match="--max-body-mb 2") as ei:
             _put_one(cl, 2 * MIB)
         assert ei.value.limit == MIB and ei.value.size == 2 * MIB
         assert cl.list_contexts() == [] and cl.ping()  # nothing written, connection fine
@@ -97,12 +89,12 @@ def test_store_server_too_large_frame_is_classified(store_server):
     """A client that does not ask for the limit first still gets the classified error."""
     with StoreClient(*store_server.address, timeout=5) as cl:
         cl._server_max_body = 64 * MIB  # pretend not to know the server's limit
-        with pytest.raises((StoreTooLargeError, StoreUnavailableError)):
+        with pytest.raises((errors.StoreTooLargeError, errors.StoreUnavailableError)):
             _put_one(cl, 2 * MIB)
 
 
-@pytest.mark.parametrize("code,cls,words", [(errno.ENOSPC, StoreFullError, "disk full"),
-                                            (errno.EROFS, StoreReadOnlyError, "not writable")])
+@pytest.mark.parametrize("code,cls,words", [(errno.ENOSPC, errors.StoreFullError, "disk full"),
+                                            (errno.EROFS, errors.StoreReadOnlyError, "not writable")])
 def test_local_folder_full_or_read_only(tmp_path, monkeypatch, store_server, code, cls, words):
     """The local folder classifies disk full / read-only, directly and through the server."""
     b = LocalFolderBackend(tmp_path / "direct")
@@ -120,10 +112,10 @@ def test_local_folder_full_or_read_only(tmp_path, monkeypatch, store_server, cod
 def test_store_client_stalled_server_is_timeout_without_progress(stalled_server):
     cl = StoreClient(*stalled_server, timeout=0.5)
     cl._server_max_body = 1 << 30  # skip the PING: exercise the send path
-    with pytest.raises(StoreTimeoutError, match="no progress for 0.5 s while sending PUT_CHUNK"):
+    with pytest.raises(errors.StoreTimeoutError, match="no progress for 0.5 s while sending PUT_CHUNK"):
         cl.put_chunk("a" * 64, 0, 0, os.urandom(64 * MIB), gen="b" * 32)  # larger than the
         # socket buffers: the send stalls
-    with pytest.raises(StoreTimeoutError, match="timeout without progress"):
+    with pytest.raises(errors.StoreTimeoutError, match="timeout without progress"):
         StoreClient(*stalled_server, timeout=0.5).ping()  # waiting for a reply that never comes
 
 
@@ -134,12 +126,12 @@ def test_redis_value_above_proto_max_bulk_len():
     from streaming.redis_client import RedisStoreClient
 
     with RedisServer(extra_config=["proto-max-bulk-len 1mb"]) as srv, RedisBackend(srv.url) as b:
-        with pytest.raises(StoreTooLargeError, match="proto-max-bulk-len.*1048576") as ei:
+        with pytest.raises(errors.StoreTooLargeError, match="proto-max-bulk-len.*1048576") as ei:
             b.put("big", os.urandom(2 * MIB))
-        assert ei.value.limit == MIB and not isinstance(ei.value, StoreUnavailableError)
+        assert ei.value.limit == MIB and not isinstance(ei.value, errors.StoreUnavailableError)
         b.ping()  # the server is fine, and the message did not say otherwise
         b.put("small", os.urandom(MIB // 2))
-        with RedisStoreClient(srv.url) as cl, pytest.raises(StoreTooLargeError):
+        with RedisStoreClient(srv.url) as cl, pytest.raises(errors.StoreTooLargeError):
             _put_one(cl, 2 * MIB)
         assert b.get("big") is None and list(b.keys("ctx/")) == []
 
@@ -150,7 +142,7 @@ def test_redis_value_above_the_default_limit():
     from streaming.redis_backend import RedisBackend
 
     with RedisServer() as srv, RedisBackend(srv.url) as b:
-        with pytest.raises(StoreTooLargeError, match="536870912"):
+        with pytest.raises(errors.StoreTooLargeError, match="536870912"):
             b.put("huge", bytes(513 * MIB))
         b.ping()
 
@@ -160,7 +152,7 @@ def test_redis_out_of_memory():
     from streaming.redis_backend import RedisBackend
 
     with RedisServer(maxmemory="1mb", policy="noeviction") as srv, RedisBackend(srv.url) as b:
-        with pytest.raises(StoreFullError, match="maxmemory"):
+        with pytest.raises(errors.StoreFullError, match="maxmemory"):
             for i in range(8):
                 b.put(f"k{i}", os.urandom(MIB // 2))
 
@@ -171,9 +163,9 @@ def test_redis_auth_required():
 
     with RedisServer(password="s3cret") as srv:
         bare = srv.url.replace(":s3cret@", "")
-        with pytest.raises(StoreAuthError, match=r"redis://:PASSWORD@"):
+        with pytest.raises(errors.StoreAuthError, match=r"redis://:PASSWORD@"):
             RedisBackend(bare)
-        with pytest.raises(StoreAuthError):
+        with pytest.raises(errors.StoreAuthError):
             RedisBackend(srv.url.replace("s3cret", "wrong"))
         with RedisBackend(srv.url) as b:
             b.put("k", b"v")
@@ -187,7 +179,7 @@ def test_redis_read_only_replica():
     with RedisServer() as primary, \
             RedisServer(extra_config=[f"replicaof 127.0.0.1 {primary.port}"]) as replica, \
             RedisBackend(replica.url) as b:
-        with pytest.raises(StoreReadOnlyError, match="read-only replica.*primary"):
+        with pytest.raises(errors.StoreReadOnlyError, match="read-only replica.*primary"):
             b.put("k", b"v")
 
 
@@ -208,7 +200,7 @@ def test_redis_stalled_server_is_timeout_without_progress(stalled_server):
     b._bulk_limit = 1 << 30  # skip CONFIG GET: exercise the write path
     with pytest.raises(RedisTimeoutError, match="timeout without progress") as ei:
         b.put("k", bytes(64 * MIB))
-    assert isinstance(ei.value, StoreTimeoutError)
+    assert isinstance(ei.value, errors.StoreTimeoutError)
 
 
 # --------------------------------------------------------------------------- slow link
@@ -231,10 +223,9 @@ def test_large_writes_over_a_slow_link_do_not_time_out(tmp_path):
 
 
 def test_error_kinds_round_trip():
-    from streaming.errors import error_kind, store_error
-
-    for cls in (StoreError, StoreUnavailableError, StoreTimeoutError, StoreTooLargeError,
-                StoreFullError, StoreReadOnlyError, StoreAuthError):
-        e = store_error(cls.kind, "m")
-        assert type(e) is cls and error_kind(e) == cls.kind
-    assert type(store_error("nonsense", "m")) is StoreError
+    for cls in (errors.StoreError, errors.StoreUnavailableError, errors.StoreTimeoutError,
+                errors.StoreTooLargeError, errors.StoreFullError, errors.StoreReadOnlyError,
+                errors.StoreAuthError):
+        e = errors.store_error(cls.kind, "m")
+        assert type(e) is cls and errors.error_kind(e) == cls.kind
+    assert type(errors.store_error("nonsense", "m")) is errors.StoreError

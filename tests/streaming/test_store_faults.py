@@ -244,7 +244,7 @@ def test_redis_writer_dies_mid_command(tmp_path):
     import socket
 
     from streaming.redis_backend import RedisBackend
-    from streaming.store import _chunk_key, _manifest_key
+    from streaming.store_format import _chunk_key, _manifest_key
 
     s = _Redis(tmp_path)
     try:

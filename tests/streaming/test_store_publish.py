@@ -14,23 +14,13 @@ import threading
 import pytest
 
 import codec
-from streaming.backends import LocalFolderBackend
 from streaming.errors import StoreRaceLostError
 from streaming.redis_server import RedisServer, find_redis_server
-from streaming.store import KVStoreServer, StoreClient, save_steps
+from streaming.store import StoreClient, save_steps
 from tests.streaming.test_store_faults import classify, decode, entry, ids_of, kv
 from third_party.vllm.sources import LocalDirSource, StoreSource, local_save_steps, save_local_context
 
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = KVStoreServer(LocalFolderBackend(tmp_path / "s"))
-    srv.start_thread()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 def put(client, ids, ct, version) -> str:
@@ -79,6 +69,13 @@ def _store_params(srv, key):
             "level": 0, "model_id": "m", "weights_hash": "w", "codec_tag": "raw"}
 
 
+def _stored_lookup(cl, srv, ids, source):
+    """Store `ids` through `cl` as a version-1 entry of 256-token chunks and look it up
+    with `source` (a StoreSource) -> (its load params, the lookup)."""
+    params = _store_params(srv, put(cl, ids, 256, 1))
+    return params, source.lookup(params, ids + [1])
+
+
 @pytest.mark.parametrize("overwrites", [1, 2])
 def test_failure1_rechunked_between_lookup_and_load(server, tmp_path, overwrites):
     """Issue 26.1: a 2048-token raw context looked up with 256-token chunks, re-stored under
@@ -88,10 +85,8 @@ def test_failure1_rechunked_between_lookup_and_load(server, tmp_path, overwrites
     and places nothing. Never KV of other tokens at a slot."""
     ids = ids_of(11, 2048)
     with StoreClient(*server.address) as cl:
-        key = put(cl, ids, 256, 1)
         src = StoreSource(decode)
-        params = _store_params(server, key)
-        lk = src.lookup(params, ids + [1])
+        params, lk = _stored_lookup(cl, server, ids, src)
         assert lk.num_tokens == 2048 and lk.chunk_tokens == [256] * 8
         for j in range(overwrites):
             put(cl, ids, 1024, 2 + j)
@@ -112,10 +107,8 @@ def test_failure1_plan_without_generation_is_checked_by_ranges(server, tmp_path)
     the wrong slots."""
     ids = ids_of(12, 2048)
     with StoreClient(*server.address) as cl:
-        key = put(cl, ids, 256, 1)
         src = StoreSource(decode)
-        params = _store_params(server, key)
-        lk = src.lookup(params, ids + [1])
+        params, lk = _stored_lookup(cl, server, ids, src)
         lk.info.pop("gen")
         put(cl, ids, 1024, 2)
         c, placed = _connector(tmp_path, src)
@@ -128,10 +121,8 @@ def test_decoded_chunk_of_other_length_is_never_placed(server, tmp_path):
     or store bug) stops the load there; nothing of it is placed."""
     ids = ids_of(13, 512)
     with StoreClient(*server.address) as cl:
-        key = put(cl, ids, 256, 1)
         short = StoreSource(lambda data: tuple(x[:, :100] for x in decode(data)))
-        params = _store_params(server, key)
-        lk = short.lookup(params, ids + [1])
+        params, lk = _stored_lookup(cl, server, ids, short)
         got = []
         st = short.load(params, lk, 512, lambda s, k, v: got.append(s))
     assert got == [] and st.loaded_tokens == 0 and "the plan says 256 tokens" in st.error

@@ -26,16 +26,6 @@ def put_context(client, n=4, nbytes=200_000, levels=(1, 2), tokens=100, model="m
     return client.put_context(model, "w", "standin", ids, chunks, ranges), chunks
 
 
-@pytest.fixture
-def inproc(tmp_path):
-    """In-process server (lets tests inject faults in transit) reached directly on loopback."""
-    srv = KVStoreServer(LocalFolderBackend(tmp_path / "store"))
-    srv.start_thread()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
 def calibrated_rounds(nbytes, target_s):
     data = standin.make_chunk(nbytes, 0)
     t = time.perf_counter()
@@ -91,8 +81,8 @@ def test_adaptive_levels_follow_a_rate_step(tmp_path, method):
     assert r.decisions[4].throughput_mbps_est < 50, info
 
 
-def test_unknown_key_and_other_model_are_clean_misses(inproc):
-    with StoreClient(*inproc.address, timeout=5) as c:
+def test_unknown_key_and_other_model_are_clean_misses(server):
+    with StoreClient(*server.address, timeout=5) as c:
         key, _ = put_context(c)
         r = stream_load(c, "f" * 64, 1, standin.decoder())
         assert not r.hit and r.reason == "unknown key" and r.chunks == []
@@ -126,10 +116,10 @@ def test_transient_corruption_is_refetched(tmp_path):
     assert not any(ch.refetched for i, ch in enumerate(r.chunks) if i != 1)
 
 
-def test_persistent_corruption_falls_back_to_text(inproc):
-    with StoreClient(*inproc.address, timeout=5) as c:
+def test_persistent_corruption_falls_back_to_text(server):
+    with StoreClient(*server.address, timeout=5) as c:
         key, chunks = put_context(c, levels=(1,))
-        b = inproc.store.backend
+        b = server.store.backend
         bad = bytearray(chunks[1][2])
         bad[100] ^= 0x01
         gen = c.get_manifest(key).gen
@@ -149,8 +139,8 @@ def test_persistent_corruption_falls_back_to_text(inproc):
         assert not r.hit and "1 of 4 chunks missing" in r.reason and not c.has(key)
 
 
-def test_decode_error_refetch_then_text(inproc):
-    with StoreClient(*inproc.address, timeout=5) as c:
+def test_decode_error_refetch_then_text(server):
+    with StoreClient(*server.address, timeout=5) as c:
         key, chunks = put_context(c, levels=(1,))
         calls = {}
 
@@ -249,8 +239,8 @@ class StubClient:
 
 
 @pytest.mark.parametrize("reconnect_ok", [True, False])
-def test_connection_drop_reconnects_once_else_text(inproc, reconnect_ok):
-    with StoreClient(*inproc.address, timeout=5) as c:
+def test_connection_drop_reconnects_once_else_text(server, reconnect_ok):
+    with StoreClient(*server.address, timeout=5) as c:
         key, chunks = put_context(c, levels=(1,))
         stub = StubClient(c, drop_at=2, reconnect_ok=reconnect_ok)
         r = stream_load(stub, key, 1, standin.decoder(), model_id="m")

@@ -9,7 +9,7 @@ import pytest
 from streaming import standin
 from streaming.backends import LocalFolderBackend, StoreBackend, open_backend
 from streaming.errors import StoreError
-from streaming.store import KVStore, KVStoreServer, Manifest, StoreClient, context_key
+from streaming.store import KVStore, Manifest, StoreClient, context_key
 
 
 def test_local_folder_backend(tmp_path):
@@ -75,15 +75,6 @@ def _put(store_or_client, ids=tuple(range(300)), model="m", levels=(1, 2)):
     ranges = [(0, 100), (100, 200), (200, 300)]
     chunks = {lv: [standin.make_chunk(1000 * lv + i, seed=i) for i in range(3)] for lv in levels}
     return store_or_client.put_context(model, "w", "standin", list(ids), chunks, ranges), chunks
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = KVStoreServer(LocalFolderBackend(tmp_path / "store"))
-    srv.start_thread()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 def test_put_get_manifest_and_chunks(server):

@@ -14,12 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from streaming.identity import (
-    EntryIdentity,
-    folder_tokenizer_hash,
-    folder_weights_hash,
-    merge_expected,
-)
+from streaming.identity_check import merge_expected
+from streaming.identity_entry import EntryIdentity
+from streaming.identity_sources import folder_tokenizer_hash, folder_weights_hash
 
 logger = logging.getLogger("cachegen.sources")
 

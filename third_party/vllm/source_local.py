@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streaming.identity import EntryIdentity, check_entry, codec_identity
+from streaming.identity_check import check_entry
+from streaming.identity_entry import EntryIdentity
+from streaming.identity_sources import codec_identity
 from third_party.vllm.source_base import (
     ChunkSink,
     DecodeFn,
@@ -56,7 +58,7 @@ def _fsync_write(p: Path, data: bytes) -> None:
 def _local_calibration_bytes(h: str, calibrations: dict[str, bytes] | None) -> bytes:
     if calibrations and h in calibrations:
         return calibrations[h]
-    from streaming.store import _calibration_bytes
+    from streaming.store_steps import _calibration_bytes
 
     return _calibration_bytes(h)
 
@@ -364,7 +366,7 @@ class LocalDirSource:
             raise SourceMiss(f"local entry {d.name!r}: the planned generation's chunking differs "
                              "from the lookup's plan")
         if man.get("calibrations"):
-            from streaming.client import ensure_calibrations
+            from streaming.client_parts import ensure_calibrations
 
             why = ensure_calibrations(_LocalCalClient(Path(d.parent)), man["calibrations"])
             if why:

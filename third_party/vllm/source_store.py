@@ -11,7 +11,8 @@ import logging
 import time
 from typing import Any
 
-from streaming.identity import EntryIdentity, codec_identity
+from streaming.identity_entry import EntryIdentity
+from streaming.identity_sources import codec_identity
 from third_party.vllm.source_base import (
     ChunkSink,
     DecodeFn,
@@ -223,7 +224,7 @@ class StoreSource:
         return key, man, "", info
 
     def _policy(self, params, lookup: Lookup):
-        from streaming.adapt import AdaptivePolicy, FixedPolicy
+        from streaming.adapt_policy import AdaptivePolicy, FixedPolicy
 
         pol = params.get("policy")
         if pol:
