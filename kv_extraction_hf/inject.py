@@ -19,23 +19,29 @@ from kv_extraction_hf.errors import ExtractionError
 def validate_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids=None) -> None:
     """Check that ``k``/``v`` (``[L, T, H_kv, D]``) fit ``bundle``'s model: layer count, KV
     heads, head dim, dtype, and T == len(context_ids) when given. Raises ExtractionError."""
-    info = bundle.info
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise ExtractionError("k and v must be torch tensors")
     if k.dim() != 4 or k.shape != v.shape:
         raise ExtractionError(f"KV shapes k {tuple(k.shape)} / v {tuple(v.shape)} are not one "
                               "[num_layers, num_tokens, num_kv_heads, head_dim] shape")
+    if v.dtype != k.dtype:
+        raise ExtractionError(f"KV dtype {str(k.dtype).replace('torch.', '')}/{str(v.dtype).replace('torch.', '')} "
+                              f"does not match the model's {bundle.info.dtype}")
+    _check_fit(bundle.info, tuple(k.shape), k.dtype, context_ids)
+
+
+def _check_fit(info, shape: tuple, dtype, context_ids=None) -> None:
+    """ExtractionError unless a KV of logical ``shape`` ``(L, T, H_kv, D)`` and ``dtype``
+    fits the model of ``info`` (and T == len(context_ids) when given)."""
     want = (info.num_layers, info.num_kv_heads, info.head_dim)
-    got = (k.shape[0], k.shape[2], k.shape[3])
-    if got != want:
-        raise ExtractionError(f"KV of shape {tuple(k.shape)} does not fit model {info.model_id}: expected "
+    if (shape[0], shape[2], shape[3]) != want:
+        raise ExtractionError(f"KV of shape {shape} does not fit model {info.model_id}: expected "
                               f"[{info.num_layers}, T, {info.num_kv_heads}, {info.head_dim}]")
-    dtype = str(k.dtype).replace("torch.", "")
-    if dtype != info.dtype or v.dtype != k.dtype:
-        raise ExtractionError(f"KV dtype {dtype}/{str(v.dtype).replace('torch.', '')} does not match the "
-                              f"model's {info.dtype}")
-    if context_ids is not None and len(context_ids) != k.shape[1]:
-        raise ExtractionError(f"KV holds {k.shape[1]} tokens but the context has {len(context_ids)}")
+    name = str(dtype).replace("torch.", "")
+    if name != info.dtype:
+        raise ExtractionError(f"KV dtype {name}/{name} does not match the model's {info.dtype}")
+    if context_ids is not None and len(context_ids) != shape[1]:
+        raise ExtractionError(f"KV holds {shape[1]} tokens but the context has {len(context_ids)}")
 
 
 def make_cache(k: torch.Tensor, v: torch.Tensor, config=None, capacity: int = 0):
@@ -139,16 +145,82 @@ def continuation_logits(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, c
     if total > bundle.info.max_context:
         raise ExtractionError(f"context + continuation = {total} tokens exceeds the model's context of "
                               f"{bundle.info.max_context} tokens")
+    return _continuation_rows(bundle, lambda n: make_cache(k[:, :n], v[:, :n], bundle.model.config),
+                              k.shape[1], context_ids, cont)
+
+
+def _continuation_rows(bundle, cache_of, T: int, context_ids, cont: list) -> torch.Tensor:
+    """The rows of :func:`continuation_logits`; ``cache_of(n)`` builds a cache of the
+    context's first ``n`` tokens (n = T - 1 for row 0, T for the others)."""
     model = bundle.model
     last = torch.tensor([[int(context_ids[-1])]], dtype=torch.long)
-    prefix_cache = make_cache(k[:, :-1], v[:, :-1], model.config) if k.shape[1] > 1 else None
+    prefix_cache = cache_of(T - 1) if T > 1 else None
     first = model(input_ids=last, past_key_values=prefix_cache, use_cache=True).logits[0, -1:]
     rows = [first.float()]
     if len(cont) > 1:
-        cache = make_cache(k, v, model.config)
+        cache = cache_of(T)
         ids = torch.as_tensor(cont[:-1], dtype=torch.long).reshape(1, -1)
         rows.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
     return torch.cat(rows, dim=0)
+
+
+# ------------------------------------------------------------------ windowed KV (codec.window)
+def make_cache_windowed(wkv, config, capacity: int = 0):
+    """A transformers ``DynamicCache`` (batch 1) of the model's own layer kinds from a
+    windowed KV (``codec.window.WindowedKV``: T context positions; a full layer holds all
+    T tokens, a sliding layer the last ``min(T, W)``), WITHOUT building the full layout.
+
+    Every layer is given only the tokens it holds (a sliding-window layer of window W keeps
+    the last ``W - 1`` of them, as after the model's own prefill) and counts all T
+    positions (``cumulative_length = T``: RoPE positions of the next tokens and the
+    masks are those of the full cache; the logits equal :func:`make_cache`'s of the full
+    KV bit for bit, tests/extraction/test_window_storage.py). ``capacity``: as
+    :func:`make_cache` (used only when every layer is full attention).
+    Raises ExtractionError when a layer holds fewer tokens than the model's layer needs:
+    all T for a full-attention layer, ``min(T, W - 1)`` for a sliding one."""
+    cache = _new_cache(config, capacity)
+    T = wkv.total_tokens
+    layers = getattr(cache, "layers", None)
+    for i in range(wkv.num_layers):
+        k, v, start = wkv.layer(i)
+        x = layers[i] if layers is not None and i < len(layers) else None
+        sliding = bool(getattr(x, "is_sliding", False))
+        need = min(T, int(x.sliding_window) - 1) if sliding else T
+        if k.shape[0] < need or start + k.shape[0] != T:
+            raise ExtractionError(f"layer {i} holds positions {start}..{start + k.shape[0] - 1} of {T}: the model's "
+                                  f"{'sliding-window' if sliding else 'full-attention'} layer needs the last {need}")
+        cache.update(k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0).contiguous(), i)
+        if sliding:
+            x.cumulative_length = T
+    return cache
+
+
+@torch.inference_mode()
+def continuation_logits_windowed(bundle, wkv, context_ids, continuation_ids) -> torch.Tensor:
+    """:func:`continuation_logits` from a windowed KV (``codec.window.WindowedKV`` of
+    ``context_ids``), its caches built by :func:`make_cache_windowed` (row 0 from the
+    windowed KV of the first T - 1 tokens: a sliding layer of window W then needs W of the
+    context's last tokens, which is what ``codec.window`` keeps). Returns float32
+    ``[n, vocab]``, equal bit for bit to :func:`continuation_logits` of the full KV when the
+    windowed KV holds the same values. Raises ExtractionError (KV does not fit the model,
+    holds too few tokens, or the total exceeds the model's context)."""
+    _check_fit(bundle.info, tuple(wkv.shape), wkv.dtype, context_ids)
+    cont = list(continuation_ids)
+    if not cont:
+        raise ExtractionError("continuation_logits needs at least one continuation token")
+    T = wkv.total_tokens
+    if T + len(cont) > bundle.info.max_context:
+        raise ExtractionError(f"context + continuation = {T + len(cont)} tokens exceeds the model's context of "
+                              f"{bundle.info.max_context} tokens")
+    return _continuation_rows(bundle, lambda n: make_cache_windowed(wkv.prefix(n), bundle.model.config),
+                              T, context_ids, cont)
+
+
+def model_windows(bundle) -> list:
+    """Each layer's window for ``codec.window`` (``None`` = full attention, else the
+    model's sliding window in tokens) from ``bundle.info`` (``layer_kinds``, ``sliding_window``)."""
+    info = bundle.info
+    return [info.sliding_window if info.kind(i) == "sliding" else None for i in range(info.num_layers)]
 
 
 # Smallest top-1 minus top-2 logit margin (logit units) at which an argmax decided by one
