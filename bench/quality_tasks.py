@@ -39,7 +39,7 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
               topic_lengths: Sequence[int] = TOPIC_LENGTHS, answer_bundle=None, verify: bool = False,
               log: Callable[[str], None] = print, answer_mode: str = "teacher",
               codec_workers: int = DEFAULT_CODEC_WORKERS,
-              configs: Optional[dict] = None) -> tuple[list[dict], dict]:
+              configs: Optional[dict] = None, windows=None) -> tuple[list[dict], dict]:
     """Task answers from decoded KV vs lossless KV, ``n_requests`` per codec/level.
 
     Each request's context is prefilled once by ``bundle`` (the engine dtype, bf16 for the
@@ -68,9 +68,10 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     per-request records and seconds, per codec the count of answers by path, the verify
     counts). ``codec_workers``: a request's codecs are encoded + decoded that many at once
     (threads; the same bytes; ``codec_s`` is then wall seconds beside another codec), before
-    its answers. Raises ValueError for an unknown ``answer_mode``.
+    its answers. ``windows``: as ``run_text_quality`` (sliding-window storage). Raises
+    ValueError for an unknown ``answer_mode``.
     """
-    import codec
+    from codec import window
     from evaluation import retrieval_accuracy, scored_answer
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import (answer_from_kv, generate_from_kv, generate_from_kv_margin,
@@ -99,8 +100,8 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
             """(k2, v2 in the engine's dtype, codec seconds) from the real bitstream, or the exception."""
             try:
                 t2 = time.perf_counter()
-                k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1],
-                                                         config=(configs or {}).get(pair[0])))
+                k2, v2 = window.decode_dense(window.encode_with_stats(
+                    k, v, windows, codec=pair[0], level=pair[1], config=(configs or {}).get(pair[0]))[0])
                 return k2.to(k.dtype), v2.to(v.dtype), time.perf_counter() - t2
             except Exception as exc:  # noqa: BLE001
                 return exc
