@@ -420,7 +420,7 @@ def _main(args, argv: list[str]) -> int:
                   "dtype": bundle.info.dtype, "num_layers": bundle.info.num_layers},
         "environment": environment()})
     configs: dict[str, Any] = {}     # codec -> the config its encodes get (kvtc: calibration)
-    from kv_extraction_hf.inject import model_windows
+    from kv_extraction_hf.inject_window import model_windows
 
     ws = model_windows(bundle) if args.window_storage != "off" and bundle.info.hybrid else None
     wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,

@@ -54,7 +54,7 @@ import torch
 
 from . import bitstream
 from .api import (DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, _check_kv, _check_level, _device, _encode_one,
-                  _resolve_backend, chunk_bounds, decode_kv, peek_header)
+                  _resolve_backend, _unpack_kind, chunk_bounds, decode_kv, peek_header)
 from .base import DTYPE_BYTES, DTYPE_NAMES, DTYPES
 from .config import CodecConfig, QuantizationSpec
 from .errors import CodecError
@@ -350,16 +350,7 @@ def _int(h: dict, key: str, lo: int, hi: int) -> int:
 
 
 def _unpack(data: Any) -> tuple[dict, bytes]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CodecError(f"expected bytes, got {type(data).__name__}")
-    try:
-        header, _, payload = bitstream.unpack(bytes(data))
-    except CodecError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the container must only raise CodecError
-        raise CodecError(f"cannot parse container: {type(e).__name__}: {e}") from None
-    if not isinstance(header, dict) or header.get("kind") != WINDOW_KIND:
-        raise CodecError("not a windowed KV container (header kind mismatch)")
+    header, _, payload = _unpack_kind(data, WINDOW_KIND, "windowed KV")
     if header.get("window_version") != WINDOW_VERSION or isinstance(header.get("window_version"), bool):
         raise CodecError(f"window_version {header.get('window_version')!r} not supported "
                          f"(this decoder reads {WINDOW_VERSION})")

@@ -19,8 +19,8 @@ import torch
 from codec import window
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
-from kv_extraction_hf.inject import (continuation_logits, continuation_logits_windowed, generate_from_kv,
-                                     greedy_decode, make_cache_windowed, model_windows)
+from kv_extraction_hf.inject import continuation_logits, generate_from_kv, greedy_decode
+from kv_extraction_hf.inject_window import continuation_logits_windowed, make_cache_windowed, model_windows
 
 
 def _windowed(k, v, windows, name="raw"):
