@@ -321,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated needle context lengths (default 1024,2048,3072,4096; quick 512,1024)")
     p.add_argument("--topic-lengths", default=None,
                    help="comma-separated topic-retrieval context lengths (default 512: at chance above 1K)")
+    p.add_argument("--window-storage", choices=("auto", "on", "off"), default="off",
+                   help="sliding-window storage (codec.window, docs/models.md): a sliding layer's KV keeps only "
+                        "its last W tokens; ratios are then against the full-attention layout. auto = on where "
+                        "the model has sliding-window layers (the consumer here is Hugging Face's). Default off "
+                        "for now: kvtc's calibrations cover the whole model, so kvtc rows would be skipped")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -436,6 +441,11 @@ def _main(args, argv: list[str]) -> int:
                   "dtype": bundle.info.dtype, "num_layers": bundle.info.num_layers},
         "environment": environment()})
     configs: dict[str, Any] = {}     # codec -> the config its encodes get (kvtc: calibration)
+    from kv_extraction_hf.inject_window import model_windows
+
+    ws = model_windows(bundle) if args.window_storage != "off" and bundle.info.hybrid else None
+    wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,
+              "ratio_basis": "full-attention layout in the KV dtype"}
     if any(name == "kvtc" for name, _ in pairs + task_pairs):
         doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path, user=user_cal,
                                                user_path=args.kvtc_calibration)
@@ -452,13 +462,13 @@ def _main(args, argv: list[str]) -> int:
               f"{len(pairs)} codec/levels")
         rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
                                        log=_log, batch=batch, codec_workers=codec_workers,
-                                       configs=configs)
+                                       configs=configs, windows=ws)
         doc["rows"] = rows
         doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
         doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
                          "seed": args.seed, "codecs": args.codecs, "quick": bool(args.quick),
                          "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
-                         "10000 resamples, seed 0 (exact enumeration for n <= 7)"}
+                         "10000 resamples, seed 0 (exact enumeration for n <= 7)", "window_storage": wstore}
         doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
                                                  "prefill_s", "scores_s", "batch", "batch_exact",
                                                  "codec_workers", "total_s")}
@@ -487,7 +497,7 @@ def _main(args, argv: list[str]) -> int:
         trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
                                  answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
                                  answer_mode=args.task_answers, codec_workers=codec_workers,
-                                 configs=configs, requests=requests,
+                                 configs=configs, requests=requests, windows=ws,
                                  data_path=str(args.task_data) if longchat is not None else None)
         doc["tasks"] = trows
         doc["tasks_info"] = {k: v for k, v in tinfo.items()}
@@ -495,7 +505,8 @@ def _main(args, argv: list[str]) -> int:
                                "codecs": args.task_codecs, "answer_dtype": tinfo["answer_dtype"],
                                "kv_dtype": bundle.info.dtype, "verify": bool(args.task_verify),
                                "answer_mode": args.task_answers,
-                               "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks}
+                               "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks,
+                               "window_storage": wstore}
         if longchat is not None:
             from kv_extraction_hf.model import sha256_file
 

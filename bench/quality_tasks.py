@@ -41,7 +41,7 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
               codec_workers: int = DEFAULT_CODEC_WORKERS,
               configs: Optional[dict] = None,
               requests: Optional[Sequence[tuple[str, int, int]]] = None,
-              data_path: Optional[str] = None) -> tuple[list[dict], dict]:
+              data_path: Optional[str] = None, windows=None) -> tuple[list[dict], dict]:
     """Task answers from decoded KV vs lossless KV, ``n_requests`` per codec/level.
 
     Each request's context is prefilled once by ``bundle`` (the engine dtype, bf16 for the
@@ -70,14 +70,14 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     per-request records and seconds, per codec the count of answers by path, the verify
     counts). ``codec_workers``: a request's codecs are encoded + decoded that many at once
     (threads; the same bytes; ``codec_s`` is then wall seconds beside another codec), before
-    its answers. ``requests``: the (task, context_tokens, index) requests to run instead of
+    its answers. ``windows``: as ``run_text_quality`` (sliding-window storage). ``requests``: the (task, context_tokens, index) requests to run instead of
     :func:`task_requests`' (``n_requests`` is then ignored), e.g. rows of a user's LongChat
     file (task ``longchat``, read from ``data_path``; a context longer than the model's is
     truncated in the middle and its record's ``truncated_from_tokens`` says from how many).
     Raises ValueError for an unknown ``answer_mode``; ExtractionError for data that cannot
     be read.
     """
-    import codec
+    from codec import window
     from evaluation import retrieval_accuracy, scored_answer
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import (answer_from_kv, generate_from_kv, generate_from_kv_margin,
@@ -109,8 +109,8 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
             """(k2, v2 in the engine's dtype, codec seconds) from the real bitstream, or the exception."""
             try:
                 t2 = time.perf_counter()
-                k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=pair[0], level=pair[1],
-                                                         config=(configs or {}).get(pair[0])))
+                k2, v2 = window.decode_dense(window.encode_with_stats(
+                    k, v, windows, codec=pair[0], level=pair[1], config=(configs or {}).get(pair[0]))[0])
                 return k2.to(k.dtype), v2.to(v.dtype), time.perf_counter() - t2
             except Exception as exc:  # noqa: BLE001
                 return exc

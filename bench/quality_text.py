@@ -182,7 +182,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                      n_windows: int, context: int, continuation: int, seed: int = 0,
                      log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH,
                      codec_workers: int = DEFAULT_CODEC_WORKERS,
-                     configs: Optional[dict] = None) -> tuple[list[dict], dict]:
+                     configs: Optional[dict] = None, windows=None) -> tuple[list[dict], dict]:
     """Paired text-fidelity measurement on ``n_windows`` windows of ``token_ids``.
 
     ``token_ids``: the tokenized corpus; windows of ``context + continuation`` tokens at
@@ -200,8 +200,10 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     ``decode_s`` are then wall seconds while another codec ran beside it). Raises
     ValueError when ``batch`` < 1. ``configs``: codec name -> the config its encodes get
     (kvtc: a ``codec.kvtc.KvtcConfig`` naming its calibration; ``prepare_kvtc``).
+    ``windows``: per-layer sliding windows for sliding-window storage (``codec.window``;
+    sizes then against the full layout), None = the full layout.
     """
-    import codec
+    from codec import window
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import batch_is_exact, continuation_logits, continuation_logits_batch
 
@@ -240,10 +242,10 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                 if peer:       # LMCache's own serde code (bench/lmcache_peers.py)
                     data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
                 else:
-                    data, stats = codec.encode_with_stats(k, v, codec=pair[0], level=pair[1],
-                                                          config=configs.get(pair[0]))
+                    data, stats = window.encode_with_stats(k, v, windows, codec=pair[0], level=pair[1],
+                                                           config=configs.get(pair[0]))
                 t2 = time.perf_counter()
-                k2, v2 = lmcache_peers.decode(data) if peer else codec.decode_kv(data)
+                k2, v2 = lmcache_peers.decode(data) if peer else window.decode_dense(data)
                 t3 = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
                 return exc

@@ -363,8 +363,9 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
 
 
 # -------------------------------------------------------------------------- decoding
-def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
-    """unpack + validate the common header; returns (header, arrays, payload, codec)."""
+def _unpack_kind(data: Any, kind: str, what: str) -> tuple[dict, dict, bytes]:
+    """``bitstream.unpack`` of ``data`` whose header ``kind`` must be ``kind`` (``what``
+    names it in the error); CodecError on anything else (also shared by codec.window)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(f"expected bytes, got {type(data).__name__}")
     try:
@@ -373,8 +374,14 @@ def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
         raise
     except Exception as e:  # the container must only raise CodecError; be defensive
         raise CodecError(f"cannot parse container: {type(e).__name__}: {e}") from None
-    if not isinstance(header, dict) or header.get("kind") != CONTAINER_KIND:
-        raise CodecError("not a KV codec container (header kind mismatch)")
+    if not isinstance(header, dict) or header.get("kind") != kind:
+        raise CodecError(f"not a {what} container (header kind mismatch)")
+    return header, arrays, payload
+
+
+def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
+    """unpack + validate the common header; returns (header, arrays, payload, codec)."""
+    header, arrays, payload = _unpack_kind(data, CONTAINER_KIND, "KV codec")
     name = header.get("codec")
     if not isinstance(name, str) or name not in CODECS:
         raise CodecError(f"unknown codec {name!r} in header; known: {sorted(CODECS)}")

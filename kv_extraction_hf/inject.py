@@ -19,23 +19,29 @@ from kv_extraction_hf.errors import ExtractionError
 def validate_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids=None) -> None:
     """Check that ``k``/``v`` (``[L, T, H_kv, D]``) fit ``bundle``'s model: layer count, KV
     heads, head dim, dtype, and T == len(context_ids) when given. Raises ExtractionError."""
-    info = bundle.info
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise ExtractionError("k and v must be torch tensors")
     if k.dim() != 4 or k.shape != v.shape:
         raise ExtractionError(f"KV shapes k {tuple(k.shape)} / v {tuple(v.shape)} are not one "
                               "[num_layers, num_tokens, num_kv_heads, head_dim] shape")
+    if v.dtype != k.dtype:
+        raise ExtractionError(f"KV dtype {str(k.dtype).replace('torch.', '')}/{str(v.dtype).replace('torch.', '')} "
+                              f"does not match the model's {bundle.info.dtype}")
+    _check_fit(bundle.info, tuple(k.shape), k.dtype, context_ids)
+
+
+def _check_fit(info, shape: tuple, dtype, context_ids=None) -> None:
+    """ExtractionError unless a KV of logical ``shape`` ``(L, T, H_kv, D)`` and ``dtype``
+    fits the model of ``info`` (and T == len(context_ids) when given)."""
     want = (info.num_layers, info.num_kv_heads, info.head_dim)
-    got = (k.shape[0], k.shape[2], k.shape[3])
-    if got != want:
-        raise ExtractionError(f"KV of shape {tuple(k.shape)} does not fit model {info.model_id}: expected "
+    if (shape[0], shape[2], shape[3]) != want:
+        raise ExtractionError(f"KV of shape {shape} does not fit model {info.model_id}: expected "
                               f"[{info.num_layers}, T, {info.num_kv_heads}, {info.head_dim}]")
-    dtype = str(k.dtype).replace("torch.", "")
-    if dtype != info.dtype or v.dtype != k.dtype:
-        raise ExtractionError(f"KV dtype {dtype}/{str(v.dtype).replace('torch.', '')} does not match the "
-                              f"model's {info.dtype}")
-    if context_ids is not None and len(context_ids) != k.shape[1]:
-        raise ExtractionError(f"KV holds {k.shape[1]} tokens but the context has {len(context_ids)}")
+    name = str(dtype).replace("torch.", "")
+    if name != info.dtype:
+        raise ExtractionError(f"KV dtype {name}/{name} does not match the model's {info.dtype}")
+    if context_ids is not None and len(context_ids) != shape[1]:
+        raise ExtractionError(f"KV holds {shape[1]} tokens but the context has {len(context_ids)}")
 
 
 def make_cache(k: torch.Tensor, v: torch.Tensor, config=None, capacity: int = 0):
@@ -139,13 +145,20 @@ def continuation_logits(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, c
     if total > bundle.info.max_context:
         raise ExtractionError(f"context + continuation = {total} tokens exceeds the model's context of "
                               f"{bundle.info.max_context} tokens")
+    return _continuation_rows(bundle, lambda n: make_cache(k[:, :n], v[:, :n], bundle.model.config),
+                              k.shape[1], context_ids, cont)
+
+
+def _continuation_rows(bundle, cache_of, T: int, context_ids, cont: list) -> torch.Tensor:
+    """The rows of :func:`continuation_logits`; ``cache_of(n)`` builds a cache of the
+    context's first ``n`` tokens (n = T - 1 for row 0, T for the others)."""
     model = bundle.model
     last = torch.tensor([[int(context_ids[-1])]], dtype=torch.long)
-    prefix_cache = make_cache(k[:, :-1], v[:, :-1], model.config) if k.shape[1] > 1 else None
+    prefix_cache = cache_of(T - 1) if T > 1 else None
     first = model(input_ids=last, past_key_values=prefix_cache, use_cache=True).logits[0, -1:]
     rows = [first.float()]
     if len(cont) > 1:
-        cache = make_cache(k, v, model.config)
+        cache = cache_of(T)
         ids = torch.as_tensor(cont[:-1], dtype=torch.long).reshape(1, -1)
         rows.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
     return torch.cat(rows, dim=0)

@@ -118,24 +118,7 @@ def test_gemma3_layer_kinds_and_window():
     assert model_mod.kv_shape(cfg) == (18, 1, 256, 32768)
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
-                           max_position_embeddings=256, initializer_range=0.2)
-    model = Gemma3ForCausalLM(cfg).eval().to(torch.float32)
-    model.generation_config.eos_token_id = None
-    kinds, window = model_mod.attention_layers(cfg)
-    info = model_mod.ModelInfo(model_id="tiny-gemma3", weights_hash="0" * 64, dtype="float32", num_layers=6,
-                               num_kv_heads=1, head_dim=32, max_context=256, path="", layer_kinds=kinds,
-                               sliding_window=window)
-    import types
-
-    tok = types.SimpleNamespace(eos_token_id=None)
-    return model_mod.ModelBundle(model=model, tokenizer=tok, info=info)
+# ``tiny_gemma3``: tests/extraction/conftest.py (shared with test_window_storage.py)
 
 
 def test_tiny_gemma3_prefill_keeps_every_token_and_answers_match_greedy(tiny_gemma3):
