@@ -15,7 +15,7 @@ import sys
 import time
 
 from common import flags
-from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.errors import run_cli
 
 
 def run(task: str, context_tokens: int, num_contexts: int, seed: int = 0, model=None, data_path=None,
@@ -81,7 +81,8 @@ def main(argv=None) -> int:
         kwargs["index_style"] = args.index_style
     if args.turn_tokens:
         kwargs["turn_tokens"] = args.turn_tokens
-    try:
+
+    def run_all() -> None:
         from kv_extraction_hf.model import load_model
 
         bundle = load_model(args.model, log=lambda m: print(m, file=sys.stderr))
@@ -95,10 +96,8 @@ def main(argv=None) -> int:
             if res["records"] and "num_topics" in res["records"][0]:
                 extra = f" topics={[r['num_topics'] for r in res['records']]}"
             print(json.dumps(summary) + extra, flush=True)
-    except ExtractionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(run_all)
 
 
 if __name__ == "__main__":

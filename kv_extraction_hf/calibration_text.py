@@ -15,7 +15,7 @@ every CPython the harness supports), in a fixed order:
   an indented line (a code example or a list of arguments), ``::``, or that does not end
   like a sentence (``.``) is dropped; short paragraphs (< 80 characters) too;
 - each remaining paragraph is split into sentences with the same rule as
-  ``kv_extraction_hf.prompts.natural_sentences``; every sentence that also occurs in
+  ``kv_extraction_hf.natural_text.natural_sentences``; every sentence that also occurs in
   ``natural_sentences()`` (the ``pydoc_data.topics`` prose that the main job's needle
   filler and its ``pydoc_ppl`` perplexity pass evaluate on) is dropped, as is a sentence
   seen before, so the calibration text shares no sentence with the evaluated text by
@@ -113,7 +113,7 @@ def _prose_paragraphs(doc: str) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _build() -> tuple[str, int, int]:
-    from kv_extraction_hf.prompts import natural_sentences
+    from kv_extraction_hf.natural_text import natural_sentences
 
     taken = set(natural_sentences())
     seen: set[str] = set()

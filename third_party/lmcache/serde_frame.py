@@ -1,0 +1,60 @@
+"""The KVLM frame around our codec containers in an LMCache object: ``KVLM`` | u16 version |
+u16 containers | u32 ident length | ident JSON | u64 length per container | u32 CRC32 of
+all of it, then the containers, zero padding to the slot after them. Bytes only: what the
+ident holds and how tensors map to containers is :mod:`.serde_layout`'s.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+FRAME_MAGIC = b"KVLM"
+FRAME_VERSION = 1
+_HEAD = struct.Struct("<4sHHI")     # magic, version, number of containers, ident length
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+MAX_CONTAINERS = 4096
+MAX_IDENT = 1 << 16
+
+
+def header_size(ident_len: int, n_containers: int) -> int:
+    """Bytes of the frame before the containers, for an ident of ``ident_len`` bytes."""
+    return _HEAD.size + ident_len + n_containers * _U64.size + _U32.size
+
+
+def pack_frame(ident: bytes, blobs: list[bytes]) -> bytes:
+    """The frame of ``blobs`` (codec containers) under ``ident`` (unpadded bytes)."""
+    head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, len(blobs), len(ident)) + ident + \
+        b"".join(_U64.pack(len(x)) for x in blobs)
+    return b"".join([head, _U32.pack(zlib.crc32(head)), *blobs])
+
+
+def parse_frame(buf: memoryview) -> tuple[bytes, list[memoryview]]:
+    """(ident JSON bytes, container views) of a frame. Raises ValueError on a bad or
+    corrupt frame (magic, version, lengths, CRC)."""
+    if len(buf) < _HEAD.size + _U32.size:
+        raise ValueError("object too short for a KVLM frame")
+    magic, ver, n, ilen = _HEAD.unpack_from(buf, 0)
+    if magic != FRAME_MAGIC:
+        raise ValueError(f"not a KVLM frame (magic {bytes(magic)!r})")
+    if ver != FRAME_VERSION:
+        raise ValueError(f"KVLM frame version {ver} (this reader: {FRAME_VERSION})")
+    if not 1 <= n <= MAX_CONTAINERS or ilen > MAX_IDENT:
+        raise ValueError("KVLM frame header out of range")
+    pos = _HEAD.size + ilen + n * _U64.size
+    if pos + _U32.size > len(buf):
+        raise ValueError("KVLM frame truncated")
+    if zlib.crc32(buf[:pos]) != _U32.unpack_from(buf, pos)[0]:
+        raise ValueError("KVLM frame CRC mismatch (corrupt object)")
+    ident = bytes(buf[_HEAD.size:_HEAD.size + ilen])
+    lens = [_U64.unpack_from(buf, _HEAD.size + ilen + i * _U64.size)[0] for i in range(n)]
+    pos += _U32.size
+    if pos + sum(lens) > len(buf):
+        raise ValueError("KVLM frame's containers run past the object")
+    views = []
+    for ln in lens:
+        views.append(buf[pos:pos + ln])
+        pos += ln
+    if pos < len(buf) and any(buf[pos:].tobytes().rstrip(b"\0")):
+        raise ValueError("KVLM frame padding is not zero (corrupt object)")
+    return ident, views

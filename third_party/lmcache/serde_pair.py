@@ -1,0 +1,149 @@
+"""The Serializer/Deserializer pair LMCache calls (lmcache.v1.distributed.serde.base):
+encode a KV MemoryObj into a padded frame in its slot, with the level fallback and the
+stats; decode a frame back into the destination object after checking its ident.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+import codec
+
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.serde.base import Deserializer, Serializer
+from lmcache.v1.memory_management import MemoryObj
+from third_party.lmcache.serde_frame import pack_frame, parse_frame
+from third_party.lmcache.serde_layout import (
+    estimate_bytes,
+    frame_ident,
+    group_tensors,
+    kv_views,
+    n_containers,
+    token_bounds,
+)
+from third_party.lmcache.serde_settings import SerdeSettings
+
+
+class _Base:
+    def __init__(self, settings: SerdeSettings):
+        self.settings = settings
+        self.ident_hash = settings.identity()
+
+
+class CodecSerializer(_Base, Serializer):
+    """LMCache ``Serializer``: KV MemoryObj -> our framed bitstream in ``dst``.
+
+    ``stats``: counts of serialized objects, ``fallbacks`` (objects stored at a smaller
+    level than configured because the configured one did not fit the slot) and
+    ``bytes`` (frame bytes before padding)."""
+
+    def __init__(self, settings: SerdeSettings):
+        super().__init__(settings)
+        self._lock = threading.Lock()
+        self.stats = {"objects": 0, "fallbacks": 0, "bytes": 0, "slot_bytes": 0}
+
+    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+        """The slot in bytes (see ``estimate_bytes``); an upper bound of what
+        ``serialize`` writes, by construction."""
+        return estimate_bytes(self.settings, self.ident_hash, layout_desc)
+
+    def encode_frame(self, src: MemoryObj, key: Optional[ObjectKey], budget: int,
+                     level: int) -> bytes:
+        """The frame for ``src`` at ``level`` (bytes; may exceed ``budget``)."""
+        s = self.settings
+        tensors = group_tensors(src)
+        shapes = [tuple(t.shape) for t in tensors]
+        dtypes = [t.dtype for t in tensors]
+        cfg = s.codec_config(level)
+        lvl = None if cfg is not None else level
+        blobs = []
+        for t in tensors:
+            k, v = kv_views(t, s)
+            if s.chunk_tokens is None:
+                blobs.append(codec.encode_kv(k, v, codec=s.codec, level=lvl, config=cfg,
+                                             backend="cpu"))
+            else:   # one context split as codec.encode_chunks splits it
+                blobs.extend(codec.encode_chunks(k, v, codec=s.codec, level=lvl, config=cfg,
+                                                 chunk_tokens=s.chunk_tokens, backend="cpu"))
+        return pack_frame(frame_ident(s, self.ident_hash, key, shapes, dtypes), blobs)
+
+    def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
+        """Encode ``src`` into ``dst`` (a uint8 buffer of at least the slot).
+        Returns the bytes to store: the slot when padding, else the frame's length.
+        Raises ValueError (layout, dtype, a frame that fits no level's slot) or CodecError."""
+        s = self.settings
+        out = getattr(dst, "tensor", None)
+        if out is None or getattr(src, "tensor", None) is None:
+            raise ValueError(f"{s.codec} serde: src and dst need tensors")
+        out = out.view(-1).view(torch.uint8) if out.dtype != torch.uint8 else out.view(-1)
+        tensors = group_tensors(src)
+        budget = estimate_bytes(s, self.ident_hash,
+                                MemoryLayoutDesc(shapes=[t.shape for t in tensors],
+                                                 dtypes=[t.dtype for t in tensors]))
+        budget = min(budget, out.numel())
+        levels = [s.level]
+        if s.fallback:
+            levels += [x for x in sorted(codec.levels(s.codec), reverse=True) if x < s.level]
+        data = b""
+        for i, lvl in enumerate(levels):
+            data = self.encode_frame(src, key, budget, lvl)
+            if len(data) <= budget:
+                break
+        else:
+            raise ValueError(f"{s.codec} serde: the bitstream ({len(data)} bytes at level "
+                             f"{levels[-1]}) does not fit the slot of {budget} bytes; set "
+                             f"\"bits_per_element\" for this model (docs/lmcache.md)")
+        n = len(data)
+        out[:n].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        stored = n
+        if s.pad:
+            out[n:budget].zero_()
+            stored = budget
+        with self._lock:
+            self.stats["objects"] += 1
+            self.stats["fallbacks"] += int(i > 0)
+            self.stats["bytes"] += n
+            self.stats["slot_bytes"] += budget
+        return stored
+
+
+class CodecDeserializer(_Base, Deserializer):
+    """LMCache ``Deserializer``: our framed bitstream -> the destination KV MemoryObj."""
+
+    def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
+        """Decode ``src`` (uint8 buffer) into ``dst`` (the KV layout it was stored from).
+        Raises ValueError / CodecError on a frame for another serde config, key or layout,
+        or on corruption; ``dst`` may then be partly written (LMCache treats it as a miss)."""
+        s = self.settings
+        if getattr(src, "tensor", None) is None or getattr(dst, "tensor", None) is None:
+            raise ValueError(f"{s.codec} serde: src and dst need tensors")
+        raw = src.tensor.view(-1)
+        if raw.dtype != torch.uint8:
+            raw = raw.view(torch.uint8)
+        buf = memoryview(raw.numpy())
+        ident, views = parse_frame(buf)
+        tensors = group_tensors(dst)
+        shapes = [tuple(t.shape) for t in tensors]
+        want = frame_ident(s, self.ident_hash, key, shapes, [t.dtype for t in tensors])
+        if ident != want:
+            raise ValueError(f"{s.codec} serde: stored object was written for another "
+                             f"serde config, key or layout (ident mismatch)")
+        if len(views) != n_containers(shapes, s):
+            raise ValueError("KVLM frame has the wrong number of containers")
+        it = iter(views)
+        for t in tensors:
+            k, v = kv_views(t, s)
+            for a, b in token_bounds(k.shape[1], s):
+                data = next(it)
+                kd, vd = k[:, a:b], v[:, a:b]
+                if kd.is_contiguous() and vd.is_contiguous():
+                    codec.decode_kv_into(data, kd, vd)
+                else:
+                    k2, v2 = codec.decode_kv(data, "cpu", backend="cpu")
+                    if k2.shape != kd.shape or k2.dtype != kd.dtype:
+                        raise ValueError(f"decoded KV {tuple(k2.shape)} {k2.dtype} does "
+                                         f"not fit the destination {tuple(kd.shape)}")
+                    kd.copy_(k2)
+                    vd.copy_(v2)
