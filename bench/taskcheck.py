@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from bench.cli import exit_status
 from common import flags
 from kv_extraction_hf.errors import ExtractionError
 
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
         kwargs["index_style"] = args.index_style
     if args.turn_tokens:
         kwargs["turn_tokens"] = args.turn_tokens
-    try:
+
+    def check_sizes() -> None:
         from kv_extraction_hf.model import load_model
 
         bundle = load_model(args.model, log=lambda m: print(m, file=sys.stderr))
@@ -95,10 +97,8 @@ def main(argv=None) -> int:
             if res["records"] and "num_topics" in res["records"][0]:
                 extra = f" topics={[r['num_topics'] for r in res['records']]}"
             print(json.dumps(summary) + extra, flush=True)
-    except ExtractionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(check_sizes, (ExtractionError,))
 
 
 if __name__ == "__main__":
