@@ -39,24 +39,31 @@ from common import flags  # stdlib only: the shared flag spellings
 # The figure code lives in visualize/ (issue 27: modules under 600 lines); its names are
 # re-exported here for the tests, the notebook and other callers (`import visualize_results as vr`).
 from visualize.data import (  # noqa: F401
-    BREAKDOWN_PARTS, DEFAULT_HIGHER_IS_BETTER, DEFAULT_OUT, DEFAULT_RESULTS, KNOWN_SCHEMA_VERSION, MB,
-    MODE_MARKERS, MODE_ORDER, NUMERIC_SUMMARY_COLUMNS, ResultsData, ResultsError, SkipFigure,
+    BREAKDOWN_PARTS, DEFAULT_HIGHER_IS_BETTER, DEFAULT_OUT, DEFAULT_RESULTS, MB,
+    MODE_MARKERS, MODE_ORDER, NUMERIC_SUMMARY_COLUMNS, ResultsData,
     _add_labels, _bandwidth_ticks, _caption, _coerce_bool, _coerce_numeric, _coerce_str, _colors,
     _keep_small_ints, _log_helps, _marker, _new_figure, _plain_log_ticks, _records, _require,
-    label_order, load_results, plot_label, prepare, save_figure, schema_warnings, summaries_from_runs
+    label_order, plot_label, prepare, save_figure, summaries_from_runs
 )
 from visualize.results_figures import (  # noqa: F401
     FIGURES, FigureSpec, QUALITY_JSON_KL_PANEL, QUALITY_PANELS, _accuracy_ci, _pareto, _per_label,
     _quality_json_kl, _quality_json_kl_panel, fig_adaptation_timeline, fig_kv_size, fig_quality_vs_size,
     fig_reconstruction_error, fig_ttft_breakdown, fig_ttft_vs_bandwidth
 )
+from visualize.adapt_figures import (  # noqa: F401
+    _ADAPT_ORDER, ADAPT_FIGURES, DEFAULT_ADAPTATION, _adapt_policies, _adapt_rows, fig_adapt_quality_vs_violation,
+    fig_adapt_timeline, fig_adapt_violation_vs_slo
+)
 from visualize.file_figures import (  # noqa: F401
-    ADAPT_FIGURES, DEFAULT_ADAPTATION, DEFAULT_QUALITY, _ADAPT_ORDER, _adapt_policies, _adapt_rows,
-    fig_adapt_quality_vs_violation, fig_adapt_timeline, fig_adapt_violation_vs_slo,
-    fig_quality_divergence, render_adaptation, render_quality
+    DEFAULT_QUALITY, fig_quality_divergence, render_adaptation, render_quality
+)
+from visualize.loading import (  # noqa: F401
+    KNOWN_SCHEMA_VERSION, ResultsError, SkipFigure, load_results, schema_warnings
 )
 
 INCOMPLETE_MARK = "INCOMPLETE RUN"
+# the command lines of --help's examples (after "python visualize_results.py")
+EXAMPLE_ARGS = ("", " --results runs/r.json --out figs/ --formats png", " --only ttft_vs_bandwidth kv_size")
 
 
 def mark_incomplete(fig, data: ResultsData) -> None:
@@ -114,13 +121,10 @@ def render_all(data: ResultsData, out_dir: Path, formats: Sequence[str], only: S
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="Draw the benchmark figures (PNG and SVG) from a results.json.",
-        epilog="examples:\n  python visualize_results.py\n"
-               "  python visualize_results.py --results runs/r.json --out figs/ --formats png\n"
-               "  python visualize_results.py --only ttft_vs_bandwidth kv_size\n"
-               f"figures: {', '.join(FIGURES)}",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    examples = "".join(f"  python visualize_results.py{args}\n" for args in EXAMPLE_ARGS)
+    parser = argparse.ArgumentParser(description="Draw the benchmark figures (PNG and SVG) from a results.json.",
+                                     epilog=f"examples:\n{examples}figures: {', '.join(FIGURES)}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
                         help="results file written by run_benchmarks.py (default: %(default)s)")
     flags.add_out(parser, type=Path, default=DEFAULT_OUT,

@@ -50,14 +50,12 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from common import flags
 from common.files import atomic_write_json
 from common.header import environment as header_environment
-from common.units import mbps_to_bytes_per_s
 from streaming import standin
 from streaming.adapt_model import ClockModel  # noqa: F401 - also re-exported (issue 27 split)
 from streaming.adapt_oracle import oracle, oracle_labels  # noqa: F401 - also re-exported
@@ -78,105 +76,12 @@ from bench.adapt_stats import (  # noqa: F401 - re-exported (issue 27 split)
     bootstrap_weights, cluster_bootstrap_diff, cluster_bootstrap_goal2, BOOT_MIN_TRACES,
     _ci_verdict, goals, _goal, _goal_ci,
 )
+from bench.adapt_real import _calibrate_rounds, run_real, sim_vs_real  # noqa: F401 - re-exported (issue 27 split)
+from bench.adapt_report import (  # noqa: F401 - re-exported (issue 27 split)
+    _fmt_ci, _num, _print_goal_cis, _print_summary, _requests, _verdict
+)
 
 _REPO = Path(__file__).resolve().parent.parent
-
-
-# --------------------------------------------------------------------------- real link
-def _calibrate_rounds(nbytes: int, target_s: float) -> int:
-    data = standin.make_chunk(max(nbytes, 64), 0)
-    standin.decode(data, 2)
-    t = time.perf_counter()
-    standin.decode(data, 8)
-    per = (time.perf_counter() - t) / 8
-    return max(1, round(target_s / per))
-
-
-def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: float, inject: float, kl,
-             method: str, log=print, extra_cases=(), preset: str = DEFAULT_PRESET) -> tuple[list, list, dict, dict]:
-    """The adaptive policy on the real shaped link for each (set, trace) at `slo`.
-    Returns (request rows, timelines, link description, calibration)."""
-    from streaming.client import stream_load
-    from streaming.link import ShapedLink
-    from streaming.store import start_store_server
-
-    man = _Man(table)
-    util = None if kl is None else {lv: -kl[lv] for lv in man.levels}
-    model = clock_model(table, prefill_tps, inject, 0.0, 0.0, util)
-    toks = list(table["tokens"])
-    # stand-in decode: rounds per (level, chunk) so that decode takes the measured s/token
-    by_len: dict[int, int] = {}
-    for lv in man.levels:
-        per_tok = float(table["decode_s_per_token"][str(lv)])
-        for k, nb in enumerate(man.sizes[lv]):
-            by_len[nb] = max(by_len.get(nb, 1), _calibrate_rounds(nb, per_tok * toks[k]))
-
-    def decode_fn(data: bytes):
-        return standin.decode(data, by_len.get(len(data), 1))
-
-    reqs, timelines, wire_extra, man_s, dec_ratio = [], [], [], [], []
-    cases = [(s, tr, slo, prefill_tps) for s, tr in traces] + list(extra_cases)
-    max_rate = max(max(tr.mbps) for _, tr, _, _ in cases)
-    with tempfile.TemporaryDirectory(prefix="cgh-adapt-") as d, ShapedLink(max_rate, method=method) as link:
-        ld = link.describe()  # the shaper's burst rule: max(min bytes, rate * seconds)
-        burst, burst_s = ld["burst_min_bytes"] or link.burst_bytes, ld["burst_rate_s"]
-        with start_store_server(d, link) as h, h.client(timeout=120) as c:
-            ids = list(range(sum(toks)))
-            chunks = {lv: [standin.make_chunk(nb, seed=1000 * lv + i) for i, nb in enumerate(man.sizes[lv])]
-                      for lv in man.levels}
-            key = c.put_context("bench-model", "bench-weights", "standin-v1", ids, chunks, list(man.token_ranges))
-            stream_load(c, key, 0, decode_fn, keep_decoded=False)  # warm-up (connection, page cache)
-            for set_name, tr, slo_c, tps in cases:
-                link.set_rate(tr.at(0))
-                pol = make_adaptive(slo_c, tps, table, inject, util, tr.at(0), burst, burst_s=burst_s,
-                                preset=preset)
-                mod = clock_model(table, tps, inject, 0.0, 0.0, util)
-                r = stream_load(c, key, pol, decode_fn, keep_decoded=False, before_chunk=apply_trace(link, tr))
-                levels = [ch.level for ch in r.chunks]
-                kv_tok = sum(b - a for (a, b), lv in zip(man.token_ranges, levels) if lv is not None)
-                total = r.total_s + kv_tok * inject + r.recompute_tokens / tps
-                man_s.append(r.manifest_s)
-                for ch in r.chunks:
-                    if ch.level is not None and not ch.refetched:
-                        wire_extra.append(ch.transfer_s - ch.bytes / mbps_to_bytes_per_s(tr.at(ch.index)))
-                        want = float(table["decode_s_per_token"][str(ch.level)]) * toks[ch.index]
-                        if want > 0:
-                            dec_ratio.append(ch.decode_s / want)
-                rates = [mbps_to_bytes_per_s(tr.at(k)) for k in range(man.chunk_count)]
-                orc = oracle(mod, rates, slo_c)
-                ests = [dd.throughput_mbps_est for dd in r.decisions]
-                hms = [dd.estimate_mbps for dd in r.decisions]
-                reqs.append(_req("adaptive", set_name, tr, slo_c, total, levels, mod, kl, orc.utility / sum(mod.tokens),
-                                 "real", abandons=len(r.abandoned),
-                                 extra={"load_s": round(r.total_s, 5),
-                                        "recompute_s": round(r.recompute_tokens / tps, 5),
-                                        "estimates_mbps": ests, "harmonic_mean_mbps": hms,
-                                        "wire_s": [round(ch.transfer_s, 5) for ch in r.chunks],
-                                        "error": r.error, "prefill_tps": tps}))
-                dec_by_k = {dd.chunk: dd for dd in r.decisions}
-                timelines.append({"policy": "adaptive", "trace": tr.name, "trace_set": set_name, "slo_s": slo_c,
-                                  "link": "real", "abandoned": r.abandoned, "chunks": [
-                                      {"chunk": ch.index, "level": ch.level, "bandwidth_mbps": tr.at(ch.index),
-                                       "est_mbps": (dec_by_k[ch.index].throughput_mbps_est
-                                                    if ch.index in dec_by_k else None),
-                                       "harmonic_mean_mbps": (dec_by_k[ch.index].estimate_mbps
-                                                              if ch.index in dec_by_k else None),
-                                       "budget_s": dec_by_k[ch.index].budget_s if ch.index in dec_by_k else None,
-                                       "reason": dec_by_k[ch.index].reason if ch.index in dec_by_k else None,
-                                       "wire_s": round(ch.transfer_s, 5), "decode_s": round(ch.decode_s, 5),
-                                       "start_s": round(ch.fetch_start_s, 5), "bytes": ch.bytes}
-                                      for ch in r.chunks]})
-                log(f"real {set_name:>9} {tr.name:>22} SLO {slo_c:g}: total {total:.3f} s "
-                    f"{'VIOLATED' if total > slo_c else 'met'} levels {levels} abandons {len(r.abandoned)}")
-        desc = link.describe()
-    calib = {"request_overhead_s": max(0.0, statistics.median(wire_extra)) if wire_extra else 0.001,
-             "start_s": statistics.median(man_s) if man_s else 0.0, "n_chunks": len(wire_extra),
-             "decode_scale": statistics.median(dec_ratio) if dec_ratio else 1.0,
-             "method": "request_overhead_s: median over the real run's KV chunks of (wire seconds - bytes / "
-                       "trace rate); start_s: median manifest lookup seconds; decode_scale: median of (real "
-                       "decode seconds / level table's), applied to the simulated decode clock (the CPU is "
-                       "shared: decode under load is slower than when the table was measured)"}
-    return reqs, timelines, desc, calib
 
 
 # --------------------------------------------------------------------------- defaults from real runs
@@ -408,104 +313,6 @@ def _main(argv: list[str] | None = None) -> int:
     _print_summary(rows, agree, checks, doc["goals"])
     print(f"wrote {a.out} ({doc['wall_s']} s)")
     return 0
-
-
-def sim_vs_real(sim_reqs: list[dict], real_reqs: list[dict]) -> list[dict]:
-    """Real vs simulated on the SAME requests (trace name incl. start offset, SLO, policy):
-    per (trace_set, slo_s, policy) of the real rows, both violation rates over those requests
-    only, the points between them, and how many requests agree on met/violated."""
-    sim = {(r["trace"], r["slo_s"], r["policy"]): r for r in sim_reqs}
-    groups: dict[tuple, list[tuple[dict, dict]]] = {}
-    for rr in real_reqs:
-        sr = sim.get((rr["trace"], rr["slo_s"], rr["policy"]))
-        if sr is not None:
-            groups.setdefault((rr["trace_set"], rr["slo_s"], rr["policy"]), []).append((rr, sr))
-    out = []
-    for (ts, slo, pol), pairs in sorted(groups.items()):
-        n = len(pairs)
-        vr = sum(r["violated"] for r, _ in pairs) / n
-        vs = sum(s["violated"] for _, s in pairs) / n
-        out.append({"trace_set": ts, "slo_s": slo, "policy": pol, "n": n, "paired": True,
-                    "violation_rate_real": round(vr, 4), "violation_rate_sim": round(vs, 4),
-                    "diff_points": round(100 * abs(vr - vs), 1),
-                    "same_outcome": sum(r["violated"] == s["violated"] for r, s in pairs),
-                    "total_s_real_minus_sim_mean": round(statistics.fmean(r["total_s"] - s["total_s"]
-                                                                          for r, s in pairs), 5)})
-    return out
-
-
-def _print_summary(rows, agree, checks, gl=()) -> None:
-    print(f"{'link':>9} {'trace_set':>18} {'SLO':>4} {'policy':>9} {'n':>3} {'viol%':>6} {'ovs_mean':>8} "
-          f"{'ovs_p95':>8} {'KL':>8} {'regret':>8}")
-    for r in rows:
-        q = "-" if r["quality_kl"] is None else f"{r['quality_kl']:.4f}"
-        g = "-" if r["regret_vs_oracle"] is None else f"{r['regret_vs_oracle']:.4f}"
-        print(f"{r['link']:>9} {r['trace_set']:>18} {r['slo_s']:>4g} {r['policy']:>9} {r['n']:>3} "
-              f"{100 * r['violation_rate']:>6.1f} {r['overshoot_s_mean']:>8.3f} {r['overshoot_s_p95']:>8.3f} "
-              f"{q:>8} {g:>8}")
-    for x in agree:
-        print(f"sim vs real {x['trace_set']} SLO {x['slo_s']} (same {x['n']} requests): "
-              f"{100 * x['violation_rate_real']:.0f}% real, {100 * x['violation_rate_sim']:.0f}% simulated "
-              f"({x['diff_points']} points; {x['same_outcome']}/{x['n']} same outcome; total_s real - sim "
-              f"{x['total_s_real_minus_sim_mean']:+.3f} s)")
-    if gl:
-        print("goals (point estimates; met / MISSED / - where a side was not measured or nothing qualifies): "
-              "G1 adaptive violations <= oracle's + 5 points; G2 adaptive KL of met loads <= the best fixed "
-              "level's (or text's) at no more violations")
-    for x in gl:
-        orc = "-" if x["oracle_violation_rate"] is None else f"{100 * x['oracle_violation_rate']:.0f}%"
-        kl = x.get("adaptive_quality_kl_met")
-        g2 = (f"G2 KL of met loads adaptive {_num(kl)} vs {x['best_fixed']} {_num(x.get('best_fixed_quality_kl_met'))} "
-              f"-> {_verdict(x.get('g2_quality'))} (all loads: {_num(x.get('adaptive_quality_kl_all'))} vs "
-              f"{x.get('best_fixed_all') or '-'} {_num(x.get('best_fixed_quality_kl_all'))})"
-              if x.get("best_fixed") else f"G2 KL of met loads adaptive {_num(kl)}, no fixed level at no more "
-              f"violations -> {_verdict(x.get('g2_quality'))}")
-        print(f"goals {x['trace_set']} {x['link']} SLO {x['slo_s']:g} ({_requests(x)}): G1 violations adaptive "
-              f"{100 * x['adaptive_violation_rate']:.0f}% vs oracle {orc} -> {_verdict(x['g1_slo'])}; {g2}")
-    _print_goal_cis(gl)
-    if checks:
-        print("checks:", json.dumps(checks, default=str))
-
-
-def _verdict(v) -> str:
-    return "-" if v is None else ("met" if v else "MISSED")
-
-
-def _num(v) -> str:
-    return "-" if v is None else f"{v:.4f}"
-
-
-def _requests(x: dict) -> str:
-    nt = x.get("n_traces")
-    return f"{x['n']} requests" + ("" if nt is None else f" from {nt} trace{'s' if nt != 1 else ''}")
-
-
-def _fmt_ci(x: dict, name: str, scale: float, fmt: str) -> str:
-    ci = x.get(name + "_ci95")
-    if x.get(name) is None or ci is None:
-        return "-"
-    return f"{scale * x[name]:{fmt}} [{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}]"
-
-
-def _print_goal_cis(gl, sets=("artifact", "artifact-generator")) -> None:
-    """Per SLO, the goals on the recorded artifact traces and on the held-out generator set
-    with their cluster-bootstrap 95% intervals (simulated link), so that a miss on 10 traces
-    can be read against its uncertainty."""
-    sel = [x for x in gl if x["trace_set"] in sets and x["link"] == "simulated" and "n_traces" in x]
-    if not sel:
-        return
-    print("goals with paired cluster-bootstrap 95% intervals (resampling traces; simulated link). G1: adaptive - "
-          "oracle violations (points), limit +5; G2: adaptive - best fixed KL of met loads, limit 0; "
-          "verdict of the interval: met / missed / inconclusive")
-    for slo in sorted({x["slo_s"] for x in sel}):
-        for x in sorted((x for x in sel if x["slo_s"] == slo), key=lambda x: sets.index(x["trace_set"])):
-            print(f"  SLO {slo:g} s {x['trace_set']:>18} ({_requests(x)}): "
-                  f"G1 {_fmt_ci(x, 'violation_diff_vs_oracle', 100, '+.1f')} -> point {_verdict(x.get('g1_slo'))}, "
-                  f"interval {x.get('g1_ci')}; G2 vs {x.get('best_fixed') or '-'} "
-                  f"{_fmt_ci(x, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} -> point {_verdict(x.get('g2_quality'))}, "
-                  f"interval {x.get('g2_ci')} (comparators {x.get('g2_ci_comparators')}); all loads vs "
-                  f"{x.get('best_fixed_all')} "
-                  f"{_fmt_ci(x, 'kl_all_diff_vs_best_fixed_all', 1, '+.4f')} ({x.get('g2_all_ci')})")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ from codec.codecs import CODECS
 from codec.config import CodecConfig
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()                                            # warm-up (JIT, allocator), excluded
+def _median_time(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Median seconds of ``clock`` (wall by default) over ``repeats`` calls of ``fn`` after
+    a warm-up call (JIT, allocator), which is excluded."""
+    fn()
     times = []
     for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -41,13 +43,7 @@ def _threads(n: Optional[int]):
 
 def _median_cpu(fn, repeats: int) -> float:
     """Median CPU seconds (all threads of this process) of ``fn`` after a warm-up."""
-    fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        c0 = time.process_time()
-        fn()
-        times.append(time.process_time() - c0)
-    return statistics.median(times)
+    return _median_time(fn, repeats, clock=time.process_time)
 
 
 def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, float]:

@@ -132,30 +132,36 @@ def _fmt_ci(x: float, ci: Sequence[float], digits: int = 4) -> str:
     return f"{x:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
+def _print_rows(header: str, lines, note: str, out=None) -> None:
+    """One printed table: ``header``, one line per item of ``lines``, then ``note``."""
+    for line in (header, *lines, note):
+        print(line, file=out)
+
+
 def print_table(rows: list[dict], out=None) -> None:
     """The text-fidelity table (ppl change labelled as not monotone in distortion)."""
-    print(f"{'codec / level':<18} {'ratio':>7} {'bits/el':>7}  {'n':>3}  {'KL nats/token [95% CI]':<28} "
-          f"{'top-1 agreement [95% CI]':<26} {'ppl change % [95% CI] (not monotone)':<30}", file=out)
-    for r in sorted(rows, key=lambda r: (r["codec"], -1 if r["level"] is None else r["level"])):
-        label = _label(r["codec"], r["level"]) + (" *" if r.get("default") else "")
-        print(f"{label:<18} {r['ratio_vs_dtype']:>6.2f}x {r['bits_per_element']:>7.3f}  {r['n_windows']:>3}  "
-              f"{_fmt_ci(r['kl'], r['kl_ci']):<28} {_fmt_ci(r['top1_agreement'], r['top1_agreement_ci'], 3):<26} "
-              f"{_fmt_ci(r['ppl_change_pct'], r['ppl_change_pct_ci'], 1):<30}", file=out)
-    print("* = default codec/level. KL and top-1 agreement are against the lossless KV on the same windows; "
-          "rank by them, not by ppl change.", file=out)
+    rows = sorted(rows, key=lambda r: (r["codec"], -1 if r["level"] is None else r["level"]))
+    _print_rows(
+        f"{'codec / level':<18} {'ratio':>7} {'bits/el':>7}  {'n':>3}  {'KL nats/token [95% CI]':<28} "
+        f"{'top-1 agreement [95% CI]':<26} {'ppl change % [95% CI] (not monotone)':<30}",
+        (f"{_label(r['codec'], r['level']) + (' *' if r.get('default') else ''):<18} "
+         f"{r['ratio_vs_dtype']:>6.2f}x {r['bits_per_element']:>7.3f}  {r['n_windows']:>3}  "
+         f"{_fmt_ci(r['kl'], r['kl_ci']):<28} {_fmt_ci(r['top1_agreement'], r['top1_agreement_ci'], 3):<26} "
+         f"{_fmt_ci(r['ppl_change_pct'], r['ppl_change_pct_ci'], 1):<30}" for r in rows),
+        "* = default codec/level. KL and top-1 agreement are against the lossless KV on the same windows; "
+        "rank by them, not by ppl change.", out)
 
 
 def print_task_table(rows: list[dict], out=None) -> None:
-    print(f"{'codec / level':<18} {'task':<16} {'n':>4}  {'accuracy [Wilson 95%]':<24} "
-          f"{'answer agreement [Wilson 95%]':<30} {'token agreement [Wilson 95%]':<30}", file=out)
-    for r in rows:
-        tok = (_fmt_ci(r["token_agreement"], r["token_agreement_ci"], 3)
-               if r.get("token_agreement") is not None else "-")
-        print(f"{_label(r['codec'], r['level']):<18} {r['task']:<16} {r['n']:>4}  "
-              f"{_fmt_ci(r['accuracy'], r['accuracy_ci'], 3):<24} {_fmt_ci(r['agreement'], r['agreement_ci'], 3):<30} "
-              f"{tok:<30}", file=out)
-    print("answer agreement: the scored answer equals the lossless answer's; token agreement: identical "
-          "token ids (a rephrasing disagrees).", file=out)
+    _print_rows(
+        f"{'codec / level':<18} {'task':<16} {'n':>4}  {'accuracy [Wilson 95%]':<24} "
+        f"{'answer agreement [Wilson 95%]':<30} {'token agreement [Wilson 95%]':<30}",
+        (f"{_label(r['codec'], r['level']):<18} {r['task']:<16} {r['n']:>4}  "
+         f"{_fmt_ci(r['accuracy'], r['accuracy_ci'], 3):<24} {_fmt_ci(r['agreement'], r['agreement_ci'], 3):<30} "
+         + (f"{_fmt_ci(r['token_agreement'], r['token_agreement_ci'], 3):<30}"
+            if r.get("token_agreement") is not None else f"{'-':<30}") for r in rows),
+        "answer agreement: the scored answer equals the lossless answer's; token agreement: identical "
+        "token ids (a rephrasing disagrees).", out)
 
 
 def print_task_splits(rows: list[dict], out=None) -> None:

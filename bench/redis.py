@@ -18,6 +18,7 @@ import sys
 import tempfile
 from typing import Sequence
 
+from common.cli import exit_status
 from common import flags
 from common.units import goodput_mbps
 from streaming import standin
@@ -90,13 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.chunks < 1 or a.repeats < 1 or a.chunk_mb <= 0:
         print("error: --chunks, --repeats and --chunk-mb must be positive", file=sys.stderr)
         return 2
-    try:
+
+    def run() -> None:
         for row in bench(a.bandwidth_mbps, a.chunks, a.chunk_mb, a.repeats, a.link_method):
             print(json.dumps(row), flush=True)
-    except (StoreError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(run, (StoreError, ValueError, OSError))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.cli import exit_status
 from common import flags
 from common.files import atomic_write_json
 from streaming import standin
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from streaming.errors import StreamingError
 
-    try:
+    def run() -> None:
         if a.cmd == "pipeline":
             row = run_pipeline(a.bandwidth_mbps, a.chunks, a.chunk_bytes, a.decode_s, a.link_method,
                                a.repeats)
@@ -178,10 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             viol = sum(s["slo_violated"] for s in sums)
             print(f"SLO violations: {viol}/{len(sums)}")
             _write(a.out, {"chunks": rows, "summaries": sums})
-    except (StreamingError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(run, (StreamingError, ValueError, OSError))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 - ``harness.config``: run configuration (configs/benchmark.yaml + flags);
 - ``harness.contexts``: prompts, context KV, store population;
-- ``harness.engines``: the HF and vLLM engines and the request protocol they share;
+- ``harness.engines``: the request protocol the engines share (re-exports the engines);
+- ``harness.engine_api``: load outcome, request timings and the Engine face;
+- ``harness.engine_hf`` / ``harness.engine_vllm``: the transformers and vLLM engines;
+- ``harness.engine_numerics``: the vLLM worker's thread binding, dtype, seed, numerics env;
 - ``harness.quality``: per-run scores (metric registry) and the perplexity/KL pass;
 - ``harness.adaptation``: bandwidth traces, the SLO check, the adaptation experiment;
 - ``harness.results``: run records, results.json writing, the console table;

@@ -30,8 +30,10 @@ from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
 from harness.contexts import (BenchmarkError, build_contexts, failure_record, log,
                               one_line, populate_store, store_levels, variants)
-from harness.engines import (Engine, HFEngine, VLLMEngine, check_vllm, measure_prefill_speed,
-                             request_params)
+from harness.engine_api import Engine
+from harness.engine_hf import HFEngine
+from harness.engine_vllm import VLLMEngine, check_vllm
+from harness.engines import measure_prefill_speed, request_params
 from harness.quality import perplexity_pass, score_output
 from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
 from kv_extraction_hf.errors import ExtractionError

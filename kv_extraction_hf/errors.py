@@ -8,8 +8,9 @@ that does not fit the model, a prompt longer than the model's context) is raised
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
+
+from common.cli import exit_status
 
 
 class ExtractionError(ValueError):
@@ -18,10 +19,6 @@ class ExtractionError(ValueError):
 
 def run_cli(body: Callable[[], None]) -> int:
     """Run a CLI's ``body``: exit status 0 when it returns, 2 when it raises
-    :class:`ExtractionError` (its message printed to stderr as ``error: <message>``)."""
-    try:
-        body()
-    except ExtractionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    :class:`ExtractionError` (its message printed to stderr as ``error: <message>``;
+    ``common.cli.exit_status``)."""
+    return exit_status(body, (ExtractionError,))

@@ -4,7 +4,6 @@
 Moved from ``scripts/readme_tables.py`` (issue 27), which re-exports these names."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's pa
 
 from codec import level_table  # noqa: E402  (torch-free)
 from evaluation.summary import summarize  # noqa: E402
+from visualize.loading import read_json_doc  # noqa: E402  (stdlib only)
 
 
 START = "<!-- results-table:start -->"
@@ -50,13 +50,7 @@ def _isa_note(env: dict) -> str:
 
 def load_results(path: Path) -> dict[str, Any]:
     """The results document. Raises ReadmeTableError when unreadable or without runs."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-        raise ReadmeTableError(f"{path} is not a results file (no 'runs' list; docs/results-schema.md)")
-    return doc
+    return read_json_doc(path, "results", "runs", error=ReadmeTableError)
 
 
 def load_optional(path: Path, what: str, key: str = "rows") -> dict[str, Any] | None:
@@ -65,13 +59,13 @@ def load_optional(path: Path, what: str, key: str = "rows") -> dict[str, Any] | 
     path = Path(path)
     if not path.exists():
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReadmeTableError(f"cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
-        raise ReadmeTableError(f"{path} is not a {what} file (no '{key}' list; docs/results-schema.md)")
-    return doc
+    return read_json_doc(path, what, key, error=ReadmeTableError)
+
+
+def _sections(doc: dict[str, Any], *keys: str) -> list[Any]:
+    """``doc[key] or {}`` for each of ``keys`` (the object sections of a result file), then
+    its ``wall_s`` (None when absent)."""
+    return [doc.get(k) or {} for k in keys] + [doc.get("wall_s")]
 
 
 def summaries(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import codec
+from common.cli import exit_status
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
@@ -136,13 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-reps", type=int, default=0)
     ap.add_argument("--hook-wait-s", type=float, default=120.0)
     a = ap.parse_args(argv)
-    try:
-        check(a.model_dir, a.out, a.async_load, a.context_tokens, ttft_reps=a.ttft_reps,
-              hook_wait_s=a.hook_wait_s)
-    except (ExtractionError, ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: check(a.model_dir, a.out, a.async_load, a.context_tokens, ttft_reps=a.ttft_reps,
+                                     hook_wait_s=a.hook_wait_s),
+                       (ExtractionError, ValueError, OSError, RuntimeError))
 
 
 if __name__ == "__main__":

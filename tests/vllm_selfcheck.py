@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import codec
+from common.cli import exit_status
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
@@ -197,12 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt", choices=["needle", "lines"], default="needle")
     a = ap.parse_args(argv)
-    try:
-        selfcheck(a.model_dir, a.out, a.context_tokens, a.max_tokens, prompt_kind=a.prompt)
-    except (ExtractionError, ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: selfcheck(a.model_dir, a.out, a.context_tokens, a.max_tokens, prompt_kind=a.prompt),
+                       (ExtractionError, ValueError, OSError, RuntimeError))
 
 
 if __name__ == "__main__":

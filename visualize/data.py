@@ -1,13 +1,11 @@
-"""Reading a results.json for the figures: :func:`load_results`, :func:`prepare` (tidy
-DataFrames in :class:`ResultsData`), the shared plot helpers (labels, colours, ticks,
-captions) and :func:`save_figure` (atomic write). Moved from ``visualize_results.py``,
-which re-exports these names."""
+"""A results.json as the figures see it: :func:`prepare` (tidy DataFrames in
+:class:`ResultsData`; reading the file is visualize.loading's, re-exported here), the
+shared plot helpers (labels, colours, ticks, captions) and :func:`save_figure` (atomic
+write). Moved from ``visualize_results.py``, which re-exports these names."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +16,10 @@ import pandas as pd
 
 from common.files import atomic_write  # stdlib only
 from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
+from visualize.loading import (  # noqa: F401  (re-exported)
+    KNOWN_SCHEMA_VERSION, ResultsError, SkipFigure, load_results, schema_warnings
+)
 
-KNOWN_SCHEMA_VERSION = 1
 DEFAULT_RESULTS = Path("benchmarks/results.json")
 DEFAULT_OUT = Path("benchmarks")
 
@@ -40,57 +40,6 @@ NUMERIC_SUMMARY_COLUMNS = [
     "slo_violation_rate",
 ]
 MB = 1e6  # figures use MB = 10^6 bytes
-
-
-class ResultsError(ValueError):
-    """The results file is missing, unreadable, not JSON or not a JSON object."""
-
-
-class SkipFigure(Exception):
-    """A figure cannot be drawn from this results file; the message says why."""
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_results(path: str | os.PathLike) -> dict:
-    """Read and parse a results.json.
-
-    Returns:
-        The top-level JSON object as a dict.
-
-    Raises:
-        ResultsError: the file is missing or unreadable, is not UTF-8 JSON, or its top
-            level is not an object. The message is one line naming the file.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ResultsError(f"{path}: no such file (run run_benchmarks.py first, or pass --results)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ResultsError(f"{path}: cannot read: {exc}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ResultsError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except RecursionError:
-        raise ResultsError(f"{path}: not valid JSON (nested too deeply)") from None
-    if not isinstance(doc, dict):
-        raise ResultsError(f"{path}: top level is a JSON {type(doc).__name__}, expected an object "
-                           f"with 'schema_version', 'summaries', ... (docs/results-schema.md)")
-    return doc
-
-
-def schema_warnings(doc: dict) -> list[str]:
-    """Warnings about the schema version (missing or not the version this script knows)."""
-    version = doc.get("schema_version")
-    if version is None:
-        return [f"results file has no schema_version; assuming {KNOWN_SCHEMA_VERSION} and drawing what it can"]
-    if version != KNOWN_SCHEMA_VERSION:
-        return [f"results file has schema_version {version!r}, this script knows {KNOWN_SCHEMA_VERSION}; "
-                f"drawing the figures it can"]
-    return []
 
 
 def plot_label(mode: Any, level: Any) -> str:

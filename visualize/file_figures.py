@@ -1,18 +1,23 @@
 """The figures of the other result files: ``quality_divergence`` from a quality.json
 (``python -m bench.quality``) and the adaptation figures from an adaptation.json
-(``python -m bench.adapt``). Each reads only its file. Moved from ``visualize_results.py``,
-which re-exports these names."""
+(``python -m bench.adapt``; the figures themselves are in visualize.adapt_figures,
+re-exported here). Each reads only its file. Moved from ``visualize_results.py``, which
+re-exports these names."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from visualize.data import ResultsError, SkipFigure, _colors, _log_helps, _new_figure, save_figure
+from visualize.adapt_figures import (  # noqa: F401  (re-exported)
+    _ADAPT_ORDER, ADAPT_FIGURES, DEFAULT_ADAPTATION, _adapt_policies, _adapt_rows, fig_adapt_quality_vs_violation,
+    fig_adapt_timeline, fig_adapt_violation_vs_slo
+)
+from visualize.data import SkipFigure, _colors, _log_helps, _new_figure, save_figure
+from visualize.loading import read_json_doc
 from visualize.results_figures import _pareto
 
 # ----------------------------------------------------------------------------- quality.json (bench.quality)
@@ -79,13 +84,7 @@ def fig_quality_divergence(doc: dict):
 def render_quality(path: Path, out_dir: Path, formats: Sequence[str], dpi: int = 150) -> list[Path]:
     """Draw ``quality_divergence.<fmt>`` from a quality.json into ``out_dir``. Raises
     ResultsError for an unreadable file, SkipFigure when it holds no lossy rows."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ResultsError(f"cannot read quality results {path}: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ResultsError(f"{path} is not a quality.json object")
-    fig = fig_quality_divergence(doc)
+    fig = fig_quality_divergence(read_json_doc(path, "quality"))
     written = []
     for fmt in formats:
         out = Path(out_dir) / f"quality_divergence.{fmt}"
@@ -94,143 +93,10 @@ def render_quality(path: Path, out_dir: Path, formats: Sequence[str], dpi: int =
     return written
 
 
-# ----------------------------------------------------------------------------- adaptation.json
-# Figures of `python -m bench.adapt` (benchmarks/adaptation.json, docs/results-schema.md
-# "adaptation.json"): self-contained, they read only that file.
-DEFAULT_ADAPTATION = Path("benchmarks/adaptation.json")
-_ADAPT_ORDER = ["oracle", "adaptive", "text"] + [f"fixed-l{i}" for i in range(10)]
-
-
-def _adapt_rows(doc: dict, link: str | None = None) -> list[dict]:
-    rows = [r for r in doc.get("rows", []) if isinstance(r, dict)]
-    if link:
-        rows = [r for r in rows if r.get("link") == link]
-    if not rows:
-        raise SkipFigure(f"adaptation.json has no rows{' for link ' + link if link else ''}")
-    return rows
-
-
-def _adapt_policies(rows: list[dict]) -> list[str]:
-    pols = {r["policy"] for r in rows}
-    return [p for p in _ADAPT_ORDER if p in pols] + sorted(pols - set(_ADAPT_ORDER))
-
-
-def fig_adapt_violation_vs_slo(doc: dict, trace_set: str = "artifact"):
-    """SLO violation rate (%) vs SLO (s) per policy on one trace set (simulated clock model),
-    with the real-link points of the same set as hollow markers."""
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in _adapt_rows(doc) if r.get("trace_set") == trace_set]
-    if not rows:
-        raise SkipFigure(f"no rows for trace set {trace_set!r}")
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for pol in _adapt_policies(rows):
-        pts = sorted((r["slo_s"], 100 * r["violation_rate"]) for r in rows
-                     if r["policy"] == pol and r.get("link") == "simulated")
-        if pts:
-            style = dict(lw=2.5, color="black") if pol == "oracle" else dict(lw=2.0, color="tab:red") \
-                if pol == "adaptive" else dict(lw=1.0, alpha=0.7)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol, **style)
-        real = [(r["slo_s"], 100 * r["violation_rate"], r["n"]) for r in rows
-                if r["policy"] == pol and r.get("link") == "real"]
-        for x, y, n in real:
-            ax.plot([x], [y], marker="s", mfc="none", mec="tab:red", ms=11, ls="none",
-                    label=f"{pol} (real link, n={n})")
-    ax.set_xscale("log", base=2)
-    slos = sorted({r["slo_s"] for r in rows})
-    ax.set_xticks(slos, [f"{x:g}" for x in slos])
-    ax.set_xlabel("SLO for loading the context (s)")
-    ax.set_ylabel("SLO violation rate (%)")
-    ns = sorted({r["n"] for r in rows if r.get("link") == "simulated"})
-    ax.set_title(f"Violations vs SLO, trace set '{trace_set}' (simulated, n={ns} per point)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    return fig
-
-
-def fig_adapt_quality_vs_violation(doc: dict, trace_set: str = "artifact"):
-    """Quality (mean KL, lower is better; or utility regret vs the oracle when KL is not
-    available) vs violation rate, one point per policy and SLO; the oracle's points joined."""
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in _adapt_rows(doc, "simulated") if r.get("trace_set") == trace_set]
-    if not rows:
-        raise SkipFigure(f"no simulated rows for trace set {trace_set!r}")
-    use_kl = all(r.get("quality_kl") is not None for r in rows)
-    key, ylab = ("quality_kl", "mean KL per token (lower is better)") if use_kl else \
-        ("regret_vs_oracle", "regret vs oracle (ordinal utility per token; KL unavailable)")
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for pol in _adapt_policies(rows):
-        pts = sorted((100 * r["violation_rate"], r[key], r["slo_s"]) for r in rows
-                     if r["policy"] == pol and r.get(key) is not None)
-        if not pts:
-            continue
-        if pol == "oracle":
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "k-o", lw=2, label="oracle (front)")
-        else:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=pol, s=40 if pol == "adaptive" else 18,
-                       color="tab:red" if pol == "adaptive" else None, zorder=3)
-        if pol in ("oracle", "adaptive"):
-            for x, y, slo in pts:
-                ax.annotate(f"{slo:g}s", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("SLO violation rate (%)")
-    ax.set_ylabel(ylab)
-    ax.set_title(f"Quality vs violations, trace set '{trace_set}' (each point: a policy at one SLO)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    return fig
-
-
-def fig_adapt_timeline(doc: dict):
-    """Per-chunk timeline of one load (the first real-link artifact trace, else the first
-    timeline): bandwidth and estimate (Mbit/s), level chosen (or text), budget vs actual
-    wire seconds, abandoned attempts."""
-    import matplotlib.pyplot as plt
-
-    tls = [t for t in doc.get("timelines", []) if isinstance(t, dict) and t.get("chunks")]
-    if not tls:
-        raise SkipFigure("adaptation.json has no timelines")
-    pick = next((t for t in tls if t.get("link") == "real" and t.get("trace_set") == "artifact"), tls[0])
-    ch = [c for c in pick["chunks"] if not c.get("abandoned")]
-    k = [c["chunk"] for c in ch]
-    fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    a1.step(k, [c["bandwidth_mbps"] for c in ch], where="mid", label="shaped rate (trace)")
-    a1.plot(k, [c.get("est_mbps") if c.get("est_mbps") is not None else np.nan for c in ch], "o--",
-            label="policy's estimate")
-    a1.set_ylabel("Mbit/s")
-    a1.set_yscale("log")
-    a1.legend(fontsize=7)
-    a2.plot(k, [-1 if c["level"] is None else c["level"] for c in ch], "s", ms=8)
-    a2.set_yticks(range(-1, 6), ["text"] + [str(i) for i in range(6)])
-    a2.set_ylabel("level chosen")
-    a3.bar([x - 0.2 for x in k], [c.get("budget_s") or 0 for c in ch], width=0.4, label="budget (deadline) s")
-    a3.bar([x + 0.2 for x in k], [c.get("wire_s") or 0 for c in ch], width=0.4, label="actual wire s")
-    ab = pick.get("abandoned") or [c for c in pick["chunks"] if c.get("abandoned")]
-    for a in ab:
-        a3.plot([a["chunk"]], [a.get("wire_s", 0)], "rx", ms=10)
-    if ab:
-        a3.plot([], [], "rx", label="abandoned attempt")
-    a3.set_ylabel("seconds")
-    a3.set_xlabel("chunk")
-    a3.legend(fontsize=7)
-    fig.suptitle(f"Adaptation timeline: {pick.get('trace')} ({pick.get('link')} link, SLO {pick.get('slo_s')} s)")
-    return fig
-
-
-ADAPT_FIGURES = {"adaptation_violation_vs_slo": fig_adapt_violation_vs_slo,
-                 "adaptation_quality_vs_violation": fig_adapt_quality_vs_violation,
-                 "adaptation_chunk_timeline": fig_adapt_timeline}
-
-
 def render_adaptation(path: Path, out_dir: Path, formats: Sequence[str], dpi: int = 150) -> list[Path]:
     """Draw the adaptation figures from an adaptation.json into ``out_dir``. Raises
     ResultsError for an unreadable file; figures without data are skipped (stderr)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ResultsError(f"cannot read adaptation results {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ResultsError(f"{path} is not an adaptation.json object (no 'rows' list)")
+    doc = read_json_doc(path, "adaptation", "rows")
     written = []
     for name, draw in ADAPT_FIGURES.items():
         try:

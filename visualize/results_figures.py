@@ -226,22 +226,12 @@ def fig_quality_vs_size(data: ResultsData):
                     ax.annotate(f"{bw:g} Mbit/s", (size / MB, q), fontsize=6, xytext=(4, 3),
                                 textcoords="offset points")
                 points.append((size / MB, q))
-        front = _pareto(points, hib)
-        if len(front) >= 2:
-            fx, fy = zip(*front, strict=True)
-            h = ax.step(fx, fy, where="post", color="0.4", linewidth=1, linestyle="-", zorder=2,
-                        label="Pareto front")[0]
-            handles.setdefault("Pareto front", h)
+        _pareto_step(ax, points, hib, handles)
         if not text_rows.empty and metric in text_rows and text_rows[metric].notna().any():
             h = ax.axhline(text_rows[metric].median(), color="0.2", linestyle="--", linewidth=1,
                            label="text (recompute)")
             handles.setdefault("text (recompute)", h)
-        ax.set_xscale("log")
-        _plain_log_ticks(ax.xaxis)
-        ax.set_xlabel("KV bytes per context (MB, log scale)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{metric} ({'higher' if hib else 'lower'} is better)", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
+        _size_axes(ax, ylabel, f"{metric} ({'higher' if hib else 'lower'} is better)")
     if qkl:
         qcfg = data.quality.get("config") if isinstance(data.quality.get("config"), dict) else {}
         fig.suptitle("Quality vs size trade-off per mode and level; KL from quality.json "
@@ -280,17 +270,28 @@ def _quality_json_kl_panel(ax, kv: pd.DataFrame, labels, colors, qkl: dict, hand
     if not points:
         ax.text(0.5, 0.5, "no mode of this run has a KL row in quality.json", ha="center", va="center",
                 transform=ax.transAxes, fontsize=8)
-    front = _pareto(points, False)
+    _pareto_step(ax, points, False, handles)
+    _size_axes(ax, QUALITY_JSON_KL_PANEL[1], "KL from quality.json, 95% CI (lower is better)")
+
+
+def _pareto_step(ax, points: list[tuple[float, float]], higher_is_better: bool, handles: dict) -> None:
+    """Draw the Pareto front of ``points`` ((MB, quality) pairs) as a step line on ``ax``
+    when it has at least two points; its handle joins ``handles`` under "Pareto front"."""
+    front = _pareto(points, higher_is_better)
     if len(front) >= 2:
         fx, fy = zip(*front, strict=True)
         h = ax.step(fx, fy, where="post", color="0.4", linewidth=1, linestyle="-", zorder=2,
                     label="Pareto front")[0]
         handles.setdefault("Pareto front", h)
+
+
+def _size_axes(ax, ylabel: str, title: str) -> None:
+    """The axes of a quality-vs-size panel: log x in MB of KV per context, grid."""
     ax.set_xscale("log")
     _plain_log_ticks(ax.xaxis)
     ax.set_xlabel("KV bytes per context (MB, log scale)")
-    ax.set_ylabel(QUALITY_JSON_KL_PANEL[1])
-    ax.set_title("KL from quality.json, 95% CI (lower is better)", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
 
 

@@ -336,8 +336,9 @@ def test_bench_quick_writes_rows(tmp_path, capsys, monkeypatch):
     import json
 
     from bench import codec as bench
+    from bench import codec_contexts
 
-    monkeypatch.setattr(bench, "QUICK_SHAPE", (3, 512, 2, 32))
+    monkeypatch.setattr(codec_contexts, "QUICK_SHAPE", (3, 512, 2, 32))  # where load_contexts reads it
     out = tmp_path / "b.json"
     rc = bench.main(["--quick", "--contexts", "1", "--repeats", "1", "--rows", "raw",
                      "quant8", "cachegen:1", "--out", str(out)])
@@ -357,5 +358,5 @@ def test_bench_quick_writes_rows(tmp_path, capsys, monkeypatch):
     # 1.047 before the outlier side list; 1.051 with it (one V outlier of this synthetic
     # KV is taken out, so that head's step is finer and its symbols spread more)
     assert 1.0 <= rows["cachegen-l1"]["payload_over_entropy"] < 1.06
-    assert len(doc["codec_layers"]) == 3 * 2 * bench.QUICK_SHAPE[0]
+    assert len(doc["codec_layers"]) == 3 * 2 * codec_contexts.QUICK_SHAPE[0]
     assert "cachegen-l1" in capsys.readouterr().out

@@ -382,9 +382,10 @@ def test_bench_codec_quick_has_kvtc_rows(tmp_path, monkeypatch):
     import json
 
     from bench import codec as bench
+    from bench import codec_contexts
 
     assert ("kvtc", 4) in bench.DEFAULT_ROWS
-    monkeypatch.setattr(bench, "QUICK_SHAPE", (3, 512, 2, 32))
+    monkeypatch.setattr(codec_contexts, "QUICK_SHAPE", (3, 512, 2, 32))  # where load_contexts reads it
     out = tmp_path / "b.json"
     assert bench.main(["--quick", "--contexts", "1", "--repeats", "1", "--rows", "kvtc:4",
                        "kvtc:1", "--out", str(out)]) == 0

