@@ -75,5 +75,5 @@ def read_json_doc(path: str | os.PathLike, what: str, key: str | None = None, *,
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"cannot read {what} file {path}: {exc}") from None
     if not isinstance(doc, dict) or (key is not None and not isinstance(doc.get(key), list)):
-        raise error(f"{path} is not a {what} file" + (f" (no '{key}' list; docs/results-schema.md)" if key else ""))
+        raise error(f"{path} is not {'an' if what[:1] in 'aeiou' else 'a'} {what} file" + (f" (no '{key}' list; docs/results-schema.md)" if key else ""))
     return doc
