@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import level_table
+from . import outliers
 from . import quantize as Q
 from .config import CodecConfig
 from .errors import CodecError
@@ -125,7 +126,7 @@ class CacheGenCodec(Codec):
             # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
             # a sparse side list and set to 0 before the scale is taken (issue 12.3;
             # docs/bitstream.md section 4.4); normal KV stops at the group maxima
-            thr = Q.outlier_thresholds(xg, dims)
+            thr = outliers.outlier_thresholds(xg, dims)
             x_orig = xg
             if bool((s > thr).any()):
                 mask = xg.to(torch.float32).abs() > thr
@@ -142,7 +143,7 @@ class CacheGenCodec(Codec):
             # list took its values out, a channel far above the rest of its (layer, KV
             # head) is divided by 2^e (e stored) before the scale is taken, so that it no
             # longer sets the step of the others
-            ch = Q.outlier_channels(xg, x_orig)
+            ch = outliers.outlier_channels(xg, x_orig)
             if ch is not None:
                 cidx, cexp = ch
                 arrays[f"chx_{tag}_idx"] = cidx.astype(np.uint32 if L * H * D <= 1 << 32
@@ -218,9 +219,9 @@ class CacheGenCodec(Codec):
         if int(idx.max()) >= L * H * D or (n > 1 and bool(np.any(np.diff(idx64) <= 0))):
             raise CodecError(f"outlier-channel indices of {tag} are out of range or not "
                              f"increasing")
-        if int(ex.min()) < 1 or int(ex.max()) > Q.CHANNEL_MAX_EXP:
+        if int(ex.min()) < 1 or int(ex.max()) > outliers.CHANNEL_MAX_EXP:
             raise CodecError(f"outlier-channel exponents of {tag} must lie in "
-                             f"1..{Q.CHANNEL_MAX_EXP}")
+                             f"1..{outliers.CHANNEL_MAX_EXP}")
         if x.shape[1]:
             Q.scale_channels(x, idx64, ex, +1)
         return x

@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import lowbit
 from . import quantize as Q
 from . import scratch
 from .base import DTYPES, KIVI_GROUP, from_bits, need_array, need_int
@@ -243,7 +244,7 @@ def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
 
     dt = DTYPES[dtype_name]
     ko, vo = _dest(shape, dt, out)
-    vals = Q.fp8_dequantize(torch.arange(256, dtype=torch.uint8))         # float32 [256]
+    vals = lowbit.fp8_dequantize(torch.arange(256, dtype=torch.uint8))         # float32 [256]
     flag = (~torch.isfinite(vals)).to(torch.uint8).numpy()
     tab = bits_view(vals.to(dt).contiguous())
     for name, o in (("k", ko), ("v", vo)):
@@ -256,7 +257,7 @@ def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
 def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_name: str,
                     out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """KIVI decode (``codecs.KiviCodec``) into one destination, both cores: per quantization
-    group a table of its 2^bits values (``Q.kivi_dequantize`` itself on the codes 0..2^bits-1,
+    group a table of its 2^bits values (``lowbit.kivi_dequantize`` itself on the codes 0..2^bits-1,
     cast to the dtype: bit-identical), then one numba pass unpacking the codes and looking
     them up; the full-precision tokens are copied behind. Raises CodecError as the
     reference decoder; ValueError on a bad out."""
@@ -299,7 +300,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
         qb = need_array(arrays.get(f"{name}_q"), np.uint8, (nbytes,), f"{name}_q")
         lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
         st = from_bits(arrays.get(f"{name}_step"), dtype_name, gshape, f"{name}_step")
-        tab = Q.kivi_dequantize(qsyn, lo, st, dim=dim, group=NQ)
+        tab = lowbit.kivi_dequantize(qsyn, lo, st, dim=dim, group=NQ)
         if not all_finite(tab):
             raise CodecError(f"kivi: non-finite values in {name}")
         tab = tab.to(dt).contiguous()
