@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 
 import torch
 
@@ -188,6 +189,22 @@ def _histogram_kernel(sym_ptr, out_ptr, T, C,
     tl.store(out_ptr + (layer * C + cc) * NB + k % NB, acc, mask=cc < C)
 
 
+def _stream_lanes(kvl, L, T, C, G, B, n_groups, n_blocks, BLOCK: tl.constexpr):
+    """The lanes of a rANS program (a device function of both rANS kernels): for (kv *
+    L + layer) = kvl, channel groups g = program_id(0) * BLOCK + lane and token block
+    b = program_id(1): (kv, lane valid, stream index (section 3 order), first token, tokens,
+    first channel, channels, offset of the layer in sym/out [L, T, C])."""
+    b = tl.program_id(1)
+    kv = kvl // L
+    layer = kvl - kv * L
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
+    t0 = b * B
+    c0 = g * G
+    return (kv, g < n_groups, stream, t0, tl.minimum(B, T - t0), c0, tl.minimum(G, C - c0),
+            layer.to(tl.int64) * T * C)
+
+
 def _rans_encode_kernel(sym_k_ptr, sym_v_ptr, midx_ptr, cum_ptr, woff_ptr, words_ptr,
                         nwords_ptr, err_ptr, L, T, C, G, B, n_groups, n_blocks,
                         WRITE: tl.constexpr, BLOCK: tl.constexpr):
@@ -202,19 +219,9 @@ def _rans_encode_kernel(sym_k_ptr, sym_v_ptr, midx_ptr, cum_ptr, woff_ptr, words
     the stream in [woff[i], woff[i + 1]) written backwards; err[i] = 7 if the slot is
     not filled exactly.
     """
-    pid0 = tl.program_id(0)
-    b = tl.program_id(1)
     kvl = tl.program_id(2)
-    kv = kvl // L
-    layer = kvl - kv * L
-    g = pid0 * BLOCK + tl.arange(0, BLOCK)
-    lane = g < n_groups
-    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
-    t0 = b * B
-    bsize = tl.minimum(B, T - t0)
-    c0 = g * G
-    gsize = tl.minimum(G, C - c0)
-    sym_base = layer.to(tl.int64) * T * C
+    kv, lane, stream, t0, bsize, c0, gsize, sym_base = _stream_lanes(
+        kvl, L, T, C, G, B, n_groups, n_blocks, BLOCK)
     if kv == 0:
         sym_ptr = sym_k_ptr + sym_base
     else:
@@ -277,19 +284,9 @@ def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v
     kvl: int32 list of the (kv * L + layer) indices this launch covers (program_id(2)
     indexes it), so layers with small alphabets get a launch with a small NB.
     """
-    pid0 = tl.program_id(0)
-    b = tl.program_id(1)
     kvl = tl.load(kvl_ptr + tl.program_id(2))
-    kv = kvl // L
-    layer = kvl - kv * L
-    g = pid0 * BLOCK + tl.arange(0, BLOCK)
-    lane = g < n_groups
-    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
-    t0 = b * B
-    bsize = tl.minimum(B, T - t0)
-    c0 = g * G
-    gsize = tl.minimum(G, C - c0)
-    sym_base = layer.to(tl.int64) * T * C
+    kv, lane, stream, t0, bsize, c0, gsize, sym_base = _stream_lanes(
+        kvl, L, T, C, G, B, n_groups, n_blocks, BLOCK)
     if kv == 0:
         out_ptr = out_k_ptr + sym_base
     else:
@@ -349,12 +346,28 @@ def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v
     tl.store(err_ptr + stream, err, mask=lane)
 
 
+_DEVICE_FUNCTIONS = ("_stream_lanes",)   # called by kernels: jitted in the kernel's mode
+
+
+def _with_device_functions(name: str, interp: bool):
+    """Kernel `name` as a function whose globals hold its device functions jitted for the
+    mode (the interpreter calls InterpretedFunctions, the compiler JITFunctions; a
+    module-level decoration would fix one mode at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    wrap = InterpretedFunction if interp else JITFunction
+    g = dict(globals(), **{d: wrap(globals()[d]) for d in _DEVICE_FUNCTIONS})
+    fn = globals()[name]
+    return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 @functools.lru_cache(maxsize=None)
 def _jit(name: str, interp: bool):
     """triton.jit the kernel `name` (cached per interpreter mode)."""
     if not HAVE_TRITON:  # pragma: no cover
         raise RuntimeError("Triton is not installed")
-    return triton.jit(globals()[name])
+    return triton.jit(_with_device_functions(name, interp))
 
 
 def _kernel(name: str):
@@ -414,7 +427,7 @@ def compile_for_target(arch: int = 90, warp_size: int = 32) -> dict[str, str]:
     out = {}
     for vname, (kname, sig, consts, warps) in variants.items():
         # a compiled-mode JITFunction even under TRITON_INTERPRET=1
-        fn = triton.runtime.jit.JITFunction(globals()[kname])
+        fn = triton.runtime.jit.JITFunction(_with_device_functions(kname, False))
         src = ASTSource(fn, signature=sig, constexprs=consts)
         opts = {"num_warps": warps, "enable_fp_fusion": False}
         out[vname] = triton.compile(src, target=target, options=opts).asm["ptx"]
