@@ -164,6 +164,14 @@ def _header_groups(hdr: dict, nbins_k: Sequence[int], nbins_v: Sequence[int], L:
     return nb_layer, groups
 
 
+def _single_model_index(arrays: dict, L: int, C: int) -> np.ndarray:
+    """The local model index (int64 [2, L, C], all 0) when every group has K == 1; the chunk
+    must then carry no ``ent_model_index``. Raises CodecError otherwise."""
+    if "ent_model_index" in arrays:
+        raise CodecError("ent_model_index present although every group has K == 1")
+    return np.zeros((2, L, C), dtype=np.int64)
+
+
 def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v: Sequence[int],
                        L: int, C: int) -> tuple[np.ndarray, np.ndarray]:
     """Rebuild (cum uint32 [n_models, 257], model_index uint16 [2, L, C]) from the
@@ -234,9 +242,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
         if (pos + 7) // 8 != li.size or (pos % 8 and int(li[-1]) & ((1 << (8 - pos % 8)) - 1)):
             raise CodecError("ent_model_index: bytes left over or non-zero padding")
     else:
-        if "ent_model_index" in arrays:
-            raise CodecError("ent_model_index present although every group has K == 1")
-        local = np.zeros((2, L, C), dtype=np.int64)
+        local = _single_model_index(arrays, L, C)
     return _assemble(tables, nb_layer, local, C)
 
 
@@ -270,7 +276,5 @@ def _deserialize_models_v2(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbin
         if np.any(li >= kl[:, :, None]):
             raise CodecError("ent_model_index out of range of its group's codebook")
     else:
-        if "ent_model_index" in arrays:
-            raise CodecError("ent_model_index present although every group has K == 1")
-        li = np.zeros((2, L, C), dtype=np.int64)
+        li = _single_model_index(arrays, L, C)
     return _assemble(tables, nb_layer, li, C)

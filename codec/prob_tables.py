@@ -163,16 +163,22 @@ def _zigzag_deltas(q: np.ndarray) -> np.ndarray:
     return np.where(d >= 0, 2 * d, -2 * d - 1).reshape(-1)
 
 
+def _best_rice_k(v: np.ndarray, fixed: int = 0) -> tuple[int, int]:
+    """(fixed + bits, k): the smallest Rice-coded size of v (int64, >= 0) over k in
+    [0, RICE_MAX_K], the lowest k on ties."""
+    best = None
+    for k in range(RICE_MAX_K + 1):
+        bits = fixed + int(((v >> k) + 1 + k).sum())
+        if best is None or bits < best[0]:
+            best = (bits, k)
+    return best
+
+
 def rice_cost(q: np.ndarray) -> tuple[int, int]:
     """(bits, k): the smallest Rice-coded size of the tables' zigzag deltas, k in
     [0, RICE_MAX_K] (lowest k on ties)."""
     zz = _zigzag_deltas(np.asarray(q, dtype=np.int64))
-    best = None
-    for k in range(RICE_MAX_K + 1):
-        bits = int(((zz >> k) + 1 + k).sum())
-        if best is None or bits < best[0]:
-            best = (bits, k)
-    return best
+    return _best_rice_k(zz)
 
 
 def index_cost(local: np.ndarray) -> tuple[int, int]:
@@ -180,12 +186,17 @@ def index_cost(local: np.ndarray) -> tuple[int, int]:
     [0, RICE_MAX_K] (lowest k on ties). Tables are numbered by decreasing use, so small
     indices are the frequent ones."""
     v = np.asarray(local, dtype=np.int64).reshape(-1)
-    best = None
-    for k in range(RICE_MAX_K + 1):
-        bits = int(((v >> k) + 1 + k).sum())
-        if best is None or bits < best[0]:
-            best = (bits, k)
-    return best
+    return _best_rice_k(v)
+
+
+@_numba_or_py_early
+def _fixed_write(v, w, out, pos):
+    """Append v (0 <= v < 2^w) in w bits, MSB first, at bit pos of out (zeroed uint8)."""
+    for j in range(w - 1, -1, -1):
+        if (v >> j) & 1:
+            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        pos += 1
+    return pos
 
 
 @_numba_or_py_early
@@ -196,12 +207,7 @@ def _rice_put(x, k, out, pos):
     for _ in range(x >> k):
         out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
         pos += 1
-    pos += 1  # the terminating 0
-    for j in range(k - 1, -1, -1):
-        if (x >> j) & 1:
-            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-        pos += 1
-    return pos
+    return _fixed_write(x, k, out, pos + 1)   # after the terminating 0: x's low k bits
 
 
 @_numba_or_py_early
@@ -322,22 +328,7 @@ def ranged_cost(q: np.ndarray) -> tuple[int, int]:
     K, nb = q.shape
     _, _, zz = _ranged_deltas(q)
     fixed = 2 * K * _range_bits(nb)
-    best = None
-    for k in range(RICE_MAX_K + 1):
-        bits = fixed + int(((zz >> k) + 1 + k).sum())
-        if best is None or bits < best[0]:
-            best = (bits, k)
-    return best
-
-
-@_numba_or_py_early
-def _fixed_write(v, w, out, pos):
-    """Append v (0 <= v < 2^w) in w bits, MSB first, at bit pos of out (zeroed uint8)."""
-    for j in range(w - 1, -1, -1):
-        if (v >> j) & 1:
-            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-        pos += 1
-    return pos
+    return _best_rice_k(zz, fixed)
 
 
 @_numba_or_py_early

@@ -66,6 +66,13 @@ if HAVE_NUMBA:
         return (q << 16) + (x - q * f) + cc, p
 
     @njit(inline="always")
+    def _enc_flush(x, p, end, scratch, nwords, i):
+        # the final state (2 words) below the stream's words; nwords[i] = its length
+        scratch[p - 1] = np.uint16(x >> 16)
+        scratch[p - 2] = np.uint16(x & 0xFFFF)
+        nwords[i] = end - p + 2
+
+    @njit(inline="always")
     def _item_coords(items, it, L, T, C, G, B):
         # work item `it` -> (first stream i0, lanes nl, channel group g, layer, kv, tokens
         # t0..t1): streams are numbered ((kv * L + layer) * n_groups + g) * n_blocks + b
@@ -148,18 +155,10 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
             if bad:
                 err[i0] = 6
                 continue
-            scratch[p0 - 1] = np.uint16(x0 >> 16)
-            scratch[p0 - 2] = np.uint16(x0 & 0xFFFF)
-            scratch[p1 - 1] = np.uint16(x1 >> 16)
-            scratch[p1 - 2] = np.uint16(x1 & 0xFFFF)
-            scratch[p2 - 1] = np.uint16(x2 >> 16)
-            scratch[p2 - 2] = np.uint16(x2 & 0xFFFF)
-            scratch[p3 - 1] = np.uint16(x3 >> 16)
-            scratch[p3 - 2] = np.uint16(x3 & 0xFFFF)
-            nwords[i0] = e0 - p0 + 2
-            nwords[i0 + n_blocks] = e1 - p1 + 2
-            nwords[i0 + 2 * n_blocks] = e2 - p2 + 2
-            nwords[i0 + 3 * n_blocks] = e3 - p3 + 2
+            _enc_flush(x0, p0, e0, scratch, nwords, i0)
+            _enc_flush(x1, p1, e1, scratch, nwords, i0 + n_blocks)
+            _enc_flush(x2, p2, e2, scratch, nwords, i0 + 2 * n_blocks)
+            _enc_flush(x3, p3, e3, scratch, nwords, i0 + 3 * n_blocks)
         else:
             c_lo = g * G
             c_hi = min(c_lo + G, C)
@@ -182,9 +181,7 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
             if bad:
                 err[i0] = 6
                 continue
-            scratch[p - 1] = np.uint16(x >> 16)
-            scratch[p - 2] = np.uint16(x & 0xFFFF)
-            nwords[i0] = end - p + 2
+            _enc_flush(x, p, end, scratch, nwords, i0)
 
 
 def _compact_impl(scratch, scr_off, nwords, out_off, out):
