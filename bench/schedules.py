@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from codec.config import HARNESS_LEVELS, LEVELS, VARIANTS, CodecConfig
+from codec.config import VARIANTS, CodecConfig
+from codec.schedules import HARNESS_LEVELS, LEVELS
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -15,7 +15,8 @@ The package is lazy (PEP 562 ``__getattr__``): the torch-free parts (``codec.con
 ``codec.errors``, ``codec.level_table``) import without torch; the API names below load
 ``codec.api`` / ``codec.registry`` (and torch) on first use.
 """
-from .config import CodecConfig, QuantizationSpec   # torch-free
+from .config import CodecConfig   # torch-free
+from .schedules import QuantizationSpec   # torch-free
 from .errors import CodecError                      # torch-free
 
 __all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_kv_into", "decode_chunk",

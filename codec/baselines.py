@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import quantize as Q
+from . import lowbit
 from .errors import CodecError
 
 from .base import (Codec, DTYPES, EncodedChunk, KIVI_GROUP, KIVI_RESIDUAL, from_bits,
@@ -41,7 +41,7 @@ class Fp8Codec(Codec):
     fused_cpu = True   # codec.fused.decode_fp8_cpu (issue 14.5)
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
-        return EncodedChunk({}, {"k": Q.fp8_quantize(k).numpy(), "v": Q.fp8_quantize(v).numpy()})
+        return EncodedChunk({}, {"k": lowbit.fp8_quantize(k).numpy(), "v": lowbit.fp8_quantize(v).numpy()})
 
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
                device=None, fused=True, out=None):
@@ -54,7 +54,7 @@ class Fp8Codec(Codec):
         out = []
         for name in ("k", "v"):
             a = need_array(arrays.get(name), np.uint8, shape, name)
-            x = Q.fp8_dequantize(torch.from_numpy(np.array(a, copy=True)))
+            x = lowbit.fp8_dequantize(torch.from_numpy(np.array(a, copy=True)))
             if not bool(torch.isfinite(x).all()):
                 raise CodecError(f"fp8 array {name!r} holds NaN codes")
             out.append(x.to(DTYPES[dtype_name]))
@@ -109,7 +109,7 @@ class KiviCodec(Codec):
             q = torch.from_numpy(unpack_bits(qb, self.bits, n).reshape(L, nt, H, D))
             lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
             st = from_bits(arrays.get(f"{name}_step"), dtype_name, gshape, f"{name}_step")
-            x = Q.kivi_dequantize(q, lo, st, dim=dim, group=grp)
+            x = lowbit.kivi_dequantize(q, lo, st, dim=dim, group=grp)
             if not bool(torch.isfinite(x).all()):
                 raise CodecError(f"kivi: non-finite values in {name}")
             out.append(x.to(DTYPES[dtype_name]))
@@ -125,9 +125,9 @@ class KiviCodec(Codec):
         arrays = {"k_full": to_bits(k[:, nq + nt:]), "v_full": to_bits(v[:, nq + nt:])}
         if nq:
             # keys per channel: groups of 32 tokens along dim 1 of [L, nq, H, D]
-            qk, lok, stk = Q.kivi_quantize(k[:, :nq], self.bits, dim=1, group=KIVI_GROUP)
+            qk, lok, stk = lowbit.kivi_quantize(k[:, :nq], self.bits, dim=1, group=KIVI_GROUP)
             # values per token: groups of g channels along D of [L, nq, H, D]
-            qv, lov, stv = Q.kivi_quantize(v[:, :nq], self.bits, dim=3, group=self._vgroup(D))
+            qv, lov, stv = lowbit.kivi_quantize(v[:, :nq], self.bits, dim=3, group=self._vgroup(D))
             arrays.update(k_q=pack_bits(qk.numpy(), self.bits), k_lo=to_bits(lok),
                           k_step=to_bits(stk), v_q=pack_bits(qv.numpy(), self.bits),
                           v_lo=to_bits(lov), v_step=to_bits(stv))
@@ -135,8 +135,8 @@ class KiviCodec(Codec):
         if not nt:
             return EncodedChunk(header, arrays)
         # the short last key group (nt < 32 tokens) with its own lo/step: format 5
-        qk, lok, stk = Q.kivi_quantize(k[:, nq:nq + nt], self.bits, dim=1, group=nt)
-        qv, lov, stv = Q.kivi_quantize(v[:, nq:nq + nt], self.bits, dim=3,
+        qk, lok, stk = lowbit.kivi_quantize(k[:, nq:nq + nt], self.bits, dim=1, group=nt)
+        qv, lov, stv = lowbit.kivi_quantize(v[:, nq:nq + nt], self.bits, dim=3,
                                        group=self._vgroup(D))
         arrays.update(kt_q=pack_bits(qk.numpy(), self.bits), kt_lo=to_bits(lok),
                       kt_step=to_bits(stk), vt_q=pack_bits(qv.numpy(), self.bits),

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import level_table
+from . import outliers
 from . import quantize as Q
 from .config import CodecConfig
 from .errors import CodecError
@@ -44,6 +45,24 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> 
         if fast is not None:
             return fast
     return Q.quantize(x, scale, max_level)
+
+
+def _side_index(hdr: dict, arrays: dict, tag: str, prefix: str, other: str, what: str,
+                limit: int) -> Optional[tuple[int, np.ndarray]]:
+    """The count and index array of a side list of ``tag`` (outliers: prefix "out", channels:
+    "chx"; docs/bitstream.md 4.4): None when the header has no ``n_<prefix>_<tag>`` (and no
+    such arrays), else (n in [1, limit], ``<prefix>_<tag>_idx`` uint32/uint64 [n]).
+    Raises CodecError on an inconsistent list."""
+    if hdr.get(f"n_{prefix}_{tag}") is None:
+        if f"{prefix}_{tag}_idx" in arrays or f"{prefix}_{tag}_{other}" in arrays:
+            raise CodecError(f"{what} arrays of {tag} without n_{prefix}_{tag}")
+        return None
+    n = need_int(hdr, f"n_{prefix}_{tag}", 1, limit)
+    idx = arrays.get(f"{prefix}_{tag}_idx")
+    if not isinstance(idx, np.ndarray) or idx.dtype not in (np.uint32, np.uint64) \
+            or idx.shape != (n,):
+        raise CodecError(f"{what} index array of {tag} must be uint32/uint64 [{n}]")
+    return n, idx
 
 
 class CacheGenCodec(Codec):
@@ -125,7 +144,7 @@ class CacheGenCodec(Codec):
             # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
             # a sparse side list and set to 0 before the scale is taken (issue 12.3;
             # docs/bitstream.md section 4.4); normal KV stops at the group maxima
-            thr = Q.outlier_thresholds(xg, dims)
+            thr = outliers.outlier_thresholds(xg, dims)
             x_orig = xg
             if bool((s > thr).any()):
                 mask = xg.to(torch.float32).abs() > thr
@@ -142,7 +161,7 @@ class CacheGenCodec(Codec):
             # list took its values out, a channel far above the rest of its (layer, KV
             # head) is divided by 2^e (e stored) before the scale is taken, so that it no
             # longer sets the step of the others
-            ch = Q.outlier_channels(xg, x_orig)
+            ch = outliers.outlier_channels(xg, x_orig)
             if ch is not None:
                 cidx, cexp = ch
                 arrays[f"chx_{tag}_idx"] = cidx.astype(np.uint32 if L * H * D <= 1 << 32
@@ -201,26 +220,19 @@ class CacheGenCodec(Codec):
         strictly increasing) times ``2^exp`` (exp 1..CHANNEL_MAX_EXP), clamped to the
         dtype's finite range. No list (``n_chx_<tag>`` absent) = nothing to do.
         Raises CodecError on an inconsistent list."""
-        n = hdr.get(f"n_chx_{tag}")
-        if n is None:
-            if f"chx_{tag}_idx" in arrays or f"chx_{tag}_exp" in arrays:
-                raise CodecError(f"outlier-channel arrays of {tag} without n_chx_{tag}")
-            return x
         L, _, H, D = x.shape
-        n = need_int(hdr, f"n_chx_{tag}", 1, L * H * D)
-        idx = arrays.get(f"chx_{tag}_idx")
-        ex = arrays.get(f"chx_{tag}_exp")
-        if not isinstance(idx, np.ndarray) or idx.dtype not in (np.uint32, np.uint64) \
-                or idx.shape != (n,):
-            raise CodecError(f"outlier-channel index array of {tag} must be uint32/uint64 [{n}]")
-        ex = need_array(ex, np.uint8, (n,), f"chx_{tag}_exp")
+        side = _side_index(hdr, arrays, tag, "chx", "exp", "outlier-channel", L * H * D)
+        if side is None:
+            return x
+        n, idx = side
+        ex = need_array(arrays.get(f"chx_{tag}_exp"), np.uint8, (n,), f"chx_{tag}_exp")
         idx64 = idx.astype(np.int64)
         if int(idx.max()) >= L * H * D or (n > 1 and bool(np.any(np.diff(idx64) <= 0))):
             raise CodecError(f"outlier-channel indices of {tag} are out of range or not "
                              f"increasing")
-        if int(ex.min()) < 1 or int(ex.max()) > Q.CHANNEL_MAX_EXP:
+        if int(ex.min()) < 1 or int(ex.max()) > outliers.CHANNEL_MAX_EXP:
             raise CodecError(f"outlier-channel exponents of {tag} must lie in "
-                             f"1..{Q.CHANNEL_MAX_EXP}")
+                             f"1..{outliers.CHANNEL_MAX_EXP}")
         if x.shape[1]:
             Q.scale_channels(x, idx64, ex, +1)
         return x
@@ -259,16 +271,10 @@ class CacheGenCodec(Codec):
         val`` with ``idx`` strictly increasing flat C-order indices into x and ``val`` in
         the model dtype. No side list (``n_out_<tag>`` absent) = no outliers.
         Raises CodecError on an inconsistent list."""
-        n = hdr.get(f"n_out_{tag}")
-        if n is None:
-            if f"out_{tag}_idx" in arrays or f"out_{tag}_val" in arrays:
-                raise CodecError(f"outlier arrays of {tag} without n_out_{tag}")
+        side = _side_index(hdr, arrays, tag, "out", "val", "outlier", x.numel())
+        if side is None:
             return x
-        n = need_int(hdr, f"n_out_{tag}", 1, x.numel())
-        idx = arrays.get(f"out_{tag}_idx")
-        if not isinstance(idx, np.ndarray) or idx.dtype not in (np.uint32, np.uint64) \
-                or idx.shape != (n,):
-            raise CodecError(f"outlier index array of {tag} must be uint32/uint64 [{n}]")
+        n, idx = side
         val = from_bits(arrays.get(f"out_{tag}_val"), dtype_name, (n,), f"out_{tag}_val")
         idx64 = idx.astype(np.int64)
         if int(idx.max()) >= x.numel() or (n > 1 and bool(np.any(np.diff(idx64) <= 0))):
@@ -372,15 +378,12 @@ class CacheGenCodec(Codec):
             return decode_cachegen_cpu(self, cfg, header, arrays, payload, shape, dtype_name,
                                        ns, out=out)
         if self.entropy:
-            from .entropy import decode_symbols
+            from .entropy import decode_symbols, decoding_errors, entropy_part
 
             nk = [b - 1 for b in cfg.key_bins]
             nv = [b - 1 for b in cfg.value_bins]
-            ent = header.get("entropy")
-            if not isinstance(ent, dict):
-                raise CodecError("missing entropy-coder header")
-            ent_arrays = {n: a for n, a in arrays.items() if n.startswith("ent_")}
-            try:
+            ent, ent_arrays = entropy_part(header, arrays)
+            with decoding_errors():
                 if triton and Tq:   # symbols decoded on (and left on) the device
                     from .triton_kernels import decode_symbols_triton
 
@@ -388,10 +391,6 @@ class CacheGenCodec(Codec):
                                                    nv, device=dev, max_symbols=1 << 32)
                 else:
                     sk, sv = decode_symbols(ent, ent_arrays, payload, L, Tq, C, nk, nv)
-            except CodecError:
-                raise
-            except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
-                raise CodecError(f"entropy decoding failed: {e}") from None
         else:
             if payload:
                 raise CodecError("quant8: unexpected payload")

@@ -27,6 +27,7 @@ Arrays: ent_codebook (uint8, range- and Rice-coded table codes; ent_tables in fo
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -38,7 +39,7 @@ from .errors import CodecError
 from .rans_spec import ARRAY_NAMES, CODER_NAME, HEADER_FIELDS, stream_layout
 
 __all__ = ["EncodedSymbols", "CoderBackend", "encode_symbols", "decode_symbols",
-           "decode_symbols_into", "CodecError", "CODER_NAME"]
+           "decode_symbols_into", "entropy_part", "decoding_errors", "CodecError", "CODER_NAME"]
 
 
 class CoderBackend(Protocol):
@@ -228,19 +229,10 @@ def _parse_streams(header, arrays, payload, L, T, C, nbins_k, nbins_v, max_symbo
     return cum, model_index, lengths, G, B
 
 
-def decode_symbols(
-    header: dict,
-    arrays: dict,
-    payload: bytes,
-    L: int,
-    T: int,
-    C: int,
-    nbins_k: Sequence[int],
-    nbins_v: Sequence[int],
-    max_symbols: int = 1 << 32,
-    backend: CoderBackend | None = None,
-    **backend_kw,
-) -> tuple[np.ndarray, np.ndarray]:
+def decode_symbols(header: dict, arrays: dict, payload: bytes, L: int, T: int, C: int,
+                   nbins_k: Sequence[int], nbins_v: Sequence[int], max_symbols: int = 1 << 32,
+                   backend: CoderBackend | None = None, **backend_kw
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Decode what `encode_symbols` produced.
 
     Args: header/arrays/payload as produced (e.g. after a bitstream round trip); L, T, C
@@ -262,24 +254,10 @@ def decode_symbols(
                                   G, B, **backend_kw)
 
 
-def decode_symbols_into(
-    header: dict,
-    arrays: dict,
-    payload: bytes,
-    L: int,
-    T: int,
-    C: int,
-    nbins_k: Sequence[int],
-    nbins_v: Sequence[int],
-    out_k: np.ndarray,
-    out_v: np.ndarray,
-    deq_k: np.ndarray,
-    deq_v: np.ndarray,
-    t_stride: int,
-    hd: int,
-    t_off: int = 0,
-    max_symbols: int = 1 << 32,
-) -> None:
+def decode_symbols_into(header: dict, arrays: dict, payload: bytes, L: int, T: int, C: int,
+                        nbins_k: Sequence[int], nbins_v: Sequence[int], out_k: np.ndarray,
+                        out_v: np.ndarray, deq_k: np.ndarray, deq_v: np.ndarray, t_stride: int,
+                        hd: int, t_off: int = 0, max_symbols: int = 1 << 32) -> None:
     """Fused decode + dequantization of what `encode_symbols` produced, straight into a
     destination (issue 14.2): symbol s of (kv, layer, t, c) becomes
     ``out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s]`` in one numba pass
@@ -298,6 +276,27 @@ def decode_symbols_into(
     cum, model_index, lengths, G, B = parsed
     rans_cpu.decode_streams_into(payload, lengths, cum, model_index, int(L), int(T), int(C), G, B,
                                  out_k, out_v, deq_k, deq_v, t_stride, hd, t_off)
+
+
+def entropy_part(header: dict, arrays: dict) -> tuple[dict, dict]:
+    """A codec chunk's entropy-coder part: (its header's ``entropy`` dict, its ``ent_*``
+    arrays). Raises CodecError when the header has none."""
+    ent = header.get("entropy")
+    if not isinstance(ent, dict):
+        raise CodecError("missing entropy-coder header")
+    return ent, {n: a for n, a in arrays.items() if n.startswith("ent_")}
+
+
+@contextlib.contextmanager
+def decoding_errors():
+    """Inside: any ValueError/IndexError/KeyError/TypeError/OverflowError of a decode becomes
+    CodecError("entropy decoding failed: ..."); a CodecError passes unchanged."""
+    try:
+        yield
+    except CodecError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+        raise CodecError(f"entropy decoding failed: {e}") from None
 
 
 def _int_list(v, name: str) -> list[int]:

@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import lowbit
 from . import quantize as Q
 from . import scratch
 from .base import DTYPES, KIVI_GROUP, from_bits, need_array, need_int
@@ -58,7 +59,7 @@ def all_finite(t: torch.Tensor) -> bool:
     devices/dtypes fall back to torch."""
     if t.device.type != "cpu" or t.dtype not in _NAMES:
         return bool(torch.isfinite(t).all())
-    from .rans_cpu import count_nonfinite
+    from .dequant_cpu import count_nonfinite
 
     return count_nonfinite(bits_view(t.contiguous()), _NAMES[t.dtype]) == 0
 
@@ -144,12 +145,9 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
             o[:, :ns] = sink
     if not Tq:
         if codec_obj.entropy:   # the entropy part must still be the empty one
-            from .entropy import decode_symbols_into
+            from .entropy import decode_symbols_into, entropy_part
 
-            ent = header.get("entropy")
-            if not isinstance(ent, dict):
-                raise CodecError("missing entropy-coder header")
-            ent_arrays = {n: a for n, a in arrays.items() if n.startswith("ent_")}
+            ent, ent_arrays = entropy_part(header, arrays)
             decode_symbols_into(ent, ent_arrays, payload, L, 0, C, [2] * L, [2] * L,
                                 None, None, None, None, 0, 1)
         return k_out, v_out
@@ -179,23 +177,16 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
     ok_k = bits_view(k_out).reshape(L, T, C)
     ov_k = bits_view(v_out).reshape(L, T, C)
     if codec_obj.entropy:
-        from .entropy import decode_symbols_into
+        from .entropy import decode_symbols_into, decoding_errors, entropy_part
 
-        ent = header.get("entropy")
-        if not isinstance(ent, dict):
-            raise CodecError("missing entropy-coder header")
-        ent_arrays = {n: a for n, a in arrays.items() if n.startswith("ent_")}
+        ent, ent_arrays = entropy_part(header, arrays)
         nk = [b - 1 for b in cfg.key_bins]
         nv = [b - 1 for b in cfg.value_bins]
-        try:
+        with decoding_errors():
             decode_symbols_into(ent, ent_arrays, payload, L, Tq, C, nk, nv, ok_k, ov_k,
                                 tabs[0], tabs[1], t_stride, hd, ns)
-        except CodecError:
-            raise
-        except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
-            raise CodecError(f"entropy decoding failed: {e}") from None
     else:
-        from .rans_cpu import dequant_direct_into, gather_into
+        from .dequant_cpu import dequant_direct_into, gather_into
 
         if payload:
             raise CodecError("quant8: unexpected payload")
@@ -239,11 +230,11 @@ def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
     """fp8 (e4m3) decode by a 256-entry table in the model dtype, one pass per tensor,
     both cores; bit-identical to ``fp8_dequantize(...).to(dtype)``.
     Raises CodecError on NaN codes (0x7F / 0xFF) or bad arrays; ValueError on a bad out."""
-    from .rans_cpu import lut8_into
+    from .dequant_cpu import lut8_into
 
     dt = DTYPES[dtype_name]
     ko, vo = _dest(shape, dt, out)
-    vals = Q.fp8_dequantize(torch.arange(256, dtype=torch.uint8))         # float32 [256]
+    vals = lowbit.fp8_dequantize(torch.arange(256, dtype=torch.uint8))         # float32 [256]
     flag = (~torch.isfinite(vals)).to(torch.uint8).numpy()
     tab = bits_view(vals.to(dt).contiguous())
     for name, o in (("k", ko), ("v", vo)):
@@ -256,11 +247,11 @@ def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
 def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_name: str,
                     out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """KIVI decode (``codecs.KiviCodec``) into one destination, both cores: per quantization
-    group a table of its 2^bits values (``Q.kivi_dequantize`` itself on the codes 0..2^bits-1,
+    group a table of its 2^bits values (``lowbit.kivi_dequantize`` itself on the codes 0..2^bits-1,
     cast to the dtype: bit-identical), then one numba pass unpacking the codes and looking
     them up; the full-precision tokens are copied behind. Raises CodecError as the
     reference decoder; ValueError on a bad out."""
-    from .rans_cpu import kivi_into
+    from .dequant_cpu import kivi_into
 
     L, T, H, D = shape
     bits = codec_obj.bits
@@ -299,7 +290,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
         qb = need_array(arrays.get(f"{name}_q"), np.uint8, (nbytes,), f"{name}_q")
         lo = from_bits(arrays.get(f"{name}_lo"), dtype_name, gshape, f"{name}_lo")
         st = from_bits(arrays.get(f"{name}_step"), dtype_name, gshape, f"{name}_step")
-        tab = Q.kivi_dequantize(qsyn, lo, st, dim=dim, group=NQ)
+        tab = lowbit.kivi_dequantize(qsyn, lo, st, dim=dim, group=NQ)
         if not all_finite(tab):
             raise CodecError(f"kivi: non-finite values in {name}")
         tab = tab.to(dt).contiguous()
@@ -389,7 +380,8 @@ def _quant_impl(bits, shift, inv, m, out, nchunks):
 
 
 try:
-    from .rans_cpu import HAVE_NUMBA as _HAVE_NUMBA, PARALLEL_MIN_SYMBOLS as _PAR_MIN, _dual
+    from .rans_kernels import HAVE_NUMBA as _HAVE_NUMBA, _dual
+    from .threads import PARALLEL_MIN_SYMBOLS as _PAR_MIN
 except ImportError:  # pragma: no cover
     _HAVE_NUMBA = False
 if _HAVE_NUMBA:

@@ -4,7 +4,7 @@ means, how a (codec, level) pair is spelled, and the order codecs are listed in.
 One answer to "which levels, which default" for every entry point: the codec registry
 (``codec.registry``, ``codec.api.levels`` / ``default_level``), harness/config.py (flag
 checks that must not load torch), bench/quality.py and scripts/readme_tables.py. Imports
-only the standard library and ``codec.config`` (itself torch-free), so ``import
+only the standard library and ``codec.schedules`` (itself torch-free), so ``import
 codec.level_table`` does not import torch (tests/codec/test_codec_level_table.py checks it in
 a subprocess). Named ``level_table``, not ``levels``: ``codec.levels`` is the public
 function ``codec.api.levels``, which a submodule of that name would shadow.
@@ -15,7 +15,7 @@ function ``codec.api.levels``, which a submodule of that name would shadow.
     LT.label("cachegen", 1)        # "cachegen 1"; LT.label("raw", None) == "raw"
 
 Scales (docs/codec.md "Levels"): cachegen 0 (smallest) .. 5 (near lossless), default 1
-(``codec.config.HARNESS_LEVELS``); cachegen-ref 0 = LMCache's default schedule, 1-3 the
+(``codec.schedules.HARNESS_LEVELS``); cachegen-ref 0 = LMCache's default schedule, 1-3 the
 CacheGen artifact's, default 0; kvtc 0-5 (the default calibration's levels, targets in
 ``codec.kvtc.DEFAULT_LEVEL_TARGETS``), default 4; raw, fp8, quant8, kivi2, kivi4: no
 levels (level must be None).
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .config import HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, LEVELS as REFERENCE_LEVELS
-from .config import REFERENCE_DEFAULT_LEVEL
+from .schedules import HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, LEVELS as REFERENCE_LEVELS
+from .schedules import REFERENCE_DEFAULT_LEVEL
 
 __all__ = ["CODEC_LEVELS", "DEFAULT_LEVELS", "KVTC_DEFAULT_LEVEL", "KVTC_LEVELS", "MODE_ORDER",
            "default_level", "label", "levels"]

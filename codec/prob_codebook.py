@@ -144,6 +144,34 @@ def _ms_nb_layer(ms: ModelSet) -> np.ndarray:
     return np.array(nbr, dtype=np.int64)[ms.model_index[:, :, 0].astype(np.int64)]
 
 
+def _header_groups(hdr: dict, nbins_k: Sequence[int], nbins_v: Sequence[int], L: int,
+                   width: int, what: str) -> tuple[np.ndarray, list]:
+    """(nbins per (kv, layer) int64 [2, L], the header's ``model_groups``: lists of
+    ``width`` ints, one per distinct nbins in increasing order; ``what`` names the entry
+    in the error). Raises CodecError otherwise."""
+    try:
+        nb_layer = _layer_nbins(nbins_k, nbins_v, L)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise CodecError(str(e)) from None
+    groups = hdr.get("model_groups") if isinstance(hdr, dict) else None
+    expected = sorted(set(nb_layer.reshape(-1).tolist()))
+    if (not isinstance(groups, list) or len(groups) != len(expected)
+            or not all(isinstance(g, list) and len(g) == width and all(type(v) is int for v in g)
+                       for g in groups)):
+        raise CodecError(f"model_groups must be a list of {what}, one per distinct nbins")
+    if [g[0] for g in groups] != expected:
+        raise CodecError(f"model_groups nbins {[g[0] for g in groups]} do not match the chunk's {expected}")
+    return nb_layer, groups
+
+
+def _single_model_index(arrays: dict, L: int, C: int) -> np.ndarray:
+    """The local model index (int64 [2, L, C], all 0) when every group has K == 1; the chunk
+    must then carry no ``ent_model_index``. Raises CodecError otherwise."""
+    if "ent_model_index" in arrays:
+        raise CodecError("ent_model_index present although every group has K == 1")
+    return np.zeros((2, L, C), dtype=np.int64)
+
+
 def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v: Sequence[int],
                        L: int, C: int) -> tuple[np.ndarray, np.ndarray]:
     """Rebuild (cum uint32 [n_models, 257], model_index uint16 [2, L, C]) from the
@@ -162,17 +190,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
         return _deserialize_models_v2(hdr, arrays, nbins_k, nbins_v, L, C)
     v4 = present == ["ent_codebook"]
     tname = "ent_codebook" if v4 else "ent_tables"
-    try:
-        nb_layer = _layer_nbins(nbins_k, nbins_v, L)
-    except (ValueError, TypeError, OverflowError) as e:
-        raise CodecError(str(e)) from None
-    groups = hdr.get("model_groups") if isinstance(hdr, dict) else None
-    expected = sorted(set(nb_layer.reshape(-1).tolist()))
-    if (not isinstance(groups, list) or len(groups) != len(expected)
-            or not all(isinstance(g, list) and len(g) == 4 and all(type(v) is int for v in g) for g in groups)):
-        raise CodecError("model_groups must be a list of [nbins, K, table_k, index_k], one per distinct nbins")
-    if [g[0] for g in groups] != expected:
-        raise CodecError(f"model_groups nbins {[g[0] for g in groups]} do not match the chunk's {expected}")
+    nb_layer, groups = _header_groups(hdr, nbins_k, nbins_v, L, 4, "[nbins, K, table_k, index_k]")
     if any(not (1 <= g[1] <= MAX_K) for g in groups) or sum(g[1] for g in groups) > MAX_MODELS:
         raise CodecError(f"model_groups K must be in [1, {MAX_K}] with at most {MAX_MODELS} tables in all")
     if any(not (0 <= g[2] <= RICE_MAX_K and 0 <= g[3] <= RICE_MAX_K) for g in groups) \
@@ -224,9 +242,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
         if (pos + 7) // 8 != li.size or (pos % 8 and int(li[-1]) & ((1 << (8 - pos % 8)) - 1)):
             raise CodecError("ent_model_index: bytes left over or non-zero padding")
     else:
-        if "ent_model_index" in arrays:
-            raise CodecError("ent_model_index present although every group has K == 1")
-        local = np.zeros((2, L, C), dtype=np.int64)
+        local = _single_model_index(arrays, L, C)
     return _assemble(tables, nb_layer, local, C)
 
 
@@ -235,17 +251,7 @@ def _deserialize_models_v2(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbin
     """The version-2 codebook (docs/bitstream.md 4.3, "Versions"): `ent_freqs` uint16
     [sum K * nbins] 16-bit tables, `ent_model_index` uint8 [2, L, C], K <= 256.
     Raises CodecError on any inconsistency."""
-    try:
-        nb_layer = _layer_nbins(nbins_k, nbins_v, L)
-    except (ValueError, TypeError, OverflowError) as e:
-        raise CodecError(str(e)) from None
-    groups = hdr.get("model_groups") if isinstance(hdr, dict) else None
-    expected = sorted(set(nb_layer.reshape(-1).tolist()))
-    if (not isinstance(groups, list) or len(groups) != len(expected)
-            or not all(isinstance(g, list) and len(g) == 2 and all(type(v) is int for v in g) for g in groups)):
-        raise CodecError("model_groups must be a list of [nbins, K] pairs, one per distinct nbins")
-    if [g[0] for g in groups] != expected:
-        raise CodecError(f"model_groups nbins {[g[0] for g in groups]} do not match the chunk's {expected}")
+    nb_layer, groups = _header_groups(hdr, nbins_k, nbins_v, L, 2, "[nbins, K] pairs")
     if any(not (1 <= g[1] <= 256) for g in groups):
         raise CodecError("model_groups K must be in [1, 256]")
     fr = arrays.get("ent_freqs")
@@ -270,7 +276,5 @@ def _deserialize_models_v2(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbin
         if np.any(li >= kl[:, :, None]):
             raise CodecError("ent_model_index out of range of its group's codebook")
     else:
-        if "ent_model_index" in arrays:
-            raise CodecError("ent_model_index present although every group has K == 1")
-        li = np.zeros((2, L, C), dtype=np.int64)
+        li = _single_model_index(arrays, L, C)
     return _assemble(tables, nb_layer, li, C)

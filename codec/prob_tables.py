@@ -163,16 +163,22 @@ def _zigzag_deltas(q: np.ndarray) -> np.ndarray:
     return np.where(d >= 0, 2 * d, -2 * d - 1).reshape(-1)
 
 
+def _best_rice_k(v: np.ndarray, fixed: int = 0) -> tuple[int, int]:
+    """(fixed + bits, k): the smallest Rice-coded size of v (int64, >= 0) over k in
+    [0, RICE_MAX_K], the lowest k on ties."""
+    best = None
+    for k in range(RICE_MAX_K + 1):
+        bits = fixed + int(((v >> k) + 1 + k).sum())
+        if best is None or bits < best[0]:
+            best = (bits, k)
+    return best
+
+
 def rice_cost(q: np.ndarray) -> tuple[int, int]:
     """(bits, k): the smallest Rice-coded size of the tables' zigzag deltas, k in
     [0, RICE_MAX_K] (lowest k on ties)."""
     zz = _zigzag_deltas(np.asarray(q, dtype=np.int64))
-    best = None
-    for k in range(RICE_MAX_K + 1):
-        bits = int(((zz >> k) + 1 + k).sum())
-        if best is None or bits < best[0]:
-            best = (bits, k)
-    return best
+    return _best_rice_k(zz)
 
 
 def index_cost(local: np.ndarray) -> tuple[int, int]:
@@ -180,29 +186,48 @@ def index_cost(local: np.ndarray) -> tuple[int, int]:
     [0, RICE_MAX_K] (lowest k on ties). Tables are numbered by decreasing use, so small
     indices are the frequent ones."""
     v = np.asarray(local, dtype=np.int64).reshape(-1)
-    best = None
-    for k in range(RICE_MAX_K + 1):
-        bits = int(((v >> k) + 1 + k).sum())
-        if best is None or bits < best[0]:
-            best = (bits, k)
-    return best
+    return _best_rice_k(v)
+
+
+@_numba_or_py_early
+def _fixed_write(v, w, out, pos):
+    """Append v (0 <= v < 2^w) in w bits, MSB first, at bit pos of out (zeroed uint8)."""
+    for j in range(w - 1, -1, -1):
+        if (v >> j) & 1:
+            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        pos += 1
+    return pos
+
+
+@_numba_or_py_early
+def _rice_put(x, k, out, pos):
+    """Append the Rice code of x >= 0 (parameter k: the unary quotient x >> k of 1-bits
+    ended by a 0, then the k remainder bits, MSB first) at bit pos of out (zeroed uint8);
+    returns the new bit position."""
+    for _ in range(x >> k):
+        out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        pos += 1
+    return _fixed_write(x, k, out, pos + 1)   # after the terminating 0: x's low k bits
 
 
 @_numba_or_py_early
 def _rice_write_plain(v, k, out, pos):
     """Append the Rice codes (parameter k) of v int64 [n] >= 0 at bit pos of out (zeroed
-    uint8, MSB first); returns the new bit position."""
+    uint8, MSB first); returns the new bit position. Also ``_rice_write``: the table codes'
+    zigzag deltas are written the same way."""
     for i in range(v.shape[0]):
-        x = v[i]
-        for _ in range(x >> k):
-            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-            pos += 1
-        pos += 1
-        for j in range(k - 1, -1, -1):
-            if (x >> j) & 1:
-                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-            pos += 1
+        pos = _rice_put(v[i], k, out, pos)
     return pos
+
+
+_rice_write = _rice_write_plain
+
+
+@_numba_or_py_early
+def _unzig(z, prev, qmax):
+    """The table code after ``prev`` given the zigzag delta z, or -1 outside [0, qmax]."""
+    q = prev + ((z >> 1) if (z & 1) == 0 else -((z + 1) >> 1))
+    return q if 0 <= q <= qmax else -1
 
 
 @_numba_or_py_early
@@ -254,25 +279,6 @@ def _rice_read_plain(buf, pos, n, k, vmax, out):
 
 
 @_numba_or_py_early
-def _rice_write(zz, k, out, pos):
-    """Append Rice codes (unary quotient of 1-bits ended by a 0, then k remainder bits,
-    MSB first) of zz int64 [n] to the zeroed bit buffer out uint8 at bit pos; returns
-    the new bit position."""
-    for i in range(zz.shape[0]):
-        v = zz[i]
-        u = v >> k
-        for _ in range(u):
-            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-            pos += 1
-        pos += 1  # the terminating 0
-        for j in range(k - 1, -1, -1):
-            if (v >> j) & 1:
-                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-            pos += 1
-    return pos
-
-
-@_numba_or_py_early
 def _rice_read(buf, pos, n, nb, k, qmax, out):
     """Decode n table codes (rows of nb) from the bit buffer buf starting at bit pos into
     out int64 [n]. Returns the bit position after them, or -1 if the buffer ends early /
@@ -284,11 +290,8 @@ def _rice_read(buf, pos, n, nb, k, qmax, out):
         if i % nb == 0:
             prev = 0
         zz, pos = _rice_one(buf, pos, nbits, k, umax)
-        if pos < 0:
-            return -1
-        d = (zz >> 1) if (zz & 1) == 0 else -((zz + 1) >> 1)
-        q = prev + d
-        if q < 0 or q > qmax:
+        q = _unzig(zz, prev, qmax)
+        if pos < 0 or q < 0:
             return -1
         out[i] = q
         prev = q
@@ -325,22 +328,7 @@ def ranged_cost(q: np.ndarray) -> tuple[int, int]:
     K, nb = q.shape
     _, _, zz = _ranged_deltas(q)
     fixed = 2 * K * _range_bits(nb)
-    best = None
-    for k in range(RICE_MAX_K + 1):
-        bits = fixed + int(((zz >> k) + 1 + k).sum())
-        if best is None or bits < best[0]:
-            best = (bits, k)
-    return best
-
-
-@_numba_or_py_early
-def _fixed_write(v, w, out, pos):
-    """Append v (0 <= v < 2^w) in w bits, MSB first, at bit pos of out (zeroed uint8)."""
-    for j in range(w - 1, -1, -1):
-        if (v >> j) & 1:
-            out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-        pos += 1
-    return pos
+    return _best_rice_k(zz, fixed)
 
 
 @_numba_or_py_early
@@ -352,16 +340,8 @@ def _ranged_write(lo, span, zz, w, k, out, pos):
         pos = _fixed_write(lo[t], w, out, pos)
         pos = _fixed_write(span[t], w, out, pos)
         for _ in range(span[t] + 1):
-            v = zz[j]
+            pos = _rice_put(zz[j], k, out, pos)
             j += 1
-            for _ in range(v >> k):
-                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-                pos += 1
-            pos += 1
-            for b in range(k - 1, -1, -1):
-                if (v >> b) & 1:
-                    out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-                pos += 1
     return pos
 
 
@@ -382,11 +362,8 @@ def _ranged_read(buf, pos, K, nb, w, k, qmax, out):
         prev = 0
         for s in range(lo, lo + span + 1):
             z, pos = _rice_one(buf, pos, nbits, k, umax)
-            if pos < 0:
-                return -1
-            d = (z >> 1) if (z & 1) == 0 else -((z + 1) >> 1)
-            q = prev + d
-            if q < 0 or q > qmax:
+            q = _unzig(z, prev, qmax)
+            if pos < 0 or q < 0:
                 return -1
             out[t, s] = q
             prev = q

@@ -30,19 +30,10 @@ Limits of the dtype (issue 12.2): ``x_hat`` is clamped to the output dtype's fin
 before the cast (``to_dtype_clamped``: float32 rounding of ``M * (s / M)`` can exceed
 float32's max when s is near it); scales below ``TINY_SCALE`` = 2^-100 are flushed to 0 by
 the codecs (``flush_tiny_scales``) so that ``M / s`` cannot overflow float32 (bf16/fp32
-subnormal groups decode as zeros: absolute error < 2^-100). KIVI computes its range and
-step in float64 (``max - min`` of two finite values can overflow float32).
+subnormal groups decode as zeros: absolute error < 2^-100).
 
-Outliers (issue 12.3, cachegen's "chunk_head" groups): ``outlier_thresholds`` gives per
-group ``OUTLIER_RATIO * median(|x|)`` (the median over every channel of every step-th
-token, about ``OUTLIER_SAMPLE`` elements, so that it is cheap and identical on every
-backend); values
-with ``|x| > threshold`` are stored exactly in a sparse side list and the group's scale is
-the max |x| of the rest (docs/bitstream.md section 4.4). The rule follows the outlier
-handling of LLM.int8() (Dettmers et al., NeurIPS 2022, section 3.2: "mixed-precision
-decomposition", outliers kept in 16 bit) and SpQR (Dettmers et al., ICLR 2024, section
-4.1: sparse exact outliers beside a dense low-bit matrix), with a median-based threshold
-as in robust statistics (median absolute value, Hampel's rule).
+Outlier detection lives in ``codec.outliers``, the KIVI and FP8 quantizers of the baselines
+in ``codec.lowbit`` (both re-exported here, their former home).
 
 Scales: ``row_scales`` = max |x| over the grouped channels, computed in float32 (exact:
 the max of dtype values is a dtype value). ``log8`` scales replace it by the smallest
@@ -54,61 +45,25 @@ Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_quant*.py -q
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from . import scratch
 
-__all__ = [
-    "LOG8_MANTISSA",
-    "max_levels",
-    "row_scales",
-    "quantize",
-    "dequantize",
-    "encode_log8",
-    "decode_log8",
-    "anchor_delta_quantize",
-    "kivi_quantize",
-    "kivi_dequantize",
-    "fp8_quantize",
-    "fp8_dequantize",
-    "empirical_entropy_bits",
-    "TINY_SCALE",
-    "OUTLIER_RATIO",
-    "OUTLIER_SAMPLE",
-    "to_dtype_clamped",
-    "flush_tiny_scales",
-    "outlier_thresholds",
-    "CHANNEL_GAP",
-    "CHANNEL_MAX",
-    "CHANNEL_MEDIAN_GAP",
-    "CHANNEL_MAX_EXP",
-    "outlier_channels",
-    "scale_channels",
-]
+from .lowbit import (FP8_MAX, fp8_dequantize, fp8_quantize,  # noqa: E402,F401  (re-exports)
+                     kivi_dequantize, kivi_quantize)
+from .outliers import (CHANNEL_GAP, CHANNEL_MAX, CHANNEL_MAX_EXP,  # noqa: E402,F401  (re-exports)
+                       CHANNEL_MEDIAN_GAP, OUTLIER_RATIO, OUTLIER_SAMPLE, outlier_channels,
+                       outlier_thresholds)
+
+__all__ = ["LOG8_MANTISSA", "max_levels", "row_scales", "quantize", "dequantize", "encode_log8",
+           "decode_log8", "anchor_delta_quantize", "kivi_quantize", "kivi_dequantize",
+           "fp8_quantize", "fp8_dequantize", "empirical_entropy_bits", "TINY_SCALE",
+           "OUTLIER_RATIO", "OUTLIER_SAMPLE", "to_dtype_clamped", "flush_tiny_scales",
+           "outlier_thresholds", "CHANNEL_GAP", "CHANNEL_MAX", "CHANNEL_MEDIAN_GAP",
+           "CHANNEL_MAX_EXP", "outlier_channels", "scale_channels"]
 
 TINY_SCALE = 2.0 ** -100   # smaller group scales are flushed to 0 (M / s would overflow)
-# |x| > OUTLIER_RATIO * median(|x|) of its group is an outlier. Measured on the default
-# model's KV (needle 1022 tokens + 3 pydoc contexts of 2048 tokens: 7 chunks of <= 1024,
-# 90 (layer, KV head) groups per tensor): max/median is 7.2-36.0, so 64 (1.8x the largest
-# seen) extracts nothing from normal KV, while a value 100x the typical magnitude is
-# always taken out.
-OUTLIER_RATIO = 64.0
-OUTLIER_SAMPLE = 4096      # about this many elements per group enter the median
-# Outlier CHANNELS (issue 28.7): per (layer, KV head) group, the channel maxima over the
-# chunk's tokens sorted descending c(1) >= c(2) >= ...; the top j channels (j <= CHANNEL_MAX)
-# are outlier channels when c(j) > CHANNEL_GAP * c(j + 1) for the largest such j (and their
-# medians stand CHANNEL_MEDIAN_GAP above the rest's: see outlier_channels). Measured
-# on the default model's KV (README.md, 1020 tokens after the sinks, chunks of 16..1024
-# tokens): the largest gap is 2.80 at 1024-token chunks and 3.97 at 16-token chunks (keys;
-# values 1.85 / 3.70), so 4 leaves its bytes unchanged, while a channel x20 over all tokens
-# stands 5-50x above the rest.
-CHANNEL_GAP = 4.0
-CHANNEL_MEDIAN_GAP = 2.0   # and their median |x| > 2x the others' (wide, not spikes)
-CHANNEL_MAX = 8            # at most this many outlier channels per (layer, KV head)
-CHANNEL_MAX_EXP = 64       # exponents 1..64 (a channel is divided by 2^e before quantization)
 
 
 def to_dtype_clamped(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -122,84 +77,6 @@ def flush_tiny_scales(s: torch.Tensor) -> torch.Tensor:
     """Scales (float32, >= 0) below ``TINY_SCALE`` -> 0 (the group decodes to zeros)."""
     return torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
 
-
-def _sample_step(x: torch.Tensor, dims: tuple) -> int:
-    """Step along the first reduced dim (tokens) so that at most ~OUTLIER_SAMPLE elements
-    of each group enter the median: every channel of every step-th token."""
-    per = math.prod(x.shape[d] for d in dims[1:])      # elements per token of a group
-    rows = max(1, OUTLIER_SAMPLE // per)               # tokens wanted in the sample
-    return max(1, -(-x.shape[dims[0]] // rows))
-
-
-def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
-    """Per-group outlier thresholds ``OUTLIER_RATIO * median(|x|)`` (float32, keepdim over
-    ``dims``, e.g. x [L, T, H, D] with dims (1, 3) -> [L, 1, H, 1]).
-
-    The median is torch's lower median over a sample of each group: every ``step``-th
-    index of the first reduced dim (tokens: 0, step, 2*step, ...) with ALL indices of the
-    other reduced dims (channels), ``step`` = ceil(T / (OUTLIER_SAMPLE // D)) - so an
-    outlier channel is 1/D of the sample and an outlier token at most one sampled row.
-    Exact selection in the KV dtype, so the same on CPU and CUDA; only the sample is
-    copied. A group whose median is 0 gets threshold 0 (every non-zero value is an
-    outlier)."""
-    dims = tuple(sorted(d % x.dim() for d in dims))
-    keep = [d for d in range(x.dim()) if d not in dims]
-    step = _sample_step(x, dims)
-    sl = [slice(None)] * x.dim()
-    sl[dims[0]] = slice(None, None, step)
-    sample = x[tuple(sl)].permute(*keep, *dims)
-    groups = math.prod(x.shape[d] for d in keep)
-    sample = sample.reshape(groups, -1).abs()                  # [groups, n_sample]
-    # abs and the median are exact in the KV dtype (a selection): convert only the result
-    med = sample.median(dim=1).values.to(torch.float32)
-    thr = med * OUTLIER_RATIO
-    out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
-    return thr.reshape(out_shape)
-
-
-def outlier_channels(x: torch.Tensor, x_orig: torch.Tensor | None = None):
-    """Outlier channels of x [L, T, H, D] (one chunk's tokens, after the outlier side list
-    took its values out; groups = (layer, KV head)); ``x_orig``: the same tokens before
-    the side list (default x), whose medians confirm the candidates.
-
-    Per group the channel maxima ``c = max_t |x|`` (float32, exact) sorted descending; the
-    largest ``j <= min(CHANNEL_MAX, D - 1)`` with ``c(j) > CHANNEL_GAP * c(j + 1)`` (and
-    ``c(j + 1) > 0``) makes the channels with ``c > r = c(j + 1)`` candidates; they are
-    outlier channels when the smallest candidate ``median_t |x_orig|`` (torch's lower
-    median: a selection, exact) exceeds CHANNEL_MEDIAN_GAP times the largest median of the other
-    channels (so a channel is wide, not a few spikes). Exponent ``e = smallest integer
-    >= 1 with c / 2^e <= r`` (from the exact binary exponents), capped at CHANNEL_MAX_EXP.
-    Depends only on values (not on sort tie order), so every backend finds the same.
-    Returns ``(flat indices int64 [n] into [L, H, D], C order, increasing; exponents uint8
-    [n] in 1..CHANNEL_MAX_EXP)`` as numpy arrays, or None when no group has one."""
-    L, T, H, D = x.shape
-    kmax = min(CHANNEL_MAX, D - 1)
-    if kmax < 1 or T == 0:
-        return None
-    ax = x.abs()
-    c = ax.amax(dim=1).to(torch.float32)                         # [L, H, D]
-    top = c.sort(dim=2, descending=True).values[..., :kmax + 1]  # [L, H, kmax + 1]
-    hi, lo = top[..., :kmax], top[..., 1:]
-    ok = (lo > 0) & (hi > CHANNEL_GAP * lo)
-    if not bool(ok.any()):
-        return None
-    j = (ok.to(torch.int64) * torch.arange(1, kmax + 1, device=c.device)).amax(dim=2)
-    rest = top.gather(2, j.clamp(min=1).unsqueeze(2))            # c(j + 1): [L, H, 1]
-    cand = (c > rest) & (j > 0).unsqueeze(2)
-    xo = x if x_orig is None else x_orig
-    med = xo.abs().median(dim=1).values.to(torch.float32)        # [L, H, D]
-    inf = torch.full_like(med, float("inf"))
-    cand_min = torch.where(cand, med, inf).amin(dim=2, keepdim=True)
-    rest_max = torch.where(cand, torch.zeros_like(med), med).amax(dim=2, keepdim=True)
-    mask = cand & (cand_min > CHANNEL_MEDIAN_GAP * rest_max)
-    if not bool(mask.any()):
-        return None
-    mc, ec = torch.frexp(c)
-    mr, er = torch.frexp(rest.expand_as(c))
-    e = (ec - er + (mc > mr).to(ec.dtype)).clamp(1, CHANNEL_MAX_EXP)
-    flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
-    return (flat.cpu().numpy().astype(np.int64),
-            e.reshape(-1)[flat].cpu().numpy().astype(np.uint8))
 
 
 def scale_channels(x: torch.Tensor, idx: np.ndarray, exps: np.ndarray, sign: int
@@ -261,7 +138,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> t
     """
     if x.shape[0] != max_level.shape[0]:
         raise ValueError(f"x has {x.shape[0]} layers but max_level has {max_level.shape[0]}")
-    m = _bcast_levels(max_level, x.dim())
+    return quantize_bcast(x, scale, _bcast_levels(max_level, x.dim()))
+
+
+def quantize_bcast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``quantize`` with M already broadcast against x (float32, e.g. [L, 1, 1, 1]): the
+    arithmetic itself, also the tests' reference for ``codec.fused.quantize_fast``."""
     scale = scale.to(torch.float32)
     inv = torch.where(scale > 0, m / torch.where(scale > 0, scale, torch.ones_like(scale)),
                       torch.zeros_like(scale))
@@ -360,73 +242,6 @@ def anchor_delta_quantize(x: torch.Tensor, max_level: torch.Tensor, group: int,
 
 
 # ------------------------------------------------------------------------------ KIVI
-def _round_up_to(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32/float64 -> dtype, rounded UP (so a stored step never shrinks the range)."""
-    y = x32.to(dtype)
-    low = y.to(x32.dtype) < x32
-    if bool(low.any()):
-        y = torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-    return y
-
-
-def kivi_quantize(x: torch.Tensor, bits: int, dim: int, group: int):
-    """KIVI asymmetric quantization of ``x`` in groups of ``group`` along ``dim``
-    (keys: dim = token axis, "per-channel"; values: dim = channel axis, "per-token").
-
-    x: [..., N, ...] float; N (the size along ``dim``) must be a multiple of ``group``.
-    Per group: ``lo = min``, ``step = (max - lo) / (2^bits - 1)`` computed in float64 (the
-    range of two finite values can overflow float32) and rounded UP to x.dtype,
-    ``q = clamp(round((x64 - lo) / step), 0, 2^bits - 1)`` (step 0 -> q = 0).
-    Returns ``(q uint8 shape of x, lo x.dtype, step x.dtype)`` where lo/step have ``dim``
-    replaced by N // group. Dequant (``kivi_dequantize``): ``q * step + lo`` in float64,
-    clamped to [lo, the dtype's max]: |x - x_hat| <= step / 2 (+ the dtype's rounding).
-    """
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    if n % group:
-        raise ValueError(f"size {n} along dim {dim} is not a multiple of group {group}")
-    xg = x.to(torch.float64).unflatten(dim, (n // group, group))   # [..., n/g, g, ...]
-    lo64 = xg.amin(dim=dim + 1, keepdim=True)
-    hi64 = xg.amax(dim=dim + 1, keepdim=True)
-    qmax = float((1 << bits) - 1)
-    step = _round_up_to((hi64 - lo64) / qmax, x.dtype)   # <= 2/3 of the dtype's max: finite
-    lo = lo64.to(x.dtype)                     # exact: the min of dtype values
-    step64 = step.to(torch.float64)
-    safe = torch.where(step64 > 0, step64, torch.ones_like(step64))
-    q = torch.round((xg - lo64) / safe)
-    q = torch.where(step64 > 0, q, torch.zeros_like(q)).clamp(0, qmax)
-    return (q.to(torch.uint8).flatten(dim, dim + 1), lo.squeeze(dim + 1),
-            step.squeeze(dim + 1))
-
-
-def kivi_dequantize(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, dim: int,
-                    group: int) -> torch.Tensor:
-    """Inverse of ``kivi_quantize``: ``q * step + lo`` in float64, clamped to the finite
-    range of ``lo``'s dtype, returned as float32 (the caller casts to the dtype: no inf)."""
-    dim = dim % q.dim()
-    n = q.shape[dim]
-    qg = q.to(torch.float64).unflatten(dim, (n // group, group))
-    out = qg * step.to(torch.float64).unsqueeze(dim + 1) + lo.to(torch.float64).unsqueeze(dim + 1)
-    big = torch.finfo(lo.dtype).max
-    return out.clamp(-big, big).flatten(dim, dim + 1).to(torch.float32)
-
-
-# ------------------------------------------------------------------------------- FP8
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def fp8_quantize(x: torch.Tensor) -> torch.Tensor:
-    """Cast to float8 e4m3 (round to nearest even), saturating at +-448; returned as the
-    uint8 bit pattern."""
-    y = x.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return y.view(torch.uint8)
-
-
-def fp8_dequantize(bits: torch.Tensor) -> torch.Tensor:
-    """uint8 e4m3 bit patterns -> float32."""
-    return bits.view(torch.float8_e4m3fn).to(torch.float32)
-
-
 # --------------------------------------------------------------- ideal entropy estimate
 def empirical_entropy_bits(sym: torch.Tensor, nbins: int) -> float:
     """Sum over channels of n * H(channel) in bits, for ``sym`` [N, C] (N samples per

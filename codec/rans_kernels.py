@@ -1,12 +1,11 @@
-"""The numba kernels of the CPU rANS coder (codec.rans_cpu): encode, compaction,
-decode (dynamic scheduling over an atomic counter), and the table decoders of the
-baselines (quant8 gather / direct dequantization, fp8 byte lookup, KIVI, the inf/NaN
-count), each compiled twice by `_dual` (parallel and serial builds, numba cache=True).
+"""The numba kernels of the CPU rANS coder (codec.rans_cpu): encode, compaction, decode
+(dynamic scheduling over an atomic counter) and the decode tables, each compiled twice by
+`_dual` (parallel and serial builds, numba cache=True). The table decoders of the
+baselines (quant8, fp8, KIVI, the inf/NaN count) are codec/dequant_kernels.py's.
 
 Purpose: the hot loops only; argument checks, layout and dispatch are codec.rans_cpu's
-Python wrappers (`encode_streams`, `decode_streams_into`, `gather_into`, ...), which are
-the public API. Shapes and dtypes: see codec/rans_cpu.py's module docstring and each
-kernel's docstring. Moved out of codec/rans_cpu.py unchanged (issue 27, module size).
+Python wrappers (`encode_streams`, `decode_streams_into`, ...), which are the public API.
+Shapes and dtypes: see codec/rans_cpu.py's module docstring and each kernel's docstring.
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_fused.py -q
 """
@@ -67,6 +66,25 @@ if HAVE_NUMBA:
         return (q << 16) + (x - q * f) + cc, p
 
     @njit(inline="always")
+    def _enc_flush(x, p, end, scratch, nwords, i):
+        # the final state (2 words) below the stream's words; nwords[i] = its length
+        scratch[p - 1] = np.uint16(x >> 16)
+        scratch[p - 2] = np.uint16(x & 0xFFFF)
+        nwords[i] = end - p + 2
+
+    @njit(inline="always")
+    def _item_coords(items, it, L, T, C, G, B):
+        # work item `it` -> (first stream i0, lanes nl, channel group g, layer, kv, tokens
+        # t0..t1): streams are numbered ((kv * L + layer) * n_groups + g) * n_blocks + b
+        n_groups = (C + G - 1) // G
+        n_blocks = (T + B - 1) // B
+        i0 = items[it, 0]
+        r = i0 // n_blocks
+        t0 = (i0 % n_blocks) * B
+        return (i0, items[it, 1], r % n_groups, (r // n_groups) % L, (r // n_groups) // L,
+                t0, min(t0 + B, T))
+
+    @njit(inline="always")
     def _dec_step(x, pos, words, lu, cu, pk_):
         slot = x & 0xFFFF
         s = np.int64(lu[slot >> 8])
@@ -86,23 +104,12 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
     (uint16), writing words backwards from each region's end (the stack of section 2, so
     the region's tail is the stream in reading order); nwords[i] = words of stream i;
     err[i] = 6 if a symbol has zero frequency."""
-    L = sym_k.shape[0]
     T = sym_k.shape[1]
     C = sym_k.shape[2]
-    n_groups = (C + G - 1) // G
     n_blocks = (T + B - 1) // B
     for it in prange(items.shape[0]):
-        i0 = items[it, 0]
-        nl = items[it, 1]
-        b = i0 % n_blocks
-        r = i0 // n_blocks
-        g = r % n_groups
-        r = r // n_groups
-        layer = r % L
-        kv = r // L
+        i0, nl, g, layer, kv, t0, t1 = _item_coords(items, it, sym_k.shape[0], T, C, G, B)
         sym = sym_k if kv == 0 else sym_v
-        t0 = b * B
-        t1 = min(t0 + B, T)
         if nl == 4:
             e0 = scr_off[i0 + 1]
             e1 = scr_off[i0 + n_blocks + 1]
@@ -148,18 +155,10 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
             if bad:
                 err[i0] = 6
                 continue
-            scratch[p0 - 1] = np.uint16(x0 >> 16)
-            scratch[p0 - 2] = np.uint16(x0 & 0xFFFF)
-            scratch[p1 - 1] = np.uint16(x1 >> 16)
-            scratch[p1 - 2] = np.uint16(x1 & 0xFFFF)
-            scratch[p2 - 1] = np.uint16(x2 >> 16)
-            scratch[p2 - 2] = np.uint16(x2 & 0xFFFF)
-            scratch[p3 - 1] = np.uint16(x3 >> 16)
-            scratch[p3 - 2] = np.uint16(x3 & 0xFFFF)
-            nwords[i0] = e0 - p0 + 2
-            nwords[i0 + n_blocks] = e1 - p1 + 2
-            nwords[i0 + 2 * n_blocks] = e2 - p2 + 2
-            nwords[i0 + 3 * n_blocks] = e3 - p3 + 2
+            _enc_flush(x0, p0, e0, scratch, nwords, i0)
+            _enc_flush(x1, p1, e1, scratch, nwords, i0 + n_blocks)
+            _enc_flush(x2, p2, e2, scratch, nwords, i0 + 2 * n_blocks)
+            _enc_flush(x3, p3, e3, scratch, nwords, i0 + 3 * n_blocks)
         else:
             c_lo = g * G
             c_hi = min(c_lo + G, C)
@@ -182,9 +181,7 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
             if bad:
                 err[i0] = 6
                 continue
-            scratch[p - 1] = np.uint16(x >> 16)
-            scratch[p - 2] = np.uint16(x & 0xFFFF)
-            nwords[i0] = end - p + 2
+            _enc_flush(x, p, end, scratch, nwords, i0)
 
 
 def _compact_impl(scratch, scr_off, nwords, out_off, out):
@@ -199,22 +196,11 @@ def _compact_impl(scratch, scr_off, nwords, out_off, out):
 def _decode_item_py(it, words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, T, items,
                  out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err):
     """Decode work item `it` (see `_decode_impl`)."""
-    L = out_k.shape[0]
     C = out_k.shape[2]
-    n_groups = (C + G - 1) // G
     n_blocks = (T + B - 1) // B
-    i0 = items[it, 0]
-    nl = items[it, 1]
-    b = i0 % n_blocks
-    r = i0 // n_blocks
-    g = r % n_groups
-    r = r // n_groups
-    layer = r % L
-    kv = r // L
+    i0, nl, g, layer, kv, t0, t1 = _item_coords(items, it, out_k.shape[0], T, C, G, B)
     out = out_k[layer] if kv == 0 else out_v[layer]
     dq = deq_k[layer] if kv == 0 else deq_v[layer]
-    t0 = b * B
-    t1 = min(t0 + B, T)
     if nl == 4:
         i1 = i0 + n_blocks
         i2 = i1 + n_blocks
@@ -347,119 +333,10 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
                          out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err)
 
 
-def _gather_impl(sym, out, deq, t_stride, hd, t_off):
-    """Dequantize stored symbols (no entropy coding: quant8) in one pass:
-    out[l, t_off + t, c] = deq[l, t * t_stride + c // hd, sym[l, t, c]], parallel over
-    (layer, token)."""
-    L = sym.shape[0]
-    T = sym.shape[1]
-    C = sym.shape[2]
-    for lt in prange(L * T):
-        layer = lt // T
-        t = lt % T
-        dq = deq[layer]
-        rt = t * t_stride
-        for c in range(C):
-            out[layer, t + t_off, c] = dq[rt + c // hd, sym[layer, t, c]]
-
-
 _encode_par, _encode_ser = _dual(_encode_impl)
 _compact_par, _compact_ser = _dual(_compact_impl)
 _decode_par, _decode_ser = _dual(_decode_impl)
 
-
-def _lut8_impl(codes, tab, flag, out):
-    """out[i] = tab[codes[i]] over flat arrays; returns how many codes have flag[c] != 0
-    (fp8: NaN codes)."""
-    n = codes.shape[0]
-    bad = 0
-    for i in prange(n):
-        c = codes[i]
-        out[i] = tab[c]
-        bad += flag[c]
-    return bad
-
-
-def _kivi_impl(qb, bits, tab, sL, sT, gt, sH, sD, gd, sQ, out, nq):
-    """KIVI dequantization by table (codec.fused.decode_kivi_cpu): element (l, t, h, d)
-    of the packed codes (``bits`` in {2, 4} per code, little-endian in bytes, C order over
-    [L, nq, H, D]) becomes tab[l*sL + (t//gt)*sT + h*sH + (d//gd)*sD + q*sQ], written to
-    out[l, t, h, d]; parallel over (layer, token). gd must divide D."""
-    L = out.shape[0]
-    H = out.shape[2]
-    D = out.shape[3]
-    lsh = 2 if bits == 2 else 1          # log2(codes per byte)
-    pmask = (1 << lsh) - 1
-    mask = (1 << bits) - 1
-    ng = D // gd
-    for lt in prange(L * nq):
-        layer = lt // nq
-        t = lt % nq
-        base = layer * sL + (t // gt) * sT
-        i = (layer * nq + t) * H * D
-        for h in range(H):
-            bh = base + h * sH
-            for gi in range(ng):
-                bg = bh + gi * sD
-                for dd in range(gd):
-                    q = (np.int64(qb[i >> lsh]) >> ((i & pmask) * bits)) & mask
-                    out[layer, t, h, gi * gd + dd] = tab[bg + q * sQ]
-                    i += 1
-
-
-def _dequant_direct_impl(sym, m, step, t_stride, hd, t_off, big, mode, out):
-    """Direct dequantization of stored symbols (quant8) for bf16 / fp32 outputs, in one
-    pass: x = (float32(s) - M[l]) * step[l, t * t_stride + c // hd] in float32 (the
-    reference arithmetic of codec.quantize.dequantize), clamped to +-big (the dtype's
-    finite range, as quantize.to_dtype_clamped), then mode 0: bf16 bits by round to
-    nearest even ((b + 0x7FFF + ((b >> 16) & 1)) >> 16, torch's rule for finite values),
-    written to out (uint16); mode 1: the float32 bits (out uint32)."""
-    L = sym.shape[0]
-    T = sym.shape[1]
-    C = sym.shape[2]
-    for lt in prange(L * T):
-        layer = lt // T
-        t = lt % T
-        buf = np.empty(C, np.float32)
-        mm = m[layer]
-        rt = t * t_stride
-        for c in range(C):
-            x = (np.float32(sym[layer, t, c]) - mm) * step[layer, rt + c // hd]
-            if x > big:
-                x = big
-            elif x < -big:
-                x = -big
-            buf[c] = x
-        bb = buf.view(np.uint32)
-        for c in range(C):
-            b = np.uint32(bb[c])
-            if mode == 0:
-                out[layer, t + t_off, c] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            else:
-                out[layer, t + t_off, c] = b
-
-
-def _nonfinite_impl(bits, mask):
-    """Number of elements of a flat float bit-pattern array whose exponent field is all
-    ones (inf or NaN): (bits & mask) == mask; parallel over blocks of 64K elements."""
-    n = bits.shape[0]
-    nb = (n + 65535) // 65536
-    bad = 0
-    for blk in prange(nb):
-        lo = blk * 65536
-        hi = min(lo + 65536, n)
-        c = 0
-        for i in range(lo, hi):
-            c += np.int64((bits[i] & mask) == mask)
-        bad += c
-    return bad
-
-
-_dequant_direct_par, _dequant_direct_ser = _dual(_dequant_direct_impl)
-_nonfinite_par, _nonfinite_ser = _dual(_nonfinite_impl)
-_lut8_par, _lut8_ser = _dual(_lut8_impl)
-_kivi_par, _kivi_ser = _dual(_kivi_impl)
-_gather_par, _gather_ser = _dual(_gather_impl)
 
 def _lut_py(c, lut):
     """lut[m, j] = last s in [0, 255] with c[m, s] <= j << 8 (c int64 [n, 257] valid rows).

@@ -21,7 +21,11 @@ import os
 import threading
 from typing import Any, Callable
 
-__all__ = ["PARALLEL_LOCK", "run_kernel", "configure_threading_layer"]
+__all__ = ["PARALLEL_LOCK", "PARALLEL_MIN_SYMBOLS", "run_kernel", "configure_threading_layer"]
+
+# Symbols (or elements) per call below which the codec's kernels use their serial build:
+# waking the thread pool costs more than the work (codec.rans_cpu, codec.dequant_cpu).
+PARALLEL_MIN_SYMBOLS = 1 << 18
 
 # Held while a parallel numba kernel runs; at most one at a time per process.
 PARALLEL_LOCK = threading.Lock()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 
 import torch
 
@@ -110,6 +111,14 @@ def _require(*tensors: torch.Tensor) -> torch.device:
 # Kernels. Plain functions, jitted on first use (so TRITON_INTERPRET is read at call time,
 # and importing this module never needs Triton).
 # ---------------------------------------------------------------------------------------
+def _layer_block(N, BLOCK: tl.constexpr):
+    """(layer = program_id(1) as int64, element indices n of block program_id(0) (int32:
+    N < 2^31, checked by the wrappers), n < N): a device function of the elementwise
+    kernels, grid (cdiv(N, BLOCK), L)."""
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return tl.program_id(1).to(tl.int64), n, n < N
+
+
 def _quantize_kernel(x_ptr, inv_ptr, m_ptr, out_ptr, N, S, DIV, MOD,
                      BLOCK: tl.constexpr):
     """x [L, N] (any float dtype) -> uint8 symbols [L, N].
@@ -118,10 +127,7 @@ def _quantize_kernel(x_ptr, inv_ptr, m_ptr, out_ptr, N, S, DIV, MOD,
     m: float32 [L], M = bins // 2 - 1. sym = clamp(rint(x32 * inv), -M, M) + M.
     Grid: (cdiv(N, BLOCK), L).
     """
-    pid = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    n = pid * BLOCK + tl.arange(0, BLOCK)             # int32: N < 2^31 (checked by the wrapper)
-    mask = n < N
+    layer, n, mask = _layer_block(N, BLOCK)
     x = tl.load(x_ptr + layer * N + n, mask=mask, other=0.0).to(tl.float32)
     inv = tl.load(inv_ptr + layer * S + (n // DIV) % MOD, mask=mask, other=0.0)
     m = tl.load(m_ptr + layer)
@@ -142,10 +148,7 @@ def _dequantize_kernel(sym_ptr, step_ptr, m_ptr, out_ptr, N, S, DIV, MOD,
     out's dtype (round to nearest even). OUT_BF16: out is an int16 view of a bfloat16
     tensor and the rounding is done on the bits (the interpreter truncates otherwise).
     Grid: (cdiv(N, BLOCK), L)."""
-    pid = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    n = pid * BLOCK + tl.arange(0, BLOCK)             # int32: N < 2^31 (checked by the wrapper)
-    mask = n < N
+    layer, n, mask = _layer_block(N, BLOCK)
     s = tl.load(sym_ptr + layer * N + n, mask=mask, other=0).to(tl.float32)
     step = tl.load(step_ptr + layer * S + (n // DIV) % MOD, mask=mask, other=0.0)
     m = tl.load(m_ptr + layer)
@@ -188,6 +191,28 @@ def _histogram_kernel(sym_ptr, out_ptr, T, C,
     tl.store(out_ptr + (layer * C + cc) * NB + k % NB, acc, mask=cc < C)
 
 
+def _stream_lanes(kvl, k_ptr, v_ptr, L, T, C, G, B, n_groups, n_blocks, BLOCK: tl.constexpr):
+    """The lanes of a rANS program (a device function of both rANS kernels): for (kv *
+    L + layer) = kvl, channel groups g = program_id(0) * BLOCK + lane and token block
+    b = program_id(1): (lane valid, stream index (section 3 order), first token, tokens,
+    first channel, channels, the layer's [T, C] in k_ptr / v_ptr (by kv) [L, T, C], the
+    (kv, layer)'s offset in the model index [2, L, C])."""
+    b = tl.program_id(1)
+    kv = kvl // L
+    layer = kvl - kv * L
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
+    t0 = b * B
+    c0 = g * G
+    sym_base = layer.to(tl.int64) * T * C
+    if kv == 0:
+        ptr = k_ptr + sym_base
+    else:
+        ptr = v_ptr + sym_base
+    return (g < n_groups, stream, t0, tl.minimum(B, T - t0), c0, tl.minimum(G, C - c0), ptr,
+            kvl.to(tl.int64) * C)
+
+
 def _rans_encode_kernel(sym_k_ptr, sym_v_ptr, midx_ptr, cum_ptr, woff_ptr, words_ptr,
                         nwords_ptr, err_ptr, L, T, C, G, B, n_groups, n_blocks,
                         WRITE: tl.constexpr, BLOCK: tl.constexpr):
@@ -202,24 +227,9 @@ def _rans_encode_kernel(sym_k_ptr, sym_v_ptr, midx_ptr, cum_ptr, woff_ptr, words
     the stream in [woff[i], woff[i + 1]) written backwards; err[i] = 7 if the slot is
     not filled exactly.
     """
-    pid0 = tl.program_id(0)
-    b = tl.program_id(1)
     kvl = tl.program_id(2)
-    kv = kvl // L
-    layer = kvl - kv * L
-    g = pid0 * BLOCK + tl.arange(0, BLOCK)
-    lane = g < n_groups
-    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
-    t0 = b * B
-    bsize = tl.minimum(B, T - t0)
-    c0 = g * G
-    gsize = tl.minimum(G, C - c0)
-    sym_base = layer.to(tl.int64) * T * C
-    if kv == 0:
-        sym_ptr = sym_k_ptr + sym_base
-    else:
-        sym_ptr = sym_v_ptr + sym_base
-    midx_base = kvl.to(tl.int64) * C
+    lane, stream, t0, bsize, c0, gsize, sym_ptr, midx_base = _stream_lanes(
+        kvl, sym_k_ptr, sym_v_ptr, L, T, C, G, B, n_groups, n_blocks, BLOCK)
     x = tl.full((BLOCK,), K_RANS_L, dtype=tl.uint32)
     nw = tl.zeros((BLOCK,), dtype=tl.int32)
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -277,24 +287,9 @@ def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v
     kvl: int32 list of the (kv * L + layer) indices this launch covers (program_id(2)
     indexes it), so layers with small alphabets get a launch with a small NB.
     """
-    pid0 = tl.program_id(0)
-    b = tl.program_id(1)
     kvl = tl.load(kvl_ptr + tl.program_id(2))
-    kv = kvl // L
-    layer = kvl - kv * L
-    g = pid0 * BLOCK + tl.arange(0, BLOCK)
-    lane = g < n_groups
-    stream = (kvl.to(tl.int64) * n_groups + g) * n_blocks + b
-    t0 = b * B
-    bsize = tl.minimum(B, T - t0)
-    c0 = g * G
-    gsize = tl.minimum(G, C - c0)
-    sym_base = layer.to(tl.int64) * T * C
-    if kv == 0:
-        out_ptr = out_k_ptr + sym_base
-    else:
-        out_ptr = out_v_ptr + sym_base
-    midx_base = kvl.to(tl.int64) * C
+    lane, stream, t0, bsize, c0, gsize, out_ptr, midx_base = _stream_lanes(
+        kvl, out_k_ptr, out_v_ptr, L, T, C, G, B, n_groups, n_blocks, BLOCK)
     start = tl.load(woff_ptr + stream, mask=lane, other=0)
     end = tl.load(woff_ptr + stream + 1, mask=lane, other=2)
     w0 = tl.load(words_ptr + start, mask=lane, other=0).to(tl.int32) & 0xFFFF
@@ -349,12 +344,28 @@ def _rans_decode_kernel(words_ptr, woff_ptr, midx_ptr, cum_ptr, out_k_ptr, out_v
     tl.store(err_ptr + stream, err, mask=lane)
 
 
+_DEVICE_FUNCTIONS = ("_layer_block", "_stream_lanes")   # called by kernels: jitted in the kernel's mode
+
+
+def _with_device_functions(name: str, interp: bool):
+    """Kernel `name` as a function whose globals hold its device functions jitted for the
+    mode (the interpreter calls InterpretedFunctions, the compiler JITFunctions; a
+    module-level decoration would fix one mode at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    wrap = InterpretedFunction if interp else JITFunction
+    g = dict(globals(), **{d: wrap(globals()[d]) for d in _DEVICE_FUNCTIONS})
+    fn = globals()[name]
+    return types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 @functools.lru_cache(maxsize=None)
 def _jit(name: str, interp: bool):
     """triton.jit the kernel `name` (cached per interpreter mode)."""
     if not HAVE_TRITON:  # pragma: no cover
         raise RuntimeError("Triton is not installed")
-    return triton.jit(globals()[name])
+    return triton.jit(_with_device_functions(name, interp))
 
 
 def _kernel(name: str):
@@ -414,7 +425,7 @@ def compile_for_target(arch: int = 90, warp_size: int = 32) -> dict[str, str]:
     out = {}
     for vname, (kname, sig, consts, warps) in variants.items():
         # a compiled-mode JITFunction even under TRITON_INTERPRET=1
-        fn = triton.runtime.jit.JITFunction(globals()[kname])
+        fn = triton.runtime.jit.JITFunction(_with_device_functions(kname, False))
         src = ASTSource(fn, signature=sig, constexprs=consts)
         opts = {"num_warps": warps, "enable_fp_fusion": False}
         out[vname] = triton.compile(src, target=target, options=opts).asm["ptx"]

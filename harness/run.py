@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 import codec as codec_pkg
-from codec.config import HARNESS_LEVELS
+from codec.schedules import HARNESS_LEVELS
 from evaluation.summary import higher_is_better
 from harness import faults, lifecycle
 from harness.adaptation import adaptation_experiment, slo_violated

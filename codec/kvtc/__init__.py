@@ -90,30 +90,33 @@ import sys
 import types
 
 from ..errors import CodecError  # callers catch kvtc.CodecError
-from . import calibration, codec, fit, layout, rope, workers
+from . import (calibration, codec, fit, fit_grouped, kept, layout, layout_grouped, options, pca,
+               rate, registry, rope, transfer, workers)
 from .rope import (_ROPE_BF16_KERNEL, _ROPE_KERNEL, _jit_or_false, _rope_bf16_kernel,
                    _rope_bf16_py, _rope_cos_sin, _rope_kernel, _rope_rows_py, _rope_tables,
                    _rotate_half, apply_rope, undo_rope)
 from .calibration import (CALIBRATION_FORMAT, CALIBRATION_VERSION, DEFAULT_KEY_WATER,
                           DEFAULT_LEVEL, DEFAULT_LEVEL_SINKS, DEFAULT_LEVEL_TARGETS,
                           DEFAULT_LEVEL_TIERS, DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS,
-                          KvtcCalibration, MAX_Q, _CALIBRATIONS, _HASH_RE, _LOCK,
-                          _check_calibration, _resolve_calibration, calibration_bytes,
-                          calibration_from_bytes, default_calibration_dir, get_calibration,
-                          has_calibration, level_tiers, load_calibration,
-                          register_calibration, registered_calibrations)
-from .fit import (_RATE_SAMPLE_TOKENS, _fit_grouped, _metric_gain, _metric_sqrt, _pca,
-                  _quantize, _rate_bits, _shrink, _solve_levels, _steps_for,
-                  fit_calibration)
+                          KvtcCalibration, MAX_Q, _HASH_RE, _check_calibration,
+                          default_calibration_dir, level_tiers, load_calibration)
+from .registry import (_CALIBRATIONS, _LOCK, _resolve_calibration, get_calibration,
+                       register_calibration, registered_calibrations)
+from .transfer import calibration_bytes, calibration_from_bytes, has_calibration
+from .fit import fit_calibration
+from .fit_grouped import _fit_grouped
+from .pca import _metric_gain, _metric_sqrt, _pca
+from .rate import _RATE_SAMPLE_TOKENS, _quantize, _rate_bits, _shrink, _solve_levels, _steps_for
 from .workers import (_BF16_GEMM, _POOL, _MAX_DECODE_WORKERS, _POOL_LOCK, _bf16_gemm,
                       _decode_pool, _decode_workers, _rows, _split_over_workers)
-from .layout import (KVTC_FORMAT_VERSION, KVTC_GROUPED_FORMAT, KVTC_GROUPED_LAYOUT,
-                     KVTC_LAYOUT, KVTC_TIERED_FORMAT, MAX_TIERS, _KeptSymbols, _PADDED,
-                     _SPAN_ARRAY_RE, _code_rows, _code_rows_grouped, _decode_rows,
-                     _decode_rows_grouped, _exact_counts, _group_features, _kept_halves,
-                     _kept_nbins, _n_kept, _parse_spans, _span_array, _tail_spans,
-                     check_tiers)
-from .codec import KvtcCodec, KvtcConfig
+from .kept import _KeptSymbols, _decode_kept, _kept_halves, _kept_nbins, _n_kept
+from .layout import (KVTC_FORMAT_VERSION, KVTC_LAYOUT, KVTC_TIERED_FORMAT, MAX_TIERS, _PADDED,
+                     _SPAN_ARRAY_RE, _code_rows, _decode_rows, _exact_counts, _parse_spans,
+                     _span_array, _tail_spans, check_tiers)
+from .layout_grouped import (KVTC_GROUPED_FORMAT, KVTC_GROUPED_LAYOUT, _code_rows_grouped,
+                             _decode_rows_grouped, _group_features)
+from .codec import KvtcCodec
+from .options import KvtcConfig
 
 __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
            "register_calibration", "registered_calibrations", "get_calibration",
@@ -122,7 +125,8 @@ __all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
            "DEFAULT_LEVEL_TIERS", "DEFAULT_LEVEL_SINKS", "DEFAULT_KEY_WATER",
            "KVTC_FORMAT_VERSION", "KVTC_TIERED_FORMAT", "check_tiers", "level_tiers"]
 
-_SUBMODULES = (rope, calibration, fit, workers, layout, codec)
+_SUBMODULES = (rope, calibration, registry, transfer, pca, rate, fit_grouped, fit, workers, kept,
+               layout_grouped, layout, options, codec)
 
 
 class _Package(types.ModuleType):

@@ -1,11 +1,11 @@
 """The KVTC calibration artifact: ``KvtcCalibration`` (bases, means, variances, per-level
-steps; content-addressed by sha256), its safetensors load/save and checks, the registry a
-DECODE finds calibrations in (by hash, then the cache folder), the artifact as bytes for
-the KV store, and the level defaults (targets, tiers, sinks, default level).
+steps; content-addressed by sha256), its safetensors load/save and checks, and the level
+defaults (targets, tiers, sinks, default level). The registry a DECODE finds calibrations
+in is codec/kvtc/registry.py, the artifact as bytes for the KV store
+codec/kvtc/transfer.py.
 
-An ENCODE names its calibration (``_resolve_calibration``: object, path or hash; no
-"latest of this shape"). Untrusted artifacts are never unpickled (safetensors + JSON).
-Errors: ``CodecError`` (bad artifact, unknown hash), ValueError (no calibration given).
+Untrusted artifacts are never unpickled (safetensors + JSON). Errors: ``CodecError``
+(bad artifact).
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import hashlib
 import json
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -331,94 +330,6 @@ def _check_calibration(cal: KvtcCalibration, where: str) -> None:
         raise CodecError(f"{where}: negative steps or token counts")
 
 
-# content-addressed registry of loaded calibrations, keyed by hash: where a DECODE finds
-# the calibration its chunk names (then the cache folder, ``get_calibration``). An encode
-# never picks one from here: it is given its calibration (``KvtcConfig.calibration``).
-_CALIBRATIONS: dict[str, KvtcCalibration] = {}
-_LOCK = threading.Lock()
-
-
-def register_calibration(cal: Union[KvtcCalibration, str, os.PathLike]) -> str:
-    """Make a calibration (object or artifact path) available, by its hash, to the decode
-    of the chunks that name it (``get_calibration``); returns its hash. It does not make
-    it an encoder's default (an encode names its calibration:
-    ``KvtcConfig(calibration=...)``). Raises CodecError for an unreadable artifact."""
-    if not isinstance(cal, KvtcCalibration):
-        cal = load_calibration(cal)
-    if not cal.hash:
-        cal.hash = cal.content_hash()
-    with _LOCK:
-        _CALIBRATIONS.pop(cal.hash, None)
-        _CALIBRATIONS[cal.hash] = cal
-    return cal.hash
-
-
-def registered_calibrations() -> list[str]:
-    """Hashes of the registered calibrations (registration order; informational only)."""
-    with _LOCK:
-        return list(_CALIBRATIONS)
-
-
-def get_calibration(h: str, search_dir: Optional[Union[str, os.PathLike]] = None
-                    ) -> KvtcCalibration:
-    """The calibration with hash ``h``: a registered one, else
-    ``<search_dir or default_calibration_dir()>/<h>.safetensors`` (then registered).
-    Raises CodecError naming the hash when it cannot be found or does not verify."""
-    if not isinstance(h, str) or not _HASH_RE.match(h):
-        raise CodecError(f"invalid KVTC calibration hash {h!r}")
-    with _LOCK:
-        cal = _CALIBRATIONS.get(h)
-    if cal is not None:
-        return cal
-    folder = Path(search_dir) if search_dir is not None else default_calibration_dir()
-    p = folder / f"{h}.safetensors"
-    if not p.is_file():
-        raise CodecError(
-            f"KVTC calibration {h} is needed to decode this data and is not available: "
-            f"register it with codec.kvtc.register_calibration(PATH) or place it at {p} "
-            f"(make one with: python -m kv_extraction_hf.calibrate)")
-    cal = load_calibration(p)
-    if cal.hash != h:
-        raise CodecError(f"{p} holds calibration {cal.hash}, not {h}")
-    register_calibration(cal)
-    return cal
-
-
-def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
-    """The calibration an encode was given (``KvtcConfig.calibration``: the object, an
-    artifact path, or the hash of a registered / cache-folder one). ValueError when none
-    is given: there is no implicit "latest of this shape" choice."""
-    if c is None:
-        raise ValueError(
-            f"kvtc encode needs its calibration: pass config=codec.kvtc.KvtcConfig("
-            f"calibration=CAL) with CAL a KvtcCalibration, an artifact path or its hash "
-            f"(the documented default for a model: "
-            f"kv_extraction_hf.calibrate.default_calibration(bundle); the KV here has "
-            f"L={L}, H={H}, D={D})")
-    if isinstance(c, KvtcCalibration):
-        if not c.hash:
-            c.hash = c.content_hash()
-        register_calibration(c)
-        cal = c
-    elif isinstance(c, str) and _HASH_RE.match(c):
-        try:
-            cal = get_calibration(c)
-        except CodecError as e:
-            raise ValueError(str(e)) from None
-    elif isinstance(c, (str, os.PathLike)):
-        try:
-            cal = get_calibration(register_calibration(c))
-        except CodecError as e:
-            raise ValueError(str(e)) from None
-    else:
-        raise ValueError(f"calibration must be a KvtcCalibration, a path or a hash, "
-                         f"got {type(c).__name__}")
-    if (cal.num_layers, cal.num_heads, cal.head_dim) != (L, H, D):
-        raise ValueError(f"calibration {cal.hash[:16]} is for L={cal.num_layers}, "
-                         f"H={cal.num_heads}, D={cal.head_dim}; the KV has L={L}, H={H}, D={D}")
-    return cal
-
-
 # Tail tiers (kvtc format 3, docs/codec.md 8.7): the last R1 tokens of a context coded at
 # level B1, the R2 before them at level B2, ...; the rest at the chunk's level. The value
 # error of a context token reaches the output weighted by the attention it gets, and the
@@ -436,59 +347,3 @@ DEFAULT_LEVEL_SINKS: dict[int, int] = {}
 def level_tiers(level: Optional[int]) -> tuple:
     """The tail tiers of a kvtc level (``DEFAULT_LEVEL_TIERS``; () = untiered)."""
     return tuple(DEFAULT_LEVEL_TIERS.get(DEFAULT_LEVEL if level is None else level, ()))
-
-
-# -------------------------------------------------------------------------- calibrations as bytes
-# (issue 25.5: an entry's calibration travels with it through the KV store; the store
-# keeps the artifact under cal/<hash>, a reader that lacks it fetches it once)
-def has_calibration(h: str) -> bool:
-    """True when calibration ``h`` is registered in this process or its artifact is in the
-    cache folder (``default_calibration_dir()/<h>.safetensors``; verified when loaded)."""
-    if not isinstance(h, str) or not _HASH_RE.match(h):
-        return False
-    with _LOCK:
-        if h in _CALIBRATIONS:
-            return True
-    return (default_calibration_dir() / f"{h}.safetensors").is_file()
-
-
-def calibration_bytes(h: str) -> bytes:
-    """The artifact file bytes (safetensors + JSON metadata, as ``KvtcCalibration.save``
-    writes them) of calibration ``h`` (registered or in the cache folder). Raises
-    CodecError when it is not available."""
-    import tempfile
-
-    cal = get_calibration(h)
-    with tempfile.TemporaryDirectory(prefix="cgh-cal-") as d:
-        return cal.save(Path(d) / f"{h}.safetensors").read_bytes()
-
-
-def calibration_from_bytes(data: bytes, expected_hash: str, cache: bool = True
-                           ) -> KvtcCalibration:
-    """Read an artifact received as bytes (e.g. from the KV store), verify it
-    (``load_calibration``: format, shapes, finiteness, content hash = recorded hash; no
-    pickle) and that its hash is ``expected_hash``, register it and (cache=True) keep it
-    in the cache folder so later processes find it. Raises CodecError."""
-    import tempfile
-
-    if not isinstance(expected_hash, str) or not _HASH_RE.match(expected_hash):
-        raise CodecError(f"invalid KVTC calibration hash {expected_hash!r}")
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CodecError(f"calibration data must be bytes, got {type(data).__name__}")
-    with tempfile.TemporaryDirectory(prefix="cgh-cal-") as d:
-        p = Path(d) / f"{expected_hash}.safetensors"
-        p.write_bytes(bytes(data))
-        cal = load_calibration(p)
-    if cal.hash != expected_hash:
-        raise CodecError(f"received calibration has hash {cal.hash[:16]}..., expected "
-                         f"{expected_hash[:16]}...")
-    register_calibration(cal)
-    if cache:
-        try:
-            folder = default_calibration_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            if not (folder / f"{cal.hash}.safetensors").is_file():
-                cal.save(folder)
-        except OSError:
-            pass  # registered in this process; the next process fetches it again
-    return cal

@@ -1,11 +1,10 @@
-"""The ``kvtc`` codec: ``KvtcConfig`` (per-call options) and ``KvtcCodec`` (encode one chunk
-of K, V [L, T, H, D] fp16/bf16/fp32 to header + arrays + payload, decode back), on top of
-the calibration, layout, RoPE and worker modules of ``codec.kvtc``.
+"""The ``kvtc`` codec: ``KvtcCodec`` (encode one chunk of K, V [L, T, H, D] fp16/bf16/fp32
+to header + arrays + payload, decode back), on top of the calibration, layout, RoPE and
+worker modules of ``codec.kvtc``; its per-call options ``KvtcConfig`` are
+codec/kvtc/options.py's.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -17,58 +16,13 @@ from ..base import DTYPES, EncodedChunk, from_bits, need_int, to_bits
 from ..errors import CodecError
 
 from .rope import _rope_bf16_kernel, _rope_kernel, _rope_tables, apply_rope
-from .calibration import (DEFAULT_LEVEL, DEFAULT_LEVEL_SINKS, KvtcCalibration,
-                          _resolve_calibration, get_calibration, level_tiers)
+from .calibration import DEFAULT_LEVEL, DEFAULT_LEVEL_SINKS, KvtcCalibration, level_tiers
+from .options import KvtcConfig
+from .registry import _resolve_calibration, get_calibration
 from .workers import _bf16_gemm, _rows, _split_over_workers
 from .layout import (KVTC_FORMAT_VERSION, KVTC_TIERED_FORMAT, _KeptSymbols, _SPAN_ARRAY_RE,
                      _code_rows, _decode_rows, _exact_counts, _parse_spans, _span_array,
                      _tail_spans, check_tiers)
-
-
-# ---------------------------------------------------------------------------- codec
-@dataclass(frozen=True)
-class KvtcConfig:
-    """Per-call options of the ``kvtc`` codec (pass as ``config=`` to ``encode_kv`` /
-    ``encode_chunks``). ``calibration``: a KvtcCalibration, an artifact path or a hash
-    naming the calibration this encode uses (required: None is refused with a ValueError
-    naming the default, ``kv_extraction_hf.calibrate.default_calibration``; a hash is
-    looked up like a decode's, registered then cache folder); ``level``: None =
-    the calibration's default; ``recent_tokens`` / ``sink_tokens``: None = the
-    calibration's (sinks: the level's ``DEFAULT_LEVEL_SINKS`` entry first);
-    ``chunk_tokens``: ``encode_chunks``' default chunk size; ``tiers``:
-    tail tiers ((tokens, level), ...) from the end of the context (kvtc format 3,
-    docs/codec.md 8.7), None = the level's (``DEFAULT_LEVEL_TIERS``), () = none."""
-
-    calibration: Any = None
-    level: Optional[int] = None
-    recent_tokens: Optional[int] = None
-    sink_tokens: Optional[int] = None
-    chunk_tokens: int = 1024
-    tiers: Optional[tuple] = None
-
-    def describe(self) -> dict:
-        d = {"calibration": getattr(self.calibration, "hash", self.calibration),
-             "level": self.level, "recent_tokens": self.recent_tokens,
-             "sink_tokens": self.sink_tokens}
-        if self.tiers is not None:
-            d["tiers"] = [list(p) for p in self.tiers]
-        return d
-
-    def to_dict(self) -> dict:
-        """The fields as a dict for ``codec.config_hash`` (``tiers`` only when set, so the
-        hashes of configs made before it existed do not change)."""
-        import dataclasses
-
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if isinstance(d["calibration"], KvtcCalibration):   # named by its hash
-            d["calibration"] = d["calibration"].hash or d["calibration"].content_hash()
-        elif isinstance(d["calibration"], os.PathLike):
-            d["calibration"] = os.fspath(d["calibration"])
-        if self.tiers is None:
-            d.pop("tiers")
-        else:
-            d["tiers"] = [list(p) for p in self.tiers]
-        return d
 
 
 class KvtcCodec:

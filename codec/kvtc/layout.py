@@ -1,7 +1,8 @@
 """KVTC bitstream layouts: which coefficient columns are coded and how (format 1 "padded"
 decode only, format 2 "kept", format 3 tail-tier spans, format 4 "grouped"), the tier
 checks, the token spans of a chunk, and the row coders ``_code_rows`` /
-``_decode_rows`` (and their grouped twins) between K/V rows and entropy-coded symbols.
+``_decode_rows`` between K/V rows and entropy-coded symbols (the kept layout's pieces are
+codec/kvtc/kept.py's, the grouped twins codec/kvtc/layout_grouped.py's).
 docs/bitstream.md 4.5 describes the formats. Errors: ``CodecError`` on a bad header.
 """
 from __future__ import annotations
@@ -9,15 +10,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
 import torch
 
-from .. import scratch as _scratch
 from ..base import need_int
 from ..errors import CodecError
 
 from .rope import undo_rope
 from .calibration import KvtcCalibration, MAX_Q
+from .kept import _KeptSymbols, _decode_kept, _kept_halves, _n_kept
+from .layout_grouped import KVTC_GROUPED_LAYOUT, _code_rows_grouped, _decode_rows_grouped
 
 
 def _exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recent: int
@@ -41,75 +42,6 @@ KVTC_LAYOUT = "kept"
 _PADDED = None
 
 
-def _n_kept(keep: list) -> int:
-    """S: kept columns of all (K/V, layer) together."""
-    return int(sum(keep[0]) + sum(keep[1]))
-
-
-def _kept_nbins(keep: list, offs: list, half: int) -> tuple[int, int]:
-    """Alphabet sizes of the two halves of the kept layout: max(2, 2M + 1) with M the
-    largest offset of a (K/V, layer) that has a column in that half (the pad column of an
-    odd S is symbol 0)."""
-    nb, col = [2, 2], 0
-    for kv in (0, 1):
-        for nl, o in zip(keep[kv], offs[kv]):
-            if nl:
-                for hf in {min(col // half, 1), min((col + nl - 1) // half, 1)}:
-                    nb[hf] = max(nb[hf], 2 * int(o) + 1)
-            col += nl
-    return nb[0], nb[1]
-
-
-def _kept_halves(syms: list, keep: list, offs: list, Tq: int
-                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """The kept layout of symbols ``syms`` = [K, V] uint8 [L, Tq, n]: (half_a, half_b)
-    uint8 [1, Tq, ceil(S/2)] (columns (kv, layer, component) in order, a zero pad column
-    at the end of an odd S) and their alphabet sizes."""
-    S = _n_kept(keep)
-    half = max(1, (S + 1) // 2)
-    flat = np.zeros((Tq, 2 * half), np.uint8)
-    col = 0
-    for kv in (0, 1):
-        for layer, nl in enumerate(keep[kv]):
-            flat[:, col:col + nl] = syms[kv][layer, :, :nl]
-            col += nl
-    nba, nbb = _kept_nbins(keep, offs, half)
-    return (np.ascontiguousarray(flat[None, :, :half]),
-            np.ascontiguousarray(flat[None, :, half:]), nba, nbb)
-
-
-class _KeptSymbols:
-    """The decoded symbols of one of K/V in the kept layout: the two halves a, b uint8
-    [Tq, half] and each layer's first column in their concatenation."""
-
-    def __init__(self, a: np.ndarray, b: np.ndarray, keep: list, kv: int):
-        self.a, self.b = torch.from_numpy(a), torch.from_numpy(b)
-        self.half = a.shape[1]
-        self.keep = keep[kv]
-        start = sum(keep[0]) if kv == 1 else 0
-        self.start = [start + sum(self.keep[:i]) for i in range(len(self.keep))]
-
-    def pieces(self, layer: int) -> list:
-        """[(first, last, uint8 view [Tq, last - first])]: the kept columns of ``layer``
-        (two pieces when they straddle the halves)."""
-        s, nl, h = self.start[layer], self.keep[layer], self.half
-        e = s + nl
-        if e <= h:
-            return [(0, nl, self.a[:, s:e])]
-        if s >= h:
-            return [(0, nl, self.b[:, s - h:e - h])]
-        return [(0, h - s, self.a[:, s:]), (h - s, nl, self.b[:, :e - h])]
-
-    def padded(self, offs: list, n: int) -> np.ndarray:
-        """The same symbols in the padded layout, uint8 [L, Tq, n] (dropped columns = the
-        layer's offset symbol): for tests and the reference decode."""
-        L, Tq = len(self.keep), self.a.shape[0]
-        out = _scratch.np_empty((L, Tq, n), np.uint8)
-        for layer in range(L):
-            out[layer] = offs[layer]
-            for lo, hi, src in self.pieces(layer):
-                out[layer, :, lo:hi] = src.numpy()
-        return out
 MAX_TIERS = 8                    # spans per chunk at most (header validation)
 
 
@@ -225,56 +157,6 @@ def _code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
              "offset_v": offs[1], "entropy": es.header}, es, int(sym_a.size + sym_b.size))
 
 
-KVTC_GROUPED_FORMAT = 4          # chunks of a grouped calibration (layout "grouped")
-KVTC_GROUPED_LAYOUT = "grouped"
-
-
-def _group_features(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, pos0: int
-                    ) -> torch.Tensor:
-    """float32 [NG, Tr, Cg]: each layer group's features [K_l, V_l, ...] of rows k, v [L,
-    Tr, H, D] (keys rotated back by RoPE at positions pos0, ... for a pre-RoPE
-    calibration), zero-padded past a short last group."""
-    L, Tr, H, D = k.shape
-    C, G = H * D, cal.group_layers
-    kf = k.to(torch.float32)
-    if cal.key_space == "pre_rope" and Tr:
-        kf = undo_rope(kf, torch.arange(pos0, pos0 + Tr), cal.rope_theta)
-    X = torch.zeros((cal.num_groups, Tr, 2 * G * C), dtype=torch.float32)
-    for g in range(cal.num_groups):
-        for j, layer in enumerate(cal.group_layer_ids(g)):
-            X[g, :, 2 * j * C:(2 * j + 1) * C] = kf[layer].reshape(Tr, C)
-            X[g, :, (2 * j + 1) * C:(2 * j + 2) * C] = v[layer].reshape(Tr, C)
-    return X
-
-
-def _code_rows_grouped(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, P: dict,
-                       pos0: int) -> tuple[dict, Any, int]:
-    """``_code_rows`` of a grouped calibration (kvtc format 4, layout "grouped"): per layer
-    group, coefficients (x - mean) @ analysis / step rounded, |q| <= MAX_Q, symbol = q +
-    the group's offset (max |q|); the kept columns of all groups concatenated [Tr, S] and
-    split into two halves for ``codec.entropy.encode_symbols``. Header fields: layout,
-    n_kept (S), offsets (per group), entropy."""
-    from ..entropy import encode_symbols
-
-    Tq = k.shape[1]
-    keep = P["keep"]
-    X = _group_features(k, v, cal, pos0)
-    coef = torch.bmm(X - P["mean"], P["basis"]) / P["step"]                 # [NG, Tq, n]
-    q = torch.round(coef) if cal.rounding == 0.5 else \
-        torch.floor(coef.abs() + cal.rounding).copysign_(coef)
-    q = q.clamp_(-MAX_Q, MAX_Q).to(torch.int16)
-    # a group's offset covers its kept columns only (dropped ones are never coded)
-    mask = torch.arange(q.shape[-1])[None, :] < torch.tensor(keep[0])[:, None]   # [NG, n]
-    off = (q.abs() * mask[:, None, :]).amax(dim=(1, 2)) if Tq else \
-        torch.zeros(len(keep[0]), dtype=torch.int16)
-    syms = (q + off[:, None, None]).to(torch.uint8).numpy()
-    offs = [int(o) for o in off]
-    sym_a, sym_b, nba, nbb = _kept_halves([syms, None], keep, [offs, []], Tq)
-    es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
-    return ({"layout": KVTC_GROUPED_LAYOUT, "n_kept": _n_kept(keep), "offsets": offs,
-             "entropy": es.header}, es, int(sym_a.size + sym_b.size))
-
-
 def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
                  lvl: int, P: dict, L: int, Tq: int) -> tuple[list, list]:
     """The symbols of Tq rows coded at ``lvl`` (header fields ``hdr``: layout, n_kept or
@@ -301,16 +183,8 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     if not isinstance(ent, dict):
         raise CodecError("kvtc: missing entropy-coder header")
     if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
-        S = need_int(hdr, "n_kept", 0, 2 * L * cal.C)
-        if S != _n_kept(keep):
-            raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
-                             f"calibration keeps {_n_kept(keep)}")
-        half = max(1, (S + 1) // 2)
-        nba, nbb = _kept_nbins(keep, offs, half)
-        sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
-        if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
-            raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
-        return [_KeptSymbols(sa[0], sb[0], keep, kv) for kv in (0, 1)], offs
+        a, b = _decode_kept(hdr, ent, ent_arrays, payload, keep, offs, 2 * L * cal.C, lvl, Tq)
+        return [_KeptSymbols(a, b, keep, kv) for kv in (0, 1)], offs
     if layout == _PADDED and "start" not in hdr:   # format 1: the max kept width
         n = need_int(hdr, "n_components", 1, cal.C)
         if n != P["n"]:
@@ -326,29 +200,3 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     raise CodecError(f"kvtc: unknown column layout {layout!r} (this decoder reads "
                      f"{KVTC_LAYOUT!r} and, outside tail spans, the older padded layout, "
                      f"field absent)")
-
-
-def _decode_rows_grouped(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
-                         lvl: int, keep: list, Tq: int) -> tuple[list, list]:
-    """The symbols of Tq rows of a grouped calibration (layout "grouped"):
-    ([_KeptSymbols over the groups], [offsets per group]). Raises CodecError."""
-    from ..entropy import decode_symbols
-
-    NG = cal.num_groups
-    o = hdr.get("offsets")
-    if not isinstance(o, list) or len(o) != NG or any(
-            isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_Q for x in o):
-        raise CodecError(f"kvtc: bad offsets in header (want {NG} ints in [0, {MAX_Q}])")
-    ent = hdr.get("entropy")
-    if not isinstance(ent, dict):
-        raise CodecError("kvtc: missing entropy-coder header")
-    S = need_int(hdr, "n_kept", 0, NG * 2 * cal.group_layers * cal.C)
-    if S != _n_kept(keep):
-        raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
-                         f"calibration keeps {_n_kept(keep)}")
-    half = max(1, (S + 1) // 2)
-    nba, nbb = _kept_nbins(keep, [o, []], half)
-    sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
-    if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
-        raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
-    return [_KeptSymbols(sa[0], sb[0], keep, 0)], [o]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import codec
-from codec import api, codecs as CC, rans_cpu
+from codec import api, codecs as CC, rans_cpu, threads
 from codec.api import _read
 from codec.errors import CodecError
 
@@ -190,7 +190,7 @@ def test_all_finite_matches_torch(dtype):
 @pytest.mark.parametrize("name", ["cachegen", "cachegen-ref", "quant8", "fp8", "kivi2"])
 def test_parallel_kernels_equal_reference(name, monkeypatch):
     """The parallel (prange) builds of the fused kernels give the reference's bits too."""
-    monkeypatch.setattr(rans_cpu, "PARALLEL_MIN_SYMBOLS", 0)
+    monkeypatch.setattr(threads, "PARALLEL_MIN_SYMBOLS", 0)
     from codec.fused import all_finite
 
     for dtype in (torch.bfloat16, torch.float16):

@@ -17,15 +17,6 @@ def _torch_absmax(x, dims):
     return x.to(torch.float32).abs().amax(dim=dims, keepdim=True)
 
 
-def _torch_quantize(x, scale, m):
-    scale = scale.to(torch.float32)
-    inv = torch.where(scale > 0, m / torch.where(scale > 0, scale, torch.ones_like(scale)),
-                      torch.zeros_like(scale))
-    q = torch.round(x.to(torch.float32) * inv)
-    q = torch.minimum(torch.maximum(q, -m), m)
-    return (q + m).to(torch.uint8)
-
-
 def _kv(dtype, seed=0, shape=(4, 300, 3, 64)):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.logspace(-3, 2, shape[-1])
@@ -55,7 +46,7 @@ def test_fused_quantize_bit_exact_random(dtype, layout):
                   s_ref * 0.5):       # scales below max |x| exercise the clamp
         fast = F.quantize_fast(xg, scale, m)
         assert fast is not None
-        assert torch.equal(fast, _torch_quantize(xg, scale, m))
+        assert torch.equal(fast, Q.quantize_bcast(xg, scale, m))
         assert torch.equal(Q.quantize(xg, scale, torch.tensor([3.0, 7.0, 15.0, 127.0])), fast)
 
 
@@ -66,7 +57,7 @@ def test_fused_quantize_ties_round_to_even():
     m = torch.full((1, 1, 1, 1), 4.0)
     fast = F.quantize_fast(x, scale, m)
     assert fast.reshape(-1).tolist() == [4, 6, 6, 4, 2, 8, 4, 8]
-    assert torch.equal(fast, _torch_quantize(x, scale, m))
+    assert torch.equal(fast, Q.quantize_bcast(x, scale, m))
 
 
 def test_fused_quantize_strided_and_fallbacks():
@@ -75,7 +66,7 @@ def test_fused_quantize_strided_and_fallbacks():
     s = _torch_absmax(xs, (3,))
     assert torch.equal(F.row_absmax_fast(xs, (3,)), s)
     m = Q._bcast_levels(torch.full((4,), 15.0), 4)
-    assert torch.equal(F.quantize_fast(xs, s, m), _torch_quantize(xs, s, m))
+    assert torch.equal(F.quantize_fast(xs, s, m), Q.quantize_bcast(xs, s, m))
     # not applicable -> None (the torch path is used): fp16, 3-D, other dims, non-finite
     assert F.quantize_fast(x.to(torch.float16), _torch_absmax(x, (3,)), m) is None
     assert F.row_absmax_fast(x, (2,)) is None

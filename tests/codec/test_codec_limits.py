@@ -152,6 +152,16 @@ def test_issue_input_fp16_65504_kivi(name):
     assert float((k2.float() - k.float()).abs().max()) == 0.0
 
 
+def check_roundtrip(name, level, k, v):
+    """Encode + decode (k, v); each within its codec's error bound (unless refused)."""
+    out = roundtrip(name, level, k, v)
+    if out is None:
+        return
+    header, k2, v2 = out
+    check_bound(name, k, k2, header, True)
+    check_bound(name, v, v2, header, False)
+
+
 # -------------------------------------------------------------- every codec and level
 @pytest.mark.parametrize("name,level", all_cases())
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,12 +170,7 @@ def test_issue_input_fp16_65504_kivi(name):
 def test_every_codec_level_at_dtype_max(name, level, dtype, pattern, sign):
     k = make(pattern, dtype, sign)
     v = make(pattern, dtype, -sign, seed=1)
-    out = roundtrip(name, level, k, v)
-    if out is None:
-        return
-    header, k2, v2 = out
-    check_bound(name, k, k2, header, True)
-    check_bound(name, v, v2, header, False)
+    check_roundtrip(name, level, k, v)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -176,12 +181,7 @@ def test_limit_property(case, dtype, pattern, sign, frac, seed):
     name, level = case
     k = make(pattern, dtype, sign, seed=seed, frac=frac)
     v = make(pattern, dtype, sign, seed=seed + 1, frac=frac)
-    out = roundtrip(name, level, k, v)
-    if out is None:
-        return
-    header, k2, v2 = out
-    check_bound(name, k, k2, header, True)
-    check_bound(name, v, v2, header, False)
+    check_roundtrip(name, level, k, v)
 
 
 # ------------------------------------------------------------ quantizer-level pieces

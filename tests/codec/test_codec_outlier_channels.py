@@ -13,17 +13,9 @@ import codec
 from codec import quantize as Q
 from codec.api import decode_kv, encode_kv
 from codec.errors import CodecError
+from tests.codec.test_codec_outliers import SHAPE, normal_kv  # the same KV as the outlier tests
 
-SHAPE = (3, 256, 2, 64)   # L, T, H, D
 FACTORS = (20, 100, 1000, 3000)
-
-
-def normal_kv(dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    scale = 0.5 + torch.rand(1, 1, 1, SHAPE[3], generator=g) * 2
-    k = torch.randn(SHAPE, generator=g) * scale
-    v = torch.randn(SHAPE, generator=g) * 0.7
-    return k.to(dtype), v.to(dtype)
 
 
 def others_err(x, y, chans) -> float:

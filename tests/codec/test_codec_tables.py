@@ -12,6 +12,7 @@ import pytest
 from codec import probability as prob
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
+from tests.codec.test_codec_entropy import _normalize_spec  # docs/bitstream.md 4.3, literally
 
 
 def _laplace_syms(rng, L, T, C, nb, spread=(0.4, 3.0)):
@@ -77,19 +78,6 @@ def _spec_read_index(buf: bytes, groups, nbk, nbv, C):
             out[(kv, layer)] = vals
     assert set(bits[pos:]) <= {"0"} and len(bits) - pos < 8
     return out, pos
-
-
-def _normalize_spec(c):
-    nb = len(c)
-    if sum(c) == 0:
-        c = [1] * nb
-    N = sum(c)
-    spare = 65536 - nb
-    f = [1 + (v * spare) // N for v in c]
-    rem = [(v * spare) % N for v in c]
-    for s in sorted(range(nb), key=lambda s: (-rem[s], s))[:65536 - sum(f)]:
-        f[s] += 1
-    return f
 
 
 @pytest.fixture(scope="module")
