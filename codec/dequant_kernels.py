@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rans_kernels import _dual, prange
+from .rans_kernels import _dual, njit, prange
+
+
+@njit(inline="always")
+def _layer_token(lt, T):
+    """(layer, token) of the flat index ``lt`` of an [L, T, ...] loop."""
+    return lt // T, lt % T
 
 
 def _gather_impl(sym, out, deq, t_stride, hd, t_off):
     """Dequantize stored symbols (no entropy coding: quant8) in one pass:
     out[l, t_off + t, c] = deq[l, t * t_stride + c // hd, sym[l, t, c]], parallel over
     (layer, token)."""
-    L = sym.shape[0]
-    T = sym.shape[1]
-    C = sym.shape[2]
+    L, T, C = sym.shape
     for lt in prange(L * T):
-        layer = lt // T
-        t = lt % T
+        layer, t = _layer_token(lt, T)
         dq = deq[layer]
         rt = t * t_stride
         for c in range(C):
@@ -77,12 +80,9 @@ def _dequant_direct_impl(sym, m, step, t_stride, hd, t_off, big, mode, out):
     finite range, as quantize.to_dtype_clamped), then mode 0: bf16 bits by round to
     nearest even ((b + 0x7FFF + ((b >> 16) & 1)) >> 16, torch's rule for finite values),
     written to out (uint16); mode 1: the float32 bits (out uint32)."""
-    L = sym.shape[0]
-    T = sym.shape[1]
-    C = sym.shape[2]
+    L, T, C = sym.shape
     for lt in prange(L * T):
-        layer = lt // T
-        t = lt % T
+        layer, t = _layer_token(lt, T)
         buf = np.empty(C, np.float32)
         mm = m[layer]
         rt = t * t_stride

@@ -152,13 +152,11 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
                     x3, p3 = _enc_step(x3, p3, f3, u3r[s3], scratch)
                 if bad:
                     break
-            if bad:
-                err[i0] = 6
-                continue
-            _enc_flush(x0, p0, e0, scratch, nwords, i0)
-            _enc_flush(x1, p1, e1, scratch, nwords, i0 + n_blocks)
-            _enc_flush(x2, p2, e2, scratch, nwords, i0 + 2 * n_blocks)
-            _enc_flush(x3, p3, e3, scratch, nwords, i0 + 3 * n_blocks)
+            if not bad:
+                _enc_flush(x0, p0, e0, scratch, nwords, i0)
+                _enc_flush(x1, p1, e1, scratch, nwords, i0 + n_blocks)
+                _enc_flush(x2, p2, e2, scratch, nwords, i0 + 2 * n_blocks)
+                _enc_flush(x3, p3, e3, scratch, nwords, i0 + 3 * n_blocks)
         else:
             c_lo = g * G
             c_hi = min(c_lo + G, C)
@@ -178,10 +176,10 @@ def _encode_impl(sym_k, sym_v, freq_tab, cum_tab, model_index, G, B, items, scra
                     x, p = _enc_step(x, p, f, cu[s], scratch)
                 if bad:
                     break
-            if bad:
-                err[i0] = 6
-                continue
-            _enc_flush(x, p, end, scratch, nwords, i0)
+            if not bad:
+                _enc_flush(x, p, end, scratch, nwords, i0)
+        if bad:          # a symbol of zero frequency: the item's streams are not written
+            err[i0] = 6
 
 
 def _compact_impl(scratch, scr_off, nwords, out_off, out):

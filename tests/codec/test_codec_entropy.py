@@ -464,3 +464,22 @@ def test_entropy_stage_composes_any_backend():
     assert rans_cpu.RANS_L == tk.RANS_L == rans_spec.RANS_L
     assert rans_cpu.stream_layout is rans_spec.stream_layout
     assert tk._layout(2, 33, 6, 2, 33) == rans_spec.stream_layout(2, 33, 6, 2, 33)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("channel", [1, 9])     # 4-lane item (channels 0-7) / 1-lane tail item
+def test_encode_refuses_a_zero_frequency_symbol_in_either_lane_path(parallel, channel):
+    """A symbol of frequency 0 in its model is a ValueError naming the stream, whether it
+    falls in a 4-lane work item or the 1-lane tail; the other streams still encode."""
+    L, T, C, G, B = 1, 8, 10, 2, 8                # 5 groups of 2 channels: one 4-lane item + 1 tail
+    cum = np.full((1, 257), 65536, np.uint32)
+    cum[0, 0] = 0
+    cum[0, 1] = 30000                             # symbols 0 and 1 only
+    mi = np.zeros((2, L, C), np.uint16)
+    sk = np.zeros((L, T, C), np.uint8)
+    sv = np.ones((L, T, C), np.uint8)
+    pay, lens = rc.encode_streams(sk, sv, cum, mi, G, B, parallel=parallel)
+    assert len(lens) == 2 * (C // G) and lens.sum() == pay.size
+    sk[0, 3, channel] = 2
+    with pytest.raises(ValueError, match="zero frequency"):
+        rc.encode_streams(sk, sv, cum, mi, G, B, parallel=parallel)
