@@ -1,6 +1,6 @@
 """Generate the results tables from the committed benchmark files (never typed by hand).
 
-Four blocks are generated, each between its markers. In ``benchmarks/README.md`` (``--tables``):
+Five blocks are generated, each between its markers. In ``benchmarks/README.md`` (``--tables``):
 
 - ``<!-- results-table:start -->`` ... ``<!-- results-table:end -->``: the TTFT grid of
   benchmarks/results.json (below);
@@ -15,7 +15,9 @@ In the front ``README.md`` (``--readme``):
 
 - ``<!-- headline-table:start -->`` ... ``<!-- headline-table:end -->``: a few rows (text,
   quant8, the default levels of cachegen and kvtc) with median TTFT at the lowest and the
-  highest link rate, the ratio vs the model's dtype and quality.json's KL [95% CI] (n).
+  highest link rate, the ratio vs the model's dtype and quality.json's KL [95% CI] (n);
+- ``<!-- models-table:start -->`` ... ``<!-- models-table:end -->``: quality at the default
+  levels on every model with a quality file (readme_models_table.py).
 
 A missing quality.json / adaptation.json gives a one-line "not yet measured" block.
 The TTFT block is rendered from a results file: a line on
@@ -70,6 +72,7 @@ from readme_table_cells import (  # noqa: E402, F401
 from readme_file_tables import (  # noqa: E402, F401
     TASK_ORDER, _codec_label, _family_key, _pct, _wilson_cell, render_quality
 )
+from readme_models_table import MODELS_END, MODELS_START, OTHER_MODELS, quality_paths, render_models  # noqa: E402
 from readme_adapt_table import (  # noqa: E402, F401
     GOAL_SETS, POLICY_ORDER, TRACE_SET_ORDER, _adaptation_goals, _order, render_adaptation
 )
@@ -350,10 +353,18 @@ def main(argv: list[str] | None = None) -> int:
         new_t = replace_block(old_t, render(doc, source=source, quality=qdoc, quality_source=_rel(q_path)))
         new_t = replace_block(new_t, render_quality(qdoc, source=_rel(q_path)), QUALITY_START, QUALITY_END)
         new_t = replace_block(new_t, render_adaptation(adoc, source=_rel(ad_path)), ADAPT_START, ADAPT_END)
+        for name, p in zip(OTHER_MODELS, quality_paths(res_path.parent)[1:]):   # one block per other model
+            if f"<!-- quality-{name}-table:start -->" in new_t:   # optional blocks (the repo's have them)
+                    new_t = replace_block(new_t, render_quality(load_optional(p, "quality"), source=_rel(p)),
+                                      f"<!-- quality-{name}-table:start -->", f"<!-- quality-{name}-table:end -->")
         old_r = readme_path.read_text()
         tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
         new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,
                                                            quality_source=_rel(q_path)), HEADLINE_START, HEADLINE_END)
+        mdocs = [(_rel(p), qdoc if p == q_path else load_optional(p, "quality"))
+                 for p in [q_path] + quality_paths(res_path.parent)[1:]]
+        if MODELS_START in new_r:   # optional (README.md has it; tests/project/test_readme_tables.py)
+            new_r = replace_block(new_r, render_models(mdocs), MODELS_START, MODELS_END)
     except (ReadmeTableError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -444,3 +444,27 @@ def test_headline_failed_row_and_check(tmp_path):
     front.write_text("# no markers\n")
     cp = _run("--check", *args)
     assert cp.returncode == 2 and cp.stderr.count("\n") == 1 and "headline-table:start" in cp.stderr
+
+
+def test_the_repositorys_readmes_hold_the_per_model_blocks():
+    """README.md shows every model's quality (models-table) and benchmarks/README.md each
+    other model's full quality table; their markers are there exactly once."""
+    import readme_models_table as M
+
+    front = (ROOT / "README.md").read_text()
+    tables = (ROOT / "benchmarks" / "README.md").read_text()
+    assert front.count(M.MODELS_START) == 1 and front.count(M.MODELS_END) == 1
+    for name in M.OTHER_MODELS:
+        assert tables.count(f"<!-- quality-{name}-table:start -->") == 1
+        assert tables.count(f"<!-- quality-{name}-table:end -->") == 1
+
+
+def test_models_block_rows_and_a_missing_file():
+    import readme_models_table as M
+
+    doc = {"model": {"id": "m", "num_layers": 2, "dtype": "bfloat16"},
+           "rows": [{"codec": "cachegen", "level": 1, "ratio_vs_dtype": 8.0, "kl": 0.04, "kl_ci": [0.03, 0.05],
+                     "top1_agreement": 0.9, "top1_agreement_ci": [0.88, 0.92], "n_windows": 32}]}
+    text = M.render_models([("a.json", doc), ("b.json", None)])
+    assert "| m (2 layers, bfloat16) | cachegen 1 | 8.00x | 0.04 [0.03, 0.05] | 90.0% [88.0%, 92.0%] | 32 |" in text
+    assert "| `b.json` | not yet measured |" in text
