@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_config(p, help="defaults file, YAML (default: configs/benchmark.yaml)")
     flags.add_bandwidth(p, nargs="+", help="link rates, Mbit/s (default: configs/benchmark.yaml's)")
     p.add_argument("--modes", nargs="+",
-                   help="text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive kvtc")
-    p.add_argument("--levels", type=int, nargs="+", help="cachegen levels (default: all)")
+                   help="of: text raw quant8 kivi2 kivi4 fp8 cachegen cachegen-adaptive kvtc "
+                        "(default: configs/benchmark.yaml's)")
+    p.add_argument("--levels", type=int, nargs="+",
+                   help="cachegen levels (default: configs/benchmark.yaml's, 0 1 3 5; null there = all)")
     p.add_argument("--kvtc-levels", type=int, nargs="+",
                    help="kvtc levels (default: configs/benchmark.yaml's, 4; --quick: at most "
                         "two of them)")

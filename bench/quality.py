@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only task answers; keep the text rows already in --out")
     p.add_argument("--task-requests", type=int, default=None,
                    help=f"requests per codec/level (default 60; quick {QUICK_TASK_REQUESTS})")
-    p.add_argument("--task-codecs", default=DEFAULT_TASK_CODECS, help="codecs/levels for tasks (default %(default)s)")
+    p.add_argument("--task-codecs", default=DEFAULT_TASK_CODECS, help="codecs/levels for tasks, quoted in a shell (';' separates them; default %(default)s)")
     p.add_argument("--tasks", choices=("synthetic", "longchat"), default="synthetic",
                    help="task answers on synthetic prompts (needle + topic retrieval, default) or on the "
                         "rows of a LongChat file (--task-data: the CacheGen artifact's longchat.jsonl, "
