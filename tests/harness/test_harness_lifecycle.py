@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import default_sigint
+
 from harness import lifecycle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +59,8 @@ def _alive(pid: int) -> bool:
 def _start(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CACHEGEN_CACHE=str(tmp_path / "cache"))
     p = subprocess.Popen([sys.executable, "-c", FAKE_RUN, str(tmp_path), CHILD], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=default_sigint)
     line = p.stdout.readline().split()
     assert len(line) == 3, p.stderr.read()
     shm = Path("/dev/shm") / line[2]

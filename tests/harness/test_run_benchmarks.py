@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import default_sigint
+
 from harness.config import ConfigError, RunConfig, resolve
 from harness.results import ResultsWriter, summarize, validate
 
@@ -174,7 +176,7 @@ def test_signal_leaves_nothing_behind(tmp_path, sig, when, code):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
     p = subprocess.Popen([sys.executable, str(ROOT / "run_benchmarks.py"), *TINY, "--engine", "hf",
                           "--no-quality", "--traces", "--repeats", "1", "--out", str(out)],
-                         cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     seen = []
     for line in p.stderr:
         seen.append(line)
