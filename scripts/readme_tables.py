@@ -353,16 +353,17 @@ def main(argv: list[str] | None = None) -> int:
         new_t = replace_block(old_t, render(doc, source=source, quality=qdoc, quality_source=_rel(q_path)))
         new_t = replace_block(new_t, render_quality(qdoc, source=_rel(q_path)), QUALITY_START, QUALITY_END)
         new_t = replace_block(new_t, render_adaptation(adoc, source=_rel(ad_path)), ADAPT_START, ADAPT_END)
-        for name, p in zip(OTHER_MODELS, quality_paths(res_path.parent)[1:]):   # one block per other model
-            if f"<!-- quality-{name}-table:start -->" in new_t:   # optional blocks (the repo's have them)
-                    new_t = replace_block(new_t, render_quality(load_optional(p, "quality"), source=_rel(p)),
-                                      f"<!-- quality-{name}-table:start -->", f"<!-- quality-{name}-table:end -->")
+        others = [(name, p, load_optional(p, "quality"))   # each other model's file, read once
+                  for name, p in zip(OTHER_MODELS, quality_paths(res_path.parent)[1:])]
+        for name, p, odoc in others:   # one block per other model, where its markers are (the repo's are)
+            start, end = f"<!-- quality-{name}-table:start -->", f"<!-- quality-{name}-table:end -->"
+            if start in new_t:
+                new_t = replace_block(new_t, render_quality(odoc, source=_rel(p)), start, end)
         old_r = readme_path.read_text()
         tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
         new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,
                                                            quality_source=_rel(q_path)), HEADLINE_START, HEADLINE_END)
-        mdocs = [(_rel(p), qdoc if p == q_path else load_optional(p, "quality"))
-                 for p in [q_path] + quality_paths(res_path.parent)[1:]]
+        mdocs = [(_rel(q_path), qdoc)] + [(_rel(p), odoc) for _, p, odoc in others]
         if MODELS_START in new_r:   # optional (README.md has it; tests/project/test_readme_tables.py)
             new_r = replace_block(new_r, render_models(mdocs), MODELS_START, MODELS_END)
     except (ReadmeTableError, OSError) as exc:
