@@ -211,11 +211,13 @@ def stream_load(
                     timer.daemon = True
                     timer.start()
                 t_req = clock()
-                got = [0, None]  # bytes received at the last progress check; s of an early cut
+                # bytes received at the last progress check; s of an early cut; the wire clock's
+                # bytes and seconds at that check (None where the receiver has no wire clock)
+                got = [0, None, None, None]
                 on_progress = None
                 if early_of is not None and dl is not None:
                     def on_progress(nbytes, wire_bytes=None, wire_s=None, k=k, t_req=t_req, fired=fired, got=got):
-                        got[0] = nbytes
+                        got[0], got[2], got[3] = nbytes, wire_bytes, wire_s
                         el = clock() - t_req
                         if fired.is_set():
                             return
@@ -235,7 +237,9 @@ def stream_load(
                         wire = got[1] if got[1] is not None else clock() - t_req
                         abandoned.append({"chunk": k, "level": lv, "deadline_s": dl, "wire_s": wire,
                                           "start_s": start, "early": got[1] is not None,
-                                          "received_bytes": got[0]})
+                                          "rule": "projection" if got[1] is not None else "deadline",
+                                          "received_bytes": got[0], "wire_clock_bytes": got[2],
+                                          "wire_clock_s": got[3]})
                         try:
                             client.reconnect()
                         except (OSError, StreamingError) as e2:

@@ -58,7 +58,11 @@ class LoadResult:
     decode_s: float = 0.0
     error: str | None = None
     decisions: list = field(default_factory=list)
-    abandoned: list = field(default_factory=list)  # transfers cut on overrun: chunk, level, deadline_s, wire_s
+    # transfers cut on overrun, one dict each: chunk, level, deadline_s, wire_s (s from the
+    # request to the cut), start_s, early (cut by the progress projection), rule ("projection"
+    # or "deadline": the policy's timer), received_bytes, wire_clock_bytes / wire_clock_s (the
+    # wire clock's bytes and first-to-last-byte seconds at the last progress check, or None)
+    abandoned: list = field(default_factory=list)
 
     @property
     def bytes(self) -> int:

@@ -36,10 +36,12 @@ def _standin_store(tmp_path, method):
             yield link, c, key
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
-    n, sizes = N_CHUNKS, SIZES
-    with _standin_store(tmp_path, method) as (link, c, key):
+HEALTHY_TRIES = 3  # attempts of a scenario whose healthy-link chunks the host cut (see below)
+
+
+def _drop_on_chunk3(tmp_path, method, attempt):
+    """One run: the rate drops to 0.5 Mbit/s 20 ms after chunk 3's request -> (result, policy)."""
+    with _standin_store(tmp_path / f"a{attempt}", method) as (link, c, key):
         fired = []
 
         def hook(k):
@@ -55,11 +57,34 @@ def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
         r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
         fired[0].join()
         assert c.ping()  # the connection re-established after the cut serves requests
+    return r, pol
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rate_drop_mid_transfer_is_abandoned_and_replanned(tmp_path, method):
+    """The scenario's precondition is a healthy 100 Mbit/s link for chunks 0-2: each 3 MB chunk
+    fits its ~0.9 s deadline 3-4x over. In about 1 CI run in 5 (2 shared cores, never
+    reproduced alone or beside CPU hogs) the host stalled chunk 0 past its deadline and the
+    policy rightly cut it; that is not what this test is about, so such an attempt is run
+    again (at most HEALTHY_TRIES times, each cut shown if all fail). Everything about chunk
+    3, the chunk whose rate drops, is asserted on the attempt that kept chunks 0-2 whole."""
+    n, sizes = N_CHUNKS, SIZES
+    pre_drop_cuts = []
+    for attempt in range(HEALTHY_TRIES):
+        r, pol = _drop_on_chunk3(tmp_path, method, attempt)
+        early = [a for a in r.abandoned if a["chunk"] < 3]
+        if not early:
+            break
+        pre_drop_cuts.append(early)
     info = [(d.chunk, d.level, d.reason, d.budget_s, d.throughput_mbps_est) for d in pol.history]
+    assert len(pre_drop_cuts) < HEALTHY_TRIES, ("the healthy link's chunks were cut in every "
+                                                "attempt", pre_drop_cuts)
     assert [ch.index for ch in r.chunks] == list(range(n)) and r.error is None, info
-    assert [ch.level for ch in r.chunks[:3]] == [3, 3, 3], info
+    assert [ch.level for ch in r.chunks[:3]] == [3, 3, 3], (info, r.abandoned)
     cut = [a for a in r.abandoned if a["chunk"] == 3]
     assert cut and cut[0]["level"] == 3 and cut[0]["wire_s"] < 2.0, (r.abandoned, info)
+    assert cut[0]["rule"] in ("projection", "deadline") and cut[0]["rule"] == (
+        "projection" if cut[0]["early"] else "deadline"), cut
     assert any(d.reason == "abandoned" and d.chunk == 3 for d in pol.history)
     # every chunk that was loaded decoded (standin.decode checks magic + CRC): nothing half-written
     for ch in r.chunks:
@@ -90,6 +115,9 @@ def test_slow_chunk_is_abandoned_early_from_its_progress(tmp_path, method):
     assert cut and cut[0]["level"] == 3 and cut[0]["early"], (r.abandoned, info)
     # cut from the projection, well before the deadline timer would have fired
     assert cut[0]["wire_s"] < 0.7 * cut[0]["deadline_s"] and cut[0]["received_bytes"] >= 64 * 1024, r.abandoned
+    # the entry names the rule and the wire clock it projected from (kernel receive timestamps)
+    assert cut[0]["rule"] == "projection" and 0 < cut[0]["wire_clock_bytes"] <= cut[0]["received_bytes"]
+    assert 0 < cut[0]["wire_clock_s"] <= cut[0]["wire_s"], r.abandoned
     for ch in r.chunks:  # nothing half-written: every loaded chunk decoded
         if ch.level is not None:
             assert ch.crc_ok and r.decoded[ch.index][0] == sizes[ch.level] - 8
