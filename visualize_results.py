@@ -21,6 +21,7 @@ Run:
     python visualize_results.py                                    # benchmarks/results.json -> benchmarks/
     python visualize_results.py --results runs/r.json --out figs/ --formats png
     python visualize_results.py --only ttft_vs_bandwidth kv_size
+    python visualize_results.py --context-sweep benchmarks/context-sweep-gemma3-270m.json
 
 Exit status: 0 when at least one figure was written, 1 when none could be drawn,
 2 for a missing, unreadable or malformed results file or bad arguments.
@@ -57,6 +58,7 @@ from visualize.adapt_figures import (  # noqa: F401
 from visualize.file_figures import (  # noqa: F401
     DEFAULT_QUALITY, fig_quality_divergence, render_adaptation, render_quality
 )
+from visualize.sweep_figures import fig_ttft_vs_context, render_context_sweep  # noqa: F401
 from visualize.loading import (  # noqa: F401
     KNOWN_SCHEMA_VERSION, ResultsError, SkipFigure, load_results, schema_warnings
 )
@@ -140,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adaptation", type=Path, nargs="?", const=DEFAULT_ADAPTATION, default=None,
                         help="draw only the adaptation figures from an adaptation.json of python -m bench.adapt "
                              f"(default file: {DEFAULT_ADAPTATION})")
+    parser.add_argument("--context-sweep", type=Path, default=None, metavar="FILE",
+                        help="draw only ttft_vs_context from a context-sweep file of python -m bench.context_sweep")
     return parser
 
 
@@ -166,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     matplotlib.use("Agg")  # no display needed; set here, not at import time
     if args.adaptation is not None:
         return _render_one_file(render_adaptation, args.adaptation, args)
+    if args.context_sweep is not None:
+        return _render_one_file(render_context_sweep, args.context_sweep, args)
     if args.quality is not None:
         if args.out.exists() and not args.out.is_dir():
             print(f"error: --out {args.out} exists and is not a folder", file=sys.stderr)

@@ -12,14 +12,16 @@ prefill (the tokens not loaded: the tail of the context and the question) and th
 token. Paper: CacheGen (Liu et al., SIGCOMM 2024) section 6 (TTFT = network + decode +
 remaining prefill). Run: ``python run_benchmarks.py --engine hf|vllm``.
 
-This module holds the request protocol (:func:`request_params`) and the prefill-speed
-measurement; the engines live in harness.engine_hf and harness.engine_vllm, what they share
+This module holds the request protocol (:func:`request_params`), the prefill-speed
+measurement and the untimed per-variant warm-up (:func:`warm_up_variants`); the engines live in harness.engine_hf and harness.engine_vllm, what they share
 in harness.engine_api and their numerics settings in harness.engine_numerics (all names
 re-exported here).
 """
 from __future__ import annotations
 
 import statistics
+import time
+from typing import Any, Callable
 
 from harness.config import RunConfig
 from harness.contexts import Context, Variant
@@ -70,3 +72,28 @@ def measure_prefill_speed(engine: Engine, contexts: list[Context], max_new_token
         t = engine.serve(ctx, Variant("text"), None, max_new_tokens)
         speeds.append(len(ctx.prompt.input_ids) / max(t.ttft_s, 1e-6))
     return statistics.median(speeds)
+
+
+def warm_up_variants(engine: Engine, ctx: Context, variants: list[Variant],
+                     params_of: Callable[[Variant], dict[str, Any] | None]) -> dict[str, Any]:
+    """Serve one untimed request per KV variant on `ctx`, so that no timed request pays a
+    codec's first-call JIT compile (numba kernels: measured 6.1 s for cachegen's first
+    decode and 3.1 s for kvtc's on Gemma 3 at 2K tokens, then 0.05-0.07 s; issue 17's rule:
+    the first load as fast as the tenth). The vLLM connector warms its codecs in its worker
+    (third_party.vllm.warmup) except kvtc, which needs a calibration; the HF engine decodes
+    in this process, so the harness warms it here with the run's own entries.
+
+    params_of(variant) -> the request params (harness.engines.request_params) or None for
+    text. Returns {variant label: seconds or "error: ..."}; raises nothing (a variant that
+    fails here fails again, recorded, in the timed runs)."""
+    out: dict[str, Any] = {}
+    for var in variants:
+        if var.codec is None or var.codec not in ctx.keys:
+            continue
+        t0 = time.perf_counter()
+        try:
+            engine.serve(ctx, var, params_of(var), 1)
+            out[var.label] = round(time.perf_counter() - t0, 3)
+        except Exception as exc:  # noqa: BLE001 - best effort, recorded by the timed run
+            out[var.label] = f"error: {type(exc).__name__}: {exc}"[:200]
+    return out

@@ -9,7 +9,10 @@ Five blocks are generated, each between its markers. In ``benchmarks/README.md``
   top-1 agreement and perplexity change with 95% bootstrap CIs over windows, and task
   accuracy / agreement with lossless with Wilson 95% CIs;
 - ``<!-- adaptation-table:start -->`` ... ``<!-- adaptation-table:end -->``: bandwidth
-  adaptation vs oracle and fixed levels, benchmarks/adaptation.json (``python -m bench.adapt``).
+  adaptation vs oracle and fixed levels, benchmarks/adaptation.json (``python -m bench.adapt``);
+- per other model, its quality table (``quality-<model>-table``) and its context sweep
+  (``context-sweep-<model>-table``, readme_sweep_table.py, from
+  benchmarks/context-sweep-<model>.json of ``python -m bench.context_sweep``).
 
 In the front ``README.md`` (``--readme``):
 
@@ -73,6 +76,7 @@ from readme_file_tables import (  # noqa: E402, F401
     TASK_ORDER, _codec_label, _family_key, _pct, _wilson_cell, render_quality
 )
 from readme_models_table import MODELS_END, MODELS_START, OTHER_MODELS, quality_paths, render_models  # noqa: E402
+from readme_sweep_table import SWEEP_MODELS, render_sweep, sweep_markers, sweep_path  # noqa: E402
 from readme_adapt_table import (  # noqa: E402, F401
     GOAL_SETS, POLICY_ORDER, TRACE_SET_ORDER, _adaptation_goals, _order, render_adaptation
 )
@@ -359,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
             start, end = f"<!-- quality-{name}-table:start -->", f"<!-- quality-{name}-table:end -->"
             if start in new_t:
                 new_t = replace_block(new_t, render_quality(odoc, source=_rel(p)), start, end)
+        for name in SWEEP_MODELS:   # the context sweeps, where their markers are (the repo's are)
+            start, end = sweep_markers(name)
+            if start in new_t:
+                sp = sweep_path(res_path.parent, name)
+                new_t = replace_block(new_t, render_sweep(load_optional(sp, "context-sweep"), source=_rel(sp)),
+                                      start, end)
         old_r = readme_path.read_text()
         tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
         new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,

@@ -63,6 +63,8 @@ ENTRIES = [
     ("bench.warmup", "main", [], {"--repeats"}, [(["--reps", "3"], ["--repeats", "3"])]),
     ("bench.codec", "main", [], {"--quick", "--model", "--context-tokens", "--repeats", "--seed", "--out"},
      [(["--reps", "2", "--json", "o.json"], ["--repeats", "2", "--out", "o.json"])]),
+    ("bench.context_sweep", "main", [],
+     {"--model", "--context-tokens", "--bandwidth-mbps", "--repeats", "--link-method", "--seed", "--out"}, []),
     ("bench.linkcheck", "main", [], {"--bandwidth-mbps", "--link-method", "--repeats", "--out"},
      [(["--rate-mbps", "5", "7", "--method", "userspace", "--json", "o.json", "--reps", "1"],
        ["--bandwidth-mbps", "5", "7", "--link-method", "userspace", "--out", "o.json", "--repeats", "1"])]),
