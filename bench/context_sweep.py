@@ -135,7 +135,7 @@ def fits(rows: list[dict]) -> dict[str, Any]:
             c = [r for r in rows if r["mode"] == "cachegen" and r["bandwidth_mbps"] == bw
                  and r["context_tokens_target"] == length]
             if t and c and c[0]["ttft_s_median"]:
-                pts.append({"context_tokens": t[0]["context_tokens"],
+                pts.append({"context_tokens": t[0]["context_tokens"], "context_tokens_target": length,
                             "ratio": t[0]["ttft_s_median"] / c[0]["ttft_s_median"]})
         out["text_over_cachegen"].append({
             "bandwidth_mbps": bw, "points": pts,

@@ -43,7 +43,10 @@ def render_sweep(doc: Optional[dict[str, Any]], source: str) -> str:
     rows = [r for r in doc.get("rows") or [] if isinstance(r, dict) and r.get("ttft_s_median")]
     cfg = doc.get("config") or {}
     env = doc.get("environment") or {}
-    cpu = (env.get("numerics") or {}).get("cpu_model") or env.get("cpu") or "?"
+    num = env.get("numerics") or {}
+    cpu = num.get("cpu_model") or env.get("cpu") or "?"
+    if num.get("onednn_matmul_impl"):
+        cpu += f" (oneDNN {num['onednn_matmul_impl']})"
     loads = [x for rec in doc.get("lengths") or [] for x in (rec.get("loadavg_start"), rec.get("loadavg_end"))
              if isinstance(x, (int, float))]
     lengths = sorted({r["context_tokens_target"] for r in rows})
@@ -70,11 +73,22 @@ def render_sweep(doc: Optional[dict[str, Any]], source: str) -> str:
         fit = next((f for f in (doc.get("fits") or {}).get("text_over_cachegen", [])
                     if float(f["bandwidth_mbps"]) == bw), None)
         if fit and fit.get("points"):
-            pts = ", ".join(f"{_k(p['context_tokens'])} {p['ratio']:.2f}x" for p in fit["points"])
+            pts = ", ".join(f"{_k(p.get('context_tokens_target', p['context_tokens']))} {p['ratio']:.2f}x" for p in fit["points"])
             f = fit.get("fit")
             out += ["", f"TTFT text / cachegen: {pts}"
                     + (f"; log-log slope {f['slope']:.2f} (r2 {f['r2']:.2f}, n {f['n']})" if f else "")
                     + f"; {'grows at every step' if fit.get('grows') else 'does not grow at every step'}."]
+        out.append("")
+    if lengths:  # the needle answers of the timed runs, pooled over the rates
+        out += ["Answers correct (the needle task's, every timed run at both rates pooled; "
+                "k/n):", "", "| mode | " + " | ".join(_k(n) for n in lengths) + " |",
+                "|---|" + "---|" * len(lengths)]
+        for lab in labels:
+            cells = []
+            for n in lengths:
+                rs = [r for r in rows if _label(r) == lab and r["context_tokens_target"] == n]
+                cells.append(f"{sum(r.get('correct', 0) for r in rs)}/{sum(r['n'] for r in rs)}" if rs else "-")
+            out.append(f"| {lab} | " + " | ".join(cells) + " |")
         out.append("")
     big = max(lengths) if lengths else None
     if big is not None:

@@ -127,3 +127,22 @@ def test_a_small_sweep_end_to_end_on_the_default_model(tmp_path):
     assert len(tc["points"]) == 2 and tc["fit"]["n"] == 2
     assert doc["environment"]["engine"]["warmup_s"]  # the HF engine's untimed warm-up ran
     assert "text/cachegen at 1000 Mbit/s" in p.stdout
+
+
+def test_readme_block_is_rendered_from_the_file():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from readme_sweep_table import render_sweep
+
+    assert render_sweep(None, "benchmarks/context-sweep-x.json").startswith("Not yet measured")
+    rows = []
+    for n, (t, c, ok) in {2048: (1.0, 0.5, True), 4096: (2.4, 0.6, False)}.items():
+        runs = [_run("text", None, 100.0, n - 2, t), _run("cachegen", 1, 100.0, n - 2, c, bytes=2_000_000)]
+        runs[1]["quality"]["correct"] = ok
+        rows += cs.rows_from_runs(runs, n)
+    doc = {"rows": rows, "fits": cs.fits(rows), "command": ["python", "-m", "bench.context_sweep"],
+           "config": {"engine": "hf", "repeats": 1, "num_contexts": 1},
+           "lengths": [{"loadavg_start": 0.5, "loadavg_end": 1.5}]}
+    text = render_sweep(doc, "benchmarks/context-sweep-x.json")
+    assert "| mode | 2K | 4K |" in text and "| cachegen 1 | 0.5 (2.0 MB) | 0.6 (2.0 MB) |" in text
+    assert "TTFT text / cachegen: 2K 2.00x, 4K 4.00x; log-log slope 1.00" in text
+    assert "| cachegen 1 | 1/1 | 0/1 |" in text and "load average 0.5-1.5" in text
