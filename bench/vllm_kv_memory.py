@@ -53,7 +53,8 @@ def parse_engine_log(text: str) -> dict[str, Any]:
     return out
 
 
-def _engine(config: str, model_dir: Path, max_model_len: int, log_path: Path, stats: Path):
+def _engine(config: str, model_dir: Path, max_model_len: int, log_path: Path, stats: Path,
+            max_num_batched_tokens: int | None = None):
     """Start one engine of ``config`` with its logs in ``log_path`` (vLLM imported here)."""
     from harness.engine_numerics import BIND_ENV, ENGINE_DTYPE, ENGINE_SEED, engine_thread_binding
     from harness.run import route_engine_logs
@@ -63,7 +64,7 @@ def _engine(config: str, model_dir: Path, max_model_len: int, log_path: Path, st
     os.environ[BIND_ENV] = engine_thread_binding()[BIND_ENV]   # as harness.engine_vllm does
     connector = {"stats_path": str(stats), "warmup": False} if "connector" in config else None
     return make_llm(model_dir, connector, max_model_len=max_model_len, dtype=ENGINE_DTYPE,
-                    seed=ENGINE_SEED)
+                    seed=ENGINE_SEED, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def measure(args) -> dict[str, Any]:
@@ -80,13 +81,14 @@ def measure(args) -> dict[str, Any]:
         prompts[n] = (list(p.context_ids) + list(p.question_ids), p.answer)
     out_dir = Path(args.out).with_suffix("")
     doc: dict[str, Any] = {"model": bundle.info.model_id, "max_model_len": args.max_model_len,
+                           "max_num_batched_tokens": args.max_num_batched_tokens,
                            "repeats": args.repeats, "load_before": os.getloadavg(),
                            "configs": {}}
     for config in args.configs:
         log_path = Path(f"{out_dir}.{config}.engine.log")
         t0 = time.perf_counter()
         llm = _engine(config, Path(bundle.info.path), args.max_model_len, log_path,
-                      Path(f"{out_dir}.{config}.stats.jsonl"))
+                      Path(f"{out_dir}.{config}.stats.jsonl"), args.max_num_batched_tokens)
         start_s = time.perf_counter() - t0
         try:
             vc = llm.llm_engine.vllm_config
@@ -139,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="the engines' max_model_len, tokens (vLLM's capacity line is per "
                    "request of this length; default 8192)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the engines' chunked-prefill budget, tokens (default: make_llm's, "
+                   "max(4096, --max-model-len): a whole prompt in one step). vLLM sizes a "
+                   "sliding group's blocks per request for window + this budget, so the hybrid "
+                   "manager saves memory only when it is well below --max-model-len")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
                    help="engines to start, one after the other (default both)")
@@ -146,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.max_tokens < 1:
         p.error("--repeats and --max-tokens must be >= 1")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 128:
+        p.error("--max-num-batched-tokens must be >= 128 (one block)")
     if min(args.context_tokens) < 130 or max(args.context_tokens) + 64 + args.max_tokens > args.max_model_len:
         p.error("--context-tokens must be >= 130 and leave room for the question and "
                 "--max-tokens within --max-model-len")
