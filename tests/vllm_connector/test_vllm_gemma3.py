@@ -80,3 +80,27 @@ def test_gemma3_kv_loads_through_vllm(tmp_path, gemma3_cached, hybrid):
         assert {g["spec"] for g in kv["groups"]} == {"FullAttentionSpec", "SlidingWindowSpec"}
     else:          # one group, sliding layers promoted to full-length blocks
         assert kv["num_groups"] == 1 and kv["groups"][0]["spec"] == "FullAttentionSpec"
+
+
+@pytest.mark.slow
+def test_hma_connector_loads_and_recomputes_a_failed_load(tmp_path, gemma3_cached):
+    """tests/vllm_hma_check.py with the hybrid manager on: the loaded KV gives plain
+    prefill's greedy tokens; a load that fails at chunk 2 of 4 (corrupt chunk) is reported
+    per request and vLLM recomputes the whole prompt: the same tokens again."""
+    mdir = gemma3_cached.load_model("gemma3-270m", log=lambda m: None).info.path
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_hma_check.py"), "--model-dir",
+                           str(mdir), "--out", str(out), "--context-tokens", "1024"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["hybrid_kv_cache_manager"] is True and rep["kv_cache"]["num_groups"] > 1
+    outs = rep["outputs"]
+    assert len(outs["text"]) == 16
+    assert outs["local_raw"] == outs["text"] and outs["corrupt"] == outs["text"]
+    loads = {r["stats_tag"]: r for r in rep["stats"] if r.get("kind") == "load"}
+    ok, bad = loads["local_raw"], loads["corrupt"]
+    assert ok["loaded_tokens"] == ok["requested_tokens"] > rep["window"] and not ok["error"]
+    assert "CRC" in bad["error"] and 0 < bad["loaded_tokens"] < bad["requested_tokens"]
+    assert bad["recomputed_tokens"] == bad["requested_tokens"]   # the whole request

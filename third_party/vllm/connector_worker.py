@@ -286,6 +286,10 @@ class _WorkerSide:
         }
         if stats and stats.extra:
             rec.update({k: v for k, v in stats.extra.items() if k not in rec})
+        if failed and getattr(self, "_fail_whole_request", False):
+            # hybrid-manager connector: the failure is reported per request (failed_recving)
+            # and vLLM recomputes every token of the load, not only those after the gap
+            rec["recomputed_tokens"] = lr.end - lr.start
         if aborted:
             rec["recomputed_tokens"] = 0  # the request is finished: nothing is recomputed
             rec["reason"] = (f"request aborted during its KV load: stopped after "

@@ -67,6 +67,9 @@ def check_hma_groups(kv_cache_config: Any) -> None:
 class CacheGenHMAConnector(CacheGenConnector, SupportsHMA):
     """CacheGenConnector for vLLM's hybrid KV cache manager (see the module docstring)."""
 
+    # a failed load is recomputed as a whole (its load record's recomputed_tokens says so)
+    _fail_whole_request = True
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         if self._extra.get("allow_client_save"):
