@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvtc levels (default: configs/benchmark.yaml's, 4; --quick: at most "
                         "two of them)")
     p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
+    p.add_argument("--vllm-hybrid-kv", dest="vllm_hybrid_kv", action="store_const", const=True,
+                   help="vLLM: keep its hybrid KV cache manager on (sliding-window layers keep only "
+                        "their window; CacheGenHMAConnector, asynchronous loads; default off: "
+                        "every layer keeps every token)")
     flags.add_model(p)
     p.add_argument("--tasks", nargs="+",
                    help="context tasks (needle, topic_retrieval, longchat_lines; your data: longchat, "

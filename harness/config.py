@@ -52,6 +52,9 @@ class RunConfig:
     levels: tuple[int, ...] | None = (0, 1, 3, 5)
     kvtc_levels: tuple[int, ...] | None = (4,)
     engine: str = "vllm"
+    # vLLM only: keep its hybrid KV cache manager on (third_party/vllm/hma_connector.py,
+    # asynchronous loads); false = off, every layer keeps every token (kv_groups.py)
+    vllm_hybrid_kv: bool = False
     model: str | None = None
     tasks: tuple[str, ...] = ("needle",)
     context_tokens: int = 4096
@@ -98,6 +101,10 @@ class RunConfig:
         if self.policy_preset not in POLICY_PRESETS:
             raise ConfigError(f"unknown policy_preset {self.policy_preset!r}; available: "
                               f"{', '.join(POLICY_PRESETS)}")
+        if not isinstance(self.vllm_hybrid_kv, bool):
+            raise ConfigError(f"vllm_hybrid_kv must be true or false, got {self.vllm_hybrid_kv!r}")
+        if self.vllm_hybrid_kv and self.engine != "vllm":
+            raise ConfigError("vllm_hybrid_kv (--vllm-hybrid-kv) needs --engine vllm")
         if self.link_method not in LINK_METHODS:
             raise ConfigError(f"link_method must be {', '.join(LINK_METHODS[:-1])} or {LINK_METHODS[-1]}")
         try:

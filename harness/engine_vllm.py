@@ -58,6 +58,8 @@ class VLLMEngine(Engine):
         async_load: the connector's extra config "async_load" (docs/vllm-connector.md,
             "Aborted requests"): load in the worker's background so that an abort stops
             the load at the next chunk. Default False (synchronous load, the measured default).
+        hybrid_kv: keep vLLM's hybrid KV cache manager on (CacheGenHMAConnector, whose loads
+            are always asynchronous); False: off, every layer keeps every token.
     Raises:
         BenchmarkError: vLLM is not importable.
     """
@@ -65,7 +67,8 @@ class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, model_dir: Path, stats_path: Path, max_model_len: int,
-                 store_addr: str | None = None, async_load: bool = False):
+                 store_addr: str | None = None, async_load: bool = False,
+                 hybrid_kv: bool = False):
         check_vllm()
         from third_party.vllm.engine import make_llm  # lazy: imports vllm
 
@@ -84,7 +87,7 @@ class VLLMEngine(Engine):
         os.environ[BIND_ENV] = binding[BIND_ENV]  # read by vLLM's engine process at start
         try:
             self.llm = make_llm(model_dir, extra, max_model_len=max_model_len,
-                                dtype=ENGINE_DTYPE, seed=ENGINE_SEED)
+                                dtype=ENGINE_DTYPE, seed=ENGINE_SEED, hybrid_kv=hybrid_kv)
         finally:  # the spawned engine keeps its copy; later engines choose again
             if saved is None:
                 os.environ.pop(BIND_ENV, None)
@@ -94,8 +97,9 @@ class VLLMEngine(Engine):
                          "omp_threads": binding["omp_threads"], "bind_source": binding["source"],
                          "allowed_cpus": binding["allowed_cpus"], "reserved_cpus": RESERVED_CPUS,
                          "dtype": ENGINE_DTYPE, "seed": ENGINE_SEED, "prefix_caching": False,
-                         "async_load": bool(async_load),
-                         "harness_torch_threads": torch.get_num_threads(), "env": user_env}
+                         "async_load": bool(async_load) or bool(hybrid_kv),
+                         "harness_torch_threads": torch.get_num_threads(), "env": user_env,
+                         **engine_kv_cache(self.llm, stats_path)}
         self._seen = 0
 
     def _new_stats(self) -> list[dict]:
@@ -127,6 +131,57 @@ class VLLMEngine(Engine):
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
         self.llm = None
+
+
+# layer kinds the vLLM path places: full attention, and sliding-window attention (vLLM's
+# hybrid KV cache manager off, third_party/vllm/kv_groups.py: every layer keeps every token)
+VLLM_LAYER_KINDS = ("full", "sliding")
+
+
+def vllm_model_check(info, hybrid_kv: bool = False) -> str:
+    """Check a model for the vLLM engine path; returns the one log line saying how its KV
+    cache is laid out. info: kv_extraction_hf.model.ModelInfo (``layer_kinds``,
+    ``sliding_window``, ``num_layers``, ``model_id``).
+
+    hybrid_kv: vLLM's hybrid KV cache manager kept on (CacheGenHMAConnector).
+    Raises BenchmarkError (one line, naming the kind) for a layer kind other than full or
+    sliding-window attention."""
+    kinds = tuple(info.layer_kinds) or ("full",) * int(info.num_layers)
+    other = sorted(set(kinds) - set(VLLM_LAYER_KINDS))
+    if other:
+        raise BenchmarkError(f"model {info.model_id}: {', '.join(other)} layers are not supported by the vLLM "
+                             "engine's connector (it places full and sliding-window attention layers only); "
+                             "use --engine hf")
+    n_sliding = kinds.count("sliding")
+    if not n_sliding:
+        return f"model {info.model_id}: {len(kinds)} full-attention layers, one KV cache group"
+    head = (f"model {info.model_id}: {n_sliding} of {len(kinds)} layers sliding-window (window "
+            f"{info.sliding_window}): ")
+    if hybrid_kv:
+        return head + ("vLLM's hybrid KV cache manager is on, a sliding layer keeps its window "
+                       "and the connector writes only those tokens (asynchronous loads)")
+    return head + ("vLLM's hybrid KV cache manager is off, every layer keeps all tokens and the "
+                   "connector loads all of them into every layer")
+
+
+def engine_kv_cache(llm, stats_path: Path) -> dict[str, Any]:
+    """The engine's KV cache as the results record it: {"hybrid_kv_cache_manager" (bool:
+    vLLM's per-group manager on), "kv_cache_blocks" (blocks in the pool), "kv_block_size"
+    (tokens per block), "kv_cache" (the connector's "kv_cache" stats record:
+    third_party.vllm.kv_groups.describe_kv_cache, bytes and groups; {} if absent)}."""
+    vc = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    sc, cc = getattr(vc, "scheduler_config", None), getattr(vc, "cache_config", None)
+    rec: dict[str, Any] = {}
+    if stats_path.exists():
+        for line in stats_path.read_text().splitlines():
+            if '"kv_cache"' in line:
+                r = json.loads(line)
+                if r.get("kind") == "kv_cache":
+                    rec = {k: v for k, v in r.items() if k not in ("kind", "time")}
+    disabled = getattr(sc, "disable_hybrid_kv_cache_manager", None)
+    return {"hybrid_kv_cache_manager": None if disabled is None else not disabled,
+            "kv_cache_blocks": getattr(cc, "num_gpu_blocks", None),
+            "kv_block_size": getattr(cc, "block_size", None), "kv_cache": rec}
 
 
 def check_vllm() -> None:

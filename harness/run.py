@@ -32,7 +32,7 @@ from harness.contexts import (BenchmarkError, build_contexts, failure_record, lo
                               one_line, populate_store, store_levels, variants)
 from harness.engine_api import Engine
 from harness.engine_hf import HFEngine
-from harness.engine_vllm import VLLMEngine, check_vllm
+from harness.engine_vllm import VLLMEngine, check_vllm, vllm_model_check
 from harness.engines import measure_prefill_speed, request_params, warm_up_variants
 from harness.quality import perplexity_pass, score_output
 from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
@@ -183,12 +183,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     except ExtractionError as exc:
         raise BenchmarkError(str(exc)) from None
     info = bundle.info
-    if cfg.engine == "vllm" and info.hybrid:
-        # the connector moves one [L, T, H, D] KV per request; vLLM's hybrid KV cache manager
-        # (sliding-window groups) is not implemented for it yet (issue 28.2)
-        raise BenchmarkError(f"model {info.model_id} has sliding-window layers (window {info.sliding_window} on "
-                             f"{info.layer_kinds.count('sliding')} of {info.num_layers}): the vLLM engine's "
-                             "connector does not support them yet; use --engine hf")
+    if cfg.engine == "vllm":
+        log(vllm_model_check(info, cfg.vllm_hybrid_kv))   # one-line refusal of a layer kind
     codec_levels_all = tuple(sorted(HARNESS_LEVELS))
     vlist = variants(cfg, codec_levels_all, tuple(codec_pkg.levels("kvtc")))
     levels = store_levels(vlist, cfg, codec_levels_all)
@@ -260,7 +256,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     if cfg.engine == "vllm":
         log("starting vLLM (one engine, our connector, for every mode)")
         with stderr_to(None if verbose else engine_log_path(out_path)):
-            engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len, store_addr)
+            engine = VLLMEngine(info.path, tmp / "connector-stats.jsonl", max_len, store_addr,
+                                hybrid_kv=cfg.vllm_hybrid_kv)
     else:
         engine = HFEngine(bundle)
     stack.callback(engine.close)

@@ -484,3 +484,22 @@ def test_run_restores_the_logging_environment(monkeypatch):
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = "/nonexistent/x.json"
     assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
     assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ
+
+
+def test_vllm_hybrid_kv_flag_and_its_validation(capsys):
+    """--vllm-hybrid-kv (config vllm_hybrid_kv, issue 28.2) parses to True, defaults to the
+    config's false, and is refused in one line (exit 2) with --engine hf or a non-bool."""
+    from harness.config import ConfigError, resolve
+
+    args = run_benchmarks.build_parser().parse_args(["--vllm-hybrid-kv"])
+    assert args.vllm_hybrid_kv is True
+    assert run_benchmarks.build_parser().parse_args([]).vllm_hybrid_kv is None
+    assert resolve(None, {}).vllm_hybrid_kv is False
+    assert resolve(None, {"vllm_hybrid_kv": True}).vllm_hybrid_kv is True
+    with pytest.raises(ConfigError, match="needs --engine vllm"):
+        RunConfig(engine="hf", vllm_hybrid_kv=True)
+    with pytest.raises(ConfigError, match="must be true or false"):
+        RunConfig(vllm_hybrid_kv="yes")
+    assert run_benchmarks.main(["--engine", "hf", "--vllm-hybrid-kv"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs --engine vllm" in err

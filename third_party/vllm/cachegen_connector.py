@@ -95,6 +95,7 @@ from third_party.vllm.connector_support import (  # noqa: F401  (re-exported)
     decode_cpus,
 )
 from third_party.vllm.connector_worker import _WorkerSide
+from third_party.vllm.kv_groups import check_one_group
 from third_party.vllm.sources import Lookup, SourceError, engine_identity, load_callable, make_source
 from third_party.vllm.trust import RequestRejected, allowed_stores, validate_request
 
@@ -127,6 +128,7 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
         kv_cache_config: "KVCacheConfig | None" = None,
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._check_kv_groups(kv_cache_config)  # hybrid manager on: one-line refusal
         self._block_size = vllm_config.cache_config.block_size
         self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._sources: dict[str, Any] = {}
@@ -165,6 +167,16 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
         self._layer_objs: dict[str, Any] = {}
         self._gather_maps: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stats_lock = threading.Lock()
+
+    @staticmethod
+    def _check_kv_groups(kv_cache_config) -> None:
+        """One KV cache group only (kv_groups.check_one_group); hma_connector accepts more."""
+        check_one_group(kv_cache_config)
+
+    def _alloc_group_ids(self, blocks) -> list[list[int]] | None:
+        """Per-group block ids of an allocation for LoadRequest.group_block_ids: None here
+        (one group: block_ids); hma_connector returns every group's."""
+        return None
 
     def _init_async_state(self) -> None:
         """Async-load options and state (both sides), from self._extra. Raises ValueError
@@ -423,7 +435,8 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
                 # the request now waits (WAITING_FOR_REMOTE_KVS) and is not scheduled, so
                 # its blocks come from the allocation; the load goes out in this step's meta
                 self._async_ready.append(self._load_request(
-                    request, start, start + num_external_tokens, list(blocks.get_block_ids()[0])))
+                    request, start, start + num_external_tokens, list(blocks.get_block_ids()[0]),
+                    self._alloc_group_ids(blocks)))
                 self._async_inflight.add(request.request_id)
                 self._async_gen[request.request_id] = getattr(request, "num_preemptions", 0)
             else:
@@ -468,10 +481,11 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
             del self._pending[rid]
         return meta
 
-    def _load_request(self, request: "Request", start: int, end: int,
-                      block_ids: list[int]) -> LoadRequest:
-        """The LoadRequest of tokens [start, end) into block_ids; marks the request's
-        outcome "load" (the worker writes its one record)."""
+    def _load_request(self, request: "Request", start: int, end: int, block_ids: list[int],
+                      group_ids: list[list[int]] | None = None) -> LoadRequest:
+        """The LoadRequest of tokens [start, end) into block_ids (group 0; group_ids: every
+        group's, -1 = null block); marks the request's outcome "load" (the worker writes
+        its one record)."""
         rid = request.request_id
         params = self._params(request) or {}
         self._resolve_key(params, list(request.prompt_token_ids or []))
@@ -480,7 +494,8 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
             params["context_key"] = lk.info["key"]  # found by the prefix index
         lr = LoadRequest(rid, start, end, block_ids, self._block_size, params, lk,
                          len(request.prompt_token_ids or []),
-                         after_preemption=self._outcome.get(rid) == "load")
+                         after_preemption=self._outcome.get(rid) == "load",
+                         group_block_ids=group_ids)
         self._outcome[rid] = "load"
         return lr
 

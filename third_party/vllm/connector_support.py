@@ -40,12 +40,25 @@ class LoadRequest:
     lookup: Lookup
     prompt_tokens: int = 0
     after_preemption: bool = False  # a reload of a preempted request (its 2nd load record)
+    # vLLM's hybrid KV cache manager on (hma_connector): every group's block ids, -1 for a
+    # null block (outside a sliding window); None: one group, block_ids
+    group_block_ids: list[list[int]] | None = None
 
     def slot_mapping(self) -> torch.Tensor:
         """Slots of tokens [start, end): block_ids[p // bs] * bs + p % bs, int64 [end-start]."""
         pos = torch.arange(self.start, self.end, dtype=torch.int64)
         blocks = torch.tensor(self.block_ids, dtype=torch.int64)
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def group_slot_mappings(self) -> list[torch.Tensor]:
+        """One int64 [end-start] slot tensor per KV cache group (-1: a token whose block is
+        a null block, not written); [slot_mapping()] with one group."""
+        if self.group_block_ids is None:
+            return [self.slot_mapping()]
+        from third_party.vllm.kv_groups import slots_for
+
+        return [slots_for(ids, self.start, self.end, self.block_size)
+                for ids in self.group_block_ids]
 
 
 @dataclass

@@ -29,6 +29,7 @@ from third_party.vllm.connector_support import (
     _policy_preset,
     _thread_probe,
 )
+from third_party.vllm.kv_groups import describe_kv_cache, layer_groups, summary_line
 from third_party.vllm.sources import SourceError
 
 if TYPE_CHECKING:
@@ -51,6 +52,16 @@ class _WorkerSide:
         idx = [i for i, _ in self._layers]
         if idx != list(range(len(idx))):
             raise ValueError(f"attention layers are not numbered 0..L-1: {idx}")
+        # the engine's KV memory (issue 28.2: hybrid models run with one group of
+        # full-length blocks): one log line and one "kv_cache" stats record
+        self._layer_group = layer_groups(getattr(self, "_kv_cache_config", None))
+        fctx = getattr(getattr(self._vllm_config, "compilation_config", None),
+                       "static_forward_context", None) or {}
+        desc = describe_kv_cache(getattr(self, "_kv_cache_config", None), {
+            n: getattr(fctx.get(n), "sliding_window", None) for n in kv_caches},
+            tensors=kv_caches.values())
+        logger.info("CacheGenConnector: %s", summary_line(desc))
+        self._write_stats({"kind": "kv_cache", **desc, "time": time.time()})
         if self._extra.get("warmup", True):
             # numba's thread pool starts at the first parallel kernel (here): its threads
             # inherit this thread's affinity, so start it with the decode's CPUs
@@ -70,11 +81,12 @@ class _WorkerSide:
                     ", ".join(f"{k} {v}" for k, v in info["codecs"].items()))
         self._write_stats({"kind": "warmup", **info, "time": time.time()})
 
-    def _inject(self, lr: LoadRequest, slots: torch.Tensor, start: int,
+    def _inject(self, lr: LoadRequest, slots: list[torch.Tensor], start: int,
                 k: torch.Tensor, v: torch.Tensor, timer: list[float]) -> int:
         """Write the part of one decoded chunk (tokens [start, start+T)) that lies inside
         [lr.start, lr.end) into every layer's paged cache; returns tokens written.
-        k, v: [L, T, H, D]. Uses the backend's cache-write op via the layer's impl."""
+        k, v: [L, T, H, D]. slots: per KV cache group, int64 [lr.end - lr.start] (-1: not
+        kept, skipped). Uses the backend's cache-write op via the layer's impl."""
         L, T, H, D = k.shape
         lo, hi = max(start, lr.start), min(start + T, lr.end)
         if hi <= lo:
@@ -84,15 +96,21 @@ class _WorkerSide:
                               f"the engine has {len(self._layers)} attention layers")
         t0 = time.perf_counter()
         fctx = self._layer_objs
-        s = slots[lo - lr.start: hi - lr.start]
+        groups = getattr(self, "_layer_group", None) or {}
         for li, name in self._layers:
             layer = fctx[name]
             cache = self._kv_caches[name]
             if cache.shape[1] != H or cache.shape[3] != 2 * D:
                 raise SourceError(f"decoded KV heads/head_dim {H}/{D} do not match layer "
                                   f"{name} cache {tuple(cache.shape)}")
+            s = slots[groups.get(name, 0)][lo - lr.start: hi - lr.start]
             kk = k[li, lo - start: hi - start]
             vv = v[li, lo - start: hi - start]
+            keep = s >= 0
+            if not bool(keep.all()):      # a sliding group's null blocks: not written
+                if not bool(keep.any()):
+                    continue
+                s, kk, vv = s[keep], kk[keep], vv[keep]
             if kk.dtype != cache.dtype and cache.dtype in (torch.bfloat16, torch.float16,
                                                            torch.float32):
                 kk, vv = kk.to(cache.dtype), vv.to(cache.dtype)
@@ -154,9 +172,14 @@ class _WorkerSide:
                     failed = set(job.lr.block_ids[job.lr.start // job.lr.block_size:
                                                   -(-job.lr.end // job.lr.block_size)])
                 with self._async_lock:
-                    self._failed_blocks.update(failed)
+                    self._publish_failed(job.lr, failed)
                     self._done_recving.add(job.lr.req_id)
                     self._jobs.pop(job.lr.req_id, None)
+
+    def _publish_failed(self, lr: LoadRequest, failed: set[int]) -> None:
+        """Record an async load's failed blocks for get_block_ids_with_load_errors (under
+        self._async_lock); the hybrid-manager connector reports the request instead."""
+        self._failed_blocks.update(failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker side: (None, ids whose async load stopped since the last call). A
@@ -184,7 +207,7 @@ class _WorkerSide:
         cancel: set when vLLM finished the request; checked before each chunk."""
         t_wall = time.perf_counter()
         t_cpu = time.process_time()   # issue 14.1 probe: CPU-s / wall-s = cores the load got
-        slots = lr.slot_mapping()
+        slots = lr.group_slot_mappings()
         inject_s = [0.0]
         written = [lr.start]  # next token not yet written (contiguous prefix)
 
@@ -263,6 +286,10 @@ class _WorkerSide:
         }
         if stats and stats.extra:
             rec.update({k: v for k, v in stats.extra.items() if k not in rec})
+        if failed and getattr(self, "_fail_whole_request", False):
+            # hybrid-manager connector: the failure is reported per request (failed_recving)
+            # and vLLM recomputes every token of the load, not only those after the gap
+            rec["recomputed_tokens"] = lr.end - lr.start
         if aborted:
             rec["recomputed_tokens"] = 0  # the request is finished: nothing is recomputed
             rec["reason"] = (f"request aborted during its KV load: stopped after "

@@ -22,6 +22,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONNECTOR_NAME = "CacheGenConnector"
 CONNECTOR_MODULE = "third_party.vllm.cachegen_connector"
+# the same connector for vLLM's hybrid KV cache manager (per-group block tables)
+HMA_CONNECTOR_NAME = "CacheGenHMAConnector"
+HMA_CONNECTOR_MODULE = "third_party.vllm.hma_connector"
 
 # Environment every engine of the harness gets, whatever the mode. Why each value:
 # - VLLM_CPU_NUM_OF_RESERVED_CPU=1: vLLM reserves one more core when ANY KV connector is
@@ -35,7 +38,8 @@ ENGINE_ENV = {
 }
 
 
-def connector_transfer_config(extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+def connector_transfer_config(extra_config: dict[str, Any] | None = None,
+                              hybrid_kv: bool = False) -> dict[str, Any]:
     """The `kv_transfer_config` (as a dict `vllm.LLM` accepts) that loads our connector.
 
     extra_config: the operator's connector configuration (docs/vllm-connector.md, "Trust
@@ -46,10 +50,12 @@ def connector_transfer_config(extra_config: dict[str, Any] | None = None) -> dic
     kv_load_failure_policy="recompute": blocks the connector reports as failed (a chunk that
     fell back to text, a lost connection, a corrupt chunk) are recomputed by vLLM instead of
     failing the request.
+    hybrid_kv: True -> CacheGenHMAConnector (third_party/vllm/hma_connector.py), which keeps
+    vLLM's hybrid KV cache manager on.
     """
     return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector": HMA_CONNECTOR_NAME if hybrid_kv else CONNECTOR_NAME,
+        "kv_connector_module_path": HMA_CONNECTOR_MODULE if hybrid_kv else CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": dict(extra_config or {}),
@@ -66,6 +72,7 @@ def make_llm(
     kvcache_space_gib: int = 1,
     max_num_batched_tokens: int | None = None,
     seed: int = 0,
+    hybrid_kv: bool = False,
     **llm_kwargs: Any,
 ):
     """Create a `vllm.LLM` on the CPU with the harness's fixed settings.
@@ -81,7 +88,12 @@ def make_llm(
     max_num_batched_tokens: chunked-prefill budget; default max(4096, max_model_len) so a
         whole prompt is prefilled in one step in every mode.
     Prefix caching is OFF: a repeated request must reach the connector (or recompute), never
-    a local hit. Raises RuntimeError if vLLM is not importable, ValueError on a bad model dir.
+    a local hit. With a connector the hybrid KV cache manager is off
+    (`disable_hybrid_kv_cache_manager=True`: sliding-window layers get blocks for every
+    token); without one vLLM's default applies (on for a sliding-window model).
+    hybrid_kv: with a connector, use CacheGenHMAConnector and keep the hybrid manager ON
+        (`disable_hybrid_kv_cache_manager=False`; its loads are asynchronous).
+    Raises RuntimeError if vLLM is not importable, ValueError on a bad model dir.
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -115,7 +127,12 @@ def make_llm(
         disable_log_stats=False,  # fills RequestOutput.metrics (first-token timestamps)
     )
     if connector_config is not None:
-        kwargs["kv_transfer_config"] = connector_transfer_config(connector_config)
+        kwargs["kv_transfer_config"] = connector_transfer_config(connector_config, hybrid_kv)
+        # CacheGenConnector fills one block table per request into every layer: vLLM's
+        # hybrid KV cache manager (per-group tables for sliding-window models) stays off,
+        # every layer keeps every token (third_party/vllm/kv_groups.py; vLLM would turn it
+        # off for this connector anyway, this says so); CacheGenHMAConnector keeps it on
+        kwargs["disable_hybrid_kv_cache_manager"] = not hybrid_kv
     kwargs.update(llm_kwargs)
     return LLM(**kwargs)
 

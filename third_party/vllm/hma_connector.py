@@ -1,0 +1,112 @@
+"""CacheGenHMAConnector: the CacheGen connector with vLLM's hybrid KV cache manager ON.
+
+For a model with sliding-window layers (Gemma 2/3) vLLM 0.32's hybrid KV cache manager
+("HMA") keeps a sliding layer's blocks only inside its window: the layers are split into
+KV cache groups sharing one block pool, and a sliding group's block table holds vLLM's null
+block for every block that fell out of the window (``SlidingWindowManager``: for a request
+with n computed tokens, the first ``n - window + 1`` tokens' whole blocks are null; they are
+never read). vLLM keeps the manager on with a connector only when the connector class
+subclasses ``SupportsHMA`` (vllm/config/vllm.py, ``KVConnectorFactory.supports_hma_config``);
+this class does, and:
+
+* carries every group's block ids to the worker (``LoadRequest.group_block_ids``; null
+  blocks as -1: kv_groups.group_block_ids), and the worker writes each layer through its own
+  group's slot mapping, skipping the null blocks' tokens (connector_worker._inject). The
+  stored KV keeps its full layout ``[L, T, H, D]``; only the kept tokens are written.
+* loads asynchronously (extra config ``async_load`` is forced on): vLLM cannot map a
+  failed block id back to a request with several groups (its scheduler raises on
+  ``invalid_block_ids`` then), so a load that fails is reported as ``failed_recving``
+  (``get_transfer_results``) and vLLM, with ``kv_load_failure_policy="recompute"``,
+  recomputes that request's whole prompt.
+* implements ``request_finished_all_groups`` (the finish hook vLLM calls for an HMA
+  connector) by the single-group one: the connector never holds blocks.
+* does not save (extra config ``allow_client_save: true`` is refused at start in one line):
+  the read-back reads one block table.
+
+Select it with ``kv_connector="CacheGenHMAConnector"``,
+``kv_connector_module_path="third_party.vllm.hma_connector"`` (third_party.vllm.engine.
+make_llm(..., hybrid_kv=True); run_benchmarks.py --vllm-hybrid-kv). Facts of this vLLM
+build: docs/vllm-connector.md, "Hybrid models".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from third_party.vllm.cachegen_connector import CacheGenConnector, logger
+from third_party.vllm.kv_groups import group_block_ids
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# spec classes whose groups the connector writes (per-token K and V of every token, or of
+# the tokens inside a window); compared by class name (vllm.v1.kv_cache_interface)
+PLACEABLE_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
+def check_hma_groups(kv_cache_config: Any) -> None:
+    """Raise ValueError (one line) unless every KV cache group is full or sliding-window
+    attention with one block size (what the per-group slot mapping handles)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    bad = sorted({type(g.kv_cache_spec).__name__ for g in groups
+                  if type(g.kv_cache_spec).__name__ not in PLACEABLE_SPECS})
+    if bad:
+        raise ValueError(f"CacheGenHMAConnector places full and sliding-window attention "
+                         f"groups only, got {', '.join(bad)}")
+    sizes = sorted({int(g.kv_cache_spec.block_size) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"CacheGenHMAConnector needs one block size in every KV cache "
+                         f"group, got {sizes}")
+
+
+class CacheGenHMAConnector(CacheGenConnector, SupportsHMA):
+    """CacheGenConnector for vLLM's hybrid KV cache manager (see the module docstring)."""
+
+    # a failed load is recomputed as a whole (its load record's recomputed_tokens says so)
+    _fail_whole_request = True
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self._extra.get("allow_client_save"):
+            raise ValueError("CacheGenHMAConnector does not save KV (the read-back reads one "
+                             "block table); set allow_client_save false or use CacheGenConnector")
+        self._failed_recving: set[str] = set()
+
+    def _init_async_state(self) -> None:
+        super()._init_async_state()
+        if not self._async:
+            logger.info("CacheGenHMAConnector: loads are asynchronous (a failed load is "
+                        "reported per request, vLLM then recomputes it)")
+        self._async = True
+
+    @staticmethod
+    def _check_kv_groups(kv_cache_config) -> None:
+        check_hma_groups(kv_cache_config)
+
+    def _alloc_group_ids(self, blocks) -> list[list[int]] | None:
+        return group_block_ids(blocks.blocks)
+
+    def _publish_failed(self, lr, failed: set[int]) -> None:
+        if failed:      # block ids are per group: the request is reported instead
+            self._failed_recving.add(lr.req_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Worker side: finished async loads, with the failed ones also in failed_recving
+        (vLLM's contract: a failed receive is reported in both sets)."""
+        _, done = self.get_finished(finished_req_ids)
+        with self._async_lock:
+            failed, self._failed_recving = self._failed_recving, set()
+        done = set(done or ())
+        return KVConnectorTransferResults(finished_recving=done | failed,
+                                          failed_recving=failed)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]):
+        """vLLM's finish hook for an HMA connector: as request_finished (group 0's ids);
+        returns (False, None): no blocks are held."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
