@@ -51,7 +51,8 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
         f"{data.get('source', '?')}, sha256 {sha}...), {cfg.get('n_windows', '?')} windows x "
         f"({cfg.get('context_tokens', '?')} context + {cfg.get('continuation_tokens', '?')} continuation) tokens, "
         f"seed {cfg.get('seed', '?')}{', --quick' if cfg.get('quick') else ''}; {env.get('cpu_count', '?')} CPUs"
-        + (f", {wall / 60:.0f} min wall." if isinstance(wall, (int, float)) else "."),
+        + (f", {wall / 60:.0f} min wall" if isinstance(wall, (int, float)) else "")
+        + (" (the task answers' run)." if qdoc.get("tasks_command") else "."),
         "",
         "Each decoded KV against the lossless KV on the same windows (paired): KL(lossless || decoded) per "
         "continuation token, top-1 agreement with the lossless argmax, each with a 95% bootstrap CI over "
@@ -96,10 +97,16 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
                                   -1 if t.get("level") is None else t.get("level"),
                                   TASK_ORDER.index(t["task"]) if t.get("task") in TASK_ORDER else len(TASK_ORDER),
                                   str(t.get("task"))))
-        lines.append(f"Task answers ({tcfg.get('n_requests', '?')} requests per codec/level: needle, context "
-                     f"lengths {', '.join(str(x) for x in tcfg.get('lengths') or []) or '?'} tokens, depths "
-                     f"10-90%, and topic retrieval, {', '.join(str(x) for x in tcfg.get('topic_lengths') or []) or '?'}"
-                     " tokens; `all` pools both). Answer agreement: the scored answer (the number the scorer reads, "
+        if tcfg.get("tasks") == "longchat":  # a user's LongChat file: its rows at full length
+            ct = tcfg.get("context_tokens") or {}
+            what = (f"the rows of `{(tcfg.get('task_data') or {}).get('name', '?')}` (the CacheGen artifact's "
+                    f"LongChat topic retrieval) at full length, {ct.get('min', '?')}-{ct.get('max', '?')} tokens, "
+                    f"{tcfg.get('truncated', '?')} truncated; `{qdoc.get('tasks_command', '?')}`")
+        else:
+            what = (f"needle, context lengths {', '.join(str(x) for x in tcfg.get('lengths') or []) or '?'} tokens, "
+                    f"depths 10-90%, and topic retrieval, "
+                    f"{', '.join(str(x) for x in tcfg.get('topic_lengths') or []) or '?'} tokens; `all` pools both")
+        lines.append(f"Task answers ({tcfg.get('n_requests', '?')} requests per codec/level: {what}). Answer agreement: the scored answer (the number the scorer reads, "
                      "or whether the gold phrase occurs) equals the lossless answer's for the same request; token "
                      "agreement: the generated token ids are identical (a rephrasing of the same answer disagrees).")
         lines.append("")
