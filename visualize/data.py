@@ -315,6 +315,16 @@ def _bandwidth_ticks(ax, bandwidths: Sequence[float]) -> None:
 # ----------------------------------------------------------------------------- output
 
 
+def save_formats(fig, out_dir: Path, name: str, formats: Sequence[str], dpi: int = 150) -> list[Path]:
+    """``save_figure`` of ``fig`` as ``out_dir/<name>.<fmt>`` for each format -> the paths."""
+    written = []
+    for fmt in formats:
+        path = Path(out_dir) / f"{name}.{fmt}"
+        save_figure(fig, path, fmt, dpi=dpi)
+        written.append(path)
+    return written
+
+
 def save_figure(fig, path: Path, fmt: str, dpi: int = 150) -> None:
     """Write ``fig`` to ``path`` atomically (``common.header.atomic_write``: temp file in
     the same folder, then rename)."""

@@ -16,7 +16,7 @@ from visualize.adapt_figures import (  # noqa: F401  (re-exported)
     _ADAPT_ORDER, ADAPT_FIGURES, DEFAULT_ADAPTATION, _adapt_policies, _adapt_rows, fig_adapt_quality_vs_violation,
     fig_adapt_timeline, fig_adapt_violation_vs_slo
 )
-from visualize.data import SkipFigure, _colors, _log_helps, _new_figure, save_figure
+from visualize.data import SkipFigure, _colors, _log_helps, _new_figure, save_figure, save_formats
 from visualize.loading import read_json_doc
 from visualize.results_figures import _pareto
 
@@ -84,13 +84,8 @@ def fig_quality_divergence(doc: dict):
 def render_quality(path: Path, out_dir: Path, formats: Sequence[str], dpi: int = 150) -> list[Path]:
     """Draw ``quality_divergence.<fmt>`` from a quality.json into ``out_dir``. Raises
     ResultsError for an unreadable file, SkipFigure when it holds no lossy rows."""
-    fig = fig_quality_divergence(read_json_doc(path, "quality"))
-    written = []
-    for fmt in formats:
-        out = Path(out_dir) / f"quality_divergence.{fmt}"
-        save_figure(fig, out, fmt, dpi=dpi)
-        written.append(out)
-    return written
+    return save_formats(fig_quality_divergence(read_json_doc(path, "quality")), out_dir,
+                        "quality_divergence", formats, dpi)
 
 
 def render_adaptation(path: Path, out_dir: Path, formats: Sequence[str], dpi: int = 150) -> list[Path]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visualize.data import SkipFigure, _colors, _new_figure, _plain_log_ticks, save_figure
+from visualize.data import SkipFigure, _colors, _new_figure, _plain_log_ticks, save_formats
 from visualize.loading import read_json_doc
 
 SWEEP_MODES = ("text", "quant8", "cachegen", "kvtc")
@@ -78,9 +78,4 @@ def render_context_sweep(path: Path, out_dir: Path, formats: Sequence[str], dpi:
     fig = fig_ttft_vs_context(doc)
     stem = Path(path).stem
     suffix = stem.removeprefix("context-sweep") if stem.startswith("context-sweep") else f"-{stem}"
-    written = []
-    for fmt in formats:
-        out = Path(out_dir) / f"ttft_vs_context{suffix}.{fmt}"
-        save_figure(fig, out, fmt, dpi=dpi)
-        written.append(out)
-    return written
+    return save_formats(fig, out_dir, f"ttft_vs_context{suffix}", formats, dpi)
