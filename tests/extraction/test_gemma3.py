@@ -187,9 +187,13 @@ def test_real_gemma3_bos_info_and_lossless_injection():
 
 
 @pytest.mark.slow
-def test_vllm_engine_refuses_a_hybrid_model_in_one_line(tmp_path):
-    """run_benchmarks.py --engine vllm (the default engine) with a sliding-window model:
-    one error line and exit 2 (the connector does not handle vLLM's hybrid KV cache yet)."""
+@pytest.mark.xfail(strict=True, reason="known open fault (round 11): on this tiny random-weight Gemma 3 layout every KV request through vLLM loads 0 tokens (no load error); the real Gemma 3 270M loads them (tests/vllm_connector/test_vllm_gemma3.py)")
+def test_vllm_engine_runs_a_hybrid_model(tmp_path):
+    """run_benchmarks.py --engine vllm (the default engine) with a tiny random-weight
+    sliding-window model (Gemma 3 layout): it runs (until round 11 it was refused, exit 2),
+    vLLM's hybrid KV cache manager is off with our connector (every layer keeps every token),
+    and every KV mode's requests loaded a prefix without a load error."""
+    import json
     import shutil
     import subprocess
     import sys
@@ -213,7 +217,11 @@ def test_vllm_engine_refuses_a_hybrid_model_in_one_line(tmp_path):
     root = Path(__file__).resolve().parents[2]
     cp = subprocess.run([sys.executable, "run_benchmarks.py", "--quick", "--engine", "vllm", "--model", str(mdir),
                          "--out", str(tmp_path / "out")], cwd=root, capture_output=True, text=True, timeout=600)
-    assert cp.returncode == 2, cp.stderr[-2000:]
-    errors = [ln for ln in cp.stderr.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and "Traceback" not in cp.stderr
-    assert "sliding-window layers (window 64 on 1 of 2)" in errors[0] and "--engine hf" in errors[0]
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    doc = json.loads((tmp_path / "out").read_text())
+    assert doc["environment"]["engine"]["hybrid_kv_cache_manager"] is False
+    kv_runs = [r for r in doc["runs"] if r["mode"] != "text"]
+    assert kv_runs and not doc["failures"]
+    bad = [(r["mode"], r["load_error"], r["loaded_tokens"]) for r in kv_runs
+           if r["load_error"] is not None or (r["loaded_tokens"] == 0 and r["mode"] != "cachegen-adaptive")]
+    assert not bad, bad
