@@ -282,22 +282,30 @@ def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[in
     return data, stats
 
 
+def _check_offset(token_offset: Any) -> int:
+    if isinstance(token_offset, bool) or not isinstance(token_offset, int) \
+            or not 0 <= token_offset < 2 ** 31:
+        raise ValueError(f"token_offset must be an int in [0, 2**31), got {token_offset!r}")
+    return token_offset
+
+
 def encode_with_stats(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
                       level: Optional[int] = None, config: Optional[CodecConfig] = None,
-                      backend: str = "auto") -> tuple[bytes, dict]:
+                      backend: str = "auto", token_offset: int = 0) -> tuple[bytes, dict]:
     """``encode_kv`` plus a stats dict (bytes, elements, dtype_bytes, and for cachegen:
     entropy_bits, ideal_bits, model_bytes, length_table_bytes, payload_bytes, scale_bytes,
     sink_bytes, symbols) for benchmarks."""
     codec_obj = get_codec(codec)
     level = _check_level(codec_obj, level, config)
     _, T, _, _ = _check_kv(k, v)
+    off = _check_offset(token_offset)
     b = _resolve_backend(k.device, backend)
-    return _encode_one(k, v, codec, level, config, 0, T, 0, 1, backend=b)
+    return _encode_one(k, v, codec, level, config, off, off + T, 0, 1, backend=b)
 
 
 def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
               level: Optional[int] = None, config: Optional[CodecConfig] = None,
-              backend: str = "auto") -> bytes:
+              backend: str = "auto", token_offset: int = 0) -> bytes:
     """Encode a whole KV cache as ONE container.
 
     Args:
@@ -313,6 +321,11 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
         "cpu" (copies to the host) or "triton" (the Triton kernels of
         ``codec.triton_kernels``, on k's device). Same bytes either way. Only cachegen
         and cachegen-ref have Triton kernels; other codecs always encode on a CPU copy.
+      token_offset: the position of the first token in its context (int >= 0, default 0):
+        the tokens are coded as positions ``token_offset .. token_offset + T - 1`` of a
+        context of ``token_offset + T`` tokens (sink tokens only below ``sink_tokens``;
+        kvtc's pre-RoPE transform undoes RoPE at these positions); recorded in the header,
+        so the decode needs nothing else.
     Returns: bytes (self-describing: ``decode_kv`` needs nothing else).
     Raises: ValueError on bad input (rank, shapes, dtype, NaN/inf, unknown
       codec/level/backend, backend="triton" where Triton cannot run). Values up to the
@@ -320,7 +333,8 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     Thread safety: every encode/decode function may be called from several threads at
       once (``codec.threads``); results are identical to serial calls.
     """
-    return encode_with_stats(k, v, codec, level, config, backend=backend)[0]
+    return encode_with_stats(k, v, codec, level, config, backend=backend,
+                             token_offset=token_offset)[0]
 
 
 def encode_blob(kv: torch.Tensor, codec: str = "cachegen", level: Optional[int] = None,
@@ -335,8 +349,8 @@ def encode_blob(kv: torch.Tensor, codec: str = "cachegen", level: Optional[int] 
 
 def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
                   level: Optional[int] = None, config: Optional[CodecConfig] = None,
-                  chunk_tokens: Optional[int] = None, backend: str = "auto"
-                  ) -> list[bytes]:
+                  chunk_tokens: Optional[int] = None, backend: str = "auto",
+                  token_offset: int = 0) -> list[bytes]:
     """Split the tokens into chunks of ``chunk_tokens`` (the last may be shorter) and encode
     each as an independently decodable container (own header, models, CRC32).
 
@@ -346,7 +360,8 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     chunk's header records ``T`` (its real length), ``chunk_tokens`` (the split size),
     ``token_offset``, ``total_tokens``, ``chunk_index`` and ``num_chunks``;
     ``decode_chunks`` concatenates them back to the full KV.
-    ``backend``: as ``encode_kv``.
+    ``backend``, ``token_offset`` (the first token's position; chunk offsets and
+    ``total_tokens`` are shifted by it): as ``encode_kv``.
     Raises ValueError on bad input.
     """
     codec_obj = get_codec(codec)
@@ -355,10 +370,11 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     bk = _resolve_backend(k.device, backend)
     if chunk_tokens is None and config is not None:
         chunk_tokens = config.chunk_tokens
+    off = _check_offset(token_offset)
     bounds = chunk_bounds(T, chunk_tokens)
     ct = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
-    return [_encode_one(k[:, a:b], v[:, a:b], codec, level, config, a, T, i, len(bounds),
-                        backend=bk, chunk_tokens=ct)[0]
+    return [_encode_one(k[:, a:b], v[:, a:b], codec, level, config, off + a, off + T, i,
+                        len(bounds), backend=bk, chunk_tokens=ct)[0]
             for i, (a, b) in enumerate(bounds)]
 
 
@@ -503,7 +519,7 @@ def decode_chunk(data: bytes, device: Any = "cpu", backend: str = "auto"
 def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "auto"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode all chunks of one ``encode_chunks`` call and concatenate along tokens
-    (``backend`` as ``decode_kv``).
+    (``backend`` as ``decode_kv``); returns (k, v) [L, T, H, D] of the call's T tokens.
     Raises CodecError if chunks are missing, out of order or from different KVs;
     ValueError on a bad ``device`` or ``backend``."""
     _resolve_backend(_device(device), backend)   # argument errors before any decoding
@@ -516,6 +532,7 @@ def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "
         h = peek_header(data)
         if first is None:
             first = h
+            pos = h["token_offset"]        # an encode_chunks(token_offset=...) call's start
         if h["token_offset"] != pos or h["chunk_index"] != i:
             raise CodecError(f"chunk {i} starts at token {h['token_offset']}, expected {pos}")
         for key in ("codec", "L", "H", "D", "dtype", "total_tokens", "num_chunks"):

@@ -360,3 +360,44 @@ def test_bench_quick_writes_rows(tmp_path, capsys, monkeypatch):
     assert 1.0 <= rows["cachegen-l1"]["payload_over_entropy"] < 1.06
     assert len(doc["codec_layers"]) == 3 * 2 * codec_contexts.QUICK_SHAPE[0]
     assert "cachegen-l1" in capsys.readouterr().out
+
+
+# ---- token_offset: a KV coded as positions of a longer context (LMCache serde) ---------
+@pytest.mark.parametrize("name", ["cachegen", "quant8", "raw"])
+def test_token_offset_codes_the_chunk_our_store_path_codes(name):
+    """encode_kv(token_offset=a) of tokens a..b decodes to what encode_chunks' chunk at a
+    decodes to (no sinks past the first sink_tokens positions), and records a."""
+    k, v = make_kv(T=96, seed=3)
+    chunks = codec.encode_chunks(k, v, codec=name, chunk_tokens=32)
+    one = codec.encode_kv(k[:, 32:64], v[:, 32:64], codec=name, token_offset=32)
+    h = codec.peek_header(one)
+    assert (h["token_offset"], h["total_tokens"], h["T"]) == (32, 64, 32)
+    ka, va = codec.decode_kv(one)
+    kb, vb = codec.decode_kv(chunks[1])
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    if name == "cachegen":                       # at position 0 the sinks are kept: differs
+        k0, _ = codec.decode_kv(codec.encode_kv(k[:, 32:64], v[:, 32:64], codec=name))
+        assert not torch.equal(k0, ka)
+
+
+def test_encode_chunks_from_an_offset_round_trips():
+    k, v = make_kv(T=80, seed=4)
+    chunks = codec.encode_chunks(k, v, codec="cachegen", chunk_tokens=32, token_offset=160)
+    assert [codec.peek_header(c)["token_offset"] for c in chunks] == [160, 192, 224]
+    assert {codec.peek_header(c)["total_tokens"] for c in chunks} == {240}
+    k2, v2 = codec.decode_chunks(chunks)
+    k3, v3 = codec.decode_chunks(codec.encode_chunks(k, v, codec="cachegen", chunk_tokens=32))
+    assert k2.shape == k.shape
+    # past the sinks: the same values; at offset 0 the first 4 tokens are exact instead
+    assert torch.equal(k2[:, 32:], k3[:, 32:]) and torch.equal(k2[:, 4:32], k3[:, 4:32]) is False
+    with pytest.raises(codec.CodecError, match="starts at token"):
+        codec.decode_chunks(chunks[1:])      # 192 is not the first chunk of the call
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, 2 ** 31, "3"])
+def test_bad_token_offset_is_refused(bad):
+    k, v = make_kv(T=16)
+    with pytest.raises(ValueError, match="token_offset must be"):
+        codec.encode_kv(k, v, codec="cachegen", token_offset=bad)
+    with pytest.raises(ValueError, match="token_offset must be"):
+        codec.encode_chunks(k, v, codec="cachegen", chunk_tokens=16, token_offset=bad)

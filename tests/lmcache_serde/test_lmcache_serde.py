@@ -112,6 +112,8 @@ def test_registered_next_to_lmcache_own():
     ({"pad": "yes"}, "'pad' must be"),
     ({"bits_per_element": 0}, "bits_per_element"),
     ({"calibration": "ab"}, "takes no calibration"),
+    ({"sinks": "first"}, "'sinks' must be one of"),
+    ({"sinks": True}, "'sinks' must be one of"),
 ])
 def test_bad_cachegen_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -502,3 +504,141 @@ def test_lmcache_fp8_row_is_our_fp8():
     blob, st = lmcache_peers.encode_with_stats(k, v, "lmcache-asym_k16_v8")
     k4, v4 = lmcache_peers.decode(blob)
     assert torch.equal(k4, k) and not torch.equal(v4, v)        # K kept, V to fp8
+
+
+# ---- exact sink tokens only in the object that starts a context (serde_sinks) ----------
+def _context_objects(k, v, n: int):
+    """A context split into LMCache objects of n tokens, layout [2, L, n, H*D]."""
+    return [_planes(k[:, a:a + n], v[:, a:a + n]) for a in range(0, k.shape[1], n)]
+
+
+def _store_all(ser, de, xs):
+    """Serialize then deserialize each object; returns (decoded objects, bytes written)."""
+    outs, total = [], 0
+    for i, x in enumerate(xs):
+        slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
+        tmp, out = _buf(slot), _obj(torch.zeros_like(x))
+        n = ser.serialize(_obj(x), tmp, _key(100 + i))
+        total += n
+        de.deserialize(_obj(tmp.tensor[:n].clone()), out, _key(100 + i))   # what L2 holds
+        outs.append(out.tensor.clone())
+    return outs, total
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_auto_sinks_give_our_store_paths_chunks(level):
+    """A 256-token context (its first token's values short, as an attention sink's are) in
+    4 objects of 64: only object 0 keeps exact sink tokens, and the KV LMCache gets back
+    is bit for bit what our store path gives for the same 64-token chunks
+    (codec.encode_chunks, sinks in chunk 0 only); "every_object" keeps them in all 4 and
+    writes more bytes."""
+    k, v = synthetic_kv(L, 256, H, D, seed=11)
+    xs = _context_objects(k, v, 64)
+    ser, de = S.make_pair("cachegen", {"level": level, "bits_per_element": LOOSE, "pad": False,
+                                       "num_kv_heads": H})
+    outs, auto_bytes = _store_all(ser, de, xs)
+    assert (ser.stats["sink_groups"], ser.stats["no_sink_groups"]) == (1, 3)
+    k2, v2 = codec.decode_chunks(codec.encode_chunks(k, v, codec="cachegen", level=level,
+                                                     chunk_tokens=64))
+    assert all(torch.equal(o, e) for o, e in zip(outs, _context_objects(k2, v2, 64)))
+    ser2, de2 = S.make_pair("cachegen", {"level": level, "bits_per_element": LOOSE,
+                                         "pad": False, "num_kv_heads": H,
+                                         "sinks": "every_object"})
+    outs2, every_bytes = _store_all(ser2, de2, xs)
+    assert (ser2.stats["sink_groups"], ser2.stats["no_sink_groups"]) == (4, 0)
+    assert torch.equal(outs2[0], outs[0]) and not torch.equal(outs2[1], outs[1])
+    sink_bytes = 4 * 2 * L * H * D * 2                       # 4 exact bf16 tokens, K and V
+    assert every_bytes - auto_bytes >= 3 * sink_bytes * 0.9
+    assert ser.settings.identity() != ser2.settings.identity()   # readers must agree
+
+
+def test_auto_sinks_kvtc_at_estimated_positions(cal_hash):
+    """kvtc (pre-RoPE calibration): the objects after the first are coded without sinks at
+    the position their keys' RoPE phase gives (serde_rope), so LMCache gets back bit for
+    bit what our store path gives for the same 64-token chunks; with position_step 0 every
+    object is coded at position 0 (more bytes); "every_object" keeps sinks everywhere."""
+    k, v = synthetic_kv(L, 512, H, D, seed=99)     # the calibration's KV: its mean keys
+    k, v = k[:, :256].contiguous(), v[:, :256].contiguous()
+    xs = _context_objects(k, v, 64)
+    kw = {"calibration": cal_hash, "level": 3, "bits_per_element": LOOSE, "pad": False,
+          "position_step": 64, "max_tokens": 1024}
+    ser, de = S.make_pair("kvtc", kw)
+    outs, auto_bytes = _store_all(ser, de, xs)
+    assert (ser.stats["sink_groups"], ser.stats["no_sink_groups"]) == (1, 3)
+    assert ser.stats["offsets"] == {0: 1, 64: 1, 128: 1, 192: 1}
+    cfg = kvtc.KvtcConfig(calibration=cal_hash, level=3)
+    k2, v2 = codec.decode_chunks(codec.encode_chunks(k, v, codec="kvtc", config=cfg,
+                                                     chunk_tokens=64))
+    assert all(torch.equal(o, e) for o, e in zip(outs, _context_objects(k2, v2, 64)))
+    ser0, de0 = S.make_pair("kvtc", dict(kw, position_step=0))
+    outs0, zero_bytes = _store_all(ser0, de0, xs)
+    assert ser0.stats["offsets"] == {0: 4} and ser0.stats["sink_groups"] == 1
+    cfg0 = kvtc.KvtcConfig(calibration=cal_hash, level=3, sink_tokens=0)
+    k1, v1 = codec.decode_kv(codec.encode_kv(k[:, 64:128], v[:, 64:128], codec="kvtc",
+                                             config=cfg0))
+    assert torch.equal(outs0[1], _planes(k1, v1))
+    ser2, de2 = S.make_pair("kvtc", dict(kw, sinks="every_object"))
+    outs2, every_bytes = _store_all(ser2, de2, xs)
+    assert ser2.stats["sink_groups"] == 4 and ser2.stats["offsets"] == {0: 4}
+    assert every_bytes > zero_bytes and torch.equal(outs[0], outs2[0])
+    assert len({x.settings.identity() for x in (ser, ser0, ser2)}) == 3
+
+
+def test_position_estimate_and_its_edges(cal_hash):
+    from third_party.lmcache.serde_rope import estimate_offset
+
+    cal = kvtc.get_calibration(cal_hash)
+    k, _ = synthetic_kv(L, 512, H, D, seed=99)     # keys whose mean the calibration holds
+    for a in (0, 128, 256, 384):
+        assert estimate_offset(k[:, a:a + 128], cal, 128, 4096) == a
+    assert estimate_offset(k[:, 256:384], cal, 128, 256) in (0, 128)   # 256 not a candidate
+    with pytest.raises(ValueError, match="do not match the calibration"):
+        estimate_offset(k[:, :64, :1], cal, 64, 1024)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"position_step": 100}, "multiple of 16"),
+    ({"position_step": -16}, "integer >= 0"),
+    ({"max_tokens": 8}, "integer >= 16"),
+])
+def test_bad_position_options_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        create_serde_processor(SerdeConfig(type="cachegen", kwargs=kwargs))
+
+
+def test_starts_context_rule_and_its_edges():
+    from third_party.lmcache.serde_sinks import MIN_TOKENS, starts_context
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(3, 64, 2, 16, generator=g) + 0.5
+    assert starts_context(v) is False
+    v0 = v.clone()
+    v0[:, 0] *= 0.3
+    assert starts_context(v0) is True
+    v1 = v.clone()
+    v1[:, 0] *= 0.7                                      # short, but not a sink's 0.27-0.30
+    assert starts_context(v1) is False
+    assert starts_context(v[:, : MIN_TOKENS - 1]) is True          # too short to judge: keep
+    assert starts_context(torch.zeros(3, 64, 2, 16)) is True       # no scale: keep
+    assert starts_context(v.to(torch.bfloat16)) is False
+    with pytest.raises(ValueError, match=r"\[L, T, H, D\]"):
+        starts_context(v[0])
+
+
+def test_starts_context_on_the_default_models_kv():
+    """On a real 1024-token context of the default model, only the chunk at token 0 of the
+    four 256-token chunks starts a context by the rule."""
+    from third_party.lmcache.serde_sinks import starts_context
+
+    try:
+        from kv_extraction_hf.extract import prefill_kv
+        from kv_extraction_hf.model import load_model
+        bundle = load_model(log=lambda m: None)
+    except Exception as exc:                                   # noqa: BLE001
+        pytest.skip(f"default model unavailable: {exc}")
+    text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    ids = bundle.tokenizer(text, return_tensors="pt").input_ids[:, :1024]
+    assert ids.shape[1] == 1024
+    _, v = prefill_kv(bundle, ids)
+    assert [starts_context(v[:, a:a + 256]) for a in range(0, 1024, 256)] == \
+        [True, False, False, False]

@@ -11,6 +11,7 @@ import codec
 from codec import kvtc as codec_kvtc
 
 from third_party.lmcache.serde_settings import SerdeSettings
+from third_party.lmcache.serde_sinks import SINK_MODES
 
 
 def _installed_adapters_report_sizes() -> bool:
@@ -39,11 +40,15 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
     ``calibration`` (kvtc, required: a calibration hash, found by the codec's lookup),
     ``calibration_path`` (kvtc: an artifact file registered first; its hash must match
     ``calibration`` when both are given), ``bits_per_element`` (float > 0),
-    ``pad`` ("auto" | true | false), ``fallback`` (bool), ``max_workers`` (int >= 1, read
+    ``pad`` ("auto" | true | false), ``fallback`` (bool), ``sinks`` ("auto" |
+    "every_object", :mod:`.serde_sinks`), ``position_step`` (int >= 0, a multiple of
+    16; default 256, LMCache's chunk size; 0: no position estimate) and ``max_tokens`` (int
+    >= 16, default 131072) for kvtc's position estimate (:mod:`.serde_rope`), ``max_workers`` (int >= 1, read
     by the factory). Raises ValueError naming the bad option."""
     kw = dict(kwargs)
     known = {"level", "chunk_tokens", "num_kv_heads", "head_dim", "calibration",
-             "calibration_path", "bits_per_element", "pad", "fallback", "max_workers"}
+             "calibration_path", "bits_per_element", "pad", "fallback", "sinks",
+             "position_step", "max_tokens", "max_workers"}
     bad = sorted(set(kw) - known)
     if bad:
         raise ValueError(f"unknown {name} serde option(s) {bad}; known: {sorted(known)}")
@@ -72,6 +77,15 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
     fallback = kw.get("fallback", True)
     if not isinstance(fallback, bool):
         raise ValueError(f"serde option 'fallback' must be true or false, got {fallback!r}")
+    sinks = kw.get("sinks", "auto")
+    if sinks not in SINK_MODES:
+        raise ValueError(f"serde option 'sinks' must be one of {list(SINK_MODES)}, got {sinks!r}")
+    step = opt_int(kw, "position_step", 0)
+    step = 256 if step is None else step
+    if step % 16:
+        raise ValueError(f"serde option 'position_step' must be a multiple of 16, got {step}")
+    max_tokens = opt_int(kw, "max_tokens", 16)
+    max_tokens = 131072 if max_tokens is None else max_tokens
     cal = None
     if name == "kvtc":
         path = kw.get("calibration_path")
@@ -96,4 +110,5 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
                          num_kv_heads=opt_int(kw, "num_kv_heads", 1),
                          head_dim=opt_int(kw, "head_dim", 1), calibration=cal,
                          bits_per_element=None if bpe is None else float(bpe), pad=pad,
-                         fallback=fallback)
+                         fallback=fallback, sinks=sinks,
+                         position_step=step, max_tokens=max_tokens)

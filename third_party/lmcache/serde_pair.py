@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 import codec
+from codec import kvtc as codec_kvtc
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde.base import Deserializer, Serializer
@@ -24,6 +25,8 @@ from third_party.lmcache.serde_layout import (
     token_bounds,
 )
 from third_party.lmcache.serde_settings import SerdeSettings
+from third_party.lmcache.serde_rope import estimate_offset
+from third_party.lmcache.serde_sinks import starts_context
 
 
 class _Base:
@@ -37,12 +40,20 @@ class CodecSerializer(_Base, Serializer):
 
     ``stats``: counts of serialized objects, ``fallbacks`` (objects stored at a smaller
     level than configured because the configured one did not fit the slot) and
-    ``bytes`` (frame bytes before padding)."""
+    ``bytes`` (frame bytes before padding), ``sink_groups`` / ``no_sink_groups`` (kernel
+    groups encoded with / without exact sink tokens, counted per encode attempt:
+    :mod:`.serde_sinks`), ``offsets`` (position coded at -> count: :mod:`.serde_rope`)."""
 
     def __init__(self, settings: SerdeSettings):
         super().__init__(settings)
         self._lock = threading.Lock()
-        self.stats = {"objects": 0, "fallbacks": 0, "bytes": 0, "slot_bytes": 0}
+        self.stats = {"objects": 0, "fallbacks": 0, "bytes": 0, "slot_bytes": 0,
+                      "sink_groups": 0, "no_sink_groups": 0, "offsets": {}}
+
+    def _note_sinks(self, kept: bool, offset: int) -> None:
+        with self._lock:
+            self.stats["sink_groups" if kept else "no_sink_groups"] += 1
+            self.stats["offsets"][offset] = self.stats["offsets"].get(offset, 0) + 1
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         """The slot in bytes (see ``estimate_bytes``); an upper bound of what
@@ -56,17 +67,30 @@ class CodecSerializer(_Base, Serializer):
         tensors = group_tensors(src)
         shapes = [tuple(t.shape) for t in tensors]
         dtypes = [t.dtype for t in tensors]
-        cfg = s.codec_config(level)
-        lvl = None if cfg is not None else level
         blobs = []
         for t in tensors:
             k, v = kv_views(t, s)
+            off = 0
+            if s.sinks == "auto" and t.dim() != 3 and not starts_context(v):
+                # not a context's start: no exact sink tokens (our store path's chunks
+                # after the first); single-plane layouts keep them (serde_sinks); kvtc
+                # codes it at its estimated position (serde_rope)
+                cfg, lvl = s.codec_config(level, no_sinks_layers=k.shape[0]), None
+                if s.codec == "kvtc" and s.position_step:
+                    off = estimate_offset(k, codec_kvtc.get_calibration(s.calibration),
+                                          s.position_step, s.max_tokens)
+                self._note_sinks(False, off)
+            else:
+                cfg = s.codec_config(level)
+                lvl = None if cfg is not None else level
+                self._note_sinks(True, 0)
             if s.chunk_tokens is None:
                 blobs.append(codec.encode_kv(k, v, codec=s.codec, level=lvl, config=cfg,
-                                             backend="cpu"))
+                                             backend="cpu", token_offset=off))
             else:   # one context split as codec.encode_chunks splits it
                 blobs.extend(codec.encode_chunks(k, v, codec=s.codec, level=lvl, config=cfg,
-                                                 chunk_tokens=s.chunk_tokens, backend="cpu"))
+                                                 chunk_tokens=s.chunk_tokens, backend="cpu",
+                                                 token_offset=off))
         return pack_frame(frame_ident(s, self.ident_hash, key, shapes, dtypes), blobs)
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
