@@ -226,7 +226,7 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 def failure_record(stage: str, mode: str, level: int | None, reason: str,
                    **extra: Any) -> dict[str, Any]:
     """One entry of results.json ``failures`` (docs/results-schema.md): ``stage``
-    ("calibration" | "encode" | "perplexity" | "request" | "adaptation"), ``mode``, ``level``, ``label``
+    ("calibration" | "encode" | "perplexity" | "request" | "load" | "adaptation"), ``mode``, ``level``, ``label``
     (``plot_label``), ``reason`` (one line) and optional extra fields (``context_id``,
     ``bandwidth_mbps``, ``repeat``)."""
     return {"stage": stage, "mode": mode, "level": level, "label": plot_label(mode, level),

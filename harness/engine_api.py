@@ -68,6 +68,11 @@ class RequestTiming:
     # did not). A recompute changes the output, so every run record says whether one happened.
     recomputed_tokens: int = 0
     load_error: str | None = None
+    # why a KV request loaded nothing because the store served nothing for it (the
+    # connector's miss reason, e.g. an identity mismatch); None for loads, text mode and
+    # misses with a stored prefix (a policy's text decision). The harness records such a
+    # request in "failures" (stage "load"): a KV mode that loaded nothing is never a result.
+    miss_reason: str | None = None
     # issue 14.1: process CPU seconds of the worker during the load (load_cpu_s / load_s =
     # cores the load got) and the threads/affinity the decode ran with (vLLM connector)
     load_cpu_s: float | None = None

@@ -43,7 +43,11 @@ def timing_from_connector(rec: dict[str, Any], ttft: float, e2e: float,
         e2e_s=e2e, output_ids=out_ids, loaded_tokens=int(rec.get("loaded_tokens") or 0),
         bytes=int(rec.get("bytes") or 0), chunks=chunks,
         recomputed_tokens=int(rec.get("recomputed_tokens") or 0), load_error=rec.get("error"),
-        load_cpu_s=rec.get("load_cpu_s"), decode_threads=rec.get("decode_threads"))
+        load_cpu_s=rec.get("load_cpu_s"), decode_threads=rec.get("decode_threads"),
+        miss_reason=(str(rec.get("reason") or "miss")[:300]
+                     if rec.get("kind") == "miss" and rec.get("stored_tokens", -1) == 0
+                     else None))   # the scheduler's lookup found nothing servable (a load
+                                   # that placed nothing, e.g. text by policy, is not one)
 
 
 class VLLMEngine(Engine):

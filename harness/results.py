@@ -130,6 +130,7 @@ def run_record(var, bw: float, engine: str, ctx, rep: int, t, quality: dict, out
         "truncated_from_tokens": (getattr(ctx.prompt, "meta", None) or {}).get("truncated_from_tokens"),
         "loaded_tokens": t.loaded_tokens, "repeat": rep,
         "recomputed_tokens": t.recomputed_tokens, "load_error": load_error,
+        "miss_reason": getattr(t, "miss_reason", None),
         "ttft_s": t.ttft_s, "lookup_s": t.lookup_s, "transfer_s": t.transfer_s,
         "decode_s": t.decode_s, "load_s": t.load_s, "inject_s": t.inject_s,
         "load_cpu_s": getattr(t, "load_cpu_s", None),

@@ -33,6 +33,7 @@ from harness.contexts import (BenchmarkError, build_contexts, failure_record, lo
 from harness.engine_api import Engine
 from harness.engine_hf import HFEngine
 from harness.engine_vllm import VLLMEngine, check_vllm, vllm_model_check
+from harness.engine_numerics import ENGINE_DTYPE
 from harness.engines import measure_prefill_speed, request_params, warm_up_variants
 from harness.quality import perplexity_pass, score_output
 from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
@@ -179,7 +180,11 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     writer is put in ``state["writer"]`` as soon as it exists."""
     log("loading model")
     try:
-        bundle = load_model(cfg.model, log=log)
+        # under vLLM the KV is extracted in the engine's dtype: an entry of another dtype
+        # is never served (the connector's identity check), so a float32 checkpoint would
+        # otherwise give a run whose KV requests all miss
+        bundle = load_model(cfg.model, dtype=ENGINE_DTYPE if cfg.engine == "vllm" else None,
+                            log=log)
     except ExtractionError as exc:
         raise BenchmarkError(str(exc)) from None
     info = bundle.info
@@ -301,6 +306,12 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         q = score_output(ctx.prompt, text, t.output_ids, ref_text, ref_ids)
         q.update(ppl.get(var.label, {}))
         adaptive = var.mode == "cachegen-adaptive"
+        if var.codec is not None and getattr(t, "miss_reason", None):
+            log(f"{var.label}: request on {ctx.cid} loaded nothing: {t.miss_reason} "
+                f"(recorded in failures)")
+            writer.add_failures([failure_record("load", var.mode, var.level, t.miss_reason,
+                                                context_id=ctx.cid, bandwidth_mbps=bw,
+                                                repeat=rep)])
         writer.add_run(run_record(var, bw, engine.name, ctx, rep, t, q, text,
                                   cfg.slo_s if adaptive else None,
                                   slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None))

@@ -175,6 +175,40 @@ def test_decisions_reach_chunks_under_both_engines():
     assert miss.ttft_s == 0.7 and miss.loaded_tokens == 0 and miss.chunks == []
 
 
+def test_a_store_miss_is_a_miss_reason_a_policy_text_decision_is_not():
+    """Round 12: the connector's scheduler-side miss (nothing servable stored, e.g. an entry
+    of another dtype) becomes RequestTiming.miss_reason and a run record field; a load that
+    placed nothing by the adaptive policy's choice, a load, and text mode leave it None."""
+    from harness.results import run_record
+
+    miss = {"kind": "miss", "stored_tokens": 0, "loaded_tokens": 0, "lookup_s": 0.04,
+            "reason": "identity: conflicting expectations for dtype: 'bfloat16' vs 'float32'"}
+    t = timing_from_connector(miss, 0.1, 0.2, [1])
+    assert t.miss_reason == miss["reason"] and t.loaded_tokens == 0
+    assert timing_from_connector(dict(miss, reason=None), 0.1, 0.2, [1]).miss_reason == "miss"
+    policy = {"kind": "miss", "loaded_tokens": 0, "requested_tokens": 896,
+              "reason": "at load: chunk 0: text chosen by policy"}     # worker-side record
+    assert timing_from_connector(policy, 0.1, 0.2, [1]).miss_reason is None
+    local = {"kind": "local_hit", "stored_tokens": 896, "loaded_tokens": 0, "reason": "x"}
+    assert timing_from_connector(local, 0.1, 0.2, [1]).miss_reason is None
+    assert timing_from_connector({"kind": "load", "loaded_tokens": 896}, 0.1, 0.2, [1]
+                                 ).miss_reason is None
+    assert timing_from_connector({}, 0.1, 0.2, [1]).miss_reason is None
+    assert len(timing_from_connector(dict(miss, reason="r" * 999), 0.1, 0.2, [1]).miss_reason) == 300
+
+    class _Var:
+        mode, level, label, codec = "raw", None, "raw", "raw"
+
+    class _Prompt:
+        task, context_ids, input_ids, meta = "needle", [1] * 10, [1] * 12, {}
+
+    class _Ctx:
+        cid, prompt, sizes, dtype_bytes, load_tokens = "c0", _Prompt(), {}, 100, 10
+
+    rec = run_record(_Var(), 100.0, "vllm", _Ctx(), 0, t, {}, "", None, None)
+    assert rec["miss_reason"] == miss["reason"] and rec["loaded_tokens"] == 0
+
+
 def test_engine_thread_binding_is_explicit():
     """The vLLM worker's OpenMP CPU list is chosen by the harness, not left to vLLM's auto
     mode: one CPU per physical core, the highest reserved for the engine-core process."""
