@@ -27,6 +27,7 @@ from typing import Any
 
 import codec
 from common import flags
+from harness.engine_numerics import ENGINE_DTYPE
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
@@ -42,7 +43,9 @@ def run_demo(args) -> int:
     """TTFT of plain prefill vs. KV loads through the connector on one engine (see
     ``--help``). Modes are interleaved round by round; round 0 is a warm-up, not counted.
     Returns the exit code; raises ExtractionError / ValueError / OSError / RuntimeError."""
-    bundle = load_model(args.model, log=lambda m: print(m, file=sys.stderr))
+    # the stored KV must be in the engine's dtype (the connector refuses an entry of another
+    # dtype): a float32 / float16 checkpoint is loaded in it (as run_benchmarks.py does)
+    bundle = load_model(args.model, dtype=ENGINE_DTYPE, log=lambda m: print(m, file=sys.stderr))
     info = bundle.info
     model_dir = Path(info.path)
     tok = bundle.tokenizer
@@ -92,7 +95,8 @@ def run_demo(args) -> int:
         print(f"store at {store} ({link_desc})")
         llm = make_llm(model_dir, {"source_dir": str(work / "kv"), "stats_path": str(stats),
                                    "stores": {"demo": store}, "allow_client_save": True},
-                       max_model_len=max(4096, len(prompt) + 64))
+                       max_model_len=min(max(4096, len(prompt) + 64), info.max_context),
+                       dtype=ENGINE_DTYPE)
         try:
             modes: dict[str, Any] = {"text": None,
                                      "raw-local": {"source": "local", "context_key": "raw",
