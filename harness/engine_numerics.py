@@ -109,6 +109,15 @@ def engine_thread_binding(allowed_cpus: set[int] | list[int] | None = None,
             "allowed_cpus": allowed}
 
 
+def extraction_dtype(engine: str) -> str | None:
+    """The dtype the harness loads the HF model in to extract the KV it stores (a torch dtype
+    name for kv_extraction_hf.model.load_model): ENGINE_DTYPE under ``--engine vllm`` (the
+    connector serves an entry only if its dtype is the engine's KV dtype, so a float32 or
+    float16 checkpoint would miss on every request), None (the checkpoint's own dtype)
+    under ``--engine hf``, whose KV is injected into the same model it was extracted from."""
+    return ENGINE_DTYPE if engine == "vllm" else None
+
+
 def numerics_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment variables that change an engine's threads or numerics (set ones only)."""
     env = os.environ if env is None else env

@@ -33,7 +33,7 @@ from harness.contexts import (BenchmarkError, build_contexts, failure_record, lo
 from harness.engine_api import Engine
 from harness.engine_hf import HFEngine
 from harness.engine_vllm import VLLMEngine, check_vllm, vllm_model_check
-from harness.engine_numerics import ENGINE_DTYPE
+from harness.engine_numerics import extraction_dtype
 from harness.engines import measure_prefill_speed, request_params, warm_up_variants
 from harness.quality import perplexity_pass, score_output
 from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
@@ -183,8 +183,7 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         # under vLLM the KV is extracted in the engine's dtype: an entry of another dtype
         # is never served (the connector's identity check), so a float32 checkpoint would
         # otherwise give a run whose KV requests all miss
-        bundle = load_model(cfg.model, dtype=ENGINE_DTYPE if cfg.engine == "vllm" else None,
-                            log=log)
+        bundle = load_model(cfg.model, dtype=extraction_dtype(cfg.engine), log=log)
     except ExtractionError as exc:
         raise BenchmarkError(str(exc)) from None
     info = bundle.info

@@ -4,7 +4,11 @@ CI part (no download): the GGUF special-token rules (``tokenizer.ggml.add_bos_to
 from a tiny GGUF written here and applied to a tokenizer that, like the one transformers
 builds from Gemma 3's GGUF, adds no BOS; the registry; each layer's kind and window from a
 Gemma 3 config; the teacher-forced answer path on a tiny random Gemma 3 whose window is
-shorter than the context (its sliding layers' caches drop tokens).
+shorter than the context (its sliding layers' caches drop tokens); the store entry the
+harness writes for a float32 / float16 / bfloat16 checkpoint is one the vLLM connector serves
+(the round-11 fault: a float32 checkpoint's entries all missed on the dtype). Slow part with
+vLLM: ``run_benchmarks.py --engine vllm`` on tiny Gemma 3 layouts loads every KV row's
+prefix, its lossless row reproducing plain prefill.
 
 Opt-in part: the real Gemma 3 270M, only when it is already in the cache
 (``python -m kv_extraction_hf.model --info gemma3-270m`` fetches and converts it, ~2 min):
@@ -186,47 +190,142 @@ def test_real_gemma3_bos_info_and_lossless_injection():
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.slow
-def test_vllm_engine_runs_a_hybrid_model(tmp_path):
-    """run_benchmarks.py --engine vllm (the default engine) with a tiny random-weight
-    sliding-window model (Gemma 3 layout): it runs (until round 11 it was refused, exit 2),
-    vLLM's hybrid KV cache manager is off with our connector (every layer keeps every token),
-    and every KV mode's requests loaded a prefix without a load error. The tiny model is
-    saved in float32: until round 12 the harness extracted its KV in float32 while vLLM ran
-    bfloat16, so every request missed (identity: dtype) and the run still looked clean;
-    now the KV is extracted in the engine's dtype, and a KV request that loads nothing is
-    a "load" failure (tests/harness/test_harness_units.py)."""
-    import json
+def _tiny_gemma3_dir(mdir, src, *, window=64, layer_types=("sliding_attention", "full_attention"),
+                     dtype=torch.float32, init=0.02):
+    """A tiny random-weight Gemma 3 folder (head_dim 32, 1 KV head, vocab 49152) in ``dtype``
+    (its config's dtype too) with the default model's tokenizer files copied from ``src``."""
     import shutil
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=64,
+                           num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, sliding_window=window, layer_types=list(layer_types),
+                           max_position_embeddings=2048, initializer_range=init)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(cfg).to(dtype).save_pretrained(mdir)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / f).is_file():
+            shutil.copy(src / f, mdir / f)
+    return mdir
+
+
+def _default_src():
+    try:
+        return model_mod.default_model_dir(log=lambda m: None)
+    except ExtractionError as exc:
+        pytest.skip(f"default model (its tokenizer) unavailable: {exc}")
+
+
+def _engine_identity_of(mdir, dtype):
+    """What the vLLM connector expects of every entry for an engine on ``mdir`` running in
+    ``dtype`` (third_party.vllm.source_base.engine_identity on a duck-typed vllm_config)."""
+    import types
+
+    from transformers import AutoConfig
+
+    from third_party.vllm.source_base import engine_identity
+
+    c = AutoConfig.from_pretrained(mdir)
+    mc = types.SimpleNamespace(dtype=dtype, model=str(mdir), tokenizer=str(mdir),
+                               get_total_num_kv_heads=lambda: c.num_key_value_heads,
+                               get_total_num_hidden_layers=lambda: c.num_hidden_layers,
+                               get_head_size=lambda: c.head_dim)
+    return engine_identity(types.SimpleNamespace(model_config=mc, parallel_config=None), {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ckpt_dtype,window,layers", [
+    (torch.float32, 64, ("sliding_attention", "full_attention")),       # the tiny layout of the fault
+    (torch.float16, 16, ("full_attention", "sliding_attention", "sliding_attention")),
+    (torch.bfloat16, 512, ("sliding_attention",) * 2 + ("full_attention",)),
+])
+def test_vllm_store_identity_matches_the_engine_for_any_checkpoint_dtype(tmp_path, ckpt_dtype, window, layers):
+    """The cause of the round-11 fault: the harness stored KV extracted in the checkpoint's
+    dtype (float32 for the tiny layout) while vLLM runs bfloat16 (ENGINE_DTYPE), so the
+    connector's expected identity conflicted with every entry's ("conflicting expectations
+    for dtype") and every request was a miss. Under --engine vllm the model is now loaded in
+    the engine's dtype: the entry the harness writes is one the connector serves (dtype,
+    shape, weights and tokenizer hashes), whatever the checkpoint's dtype, window or layers."""
+    from streaming.identity import check_entry
+    from streaming.identity_sources import codec_identity, model_identity
+    from third_party.vllm.source_base import expected_identity
+    from harness.engine_numerics import ENGINE_DTYPE, extraction_dtype
+
+    mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=window, layer_types=layers, dtype=ckpt_dtype)
+    own = _engine_identity_of(mdir, getattr(torch, ENGINE_DTYPE))
+    assert own.dtype == "bfloat16" and own.num_layers == len(layers) and own.weights_hash
+
+    def params_of(engine):
+        b = model_mod.load_model(str(mdir), dtype=extraction_dtype(engine), log=lambda s: None)
+        ident = codec_identity(model_identity(b.info), "raw", [None]).to_dict()
+        return b.info, {"identity": ident, "model_id": b.info.model_id, "weights_hash": b.info.weights_hash}
+
+    info, params = params_of("vllm")
+    assert info.dtype == "bfloat16" and info.sliding_window == window
+    exp = expected_identity(own, params)                 # raised ValueError before the fix
+    assert check_entry(exp, params["identity"]) is None
+    hf_info, hf_params = params_of("hf")                 # the HF engine keeps the checkpoint's dtype
+    assert hf_info.dtype == str(ckpt_dtype).removeprefix("torch.")
+    if ckpt_dtype != torch.bfloat16:
+        with pytest.raises(ValueError, match="conflicting expectations for dtype"):
+            expected_identity(own, hf_params)
+
+
+def _run_vllm(tmp_path, mdir, *args):
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    try:
-        src = model_mod.default_model_dir(log=lambda m: None)
-    except ExtractionError as exc:
-        pytest.skip(f"default model (its tokenizer) unavailable: {exc}")
-    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
-                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048)
-    torch.manual_seed(0)
-    mdir = tmp_path / "g3"
-    Gemma3ForCausalLM(cfg).save_pretrained(mdir)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (src / f).is_file():
-            shutil.copy(src / f, mdir / f)
     root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out.json"
     cp = subprocess.run([sys.executable, "run_benchmarks.py", "--quick", "--engine", "vllm", "--model", str(mdir),
-                         "--out", str(tmp_path / "out")], cwd=root, capture_output=True, text=True, timeout=600)
+                         *args, "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=900)
     assert cp.returncode == 0, cp.stderr[-2000:]
-    doc = json.loads((tmp_path / "out").read_text())
+    return json.loads(out.read_text())
+
+
+def _check_kv_rows(doc, block=128):
+    """Every KV row loaded the whole-block part of its context (no load error), the hybrid
+    manager was off, and the lossless row gave plain prefill's output ids."""
     assert doc["environment"]["engine"]["hybrid_kv_cache_manager"] is False
+    assert doc["environment"]["engine"]["kv_block_size"] == block and doc["model"]["dtype"] == "bfloat16"
     kv_runs = [r for r in doc["runs"] if r["mode"] != "text"]
-    assert kv_runs and not doc["failures"]
-    assert doc["model"]["dtype"] == "bfloat16"          # the engine's, not the checkpoint's
+    assert kv_runs and not doc["failures"]                  # no "load" failure (a store miss)
     assert all(r["miss_reason"] is None for r in doc["runs"])
     bad = [(r["mode"], r["load_error"], r["loaded_tokens"]) for r in kv_runs
            if r["load_error"] is not None or (r["loaded_tokens"] == 0 and r["mode"] != "cachegen-adaptive")]
     assert not bad, bad
+    for r in kv_runs:
+        if r["mode"] != "cachegen-adaptive":
+            want = min(r["context_tokens"], r["prompt_tokens"] - 1) // block * block
+            assert want >= block and r["loaded_tokens"] == want, (r["mode"], r["loaded_tokens"], want)
+    text = {(r["context_id"], r["bandwidth_mbps"]): r["output_text"] for r in doc["runs"] if r["mode"] == "text"}
+    raw = [r for r in kv_runs if r["mode"] == "raw"]
+    assert raw and all(r["quality"]["greedy_match"] == 1.0 for r in raw)
+    assert all(r["output_text"] == text[(r["context_id"], r["bandwidth_mbps"])] for r in raw)
+
+
+@pytest.mark.slow
+def test_vllm_engine_runs_a_hybrid_model(tmp_path):
+    """run_benchmarks.py --engine vllm (the default engine) with a tiny random-weight
+    sliding-window model (Gemma 3 layout, saved in float32): it runs (until round 11 it was
+    refused, exit 2), vLLM's hybrid KV cache manager is off with our connector (every layer
+    keeps every token), and every KV mode's requests loaded their prefix without a load
+    error (until round 12 all of them missed: the stored KV was float32, the engine bf16)."""
+    mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src())
+    _check_kv_rows(_run_vllm(tmp_path, mdir))
+
+
+@pytest.mark.slow
+def test_vllm_engine_hybrid_variant_float16_small_window_short_context(tmp_path):
+    """A variant of the input: a float16 checkpoint, window 16 (an eighth of a block),
+    layers full + sliding + sliding, weights large enough for varied output, and a context
+    of about two blocks: the lossless row loads two whole blocks and reproduces plain prefill."""
+    mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=16, dtype=torch.float16, init=0.2,
+                            layer_types=("full_attention", "sliding_attention", "sliding_attention"))
+    doc = _run_vllm(tmp_path, mdir, "--context-tokens", "300", "--modes", "text", "raw", "quant8",
+                    "--bandwidth-mbps", "500")
+    _check_kv_rows(doc)
+    assert {r["loaded_tokens"] for r in doc["runs"] if r["mode"] != "text"} == {256}
