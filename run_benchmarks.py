@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM: keep its hybrid KV cache manager on (sliding-window layers keep only "
                         "their window; CacheGenHMAConnector, asynchronous loads; default off: "
                         "every layer keeps every token)")
+    p.add_argument("--window-storage", choices=["auto", "off"],
+                   help="store entries of a sliding-window model keep each sliding layer's last window + one "
+                        "KV block only (auto, the default; not with --vllm-hybrid-kv) or every token (off); "
+                        "docs/models.md")
     flags.add_model(p)
     p.add_argument("--tasks", nargs="+",
                    help="context tasks (needle, topic_retrieval, longchat_lines; your data: longchat, "

@@ -152,7 +152,8 @@ def _run_length(args, length: int, out: Path) -> tuple[list[dict], dict]:
            "--bandwidth-mbps", *[f"{b:g}" for b in args.bandwidth_mbps],
            "--context-tokens", str(length), "--num-contexts", str(args.num_contexts),
            "--repeats", str(args.repeats), "--no-quality", "--traces",
-           "--link-method", args.link_method, "--seed", str(args.seed), "--out", str(out)]
+           "--link-method", args.link_method, "--seed", str(args.seed),
+           "--window-storage", args.window_storage, "--out", str(out)]
     rec: dict[str, Any] = {"context_tokens": length, "command": cmd[1:],
                            "loadavg_start": os.getloadavg()[0]}
     t0 = time.monotonic()
@@ -175,6 +176,7 @@ def _run_length(args, length: int, out: Path) -> tuple[list[dict], dict]:
     rec["failures"] = doc.get("failures") or []
     rec["environment"] = doc.get("environment")
     rec["model"] = doc.get("model")
+    rec["store_layout"] = doc.get("store_layout")
     return doc.get("runs") or [], rec
 
 
@@ -189,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="modes (default: all four; cachegen and kvtc at their default levels)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="serving engine (default hf)")
+    p.add_argument("--window-storage", choices=("auto", "off"), default="auto",
+                   help="store layout (run_benchmarks.py --window-storage): auto = sliding layers keep their "
+                        "last window + one block (default), off = every token")
     p.add_argument("--num-contexts", type=int, default=1, help="contexts per length (default 1)")
     flags.add_repeats(p, default=2)
     flags.add_link_method(p)
@@ -232,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                           "levels": {"cachegen": default_level("cachegen"), "kvtc": default_level("kvtc")},
                           "engine": args.engine, "num_contexts": args.num_contexts,
                           "repeats": args.repeats, "link_method": args.link_method, "seed": args.seed,
-                          "window_storage": "off (full layout: every layer stores all tokens)"},
+                          "window_storage": args.window_storage,
+                          "store_layout": first.get("store_layout")},
                "lengths": [{k: v for k, v in r.items() if k not in ("environment", "model")} for r in records],
                "rows": rows, "fits": fits(rows),
                "failures": [r for r in records if "error" in r],

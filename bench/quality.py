@@ -255,6 +255,29 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
         return {"error": reason}
 
 
+def prepare_kvtc_groups(bundle, windows, text_path: Optional[Path]) -> tuple[Any, dict]:
+    """(config, record) of the kvtc rows when each layer group gets its own calibration
+    (window storage, ``windows`` one int or None per layer) or when the calibration is
+    fitted on ``text_path`` (``--kvtc-calibration-data``; ``windows`` None = one group of
+    every layer). config: ``{layers: KvtcConfig}`` for ``codec.window`` (a plain
+    ``KvtcConfig`` for one group); record: ``calibrate_groups.groups_record``. Raises
+    QualityError when the calibration cannot be fitted (a named text must be usable)."""
+    from kv_extraction_hf.calibrate_groups import group_calibrations, groups_record
+    from kv_extraction_hf.errors import ExtractionError
+    from codec.kvtc import KvtcConfig
+
+    ws = windows if windows is not None else [None] * bundle.info.num_layers
+    try:
+        hashes = group_calibrations(bundle, ws, str(text_path) if text_path else None, log=_log)
+    except (ExtractionError, OSError) as exc:
+        raise QualityError(f"kvtc calibration: {exc}") from None
+    rec = groups_record(hashes, "--kvtc-calibration-data" if text_path else "default (per layer group)")
+    if windows is None:
+        (h,) = hashes.values()
+        return KvtcConfig(calibration=h), dict(rec, hash=h)
+    return {g: KvtcConfig(calibration=h) for g, h in hashes.items()}, rec
+
+
 def _write_json(path: Path, doc: dict) -> None:
     atomic_write_json(path, doc, indent=1)   # never a half-written file
 
@@ -327,11 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated needle context lengths (default 1024,2048,3072,4096; quick 512,1024)")
     p.add_argument("--topic-lengths", default=None,
                    help="comma-separated topic-retrieval context lengths (default 512: at chance above 1K)")
-    p.add_argument("--window-storage", choices=("auto", "on", "off"), default="off",
+    p.add_argument("--window-storage", choices=("auto", "on", "off"), default="auto",
                    help="sliding-window storage (codec.window, docs/models.md): a sliding layer's KV keeps only "
-                        "its last W tokens; ratios are then against the full-attention layout. auto = on where "
-                        "the model has sliding-window layers (the consumer here is Hugging Face's). Default off "
-                        "for now: kvtc's calibrations cover the whole model, so kvtc rows would be skipped")
+                        "its last W tokens (the tokens a continuation attends to: the consumer here, Hugging "
+                        "Face's, applies the window); ratios stay against the full-attention layout. auto "
+                        "(default) = on where the model has sliding-window layers; kvtc then uses one "
+                        "calibration per layer group (kv_extraction_hf.calibrate_groups)")
+    p.add_argument("--kvtc-calibration-data", type=Path, default=None, metavar="FILE",
+                   help="text the kvtc calibration(s) are fitted on (raw text or WikiText-2 validation; "
+                        "fitted once, cached by the text's sha256); default: the default calibration text. "
+                        "Excludes --kvtc-calibration")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -402,6 +430,8 @@ def _main(args, argv: list[str]) -> int:
             user_cal = _kvtc.load_calibration(args.kvtc_calibration)
         except CodecError as exc:
             raise QualityError(f"--kvtc-calibration: {exc}") from None
+    if args.kvtc_calibration is not None and args.kvtc_calibration_data is not None:
+        raise QualityError("--kvtc-calibration and --kvtc-calibration-data exclude each other")
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
     do_tasks = not args.no_tasks
@@ -450,17 +480,29 @@ def _main(args, argv: list[str]) -> int:
     from kv_extraction_hf.inject_window import model_windows
 
     ws = model_windows(bundle) if args.window_storage != "off" and bundle.info.hybrid else None
+    if args.window_storage == "on" and not bundle.info.hybrid:
+        raise QualityError("--window-storage on: the model has no sliding-window layers")
+    if ws is not None and user_cal is not None:
+        raise QualityError("--kvtc-calibration is one calibration of the whole model, but window storage codes "
+                           "each layer group on its own: pass --kvtc-calibration-data FILE (one calibration "
+                           "per group is fitted on it) or --window-storage off")
     wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,
               "ratio_basis": "full-attention layout in the KV dtype"}
     if any(name == "kvtc" for name, _ in pairs + task_pairs):
-        doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path, user=user_cal,
-                                               user_path=args.kvtc_calibration)
-        cal_rec = doc["kvtc_calibration"]
-        if "hash" in cal_rec:
-            from codec.kvtc import KvtcConfig
+        if ws is not None or args.kvtc_calibration_data is not None:
+            configs["kvtc"], doc["kvtc_calibration"] = prepare_kvtc_groups(
+                bundle, ws, args.kvtc_calibration_data)
+            print(f"kvtc calibrations: " + ", ".join(f"{len(g['layers'])} layers {g['hash'][:12]}"
+                                                    for g in doc["kvtc_calibration"]["groups"]))
+        else:
+            doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path, user=user_cal,
+                                                   user_path=args.kvtc_calibration)
+            cal_rec = doc["kvtc_calibration"]
+            if "hash" in cal_rec:
+                from codec.kvtc import KvtcConfig
 
-            configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
-            print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
+                configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
+                print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
     if wt is not None:
         print(f"data: WikiText-2 {wt.split} from {wt.source} ({wt.location}), sha256 {wt.sha256}")
         ids = bundle.tokenizer(wt.text)["input_ids"]

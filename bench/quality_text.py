@@ -145,6 +145,11 @@ def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[d
             "default": name == FAMILY_DEFAULT and level == default_level(name),
             "ratio_vs_dtype": a["dtype_bytes"] / a["bytes"],
             "bits_per_element": 8.0 * a["bytes"] / a["elements"],
+            # window storage: the codec's own ratio, against the KV elements it was given
+            # (== ratio_vs_dtype for the full layout)
+            "ratio_vs_stored": a["dtype_bytes"] * a.get("stored_elements", a["elements"])
+            / a["elements"] / a["bytes"],
+            "stored_fraction": a.get("stored_elements", a["elements"]) / a["elements"],
             "n_windows": kl["n"],
             "kl": kl["mean"], "kl_ci": kl["ci"], "kl_sd": kl["sd"],
             "top1_agreement": top1["mean"], "top1_agreement_ci": top1["ci"],
@@ -214,7 +219,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         raise ValueError(f"batch must be >= 1, got {batch}")
     offsets = token_windows(len(token_ids), context + continuation, n_windows, seed)
     acc: dict = {p: {"kl": [], "top1": [], "ppl_change_pct": [], "bytes": 0, "dtype_bytes": 0,
-                     "elements": 0, "encode_s": 0.0, "decode_s": 0.0, "forward_s": 0.0} for p in pairs}
+                     "elements": 0, "stored_elements": 0, "encode_s": 0.0, "decode_s": 0.0, "forward_s": 0.0} for p in pairs}
     skipped: dict[str, str] = {}
     ref_ppl: list[float] = []
     exact_shapes: list[bool] = []        # per batched forward: ran batched (True) or at batch 1
@@ -279,6 +284,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                 a["bytes"] += stats["bytes"]
                 a["dtype_bytes"] += stats["dtype_bytes"]
                 a["elements"] += stats["elements"]
+                a["stored_elements"] += stats.get("stored_elements", stats["elements"])
                 a["forward_s"] += (t4 - t3) / len(group)
             del group, all_logits
             t_scores += time.perf_counter() - t4

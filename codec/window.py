@@ -62,45 +62,16 @@ from .registry import CODECS, get_codec
 
 __all__ = ["WINDOW_KIND", "WINDOW_VERSION", "WindowGroup", "WindowedKV", "layer_groups", "kept_tokens",
            "encode_windowed", "encode_windowed_with_stats", "encode_windowed_chunks", "decode_windowed",
-           "decode_windowed_chunks", "peek_window_header", "is_windowed", "stored_fraction",
+           "decode_windowed_chunks", "decode_chunk_dense", "peek_window_header", "is_windowed", "stored_fraction",
+           "min_load_tokens", "layout_tag", "parse_layout_tag",
            "encode_with_stats", "decode_dense"]
 
 WINDOW_KIND = "kvwindow"      # header["kind"] of a windowed container
-WINDOW_VERSION = 1            # header["window_version"]: bumped when the layout changes
 
 
-# ------------------------------------------------------------------------ the layout
-def _window_list(windows: Sequence[Optional[int]], num_layers: int) -> list[Optional[int]]:
-    """``windows`` checked: one entry per layer, each None or an int >= 1 (ValueError)."""
-    ws = list(windows)
-    if len(ws) != num_layers:
-        raise ValueError(f"windows has {len(ws)} entries for {num_layers} layers")
-    for i, w in enumerate(ws):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"windows[{i}] must be None (full attention) or an int >= 1, got {w!r}")
-    return ws
-
-
-def layer_groups(windows: Sequence[Optional[int]]) -> list[tuple[Optional[int], tuple[int, ...]]]:
-    """The layer groups of a window list: ``[(window, layers), ...]``, the full-attention
-    group (window None) first, then one group per distinct window, ascending; layers
-    ascending in each. ValueError on a bad entry."""
-    ws = _window_list(windows, len(list(windows)))
-    keys = sorted(set(ws), key=lambda w: -1 if w is None else w)
-    return [(w, tuple(i for i, x in enumerate(ws) if x == w)) for w in keys]
-
-
-def kept_tokens(total_tokens: int, window: Optional[int]) -> int:
-    """Tokens a layer of ``window`` keeps of a ``total_tokens`` context: all for None,
-    else ``min(total_tokens, window)`` (the module docstring says why W, not W - 1)."""
-    return total_tokens if window is None else min(total_tokens, window)
-
-
-def stored_fraction(windows: Sequence[Optional[int]], total_tokens: int) -> float:
-    """Stored KV elements over those of the full layout (every layer all T tokens), before
-    any coding: ``sum_l kept_tokens(T, w_l) / (L * T)``."""
-    ws = _window_list(windows, len(list(windows)))
-    return sum(kept_tokens(total_tokens, w) for w in ws) / (len(ws) * total_tokens)
+from .window_rules import (  # noqa: E402,F401 - the layout rules, re-exported
+    WINDOW_VERSION, _window_list, kept_tokens, layer_groups, layout_tag, min_load_tokens, parse_layout_tag,
+    stored_fraction)
 
 
 @dataclass(frozen=True)
@@ -250,14 +221,14 @@ def _encode_group(k, v, c, level, gcfg, lo, hi, total, index, count, backend, ct
                          f"{{layers: config}} fitted for each group, or store the full layout)") from None
 
 
-def _encode_container(k, v, groups, c, level, configs, a, b, total, index, count, backend, ct
-                      ) -> tuple[bytes, dict]:
+def _encode_container(k, v, groups, c, level, configs, a, b, total, index, count, backend, ct,
+                      extra: int = 0) -> tuple[bytes, dict]:
     """The windowed container of tokens [a, b) and the summed stats of its groups."""
     L, _, H, D = k.shape
     parts, meta = [], []
     stats: dict = {}
     for (w, layers), gcfg in zip(groups, configs):
-        start = total - kept_tokens(total, w)
+        start = total - kept_tokens(total, w, extra)
         lo = max(a, start)
         entry = {"layers": list(layers), "window": w, "start": start, "token_offset": lo,
                  "T": max(0, b - lo), "bytes": 0}
@@ -275,13 +246,20 @@ def _encode_container(k, v, groups, c, level, configs, a, b, total, index, count
         lvl = peek_header(parts[0])["level"]
     header = {"kind": WINDOW_KIND, "window_version": WINDOW_VERSION, "codec": c.name, "level": lvl,
               "L": L, "H": H, "D": D, "dtype": dtype_name, "total_tokens": total, "token_offset": a,
-              "T": b - a, "chunk_index": index, "num_chunks": count, "chunk_tokens": ct, "groups": meta}
+              "T": b - a, "chunk_index": index, "num_chunks": count, "chunk_tokens": ct,
+              **({"extra_tokens": extra} if extra else {}), "groups": meta}
     data = bitstream.pack(header, {}, b"".join(parts))
     stored = stats.get("elements", 0)
     full = 2 * L * (b - a) * H * D
     stats.update(bytes=len(data), stored_elements=stored, elements=full,
                  dtype_bytes=full * DTYPE_BYTES[dtype_name])
     return data, stats
+
+
+def _extra(extra_tokens) -> int:
+    if isinstance(extra_tokens, bool) or not isinstance(extra_tokens, int) or extra_tokens < 0:
+        raise ValueError(f"extra_tokens must be an int >= 0, got {extra_tokens!r}")
+    return extra_tokens
 
 
 def _prepare(k, v, windows, codec, level, config, backend):
@@ -296,18 +274,18 @@ def _prepare(k, v, windows, codec, level, config, backend):
 
 def encode_windowed_with_stats(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional[int]],
                                codec: str = "cachegen", level: Optional[int] = None, config: Any = None,
-                               backend: str = "auto") -> tuple[bytes, dict]:
+                               backend: str = "auto", extra_tokens: int = 0) -> tuple[bytes, dict]:
     """:func:`encode_windowed` plus the stats of ``codec.encode_with_stats`` summed over the
     groups, with ``bytes`` (the container), ``elements`` and ``dtype_bytes`` of the FULL
     layout (``2 * L * T * H * D``: ratios and bits per element are against the
     full-attention layout in the KV's dtype) and ``stored_elements`` (what the groups hold)."""
     c, level, T, groups, configs, bk = _prepare(k, v, windows, codec, level, config, backend)
-    return _encode_container(k, v, groups, c, level, configs, 0, T, T, 0, 1, bk, T)
+    return _encode_container(k, v, groups, c, level, configs, 0, T, T, 0, 1, bk, T, _extra(extra_tokens))
 
 
 def encode_windowed(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional[int]],
                     codec: str = "cachegen", level: Optional[int] = None, config: Any = None,
-                    backend: str = "auto") -> bytes:
+                    backend: str = "auto", extra_tokens: int = 0) -> bytes:
     """Encode a KV cache in the windowed layout as ONE container.
 
     Args:
@@ -315,6 +293,9 @@ def encode_windowed(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional
       windows: L entries, ``None`` for a full-attention layer or the layer's sliding
         window W (tokens, int >= 1): that layer keeps its last ``min(T, W)`` tokens.
       codec, level, backend: as ``codec.encode_kv`` (any registered codec).
+      extra_tokens: a sliding layer keeps ``min(T, W + extra_tokens)`` tokens, so that a
+        prefix down to ``T - extra_tokens`` tokens stays servable (:func:`min_load_tokens`;
+        the store keeps one KV block: a consumer's loads are block-aligned).
       config: as ``codec.encode_kv`` for the whole model (a cachegen ``CodecConfig`` of L
         layers is restricted to each group's layers), or a dict ``{layers tuple: config}``
         giving each group's own (kvtc: a calibration fitted for those layers).
@@ -322,12 +303,13 @@ def encode_windowed(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional
     Raises: ValueError on bad input, or (one line) when the codec cannot encode a group
       on its own (kvtc with a calibration of the whole model).
     """
-    return encode_windowed_with_stats(k, v, windows, codec, level, config, backend)[0]
+    return encode_windowed_with_stats(k, v, windows, codec, level, config, backend, extra_tokens)[0]
 
 
 def encode_windowed_chunks(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional[int]],
                            codec: str = "cachegen", level: Optional[int] = None, config: Any = None,
-                           chunk_tokens: Optional[int] = None, backend: str = "auto") -> list[bytes]:
+                           chunk_tokens: Optional[int] = None, backend: str = "auto",
+                           extra_tokens: int = 0) -> list[bytes]:
     """``codec.encode_chunks`` in the windowed layout: one windowed container per chunk of
     ``chunk_tokens`` tokens (``codec.chunk_bounds``; None = the config's, else 1024), each
     holding its tokens of every group that keeps any (a chunk entirely before a window has
@@ -337,7 +319,8 @@ def encode_windowed_chunks(k: torch.Tensor, v: torch.Tensor, windows: Sequence[O
         chunk_tokens = config.chunk_tokens
     bounds = chunk_bounds(T, chunk_tokens)
     ct = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
-    return [_encode_container(k, v, groups, c, level, configs, a, b, T, i, len(bounds), bk, ct)[0]
+    extra = _extra(extra_tokens)
+    return [_encode_container(k, v, groups, c, level, configs, a, b, T, i, len(bounds), bk, ct, extra)[0]
             for i, (a, b) in enumerate(bounds)]
 
 
@@ -380,6 +363,7 @@ def peek_window_header(data: bytes) -> dict:
     lvl = h.get("level")
     if lvl is not None and (isinstance(lvl, bool) or not isinstance(lvl, int)):
         raise CodecError(f"window header level invalid: {lvl!r}")
+    extra = _int(h, "extra_tokens", 0, MAX_DIM["T"]) if "extra_tokens" in h else 0
     groups = h.get("groups")
     if not isinstance(groups, list) or not 1 <= len(groups) <= L:
         raise CodecError("window header groups must be a list of 1..L groups")
@@ -398,7 +382,7 @@ def peek_window_header(data: bytes) -> dict:
         w = g["window"]
         if w is not None:
             w = _int(g, "window", 1, MAX_DIM["T"])
-        if _int(g, "start", 0, total) != total - kept_tokens(total, w):
+        if _int(g, "start", 0, total) != total - kept_tokens(total, w, extra):
             raise CodecError(f"window header group {j}: start {g['start']} does not match window {w} "
                              f"of {total} tokens")
         lo = max(a, g["start"])
@@ -413,6 +397,7 @@ def peek_window_header(data: bytes) -> dict:
         raise CodecError(f"window groups declare {used} bytes, the payload has {len(payload)}")
     out = {key: h[key] for key in ("codec", "level", "L", "H", "D", "dtype", "total_tokens", "token_offset",
                                    "T", "chunk_index", "num_chunks", "chunk_tokens")}
+    out["extra_tokens"] = extra
     out["groups"] = [{key: g.get(key) for key in ("layers", "window", "start", "token_offset", "T", "bytes")}
                      for g in groups]
     out["bytes"] = len(data)
@@ -448,6 +433,28 @@ def _decode_parts(data: bytes, device, backend: str) -> tuple[dict, list]:
                              f"{want[bad[0]]!r}")
         out.append(decode_kv(sub, device, backend=backend))
     return h, out
+
+
+def decode_chunk_dense(data: bytes, device: Any = "cpu", backend: str = "auto"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One windowed container (a chunk of ``encode_windowed_chunks``, or the whole
+    context) as ``(k, v)``, each ``[L, Tc, H, D]`` for the container's own tokens
+    (``token_offset`` .. + T) in the stored dtype, zeros where a layer keeps nothing: what
+    a chunk-by-chunk loader (the store's sources) places at those positions. Raises
+    CodecError on malformed input; ValueError on a bad device or backend."""
+    _resolve_backend(_device(device), backend)
+    h, parts = _decode_parts(data, device, backend)
+    L, Tc, H, D = h["L"], h["T"], h["H"], h["D"]
+    k = torch.zeros((L, Tc, H, D), dtype=DTYPES[h["dtype"]], device=_device(device))
+    v = torch.zeros_like(k)
+    for g, p in zip(h["groups"], parts):
+        if p is None:
+            continue
+        a = g["token_offset"] - h["token_offset"]
+        idx = list(g["layers"])
+        k[idx, a:a + g["T"]] = p[0].to(k.dtype)
+        v[idx, a:a + g["T"]] = p[1].to(v.dtype)
+    return k, v
 
 
 def decode_windowed(data: bytes, device: Any = "cpu", backend: str = "auto") -> WindowedKV:

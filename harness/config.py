@@ -55,6 +55,10 @@ class RunConfig:
     # vLLM only: keep its hybrid KV cache manager on (third_party/vllm/hma_connector.py,
     # asynchronous loads); false = off, every layer keeps every token (kv_groups.py)
     vllm_hybrid_kv: bool = False
+    # sliding-window storage of the store's entries (codec.window): "auto" = on for a model
+    # with sliding-window layers (each keeps its last window + one block of tokens), except
+    # under vllm_hybrid_kv; "off" = every layer stores every token
+    window_storage: str = "auto"
     model: str | None = None
     tasks: tuple[str, ...] = ("needle",)
     context_tokens: int = 4096
@@ -105,6 +109,8 @@ class RunConfig:
             raise ConfigError(f"vllm_hybrid_kv must be true or false, got {self.vllm_hybrid_kv!r}")
         if self.vllm_hybrid_kv and self.engine != "vllm":
             raise ConfigError("vllm_hybrid_kv (--vllm-hybrid-kv) needs --engine vllm")
+        if self.window_storage not in ("auto", "off"):
+            raise ConfigError(f"window_storage must be auto or off, got {self.window_storage!r}")
         if self.link_method not in LINK_METHODS:
             raise ConfigError(f"link_method must be {', '.join(LINK_METHODS[:-1])} or {LINK_METHODS[-1]}")
         try:

@@ -173,10 +173,32 @@ def chunk_ranges(load_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_tokens, load_tokens)) for a in range(0, load_tokens, chunk_tokens)]
 
 
+def store_layout(cfg: RunConfig, info) -> tuple[list[int | None] | None, int]:
+    """(windows, extra_tokens) of the store's entries: sliding-window storage
+    (``codec.window``: a sliding layer keeps its last W + ``cfg.block_tokens`` tokens, so a
+    block-aligned load one block short of the entry is still servable) when
+    ``cfg.window_storage`` is "auto", the model has sliding-window layers (``info.hybrid``)
+    and vLLM's hybrid KV cache manager is not kept on; else (None, 0): the full layout."""
+    if cfg.window_storage != "auto" or not getattr(info, "hybrid", False) or cfg.vllm_hybrid_kv:
+        return None, 0
+    ws = [info.sliding_window if info.kind(i) == "sliding" else None for i in range(info.num_layers)]
+    return ws, cfg.block_tokens
+
+
+def _calibration_tag(config: Any) -> str:
+    """The calibration hashes a window layout's per-group config dict {layers: KvtcConfig}
+    names, in layer-group order, joined by "+" (EntryIdentity.calibration_hashes); ""
+    for any other config."""
+    if isinstance(config, dict):
+        return "+".join(getattr(c, "calibration", "") or "" for _, c in sorted(config.items()))
+    return ""
+
+
 def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
                    codec_levels: dict[str, list[int | None]],
                    configs: dict[str, Any] | None = None,
-                   failures: list[dict] | None = None) -> None:
+                   failures: list[dict] | None = None,
+                   layout: tuple[list[int | None] | None, int] = (None, 0)) -> None:
     """Encode every context with every codec (all levels) and put it into the store.
 
     Fills ``ctx.keys`` (codec -> store key) and ``ctx.sizes`` ((codec, level) -> bytes).
@@ -187,16 +209,28 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
     An encode that fails (ValueError, incl. codec.CodecError) leaves that codec out of
     ``ctx.keys``: with ``failures`` (a list) a ``failure_record`` ("encode") is appended
     and a one-line log says why; without it the error is raised as BenchmarkError.
+    ``layout``: ``store_layout``'s (windows, extra_tokens); with windows the chunks are
+    ``codec.window.encode_windowed_chunks`` containers and the entry identity's
+    ``kv_layout`` names the layout (a reader of the full layout never gets them; a load
+    shorter than ``codec.window.min_load_tokens`` is a miss).
     """
+    from codec import window
+
     configs = configs or {}
+    ws, extra = layout
     jobs = [(c, name) for c in contexts for name in codec_levels]
     for ctx, name in tqdm(jobs, desc="encode + store", unit="entry", file=sys.stderr):
         chunks: dict[int, list[bytes]] = {}
         try:
             for lv in codec_levels[name]:
-                data = codec_pkg.encode_chunks(ctx.k, ctx.v, codec=name, level=lv,
-                                               config=configs.get(name),
-                                               chunk_tokens=cfg.chunk_tokens)
+                if ws is not None:
+                    data = window.encode_windowed_chunks(ctx.k, ctx.v, ws, codec=name, level=lv,
+                                                         config=configs.get(name),
+                                                         chunk_tokens=cfg.chunk_tokens, extra_tokens=extra)
+                else:
+                    data = codec_pkg.encode_chunks(ctx.k, ctx.v, codec=name, level=lv,
+                                                   config=configs.get(name),
+                                                   chunk_tokens=cfg.chunk_tokens)
                 chunks[0 if lv is None else lv] = data
                 ctx.sizes[(name, lv)] = sum(len(d) for d in data)
         except ValueError as exc:
@@ -210,7 +244,10 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
         # the key and manifest carry the full identity (model, tokenizer, dtype, shape, codec
         # config per level, codec version): a reused store with a changed schedule misses
         ident = codec_identity(model_identity(info), name, codec_levels[name],
-                               calibration_hash=calibration_of(chunks))
+                               calibration_hash=_calibration_tag(configs.get(name)) if ws is not None
+                               else calibration_of(chunks))
+        if ws is not None:
+            ident = ident.replace(kv_layout=window.layout_tag(ws, extra))
         ctx.identities[name] = ident.to_dict()
         ctx.keys[name] = client.put_entry(ident, ctx.prompt.context_ids[:ctx.load_tokens], chunks,
                                           chunk_ranges(ctx.load_tokens, cfg.chunk_tokens),

@@ -32,6 +32,8 @@ def hf_load(params: dict, prompt_ids: list[int], load_tokens: int, before_chunk=
     except SourceError as exc:
         raise BenchmarkError(str(exc)) from None
     n = min(lk.num_tokens, load_tokens)
+    if n < int(lk.info.get("min_load_tokens") or 0):   # a windowed entry, too short a load
+        n = 0
     ks, vs = [], []
     if n == 0:
         return LoadOutcome(None, None, 0, lookup_s=lk.lookup_s)

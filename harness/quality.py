@@ -67,8 +67,11 @@ def rel_l2_rows(var: Variant, k, v, k2, v2) -> list[dict]:
 
 def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant],
                     configs: dict[str, Any] | None = None,
-                    failures: list[dict] | None = None) -> tuple[dict, list[dict]]:
+                    failures: list[dict] | None = None,
+                    layout: tuple[list | None, int] = (None, 0)) -> tuple[dict, list[dict]]:
     """Perplexity increase and KL of a held-out continuation per variant (HF engine).
+    ``layout``: the store's (windows, extra_tokens) (harness.contexts.store_layout): with
+    windows the KV is coded in the sliding-window layout the store serves.
 
     Returns ({label: {"ppl_increase_pct", "kl"}} aggregated over the natural-text contexts
     by the registry's rule (medians), codec_layers rows (relative L2 per layer of the
@@ -93,10 +96,18 @@ def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant],
             if var.label in failed:
                 continue
             try:
-                chunks = codec_pkg.encode_chunks(k, v, codec=var.codec, level=var.level,
-                                                 config=configs.get(var.codec),
-                                                 chunk_tokens=cfg.chunk_tokens)
-                k2, v2 = codec_pkg.decode_chunks(chunks)
+                if layout[0] is not None:
+                    from codec import window
+
+                    chunks = window.encode_windowed_chunks(k, v, layout[0], codec=var.codec, level=var.level,
+                                                           config=configs.get(var.codec),
+                                                           chunk_tokens=cfg.chunk_tokens, extra_tokens=layout[1])
+                    k2, v2 = window.decode_windowed_chunks(chunks).dense()
+                else:
+                    chunks = codec_pkg.encode_chunks(k, v, codec=var.codec, level=var.level,
+                                                     config=configs.get(var.codec),
+                                                     chunk_tokens=cfg.chunk_tokens)
+                    k2, v2 = codec_pkg.decode_chunks(chunks)
             except ValueError as exc:
                 if failures is None:
                     raise
@@ -112,7 +123,17 @@ def perplexity_pass(cfg: RunConfig, bundle, vlist: list[Variant],
             ppl = M.perplexity(logits, cont)
             per[var.label].append((M.ppl_increase_pct(ppl, ppl_ref), M.kl_divergence(ref_logits, logits)))
             if i == 0:
-                layers.extend(rel_l2_rows(var, k, v, k2, v2))
+                kr, vr = k, v
+                if layout[0] is not None:    # per-layer error over the tokens the layout keeps
+                    from codec.window import kept_tokens
+
+                    kr, vr = k.clone(), v.clone()
+                    T = k.shape[1]
+                    for j, w in enumerate(layout[0]):
+                        drop = T - kept_tokens(T, w, layout[1])
+                        kr[j, :drop] = 0
+                        vr[j, :drop] = 0
+                layers.extend(rel_l2_rows(var, kr, vr, k2, v2))
     ppl_m, kl_m = M.get_metric("ppl_increase_pct"), M.get_metric("kl_divergence")
     out = {lab: {ppl_m.column: aggregate_metric(ppl_m, [a for a, _ in rows]),
                  kl_m.column: aggregate_metric(kl_m, [b for _, b in rows])}

@@ -29,7 +29,7 @@ from harness import faults, lifecycle
 from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
 from harness.contexts import (BenchmarkError, build_contexts, failure_record, log,
-                              one_line, populate_store, store_levels, variants)
+                              one_line, populate_store, store_layout, store_levels, variants)
 from harness.engine_api import Engine
 from harness.engine_hf import HFEngine
 from harness.engine_vllm import VLLMEngine, check_vllm, vllm_model_check
@@ -196,13 +196,11 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     # with its reason and the run goes on without it (issue 25.4)
     failures: list[dict[str, Any]] = []
     configs: dict[str, Any] = {}     # codec -> the config its encodes get
+    layout = store_layout(cfg, info)  # (windows, extra tokens): sliding-window storage, or (None, 0)
     kvtc_record = None
     if "kvtc" in levels:
         try:
-            kvtc_record = prepare_kvtc(bundle)
-            from codec.kvtc import KvtcConfig
-
-            configs["kvtc"] = KvtcConfig(calibration=kvtc_record["hash"])
+            kvtc_record, configs["kvtc"] = prepare_kvtc(bundle, layout[0])
         except BenchmarkError as exc:
             log(f"kvtc: {exc} (the kvtc rows are recorded as failed, the run goes on)")
             failures.extend(failure_record("calibration", "kvtc", lv, str(exc))
@@ -233,7 +231,9 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     store_addr = f"{server.host}:{server.port}"
     client = server.client(timeout=STORE_CLIENT_TIMEOUT_S)
     link.set_rate(FILL_RATE_MBPS)
-    populate_store(cfg, client, info, contexts, levels, configs=configs, failures=failures)
+    if layout[0] is not None:
+        log(f"window storage: sliding layers keep their last {info.sliding_window} + {layout[1]} tokens")
+    populate_store(cfg, client, info, contexts, levels, configs=configs, failures=failures, layout=layout)
 
     header = {"command": " ".join(argv), "git_commit": git_commit(Path(ROOT)),
               "environment": environment(link.method),
@@ -242,6 +242,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
               "config": cfg.to_dict(), "higher_is_better": higher_is_better()}
     if kvtc_record is not None:
         header["kvtc_calibration"] = kvtc_record
+    header["store_layout"] = {"window_storage": cfg.window_storage, "applied": layout[0] is not None,
+                              "windows": layout[0], "extra_tokens": layout[1]}
     writer = state["writer"] = ResultsWriter(out_path, header)
     writer.add_failures(failures)
     ppl: dict[str, dict] = {}
@@ -252,7 +254,7 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         ppl, layer_rows = perplexity_pass(cfg, bundle,
                                           [v for v in vlist if v.codec is None
                                            or v.codec in levels], configs=configs,
-                                          failures=ppl_fail)
+                                          failures=ppl_fail, layout=layout)
         writer.extend("codec_layers", layer_rows)
         writer.add_failures(ppl_fail)
 
@@ -328,24 +330,37 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
                                                           contexts, hf_tps))
 
 
-def prepare_kvtc(bundle) -> dict[str, Any]:
-    """Fit (first use, cached) or load the model's default kvtc calibration
-    (kv_extraction_hf.calibrate.default_calibration, on the default calibration text) and
-    register it; returns its provenance for results.json ``kvtc_calibration``
-    (``calibration_provenance``: hash, source, group_layers, text {source, description,
-    sha256}). The caller passes the hash to every kvtc encode (``KvtcConfig``); the hash
-    enters every kvtc entry's identity (harness.contexts.populate_store); a decode (here
-    or in the vLLM connector's worker) finds the artifact by that hash in the cache
-    folder. BenchmarkError when no calibration can be made."""
+def prepare_kvtc(bundle, windows=None) -> tuple[dict[str, Any], Any]:
+    """(provenance, config) of the kvtc encodes: the model's default kvtc calibration
+    (kv_extraction_hf.calibrate.default_calibration, on the default calibration text),
+    fitted on first use then cached, registered; with ``windows`` (sliding-window storage,
+    harness.contexts.store_layout) one calibration per layer group instead
+    (kv_extraction_hf.calibrate_groups, same text and settings). provenance: results.json
+    ``kvtc_calibration`` (``calibration_provenance``: hash, source, group_layers, text
+    {source, description, sha256}; per group under ``groups``); config: a ``KvtcConfig``
+    (or ``{layers: KvtcConfig}``) for every kvtc encode. The hash(es) enter every kvtc
+    entry's identity (harness.contexts.populate_store); a decode (here or in the vLLM
+    connector's worker) finds the artifact by hash in the cache folder. BenchmarkError
+    when no calibration can be made."""
     from codec import kvtc
+    from codec.kvtc import KvtcConfig
     from kv_extraction_hf.calibrate import calibration_provenance, default_calibration
 
-    log("kvtc: default calibration (fitted on first use, then cached)")
+    log("kvtc: default calibration (fitted on first use, then cached)"
+        + (", one per layer group (window storage)" if windows is not None else ""))
     try:
+        if windows is not None:
+            from kv_extraction_hf.calibrate_groups import group_calibrations, groups_record
+
+            hashes = group_calibrations(bundle, windows, log=log)
+            rec = groups_record(hashes, "default (per layer group)")
+            log("kvtc: calibrations " + ", ".join(f"{len(g['layers'])} layers {g['hash'][:12]}"
+                                                  for g in rec["groups"]))
+            return rec, {g: KvtcConfig(calibration=h) for g, h in hashes.items()}
         path = default_calibration(bundle, log=log)
         rec = calibration_provenance(kvtc.load_calibration(path), "default")
     except (ExtractionError, kvtc.CodecError, OSError, ValueError) as exc:
         raise BenchmarkError(f"kvtc calibration unavailable: {exc}") from None
     log(f"kvtc: calibration {rec['hash'][:16]} (text: {rec['text']['source']}, sha256 "
         f"{rec['text']['sha256'][:12]})")
-    return rec
+    return rec, KvtcConfig(calibration=rec["hash"])

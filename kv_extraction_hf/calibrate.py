@@ -126,7 +126,7 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
               metric_power: float = DEFAULT_SETTINGS["metric_power"],
               level_targets: dict | None = None, key_water: dict | None = None,
               group_layers: int = DEFAULT_SETTINGS["group_layers"], data_name: str = "",
-              data_record: dict | None = None, log=print):
+              data_record: dict | None = None, layer_groups=None, log=print):
     """Fit a ``codec.kvtc.KvtcCalibration`` for ``bundle`` (a loaded ModelBundle) on
     ``text``. The defaults are ``DEFAULT_SETTINGS`` (those of the command line and of the
     cached default calibration). ``key_space``: "pre_rope" (falls back to "post_rope" when the model's RoPE
@@ -150,6 +150,11 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
     ``data_name`` / ``data_record``: the text's provenance, recorded in the artifact's
     ``meta`` (``data``; ``data_source``, ``data_description``, ``data_sha256`` from the
     record's source, description, sha256: ``text_record`` reads them back).
+    ``layer_groups``: None = one calibration of every layer (returned); else a sequence
+    of layer-index tuples (e.g. a hybrid model's sliding-window and full-attention
+    layers, ``codec.window.layer_groups``): one prefill and sensitivity probe, then one
+    calibration per group fitted on that group's layers only (``meta["layers"]``),
+    returned as ``{tuple(layers): KvtcCalibration}`` (kv_extraction_hf.calibrate_groups).
     Raises ExtractionError."""
     from codec import kvtc
 
@@ -207,23 +212,42 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
                 "data_sha256": data_record.get("sha256", "")} if data_record else {}),
             "windows": windows, "window_tokens": window_tokens,
             **({"metric": metric, "metric_power": metric_power} if metric != "none" else {})}
-    if group_layers > k.shape[0]:
-        raise ExtractionError(f"group_layers {group_layers} exceeds the model's "
-                              f"{k.shape[0]} layers")
+    groups = None if layer_groups is None else [tuple(int(i) for i in g) for g in layer_groups]
+    for g in groups or []:
+        if not g or min(g) < 0 or max(g) >= k.shape[0] or len(set(g)) != len(g):
+            raise ExtractionError(f"layer group {g} is not a set of the model's {k.shape[0]} layers")
     t0 = time.perf_counter()
-    cal = kvtc.fit_calibration(k, v, positions=pos, rope_theta=theta, per_head=per_head,
-                               weighting=weighting, sink_tokens=sink_tokens,
-                               recent_tokens=recent_tokens, meta=meta,
-                               default_level=kvtc.DEFAULT_LEVEL if default_level is None
-                               else default_level, centroid=centroid, rounding=rounding,
-                               metric=metric_kv, metric_power=metric_power,
-                               whiten=metric == "whitened",
-                               level_targets=level_targets,
-                               key_water=(kvtc.DEFAULT_KEY_WATER if level_targets is None
-                                          and not group_layers else None)
-                               if key_water is None else key_water,
-                               group_layers=group_layers,
-                               progress=lambda s: log(f"[calibrate] {s}"))
+
+    def fit(sel):
+        whole = groups is None
+        if whole and group_layers > len(sel):
+            raise ExtractionError(f"group_layers {group_layers} exceeds the "
+                                  f"{len(sel)} layers fitted")
+        gl = group_layers if whole else min(group_layers, len(sel))   # a group of 1 full layer
+        idx = torch.tensor(sel)
+        w = weighting if whole or isinstance(weighting, str) else weighting[:, sel]
+        mk = metric_kv if whole or metric_kv is None else (metric_kv[0][sel], metric_kv[1][sel])
+        m = meta if whole else dict(meta, layers=list(sel))
+        return kvtc.fit_calibration(k if whole else k[idx], v if whole else v[idx], positions=pos, rope_theta=theta, per_head=per_head,
+                                    weighting=w, sink_tokens=sink_tokens,
+                                    recent_tokens=recent_tokens, meta=m,
+                                    default_level=kvtc.DEFAULT_LEVEL if default_level is None
+                                    else default_level, centroid=centroid, rounding=rounding,
+                                    metric=mk, metric_power=metric_power,
+                                    whiten=metric == "whitened",
+                                    level_targets=level_targets,
+                                    key_water=(kvtc.DEFAULT_KEY_WATER if level_targets is None
+                                               and not gl else None)
+                                    if key_water is None else key_water,
+                                    group_layers=gl,
+                                    progress=lambda s: log(f"[calibrate] {s}"))
+
+    if groups is not None:
+        out = {g: fit(list(g)) for g in groups}
+        log(f"[calibrate] fitted {len(out)} layer groups in {time.perf_counter() - t0:.1f} s: "
+            + ", ".join(f"{len(g)} layers {c.hash[:12]}" for g, c in out.items()))
+        return out
+    cal = fit(list(range(k.shape[0])))
     log(f"[calibrate] fitted in {time.perf_counter() - t0:.1f} s: calibration {cal.hash}")
     return cal
 

@@ -48,14 +48,19 @@ def render_models(docs: Sequence[tuple[str, Optional[dict[str, Any]]]]) -> str:
             continue
         model = doc.get("model") or {}
         rows = _quality_rows(doc)
-        name = f"{model.get('id', '?')} ({model.get('num_layers', '?')} layers, {model.get('dtype', '?')})"
+        ws = ((doc.get("config") or {}).get("window_storage") or {})
+        name = (f"{model.get('id', '?')} ({model.get('num_layers', '?')} layers, {model.get('dtype', '?')}"
+                + (", window storage" if ws.get("applied") else "") + ")")
         for codec, label in ROWS:
             level = _default_level(codec)
             r = rows.get((codec, level))
             if r is None:
                 continue
             lab = label if level is None else f"{label} {level}"
-            lines.append(f"| {name} | {lab} | {_ratio(r.get('ratio_vs_dtype'))} | "
+            ratio = _ratio(r.get("ratio_vs_dtype"))
+            if (r.get("stored_fraction") or 1.0) < 1.0 and r.get("ratio_vs_stored"):
+                ratio += f" ({_ratio(r['ratio_vs_stored'])} on the kept tokens)"
+            lines.append(f"| {name} | {lab} | {ratio} | "
                          f"{_ci(r.get('kl'), r.get('kl_ci'), _g)} | "
                          f"{_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), _pct)} | "
                          f"{r.get('n_windows', '?')} |")

@@ -45,6 +45,9 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
         if want and want != have:
             return f"{n} mismatch: entry has {have!r}, reader expects {want!r}" if have else \
                 f"entry has no {n}, reader expects {want!r}"
+    if got.kv_layout and not exp.kv_layout and exp.level_configs:
+        # a reader that names the levels it wants but not a window layout wants the full one
+        return f"entry stores a sliding-window layout ({got.kv_layout[:40]}...), reader expects the full layout"
     have_lc = dict(got.level_configs)
     for lv, h in exp.level_configs:
         if lv not in have_lc:

@@ -18,7 +18,7 @@ IDENTITY_FORMAT = "cgh-identity-v1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json")
 _STR_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "dtype", "codec", "codec_version",
-               "calibration_hash")
+               "calibration_hash", "kv_layout")
 _INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
 # fields that do not enter codec_tag(): model_id and weights_hash enter the key directly
 _KEYED_APART = ("model_id", "weights_hash")
@@ -35,7 +35,12 @@ class EntryIdentity:
     codec: codec name ("cachegen", "kivi2", ...); codec_version: the codec package's
     bitstream/algorithm version (`codec.CODEC_VERSION`); level_configs: ((level, full
     config hash), ...) for every stored level (`codec.config_hash(codec, level, config)`);
-    calibration_hash: hash of a calibration artifact the codec used (e.g. kvtc), or "".
+    calibration_hash: hash of a calibration artifact the codec used (e.g. kvtc), or "";
+    several joined by "+" when each layer group has its own (sliding-window storage:
+    ``calibration_hashes``).
+    kv_layout: "" = the full layout (every layer every token); else the sliding-window
+    layout's tag (``codec.window.layout_tag``: which tokens each layer keeps). Left out
+    of the JSON form when "" (so full-layout identities and their keys are unchanged).
     """
 
     model_id: str = ""
@@ -49,6 +54,7 @@ class EntryIdentity:
     codec_version: str = ""
     level_configs: tuple[tuple[int, str], ...] = field(default=())
     calibration_hash: str = ""
+    kv_layout: str = ""
 
     def __post_init__(self) -> None:
         for n in _STR_FIELDS:
@@ -80,6 +86,8 @@ class EntryIdentity:
         """JSON-able dict (level_configs as {"level": hash}), with the format tag."""
         d = asdict(self)
         d["level_configs"] = {str(lv): h for lv, h in self.level_configs}
+        if not d["kv_layout"]:
+            del d["kv_layout"]
         d["format"] = IDENTITY_FORMAT
         return d
 
@@ -97,6 +105,10 @@ class EntryIdentity:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(kw)
         return EntryIdentity(**d)
+
+    def calibration_hashes(self) -> tuple[str, ...]:
+        """The calibration artifacts the entry needs (``calibration_hash`` split at "+")."""
+        return tuple(h for h in self.calibration_hash.split("+") if h)
 
     @property
     def levels(self) -> tuple[int, ...]:

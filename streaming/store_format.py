@@ -233,7 +233,7 @@ class Manifest:
             if set(ident.levels) != set(levels):
                 raise StoreError(f"manifest levels {sorted(levels)} differ from its identity's "
                                  f"level configs {sorted(ident.levels)}")
-            if ident.calibration_hash and ident.calibration_hash not in cals:
+            if any(h not in cals for h in ident.calibration_hashes()):
                 raise StoreError("manifest identity names a calibration its manifest does not list")
         return m
 
@@ -314,7 +314,7 @@ def build_manifest(model_id: str, weights_hash: str, codec_tag: str, token_ids: 
     if identity is not None:
         man["identity"] = identity.to_dict()
         if identity.calibration_hash:
-            man["calibrations"] = [identity.calibration_hash]
+            man["calibrations"] = list(identity.calibration_hashes())
     Manifest.from_dict(man)  # fail here, before anything is sent, on bad ranges
     return key, man
 

@@ -272,7 +272,7 @@ def test_vllm_store_identity_matches_the_engine_for_any_checkpoint_dtype(tmp_pat
             expected_identity(own, hf_params)
 
 
-def _run_vllm(tmp_path, mdir, *args):
+def _run_vllm(tmp_path, mdir, *args, engine="vllm"):
     import json
     import subprocess
     import sys
@@ -280,17 +280,27 @@ def _run_vllm(tmp_path, mdir, *args):
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out.json"
-    cp = subprocess.run([sys.executable, "run_benchmarks.py", "--quick", "--engine", "vllm", "--model", str(mdir),
+    cp = subprocess.run([sys.executable, "run_benchmarks.py", "--quick", "--engine", engine, "--model", str(mdir),
                          *args, "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=900)
     assert cp.returncode == 0, cp.stderr[-2000:]
     return json.loads(out.read_text())
 
 
-def _check_kv_rows(doc, block=128):
+def _check_kv_rows(doc, block=128, engine="vllm", windowed=True):
     """Every KV row loaded the whole-block part of its context (no load error), the hybrid
-    manager was off, and the lossless row gave plain prefill's output ids."""
-    assert doc["environment"]["engine"]["hybrid_kv_cache_manager"] is False
-    assert doc["environment"]["engine"]["kv_block_size"] == block and doc["model"]["dtype"] == "bfloat16"
+    manager was off, and the lossless row gave plain prefill's output ids; with
+    ``windowed`` the store held the sliding-window layout (raw bytes below the full
+    layout's)."""
+    if engine == "vllm":
+        assert doc["environment"]["engine"]["hybrid_kv_cache_manager"] is False
+        assert doc["environment"]["engine"]["kv_block_size"] == block and doc["model"]["dtype"] == "bfloat16"
+    lay = doc["store_layout"]
+    assert lay["applied"] is windowed and lay["window_storage"] == ("auto" if windowed else "off")
+    if windowed:
+        assert lay["extra_tokens"] == block and any(w is not None for w in lay["windows"])
+    for r in doc["runs"]:
+        if r["mode"] == "raw":      # against the full layout in the KV dtype
+            assert (r["ratio_vs_dtype"] > 1.1) is windowed, r["ratio_vs_dtype"]
     kv_runs = [r for r in doc["runs"] if r["mode"] != "text"]
     assert kv_runs and not doc["failures"]                  # no "load" failure (a store miss)
     assert all(r["miss_reason"] is None for r in doc["runs"])
@@ -328,4 +338,18 @@ def test_vllm_engine_hybrid_variant_float16_small_window_short_context(tmp_path)
     doc = _run_vllm(tmp_path, mdir, "--context-tokens", "300", "--modes", "text", "raw", "quant8",
                     "--bandwidth-mbps", "500")
     _check_kv_rows(doc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window_storage", ["auto", "off"])
+def test_hf_engine_hybrid_model_windowed_and_full_store(tmp_path, window_storage):
+    """The HF engine on a tiny sliding-window model (window 16, full + sliding + sliding,
+    a ~300-token context): with window storage (the default) the store's entries keep the
+    sliding layers' last 16 + 128 tokens only, and the lossless row still gives plain
+    prefill's output; with it off, every token, the same output."""
+    mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=16, dtype=torch.float16, init=0.2,
+                            layer_types=("full_attention", "sliding_attention", "sliding_attention"))
+    doc = _run_vllm(tmp_path, mdir, "--context-tokens", "300", "--modes", "text", "raw", "quant8",
+                    "--bandwidth-mbps", "500", "--window-storage", window_storage, engine="hf")
+    _check_kv_rows(doc, engine="hf", windowed=window_storage == "auto")
     assert {r["loaded_tokens"] for r in doc["runs"] if r["mode"] != "text"} == {256}

@@ -348,6 +348,8 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
         if params.get("load_tokens") is not None:
             n = min(n, int(params["load_tokens"]))
         n = n // self._block_size * self._block_size
+        if 0 < n < int(lk.info.get("min_load_tokens") or 0):   # a windowed entry: too short
+            lk.info["miss"], n = f"window: {n} block-aligned tokens < the entry's min_load_tokens", 0
         if first and n <= num_computed_tokens:
             # a KV mode that loads nothing runs as a plain prefill (or from vLLM's own prefix
             # cache): say which, a benchmark must not report it as a KV load

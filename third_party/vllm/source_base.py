@@ -82,13 +82,50 @@ class KVSource(Protocol):
 
 
 def default_decode_fn() -> DecodeFn:
-    """`codec.decode_kv` on the CPU (imported lazily so this module imports without codec)."""
+    """`codec.decode_kv` on the CPU (imported lazily so this module imports without codec);
+    a sliding-window container (codec.window) decodes to its chunk's dense [L, Tc, H, D]
+    with zeros where a layer keeps nothing (positions its attention window never reads
+    when the load obeys `window_floor`)."""
     import codec
+    from codec import window
 
     def _decode(data: bytes):
+        if window.is_windowed(data):
+            return window.decode_chunk_dense(data, device="cpu")
         return codec.decode_kv(data, device="cpu")
 
     return _decode
+
+
+def window_floor(identity: dict[str, Any] | None, n_stored: int) -> int:
+    """The shortest prefix of an entry of ``n_stored`` tokens that may be loaded: 0 for
+    the full layout; for a sliding-window entry (identity ``kv_layout``,
+    codec.window.layout_tag) codec.window.min_load_tokens - a shorter load would leave a
+    sliding layer's window partly in what the entry dropped. ValueError on a bad tag."""
+    tag = (identity or {}).get("kv_layout") if isinstance(identity, dict) else None
+    if not tag:
+        return 0
+    from codec import window
+
+    ws, extra = window.parse_layout_tag(tag)
+    return window.min_load_tokens(ws, int(n_stored), extra)
+
+
+def window_checked(identity: dict[str, Any] | None, n_match: int, n_stored: int,
+                   info: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(tokens servable, info) of a lookup that matched ``n_match`` of ``n_stored`` tokens:
+    a windowed entry records ``min_load_tokens`` in info (the connector applies it after
+    its block alignment) and a match below it is a miss with its reason."""
+    try:
+        floor = window_floor(identity, n_stored)
+    except ValueError as e:
+        return 0, {**info, "miss": f"identity: {e}"}
+    if not floor:
+        return n_match, info
+    if n_match < floor:
+        return 0, {**info, "miss": f"window: the entry keeps its sliding layers' last tokens only; "
+                   f"a load of {n_match} tokens needs at least {floor} of {n_stored} matched"}
+    return n_match, {**info, "min_load_tokens": floor}
 
 
 def load_callable(path: str) -> Callable:

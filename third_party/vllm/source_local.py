@@ -28,6 +28,7 @@ from third_party.vllm.source_base import (
     SourceMiss,
     _identity_miss,
     _matched_tokens,
+    window_checked,
     default_decode_fn,
     encode_for_save,
     expected_identity,
@@ -95,7 +96,7 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
     base_gen = None if base is None else str(base.get("gen") or "")
     gen = secrets.token_hex(16)
     yield ("base", base_gen)
-    cals = [identity.calibration_hash] if identity is not None and identity.calibration_hash else []
+    cals = list(identity.calibration_hashes()) if identity is not None else []
     for h in cals:
         cdir = Path(root) / CAL_DIR
         cdir.mkdir(exist_ok=True)
@@ -328,9 +329,12 @@ class LocalDirSource:
         if n_match <= 0:
             return Lookup(0, lookup_s=time.perf_counter() - t0,
                           info={"miss": "stored token ids differ from the prompt"})
+        n_match, winfo = window_checked(man.get("identity"), n_match, n, {})
+        if n_match <= 0:
+            return Lookup(0, lookup_s=time.perf_counter() - t0, info=winfo)
         return Lookup(n_match, [int(t) for t in man["chunk_tokens"]],
                       time.perf_counter() - t0, {"key": d.name, **man.get("info", {}),
-                                                 "gen": man["gen"]})
+                                                 "gen": man["gen"], **winfo})
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
         """Encode and write one context (params: source_dir, context_key, codec, level,

@@ -22,6 +22,7 @@ from third_party.vllm.source_base import (
     SourceMiss,
     _identity_miss,
     _matched_tokens,
+    window_checked,
     default_decode_fn,
     encode_for_save,
     expected_identity,
@@ -195,6 +196,9 @@ class StoreSource:
         if n_match <= 0:
             return Lookup(0, lookup_s=dt, info={"miss": "stored token ids differ from the prompt"})
         chunk_tokens = [b - a for a, b in man.token_ranges]
+        n_match, info = window_checked(man.identity, n_match, len(stored), info)
+        if n_match <= 0:
+            return Lookup(0, lookup_s=dt, info=info)
         # the plan this request keeps for its lifetime: the load verifies against it
         return Lookup(n_match, chunk_tokens, dt,
                       {"key": key, "levels": list(man.levels), "codec_tag": man.codec_tag,
