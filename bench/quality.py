@@ -452,7 +452,9 @@ def _main(args, argv: list[str]) -> int:
     ws = model_windows(bundle) if args.window_storage != "off" and bundle.info.hybrid else None
     wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,
               "ratio_basis": "full-attention layout in the KV dtype"}
-    if any(name == "kvtc" for name, _ in pairs + task_pairs):
+    from bench.lmcache_rows import needs_kvtc
+
+    if any(name == "kvtc" or needs_kvtc(name) for name, _ in pairs + task_pairs):
         doc["kvtc_calibration"] = prepare_kvtc(bundle, args.data_path, user=user_cal,
                                                user_path=args.kvtc_calibration)
         cal_rec = doc["kvtc_calibration"]

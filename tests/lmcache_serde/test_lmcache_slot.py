@@ -36,7 +36,7 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 
 from third_party import lmcache as plugin  # noqa: E402
 from third_party.lmcache import serde as S  # noqa: E402
-from third_party.lmcache.serde_slot import pick_level  # noqa: E402
+from third_party.lmcache.serde_slot import FILL_SLACK, level_step, pick_level  # noqa: E402
 
 L, T, H, D = 2, 64, 2, 16
 FILLER = 0xAB
@@ -75,6 +75,14 @@ def frame_sizes(kv):
     big, _ = S.make_pair("cachegen", {"bits_per_element": 16.0, "num_kv_heads": H})
     return {lvl: len(big.encode_frame(_obj(x), _key(1), 1 << 30, lvl))
             for lvl in codec.levels("cachegen")}
+
+
+def _fill_slot(sizes: dict, start: int, lvl: int, settings=None) -> int:
+    """Bytes of a slot that level ``lvl``'s frame fits and that fill from ``start`` tries
+    it for (each step's prediction fits too: serde_slot.FILL_SLACK)."""
+    s = settings or S.parse_settings("cachegen", {})
+    return max([sizes[lvl]] + [math.ceil(sizes[j - 1] * level_step(s, T, j - 1, j) * FILL_SLACK)
+                               for j in range(start + 1, lvl + 1)])
 
 
 def _ratio_for(x, nbytes: int) -> float:
@@ -150,7 +158,8 @@ def test_fill_picks_the_finest_level_that_fits(kv, frame_sizes):
     that comes back is our codec's decode at level 3."""
     k, v, x = kv
     assert frame_sizes[3] < frame_sizes[4]
-    ser, de, buf, slot, _ = _serialize(x, {"level": 1, "slot_ratio": _ratio_for(x, frame_sizes[3])})
+    ratio = _ratio_for(x, _fill_slot(frame_sizes, 1, 3))
+    ser, de, buf, slot, _ = _serialize(x, {"level": 1, "slot_ratio": ratio})
     assert frame_sizes[3] <= slot < frame_sizes[4]
     assert _level_of(buf, slot) == 3
     assert ser.stats["finer"] == 1 and ser.stats["coarser"] == 0 and ser.stats["levels"] == {3: 1}
@@ -158,8 +167,7 @@ def test_fill_picks_the_finest_level_that_fits(kv, frame_sizes):
     k3, v3 = codec.decode_kv(codec.encode_kv(k, v, codec="cachegen", level=3))
     assert torch.equal(_decoded(de, buf, slot, x), _planes(k3, v3))
     # without fill: the configured level, the rest of the slot padding
-    ser, de, buf, slot, _ = _serialize(x, {"level": 1, "fill": False,
-                                           "slot_ratio": _ratio_for(x, frame_sizes[3])})
+    ser, de, buf, slot, _ = _serialize(x, {"level": 1, "fill": False, "slot_ratio": ratio})
     assert _level_of(buf, slot) == 1 and ser.stats["finer"] == 0 and ser.stats["encodes"] == 1
     k1, v1 = codec.decode_kv(codec.encode_kv(k, v, codec="cachegen", level=1))
     assert torch.equal(_decoded(de, buf, slot, x), _planes(k1, v1))
@@ -225,13 +233,14 @@ def _fs_store_load(base: Path, x: torch.Tensor, kw: dict):
 
 def test_fs_adapter_stores_the_slot_and_refuses_what_fits_no_level(kv, frame_sizes, tmp_path):
     k, v, x = kv
-    r = _ratio_for(x, frame_sizes[2])
+    r = _ratio_for(x, _fill_slot(frame_sizes, 1, 2))
     stored, hit, got = _fs_store_load(tmp_path / "ok", x, {"level": 1, "slot_ratio": r})
     assert stored and hit
     files = list((tmp_path / "ok").glob("*.data"))
     slot = math.floor(x.numel() * x.element_size() / r)
     assert len(files) == 1 and files[0].stat().st_size == slot      # written ratio = r
     lvl = max(x for x in codec.levels("cachegen") if frame_sizes[x] <= slot)
+    assert lvl == 2                                                  # filled: 1 -> 2
     k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="cachegen", level=lvl))
     assert torch.equal(got, _planes(k2, v2))
     # a slot below level 0's frame: the serializer raises, LMCache stores nothing: a miss
@@ -250,13 +259,15 @@ def test_kvtc_slot_mode_decodes_as_our_codec_at_the_chosen_level():
     x = _planes(k, v)
     big, _ = S.make_pair("kvtc", {"calibration": cal, "bits_per_element": 16.0})
     sizes = {lvl: len(big.encode_frame(_obj(x), _key(1), 1 << 30, lvl)) for lvl in range(6)}
-    ser, de = S.make_pair("kvtc", {"calibration": cal, "level": 1,
-                                   "slot_ratio": _ratio_for(x, sizes[3])})
+    want = _fill_slot(sizes, 3, 4, big.settings)
+    assert want < sizes[5], sizes
+    ser, de = S.make_pair("kvtc", {"calibration": cal, "level": 3,
+                                   "slot_ratio": _ratio_for(x, want)})
     slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
     buf = torch.zeros(slot, dtype=torch.uint8)
     assert ser.serialize(_obj(x), _obj(buf), _key(1)) == slot
     lvl = _level_of(buf, slot)
-    assert lvl == max(x for x in sizes if sizes[x] <= slot) and ser.stats["finer"] == 1
+    assert lvl == 4 == max(x for x in sizes if sizes[x] <= slot) and ser.stats["finer"] == 1
     k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="kvtc",
                                              config=kvtc.KvtcConfig(calibration=cal, level=lvl)))
     assert torch.equal(_decoded(de, buf, slot, x), _planes(k2, v2))
@@ -275,8 +286,8 @@ def test_pick_level_bounds_its_encodes():
     assert pick_level(enc, 1, range(6), 175, True, True, step)[1:] == (3, {"encodes": 3, "fill_misses": 0})
     assert calls == [1, 2, 3]                        # 4 predicted 20% past the slot: not tried
     calls.clear()
-    assert pick_level(enc, 1, range(6), 200, True, True, step)[1:] == (3, {"encodes": 4, "fill_misses": 1})
-    assert calls == [1, 2, 3, 4]                     # 4 predicted 5% past: tried (FILL_SLACK)
+    assert pick_level(enc, 1, range(6), 207, True, True, step)[1:] == (3, {"encodes": 4, "fill_misses": 1})
+    assert calls == [1, 2, 3, 4]                     # 4 predicted 1.5% past: tried (FILL_SLACK)
     calls.clear()
     assert pick_level(enc, 1, range(6), 175, True, True, lambda lo, hi: 1.0)[1:] == \
         (3, {"encodes": 4, "fill_misses": 1})       # an optimistic predictor: one miss

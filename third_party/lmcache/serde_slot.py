@@ -15,11 +15,15 @@ paid whether the frame fills it or not. Two ways to size it (:mod:`.serde_settin
 Encode cost is bounded: the finer level is tried only when the frame at the current level
 times the predicted size step to the next one, times ``FILL_SLACK``, fits the slot (the
 step: the ratio of the two levels' entries in the measured bits-per-element table,
-``level_step``; the slack lets a try through when the prediction is up to 1 / 0.9 = 11%
-too big, as the table's maxes are for some objects). So an object whose next finer level
-is predicted well past the slot costs one encode, and each finer try that misses costs
-one more (counted: ``fill_misses``; measured: docs/lmcache.md). The levels are assumed to
-grow in size (ours do).
+``level_step``; the slack lets a try through when the prediction is up to 2% too big).
+Measured on the default model's 4K pydoc contexts at 256 tokens, the real step of every
+object is within 0.2% below to 15% above the table's (cachegen 1 -> 2: 1.065-1.073 vs
+1.067; kvtc 4 -> 5: 1.70-1.95 vs 1.71), so the prediction rarely blocks a level that fits
+and a try rarely misses (a slack of 0.9 instead: cachegen at ``slot_ratio`` 8 tried
+level 2 for every object and missed each time, 2.0 encodes per object instead of 1.27).
+An object whose next finer level is predicted past the slot costs one encode; each finer
+try that misses costs one more (counted: ``fill_misses``). The levels are assumed to grow
+in size (ours do).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Callable, Sequence
 
 from third_party.lmcache.serde_settings import SerdeSettings
 
-FILL_SLACK = 0.9
+FILL_SLACK = 0.98
 
 
 def level_step(s: SerdeSettings, tokens: int, lo: int, hi: int) -> float:
