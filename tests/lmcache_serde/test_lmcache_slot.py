@@ -298,3 +298,28 @@ def test_pick_level_bounds_its_encodes():
         pick_level(enc, 2, range(6), 99, True, True, step)
     with pytest.raises(ValueError, match="level 2"):
         pick_level(enc, 2, range(6), 130, False, True, step)
+
+
+def test_quality_rows_store_objects_through_the_serde():
+    """bench.quality's rows lmcache-<codec>-<tokens>[-max|-r<ratio>] (bench/lmcache_rows.py):
+    the bytes are the slots LMCache writes, the KV is the deserializer's, object by object."""
+    from bench import lmcache_rows
+
+    k, v = synthetic_kv(L, 2 * T + 16, H, D, seed=8)          # 3 objects: 64, 64, 16 tokens
+    ratio = 2.0
+    blob, st = lmcache_rows.encode_with_stats(k, v, f"lmcache-cachegen-{T}-r{ratio}")
+    sizes = [math.floor(2 * L * n * H * D * 2 / ratio) for n in (T, T, 16)]
+    assert [int(s.numel()) for s in blob.slots] == sizes and st["bytes"] == sum(sizes)
+    assert st["frame_bytes"] <= st["bytes"] and sum(st["levels"].values()) == 3
+    k2, v2 = lmcache_rows.decode(blob)
+    for i, (a, b) in enumerate(blob.bounds):
+        out = _obj(torch.zeros(2, L, b - a, H * D, dtype=k.dtype))
+        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows._key(i))
+        assert torch.equal(out.tensor, _planes(k2[:, a:b], v2[:, a:b]))
+    assert not torch.equal(k2, torch.zeros_like(k2))
+    assert lmcache_rows.serde_options("lmcache-cachegen-256-max") == ("cachegen", 256,
+                                                                      {"slot_ratio": False})
+    assert lmcache_rows.serde_options("lmcache-cachegen-1024") == ("cachegen", 1024, {})
+    assert lmcache_rows.is_row("lmcache-kvtc-256") and not lmcache_rows.is_row("lmcache-fp8")
+    with pytest.raises(ValueError, match="no kvtc calibration"):
+        lmcache_rows.encode_with_stats(k, v, "lmcache-kvtc-64")
