@@ -34,7 +34,9 @@ def default_level(name: str) -> Optional[int]:
 
 def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     """``"all"``/None -> every registered codec and level (:func:`codec_levels`), raw
-    last; else ``"name[:l1,l2];name2;..."`` (``;``-separated; levels optional = all).
+    last; else ``"name[:l1,l2];name2;..."`` (``;``-separated; levels optional = all;
+    also LMCache's serdes ``lmcache-fp8``, ``lmcache-asym_k16_v8`` and ours inside LMCache,
+    ``lmcache-<codec>-<tokens>[-max|-r<ratio>]``: bench/lmcache_rows.py; those need lmcache).
     Raises QualityError for an unknown codec or level."""
     import codec
     from bench import lmcache_peers, lmcache_rows
