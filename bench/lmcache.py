@@ -10,8 +10,12 @@ default model (``python -m kv_extraction_hf --task pydoc_ppl --context-tokens 40
     .venv-lmcache/bin/python -m bench.lmcache --kv DIR/*.safetensors --sizes \\
         --kvtc-calibration FILE [--chunk-size 256] [--redis]
 
-``--estimate``: per codec and level, over every ``--chunk-size`` chunk of the dumps:
-frame bytes / slot (max, min), fallbacks, and the measured bits per element that
+``--estimate``: per codec and (starting) level, over every ``--chunk-size`` chunk of the
+dumps, each chunk serialised with the serde's defaults plus ``--serde-json`` (e.g.
+``'{"slot_ratio": false}'``: the max-bound slot; default with LMCache 0.5.6: the fixed
+slot): written ratio (KV bytes / slot), frame bytes / slot (max, min), objects refused,
+coded coarser / finer and at which levels, encodes and serialize ms per object; and each
+level's own frame bits per element (max, median, mean) that
 ``third_party.lmcache.serde.BITS_PER_ELEMENT`` is made from (max * 1.05).
 ``--sizes``: each context's chunks stored through LMCache's ``SerdeL2AdapterWrapper`` on
 its ``FSL2Adapter`` (and ``--redis``: its RESP adapter on a redis-server started here),
@@ -22,6 +26,7 @@ of the container our store path keeps for the same chunk.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import select
 import statistics
@@ -54,17 +59,20 @@ def _contexts(paths: list[str]) -> list:
     return [load_kv(p)[:2] for p in paths]
 
 
-def _serde_kwargs(name: str, level, cal: Optional[str], H: int) -> dict:
+def _serde_kwargs(name: str, level, cal: Optional[str], H: int, extra: Optional[dict] = None) -> dict:
     kw = {"level": level}
     if name == "kvtc":
         kw["calibration"] = cal
     else:
         kw["num_kv_heads"] = H
-    return kw
+    return {**kw, **(extra or {})}
 
 
-def run_estimate(ctxs, chunk: int, cal: Optional[str], log) -> list[dict]:
-    """Frame bytes / slot per (codec, level) over every chunk (serde with padding)."""
+def run_estimate(ctxs, chunk: int, cal: Optional[str], log, extra: Optional[dict] = None,
+                 levels: str = "all") -> list[dict]:
+    """Frame bytes / slot per (codec, level) over every chunk (serde with padding and the
+    options ``extra``), the levels the serializer chose (fixed-slot mode: fallback, fill),
+    its encodes and ms per object; and each level's own frame bits per element."""
     import torch
     import codec
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -73,12 +81,12 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log) -> list[dict]:
     rows = []
     names = ["cachegen"] + (["kvtc"] if cal else [])
     for name in names:
-        for lvl in codec.levels(name):
+        for lvl in codec.levels(name) if levels == "all" else [codec.default_level(name)]:
             H = ctxs[0][0].shape[2]
-            ser, _ = S.make_pair(name, {**_serde_kwargs(name, lvl, cal, H), "pad": True})
+            ser, _ = S.make_pair(name, {**_serde_kwargs(name, lvl, cal, H, extra), "pad": True})
             big, _ = S.make_pair(name, {**_serde_kwargs(name, lvl, cal, H),
                                         "bits_per_element": 16.0, "fallback": False})
-            ratios, bpe = [], []
+            ratios, bpe, used, ms, refused = [], [], [], [], 0
             for ci, (k, v) in enumerate(ctxs):
                 for a in range(0, k.shape[1] - chunk + 1, chunk):
                     x = _planes(k[:, a:a + chunk], v[:, a:a + chunk])
@@ -86,19 +94,44 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log) -> list[dict]:
                                     model_name="m", kv_rank=0)
                     lay = MemoryLayoutDesc([x.shape], [x.dtype])
                     slot = ser.estimate_serialized_size(lay)
+                    before = ser.stats["bytes"]
+                    t0 = time.perf_counter()
+                    try:
+                        ser.serialize(_obj(x), _obj(torch.zeros(slot, dtype=torch.uint8)), key)
+                    except ValueError:
+                        refused += 1
+                    else:
+                        ms.append(1e3 * (time.perf_counter() - t0))
+                        used.append(ser.stats["bytes"] - before)
+                        ratios.append(used[-1] / slot)
                     frame = big.encode_frame(_obj(x), key, 1 << 40, lvl)
-                    ratios.append(len(frame) / slot)
                     ov = S.frame_overhead(big.settings, big.ident_hash, [x.shape], [x.dtype])
                     bpe.append((len(frame) - ov) * 8 / x.numel())
-            row = {"codec": name, "level": lvl, "chunk_tokens": chunk, "chunks": len(ratios),
-                   "actual_over_estimate_max": max(ratios),
-                   "actual_over_estimate_min": min(ratios),
+            st = ser.stats
+            raw = x.numel() * x.element_size()
+            row = {"codec": name, "level": lvl, "chunk_tokens": chunk, "chunks": len(bpe),
+                   "options": extra or {}, "slot_ratio": ser.settings.slot_ratio,
+                   "fill": ser.settings.fill, "slot_bytes": slot, "written_ratio": raw / slot,
+                   "actual_over_estimate_max": max(ratios, default=None),
+                   "actual_over_estimate_min": min(ratios, default=None),
+                   "refused": refused, "coarser": st["coarser"], "finer": st["finer"],
+                   "levels_used": dict(sorted(st["levels"].items())),
+                   "encodes_per_object": st["encodes"] / max(1, st["objects"]),
+                   "fill_misses": st["fill_misses"],
+                   "serialize_ms_median": statistics.median(ms) if ms else None,
+                   "serialize_ms_max": max(ms, default=None),
                    "bits_per_element_max": max(bpe),
                    "bits_per_element_median": statistics.median(bpe),
+                   "bits_per_element_mean": statistics.fmean(bpe),
                    "table_entry": S.BITS_PER_ELEMENT[name], "default": lvl == codec.default_level(name)}
             rows.append(row)
-            log(f"{name} l{lvl} chunk {chunk}: actual/estimate max {max(ratios):.3f} min "
-                f"{min(ratios):.3f}; bpe max {max(bpe):.4f} median {statistics.median(bpe):.4f}")
+            log(f"{name} l{lvl} chunk {chunk} (slot_ratio {ser.settings.slot_ratio}, fill "
+                f"{ser.settings.fill}): written {raw / slot:.2f}x; actual/estimate max "
+                f"{row['actual_over_estimate_max']:.3f} min {row['actual_over_estimate_min']:.3f}; "
+                f"refused {refused}, coarser {st['coarser']}, finer {st['finer']}, levels "
+                f"{row['levels_used']}, {row['encodes_per_object']:.2f} encodes and "
+                f"{row['serialize_ms_median']:.0f} ms (median) per object; own frames: bpe max "
+                f"{max(bpe):.4f} median {statistics.median(bpe):.4f} mean {statistics.fmean(bpe):.4f}")
     return rows
 
 
@@ -159,7 +192,7 @@ def _store_load_all(adapter, proc, ctxs, chunk: int, check) -> tuple[int, int]:
 
 
 def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: int,
-              log) -> list[dict]:
+              log, extra: Optional[dict] = None) -> list[dict]:
     import torch
     import codec
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -171,9 +204,9 @@ def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: in
     plugin.register()
     H = ctxs[0][0].shape[2]
     configs = [("none", None), ("lmcache-fp8", {"type": "fp8"}),
-               ("cachegen", {"type": "cachegen", **_serde_kwargs("cachegen", None, cal, H)})]
+               ("cachegen", {"type": "cachegen", **_serde_kwargs("cachegen", None, cal, H, extra)})]
     if cal:
-        configs.append(("kvtc", {"type": "kvtc", **_serde_kwargs("kvtc", None, cal, H)}))
+        configs.append(("kvtc", {"type": "kvtc", **_serde_kwargs("kvtc", None, cal, H, extra)}))
     backends = ["fs"] + (["redis"] if use_redis else [])
     srv = None
     if use_redis:
@@ -288,6 +321,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="LMCache chunk size in tokens (default 256, LMCache's)")
     ap.add_argument("--kvtc-calibration", default=None, metavar="FILE",
                     help="kvtc calibration artifact (kvtc rows only with it)")
+    ap.add_argument("--serde-json", default=None, metavar="JSON",
+                    help="extra options for our serdes, e.g. '{\"slot_ratio\": false}' "
+                         "(the max-bound slot of round 12) or '{\"slot_ratio\": 9}'")
+    ap.add_argument("--levels", choices=("all", "default"), default="all",
+                    help="--estimate: every level (default) or the codecs' default levels")
     flags.add_repeats(ap, default=3)
     flags.add_out(ap, type=Path, default=Path("benchmarks/tmp/lmcache_bench.json"),
                   help="result file (JSON, atomically; default %(default)s)")
@@ -296,6 +334,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("give --estimate and/or --sizes")
     if args.chunk_size < 16 or args.chunk_size % 16 or args.repeats < 1:
         ap.error("--chunk-size must be a positive multiple of 16, --repeats >= 1")
+    try:
+        extra = json.loads(args.serde_json) if args.serde_json else {}
+        if not isinstance(extra, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        ap.error(f"--serde-json: {e}")
     log = lambda m: print(m, file=sys.stderr, flush=True)
     try:
         import lmcache  # noqa: F401
@@ -317,9 +361,9 @@ def main(argv: Optional[list[str]] = None) -> int:
            " ".join(argv if argv is not None else sys.argv[1:]),
            "kv": args.kv, "kv_shape": list(ctxs[0][0].shape), "calibration": cal}
     if args.estimate:
-        doc["estimate"] = run_estimate(ctxs, args.chunk_size, cal, log)
+        doc["estimate"] = run_estimate(ctxs, args.chunk_size, cal, log, extra, args.levels)
     if args.sizes:
-        doc["sizes"] = run_sizes(ctxs, args.chunk_size, cal, args.redis, args.repeats, log)
+        doc["sizes"] = run_sizes(ctxs, args.chunk_size, cal, args.redis, args.repeats, log, extra)
     atomic_write_json(args.out, doc, indent=1, default=str)
     print(f"wrote {args.out}")
     return 0

@@ -488,7 +488,9 @@ def _main(args, argv: list[str]) -> int:
                            "per group is fitted on it) or --window-storage off")
     wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,
               "ratio_basis": "full-attention layout in the KV dtype"}
-    if any(name == "kvtc" for name, _ in pairs + task_pairs):
+    from bench.lmcache_rows import needs_kvtc
+
+    if any(name == "kvtc" or needs_kvtc(name) for name, _ in pairs + task_pairs):
         if ws is not None or args.kvtc_calibration_data is not None:
             configs["kvtc"], doc["kvtc_calibration"] = prepare_kvtc_groups(
                 bundle, ws, args.kvtc_calibration_data)

@@ -34,10 +34,12 @@ def default_level(name: str) -> Optional[int]:
 
 def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     """``"all"``/None -> every registered codec and level (:func:`codec_levels`), raw
-    last; else ``"name[:l1,l2];name2;..."`` (``;``-separated; levels optional = all).
+    last; else ``"name[:l1,l2];name2;..."`` (``;``-separated; levels optional = all;
+    also LMCache's serdes ``lmcache-fp8``, ``lmcache-asym_k16_v8`` and ours inside LMCache,
+    ``lmcache-<codec>-<tokens>[-max|-r<ratio>]``: bench/lmcache_rows.py; those need lmcache).
     Raises QualityError for an unknown codec or level."""
     import codec
-    from bench import lmcache_peers
+    from bench import lmcache_peers, lmcache_rows
 
     out: list[tuple[str, Optional[int]]] = []
     if spec is None or spec.strip() == "all":
@@ -50,6 +52,14 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     for part in [p.strip() for p in spec.split(";") if p.strip()]:
         name, _, levels = part.partition(":")
         name = name.strip()
+        if lmcache_rows.is_row(name):      # our serdes inside LMCache (bench/lmcache_rows.py)
+            if not lmcache_rows.can_run(name):
+                raise QualityError(f"'{name}' needs lmcache (bash scripts/setup.sh lmcache; "
+                                   f"run with .venv-lmcache/bin/python)")
+            if levels.strip():
+                raise QualityError(f"'{name}' has no levels (the serde picks them)")
+            out.append((name, None))
+            continue
         if lmcache_peers.is_peer(name):
             if name not in lmcache_peers.available():
                 raise QualityError(f"'{name}' needs lmcache (bash scripts/setup.sh lmcache; "
@@ -157,6 +167,8 @@ def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[d
             "encode_s": a["encode_s"], "decode_s": a["decode_s"], "forward_s": a["forward_s"],
             "per_window": {"kl": a["kl"], "top1": a["top1"], "ppl_change_pct": a["ppl_change_pct"]},
         })
+        if "serde" in a:
+            rows[-1]["serde"] = a["serde"]
     return rows
 
 
@@ -239,18 +251,22 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         todo = [p for p in pairs if _label(*p) not in skipped]
         def code_one(pair):
             """(k2, v2, stats, encode s, decode s) from the real bitstream, or the exception."""
-            from bench import lmcache_peers
+            from bench import lmcache_peers, lmcache_rows
 
             peer = lmcache_peers.is_peer(pair[0])
+            ours = lmcache_rows.is_row(pair[0])
             try:
                 t1 = time.perf_counter()
                 if peer:       # LMCache's own serde code (bench/lmcache_peers.py)
                     data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
+                elif ours:     # our serdes inside LMCache, object by object (bench/lmcache_rows.py)
+                    data, stats = lmcache_rows.encode_with_stats(k, v, pair[0], configs)
                 else:
                     data, stats = window.encode_with_stats(k, v, windows, codec=pair[0], level=pair[1],
                                                            config=configs.get(pair[0]))
                 t2 = time.perf_counter()
-                k2, v2 = lmcache_peers.decode(data) if peer else window.decode_dense(data)
+                k2, v2 = lmcache_peers.decode(data) if peer else lmcache_rows.decode(data) if ours \
+                    else window.decode_dense(data)
                 t3 = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
                 return exc
@@ -285,6 +301,14 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                 a["dtype_bytes"] += stats["dtype_bytes"]
                 a["elements"] += stats["elements"]
                 a["stored_elements"] += stats.get("stored_elements", stats["elements"])
+                if "levels" in stats:        # a serde row: the levels its objects were coded at
+                    sd = a.setdefault("serde", {"levels": {}, "frame_bytes": 0, "coarser": 0, "finer": 0,
+                                                "encodes": 0, "objects": 0})
+                    for lv, c in stats["levels"].items():
+                        sd["levels"][lv] = sd["levels"].get(lv, 0) + c
+                        sd["objects"] += c
+                    for f in ("frame_bytes", "coarser", "finer", "encodes"):
+                        sd[f] += stats[f]
                 a["forward_s"] += (t4 - t3) / len(group)
             del group, all_logits
             t_scores += time.perf_counter() - t4

@@ -6,7 +6,7 @@
 #   bash scripts/setup.sh lmcache  set up, then the optional LMCache environment .venv-lmcache
 #                                  (requirements-lmcache.txt, docs/lmcache.md)
 #   bash scripts/setup.sh lmcache-test  that, then .venv-lmcache/bin/python -m pytest -q
-#                                  tests/lmcache_serde/test_lmcache_serde.py [ARGS...]
+#                                  tests/lmcache_serde [ARGS...]
 # Set-up: .venv/ in the repository root (python3 >= 3.10); pinned requirements installed only
 # when requirements.txt changed (stamp in .venv/); the torchvision/torchaudio/torchcodec wheels
 # that break `import transformers` with the CPU torch removed; the default model
@@ -143,7 +143,7 @@ fi
 case "$MODE" in
     lmcache-test)
         set +e
-        "$ROOT/.venv-lmcache/bin/python" -m pytest -q tests/lmcache_serde/test_lmcache_serde.py "$@"
+        "$ROOT/.venv-lmcache/bin/python" -m pytest -q tests/lmcache_serde "$@"
         exit $? ;;
     run) exec "$PY" run_benchmarks.py "$@" ;;
     test)

@@ -26,12 +26,15 @@ Size: ``estimate_serialized_size`` is the slot LMCache allocates before serialis
 only if its stored length equals that slot (measured: a shorter value reads as
 "Incomplete read" / "size header mismatch", a miss), so by default (``pad: "auto"``:
 pad unless the installed LMCache's L2 adapters report stored object sizes) the frame is
-zero-padded to the slot and the slot is what L2 stores: the slot is sized from a bits-per-
-element bound per level (``BITS_PER_ELEMENT``, measured on the default model's KV at
-chunks of 256 and 1024 tokens, docs/lmcache.md) plus the frame's exact overhead. When a
-chunk's bitstream does not fit (KV unlike the measured one), the serializer re-encodes
-at the next smaller levels (``fallback``, counted in ``stats``) and fails the store
-(LMCache keeps the chunk out of L2) only if none fits.
+zero-padded to the slot and the slot is what L2 stores. The slot (serde_slot.py): by
+default with padding a fixed one, the object's KV bytes / ``slot_ratio`` (8 for cachegen,
+20 for kvtc: ``DEFAULT_SLOT_RATIO``), each object coded at the finest level whose frame
+fits it (coarser: ``fallback``; finer: ``fill``; counted in ``stats``); with
+``slot_ratio`` false or ``bits_per_element`` given, a bits-per-element bound per level
+(``BITS_PER_ELEMENT``, the max measured on the default model's KV at chunks of 256 and
+1024 tokens, docs/lmcache.md) plus the frame's exact overhead, every object at ``level``
+unless it does not fit. If no allowed level fits, serialize raises ValueError and writes
+nothing (LMCache keeps the chunk out of L2: a miss).
 
 Errors: the factories raise ValueError for a bad serde config (LMCache refuses to start
 with it); serialize/deserialize raise ValueError / codec.CodecError, which LMCache
@@ -49,10 +52,11 @@ from third_party.lmcache.serde_frame import FRAME_MAGIC, FRAME_VERSION, MAX_CONT
 from third_party.lmcache.serde_layout import DTYPES, estimate_bytes, frame_overhead, kv_views
 from third_party.lmcache.serde_options import opt_int, parse_settings
 from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer
-from third_party.lmcache.serde_settings import BITS_PER_ELEMENT, CONTAINER_SLACK, SerdeSettings
+from third_party.lmcache.serde_settings import (BITS_PER_ELEMENT, CONTAINER_SLACK, DEFAULT_SLOT_RATIO,
+                                                SerdeSettings)
 
 __all__ = [
-    "BITS_PER_ELEMENT", "CONTAINER_SLACK", "DTYPES", "FACTORIES", "FRAME_MAGIC", "FRAME_VERSION",
+    "BITS_PER_ELEMENT", "CONTAINER_SLACK", "DEFAULT_SLOT_RATIO", "DTYPES", "FACTORIES", "FRAME_MAGIC", "FRAME_VERSION",
     "MAX_CONTAINERS", "MAX_IDENT", "CodecDeserializer", "CodecSerializer", "SerdeSettings",
     "estimate_bytes", "frame_overhead", "kv_views", "make_pair", "parse_frame", "parse_settings",
 ]

@@ -117,15 +117,19 @@ def frame_overhead(s: SerdeSettings, ident_hash: str, shapes, dtypes) -> int:
 
 
 def estimate_bytes(s: SerdeSettings, ident_hash: str, layout: MemoryLayoutDesc) -> int:
-    """The slot for one object of ``layout`` (bytes): the frame overhead plus, per
-    kernel group, bits_per_element * elements / 8 and ``CONTAINER_SLACK`` per container.
-    Never raises: an unsupported layout gets its raw size (its serialize fails)."""
+    """The slot for one object of ``layout`` (bytes). Fixed-slot mode (``slot_ratio``):
+    floor(KV bytes / slot_ratio), the frame included (:mod:`.serde_slot`). Else the frame
+    overhead plus, per kernel group, bits_per_element * elements / 8 and
+    ``CONTAINER_SLACK`` per container. Never raises: an unsupported layout gets its raw
+    size (its serialize fails)."""
     try:
         shapes, dtypes = list(layout.shapes), list(layout.dtypes)
         raw = sum(math.prod(int(d) for d in sh) * dt.itemsize for sh, dt in zip(shapes, dtypes))
         if not shapes or any(dt not in DTYPES or len(sh) not in (3, 4, 5)
                              for sh, dt in zip(shapes, dtypes)):
             return max(1, raw)
+        if s.slot_ratio is not None:
+            return max(1, math.floor(raw / s.slot_ratio))
         ct = s.chunk_tokens
         payload = sum(math.ceil(math.prod(int(d) for d in sh)
                                 * s.bound(min(_tokens(sh), ct or _tokens(sh))) / 8)

@@ -10,7 +10,7 @@ from typing import Optional
 import codec
 from codec import kvtc as codec_kvtc
 
-from third_party.lmcache.serde_settings import SerdeSettings
+from third_party.lmcache.serde_settings import DEFAULT_SLOT_RATIO, SerdeSettings
 from third_party.lmcache.serde_sinks import SINK_MODES
 
 
@@ -44,11 +44,14 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
     "every_object", :mod:`.serde_sinks`), ``position_step`` (int >= 0, a multiple of
     16; default 256, LMCache's chunk size; 0: no position estimate) and ``max_tokens`` (int
     >= 16, default 131072) for kvtc's position estimate (:mod:`.serde_rope`), ``max_workers`` (int >= 1, read
-    by the factory). Raises ValueError naming the bad option."""
+    by the factory), ``slot_ratio`` ("auto" | number >= 1 | false: the fixed slot as KV
+    bytes / slot; "auto": ``DEFAULT_SLOT_RATIO`` when padding and no ``bits_per_element``
+    is given, else off), ``fill`` ("auto" | bool; "auto": on in the fixed-slot mode;
+    :mod:`.serde_slot`). Raises ValueError naming the bad option."""
     kw = dict(kwargs)
     known = {"level", "chunk_tokens", "num_kv_heads", "head_dim", "calibration",
              "calibration_path", "bits_per_element", "pad", "fallback", "sinks",
-             "position_step", "max_tokens", "max_workers"}
+             "position_step", "max_tokens", "max_workers", "slot_ratio", "fill"}
     bad = sorted(set(kw) - known)
     if bad:
         raise ValueError(f"unknown {name} serde option(s) {bad}; known: {sorted(known)}")
@@ -77,6 +80,23 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
     fallback = kw.get("fallback", True)
     if not isinstance(fallback, bool):
         raise ValueError(f"serde option 'fallback' must be true or false, got {fallback!r}")
+    ratio = kw.get("slot_ratio", "auto")
+    if ratio == "auto":
+        ratio = DEFAULT_SLOT_RATIO[name] if pad and bpe is None else None
+    elif ratio is False or ratio is None:
+        ratio = None
+    elif isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+            or not math.isfinite(ratio) or not 1 <= ratio <= 1e6:
+        raise ValueError(f"serde option 'slot_ratio' must be \"auto\", false or a number in "
+                         f"[1, 1e6], got {ratio!r}")
+    elif bpe is not None:
+        raise ValueError("serde options 'slot_ratio' and 'bits_per_element' both size the "
+                         "slot: give one")
+    fill = kw.get("fill", "auto")
+    if fill == "auto":
+        fill = ratio is not None and pad
+    elif not isinstance(fill, bool):
+        raise ValueError(f"serde option 'fill' must be \"auto\", true or false, got {fill!r}")
     sinks = kw.get("sinks", "auto")
     if sinks not in SINK_MODES:
         raise ValueError(f"serde option 'sinks' must be one of {list(SINK_MODES)}, got {sinks!r}")
@@ -111,4 +131,5 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
                          head_dim=opt_int(kw, "head_dim", 1), calibration=cal,
                          bits_per_element=None if bpe is None else float(bpe), pad=pad,
                          fallback=fallback, sinks=sinks,
-                         position_step=step, max_tokens=max_tokens)
+                         position_step=step, max_tokens=max_tokens,
+                         slot_ratio=None if ratio is None else float(ratio), fill=fill)

@@ -5,6 +5,7 @@ stats; decode a frame back into the destination object after checking its ident.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ from third_party.lmcache.serde_layout import (
     token_bounds,
 )
 from third_party.lmcache.serde_settings import SerdeSettings
+from third_party.lmcache.serde_slot import level_step, pick_level
 from third_party.lmcache.serde_rope import estimate_offset
 from third_party.lmcache.serde_sinks import starts_context
 
@@ -38,16 +40,22 @@ class _Base:
 class CodecSerializer(_Base, Serializer):
     """LMCache ``Serializer``: KV MemoryObj -> our framed bitstream in ``dst``.
 
-    ``stats``: counts of serialized objects, ``fallbacks`` (objects stored at a smaller
-    level than configured because the configured one did not fit the slot) and
-    ``bytes`` (frame bytes before padding), ``sink_groups`` / ``no_sink_groups`` (kernel
-    groups encoded with / without exact sink tokens, counted per encode attempt:
-    :mod:`.serde_sinks`), ``offsets`` (position coded at -> count: :mod:`.serde_rope`)."""
+    ``stats``: counts of serialized objects; ``coarser`` (= ``fallbacks``) and ``finer``
+    (objects stored at a coarser / finer level than configured: the configured one did
+    not fit the slot / a finer one fit too, :mod:`.serde_slot`), ``levels`` (level coded
+    at -> objects), ``encodes`` (codec encodes of whole objects, tries included),
+    ``fill_misses`` (finer tries that did not fit), ``refused`` (objects no level fit:
+    ValueError, not stored), ``encode_s`` (seconds in serialize); ``bytes`` (frame bytes
+    before padding), ``slot_bytes``; ``sink_groups`` / ``no_sink_groups`` (kernel groups
+    coded with / without exact sink tokens, once per object: :mod:`.serde_sinks`),
+    ``offsets`` (position coded at -> count: :mod:`.serde_rope`)."""
 
     def __init__(self, settings: SerdeSettings):
         super().__init__(settings)
         self._lock = threading.Lock()
-        self.stats = {"objects": 0, "fallbacks": 0, "bytes": 0, "slot_bytes": 0,
+        self.stats = {"objects": 0, "fallbacks": 0, "coarser": 0, "finer": 0, "levels": {},
+                      "encodes": 0, "fill_misses": 0, "refused": 0, "encode_s": 0.0,
+                      "bytes": 0, "slot_bytes": 0,
                       "sink_groups": 0, "no_sink_groups": 0, "offsets": {}}
 
     def _note_sinks(self, kept: bool, offset: int) -> None:
@@ -60,30 +68,43 @@ class CodecSerializer(_Base, Serializer):
         ``serialize`` writes, by construction."""
         return estimate_bytes(self.settings, self.ident_hash, layout_desc)
 
+    def plan(self, src: MemoryObj) -> list[tuple]:
+        """Per kernel group: (K view, V view, keeps exact sinks, position coded at), the
+        level-independent part of an encode (computed once per object)."""
+        s = self.settings
+        out = []
+        for t in group_tensors(src):
+            k, v = kv_views(t, s)
+            off = 0
+            # not a context's start: no exact sink tokens (our store path's chunks after
+            # the first); single-plane layouts keep them (serde_sinks); kvtc codes it at
+            # its estimated position (serde_rope)
+            keep = not (s.sinks == "auto" and t.dim() != 3 and not starts_context(v))
+            if not keep and s.codec == "kvtc" and s.position_step:
+                off = estimate_offset(k, codec_kvtc.get_calibration(s.calibration),
+                                      s.position_step, s.max_tokens)
+            out.append((k, v, keep, off))
+        return out
+
     def encode_frame(self, src: MemoryObj, key: Optional[ObjectKey], budget: int,
-                     level: int) -> bytes:
-        """The frame for ``src`` at ``level`` (bytes; may exceed ``budget``)."""
+                     level: int, plan: Optional[list] = None) -> bytes:
+        """The frame for ``src`` at ``level`` (bytes; may exceed ``budget``). ``plan``:
+        :meth:`plan` of ``src`` (None: computed and counted in ``stats``)."""
         s = self.settings
         tensors = group_tensors(src)
         shapes = [tuple(t.shape) for t in tensors]
         dtypes = [t.dtype for t in tensors]
+        if plan is None:
+            plan = self.plan(src)
+            for _, _, keep, off in plan:
+                self._note_sinks(keep, off)
         blobs = []
-        for t in tensors:
-            k, v = kv_views(t, s)
-            off = 0
-            if s.sinks == "auto" and t.dim() != 3 and not starts_context(v):
-                # not a context's start: no exact sink tokens (our store path's chunks
-                # after the first); single-plane layouts keep them (serde_sinks); kvtc
-                # codes it at its estimated position (serde_rope)
+        for k, v, keep, off in plan:
+            if not keep:
                 cfg, lvl = s.codec_config(level, no_sinks_layers=k.shape[0]), None
-                if s.codec == "kvtc" and s.position_step:
-                    off = estimate_offset(k, codec_kvtc.get_calibration(s.calibration),
-                                          s.position_step, s.max_tokens)
-                self._note_sinks(False, off)
             else:
                 cfg = s.codec_config(level)
                 lvl = None if cfg is not None else level
-                self._note_sinks(True, 0)
             if s.chunk_tokens is None:
                 blobs.append(codec.encode_kv(k, v, codec=s.codec, level=lvl, config=cfg,
                                              backend="cpu", token_offset=off))
@@ -95,8 +116,10 @@ class CodecSerializer(_Base, Serializer):
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         """Encode ``src`` into ``dst`` (a uint8 buffer of at least the slot).
+        Level: the finest that fits the slot (:mod:`.serde_slot`: ``fallback``, ``fill``).
         Returns the bytes to store: the slot when padding, else the frame's length.
-        Raises ValueError (layout, dtype, a frame that fits no level's slot) or CodecError."""
+        Raises ValueError (layout, dtype, a frame that fits the slot at no allowed level:
+        nothing is written) or CodecError."""
         s = self.settings
         out = getattr(dst, "tensor", None)
         if out is None or getattr(src, "tensor", None) is None:
@@ -107,18 +130,24 @@ class CodecSerializer(_Base, Serializer):
                                 MemoryLayoutDesc(shapes=[t.shape for t in tensors],
                                                  dtypes=[t.dtype for t in tensors]))
         budget = min(budget, out.numel())
-        levels = [s.level]
-        if s.fallback:
-            levels += [x for x in sorted(codec.levels(s.codec), reverse=True) if x < s.level]
-        data = b""
-        for i, lvl in enumerate(levels):
-            data = self.encode_frame(src, key, budget, lvl)
-            if len(data) <= budget:
-                break
-        else:
-            raise ValueError(f"{s.codec} serde: the bitstream ({len(data)} bytes at level "
-                             f"{levels[-1]}) does not fit the slot of {budget} bytes; set "
-                             f"\"bits_per_element\" for this model (docs/lmcache.md)")
+        t0 = time.perf_counter()
+        plan = self.plan(src)
+        for _, _, keep, off in plan:
+            self._note_sinks(keep, off)
+        tokens = min(int(k.shape[1]) for k, _, _, _ in plan)
+        tokens = min(tokens, s.chunk_tokens or tokens)
+        try:
+            data, lvl, info = pick_level(
+                lambda x: self.encode_frame(src, key, budget, x, plan), s.level,
+                codec.levels(s.codec), budget, s.fallback, s.fill,
+                lambda lo, hi: level_step(s, tokens, lo, hi))
+        except ValueError as e:
+            with self._lock:
+                self.stats["refused"] += 1
+            hint = "a smaller \"slot_ratio\"" if s.slot_ratio is not None else \
+                "\"bits_per_element\" for this model"
+            raise ValueError(f"{s.codec} serde: {e}; not stored (set {hint}, "
+                             f"docs/lmcache.md)") from None
         n = len(data)
         out[:n].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         stored = n
@@ -126,8 +155,15 @@ class CodecSerializer(_Base, Serializer):
             out[n:budget].zero_()
             stored = budget
         with self._lock:
-            self.stats["objects"] += 1
-            self.stats["fallbacks"] += int(i > 0)
+            st = self.stats
+            st["objects"] += 1
+            st["fallbacks"] += int(lvl < s.level)
+            st["coarser"] += int(lvl < s.level)
+            st["finer"] += int(lvl > s.level)
+            st["levels"][lvl] = st["levels"].get(lvl, 0) + 1
+            st["encodes"] += info["encodes"]
+            st["fill_misses"] += info["fill_misses"]
+            st["encode_s"] += time.perf_counter() - t0
             self.stats["bytes"] += n
             self.stats["slot_bytes"] += budget
         return stored
