@@ -574,9 +574,9 @@ def _main(args, argv: list[str]) -> int:
         print()
         print_task_splits(trows)
         print_task_paths(tinfo)
-    doc["wall_s"] = time.perf_counter() - t_start
+    doc["tasks_wall_s" if args.tasks_only else "wall_s"] = time.perf_counter() - t_start
     _write_json(args.out, doc)
-    print(f"\nwrote {args.out} ({doc['wall_s']:.0f} s)")
+    print(f"\nwrote {args.out} ({doc['tasks_wall_s' if args.tasks_only else 'wall_s']:.0f} s)")
     if doc.get("rows") and any(r["codec"] == REFERENCE[0] and r["level"] == REFERENCE[1] for r in doc["rows"]) \
             and any(r["codec"] == FAMILY_DEFAULT for r in doc["rows"]):
         print()

@@ -438,7 +438,8 @@ def decode_kv_into(data: bytes, k_out: torch.Tensor, v_out: torch.Tensor
 
     k_out, v_out: contiguous CPU tensors [L, T, H, D] of the container's dtype (see
     ``peek_header``). cachegen / cachegen-ref / quant8 decode into them with no
-    intermediate full-size tensor (``codec.fused``); the other codecs decode, then copy.
+    intermediate full-size tensor (``codec.fused``); kvtc writes its inverse transform
+    into them (no copy); the other codecs decode, then copy.
     Returns: (k_out, v_out). Raises: CodecError on a corrupt container; ValueError when
     the destination does not match the header's shape/dtype."""
     return decode_kv(data, "cpu", backend="cpu", out=(k_out, v_out))
@@ -473,6 +474,8 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
         elif getattr(c, "fused_cpu", False):   # codec.fused: into ``out`` if given
             k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"],
                             out=outp)
+        elif outp is not None and getattr(c, "decodes_into", False):   # kvtc: no copy after
+            k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"], out=outp)
         else:
             k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"])
     except CodecError:
@@ -494,8 +497,10 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
         raise CodecError(f"{c.name}: decoded KV contains NaN/inf (corrupt bitstream)")
     if outp is not None and not fused:
         ko, vo = outp
-        ko.copy_(k)
-        vo.copy_(v)
+        if k is not ko:
+            ko.copy_(k)
+        if v is not vo:
+            vo.copy_(v)
         return ko, vo
     return k.to(dev), v.to(dev)
 

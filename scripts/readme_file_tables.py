@@ -36,6 +36,18 @@ def _wilson_cell(p: Any, n: Any, ci: Any) -> str:
 TASK_ORDER = ("needle", "topic_retrieval", "all")
 
 
+def _window_note(qdoc: dict[str, Any]) -> str:
+    """A sentence on the stored layout when window storage was on (else "")."""
+    ws = (qdoc.get("config") or {}).get("window_storage") or {}
+    if not ws.get("applied"):
+        return ""
+    tws = (qdoc.get("tasks_config") or {}).get("window_storage") or {}
+    return (" Window storage on (each sliding-window layer's KV keeps its last window only); ratios and "
+            "bits/element are against the full-attention layout in the KV dtype, so `raw` shows the window's "
+            "saving alone." + (" The task rows below were measured with the full layout (an earlier run)."
+                               if tws and not tws.get("applied") and qdoc.get("tasks") else ""))
+
+
 def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/quality.json") -> str:
     """The quality block (without the markers), Markdown: the text-fidelity table (one row
     per codec/level, families in MODE_ORDER, then by bits per element), the task table and
@@ -52,7 +64,9 @@ def render_quality(qdoc: dict[str, Any] | None, source: str = "benchmarks/qualit
         f"({cfg.get('context_tokens', '?')} context + {cfg.get('continuation_tokens', '?')} continuation) tokens, "
         f"seed {cfg.get('seed', '?')}{', --quick' if cfg.get('quick') else ''}; {env.get('cpu_count', '?')} CPUs"
         + (f", {wall / 60:.0f} min wall" if isinstance(wall, (int, float)) else "")
-        + (" (the task answers' run)." if qdoc.get("tasks_command") else "."),
+        + (" (the task answers' run)" if qdoc.get("tasks_command") and "tasks_wall_s" not in qdoc else "")
+        + (f", the task answers' run {qdoc['tasks_wall_s'] / 60:.0f} min"
+           if isinstance(qdoc.get("tasks_wall_s"), (int, float)) else "") + "." + _window_note(qdoc),
         "",
         "Each decoded KV against the lossless KV on the same windows (paired): KL(lossless || decoded) per "
         "continuation token, top-1 agreement with the lossless argmax, each with a 95% bootstrap CI over "

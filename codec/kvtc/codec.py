@@ -44,6 +44,7 @@ class KvtcCodec:
     lossless = False
     uses_level = True
     supports_triton = False
+    decodes_into = True      # decode(out=(k, v)) writes into the caller's tensors (no copy)
 
     @property
     def levels(self) -> tuple:
@@ -138,7 +139,9 @@ class KvtcCodec:
 
     # ---- decode ----------------------------------------------------------------------
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
-               device=None):
+               device=None, out=None):
+        """(k, v) [L, T, H, D] in ``dtype_name``; ``out``: contiguous CPU tensors of that
+        shape and dtype to write into (every position is written) instead of new ones."""
 
         L, T, H, D = shape
         cfgd = header.get("config")
@@ -176,7 +179,8 @@ class KvtcCodec:
                          bytes(pay[pos:pos + s["payload_bytes"]])))
             pos += s["payload_bytes"]
         dt = DTYPES[dtype_name]
-        res = [_scratch.empty((L, T, H, D), dtype=dt) for _ in range(2)]   # model dtype
+        res = list(out) if out is not None else \
+            [_scratch.empty((L, T, H, D), dtype=dt) for _ in range(2)]   # model dtype
         with torch.inference_mode():
             for kv, tag in enumerate(("k", "v")):
                 if ns:
