@@ -267,9 +267,14 @@ def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: in
                 buf = _obj(torch.zeros(slot, dtype=torch.uint8))
                 ser.serialize(_obj(x), buf, key)
                 out = _obj(torch.zeros_like(x))
-                cfgc = ser.settings.codec_config(ser.settings.level)
-                blob = codec.encode_chunks(k, v, codec=label,
-                                           level=None if cfgc else ser.settings.level,
+                # the store path's container at the level the serde coded this chunk at
+                # (fixed-slot mode may code it coarser or finer than settings.level): the same
+                # bytes, so the comparison is of the two paths, not of two levels
+                from third_party.lmcache.serde_frame import parse_frame
+
+                lvl = codec.peek_header(bytes(parse_frame(memoryview(buf.tensor.numpy()))[1][0]))["level"]
+                cfgc = ser.settings.codec_config(lvl)
+                blob = codec.encode_chunks(k, v, codec=label, level=None if cfgc else lvl,
                                            config=cfgc, chunk_tokens=chunk)[0]
 
                 fails = {"n": 0}
@@ -288,26 +293,35 @@ def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: in
                 # this shared machine hits both alike; medians of ``repeats`` successes each
                 fns = (lambda: de.deserialize(buf, out, key), lambda: codec.decode_kv(blob))
                 ts: tuple[list, list] = ([], [])
+                ratios = []      # per adjacent pair: store-path s / LMCache s
                 for f in fns:
                     one(f)
-                for _ in range(3 * repeats):
-                    for f, acc in zip(fns, ts):
-                        dt = one(f)
-                        if dt is not None and len(acc) < repeats:
-                            acc.append(dt)
-                    if min(len(a) for a in ts) >= repeats:
+                for i in range(3 * repeats):
+                    # which goes first alternates too (cache state, turbo after idle)
+                    pair = [one(f) for f in fns] if i % 2 == 0 else [one(f) for f in fns[::-1]][::-1]
+                    if None not in pair:
+                        ts[0].append(pair[0])
+                        ts[1].append(pair[1])
+                        ratios.append(pair[1] / pair[0])
+                    if len(ratios) >= repeats:
                         break
-                if not all(ts):
+                if not ratios:
                     raise RuntimeError(f"{label}: every timed decode failed")
+                from evaluation.stats import mean_ci
+
+                rci = mean_ci(ratios)
                 t_ser, t_own = statistics.median(ts[0]), statistics.median(ts[1])
-                rows.append({"serde": label, "decode_chunk_tokens": chunk,
+                rows.append({"serde": label, "decode_chunk_tokens": chunk, "decode_level": lvl,
                              "decode_failures": fails["n"],
                              "lmcache_deserialize_ms_per_1k_tokens": 1e3 * t_ser * 1024 / chunk,
                              "store_path_decode_ms_per_1k_tokens": 1e3 * t_own * 1024 / chunk,
-                             "speed_vs_store_path": t_own / t_ser})
+                             "speed_vs_store_path": t_own / t_ser,
+                             "paired_speed_mean": rci["mean"], "paired_speed_ci": rci["ci"],
+                             "pairs": len(ratios)})
                 log(f"{label}: decode {1e3 * t_ser * 1024 / chunk:.1f} ms/1K tokens through "
                     f"LMCache vs {1e3 * t_own * 1024 / chunk:.1f} ms/1K on our store path "
-                    f"({t_own / t_ser:.2f}x)")
+                    f"({t_own / t_ser:.2f}x; paired mean {rci['mean']:.3f} [{rci['ci'][0]:.3f}, "
+                    f"{rci['ci'][1]:.3f}], n {len(ratios)})")
     finally:
         if srv is not None:
             srv.__exit__(None, None, None)
