@@ -345,15 +345,7 @@ def default_calibration(bundle, log=print) -> Path:
             f"{rec['source']} ({rec['chars']} characters, sha256 {rec['sha256'][:12]}; "
             f"key {key})")
         s = DEFAULT_SETTINGS
-        cal = calibrate(bundle, text, windows=s["windows"], window_tokens=s["window_tokens"],
-                        key_space=s["key_space"], per_head=s["per_head"],
-                        weighting=s["weighting"], sink_tokens=s["sink_tokens"],
-                        recent_tokens=s["recent_tokens"],
-                        sensitivity_tokens=s["sensitivity_tokens"],
-                        default_level=s["default_level"], centroid=s["centroid"],
-                        rounding=s["rounding"], sensitivity_batch=s["sensitivity_batch"],
-                        metric=s["metric"], metric_power=s["metric_power"],
-                        group_layers=s["group_layers"], data_record=rec, log=log)
+        cal = calibrate(bundle, text, **s, data_record=rec, log=log)
         path = cal.save(folder)
         tmp = index.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"hash": cal.hash, "weights_hash": bundle.info.weights_hash,

@@ -89,15 +89,7 @@ def group_calibrations(bundle, windows: Sequence[Optional[int]], text_path: Opti
         log(f"[calibrate] fitting {len(groups)} kvtc layer-group calibrations on {rec['source']} "
             f"{rec.get('description', '')} (sha256 {rec['sha256'][:12]}; key {key})")
         s = cal_mod.DEFAULT_SETTINGS
-        cals = cal_mod.calibrate(bundle, text, windows=s["windows"], window_tokens=s["window_tokens"],
-                                 key_space=s["key_space"], per_head=s["per_head"],
-                                 weighting=s["weighting"], sink_tokens=s["sink_tokens"],
-                                 recent_tokens=s["recent_tokens"],
-                                 sensitivity_tokens=s["sensitivity_tokens"],
-                                 default_level=s["default_level"], centroid=s["centroid"],
-                                 rounding=s["rounding"], sensitivity_batch=s["sensitivity_batch"],
-                                 metric=s["metric"], metric_power=s["metric_power"],
-                                 group_layers=s["group_layers"], data_record=rec,
+        cals = cal_mod.calibrate(bundle, text, **s, data_record=rec,
                                  layer_groups=[g for _, g in groups], log=log)
         entries = []
         for w, g in groups:
