@@ -177,9 +177,11 @@ def store_layout(cfg: RunConfig, info) -> tuple[list[int | None] | None, int]:
     """(windows, extra_tokens) of the store's entries: sliding-window storage
     (``codec.window``: a sliding layer keeps its last W + ``cfg.block_tokens`` tokens, so a
     block-aligned load one block short of the entry is still servable) when
-    ``cfg.window_storage`` is "auto", the model has sliding-window layers (``info.hybrid``)
-    and vLLM's hybrid KV cache manager is not kept on; else (None, 0): the full layout."""
-    if cfg.window_storage != "auto" or not getattr(info, "hybrid", False) or cfg.vllm_hybrid_kv:
+    ``cfg.window_storage`` is "auto" and the model has sliding-window layers
+    (``info.hybrid``), with vLLM's hybrid KV cache manager on or off (on, the connector
+    writes a sliding layer only the tokens of the blocks it keeps, all within the stored
+    W + block); else (None, 0): the full layout."""
+    if cfg.window_storage != "auto" or not getattr(info, "hybrid", False):
         return None, 0
     ws = [info.sliding_window if info.kind(i) == "sliding" else None for i in range(info.num_layers)]
     return ws, cfg.block_tokens

@@ -8,6 +8,8 @@ context as raw chunks in a local folder, greedy max_tokens):
   local_raw  the chunks loaded: the sliding groups' null blocks skipped
   corrupt    chunk 2 of 4 corrupted: the load fails after 2 chunks, the connector reports
              the request as failed_recving, vLLM recomputes its whole prompt
+  windowed   the chunks in the window-storage layout (codec.window, a sliding layer keeps
+             its last W + 128 tokens, the store path's default): the same output as text
 
 Run: .venv/bin/python tests/vllm_hma_check.py --model-dir DIR --out report.json
 """
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import codec
+from codec import window as cwindow
 from common.cli import exit_status
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
@@ -44,8 +47,11 @@ def check(model_dir: str, out_path: str, context_tokens: int, max_tokens: int,
     k, v = prefill_kv(bundle, ctx)
     ident = codec_identity(model_identity(bundle.info), "raw", [None])
     window = bundle.info.sliding_window
+    ws = [window if bundle.info.kind(i) == "sliding" else None for i in range(bundle.info.num_layers)]
     mdir = Path(bundle.info.path)
     del bundle
+    report: dict = {"answer": p.answer, "prompt_tokens": len(prompt), "window": window,
+                    "outputs": {}}
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=chunk_tokens)
     sizes = [min(chunk_tokens, len(ctx) - i) for i in range(0, len(ctx), chunk_tokens)]
     work = Path(tempfile.mkdtemp(prefix="cg_vllm_hma_check_"))
@@ -55,9 +61,13 @@ def check(model_dir: str, out_path: str, context_tokens: int, max_tokens: int,
     b[len(b) // 2] ^= 0xFF  # a flipped payload byte: the chunk's CRC check fails on decode
     bad[2] = bytes(b)
     save_local_context(work / "kv", "ctx_bad", ctx, bad, sizes, info={"codec": "raw"}, identity=ident)
+    wchunks = cwindow.encode_windowed_chunks(k, v, ws, codec="raw", chunk_tokens=chunk_tokens,
+                                             extra_tokens=128)
+    save_local_context(work / "kv", "ctx_win", ctx, wchunks, sizes, info={"codec": "raw"},
+                       identity=ident.replace(kv_layout=cwindow.layout_tag(ws, 128)))
+    report["windowed_bytes"] = sum(map(len, wchunks))
+    report["full_bytes"] = sum(map(len, chunks))
     stats = work / "stats.jsonl"
-    report: dict = {"answer": p.answer, "prompt_tokens": len(prompt), "window": window,
-                    "outputs": {}}
     llm = make_llm(mdir, {"source": "local", "source_dir": str(work / "kv"),
                           "stats_path": str(stats), "warmup": False},
                    max_model_len=len(prompt) + max_tokens + 64, hybrid_kv=True)
@@ -66,7 +76,9 @@ def check(model_dir: str, out_path: str, context_tokens: int, max_tokens: int,
                  "local_raw": {"source": "local", "context_key": "ctx", "mode": "raw",
                                "stats_tag": "local_raw"},
                  "corrupt": {"source": "local", "context_key": "ctx_bad", "mode": "raw",
-                             "stats_tag": "corrupt"}}
+                             "stats_tag": "corrupt"},
+                 "windowed": {"source": "local", "context_key": "ctx_win", "mode": "raw",
+                              "stats_tag": "windowed"}}
         for name, kp in cases.items():
             report["outputs"][name] = run_one(llm, prompt, max_tokens, kp)[0]
         report["hybrid_kv_cache_manager"] = \

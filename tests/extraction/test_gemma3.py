@@ -286,13 +286,13 @@ def _run_vllm(tmp_path, mdir, *args, engine="vllm"):
     return json.loads(out.read_text())
 
 
-def _check_kv_rows(doc, block=128, engine="vllm", windowed=True):
+def _check_kv_rows(doc, block=128, engine="vllm", windowed=True, hybrid=False):
     """Every KV row loaded the whole-block part of its context (no load error), the hybrid
-    manager was off, and the lossless row gave plain prefill's output ids; with
-    ``windowed`` the store held the sliding-window layout (raw bytes below the full
-    layout's)."""
+    manager was off (on with ``hybrid``), and the lossless row gave plain prefill's output
+    ids; with ``windowed`` the store held the sliding-window layout (raw bytes below the
+    full layout's)."""
     if engine == "vllm":
-        assert doc["environment"]["engine"]["hybrid_kv_cache_manager"] is False
+        assert doc["environment"]["engine"]["hybrid_kv_cache_manager"] is hybrid
         assert doc["environment"]["engine"]["kv_block_size"] == block and doc["model"]["dtype"] == "bfloat16"
     lay = doc["store_layout"]
     assert lay["applied"] is windowed and lay["window_storage"] == ("auto" if windowed else "off")
@@ -338,6 +338,20 @@ def test_vllm_engine_hybrid_variant_float16_small_window_short_context(tmp_path)
     doc = _run_vllm(tmp_path, mdir, "--context-tokens", "300", "--modes", "text", "raw", "quant8",
                     "--bandwidth-mbps", "500")
     _check_kv_rows(doc)
+
+
+@pytest.mark.slow
+def test_vllm_hybrid_manager_on_loads_windowed_entries(tmp_path):
+    """--vllm-hybrid-kv (CacheGenHMAConnector) with the store's default window layout: a
+    sliding layer's kept blocks all lie inside the stored last W + block tokens, so the
+    lossless row reproduces plain prefill from windowed entries (round 14; before, the
+    harness stored the full layout whenever the manager was on)."""
+    mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=16, dtype=torch.float16, init=0.2,
+                            layer_types=("full_attention", "sliding_attention", "sliding_attention"))
+    doc = _run_vllm(tmp_path, mdir, "--context-tokens", "400", "--modes", "text", "raw", "quant8",
+                    "--bandwidth-mbps", "500", "--vllm-hybrid-kv")
+    _check_kv_rows(doc, hybrid=True)
+    assert doc["environment"]["engine"]["kv_cache"]["num_groups"] > 1
 
 
 @pytest.mark.slow

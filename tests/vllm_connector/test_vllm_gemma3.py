@@ -64,6 +64,8 @@ def test_gemma3_kv_loads_through_vllm(tmp_path, gemma3_cached, hybrid):
     assert runs["raw"]["quality"]["greedy_match"] == 1.0
     assert all(r["quality"]["correct"] is True for r in runs.values()), \
         {m: r["output_text"][:80] for m, r in runs.items()}
+    # the store path's default layout on both routes: sliding layers keep W + one block
+    assert doc["store_layout"]["applied"] is True and doc["store_layout"]["extra_tokens"] == 128
     # the engine's KV cache layout is recorded
     eng = doc["environment"]["engine"]
     assert eng["hybrid_kv_cache_manager"] is hybrid and eng["async_load"] is hybrid
@@ -104,3 +106,8 @@ def test_hma_connector_loads_and_recomputes_a_failed_load(tmp_path, gemma3_cache
     assert ok["loaded_tokens"] == ok["requested_tokens"] > rep["window"] and not ok["error"]
     assert "CRC" in bad["error"] and 0 < bad["loaded_tokens"] < bad["requested_tokens"]
     assert bad["recomputed_tokens"] == bad["requested_tokens"]   # the whole request
+    # window-storage entries (the store path's default layout) through the hybrid manager
+    win = loads["windowed"]
+    assert outs["windowed"] == outs["text"]
+    assert win["loaded_tokens"] == win["requested_tokens"] > rep["window"] and not win["error"]
+    assert rep["windowed_bytes"] < 0.9 * rep["full_bytes"]
