@@ -55,15 +55,17 @@ def test_pipelined_load_shorter_than_transfer_plus_decode(tmp_path, method):
     assert r.transfer_s >= n * 0.07
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_adaptive_levels_follow_a_rate_step(tmp_path, method):
+HEALTHY_TRIES = 3         # attempts of the rate-step scenario whose healthy part the host starved
+HEALTHY_MBPS = 50.0       # a throughput estimate below this on the 200 Mbit/s link: the host, not the link
+
+
+def _rate_step(tmp_path, method, attempt):
     from streaming.adapt import AdaptivePolicy
     from streaming.traces import apply_trace, step
 
-    n = 6
     with ShapedLink(200, method=method) as link:
-        with start_store_server(tmp_path / "s", link) as h, h.client(timeout=20) as c:
-            key, _ = put_context(c, n=n, nbytes=400_000, levels=(1, 2, 3))
+        with start_store_server(tmp_path / f"s{attempt}", link) as h, h.client(timeout=20) as c:
+            key, _ = put_context(c, n=6, nbytes=400_000, levels=(1, 2, 3))
             # Chunk sizes ~133/267/400 KB; text costs 100 tokens / 200 tokens/s = 0.5 s a chunk,
             # so KV is needed for a 1.5 s SLO. At 200 Mbit/s level 3 takes 0.016 s. Chunk 3 is
             # requested at 4 Mbit/s (0.8 s for level 3): its transfer overruns the deadline and is
@@ -72,6 +74,26 @@ def test_adaptive_levels_follow_a_rate_step(tmp_path, method):
             pol = AdaptivePolicy(slo_s=1.5, prefill_tokens_per_s=200, initial_throughput_mbps=200)
             r = stream_load(c, key, pol, standin.decoder(1), model_id="m", before_chunk=apply_trace(link, trace))
             assert c.ping()  # the store connection works after the cut
+    return r
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_adaptive_levels_follow_a_rate_step(tmp_path, method):
+    """The precondition is a healthy 200 Mbit/s link for chunks 0-2. On a loaded 2-core host
+    the userspace proxy (a Python token bucket) once delivered chunk 0 at ~8 Mbit/s
+    (2026-12-03, CI at load ~3; the policy then rightly chose level 2 for chunk 1): such an
+    attempt, whose measured throughput before the step is below HEALTHY_MBPS, is run again
+    (at most HEALTHY_TRIES times, each shown if all fail). Everything the policy decides is
+    asserted on the attempt whose healthy part measured healthy."""
+    n = 6
+    starved = []
+    for attempt in range(HEALTHY_TRIES):
+        r = _rate_step(tmp_path, method, attempt)
+        est = [d.throughput_mbps_est for d in r.decisions[1:3]]
+        if all(e >= HEALTHY_MBPS for e in est):
+            break
+        starved.append(est)
+    assert len(starved) < HEALTHY_TRIES, ("the 200 Mbit/s part measured starved in every attempt", starved)
     levels = [ch.level for ch in r.chunks]
     info = [(d.level, d.reason, round(d.elapsed_s, 3), d.budget_s, d.throughput_mbps_est) for d in r.decisions]
     assert levels[:3] == [3, 3, 3], info
