@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every layer keeps every token)")
     p.add_argument("--window-storage", choices=["auto", "off"],
                    help="store entries of a sliding-window model keep each sliding layer's last window + one "
-                        "KV block only (auto, the default; not with --vllm-hybrid-kv) or every token (off); "
+                        "KV block only (auto, the default) or every token (off); "
                         "docs/models.md")
     flags.add_model(p)
     p.add_argument("--tasks", nargs="+",

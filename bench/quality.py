@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "topic 512); too few samples to rank codecs")
     p.add_argument("--windows", type=int, default=None, help="number of windows (default 32; quick 4)")
     flags.add_context_tokens(p, aliases=("--context",),
-                             help="context tokens per window, tokens (default 2048; quick 512)")
+                             help="context tokens per window, tokens (default 2048; quick 512, or twice the largest sliding window)")
     p.add_argument("--continuation", type=int, default=None,
                    help="continuation tokens per window (default 256; quick 128)")
     flags.add_seed(p, help="seed of the window offsets / task prompts (default 0)")
@@ -389,6 +389,13 @@ def _print_choice(choice: dict) -> None:
         print("chosen default level: none qualifies")
     else:
         print(f"chosen default level: {FAMILY_DEFAULT} {choice['level']} ({choice['ratio_vs_dtype']:.2f}x)")
+
+
+def quick_hybrid_context(context: int, windows: list) -> int:
+    """The --quick window length on a model with per-layer ``windows`` (tokens; None = full
+    attention): at least twice the largest sliding window, since a window no longer than
+    the sliding window would drop nothing and leave window storage untested."""
+    return max([context] + [2 * w for w in windows if w is not None])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -486,6 +493,9 @@ def _main(args, argv: list[str]) -> int:
         raise QualityError("--kvtc-calibration is one calibration of the whole model, but window storage codes "
                            "each layer group on its own: pass --kvtc-calibration-data FILE (one calibration "
                            "per group is fitted on it) or --window-storage off")
+    if ws is not None and args.quick and args.context_tokens is None and quick_hybrid_context(context, ws) > context:
+        context = quick_hybrid_context(context, ws)
+        print(f"--quick on a sliding-window model: {context}-token windows (twice the largest window)")
     wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,
               "ratio_basis": "full-attention layout in the KV dtype"}
     from bench.lmcache_rows import needs_kvtc
@@ -509,7 +519,9 @@ def _main(args, argv: list[str]) -> int:
         print(f"data: WikiText-2 {wt.split} from {wt.source} ({wt.location}), sha256 {wt.sha256}")
         ids = bundle.tokenizer(wt.text)["input_ids"]
         print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
-              f"{len(pairs)} codec/levels")
+              f"{len(pairs)} codec/levels"
+              + ("; a smoke run: its CIs are wide, do not rank codecs on it (use >= 32 windows)"
+                 if windows < 32 else ""))
         rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
                                        log=_log, batch=batch, codec_workers=codec_workers,
                                        configs=configs, windows=ws)

@@ -52,20 +52,14 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     for part in [p.strip() for p in spec.split(";") if p.strip()]:
         name, _, levels = part.partition(":")
         name = name.strip()
-        if lmcache_rows.is_row(name):      # our serdes inside LMCache (bench/lmcache_rows.py)
-            if not lmcache_rows.can_run(name):
+        # our serdes inside LMCache (bench/lmcache_rows.py) and LMCache's own serdes
+        ours, peer = lmcache_rows.is_row(name), lmcache_peers.is_peer(name)
+        if ours or peer:
+            if not (lmcache_rows.can_run(name) if ours else name in lmcache_peers.available()):
                 raise QualityError(f"'{name}' needs lmcache (bash scripts/setup.sh lmcache; "
                                    f"run with .venv-lmcache/bin/python)")
             if levels.strip():
-                raise QualityError(f"'{name}' has no levels (the serde picks them)")
-            out.append((name, None))
-            continue
-        if lmcache_peers.is_peer(name):
-            if name not in lmcache_peers.available():
-                raise QualityError(f"'{name}' needs lmcache (bash scripts/setup.sh lmcache; "
-                                   f"run with .venv-lmcache/bin/python)")
-            if levels.strip():
-                raise QualityError(f"'{name}' has no levels")
+                raise QualityError(f"'{name}' has no levels" + (" (the serde picks them)" if ours else ""))
             out.append((name, None))
             continue
         if name not in codec.CODECS:

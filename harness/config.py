@@ -56,8 +56,8 @@ class RunConfig:
     # asynchronous loads); false = off, every layer keeps every token (kv_groups.py)
     vllm_hybrid_kv: bool = False
     # sliding-window storage of the store's entries (codec.window): "auto" = on for a model
-    # with sliding-window layers (each keeps its last window + one block of tokens), except
-    # under vllm_hybrid_kv; "off" = every layer stores every token
+    # with sliding-window layers (each keeps its last window + one block of tokens), with
+    # vllm_hybrid_kv or without; "off" = every layer stores every token
     window_storage: str = "auto"
     model: str | None = None
     tasks: tuple[str, ...] = ("needle",)

@@ -61,9 +61,10 @@ def get_calibration(h: str, search_dir: Optional[Union[str, os.PathLike]] = None
     p = folder / f"{h}.safetensors"
     if not p.is_file():
         raise CodecError(
-            f"KVTC calibration {h} is needed to decode this data and is not available: "
+            f"KVTC calibration {h} is not available (this data or config names it): "
             f"register it with codec.kvtc.register_calibration(PATH) or place it at {p} "
-            f"(make one with: python -m kv_extraction_hf.calibrate)")
+            f"(the cache folder is $CACHEGEN_CACHE/kvtc, default ~/.cache/cachegen-harness/kvtc; "
+            f"make one with: python -m kv_extraction_hf.calibrate)")
     cal = load_calibration(p)
     if cal.hash != h:
         raise CodecError(f"{p} holds calibration {cal.hash}, not {h}")

@@ -222,3 +222,17 @@ def test_run_tasks_real_model(default_bundle):
     lo, hi = by[("cachegen", "all")]["agreement_ci"]
     assert 0.0 <= lo <= by[("cachegen", "all")]["agreement"] <= hi <= 1.0
     assert [r["task"] for r in info["requests"]] == ["needle", "topic_retrieval"]
+
+
+@pytest.mark.parametrize("context,windows,want", [
+    (512, [512, 512, None], 1024),        # Gemma 3 270M: --quick's 512 would drop nothing
+    (512, [None, None], 512),             # full attention only: unchanged
+    (512, [128, None, 256], 512),         # windows already shorter than half the context
+    (512, [300, None], 600),
+    (2048, [4096, None], 8192),
+])
+def test_quick_context_exercises_window_storage(context, windows, want):
+    got = Q.quick_hybrid_context(context, windows)
+    assert got == want
+    sliding = [w for w in windows if w is not None]
+    assert not sliding or got > max(sliding)     # something is dropped on every sliding layer
