@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import flags
+from cachegen_common import flags
 from kv_extraction_hf.dataflags import DATA_FLAG_DESTS, add_data_flags, data_map_from_args
 from kv_extraction_hf.errors import ExtractionError
 

@@ -35,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common import flags  # stdlib only: the shared flag spellings
+from cachegen_common import flags  # stdlib only: the shared flag spellings
 
 # The figure code lives in visualize/ (issue 27: modules under 600 lines); its names are
 # re-exported here for the tests, the notebook and other callers (`import visualize_results as vr`).

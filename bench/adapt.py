@@ -53,9 +53,9 @@ import sys
 import time
 from pathlib import Path
 
-from common import flags
-from common.files import atomic_write_json
-from common.header import environment as header_environment
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
+from cachegen_common.header import environment as header_environment
 from streaming import standin
 from streaming.adapt_model import ClockModel  # noqa: F401 - also re-exported (issue 27 split)
 from streaming.adapt_oracle import oracle, oracle_labels  # noqa: F401 - also re-exported
@@ -109,7 +109,7 @@ def engine_calibration(results_path: Path, table: dict) -> dict:
 
 
 def _env() -> dict:
-    """adaptation.json's ``environment`` (:func:`common.header.environment`)."""
+    """adaptation.json's ``environment`` (:func:`cachegen_common.header.environment`)."""
     return header_environment(("python", "platform", "num_cpus", "git_commit",
                                "load_avg_1m_at_start"))
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from bench.adapt_sim import _Man, _req, clock_model, make_adaptive
-from common.units import mbps_to_bytes_per_s
+from cachegen_common.units import mbps_to_bytes_per_s
 from streaming import standin
 from streaming.adapt import oracle
 from streaming.adapt_params import DEFAULT_PRESET

@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common.units import mbps_to_bytes_per_s
+from cachegen_common.units import mbps_to_bytes_per_s
 from streaming.adapt_model import ClockModel
 from streaming.adapt_oracle import oracle, oracle_labels
 from streaming.adapt_policy import AdaptivePolicy, FixedPolicy

@@ -36,9 +36,9 @@ import torch
 
 from codec.codecs import CODECS, DTYPE_NAMES
 from codec.config import DEFAULT_CHUNK_TOKENS
-from common import flags
-from common.files import atomic_write_json
-from common.header import environment as header_environment
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
+from cachegen_common.header import environment as header_environment
 
 # The parts live in their own modules (issue 27: one job per module): the KV sources and
 # the kvtc calibration in bench/codec_contexts.py, one measured row in bench/codec_rows.py
@@ -103,8 +103,8 @@ def print_table(rows: list[dict], out=None) -> None:
 
 def _environment() -> dict:
     """codec_bench.json's ``environment``: versions, CPU, threads, commit, load, and
-    ``numerics`` (``common.machine``: CPU vendor and model, AMX / AVX512-BF16 / AVX2 flags,
-    the ISA oneDNN uses); computed by :func:`common.header.environment`."""
+    ``numerics`` (``cachegen_common.machine``: CPU vendor and model, AMX / AVX512-BF16 / AVX2 flags,
+    the ISA oneDNN uses); computed by :func:`cachegen_common.header.environment`."""
     return header_environment(("python", "platform", "cpu", "num_cpus", "torch_threads",
                                "packages", "git_commit", "load_avg_1m", "numerics"),
                               packages=("torch", "numpy", "numba"))

@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.coder_rans import rans_bench
 from codec.entropy import decode_symbols, encode_symbols
-from common import flags
+from cachegen_common import flags
 
 
 def entropy_bench(argv=None) -> int:

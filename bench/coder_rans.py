@@ -14,7 +14,7 @@ import numpy as np
 from bench.coder_constriction import compare_constriction
 from codec import probability as prob
 from codec.rans_cpu import PROB_SCALE, decode_streams, encode_streams
-from common import flags
+from cachegen_common import flags
 
 
 def _numba_threads() -> Optional[int]:

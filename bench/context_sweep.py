@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from codec.level_table import default_level  # standard library only
-from common import flags
-from common.cli import exit_status
-from common.files import atomic_write_json
+from cachegen_common import flags
+from cachegen_common.cli import exit_status
+from cachegen_common.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "gemma3-270m"

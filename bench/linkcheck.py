@@ -24,9 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from common import flags
-from common.files import atomic_write_json
-from common.units import goodput_mbps, mbps_to_bytes_per_s
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
+from cachegen_common.units import goodput_mbps, mbps_to_bytes_per_s
 
 _REQ = struct.Struct("<Q")
 _BLOCK = bytes(256 * 1024)

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from common import flags
-from common.files import atomic_write_json
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
 
 
 def _planes(k, v):

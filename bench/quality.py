@@ -56,9 +56,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from common import flags
-from common.files import atomic_write_json
-from common.header import environment as header_environment
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
+from cachegen_common.header import environment as header_environment
 
 
 # The measurement code lives in bench/quality_config.py, quality_text.py and quality_tasks.py
@@ -207,7 +207,7 @@ def print_task_paths(info: dict, out=None) -> None:
 def environment() -> dict:
     """quality.json's ``environment``: versions, CPU count and torch threads of this run, and
     ``numerics`` (CPU vendor and model, AMX / AVX512-BF16 / AVX2 flags, the ISA oneDNN uses:
-    ``common.machine``); computed by :func:`common.header.environment`."""
+    ``cachegen_common.machine``); computed by :func:`cachegen_common.header.environment`."""
     return header_environment(("python", "torch", "transformers", "numpy", "platform",
                                "cpu_count", "torch_threads", "numerics"))
 

@@ -18,9 +18,9 @@ import sys
 import tempfile
 from typing import Sequence
 
-from common.cli import exit_status
-from common import flags
-from common.units import goodput_mbps
+from cachegen_common.cli import exit_status
+from cachegen_common import flags
+from cachegen_common.units import goodput_mbps
 from streaming import standin
 from streaming.client import stream_load
 from streaming.errors import StoreError

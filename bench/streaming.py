@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.cli import exit_status
-from common import flags
-from common.files import atomic_write_json
+from cachegen_common.cli import exit_status
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
 from streaming import standin
 from streaming.adapt_policy import AdaptivePolicy
 from streaming.client import stream_load

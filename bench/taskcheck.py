@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from common import flags
+from cachegen_common import flags
 from kv_extraction_hf.errors import run_cli
 
 

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from codec import triton_kernels as tk
-from common import flags
-from common.files import atomic_write_json
-from common.header import environment as header_environment
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
+from cachegen_common.header import environment as header_environment
 
 # LMCache/CacheGen default schedule for a 7B model (LMCache cachegen_basics.py)
 LAYERS_7B, HEADS_7B, HEAD_DIM_7B, TOKENS_7B = 32, 8, 128, 4096
@@ -243,7 +243,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
 
 
 def environment(device: str) -> dict:
-    """Date, GPU, versions (for docs/gpu.md records; :func:`common.header.environment`)."""
+    """Date, GPU, versions (for docs/gpu.md records; :func:`cachegen_common.header.environment`)."""
     env = header_environment(("date", "python", "torch", "triton", "numpy", "cpu_count",
                               "interpret", "numba"), interpret=tk.interpreting())
     if torch.device(device).type == "cuda" and torch.cuda.is_available():

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import codec
-from common import flags
+from cachegen_common import flags
 from harness.engine_numerics import ENGINE_DTYPE
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import flags
+from cachegen_common import flags
 
 CONFIGS = ("hma-on", "hma-off+connector")
 # vLLM 0.32's start-up line (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity)

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import flags
+from cachegen_common import flags
 
 REPO = Path(__file__).resolve().parents[1]
 

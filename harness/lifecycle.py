@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.files import atomic_write_json
+from cachegen_common.files import atomic_write_json
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "psm_"  # multiprocessing.shared_memory's name prefix (vLLM's message queues)

@@ -2,7 +2,7 @@
 writes, the console summary table.
 
 Every finished run is appended and the whole document is rewritten atomically
-(``common.header.atomic_write_json``: temp file + ``os.replace``), so an interrupted
+(``cachegen_common.header.atomic_write_json``: temp file + ``os.replace``), so an interrupted
 benchmark keeps the records already finished; the document says ``"complete": false``
 until the run's last write. Summaries come from :func:`evaluation.summary.summarize` (one
 path for the harness, the figures, the notebook).
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.files import atomic_write_json  # noqa: F401 - re-exported
-from common.header import git_commit, utc_now  # noqa: F401 - re-exported
-from common.header import environment as header_environment
+from cachegen_common.files import atomic_write_json  # noqa: F401 - re-exported
+from cachegen_common.header import git_commit, utc_now  # noqa: F401 - re-exported
+from cachegen_common.header import environment as header_environment
 from evaluation.summary import plot_label, summarize
 
 SCHEMA_VERSION = 1
@@ -40,7 +40,7 @@ def environment(link_method: str | None = None) -> dict[str, Any]:
     """The ``environment`` header of results.json (docs/results-schema.md): python, platform,
     CPU, CPU count, GPU, package versions, link method, and ``numerics`` (what changes bf16
     results: CPU vendor/model, AMX / AVX512-BF16 / AVX2 flags, torch's CPU capability, the
-    ISA oneDNN uses; ``common.machine.numerics``). Computed by :func:`common.header.environment`."""
+    ISA oneDNN uses; ``cachegen_common.machine.numerics``). Computed by :func:`cachegen_common.header.environment`."""
     return header_environment(("python", "platform", "cpu", "num_cpus", "gpu", "packages",
                                "link_method", "numerics"), packages=PACKAGES,
                               link_method=link_method)

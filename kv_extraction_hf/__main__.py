@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import flags
+from cachegen_common import flags
 from kv_extraction_hf.dataflags import add_data_flags, data_map_from_args
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompt_base import DATA_PATH_TASKS, TASKS, USER_DATA_TASKS

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import flags
+from cachegen_common import flags
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (issue 27 split)
     measure_sensitivity, _attn_modules, query_energy, output_gram, metric_from_stats,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import flags
+from cachegen_common import flags
 from kv_extraction_hf.datasets_loaders import parse_data_map
 from kv_extraction_hf.errors import ExtractionError
 
@@ -22,7 +22,7 @@ DATA_FLAG_DESTS = ("data_map", "data_field_context", "data_field_question", "dat
 
 def add_data_flags(parser: argparse.ArgumentParser) -> None:
     """The user-data flags shared by every entry point (this CLI, run_benchmarks.py, the
-    quality benchmark): ``--data-path`` (``common.flags.add_data_path``; old ``--data``),
+    quality benchmark): ``--data-path`` (``cachegen_common.flags.add_data_path``; old ``--data``),
     ``--data-map``, ``--data-field-*``, ``--no-truncate``."""
     flags.add_data_path(parser, help="your own data: a JSONL file for --task longchat (the CacheGen artifact's "
                              "LongChat rows: test_id, prompt, label), longbench (context, input, answers) "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.cli import exit_status
+from cachegen_common.cli import exit_status
 
 
 class ExtractionError(ValueError):
@@ -20,5 +20,5 @@ class ExtractionError(ValueError):
 def run_cli(body: Callable[[], None]) -> int:
     """Run a CLI's ``body``: exit status 0 when it returns, 2 when it raises
     :class:`ExtractionError` (its message printed to stderr as ``error: <message>``;
-    ``common.cli.exit_status``)."""
+    ``cachegen_common.cli.exit_status``)."""
     return exit_status(body, (ExtractionError,))

@@ -34,7 +34,7 @@ import urllib.parse
 import zipfile
 from pathlib import Path
 
-from common.files import files_sha256
+from cachegen_common.files import files_sha256
 from kv_extraction_hf.errors import ExtractionError, run_cli
 from kv_extraction_hf.model_fetch import (  # noqa: F401  (re-exported: the registry, cache and fetch)
     DEFAULT_MODEL_ID,

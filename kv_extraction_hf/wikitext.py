@@ -33,7 +33,7 @@ import random
 import sys
 from pathlib import Path
 
-from common import flags
+from cachegen_common import flags
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.textcheck import check_text
 

@@ -44,9 +44,9 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))
 
 from bench import adapt as B  # noqa: E402
-from common import flags  # noqa: E402
-from common.files import atomic_write_json  # noqa: E402
-from common.units import mbps_to_bytes_per_s  # noqa: E402
+from cachegen_common import flags  # noqa: E402
+from cachegen_common.files import atomic_write_json  # noqa: E402
+from cachegen_common.units import mbps_to_bytes_per_s  # noqa: E402
 from streaming.adapt_oracle import oracle, oracle_labels  # noqa: E402
 from streaming.adapt_policy import FixedPolicy  # noqa: E402
 from streaming.adapt_simulate import simulate  # noqa: E402

@@ -23,8 +23,8 @@ import traceback
 import numpy as np
 import torch
 
-from common import flags
-from common.files import atomic_write_json
+from cachegen_common import flags
+from cachegen_common.files import atomic_write_json
 
 
 def correctness(device: str, tiny: bool = False, log=print) -> dict:

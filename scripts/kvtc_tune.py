@@ -48,8 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import flags  # noqa: E402
-from common.files import atomic_write_json  # noqa: E402
+from cachegen_common import flags  # noqa: E402
+from cachegen_common.files import atomic_write_json  # noqa: E402
 
 
 def main(argv=None) -> int:

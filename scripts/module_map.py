@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "modules.md"
-PACKAGES = ("common", "codec", "kv_extraction_hf", "streaming", "evaluation", "third_party",
+PACKAGES = ("cachegen_common", "codec", "kv_extraction_hf", "streaming", "evaluation", "third_party",
             "harness", "bench", "visualize", "scripts")
 TOP = ("run_benchmarks.py", "visualize_results.py")
 

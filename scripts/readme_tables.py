@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's pa
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules below, when imported
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # from elsewhere than scripts/
 
-from common.files import atomic_write_text  # noqa: E402
+from cachegen_common.files import atomic_write_text  # noqa: E402
 from evaluation.stats import wilson_ci  # noqa: E402
 from evaluation.summary import plot_label  # noqa: E402
 

@@ -9,7 +9,7 @@ import math
 import threading
 from typing import Any, Sequence
 
-from common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
+from cachegen_common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
 from streaming.adapt_params import DEFAULT_PRESET, PolicyParams, preset, split_policy_args
 from streaming.adapt_estimate import BURST_SAMPLE_FACTOR, DecodeTable, TEXT, ThroughputEstimator
 from streaming.adapt_model import ClockModel, Decision

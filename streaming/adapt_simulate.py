@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
+from cachegen_common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
 from streaming.adapt_estimate import TEXT
 from streaming.adapt_model import ClockModel, Decision
 

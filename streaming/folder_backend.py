@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
-from common.files import atomic_write
+from cachegen_common.files import atomic_write
 from streaming.errors import StoreError, StoreFullError, StoreReadOnlyError, StoreTooLargeError
 
 _OBJ_MAGIC = b"CGOB"  # object file: magic, u32 key length, key (UTF-8), data

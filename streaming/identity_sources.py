@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from common.files import files_sha256
+from cachegen_common.files import files_sha256
 from streaming.identity_entry import TOKENIZER_FILES, EntryIdentity
 
 

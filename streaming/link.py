@@ -35,8 +35,8 @@ import subprocess
 import sys
 import threading
 
-from common import flags
-from common.units import mbps_to_bytes_per_s
+from cachegen_common import flags
+from cachegen_common.units import mbps_to_bytes_per_s
 from streaming.errors import LinkError
 from streaming.link_cleanup import (  # noqa: F401 - re-exported
     _LIVE,

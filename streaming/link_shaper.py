@@ -12,7 +12,7 @@ import re
 import secrets
 import subprocess
 
-from common.units import mbps_to_bytes_per_s
+from cachegen_common.units import mbps_to_bytes_per_s
 from streaming.errors import LinkError
 
 

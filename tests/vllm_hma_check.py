@@ -25,7 +25,7 @@ from pathlib import Path
 
 import codec
 from codec import window as cwindow
-from common.cli import exit_status
+from cachegen_common.cli import exit_status
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model

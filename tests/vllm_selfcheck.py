@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import codec
-from common.cli import exit_status
+from cachegen_common.cli import exit_status
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model

@@ -10,6 +10,6 @@
 - :mod:`visualize.adapt_figures`: the figures of an adaptation.json (``bench.adapt``).
 
 Like the script, it reads result files only: it imports no codec, streaming, engine or
-model code (only ``common`` and ``evaluation.summary``), and never selects a matplotlib
+model code (only ``cachegen_common`` and ``evaluation.summary``), and never selects a matplotlib
 backend (``visualize_results.main`` does).
 """

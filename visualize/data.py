@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from common.files import atomic_write  # stdlib only
+from cachegen_common.files import atomic_write  # stdlib only
 from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
 from visualize.loading import (  # noqa: F401  (re-exported)
     KNOWN_SCHEMA_VERSION, ResultsError, SkipFigure, load_results, schema_warnings
@@ -326,7 +326,7 @@ def save_formats(fig, out_dir: Path, name: str, formats: Sequence[str], dpi: int
 
 
 def save_figure(fig, path: Path, fmt: str, dpi: int = 150) -> None:
-    """Write ``fig`` to ``path`` atomically (``common.header.atomic_write``: temp file in
+    """Write ``fig`` to ``path`` atomically (``cachegen_common.header.atomic_write``: temp file in
     the same folder, then rename)."""
     atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight",
                                               pad_inches=0.15,

@@ -1,4 +1,4 @@
-"""The numerics record of the result files (common/machine.py, issue 25.6): CPU vendor and
+"""The numerics record of the result files (cachegen_common/machine.py, issue 25.6): CPU vendor and
 model, the AMX / AVX512 / AVX2 flags, torch's CPU capability and the ISA oneDNN uses; and
 that ``ONEDNN_MAX_CPU_ISA`` (the second kernel family CI runs under) reaches oneDNN.
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import machine
+from cachegen_common import machine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_onednn_max_cpu_isa_reaches_onednn():
     # the CI pass under ONEDNN_MAX_CPU_ISA=AVX2 must really change the kernel family: the
     # record of a child process under it names the variable, and oneDNN then has no
     # bf16 matmul (no AVX512-BF16 / AMX kernel: the bf16 products are torch's own)
-    code = "import json; from common.machine import numerics; print(json.dumps(numerics()))"
+    code = "import json; from cachegen_common.machine import numerics; print(json.dumps(numerics()))"
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120, check=True).stdout

@@ -2,10 +2,10 @@
 
 Parses every module of the project with `ast` (nothing is imported or run) and checks the
 rules of docs/architecture.md:
-- the shared vocabulary is the basement: `common` (flags, units, result header) imports
+- the shared vocabulary is the basement: `cachegen_common` (flags, units, result header) imports
   no project package at all, and `codec` does not import it (the codec stays standalone);
 - the codec knows no model, engine, network or measurement: `codec` imports none of
-  kv_extraction_hf, streaming, harness, third_party, evaluation, bench, common (anywhere in
+  kv_extraction_hf, streaming, harness, third_party, evaluation, bench, cachegen_common (anywhere in
   a module, lazy imports inside functions included);
 - the streaming stage knows no model: `streaming` imports none of kv_extraction_hf,
   harness, bench, third_party;
@@ -35,7 +35,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("kv_extraction_hf", "codec", "streaming", "evaluation", "third_party")
-PACKAGES = ("common",) + STAGES + ("harness", "bench", "visualize")
+PACKAGES = ("cachegen_common",) + STAGES + ("harness", "bench", "visualize")
 
 
 def _module_name(path: Path) -> str:
@@ -126,7 +126,7 @@ def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_modules_found():
     # the scan must see the project, or every rule below passes vacuously
-    for must in ("common.flags", "common.units", "common.header", "codec.api", "streaming.store",
+    for must in ("cachegen_common.flags", "cachegen_common.units", "cachegen_common.header", "codec.api", "streaming.store",
                  "kv_extraction_hf.model", "harness.results",
                  "bench.codec", "third_party.vllm.cachegen_connector",
                  "third_party.lmcache.serde", "visualize_results"):
@@ -153,10 +153,10 @@ def test_import_scanner_resolves_relative_and_lazy_imports(tmp_path):
 
 
 @pytest.mark.parametrize("package, forbidden", [
-    ("common", ("kv_extraction_hf", "codec", "streaming", "harness", "third_party", "evaluation",
+    ("cachegen_common", ("kv_extraction_hf", "codec", "streaming", "harness", "third_party", "evaluation",
                 "bench")),
     ("codec", ("kv_extraction_hf", "streaming", "harness", "third_party", "evaluation", "bench",
-               "common")),
+               "cachegen_common")),
     ("streaming", ("kv_extraction_hf", "harness", "bench", "third_party")),
     ("kv_extraction_hf", ("harness", "bench")),
     ("evaluation", ("harness", "bench")),

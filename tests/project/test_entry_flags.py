@@ -1,4 +1,4 @@
-"""Entry points alike (common.flags, common.units, common.header; configs/).
+"""Entry points alike (cachegen_common.flags, cachegen_common.units, cachegen_common.header; configs/).
 
 - every command's ``--help`` parses and shows the shared spellings (``--bandwidth-mbps``,
   ``--link-method``, ``--out``, ``--data-path``, ``--repeats``, ``--context-tokens``, ...),
@@ -27,9 +27,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from common import flags  # noqa: E402
-from common import header  # noqa: E402
-from common.units import BYTES_PER_S_PER_MBPS, bytes_per_s_to_mbps, goodput_mbps, mbps_to_bytes_per_s  # noqa: E402
+from cachegen_common import flags  # noqa: E402
+from cachegen_common import header  # noqa: E402
+from cachegen_common.units import BYTES_PER_S_PER_MBPS, bytes_per_s_to_mbps, goodput_mbps, mbps_to_bytes_per_s  # noqa: E402
 
 OLD = {  # an old spelling, as a pattern that does not match inside the new one
     "--rate-mbps": r"--rate-mbps", "--method": r"(?<![\w-])--method\b", "--json": r"--json\b",

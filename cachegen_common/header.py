@@ -1,4 +1,4 @@
-"""The result header of every result file, in one place (its atomic write: common.files).
+"""The result header of every result file, in one place (its atomic write: cachegen_common.files).
 
 Every result file (``benchmarks/results.json``, ``quality.json``, ``codec_bench.json``,
 ``adaptation.json``, the link and streaming checks) records the machine and software it
@@ -23,9 +23,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from common.files import (atomic_write, atomic_write_json,  # noqa: F401  (re-exported:
+from cachegen_common.files import (atomic_write, atomic_write_json,  # noqa: F401  (re-exported:
                           atomic_write_text, json_default)   # their former home)
-from common.machine import numerics
+from cachegen_common.machine import numerics
 
 __all__ = ["utc_now", "git_commit", "cpu_name", "package_versions", "environment",
            "atomic_write", "atomic_write_json", "atomic_write_text", "json_default", "FIELDS"]
@@ -118,7 +118,7 @@ FIELDS: dict[str, Callable[[], Any]] = {
     "load_avg_1m": _load_1m,                   # 1-minute load average when the header was made
     "load_avg_1m_at_start": _load_1m,          # the same, as adaptation.json spells it
     "date": lambda: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    "numerics": numerics,                      # common.machine.numerics(): what sets bf16 results
+    "numerics": numerics,                      # cachegen_common.machine.numerics(): what sets bf16 results
 }
 """The fields a header may record: name -> how it is computed (called once per header)."""
 

@@ -19,7 +19,7 @@ flag                      argparse dest          old spellings (hidden, same des
 ``--config FILE``         ``config``             -
 ========================  =====================  =========================================
 
-Units: bandwidth in Mbit/s (10**6 bits/s; :mod:`common.units` converts), context sizes in
+Units: bandwidth in Mbit/s (10**6 bits/s; :mod:`cachegen_common.units` converts), context sizes in
 tokens, repeats a count. An old spelling parses to the same dest (so scripts keep working)
 and is left out of ``--help``.
 
@@ -30,7 +30,7 @@ so flags given on the command line win. An unknown key or an unreadable file is 
 :class:`ConfigFileError` (a one-line error and exit 2 through ``parser.error``).
 
 Standard library only (PyYAML is imported only to read a ``.yaml`` file). The defaults
-file's reading and its merge with the parser are in :mod:`common.config_file`
+file's reading and its merge with the parser are in :mod:`cachegen_common.config_file`
 (re-exported here).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from common.config_file import (  # noqa: F401  (re-exported: documented here)
+from cachegen_common.config_file import (  # noqa: F401  (re-exported: documented here)
     CONFIGS,
     ConfigFileError,
     load_config,

@@ -1,17 +1,17 @@
 """The shared vocabulary of every entry point, standard library only (no torch, no project
 package): one home for what many commands would otherwise spell differently.
 
-- :mod:`common.units`: Mbit/s <-> bytes/s (the one conversion).
-- :mod:`common.flags`: the command-line flags every command shares (``--model``,
+- :mod:`cachegen_common.units`: Mbit/s <-> bytes/s (the one conversion).
+- :mod:`cachegen_common.flags`: the command-line flags every command shares (``--model``,
   ``--data-path``, ``--out``, ``--seed``, ``--bandwidth-mbps``, ``--link-method``,
   ``--quick``, ``--verbose``, ``--repeats``, ``--context-tokens``, ``--config``), one
   spelling and one meaning each, with the old spellings as hidden aliases.
-- :mod:`common.config_file`: a command's ``--config FILE`` defaults (read, then parsed
-  under the command line; re-exported by :mod:`common.flags`).
-- :mod:`common.header`: the result header (environment, git commit, UTC time).
-- :mod:`common.files`: the atomic write of every result file and store object, and the
+- :mod:`cachegen_common.config_file`: a command's ``--config FILE`` defaults (read, then parsed
+  under the command line; re-exported by :mod:`cachegen_common.flags`).
+- :mod:`cachegen_common.header`: the result header (environment, git commit, UTC time).
+- :mod:`cachegen_common.files`: the atomic write of every result file and store object, and the
   sha256 of a list of files (a model's weights hash).
-- :mod:`common.machine`: what sets the numerics of a run (CPU flags, oneDNN ISA).
+- :mod:`cachegen_common.machine`: what sets the numerics of a run (CPU flags, oneDNN ISA).
 
 Every package may import it except ``codec`` (which imports no project package);
 ``tests/project/test_architecture.py`` checks that it imports no project package itself.
