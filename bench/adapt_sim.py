@@ -15,7 +15,7 @@ from streaming.adapt_model import ClockModel
 from streaming.adapt_oracle import oracle, oracle_labels
 from streaming.adapt_policy import AdaptivePolicy, FixedPolicy
 from streaming.adapt_simulate import simulate
-from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
+from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, PolicyInputs, preset as policy_preset
 from streaming.traces import (
     GENERATOR_SEED, Trace, artifact_generated, artifact_generator, artifact_recorded, constant,
     synthetic_uniform,
@@ -171,8 +171,8 @@ def clock_model(table: dict, prefill_tps: float, inject_s_per_token: float, over
 # streaming.adapt_params.PolicyParams (issue 27.3): "tuned" by default (DEFAULT_PRESET, chosen
 # on the TUNING traces below), "tuned-dip" with --dip-reserve, any preset with --policy-preset.
 # The constants and comments below are the record of how "tuned" was chosen.
-SLO_MARGIN = POLICY_PRESETS["tuned"].slo_margin  # AdaptivePolicy(slo_margin=...) (its default)
-# AdaptivePolicy(slo_reserve_s=...): seconds of the SLO held back for a bandwidth dip. Chosen on
+SLO_MARGIN = POLICY_PRESETS["tuned"].slo_margin  # PolicyParams.slo_margin (its default)
+# PolicyParams.slo_reserve_s: seconds of the SLO held back for a bandwidth dip. Chosen on
 # the TUNING traces only (the artifact's generated traces + 40 synthetic iid-uniform 10-1000
 # Mbit/s traces, seed 1; simulated, SLO 1 and 2 s; grid 0, 0.25, 0.3, 0.35 s and slo_margin
 # 0.1-0.3): the smallest value whose SLO-1 s violations exceed the oracle's by <= 5 points there.
@@ -294,10 +294,10 @@ def make_adaptive(slo: float, prefill_tps: float, table: dict, inject: float, ut
     preset or field."""
     dec = {int(k): float(v) for k, v in table["decode_s_per_token"].items()}
     params = policy_preset(preset).with_(**overrides) if overrides else policy_preset(preset)
-    return AdaptivePolicy.from_params(slo, prefill_tps, init_mbps, params, decode_s_per_token=dec,
-                                      inject_s_per_token=inject, burst_bytes=burst_bytes, utility=utility,
-                                      text_utility=0.0, request_overhead_s=overhead_s, probe_rate_mbps=1000.0,
-                                      burst_s=burst_s)
+    inputs = PolicyInputs(slo, prefill_tps, init_mbps, decode_s_per_token=dec, inject_s_per_token=inject,
+                          burst_bytes=burst_bytes, utility=utility, text_utility=0.0,
+                          request_overhead_s=overhead_s, probe_rate_mbps=1000.0, burst_s=burst_s)
+    return AdaptivePolicy(inputs, params)
 
 
 def _kl_of(levels: list, tokens: list[int], kl: dict[int, float] | None) -> float | None:

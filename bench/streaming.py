@@ -30,6 +30,7 @@ from cachegen_common.cli import exit_status
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from streaming import standin
+from streaming.adapt_params import PolicyInputs
 from streaming.adapt_policy import AdaptivePolicy
 from streaming.client import stream_load
 from streaming.link import ShapedLink
@@ -109,7 +110,7 @@ def run_adapt(traces: list[Trace], level_bytes: dict[int, int], tokens: int, slo
             key = _put(c, n, level_bytes, tokens)
             for tr in traces:
                 link.set_rate(tr.mbps[0])
-                pol = AdaptivePolicy(slo_s, prefill_tps, initial_throughput_mbps=tr.mbps[0], initial_decode_s=decode_s)
+                pol = AdaptivePolicy(PolicyInputs(slo_s, prefill_tps, tr.mbps[0], initial_decode_s=decode_s))
                 r = stream_load(c, key, pol, standin.decoder(rounds), keep_decoded=False,
                                 before_chunk=apply_trace(link, tr))
                 recompute_s = r.recompute_tokens / prefill_tps

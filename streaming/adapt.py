@@ -47,6 +47,7 @@ from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy obj
     POLICY_INPUTS,
     POLICY_PRESETS,
     POLICY_REQUEST_KEYS,
+    PolicyInputs,
     PolicyParams,
     preset,
     split_policy_args,
@@ -59,7 +60,7 @@ from streaming.adapt_plan import (  # noqa: F401 - re-exported (issue 27 split)
     choose_level, plan_mpc, overrun_allowance_s,
 )
 from streaming.adapt_policy import (  # noqa: F401 - re-exported (issue 27 split)
-    AdaptivePolicy, FixedPolicy,
+    AdaptivePolicy, FixedPolicy, Policy,
 )
 from streaming.adapt_oracle import (  # noqa: F401 - re-exported (issue 27 split)
     OracleResult, oracle_labels, oracle, _pareto, brute_force,

@@ -107,9 +107,75 @@ class PolicyParams:
 
     def checked(self) -> "PolicyParams":
         """self, after checking every field's kind (bools are bools, numbers finite, ints
-        integral, choices among theirs). Raises ValueError naming the field."""
+        integral, choices among theirs) and range. Raises ValueError naming the field."""
         for f in dataclasses.fields(self):
             check_value(f.name, getattr(self, f.name))
+        for ok, message in _range_rules(self):
+            if not ok:
+                raise ValueError(message)
+        return self
+
+
+def _range_rules(p: PolicyParams) -> tuple[tuple[bool, str], ...]:
+    """(holds, message) for each rule between the fields' values (kinds checked before)."""
+    return (
+        ((p.risk_z is None or p.risk_z >= 0) and p.prior_cv >= 0, "risk_z and prior_cv must be >= 0"),
+        (0.0 < p.min_plan_frac <= 1.0, "min_plan_frac must be in (0, 1]"),
+        (p.early_min_s >= 0 and p.early_margin >= 0 and (p.early_min_bytes is None or p.early_min_bytes >= 1),
+         "early_min_s and early_margin must be >= 0, early_min_bytes >= 1"),
+        (0.0 <= p.slo_margin < 1.0, "slo_margin must be in [0, 1)"),
+        (p.slo_reserve_s >= 0, "slo_reserve_s must be >= 0"),
+        (p.slo_reserve_frac is None or 0.0 <= p.slo_reserve_frac < 1.0, "slo_reserve_frac must be in [0, 1)"),
+        ((p.dip_chunks is None or p.dip_chunks >= 0) and p.dip_min_samples >= 0,
+         "dip_chunks and dip_min_samples must be >= 0"),
+        (0.0 < p.probe_deadline_frac <= 1.0, "probe_deadline_frac must be in (0, 1]"),
+        (p.probe_backoff >= 1.0, "probe_backoff must be >= 1"),
+        (p.window >= 1 and p.max_abandons >= 0, "window must be >= 1, max_abandons >= 0"),
+    )
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """One load's measurements and link facts (not tuned): what AdaptivePolicy needs besides
+    its :class:`PolicyParams`.
+
+    slo_s: time budget (s) for loading the whole context (transfer + decode + injection +
+    recompute of text chunks), from the load's start. prefill_tokens_per_s: the engine's
+    measured prefill speed for text chunks. initial_throughput_mbps: first estimate (Mbit/s),
+    or None: probe first. initial_decode_s: decode seconds per chunk before any is measured
+    (used when no decode_s_per_token table is given; spread over the chunk's tokens).
+    inject_s_per_token: injection cost per loaded token (s). burst_bytes, burst_s: the
+    link's stated shaper burst rule, max(burst_bytes, rate x burst_s)
+    (streaming.link.ShapedLink.describe()). text_utility, utility: the utility per token of
+    text and of each level ({level: utility}, e.g. -KL; default ordinal) for planning.
+    request_overhead_s: per-request latency added to bytes / rate in planning.
+    min_sample_bytes: the estimator's smallest sample (default max(64 KiB, 4 bursts)).
+    probe_rate_mbps: the optimistic rate a probe tests (default max(initial, 1000 Mbit/s), the
+    top of this project's link range; pass the link's nominal rate). levels: restrict to these
+    levels (default: every level of the manifest). decode_s_per_token: {level: s/token}
+    measured at start (DecodeTable). Validate with :meth:`checked` (ValueError)."""
+
+    slo_s: float
+    prefill_tokens_per_s: float
+    initial_throughput_mbps: float | None
+    initial_decode_s: float = 0.0
+    inject_s_per_token: float = 0.0
+    burst_bytes: int = 0
+    burst_s: float = 0.0
+    text_utility: float = 0.0
+    request_overhead_s: float = 0.001
+    min_sample_bytes: int | None = None
+    probe_rate_mbps: float | None = None
+    levels: tuple[int, ...] | None = None
+    decode_s_per_token: dict[int, float] | None = None
+    utility: dict[int, float] | None = None
+
+    def checked(self) -> "PolicyInputs":
+        """self, after checking the speeds: ValueError on a non-positive SLO, prefill speed or
+        initial throughput."""
+        bad_init = self.initial_throughput_mbps is not None and self.initial_throughput_mbps <= 0
+        if self.slo_s <= 0 or self.prefill_tokens_per_s <= 0 or bad_init:
+            raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
         return self
 
 

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from streaming.adapt_policy import FixedPolicy
+from streaming.adapt_policy import FixedPolicy, Policy
 from streaming.errors import StreamingError
 
 logger = logging.getLogger("cachegen.stream")
@@ -102,7 +102,7 @@ def _invalidate(client, key: str, gen: str, why: str) -> None:
 
 
 def _as_policy(p):
-    if hasattr(p, "choose") and hasattr(p, "start"):
+    if isinstance(p, Policy):
         return p
     if isinstance(p, int) or (isinstance(p, Sequence) and not isinstance(p, (str, bytes))):
         return FixedPolicy(p)

@@ -5,9 +5,9 @@ Pure policy arithmetic (streaming.adapt.AdaptivePolicy.should_abandon and simula
 
 import pytest
 
+from tests.helpers.policy import MBPS, Man, make_policy
 from streaming.adapt import AdaptivePolicy, ClockModel, simulate
 
-from test_adapt_policy import MBPS, Man  # the same synthetic manifest
 
 KIB64 = 64 * 1024
 BPT = {0: 2200, 1: 3000, 2: 6100}  # bytes per token; 410-token chunks: 0.9 / 1.2 / 2.5 MB
@@ -20,7 +20,7 @@ def model_for(man, tps, overhead=0.0):
 
 
 def policy(slo, tps, init=1000.0, overhead=0.0, **kw):
-    return AdaptivePolicy(slo, tps, init, decode_s_per_token=dict(DEC), request_overhead_s=overhead, **kw)
+    return make_policy(slo, tps, init, decode_s_per_token=dict(DEC), request_overhead_s=overhead, **kw)
 
 
 def _first_cut(pol, k, size, progress):

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from tests.helpers.policy import make_policy
 from streaming import standin
 from streaming.adapt import AdaptivePolicy
 from streaming.client import stream_load
@@ -52,7 +53,7 @@ def _drop_on_chunk3(tmp_path, method, attempt):
                 fired[0].start()
 
         # text costs 100 tokens / 100 tokens/s = 1 s a chunk: KV is worth fetching
-        pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
+        pol = make_policy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
                              burst_bytes=link.burst_bytes)
         r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
         fired[0].join()
@@ -105,7 +106,7 @@ def test_slow_chunk_is_abandoned_early_from_its_progress(tmp_path, method):
             if k == 3:
                 link.set_rate(10)
 
-        pol = AdaptivePolicy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
+        pol = make_policy(slo_s=3.0, prefill_tokens_per_s=100, initial_throughput_mbps=100,
                              burst_bytes=link.burst_bytes)
         r = stream_load(c, key, pol, standin.decoder(1), before_chunk=hook)
         assert c.ping()

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from bench import adapt as B
+from tests.helpers.policy import make_policy
 from streaming.adapt import AdaptivePolicy, ThroughputEstimator
 from streaming.traces import Trace
 
@@ -88,9 +89,9 @@ def test_quantile_rate_by_hand():
 
 
 def test_min_plan_frac_sets_the_planning_limit():
-    p = AdaptivePolicy(1.0, 1000.0, 100.0, slo_margin=0.05, slo_reserve_s=0.8, min_plan_frac=0.3)
+    p = make_policy(1.0, 1000.0, 100.0, slo_margin=0.05, slo_reserve_s=0.8, min_plan_frac=0.3)
     assert p.plan_slo_s == pytest.approx(0.3)
-    p = AdaptivePolicy(1.0, 1000.0, 100.0, slo_margin=0.05, slo_reserve_s=0.8)
+    p = make_policy(1.0, 1000.0, 100.0, slo_margin=0.05, slo_reserve_s=0.8)
     assert p.plan_slo_s == pytest.approx(0.5)
     with pytest.raises(ValueError):
-        AdaptivePolicy(1.0, 1000.0, 100.0, min_plan_frac=0.0)
+        make_policy(1.0, 1000.0, 100.0, min_plan_frac=0.0)

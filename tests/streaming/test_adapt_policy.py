@@ -6,19 +6,9 @@ import random
 
 import pytest
 
+from tests.helpers.policy import MBPS, Man, make_policy
 from streaming.adapt import (AdaptivePolicy, ClockModel, DecodeTable, FixedPolicy, ThroughputEstimator,
                              brute_force, oracle, plan_mpc, simulate)
-
-MBPS = 1e6 / 8  # bytes/s per Mbit/s
-
-
-class Man:
-    def __init__(self, n, tokens, bytes_per_token):
-        self.levels = tuple(sorted(bytes_per_token))
-        self.sizes = {lv: tuple([b * tokens] * n) for lv, b in bytes_per_token.items()}
-        self.token_ranges = tuple((i * tokens, (i + 1) * tokens) for i in range(n))
-        self.chunk_count = n
-
 
 # SmolLM2-like chunk of 410 tokens: ~0.9 / 1.2 / 2.5 MB; decode 0.2 ms/token (82 ms a chunk)
 BPT = {0: 2200, 1: 3000, 2: 6100}
@@ -31,7 +21,7 @@ def model_for(man, tps, tokens=410, overhead=0.0):
 
 
 def policy(slo, tps, init=1000.0, **kw):
-    return AdaptivePolicy(slo, tps, init, decode_s_per_token=dict(DEC), request_overhead_s=0.0, **kw)
+    return make_policy(slo, tps, init, decode_s_per_token=dict(DEC), request_overhead_s=0.0, **kw)
 
 
 # ----------------------------------------------------------------------------- estimator
@@ -190,10 +180,10 @@ def test_fixed_policy_and_errors():
     with pytest.raises(ValueError):
         FixedPolicy(7).start(man)
     with pytest.raises(ValueError):
-        AdaptivePolicy(0, 1, 1)
+        make_policy(0, 1, 1)
     with pytest.raises(ValueError):
         ThroughputEstimator(window=0)
-    pol = AdaptivePolicy(10.0, 1000, 1000, levels=[1])
+    pol = make_policy(10.0, 1000, 1000, levels=[1])
     r = simulate(pol, man, [1000] * 3, 0.0)
     assert set(r.levels) <= {1, None}
 

@@ -20,6 +20,7 @@ from streaming.adapt_params import (
     POLICY_INPUTS,
     POLICY_PRESETS,
     POLICY_REQUEST_KEYS,
+    PolicyInputs,
     PolicyParams,
     split_policy_args,
 )
@@ -38,15 +39,32 @@ def test_trust_allow_list_is_exactly_the_parameter_objects_fields():
         assert k in POLICY_KEYS
 
 
-def test_parameter_object_mirrors_adaptive_policys_signature():
-    """Every AdaptivePolicy argument is a PolicyParams field (with the same default), a
-    per-request input, or a table given in code (levels, decode table, utility)."""
+def test_policy_takes_one_inputs_object_and_one_params_object():
+    """AdaptivePolicy(inputs, params): the per-request measurements are PolicyInputs (its
+    scalar fields are exactly POLICY_INPUTS, plus the tables given in code), the tuned values
+    PolicyParams, whose defaults are the "default" preset."""
     sig = inspect.signature(AdaptivePolicy.__init__).parameters
-    args = set(sig) - {"self"}
-    assert args == set(PolicyParams.field_names()) | set(POLICY_INPUTS) | {
+    assert list(sig) == ["self", "inputs", "params"] and sig["params"].default == "default"
+    assert tuple(f.name for f in dataclasses.fields(PolicyInputs))[:len(POLICY_INPUTS)] == POLICY_INPUTS
+    assert {f.name for f in dataclasses.fields(PolicyInputs)} == set(POLICY_INPUTS) | {
         "levels", "decode_s_per_token", "utility"}
-    for f in dataclasses.fields(PolicyParams):
-        assert getattr(POLICY_PRESETS["default"], f.name) == sig[f.name].default, f.name
+    assert POLICY_PRESETS["default"] == PolicyParams()
+    pol = AdaptivePolicy(PolicyInputs(1.0, 1000.0, 100.0))
+    assert pol.params == PolicyParams() and pol.preset == "default"
+
+
+@pytest.mark.parametrize("field, value, word", [
+    ("min_plan_frac", 0.0, "min_plan_frac"), ("slo_margin", 1.0, "slo_margin"),
+    ("slo_reserve_s", -0.1, "slo_reserve_s"), ("slo_reserve_frac", 1.0, "slo_reserve_frac"),
+    ("probe_backoff", 0.5, "probe_backoff"), ("probe_deadline_frac", 0.0, "probe_deadline_frac"),
+    ("dip_chunks", -1.0, "dip_chunks"), ("risk_z", -1.0, "risk_z"), ("early_min_bytes", 0, "early_min_bytes"),
+    ("window", 0, "window"),
+])
+def test_params_out_of_range_are_refused_where_they_are_made(field, value, word):
+    with pytest.raises(ValueError, match=word):
+        PolicyParams().with_(**{field: value})
+    with pytest.raises(ValueError, match=word):  # a request's override fails the same way
+        split_policy_args(dict(REQ, **{field: value}))
 
 
 def test_presets_are_frozen_and_tuned_is_what_readme_reports():
@@ -72,7 +90,7 @@ def test_presets_are_frozen_and_tuned_is_what_readme_reports():
 def test_request_with_a_preset_is_accepted_and_runs_it(policy):
     p = validate_request({"context_key": "k", "policy": policy}, EXTRA)
     pol = AdaptivePolicy.from_request(p["policy"])
-    assert (pol.slo_reserve_s, pol.robust, pol.min_plan_frac) == (0.3, False, 0.3)
+    assert (pol.params.slo_reserve_s, pol.params.robust, pol.params.min_plan_frac) == (0.3, False, 0.3)
     assert pol.preset in ("tuned", "default+overrides")
 
 
@@ -90,13 +108,14 @@ def test_bad_policy_is_rejected(policy, word):
         validate_request({"context_key": "k", "policy": policy}, EXTRA)
 
 
-def test_from_params_and_split():
-    pol = AdaptivePolicy.from_params(1.0, 1000.0, 100.0, "default")
-    assert pol.preset == "default" and pol.slo_reserve_s == 0.0 and pol.robust is True
+def test_presets_by_name_and_split():
+    pol = AdaptivePolicy(PolicyInputs(1.0, 1000.0, 100.0), "tuned")
+    assert pol.preset == "tuned" and pol.params == POLICY_PRESETS["tuned"]
+    assert AdaptivePolicy(PolicyInputs(1.0, 1000.0, 100.0), PolicyParams(window=8)).preset is None
     name, p, inputs = split_policy_args(dict(REQ, preset="tuned-dip", window=8))
     assert name == "tuned-dip" and p.window == 8 and p.dip_chunks == 5 and inputs == REQ
-    with pytest.raises(ValueError, match="PolicyParams"):
-        AdaptivePolicy.from_params(1.0, 1000.0, 100.0, "tuned", robust=True)
+    with pytest.raises(ValueError, match="unknown policy preset"):
+        AdaptivePolicy(PolicyInputs(1.0, 1000.0, 100.0), "best")
     with pytest.raises(ValueError, match="needs"):
         AdaptivePolicy.from_request({"preset": "tuned"})
 
@@ -118,7 +137,7 @@ def test_harness_passes_the_preset_through_to_the_policy_that_runs():
         params = request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, 50.0)
         checked = validate_request(dict(params, store="main"), EXTRA)
         pol = StoreSource._policy(None, checked, None)
-        assert pol.preset == name and (pol.slo_reserve_s, pol.robust, pol.min_plan_frac) == want
+        assert pol.preset == name and (pol.params.slo_reserve_s, pol.params.robust, pol.params.min_plan_frac) == want
     assert RunConfig().policy_preset == "tuned"
     with pytest.raises(ConfigError, match="policy_preset"):
         RunConfig(policy_preset="best")

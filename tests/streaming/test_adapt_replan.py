@@ -4,9 +4,9 @@ policy arithmetic on synthetic traces (streaming.adapt.simulate)."""
 
 import pytest
 
+from tests.helpers.policy import MBPS, Man, make_policy
 from streaming.adapt import AdaptivePolicy, ClockModel, simulate
 
-from test_adapt_policy import MBPS, Man  # the same synthetic manifest
 
 
 BPT = {0: 2200, 1: 3000, 2: 4500, 3: 6100}
@@ -18,7 +18,7 @@ def model_for(man, tps, tokens=410):
 
 
 def policy(slo, tps, init=1000.0, **kw):
-    return AdaptivePolicy(slo, tps, init, decode_s_per_token=dict(DEC), request_overhead_s=0.0, **kw)
+    return make_policy(slo, tps, init, decode_s_per_token=dict(DEC), request_overhead_s=0.0, **kw)
 
 
 @pytest.mark.parametrize("rule", ["smallest", "bound"])

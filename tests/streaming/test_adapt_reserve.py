@@ -1,4 +1,4 @@
-"""Issue 15, round 6: the dip reserve (AdaptivePolicy(dip_chunks=...)): the seconds held back
+"""Issue 15, round 6: the dip reserve (PolicyParams(dip_chunks=...)): the seconds held back
 from the SLO follow the lowest rate the load has seen, capped by the fixed reserve; and the
 selection rule of scripts/adapt_tune.py. Pure policy arithmetic (streaming.adapt.simulate)."""
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.policy import MBPS, Man, make_policy
 from streaming.adapt import AdaptivePolicy, ClockModel, simulate
 
-from test_adapt_policy import MBPS, Man  # the same synthetic manifest
 
 BPT = {0: 2200, 1: 3000, 2: 6100}  # bytes per token: 0.90 / 1.23 / 2.50 MB chunks of 410 tokens
 DEC = {lv: 2e-5 for lv in BPT}
@@ -19,7 +19,7 @@ def policy(slo, **kw):
     kw.setdefault("slo_margin", 0.05)
     kw.setdefault("slo_reserve_s", 0.3)
     kw.setdefault("min_plan_frac", 0.3)
-    return AdaptivePolicy(slo, 300.0, 800.0, decode_s_per_token=dict(DEC), request_overhead_s=0.0,
+    return make_policy(slo, 300.0, 800.0, decode_s_per_token=dict(DEC), request_overhead_s=0.0,
                           robust=False, **kw)
 
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tests.helpers.policy import make_policy
 from streaming.adapt import AdaptivePolicy, FixedPolicy, choose_level, simulate
 from streaming.store import Manifest, context_key
 from streaming.traces import constant, load_artifact_traces, step
@@ -43,7 +44,7 @@ def test_choose_level_pure():
 def test_high_constant_bandwidth_takes_top_level_when_text_is_slow():
     m = make_manifest()
     # text: 1500 tokens at 500 tokens/s = 3 s a chunk (> SLO); level 3 at 1000 Mbit/s = 0.032 s
-    pol = AdaptivePolicy(slo_s=2.0, prefill_tokens_per_s=500, initial_throughput_mbps=1000)
+    pol = make_policy(slo_s=2.0, prefill_tokens_per_s=500, initial_throughput_mbps=1000)
     r = simulate(pol, m, constant(1000, 10).mbps, decode_s=0.02)
     assert r.levels == [3] * 10 and not r.slo_violated
 
@@ -51,7 +52,7 @@ def test_high_constant_bandwidth_takes_top_level_when_text_is_slow():
 def test_text_is_preferred_when_it_fits():
     """Text is recomputed exactly (best quality): with a fast prefill it wins when it fits."""
     m = make_manifest()
-    pol = AdaptivePolicy(slo_s=1.0, prefill_tokens_per_s=50000, initial_throughput_mbps=5)
+    pol = make_policy(slo_s=1.0, prefill_tokens_per_s=50000, initial_throughput_mbps=5)
     r = simulate(pol, m, constant(5, 10).mbps, decode_s=0.02)
     assert r.levels == [None] * 10 and not r.slo_violated
 
@@ -59,14 +60,14 @@ def test_text_is_preferred_when_it_fits():
 def test_low_bandwidth_uses_lower_levels_within_slo():
     m = make_manifest()
     # 100 Mbit/s: level 3 = 0.32 s/chunk (3.2 s total) > SLO 2 s; levels 1-2 fit; text 3 s/chunk
-    pol = AdaptivePolicy(slo_s=2.0, prefill_tokens_per_s=500, initial_throughput_mbps=100)
+    pol = make_policy(slo_s=2.0, prefill_tokens_per_s=500, initial_throughput_mbps=100)
     r = simulate(pol, m, constant(100, 10).mbps, decode_s=0.02)
     assert None not in r.levels and r.levels.count(2) >= 5 and not r.slo_violated and r.total_s <= 2.0
 
 
 def test_slo_violation_reported_with_smallest_overshoot():
     m = make_manifest()
-    pol = AdaptivePolicy(slo_s=0.5, prefill_tokens_per_s=1000, initial_throughput_mbps=10)
+    pol = make_policy(slo_s=0.5, prefill_tokens_per_s=1000, initial_throughput_mbps=10)
     r = simulate(pol, m, constant(10, 10).mbps, decode_s=0.0)
     # level 1 = 0.8 s a chunk on the wire, text 1.5 s: nothing fits, level 1 is the cheapest
     assert r.slo_violated and r.levels == [1] * 10
@@ -80,11 +81,11 @@ def test_fixed_policy_and_level_restriction():
     assert [fp.choose(k, 0.0) for k in range(3)] == [3, None, 1]
     with pytest.raises(ValueError):
         FixedPolicy(7).start(m)
-    pol = AdaptivePolicy(10.0, 100, 1000, levels=[1, 2])
+    pol = make_policy(10.0, 100, 1000, levels=[1, 2])
     r = simulate(pol, m, [1000] * 3, 0.0)
     assert r.levels == [2, 2, 2]
     with pytest.raises(ValueError):
-        AdaptivePolicy(0, 1, 1)
+        make_policy(0, 1, 1)
 
 
 def test_traces(tmp_path):
@@ -125,7 +126,7 @@ def test_vllm_prefix_wrapper_forwards_abandon_and_timing():
         token_ranges = ((0, 100), (100, 200), (200, 300))
         chunk_count = 3
 
-    inner = AdaptivePolicy(5.0, 10.0, 100.0, decode_s_per_token={0: 1e-4, 1: 1e-4}, request_overhead_s=0.0)
+    inner = make_policy(5.0, 10.0, 100.0, decode_s_per_token={0: 1e-4, 1: 1e-4}, request_overhead_s=0.0)
     p = _PrefixPolicy(inner, needed_chunks=3)
     p.start(Man())
     lv = p.choose(0, 0.0)

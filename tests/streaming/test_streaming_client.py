@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 
+from tests.helpers.policy import make_policy
 from streaming import standin
 from streaming.backends import LocalFolderBackend
 from streaming.client import stream_load
@@ -71,7 +72,7 @@ def _rate_step(tmp_path, method, attempt):
             # requested at 4 Mbit/s (0.8 s for level 3): its transfer overruns the deadline and is
             # cut (streaming.adapt abandon on overrun), then chunk 3 and the rest are re-planned.
             trace = step([200, 4], 3)
-            pol = AdaptivePolicy(slo_s=1.5, prefill_tokens_per_s=200, initial_throughput_mbps=200)
+            pol = make_policy(slo_s=1.5, prefill_tokens_per_s=200, initial_throughput_mbps=200)
             r = stream_load(c, key, pol, standin.decoder(1), model_id="m", before_chunk=apply_trace(link, trace))
             assert c.ping()  # the store connection works after the cut
     return r
