@@ -6,51 +6,54 @@ fallback). A receiver thread requests chunk k+1 as soon as chunk k has arrived, 
 bytes in a bounded queue, and the calling thread decodes; the total load time approaches
 max(transfer, decode) instead of their sum.
 
-Faults handled here: a chunk whose bytes fail the manifest CRC (or whose decode raises
-ValueError, e.g. codec.CodecError) is refetched once, then falls back to text; a missing
-chunk falls back to text; a dropped connection is reconnected once, after which the
-remaining chunks fall back to text (LoadResult.error says why); an unknown key or an entry
-of another model/config is a clean miss (LoadResult.hit False, .reason). A policy with a
-transfer_deadline_s(k) (streaming.adapt.AdaptivePolicy) gets its overrunning transfers cut:
-the connection is shut, nothing of the chunk is kept, the client reconnects and the policy
-re-plans that chunk (LoadResult.abandoned lists the cut attempts). A policy with a
-should_abandon(k, bytes received, s since the request[, wire_bytes=, wire_s=]) is asked every
-PROGRESS_BYTES of a chunk's response (the early abandon of issue 15: a transfer whose
-projected finish at the observed rate overruns its deadline is cut then, not at the
-deadline), with the same clean cut; the rate is the wire clock's (kernel receive timestamps,
-first to last byte) where the policy takes it; observe_abandon gets the bytes received by
-the cut.
+One load, step by step (stream_load):
+1. ``open_entry``: read the manifest the load plans from (identity, planned chunking and
+   write generation checked; the codec calibrations it names made available) - or a miss.
+2. ``_Receiver`` (a thread): per chunk, the policy's choice (a level, or text); the
+   transfer, watched by a ``_Cut`` (the policy's deadline and early abandon); the bytes
+   verified against the manifest (one refetch); the goodput sample back to the policy.
+3. ``_Decoder`` (the calling thread): decode each chunk as it arrives (one refetch over a
+   side connection when the bytes do not decode), hand it to the caller, time it.
 
-Not runnable by itself; see `python -m bench.streaming`.
-The result types live in streaming.client_result, the wire clock and timed chunk get in
-streaming.client_wire, the other receiver helpers in streaming.client_parts (all
-re-exported here).
+Faults handled here: a chunk whose bytes fail the manifest's size, CRC-32 and sha256 (or
+whose decode raises ValueError, e.g. codec.CodecError) is refetched once, then falls back to
+text; a missing chunk falls back to text; a dropped connection is reconnected once, after
+which the remaining chunks fall back to text (LoadResult.error says why); an unknown key or
+an entry of another model/config is a clean miss (LoadResult.hit False, .reason). A
+transfer that runs past the policy's transfer_deadline_s(k) is cut: the connection is shut,
+nothing of the chunk is kept, the client reconnects and the policy re-plans that chunk
+(LoadResult.abandoned lists the cut attempts). Earlier than that, every PROGRESS_BYTES of a
+chunk's response the policy's should_abandon(k, bytes received, s since the request,
+wire_bytes=, wire_s=) may cut a transfer whose projected finish at the observed rate
+overruns its deadline, with the same clean cut; the rate is the wire clock's (kernel
+receive timestamps, first to last byte); observe_abandon gets the bytes received by the cut.
+
+Not runnable by itself; see `python -m bench.streaming`. The result types are in
+streaming.client_result, the wire clock and timed chunk get in streaming.client_wire.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
+import logging
 import queue
+import socket
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from streaming.client_parts import (  # noqa: F401  (re-exported)
-    _DONE,
-    MAX_ABANDONS_PER_CHUNK,
-    _abort_connection,
-    _as_policy,
-    _invalidate,
-    _Item,
-    ensure_calibrations,
-    logger,
-)
-from streaming.client_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn  # noqa: F401
-from streaming.client_wire import PROGRESS_BYTES, _get, _timed_get_chunk, _WireClock  # noqa: F401
+from streaming.adapt_policy import FixedPolicy, Policy
+from streaming.calibrations import ensure_calibrations
+from streaming.client_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn
+from streaming.client_wire import timed_get_chunk
 from streaming.errors import StreamingError
 from streaming.plumbing import put_until_stopped
+
+logger = logging.getLogger("cachegen.stream")
+
+MAX_ABANDONS_PER_CHUNK = 5  # after this many cut attempts a chunk's transfer runs to the end
 
 
 def stream_load(
@@ -75,8 +78,8 @@ def stream_load(
 
     Args:
         key: context key (streaming.store.context_key).
-        levels_or_policy: an int level, a per-chunk list of levels (None = text), or a policy
-            object (streaming.adapt.AdaptivePolicy / FixedPolicy).
+        levels_or_policy: an int level, a per-chunk list of levels (None = text), or a
+            :class:`streaming.adapt_policy.Policy` (AdaptivePolicy, FixedPolicy).
         decode_fn: bytes -> decoded chunk (default codec.decode_kv, CPU, returning (k, v)
             [L, T, H, D] tensors). ValueError (incl. codec.CodecError) counts as corruption.
         identity: a streaming.identity.EntryIdentity (or its dict) the entry must match
@@ -105,10 +108,67 @@ def stream_load(
     Returns LoadResult (seconds, bytes). Raises only for programming errors (bad
     arguments, a decode_fn raising something other than ValueError, a hook failing).
     """
-    policy = _as_policy(levels_or_policy)
-    if decode_fn is None:
-        decode_fn = default_decode_fn()
+    policy = as_policy(levels_or_policy)
     t0 = clock()
+    opened = open_entry(client, key, clock, t0, identity=identity, model_id=model_id,
+                        weights_hash=weights_hash, codec_tag=codec_tag, plan=plan, plan_gen=plan_gen)
+    if isinstance(opened, LoadResult):
+        return opened
+    manifest, t_man = opened
+    policy.start(manifest)
+    rx = _Receiver(client, key, manifest, policy, clock, t0, before_chunk, queue_depth)
+    dec = _Decoder(rx, decode_fn or default_decode_fn())
+    res = LoadResult(True, key, manifest=manifest, manifest_s=t_man)
+    res.decoded = [None] * manifest.chunk_count
+    rx.start()
+    try:
+        while True:
+            it = rx.q.get()
+            if it is _DONE:
+                break
+            if it.exc is not None:
+                raise it.exc
+            if it.note.startswith("connection lost") and res.error is None:
+                res.error = it.note
+            st, ok, out = dec.chunk(it)
+            if ok:
+                policy.observe_decode(it.index, st.decode_s)
+                if keep_decoded:
+                    res.decoded[it.index] = out
+                if on_decoded is not None:
+                    on_decoded(it.index, out)
+            st.decode_end_s = clock() - t0
+            res.chunks.append(st)
+    finally:
+        rx.close()
+        dec.close()
+    res.total_s = clock() - t0
+    res.transfer_s = sum(c.transfer_s for c in res.chunks)
+    res.decode_s = sum(c.decode_s for c in res.chunks)
+    res.decisions = list(policy.decisions)
+    res.abandoned = rx.abandoned
+    return res
+
+
+def as_policy(levels_or_policy) -> Policy:
+    """A Policy as it is, an int level or a per-chunk list of levels (None = text) as a
+    FixedPolicy. Raises TypeError otherwise."""
+    p = levels_or_policy
+    if isinstance(p, Policy):
+        return p
+    if isinstance(p, int) or (isinstance(p, Sequence) and not isinstance(p, (str, bytes))):
+        return FixedPolicy(p)
+    raise TypeError("levels_or_policy must be an int level, a per-chunk list of levels, or a policy")
+
+
+def open_entry(client, key: str, clock: Callable[[], float], t0: float, *, identity=None,
+               model_id: str | None = None, weights_hash: str | None = None, codec_tag: str | None = None,
+               plan: Sequence[tuple[int, int]] | None = None, plan_gen: str | None = None):
+    """The first step of a load: the manifest it plans from -> (manifest, seconds it took),
+    or a miss as a LoadResult (hit False, with the reason): the store unreachable, no entry
+    (or one of another identity or generation), an entry re-stored with other chunks than
+    ``plan``, a codec calibration it names that cannot be had. Raises nothing for store
+    faults."""
     try:
         exp = {"identity": identity} if identity is not None else {}
         if plan_gen:
@@ -120,239 +180,318 @@ def stream_load(
     t_man = clock() - t0
     if manifest is None:
         return LoadResult(False, key, reason=client.last_miss_reason, total_s=t_man, manifest_s=t_man)
+    why = None
     if plan is not None:
         want = [(int(a), int(b)) for a, b in plan]
         have = [tuple(r) for r in manifest.token_ranges[:len(want)]]
         if have != want:
             why = (f"entry changed since lookup: re-stored with other chunks (planned "
                    f"{len(want)} chunks {want[:2]}..., stored {have[:2]}...): not loaded")
-            logger.warning("stream: miss for %s: %s", key[:16], why)
-            return LoadResult(False, key, reason=why, manifest=manifest, total_s=clock() - t0,
-                              manifest_s=t_man)
-    gen = getattr(manifest, "gen", "") or None
-    why = ensure_calibrations(client, getattr(manifest, "calibrations", ()))
+    why = why or ensure_calibrations(client, getattr(manifest, "calibrations", ()))
     if why:
         logger.warning("stream: miss for %s: %s", key[:16], why)
         return LoadResult(False, key, reason=why, manifest=manifest, total_s=clock() - t0, manifest_s=t_man)
-    policy.start(manifest)
-    n = manifest.chunk_count
-    q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
-    stop = threading.Event()
+    return manifest, t_man
 
-    def put(item) -> None:
-        put_until_stopped(q, item, stop)
 
-    def fetch_verified(cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
-        """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once on CRC failure."""
-        want_crc, want_len = manifest.crc32[lv][k], manifest.sizes[lv][k]
-        shas = getattr(manifest, "sha256", None) or {}
+@dataclass
+class _Item:
+    """One chunk handed from the receiver to the decoder (data None: text)."""
+
+    index: int
+    level: int | None
+    data: bytes | None
+    transfer_s: float
+    crc_ok: bool
+    refetched: bool
+    fetch_start_s: float
+    fetch_end_s: float
+    note: str = ""
+    exc: BaseException | None = None
+
+
+_DONE = object()  # the receiver's last item
+
+
+def _abort_connection(client, fired: threading.Event) -> None:
+    """Cut the client's connection so a blocked get_chunk returns at once
+    (ConnectionClosed/OSError); sets `fired` first. The client's own abort() is used when it
+    has one."""
+    fired.set()
+    ab = getattr(client, "abort", None)
+    if callable(ab):
+        ab()
+        return
+    sock = getattr(client, "_sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _invalidate(client, key: str, gen: str | None, why: str) -> None:
+    """Drop an entry whose stored chunk is missing or corrupt (if it is still that
+    generation), so later lookups miss instead of failing forever. Best effort."""
+    f = getattr(client, "invalidate", None)
+    if f is None or not gen:
+        return
+    try:
+        f(key, gen, why)
+    except (OSError, StreamingError, ValueError) as e:
+        logger.warning("stream: could not drop entry %s: %s", key[:16], e)
+
+
+class _Cut:
+    """The abandon of one transfer: a timer that cuts the connection at the policy's
+    deadline (wire seconds; None: no timer), and what an early cut saw (bytes received,
+    seconds since the request at the cut, the wire clock's bytes and seconds)."""
+
+    def __init__(self, client, deadline_s: float | None):
+        self.client = client
+        self.fired = threading.Event()
+        self.received = 0
+        self.early_s: float | None = None
+        self.wire_bytes: int | None = None
+        self.wire_s: float | None = None
+        self.timer = None
+        if deadline_s is not None:
+            self.timer = threading.Timer(max(0.0, deadline_s), _abort_connection, args=(client, self.fired))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def now(self) -> None:
+        _abort_connection(self.client, self.fired)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def finish(self) -> None:
+        """After a transfer that completed: stop the timer; if it fired as the last byte
+        arrived, the socket was cut: take a fresh one (best effort: the next request
+        connects again)."""
+        if self.timer is None:
+            return
+        self.timer.cancel()
+        if self.fired.is_set():
+            try:
+                self.client.reconnect()
+            except (OSError, StreamingError):
+                pass
+
+
+class _Receiver:
+    """The receiver thread of one load: chooses each chunk's option, fetches and verifies
+    its bytes (cut on overrun, one reconnect), and queues them for the decoder (bounded:
+    queue_depth chunks). ``abandoned`` lists the cut attempts."""
+
+    def __init__(self, client, key: str, manifest, policy: Policy, clock: Callable[[], float], t0: float,
+                 before_chunk: Callable[[int], None] | None, queue_depth: int):
+        self.client, self.key, self.manifest, self.policy = client, key, manifest, policy
+        self.clock, self.t0, self.before_chunk = clock, t0, before_chunk
+        self.gen = getattr(manifest, "gen", "") or None
+        self.q: queue.Queue = queue.Queue(maxsize=max(1, queue_depth))
+        self.stop = threading.Event()
+        self.wire_of: dict[int, tuple[float | None, int]] = {}  # chunk -> (wire seconds, bytes timed)
+        self.abandoned: list[dict] = []
+        self.reconnected = False
+        self.thread = threading.Thread(target=self.run, name="cgh-stream-rx", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def put(self, item) -> None:
+        put_until_stopped(self.q, item, self.stop)
+
+    def run(self) -> None:
+        k, tries = 0, 0  # tries: abandoned attempts of chunk k
+        n = self.manifest.chunk_count
+        try:
+            while k < n and not self.stop.is_set():
+                if self.before_chunk is not None:
+                    self.before_chunk(k)
+                start = self.now()
+                lv = self.policy.choose(k, start)
+                if lv is None:
+                    self.policy.observe_text(k)
+                    self.put(_Item(k, None, None, 0.0, True, False, start, start, "text chosen by policy"))
+                    k, tries = k + 1, 0
+                    continue
+                outcome = self.transfer(k, lv, start, tries)
+                if outcome == "lost":
+                    return
+                if outcome == "abandoned":
+                    tries += 1
+                    continue
+                k, tries = k + 1, 0
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            self.put(_Item(k, None, None, 0.0, False, False, 0.0, 0.0, "receiver failed", exc=e))
+        finally:
+            self.put(_DONE)
+
+    def transfer(self, k: int, lv: int, start: float, tries: int) -> str:
+        """Fetch chunk k at level lv and queue it -> "done", "abandoned" (cut: the policy
+        re-plans chunk k) or "lost" (the connection could not be had again: every chunk
+        left is queued as text)."""
+        # abandon on overrun (CacheGen section 5.2 re-plans per chunk)
+        dl = self.policy.transfer_deadline_s(k) if tries < MAX_ABANDONS_PER_CHUNK else None
+        cut = _Cut(self.client, dl)
+        t_req = self.clock()
+        on_progress = None if dl is None else self.progress_check(k, cut, t_req)
+        try:
+            data, dt, ok, ref, note = self.fetch_verified(self.client, k, lv, on_progress)
+        except (OSError, StreamingError) as e:
+            cut.cancel()
+            if cut.fired.is_set():
+                return self.after_cut(k, lv, dl, start, cut, t_req)
+            got = self.retry_once(k, lv, start, e)
+            if got is None:
+                return "lost"
+            data, dt, ok, ref, note = got
+        cut.finish()
+        if data is not None:
+            # goodput sample: bytes after the first read / first-to-last byte on the wire
+            # (kernel timestamps); the request-to-last-byte time when not available
+            wire, wbytes = self.wire_of.get(k, (None, 0))
+            s_bytes, s_dt = (wbytes, wire) if wire else (len(data), dt)
+            self.policy.observe_transfer(k, lv, s_bytes, s_dt, self.now())
+        self.put(_Item(k, lv, data, dt, ok, ref, start, self.now(),
+                       note or (f"after {tries} abandoned attempt(s)" if tries else "")))
+        return "done"
+
+    def progress_check(self, k: int, cut: _Cut, t_req: float):
+        """The callback the wire clock calls every PROGRESS_BYTES: asks the policy's
+        should_abandon and cuts at once when it says so."""
+        def on_progress(nbytes, wire_bytes=None, wire_s=None):
+            cut.received, cut.wire_bytes, cut.wire_s = nbytes, wire_bytes, wire_s
+            el = self.clock() - t_req
+            if cut.fired.is_set():
+                return
+            if self.policy.should_abandon(k, nbytes, el, wire_bytes=wire_bytes, wire_s=wire_s):
+                cut.early_s = el
+                cut.now()
+        return on_progress
+
+    def after_cut(self, k: int, lv: int, dl: float | None, start: float, cut: _Cut, t_req: float) -> str:
+        """Chunk k's transfer was cut by us: record it, reconnect, tell the policy."""
+        wire = cut.early_s if cut.early_s is not None else self.clock() - t_req
+        early = cut.early_s is not None
+        self.abandoned.append({"chunk": k, "level": lv, "deadline_s": dl, "wire_s": wire, "start_s": start,
+                               "early": early, "rule": "projection" if early else "deadline",
+                               "received_bytes": cut.received, "wire_clock_bytes": cut.wire_bytes,
+                               "wire_clock_s": cut.wire_s})
+        try:
+            self.client.reconnect()
+        except (OSError, StreamingError) as e2:
+            self.fail_rest(k, start, f"connection lost: {e2!r}")
+            return "lost"
+        self.policy.observe_abandon(k, lv, wire, cut.received or None)
+        return "abandoned"
+
+    def retry_once(self, k: int, lv: int, start: float, err: BaseException):
+        """The connection failed under chunk k: once per load, retry it on a fresh
+        connection -> fetch_verified's tuple, or None after queueing the rest as text."""
+        if not self.reconnected:
+            self.reconnected = True
+            try:
+                self.client.reconnect()
+                return self.fetch_verified(self.client, k, lv)
+            except (OSError, StreamingError) as e2:
+                err = e2
+        self.fail_rest(k, start, f"connection lost: {err!r}")
+        return None
+
+    def fail_rest(self, k: int, start: float, note: str) -> None:
+        for j in range(k, self.manifest.chunk_count):
+            self.put(_Item(j, None, None, 0.0, False, False, start, self.now(), note))
+
+    def fetch_verified(self, cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
+        """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once when the
+        bytes fail the manifest's size, CRC-32 or sha256; a chunk missing or failing twice
+        drops the entry (if still this generation)."""
+        m = self.manifest
+        want_crc, want_len = m.crc32[lv][k], m.sizes[lv][k]
+        shas = getattr(m, "sha256", None) or {}
         want_sha = shas[lv][k] if lv in shas else None
         total_dt, refetched = 0.0, False
         for attempt in range(2):
-            t = clock()
-            data, wire, wire_bytes = _timed_get_chunk(cl, key, lv, k, on_progress if attempt == 0 else None,
-                                                      gen)
-            total_dt += clock() - t
-            wire_of[k] = (wire, wire_bytes)
+            t = self.clock()
+            data, wire, wire_bytes = timed_get_chunk(cl, self.key, lv, k, on_progress if attempt == 0 else None,
+                                                     self.gen)
+            total_dt += self.clock() - t
+            self.wire_of[k] = (wire, wire_bytes)
             if data is None:
                 note = f"chunk missing: {cl.last_miss_reason}"
-                logger.warning("stream: %s chunk %d level %d: %s; entry dropped", key[:16], k, lv, note)
-                _invalidate(cl, key, gen, note)
+                logger.warning("stream: %s chunk %d level %d: %s; entry dropped", self.key[:16], k, lv, note)
+                _invalidate(cl, self.key, self.gen, note)
                 return None, total_dt, False, refetched, note
             if len(data) == want_len and zlib.crc32(data) == want_crc and \
                     (want_sha is None or hashlib.sha256(data).hexdigest() == want_sha):
                 return data, total_dt, True, refetched, ""
             refetched = attempt == 0
         note = "CRC/sha256 mismatch after refetch"
-        logger.warning("stream: %s chunk %d level %d: %s; entry dropped", key[:16], k, lv, note)
-        _invalidate(cl, key, gen, note)
+        logger.warning("stream: %s chunk %d level %d: %s; entry dropped", self.key[:16], k, lv, note)
+        _invalidate(cl, self.key, self.gen, note)
         return None, total_dt, False, True, note
 
-    deadline_of = getattr(policy, "transfer_deadline_s", None)
-    early_of = getattr(policy, "should_abandon", None)
-    try:
-        early_takes_wire = "wire_s" in inspect.signature(early_of).parameters
-    except (TypeError, ValueError):
-        early_takes_wire = False
-    try:
-        abandon_takes_bytes = len(inspect.signature(policy.observe_abandon).parameters) >= 4
-    except (TypeError, ValueError, AttributeError):
-        abandon_takes_bytes = False
-    wire_of: dict[int, tuple[float | None, int]] = {}  # chunk -> (wire seconds, bytes timed)
-    try:
-        takes_end = len(inspect.signature(policy.observe_transfer).parameters) >= 5
-    except (TypeError, ValueError):
-        takes_end = False
-    abandoned: list[dict] = []
 
-    def receiver() -> None:
-        reconnected = False
-        k = 0
-        tries = 0  # abandoned attempts of chunk k
+class _Decoder:
+    """The decoding side of one load (the calling thread): decodes each queued chunk, with
+    one refetch over a side connection when its bytes do not decode."""
+
+    def __init__(self, rx: _Receiver, decode_fn: DecodeFn):
+        self.rx, self.decode_fn = rx, decode_fn
+        self.side = None  # second connection for refetches after a decode failure
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
+
+    def chunk(self, it: _Item) -> tuple[ChunkStat, bool, Any]:
+        """-> (its ChunkStat, decoded?, the decoded chunk or None)."""
+        a, b = self.rx.manifest.token_ranges[it.index]
+        st = ChunkStat(it.index, it.level, True, 0, it.transfer_s, 0.0, it.crc_ok, it.refetched,
+                       a, b, it.fetch_start_s, it.fetch_end_s, 0.0, it.note)
+        if it.data is None:
+            st.level = None
+            return st, False, None
+        st.bytes = len(it.data)
+        td = self.rx.clock()
+        out, ok = None, True
         try:
-            while k < n and not stop.is_set():
-                if before_chunk is not None:
-                    before_chunk(k)
-                start = clock() - t0
-                lv = policy.choose(k, start)
-                if lv is None:
-                    if hasattr(policy, "observe_text"):
-                        policy.observe_text(k)
-                    put(_Item(k, None, None, 0.0, True, False, start, start, "text chosen by policy"))
-                    k, tries = k + 1, 0
-                    continue
-                # abandon on overrun (CacheGen section 5.2 re-plans per chunk): a timer cuts the
-                # connection when the transfer runs past the policy's deadline for it
-                dl = deadline_of(k) if (deadline_of is not None and tries < MAX_ABANDONS_PER_CHUNK) else None
-                fired = threading.Event()
-                timer = None
-                if dl is not None:
-                    timer = threading.Timer(max(0.0, dl), _abort_connection, args=(client, fired))
-                    timer.daemon = True
-                    timer.start()
-                t_req = clock()
-                # bytes received at the last progress check; s of an early cut; the wire clock's
-                # bytes and seconds at that check (None where the receiver has no wire clock)
-                got = [0, None, None, None]
-                on_progress = None
-                if early_of is not None and dl is not None:
-                    def on_progress(nbytes, wire_bytes=None, wire_s=None, k=k, t_req=t_req, fired=fired, got=got):
-                        got[0], got[2], got[3] = nbytes, wire_bytes, wire_s
-                        el = clock() - t_req
-                        if fired.is_set():
-                            return
-                        if early_takes_wire and wire_bytes is not None:
-                            cut = early_of(k, nbytes, el, wire_bytes=wire_bytes, wire_s=wire_s)
-                        else:
-                            cut = early_of(k, nbytes, el)
-                        if cut:
-                            got[1] = el
-                            _abort_connection(client, fired)
-                try:
-                    data, dt, ok, ref, note = fetch_verified(client, k, lv, on_progress)
-                except (OSError, StreamingError) as e:
-                    if timer is not None:
-                        timer.cancel()
-                    if fired.is_set():  # abandoned by us: reconnect and re-plan chunk k
-                        wire = got[1] if got[1] is not None else clock() - t_req
-                        abandoned.append({"chunk": k, "level": lv, "deadline_s": dl, "wire_s": wire,
-                                          "start_s": start, "early": got[1] is not None,
-                                          "rule": "projection" if got[1] is not None else "deadline",
-                                          "received_bytes": got[0], "wire_clock_bytes": got[2],
-                                          "wire_clock_s": got[3]})
-                        try:
-                            client.reconnect()
-                        except (OSError, StreamingError) as e2:
-                            for j in range(k, n):
-                                put(_Item(j, None, None, 0.0, False, False, start, clock() - t0,
-                                          f"connection lost: {e2!r}"))
-                            return
-                        if abandon_takes_bytes:
-                            policy.observe_abandon(k, lv, wire, got[0] or None)
-                        else:
-                            policy.observe_abandon(k, lv, wire)
-                        tries += 1
-                        continue
-                    err = e
-                    data = None
-                    if not reconnected:  # retry chunk k once on a fresh connection
-                        reconnected = True
-                        try:
-                            client.reconnect()
-                            data, dt, ok, ref, note = fetch_verified(client, k, lv)
-                            err = None
-                        except (OSError, StreamingError) as e2:
-                            err = e2
-                    if err is not None:
-                        for j in range(k, n):
-                            put(_Item(j, None, None, 0.0, False, False, start, clock() - t0,
-                                      f"connection lost: {err!r}"))
-                        return
-                if timer is not None:
-                    timer.cancel()
-                    if fired.is_set():  # the timer fired as the last byte arrived: fresh socket
-                        try:
-                            client.reconnect()
-                        except (OSError, StreamingError):
-                            pass  # the next request connects again
-                if data is not None:
-                    # goodput sample: bytes after the first read / first-to-last byte on the wire
-                    # (kernel timestamps); the request-to-last-byte time when not available
-                    wire, wbytes = wire_of.get(k, (None, 0))
-                    s_bytes, s_dt = (wbytes, wire) if wire else (len(data), dt)
-                    if takes_end:
-                        policy.observe_transfer(k, lv, s_bytes, s_dt, clock() - t0)
-                    else:  # a policy wrapper with the older 4-argument signature
-                        policy.observe_transfer(k, lv, s_bytes, s_dt)
-                put(_Item(k, lv, data, dt, ok, ref, start, clock() - t0,
-                          note or (f"after {tries} abandoned attempt(s)" if tries else "")))
-                k, tries = k + 1, 0
-        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            put(_Item(k, None, None, 0.0, False, False, 0.0, 0.0, "receiver failed", exc=e))
-        finally:
-            put(_DONE)
+            out = self.decode_fn(it.data)
+        except ValueError as e:
+            ok, st.note = False, f"decode failed: {e}"
+        if not ok:
+            ok, out = self.refetch(it, st)
+        st.decode_s = self.rx.clock() - td
+        if ok:
+            st.text_fallback = False
+        else:
+            st.level = None
+        return st, ok, out
 
-    rx = threading.Thread(target=receiver, name="cgh-stream-rx", daemon=True)
-    rx.start()
-    res = LoadResult(True, key, manifest=manifest, manifest_s=t_man)
-    res.decoded = [None] * n
-    side = None  # second connection for refetches after a decode failure
-    try:
-        while True:
-            it = q.get()
-            if it is _DONE:
-                break
-            if it.exc is not None:
-                raise it.exc
-            a, b = manifest.token_ranges[it.index]
-            st = ChunkStat(it.index, it.level, True, 0, it.transfer_s, 0.0, it.crc_ok, it.refetched,
-                           a, b, it.fetch_start_s, it.fetch_end_s, 0.0, it.note)
-            if it.note.startswith("connection lost") and res.error is None:
-                res.error = it.note
-            if it.data is not None:
-                st.bytes = len(it.data)
-                td = clock()
-                try:
-                    out = decode_fn(it.data)
-                    ok = True
-                except ValueError as e:
-                    ok, st.note = False, f"decode failed: {e}"
-                if not ok:  # refetch once over a side connection, then text
-                    st.refetched = True
-                    try:
-                        side = side or client.clone()
-                        data2, dt2, crc2, _, note2 = fetch_verified(side, it.index, it.level)
-                        st.transfer_s += dt2
-                        if data2 is not None:
-                            out = decode_fn(data2)
-                            ok, st.note = True, "decode failed once, refetch decoded"
-                    except ValueError as e:
-                        st.note = f"decode failed after refetch: {e}"
-                    except (OSError, StreamingError) as e:
-                        st.note = f"refetch failed: {e!r}"
-                st.decode_s = clock() - td
-                if ok:
-                    st.text_fallback = False
-                    policy.observe_decode(it.index, st.decode_s)
-                    if keep_decoded:
-                        res.decoded[it.index] = out
-                    if on_decoded is not None:
-                        on_decoded(it.index, out)
-                else:
-                    st.level = None
-            else:
-                st.level = None
-            st.decode_end_s = clock() - t0
-            res.chunks.append(st)
-    finally:
-        stop.set()
-        rx.join(timeout=5)
-        if side is not None:
-            side.close()
-    res.total_s = clock() - t0
-    res.transfer_s = sum(c.transfer_s for c in res.chunks)
-    res.decode_s = sum(c.decode_s for c in res.chunks)
-    res.decisions = list(getattr(policy, "decisions", []))
-    res.abandoned = abandoned
-    return res
-
+    def refetch(self, it: _Item, st: ChunkStat) -> tuple[bool, Any]:
+        """The bytes did not decode: fetch them once more over a side connection and decode."""
+        st.refetched = True
+        try:
+            self.side = self.side or self.rx.client.clone()
+            data2, dt2, _, _, _ = self.rx.fetch_verified(self.side, it.index, it.level)
+            st.transfer_s += dt2
+            if data2 is not None:
+                out = self.decode_fn(data2)
+                st.note = "decode failed once, refetch decoded"
+                return True, out
+        except ValueError as e:
+            st.note = f"decode failed after refetch: {e}"
+        except (OSError, StreamingError) as e:
+            st.note = f"refetch failed: {e!r}"
+        return False, None

@@ -2,8 +2,8 @@
 (LoadResult), plus the decode function type and its default (codec.decode_kv on CPU).
 
 Pure data, apart from the receiving machinery (streaming.client_wire) and the fetch
-helpers (streaming.client_parts), so a caller reading results needs only this module.
-Re-exported by streaming.client (the documented path). Not runnable.
+helpers (streaming.client), so a caller reading results needs only this module.
+Not runnable.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Timing a chunk's response on the wire: the socket wrapper `_WireClock` (kernel receive
-timestamps, issue 14) and `_timed_get_chunk`, a store get with the clock around the
+timestamps) and `timed_get_chunk`, a store get with the clock around the
 client's socket and a progress callback every PROGRESS_BYTES.
 
-Separate from the load loop (streaming.client) and its other helpers
-(streaming.client_parts): this is the one place that reads the socket's timestamps.
-Re-exported by streaming.client. Not runnable.
+Separate from the load loop (streaming.client): this is the one place that reads the
+socket's timestamps. Not runnable.
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ def _get(cl, key: str, lv: int, k: int, gen: str | None):
     return cl.get_chunk(key, lv, k, gen=gen) if gen else cl.get_chunk(key, lv, k)
 
 
-def _timed_get_chunk(cl, key: str, lv: int, k: int, on_progress=None, gen: str | None = None):
+def timed_get_chunk(cl, key: str, lv: int, k: int, on_progress=None, gen: str | None = None):
     """cl.get_chunk (of write generation `gen`, the manifest's) with the wire clock around
     its socket -> (data, wire_s or None, bytes after the first read). Uses the
     StoreClient's socket when it exposes one. on_progress(bytes received so far) is called

@@ -370,7 +370,7 @@ class LocalDirSource:
             raise SourceMiss(f"local entry {d.name!r}: the planned generation's chunking differs "
                              "from the lookup's plan")
         if man.get("calibrations"):
-            from streaming.client_parts import ensure_calibrations
+            from streaming.calibrations import ensure_calibrations
 
             why = ensure_calibrations(_LocalCalClient(Path(d.parent)), man["calibrations"])
             if why:
