@@ -18,8 +18,8 @@ client, Redis, the local folder), so that a message names the cause and the fix:
                                     store keeps exactly one complete entry: the winner's)
 
 Each class has a `kind` string ("unavailable", "timeout", "too_large", "full",
-"read_only", "auth", "race_lost", "outcome_unknown", "error") that the store server sends with an ERR reply so its client
-raises the same class (`store_error(kind, message)`).
+"read_only", "auth", "race_lost", "outcome_unknown", "error") that the store server sends
+with an ERR reply so its client raises the same class (`store_error(kind, message)`).
 
 Timeouts of every store client apply to lack of progress (no byte moved for that many
 seconds), never to the size of a value: a 3 MiB write over a 2 Mbit/s link with a 3 s
