@@ -223,6 +223,66 @@ def test_eviction_under_small_maxmemory():
         assert "hit" in kinds and ("miss" in kinds or "partial" in kinds), kinds
 
 
+def _saves_behind(policy: str, n: int = 24) -> list[Exception | None]:
+    """n saves (4 chunks of ~150 kB) through a store server over a 2 MB Redis with
+    `policy`: the error of each (None when saved)."""
+    from streaming.errors import StoreError
+
+    out = []
+    with RedisServer(maxmemory="2mb", policy=policy) as srv, start_store_server(srv.url) as h, \
+            h.client(timeout=10) as c:
+        for s in range(n):
+            ids, chunks, ranges = _context(n_chunks=4, size=150_000, levels=(1,), seed=100 + s)
+            try:
+                c.put_context("m", "w", TAG, ids, chunks, ranges)
+                out.append(None)
+            except StoreError as e:
+                out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lfu", "allkeys-lru", "allkeys-random"])
+def test_save_refused_because_redis_evicted_says_so(policy):
+    """Behind an evicting Redis the store server refuses saves whose chunks Redis evicted
+    before the manifest: the message names the eviction, the policy and the fix, and never
+    blames the caller's order of steps."""
+    errors = [e for e in _saves_behind(policy) if e is not None]
+    assert errors, "a 2 MB Redis must have evicted chunks of some of 24 saves of 0.6 MB"
+    for e in errors:
+        msg = str(e)
+        assert f"evicted it (maxmemory-policy {policy}" in msg and "keys evicted so far" in msg, msg
+        assert "needs maxmemory-policy noeviction" in msg and "put chunks before" not in msg, msg
+
+
+@pytest.mark.parametrize("policy", ["noeviction", "volatile-lru"])
+def test_save_refused_by_a_full_redis_that_does_not_evict(policy):
+    """Under noeviction, or volatile-* (the store's keys have no TTL), a full Redis refuses
+    the write itself (StoreFullError), no eviction is claimed, and the saves made before it
+    filled up all load."""
+    from streaming.errors import StoreFullError
+
+    results = _saves_behind(policy, n=8)
+    errors = [e for e in results if e is not None]
+    assert errors and all(isinstance(e, StoreFullError) for e in errors), errors
+    assert not [e for e in errors if "evicted it" in str(e)]
+    assert results[0] is None
+
+
+def test_put_manifest_before_its_chunks_blames_the_caller(server):
+    """Without eviction, a manifest whose chunk was never put is refused with the order of
+    steps named (the eviction wording only when Redis evicts)."""
+    from streaming.errors import StoreError
+    from streaming.store import build_manifest, new_generation
+
+    ids, chunks, ranges = _context(n_chunks=2, size=1000)
+    key, man = build_manifest("m", "w", TAG, ids, chunks, ranges)
+    man = dict(man, gen=new_generation())
+    with RedisStoreClient(server.url) as c:
+        c.put_chunk(key, 1, 0, chunks[1][0], gen=man["gen"])
+        with pytest.raises(StoreError, match="chunk 1 level 1 missing: put chunks before the manifest"):
+            c.put_manifest(man)
+
+
 def test_corrupt_value_fails_crc_and_is_reported(server):
     """A stored chunk whose bytes no longer match the manifest CRC32 is treated as a miss
     (refetched once, then recomputed from text) and reported in the chunk's note."""
