@@ -24,7 +24,9 @@ Guarantees (docs/streaming.md, "Store guarantees"): entries are immutable; a rea
 the old complete entry, the new complete entry or a miss, whatever a writer's crash point;
 of two writers that read the same state, the first to publish wins and the other gets
 StoreRaceLostError; an entry that lost a chunk (eviction, deletion) or whose chunk fails
-its checksum is dropped and reads as a miss with the reason. Manifests of the previous
+its checksum is dropped and reads as a miss with the reason; a writer that loses the reply
+to a request deletes nothing before asking the store whether its save is published
+(store_steps.settle, KVStore.resolve). Manifests of the previous
 format (cgh-manifest-v1, no per-chunk checksums) are clean misses ("store it again").
 
 Run the server: python -m streaming.store serve --backend DIR --host 127.0.0.1 --port 0

@@ -132,8 +132,8 @@ class _ServerStore:
         self.proxy = ReplyFaultProxy(self.srv.address)
         self.backend = self.srv.store.backend
 
-    def writer(self):
-        return StoreClient(*self.proxy.address, timeout=TIMEOUT_S)
+    def writer(self, timeout: float = TIMEOUT_S):
+        return StoreClient(*self.proxy.address, timeout=timeout)
 
     def reader(self):
         return StoreClient(*self.srv.address, timeout=10)
@@ -161,8 +161,8 @@ class _RedisStore:
     def _url(self):
         return "redis://%s:%d/0" % self.proxy.address
 
-    def writer(self):
-        return self._cls(self._url(), socket_timeout_s=TIMEOUT_S)
+    def writer(self, timeout: float = TIMEOUT_S):
+        return self._cls(self._url(), socket_timeout_s=timeout)
 
     def reader(self):
         return self._cls(self.rs.url)
@@ -186,8 +186,8 @@ class _ServerOverRedisStore(_RedisStore):
         self.srv = KVStoreServer(RedisBackend(self._url(), socket_timeout_s=TIMEOUT_S))
         self.srv.start_thread()
 
-    def writer(self):
-        return StoreClient(*self.srv.address, timeout=10)
+    def writer(self, timeout: float = TIMEOUT_S):
+        return StoreClient(*self.srv.address, timeout=10)  # the server's Redis replies are lost
 
     def close(self):
         self.srv.shutdown()
@@ -230,7 +230,7 @@ def run_case(store, ids, prior: int, mode: str | None, faults) -> tuple[str, int
             assert save(reader, ids, 128, v) == key
         old_gen = reader.get_manifest(key).gen if prior else None
         before = stored_gens(store.backend, key)
-        w = store.writer()
+        w = store.writer(TIMEOUT_S if mode else 10.0)  # a clean run never times out
         store.proxy.arm(mode, faults)
         try:
             assert save(w, ids, 96, 10) == key
