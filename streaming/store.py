@@ -20,6 +20,8 @@ Layout in a backend (keys):
                                       every chunk (token range, size, CRC-32, sha256), the
                                       chunking, the identity and the calibrations
     ctx/<key>/chunk/<level>/<index>   raw slots without a manifest (prefix-index records)
+    ctx/<key>/g/<gen>/aborted         Redis: generation <gen> settled as never published
+                                      (a writer lost its publish reply; expires in an hour)
 Guarantees (docs/streaming.md, "Store guarantees"): entries are immutable; a reader sees
 the old complete entry, the new complete entry or a miss, whatever a writer's crash point;
 of two writers that read the same state, the first to publish wins and the other gets
