@@ -286,6 +286,37 @@ def test_lost_reply_at_every_request(store, prior):
                 run_case(store, _case_ids(), prior, mode, faults)
 
 
+@pytest.mark.parametrize("name", ["server", pytest.param("redis", marks=needs_redis)])
+def test_store_that_stops_answering_after_the_publish(tmp_path, name):
+    """Every reply from the publish on is lost (the publish, every question the writer
+    asks after it): the writer reports StoreOutcomeUnknownError and deletes nothing - the
+    entry it published loads, the one it replaced still loads for a reader that planned
+    from it."""
+    s = STORES[name](tmp_path)
+    try:
+        reader = s.reader()
+        ids = _case_ids()
+        save(reader, ids, 128, 1)
+        w = s.writer(10.0)
+        s.proxy.arm()
+        key = save(w, ids, 96, 2)  # clean: the publish is the save's last request
+        n = s.proxy.count
+        w.close()
+        old_gen = reader.get_manifest(key).gen
+        w = s.writer()
+        s.proxy.arm("drop", range(n - 1, n + 100))
+        with pytest.raises(StoreOutcomeUnknownError, match="nothing of it was deleted"):
+            save(w, ids, 96, 3)  # the same chunking: the same requests
+        assert s.proxy.fired[0] == n - 1 and len(s.proxy.fired) > 3  # the questions were lost too
+        s.proxy.arm()
+        assert classify(reader, key) == ("load", 3)
+        assert classify(reader, key, plan_gen=old_gen) == ("load", 2)
+        w.close()
+        reader.close()
+    finally:
+        s.close()
+
+
 @needs_redis
 def test_redis_resent_publish_is_its_own_write(tmp_path):
     """The reply to the publish script is dropped after Redis ran it; redis-py sends the
