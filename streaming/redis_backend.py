@@ -334,7 +334,8 @@ return 0
                                 self._k(manifest_key), self._k(abort_key), gen, self.ABORT_MARKER_MS))
 
     def eviction_note(self) -> str:
-        """One sentence naming this Redis's eviction when it evicts keys (a maxmemory-policy
+        """One sentence ("Redis at ... evicts keys (maxmemory-policy ...): ...") naming
+        this Redis's eviction when it evicts keys (a maxmemory-policy
         allkeys-*, maxmemory set, evicted_keys > 0: it may drop a save's chunks before the
         manifest that names them is published), with the fix; "" otherwise, or when INFO
         cannot be read."""
@@ -345,7 +346,7 @@ return 0
         policy, evicted = str(mem.get("maxmemory_policy", "")), int(stats.get("evicted_keys", 0) or 0)
         if not policy.startswith("allkeys-") or evicted <= 0:
             return ""
-        return (f"Redis at {self.address} evicted it (maxmemory-policy {policy}, maxmemory "
+        return (f"Redis at {self.address} evicts keys (maxmemory-policy {policy}, maxmemory "
                 f"{mem.get('maxmemory')} bytes, {evicted} keys evicted so far): a KV store on Redis "
                 "needs maxmemory-policy noeviction (or volatile-* with the store's keys persistent, "
                 "as they are): CONFIG SET maxmemory-policy noeviction, or raise maxmemory")

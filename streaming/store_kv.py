@@ -153,12 +153,17 @@ class KVStore:
                 logger.warning("store: could not delete old chunks of %s: %s", m.key[:16], e)
         return Manifest.from_dict(d)
 
-    def _loss_cause(self) -> str:
-        """Why a chunk a writer put is gone: the backend's eviction (named, with the fix)
-        when it evicts keys, else the caller's order of steps."""
+    def _eviction(self) -> str:
+        """The backend's eviction, named with the fix, when it evicts keys (a Redis under
+        an allkeys-* policy: RedisBackend.eviction_note), else ""."""
         note = getattr(self.backend, "eviction_note", None)
-        cause = note() if note is not None else ""
-        return cause or "put chunks before the manifest"
+        return note() if note is not None else ""
+
+    def _loss_cause(self) -> str:
+        """Why a chunk a writer put is gone: evicted (the backend's eviction named), else
+        the caller's order of steps."""
+        evicts = self._eviction()
+        return f"evicted: {evicts}" if evicts else "put chunks before the manifest"
 
     def resolve(self, key: str, gen: str, levels, chunk_count: int) -> bool:
         """Settle a save whose outcome its writer does not know (the reply to its publish,
@@ -222,8 +227,9 @@ class KVStore:
             if have < len(keys) + 1 or cal_missing:
                 chunks_have = self._count_existing(keys) if have < len(keys) + 1 else len(keys)
                 if chunks_have < len(keys):
+                    evicts = self._eviction()
                     why = (f"entry incomplete: {len(keys) - chunks_have} of {len(keys)} chunks "
-                           "missing (evicted or deleted)")
+                           f"missing (evicted or deleted{'; ' + evicts if evicts else ''})")
                 elif cal_missing:
                     why = (f"entry incomplete: calibration {cal_missing[0][:16]} missing "
                            "(evicted or deleted)")

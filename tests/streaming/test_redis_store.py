@@ -223,9 +223,9 @@ def test_eviction_under_small_maxmemory():
         assert "hit" in kinds and ("miss" in kinds or "partial" in kinds), kinds
 
 
-def _saves_behind(policy: str, n: int = 24) -> list[Exception | None]:
+def _saves_behind(policy: str, n: int = 24) -> tuple[list[Exception | None], str]:
     """n saves (4 chunks of ~150 kB) through a store server over a 2 MB Redis with
-    `policy`: the error of each (None when saved)."""
+    `policy`: the error of each (None when saved), and the Redis address as messages name it."""
     from streaming.errors import StoreError
 
     out = []
@@ -238,7 +238,7 @@ def _saves_behind(policy: str, n: int = 24) -> list[Exception | None]:
                 out.append(None)
             except StoreError as e:
                 out.append(e)
-    return out
+        return out, srv.url.split("//", 1)[1]
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lfu", "allkeys-lru", "allkeys-random"])
@@ -246,26 +246,54 @@ def test_save_refused_because_redis_evicted_says_so(policy):
     """Behind an evicting Redis the store server refuses saves whose chunks Redis evicted
     before the manifest: the message names the eviction, the policy and the fix, and never
     blames the caller's order of steps."""
-    errors = [e for e in _saves_behind(policy) if e is not None]
+    results, where = _saves_behind(policy)
+    errors = [e for e in results if e is not None]
     assert errors, "a 2 MB Redis must have evicted chunks of some of 24 saves of 0.6 MB"
     for e in errors:
         msg = str(e)
-        assert f"evicted it (maxmemory-policy {policy}" in msg and "keys evicted so far" in msg, msg
-        assert "needs maxmemory-policy noeviction" in msg and "put chunks before" not in msg, msg
+        assert f"missing: evicted: Redis at {where} evicts keys (maxmemory-policy {policy}, " in msg, msg
+        assert "keys evicted so far" in msg and "needs maxmemory-policy noeviction" in msg, msg
+        assert "put chunks before" not in msg, msg
 
 
 @pytest.mark.parametrize("policy", ["noeviction", "volatile-lru"])
 def test_save_refused_by_a_full_redis_that_does_not_evict(policy):
     """Under noeviction, or volatile-* (the store's keys have no TTL), a full Redis refuses
-    the write itself (StoreFullError), no eviction is claimed, and the saves made before it
-    filled up all load."""
+    the write itself (StoreFullError), no eviction is claimed, and the first save, made
+    before it filled up, succeeded."""
     from streaming.errors import StoreFullError
 
-    results = _saves_behind(policy, n=8)
+    results, _ = _saves_behind(policy, n=8)
     errors = [e for e in results if e is not None]
     assert errors and all(isinstance(e, StoreFullError) for e in errors), errors
-    assert not [e for e in errors if "evicted it" in str(e)]
+    assert not [e for e in errors if "evicts keys" in str(e) or "missing" in str(e)]
     assert results[0] is None
+
+
+def test_lookup_of_an_entry_that_lost_a_chunk_names_the_eviction():
+    """A lookup that finds an entry's chunk gone, in a Redis that has been evicting under
+    allkeys-lru, says the entry is incomplete and names the policy; in one that has not,
+    only "evicted or deleted"."""
+    with RedisServer(maxmemory="2mb", policy="allkeys-lru") as srv, RedisStoreClient(srv.url) as c:
+        ids, chunks, ranges = _context(n_chunks=2, size=1000, levels=(1,))
+        key = c.put_context("m", "w", TAG, ids, chunks, ranges)
+        gen = c.get_manifest(key).gen
+        c.backend.delete(f"ctx/{key}/g/{gen}/1/1")  # deleted: this Redis has evicted nothing yet
+        assert c.get_manifest(key) is None
+        assert c.last_miss_reason == "entry incomplete: 1 of 2 chunks missing (evicted or deleted); entry dropped"
+        filler = b"x" * 100_000
+        for i in range(60):  # past maxmemory: Redis evicts (the filler, the entry's keys)
+            c.backend.put(f"filler/{i}", filler)
+        assert c.backend.info("stats")["evicted_keys"] > 0
+        for k in list(c.backend.keys("filler/")):  # room again; the eviction count stays
+            c.backend.delete(k)
+        key = c.put_context("m", "w", TAG, ids, chunks, ranges)
+        gen = c.get_manifest(key).gen
+        c.backend.delete(f"ctx/{key}/g/{gen}/1/0")
+        assert c.get_manifest(key) is None
+        why = c.last_miss_reason
+        assert why.startswith("entry incomplete: 1 of 2 chunks missing (evicted or deleted; Redis at "), why
+        assert "evicts keys (maxmemory-policy allkeys-lru, maxmemory 2097152 bytes, " in why, why
 
 
 def test_put_manifest_before_its_chunks_blames_the_caller(server):
