@@ -6,6 +6,8 @@ client, Redis, the local folder), so that a message names the cause and the fix:
     StoreError                      the store refused or failed a request (base class)
       StoreUnavailableError         not reachable: refused, reset, closed, DNS
         StoreTimeoutError           no progress (no byte sent or received) for the timeout
+        StoreOutcomeUnknownError    a save's publish was sent but neither its reply nor the
+                                    store's answer to "is it published?" came back
       StoreTooLargeError            a value above a limit of the store (the limit is named,
                                     with the setting that raises it)
       StoreFullError                out of memory (Redis maxmemory, noeviction) / disk full
@@ -16,8 +18,8 @@ client, Redis, the local folder), so that a message names the cause and the fix:
                                     store keeps exactly one complete entry: the winner's)
 
 Each class has a `kind` string ("unavailable", "timeout", "too_large", "full",
-"read_only", "auth", "race_lost", "error") that the store server sends with an ERR reply so its client
-raises the same class (`store_error(kind, message)`).
+"read_only", "auth", "race_lost", "outcome_unknown", "error") that the store server sends
+with an ERR reply so its client raises the same class (`store_error(kind, message)`).
 
 Timeouts of every store client apply to lack of progress (no byte moved for that many
 seconds), never to the size of a value: a 3 MiB write over a 2 Mbit/s link with a 3 s
@@ -60,6 +62,15 @@ class StoreTimeoutError(StoreUnavailableError):
     kind = "timeout"
 
 
+class StoreOutcomeUnknownError(StoreUnavailableError):
+    """A save sent its publish request but lost the reply, and asking the store whether the
+    entry is published failed too (the store stayed unreachable). The entry may or may not
+    be published; nothing of this save was deleted (its chunks may be what a published
+    manifest names). Look the key up, or save again, once the store answers."""
+
+    kind = "outcome_unknown"
+
+
 class StoreTooLargeError(StoreError):
     """A value exceeds a limit of the store; `limit` and `size` in bytes (None if unknown)."""
 
@@ -98,7 +109,8 @@ class StoreRaceLostError(StoreError):
 
 
 _KINDS = {c.kind: c for c in (StoreError, StoreUnavailableError, StoreTimeoutError, StoreTooLargeError,
-                              StoreFullError, StoreReadOnlyError, StoreAuthError, StoreRaceLostError)}
+                              StoreFullError, StoreReadOnlyError, StoreAuthError, StoreRaceLostError,
+                              StoreOutcomeUnknownError)}
 
 
 def store_error(kind: str | None, message: str) -> StoreError:

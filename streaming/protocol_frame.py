@@ -33,6 +33,8 @@ class FrameType(IntEnum):
     LIST = 6  # meta {prefix?, limit?} -> meta {keys}
     HAS = 7  # meta {key} -> meta {exists}
     DELETE = 8  # meta {key}: removes a context (manifest first, then chunks)
+    RESOLVE = 9  # meta {key, gen, levels, chunk_count} -> meta {published}: settles a save
+    # whose reply was lost (published: nothing touched; not: its chunks deleted)
     OK = 0x80
     MISS = 0x81  # clean miss: meta {reason}
     ERR = 0x82  # refused / failed request: meta {error}

@@ -249,8 +249,12 @@ class RedisBackend(Closing):
             sizes.append(len(data))
         self._write(f"MULTI/EXEC of {len(sizes)} values, {sum(sizes)} bytes", sizes, pipe.execute)
 
+    # A script whose reply was lost is sent again by redis-py (one retry on a broken
+    # connection): a value already equal to the one to write is that first run's write
+    # (the store's manifests carry a random generation per save), so it answers 1 again.
     _CAS_LUA = """
 local cur = redis.call('GET', KEYS[1])
+if ARGV[3] == '1' and cur == ARGV[4] then return 1 end
 if ARGV[1] == '0' then
   if cur then return 0 end
 elseif cur ~= ARGV[2] then
@@ -263,36 +267,89 @@ return 1
     def compare_and_put(self, key: str, expected: bytes | None, data: bytes | None) -> bool:
         """Atomic compare-and-swap (one Lua script, run by Redis without interleaving): if
         the stored value equals `expected` (None = absent) store `data` (None = delete) and
-        return True; else change nothing and return False. Errors as put."""
+        return True; else change nothing and return False. A stored value already equal to
+        `data` also returns True (a re-sent script whose first run's reply was lost).
+        Errors as put."""
         args = ["0" if expected is None else "1", b"" if expected is None else bytes(expected),
                 "0" if data is None else "1", b"" if data is None else bytes(data)]
         return bool(self._write(f"compare-and-set of {len(data or b'')} bytes", [len(data or b"")],
                                 self._client.eval, self._CAS_LUA, 1, self._k(key), *args))
 
+    # KEYS: manifest, this generation's abort marker, the items; ARGV: has-expected,
+    # expected, manifest, the items' bytes. A re-sent script finds its own manifest: 1.
     _PUBLISH_LUA = """
 local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[3] then return 1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 if ARGV[1] == '0' then
   if cur then return 0 end
 elseif cur and cur ~= ARGV[2] then
   return 0
 end
-for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 2]) end
+for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 1]) end
 redis.call('SET', KEYS[1], ARGV[3])
 return 1
 """
 
+    # KEYS: manifest, abort marker; ARGV: generation, marker lifetime (ms). 1: published
+    # (the manifest's generation or the one it replaced); 0: not, and now never will be.
+    _SETTLE_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, m = pcall(cjson.decode, cur)
+  if ok and type(m) == 'table' then
+    if m['gen'] == ARGV[1] then return 1 end
+    if type(m['prev']) == 'table' and m['prev']['gen'] == ARGV[1] then return 1 end
+  end
+end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 0
+"""
+    ABORT_MARKER_MS = 3_600_000  # an abort marker outlives any publish still in flight (a
+    # request is abandoned after socket_timeout_s, seconds); then it expires on its own
+
     def publish_many(self, manifest_key: str, expected: bytes | None, manifest: bytes,
-                     items: Sequence[tuple[str, bytes]]) -> bool:
+                     items: Sequence[tuple[str, bytes]], abort_key: str) -> bool:
         """One Lua script, atomic in Redis: if `manifest_key` still holds `expected` (None =
-        absent) or holds nothing any more (evicted / dropped: no entry to keep), SET every (key, bytes) of `items` and then the manifest, and return True;
-        else write nothing and return False. A client that dies while sending the script
-        leaves nothing (Redis runs only complete commands). Errors as put."""
-        keys = [self._k(manifest_key)] + [self._k(k) for k, _ in items]
+        absent) or holds nothing any more (evicted / dropped: no entry to keep), and
+        `abort_key` (this write's abort marker, see settle_publish) is not set, SET every
+        (key, bytes) of `items` and then the manifest, and return True; else write nothing
+        and return False. A manifest already equal to `manifest` returns True (the script
+        re-sent after its reply was lost: this write is the stored one). A client that dies
+        while sending the script leaves nothing (Redis runs only complete commands).
+        Errors as put."""
+        keys = [self._k(manifest_key), self._k(abort_key)] + [self._k(k) for k, _ in items]
         args = ["0" if expected is None else "1", b"" if expected is None else bytes(expected),
                 bytes(manifest)] + [bytes(d) for _, d in items]
         sizes = [len(manifest)] + [len(d) for _, d in items]
         return bool(self._write(f"publish of {len(items)} values, {sum(sizes)} bytes", sizes,
                                 self._client.eval, self._PUBLISH_LUA, len(keys), *keys, *args))
+
+    def settle_publish(self, manifest_key: str, abort_key: str, gen: str) -> bool:
+        """One Lua script, for a writer that lost the reply to its publish_many: True when
+        `manifest_key` holds a manifest of generation `gen` or one that replaced it (its
+        "prev" is `gen`); else set `abort_key` (expiring after ABORT_MARKER_MS) so that a
+        publish of `gen` still in flight is refused, and return False. Errors as put."""
+        return bool(self._write("settle of a publish", [0], self._client.eval, self._SETTLE_LUA, 2,
+                                self._k(manifest_key), self._k(abort_key), gen, self.ABORT_MARKER_MS))
+
+    def eviction_note(self) -> str:
+        """One sentence ("Redis at ... evicts keys (maxmemory-policy ...): ...") naming
+        this Redis's eviction when it evicts keys (a maxmemory-policy
+        allkeys-*, maxmemory set, evicted_keys > 0: it may drop a save's chunks before the
+        manifest that names them is published), with the fix; "" otherwise, or when INFO
+        cannot be read."""
+        try:
+            mem, stats = self.info("memory"), self.info("stats")
+        except StoreError:
+            return ""
+        policy, evicted = str(mem.get("maxmemory_policy", "")), int(stats.get("evicted_keys", 0) or 0)
+        if not policy.startswith("allkeys-") or evicted <= 0:
+            return ""
+        return (f"Redis at {self.address} evicts keys (maxmemory-policy {policy}, maxmemory "
+                f"{mem.get('maxmemory')} bytes, {evicted} keys evicted so far): a KV store on Redis "
+                "needs maxmemory-policy noeviction (or volatile-* with the store's keys persistent, "
+                "as they are): CONFIG SET maxmemory-policy noeviction, or raise maxmemory")
 
     def count_existing(self, keys: Sequence[str]) -> int:
         """How many of `keys` are stored (one EXISTS with every key)."""

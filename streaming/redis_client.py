@@ -107,19 +107,42 @@ class RedisStoreClient(Closing):
 
     def publish_atomic(self, man: dict, chunks: dict, base_raw: bytes | None) -> None:
         """Chunks (under man["gen"]) and manifest in one Lua script, if the key still holds
-        `base_raw`. Raises StoreRaceLostError when another writer published first."""
+        `base_raw`. A lost or late reply (redis-py re-sends the script once on a broken
+        connection: the script recognises its own manifest) is settled by asking Redis
+        (RedisBackend.settle_publish, up to SETTLE_TRIES times): published - success; not -
+        it never will be. A refusal is checked the same way (this write may be the one that
+        a later writer replaced). Raises StoreRaceLostError when another writer published
+        first, StoreOutcomeUnknownError when Redis never answers the question; a script that
+        wrote nothing raises the error that stopped it."""
         import json
 
         from streaming.errors import StoreRaceLostError
-        from streaming.store_format import _chunk_key, _manifest_key
+        from streaming.store_format import _chunk_key, _manifest_key, abort_marker_key
+        from streaming.store_steps import OUTCOME_UNKNOWN
 
         key, gen = man["key"], man["gen"]
         blob = json.dumps(man).encode("utf-8")
         items = [(_chunk_key(key, lv, i, gen), bytes(c)) for lv in man["levels"]
                  for i, c in enumerate(chunks[lv])] + [(_manifest_key(key, gen), blob)]
-        if not self.backend.publish_many(_manifest_key(key), base_raw, blob, items):
-            raise StoreRaceLostError(f"another writer published key {key[:16]} first: the store "
-                                     "keeps the other complete entry")
+        mk, abort = _manifest_key(key), abort_marker_key(key, gen)
+        try:
+            if self.backend.publish_many(mk, base_raw, blob, items, abort_key=abort):
+                return
+        except OUTCOME_UNKNOWN as e:
+            self._settle(key, gen, e)  # returns only if published
+            return
+        race = StoreRaceLostError(f"another writer published key {key[:16]} first: the store "
+                                  "keeps the other complete entry")
+        self._settle(key, gen, race)
+
+    def _settle(self, key: str, gen: str, err: BaseException) -> None:
+        """streaming.store_steps.settle over Redis: nothing to delete (an unpublished
+        script wrote nothing), the question asked with RedisBackend.settle_publish."""
+        from streaming.store_format import _manifest_key, abort_marker_key
+        from streaming.store_steps import settle
+
+        mk, abort = _manifest_key(key), abort_marker_key(key, gen)
+        settle(lambda k, g, levels, n: self.backend.settle_publish(mk, abort, g), key, gen, [], 0, err)
 
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
         self.store.put_chunk(key, level, index, data, gen)
@@ -187,3 +210,4 @@ class RedisStoreClient(Closing):
         identity.require_complete()
         return self.put_context(identity.model_id, identity.weights_hash, identity.codec_tag(),
                                 token_ids, chunks, token_ranges, meta, identity, calibrations)
+

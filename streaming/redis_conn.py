@@ -121,7 +121,9 @@ def classify_redis_error(e: Exception, what: str, address: str, socket_timeout_s
     if isinstance(e, redis.exceptions.OutOfMemoryError) or up.startswith("OOM") or " OOM " in up:
         return StoreFullError(
             f"{at} is full (out of memory) and refused {what} ({msg}): raise maxmemory "
-            "(CONFIG SET maxmemory / --maxmemory) or use an evicting policy such as allkeys-lru")
+            "(CONFIG SET maxmemory / --maxmemory) or delete contexts no longer needed; an evicting "
+            "policy (allkeys-*) makes room by dropping entries and can drop a save's chunks before "
+            "its manifest is published (docs/redis.md)")
     if isinstance(e, redis.exceptions.ReadOnlyError) or "READONLY" in up:
         return StoreReadOnlyError(
             f"{at} is a read-only replica and refused {what} ({msg}): point the store URL "

@@ -20,11 +20,15 @@ Layout in a backend (keys):
                                       every chunk (token range, size, CRC-32, sha256), the
                                       chunking, the identity and the calibrations
     ctx/<key>/chunk/<level>/<index>   raw slots without a manifest (prefix-index records)
+    ctx/<key>/g/<gen>/aborted         Redis: generation <gen> settled as never published
+                                      (a writer lost its publish reply; expires in an hour)
 Guarantees (docs/streaming.md, "Store guarantees"): entries are immutable; a reader sees
 the old complete entry, the new complete entry or a miss, whatever a writer's crash point;
 of two writers that read the same state, the first to publish wins and the other gets
 StoreRaceLostError; an entry that lost a chunk (eviction, deletion) or whose chunk fails
-its checksum is dropped and reads as a miss with the reason. Manifests of the previous
+its checksum is dropped and reads as a miss with the reason; a writer that loses the reply
+to a request deletes nothing before asking the store whether its save is published
+(store_steps.settle, KVStore.resolve). Manifests of the previous
 format (cgh-manifest-v1, no per-chunk checksums) are clean misses ("store it again").
 
 Run the server: python -m streaming.store serve --backend DIR --host 127.0.0.1 --port 0

@@ -208,6 +208,18 @@ class StoreClient:
         self._call(FrameType.DELETE, {"key": key, "gen": gen, "levels": list(levels),
                                       "chunk_count": int(chunk_count)})
 
+    def resolve(self, key: str, gen: str, levels, chunk_count: int) -> bool:
+        """Ask the server whether write generation `gen` is published (see
+        KVStore.resolve: if not, the server deletes its chunks and a late publish of it is
+        refused). Raises StoreError when the server refuses or answers without the field
+        (a server that predates the request), StoreUnavailableError when unreachable."""
+        f = self._call(FrameType.RESOLVE, {"key": key, "gen": gen, "levels": [int(x) for x in levels],
+                                           "chunk_count": int(chunk_count)})
+        published = f.meta.get("published")
+        if not isinstance(published, bool):
+            raise StoreError(f"{self._where} did not say whether generation {gen[:8]} is published")
+        return published
+
     def invalidate(self, key: str, gen: str, reason: str) -> bool:
         """Drop the entry if it is still generation `gen` (see KVStore.invalidate)."""
         return bool(self._call(FrameType.DELETE, {"key": key, "gen": gen, "reason": reason}
@@ -338,6 +350,9 @@ class LocalStoreClient:
 
     def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
         self.store.discard(key, gen, levels, chunk_count)
+
+    def resolve(self, key: str, gen: str, levels, chunk_count: int) -> bool:
+        return self.store.resolve(key, gen, levels, chunk_count)
 
     def invalidate(self, key: str, gen: str, reason: str) -> bool:
         return self.store.invalidate(key, gen, reason)

@@ -91,6 +91,14 @@ def _manifest_key(key: str, gen: str | None = None) -> str:
     return f"ctx/{key}/g/{_check_gen(gen)}/manifest"
 
 
+def abort_marker_key(key: str, gen: str) -> str:
+    """Key of the marker that settles write generation `gen` of context `key` as never
+    published (set when a writer that lost its publish reply asks and finds it
+    unpublished): a publish of that generation arriving late is refused. Raises ValueError
+    for a malformed key or generation."""
+    return f"ctx/{_check_hex_key(key)}/g/{_check_gen(gen)}/aborted"
+
+
 def _check_hex_key(key) -> str:
     if not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
         raise ValueError(f"context key must be 64 lowercase hex chars, got {str(key)[:80]!r}")
@@ -265,6 +273,21 @@ def _parse_gen(raw: bytes | None) -> str | None:
         return g if isinstance(g, str) else ""
     except (UnicodeDecodeError, ValueError, AttributeError):
         return ""
+
+
+def manifest_gens(raw: bytes | None) -> tuple[str | None, str | None]:
+    """(generation, previous generation) of a stored manifest's bytes: the save it
+    publishes and the one it replaced (readers may still plan from that one). Each is None
+    when absent or unreadable."""
+    if raw is None:
+        return None, None
+    try:
+        d = json.loads(raw.decode("utf-8"))
+        prev = d.get("prev")
+        g, p = d.get("gen"), prev.get("gen") if isinstance(prev, dict) else None
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None, None
+    return (g if isinstance(g, str) else None), (p if isinstance(p, str) else None)
 
 
 def _chunk_digest(data: bytes) -> tuple[int, int, str]:

@@ -25,6 +25,7 @@ from streaming.store_format import (
     _chunk_key,
     _manifest_key,
     _parse_gen,
+    manifest_gens,
 )
 from streaming.store_steps import save_steps
 
@@ -107,7 +108,7 @@ class KVStore:
             for i in range(m.chunk_count):
                 data = self.backend.get(_chunk_key(m.key, lv, i, m.gen))
                 if data is None:
-                    raise StoreError(f"chunk {i} level {lv} missing: put chunks before the manifest")
+                    raise StoreError(f"chunk {i} level {lv} missing: {self._loss_cause()}")
                 if _chunk_digest(data) != (m.sizes[lv][i], m.crc32[lv][i], m.sha256[lv][i]):
                     raise StoreError(f"chunk {i} level {lv} differs from the manifest (size/CRC/sha256)")
         for h in m.calibrations:
@@ -151,6 +152,34 @@ class KVStore:
             except (ValueError, KeyError, TypeError, StoreError, OSError) as e:
                 logger.warning("store: could not delete old chunks of %s: %s", m.key[:16], e)
         return Manifest.from_dict(d)
+
+    def _eviction(self) -> str:
+        """The backend's eviction, named with the fix, when it evicts keys (a Redis under
+        an allkeys-* policy: RedisBackend.eviction_note), else ""."""
+        note = getattr(self.backend, "eviction_note", None)
+        return note() if note is not None else ""
+
+    def _loss_cause(self) -> str:
+        """Why a chunk a writer put is gone: evicted (the backend's eviction named), else
+        the caller's order of steps."""
+        evicts = self._eviction()
+        return f"evicted: {evicts}" if evicts else "put chunks before the manifest"
+
+    def resolve(self, key: str, gen: str, levels, chunk_count: int) -> bool:
+        """Settle a save whose outcome its writer does not know (the reply to its publish,
+        or to a chunk, was lost or late): True when write generation `gen` is published -
+        the key's entry, or the entry that replaced it names it as its previous one (a
+        reader may still plan from it) - and nothing is touched; False when it is not,
+        and then its chunks are deleted, so a publish of it that arrives later finds them
+        missing and is refused. Callers that serve several writers run it under the same
+        lock as put_manifest (KVStoreServer does). Raises ValueError for a malformed key
+        or generation."""
+        _check_hex_key(key)
+        _check_gen(gen)
+        if gen in manifest_gens(self.backend.get(_manifest_key(key))):
+            return True
+        self.discard(key, gen, levels, chunk_count)
+        return False
 
     def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
         """Delete the chunks of one write generation (a loser's, a failed writer's, or an
@@ -198,8 +227,9 @@ class KVStore:
             if have < len(keys) + 1 or cal_missing:
                 chunks_have = self._count_existing(keys) if have < len(keys) + 1 else len(keys)
                 if chunks_have < len(keys):
+                    evicts = self._eviction()
                     why = (f"entry incomplete: {len(keys) - chunks_have} of {len(keys)} chunks "
-                           "missing (evicted or deleted)")
+                           f"missing (evicted or deleted{'; ' + evicts if evicts else ''})")
                 elif cal_missing:
                     why = (f"entry incomplete: calibration {cal_missing[0][:16]} missing "
                            "(evicted or deleted)")

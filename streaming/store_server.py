@@ -128,6 +128,11 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
             with self._publish_lock:  # the server serialises publishes
                 m = st.put_manifest(meta.get("manifest"), base)
             return FrameType.OK, {"key": m.key}, b""
+        if ftype == FrameType.RESOLVE:
+            with self._publish_lock:  # never between a publish's chunk check and its swap
+                published = st.resolve(meta.get("key"), meta.get("gen"), [int(x) for x in meta["levels"]],
+                                       int(meta["chunk_count"]))
+            return FrameType.OK, {"published": published}, b""
         if ftype == FrameType.LIST:
             return FrameType.OK, {"keys": st.list_contexts(int(meta.get("limit", 10000)))}, b""
         if ftype == FrameType.HAS:

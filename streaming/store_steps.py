@@ -12,10 +12,15 @@ import json
 import logging
 from typing import Sequence
 
-from streaming.errors import StoreError
+from streaming.errors import ProtocolError, StoreError, StoreOutcomeUnknownError, StoreUnavailableError
 from streaming.store_format import Manifest, _check_gen, _parse_gen, new_generation
 
 logger = logging.getLogger("cachegen.store")
+
+SETTLE_TRIES = 3  # questions a writer asks after a lost reply: one more lost reply or one
+# broken connection is survived; a store that stays silent this long is down (outcome unknown)
+OUTCOME_UNKNOWN = (StoreUnavailableError, ProtocolError, OSError)  # the request may have been
+# carried out: a lost connection, a timeout, a garbled reply (a refusal is a definite answer)
 
 
 def _prev_of(raw: bytes | None) -> dict | None:
@@ -39,8 +44,13 @@ def save_steps(ops, man: dict, chunks: dict[int, Sequence[bytes]],
     ("manifest", key) when `ops` publishes chunks and manifest in one atomic step
     (RedisStoreClient.publish_atomic: a Lua script). A generator stopped at any point (a
     crash) leaves nothing visible: at most chunks of a fresh generation that no manifest
-    names. A failed publish (StoreRaceLostError, StoreError) deletes this save's chunks
-    and re-raises."""
+    names. A refused write or publish (StoreRaceLostError, StoreError: a definite answer)
+    deletes this save's chunks and re-raises. A write whose outcome is unknown (a lost or
+    late reply: StoreUnavailableError, StoreTimeoutError, OSError, ProtocolError) deletes
+    nothing until the writer has asked the store (`ops.resolve`, up to SETTLE_TRIES
+    times): published - the save succeeds; not published - its chunks are gone and the
+    error is re-raised, saying so; no answer - StoreOutcomeUnknownError, nothing
+    deleted. An overwrite's previous entry is only ever replaced by a published one."""
     key = man["key"]
     atomic = getattr(ops, "publish_atomic", None)
     if atomic is not None:
@@ -70,19 +80,48 @@ def save_steps(ops, man: dict, chunks: dict[int, Sequence[bytes]],
                 logger.warning("store: could not delete old chunks of %s: %s", key[:16], e)
         yield ("manifest", key)
         return
-    for lv in man["levels"]:
-        for i, data in enumerate(chunks[lv]):
-            ops.put_chunk(key, lv, i, bytes(data), gen=gen)
-            yield ("chunk", lv, i)
     try:
+        for lv in man["levels"]:
+            for i, data in enumerate(chunks[lv]):
+                ops.put_chunk(key, lv, i, bytes(data), gen=gen)
+                yield ("chunk", lv, i)
         ops.put_manifest(man, base_gen=base)
-    except (StoreError, OSError):
+    except OUTCOME_UNKNOWN as e:
+        settle(getattr(ops, "resolve", None), key, gen, man["levels"], man["chunk_count"], e)  # if published
+    except StoreError:
         try:
             ops.discard(key, gen, man["levels"], man["chunk_count"])
         except (StoreError, OSError, ValueError):
             pass
         raise
     yield ("manifest", key)
+
+
+def settle(resolve, key: str, gen: str, levels, chunk_count: int, err: BaseException) -> None:
+    """After `err` (an OUTCOME_UNKNOWN failure of a write of generation `gen`), ask the
+    store whether `gen` is published: resolve(key, gen, levels, chunk_count) -> bool (e.g.
+    KVStore.resolve, StoreClient.resolve), up to SETTLE_TRIES times. Returns when it is
+    (the save succeeded after all); raises `err`'s class with the answer in the message when
+    it is not (the store kept nothing of it); raises StoreOutcomeUnknownError (nothing
+    deleted) when the store never answers or cannot answer, or `resolve` is None."""
+    last: BaseException = err
+    for _ in range(SETTLE_TRIES if resolve is not None else 0):
+        try:
+            published = resolve(key, gen, levels, chunk_count)
+        except (*OUTCOME_UNKNOWN, StoreError) as e:  # an old server refuses the question too
+            last = e
+            continue
+        if published:
+            logger.info("store: reply lost while saving %s, but generation %s is published: saved",
+                        key[:16], gen[:8])
+            return
+        msg = (f"{err}; asked the store: generation {gen[:8]} of key {key[:16]} is not published "
+               "and nothing of it is kept; the key's previous entry (if any) is unchanged")
+        raise (type(err)(msg) if isinstance(err, StoreError) else StoreUnavailableError(msg)) from None
+    raise StoreOutcomeUnknownError(
+        f"{err}; whether generation {gen[:8]} of key {key[:16]} was published is unknown (asking "
+        f"the store failed: {last}): nothing of it was deleted; look the key up or save again "
+        "once the store answers") from None
 
 
 def _prev_of_prev(raw: bytes | None) -> dict | None:

@@ -223,6 +223,94 @@ def test_eviction_under_small_maxmemory():
         assert "hit" in kinds and ("miss" in kinds or "partial" in kinds), kinds
 
 
+def _saves_behind(policy: str, n: int = 24) -> tuple[list[Exception | None], str]:
+    """n saves (4 chunks of ~150 kB) through a store server over a 2 MB Redis with
+    `policy`: the error of each (None when saved), and the Redis address as messages name it."""
+    from streaming.errors import StoreError
+
+    out = []
+    with RedisServer(maxmemory="2mb", policy=policy) as srv, start_store_server(srv.url) as h, \
+            h.client(timeout=10) as c:
+        for s in range(n):
+            ids, chunks, ranges = _context(n_chunks=4, size=150_000, levels=(1,), seed=100 + s)
+            try:
+                c.put_context("m", "w", TAG, ids, chunks, ranges)
+                out.append(None)
+            except StoreError as e:
+                out.append(e)
+        return out, srv.url.split("//", 1)[1]
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lfu", "allkeys-lru", "allkeys-random"])
+def test_save_refused_because_redis_evicted_says_so(policy):
+    """Behind an evicting Redis the store server refuses saves whose chunks Redis evicted
+    before the manifest: the message names the eviction, the policy and the fix, and never
+    blames the caller's order of steps."""
+    results, where = _saves_behind(policy)
+    errors = [e for e in results if e is not None]
+    assert errors, "a 2 MB Redis must have evicted chunks of some of 24 saves of 0.6 MB"
+    for e in errors:
+        msg = str(e)
+        assert f"missing: evicted: Redis at {where} evicts keys (maxmemory-policy {policy}, " in msg, msg
+        assert "keys evicted so far" in msg and "needs maxmemory-policy noeviction" in msg, msg
+        assert "put chunks before" not in msg, msg
+
+
+@pytest.mark.parametrize("policy", ["noeviction", "volatile-lru"])
+def test_save_refused_by_a_full_redis_that_does_not_evict(policy):
+    """Under noeviction, or volatile-* (the store's keys have no TTL), a full Redis refuses
+    the write itself (StoreFullError), no eviction is claimed, and the first save, made
+    before it filled up, succeeded."""
+    from streaming.errors import StoreFullError
+
+    results, _ = _saves_behind(policy, n=8)
+    errors = [e for e in results if e is not None]
+    assert errors and all(isinstance(e, StoreFullError) for e in errors), errors
+    assert not [e for e in errors if "evicts keys" in str(e) or "missing" in str(e)]
+    assert results[0] is None
+
+
+def test_lookup_of_an_entry_that_lost_a_chunk_names_the_eviction():
+    """A lookup that finds an entry's chunk gone, in a Redis that has been evicting under
+    allkeys-lru, says the entry is incomplete and names the policy; in one that has not,
+    only "evicted or deleted"."""
+    with RedisServer(maxmemory="2mb", policy="allkeys-lru") as srv, RedisStoreClient(srv.url) as c:
+        ids, chunks, ranges = _context(n_chunks=2, size=1000, levels=(1,))
+        key = c.put_context("m", "w", TAG, ids, chunks, ranges)
+        gen = c.get_manifest(key).gen
+        c.backend.delete(f"ctx/{key}/g/{gen}/1/1")  # deleted: this Redis has evicted nothing yet
+        assert c.get_manifest(key) is None
+        assert c.last_miss_reason == "entry incomplete: 1 of 2 chunks missing (evicted or deleted); entry dropped"
+        filler = b"x" * 100_000
+        for i in range(60):  # past maxmemory: Redis evicts (the filler, the entry's keys)
+            c.backend.put(f"filler/{i}", filler)
+        assert c.backend.info("stats")["evicted_keys"] > 0
+        for k in list(c.backend.keys("filler/")):  # room again; the eviction count stays
+            c.backend.delete(k)
+        key = c.put_context("m", "w", TAG, ids, chunks, ranges)
+        gen = c.get_manifest(key).gen
+        c.backend.delete(f"ctx/{key}/g/{gen}/1/0")
+        assert c.get_manifest(key) is None
+        why = c.last_miss_reason
+        assert why.startswith("entry incomplete: 1 of 2 chunks missing (evicted or deleted; Redis at "), why
+        assert "evicts keys (maxmemory-policy allkeys-lru, maxmemory 2097152 bytes, " in why, why
+
+
+def test_put_manifest_before_its_chunks_blames_the_caller(server):
+    """Without eviction, a manifest whose chunk was never put is refused with the order of
+    steps named (the eviction wording only when Redis evicts)."""
+    from streaming.errors import StoreError
+    from streaming.store import build_manifest, new_generation
+
+    ids, chunks, ranges = _context(n_chunks=2, size=1000)
+    key, man = build_manifest("m", "w", TAG, ids, chunks, ranges)
+    man = dict(man, gen=new_generation())
+    with RedisStoreClient(server.url) as c:
+        c.put_chunk(key, 1, 0, chunks[1][0], gen=man["gen"])
+        with pytest.raises(StoreError, match="chunk 1 level 1 missing: put chunks before the manifest"):
+            c.put_manifest(man)
+
+
 def test_corrupt_value_fails_crc_and_is_reported(server):
     """A stored chunk whose bytes no longer match the manifest CRC32 is treated as a miss
     (refetched once, then recomputed from text) and reported in the chunk's note."""

@@ -244,7 +244,7 @@ def test_redis_writer_dies_mid_command(tmp_path):
     import socket
 
     from streaming.redis_backend import RedisBackend
-    from streaming.store_format import _chunk_key, _manifest_key
+    from streaming.store_format import _chunk_key, _manifest_key, abort_marker_key
 
     s = _Redis(tmp_path)
     try:
@@ -256,7 +256,8 @@ def test_redis_writer_dies_mid_command(tmp_path):
         blob = json.dumps(man).encode()
         items = [(_chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
         items.append((_manifest_key(key, man["gen"]), blob))
-        keys = [b"cg:" + _manifest_key(key).encode()] + [b"cg:" + k.encode() for k, _ in items]
+        keys = [b"cg:" + _manifest_key(key).encode(), b"cg:" + abort_marker_key(key, man["gen"]).encode()] + \
+            [b"cg:" + k.encode() for k, _ in items]
         base = c.manifest_raw(key)
         args = [b"EVAL", RedisBackend._PUBLISH_LUA.encode(), str(len(keys)).encode(), *keys,
                 b"1", base, blob, *[d for _, d in items]]

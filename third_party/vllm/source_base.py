@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from streaming.identity_check import merge_expected
 from streaming.identity_entry import EntryIdentity
@@ -151,8 +151,23 @@ def expected_identity(own: EntryIdentity | None, params: dict[str, Any]) -> Entr
     return merge_expected(own, params.get("identity") or None, req)
 
 
-def _identity_miss(source: str, params: dict[str, Any], why: str, t0: float) -> "Lookup":
-    logger.warning("%s source: miss for context %s: %s", source, params.get("context_key"), why)
+def lookup_subject(params: dict[str, Any], prompt_token_ids: Sequence[int] | None = None,
+                   key: str | None = None) -> str:
+    """What a lookup looked for, as log lines name it: "context <key>" (the request's
+    `context_key`, or `key` - e.g. the entry the prefix index named), else "the prompt's
+    prefix (N tokens, prefix matching)", else "a request without a context key"."""
+    key = params.get("context_key") or key
+    if key:
+        return f"context {key}"
+    if params.get("prefix_match"):
+        n = "" if prompt_token_ids is None else f"{len(prompt_token_ids)} tokens, "
+        return f"the prompt's prefix ({n}prefix matching)"
+    return "a request without a context key"
+
+
+def _identity_miss(source: str, params: dict[str, Any], why: str, t0: float,
+                   prompt_token_ids: Sequence[int] | None = None) -> "Lookup":
+    logger.warning("%s source: miss for %s: %s", source, lookup_subject(params, prompt_token_ids), why)
     return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"identity: {why}"})
 
 

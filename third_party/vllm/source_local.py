@@ -32,6 +32,7 @@ from third_party.vllm.source_base import (
     default_decode_fn,
     encode_for_save,
     expected_identity,
+    lookup_subject,
 )
 
 logger = logging.getLogger("cachegen.sources")
@@ -306,7 +307,7 @@ class LocalDirSource:
         if not isinstance(man, dict) or man.get("version") != LOCAL_FORMAT:
             why = (f"entry in the previous format (version {man.get('version') if isinstance(man, dict) else '?'}: "
                    "chunks written in place, no checksums): not served; save it again")
-            logger.warning("local source: miss for context %s: %s", params.get("context_key"), why)
+            logger.warning("local source: miss for %s: %s", lookup_subject(params), why)
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": why})
         try:
             g = _gen_dir(d, man.get("gen"))
@@ -316,7 +317,7 @@ class LocalDirSource:
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"manifest unusable: {e}"})
         if missing:
             why = f"entry incomplete: {len(missing)} of {n_files} chunk files missing (deleted)"
-            logger.warning("local source: miss for context %s: %s", params.get("context_key"), why)
+            logger.warning("local source: miss for %s: %s", lookup_subject(params), why)
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": why})
         try:
             why = check_entry(expected_identity(self.identity, params), man.get("identity"))

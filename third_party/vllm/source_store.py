@@ -26,6 +26,7 @@ from third_party.vllm.source_base import (
     default_decode_fn,
     encode_for_save,
     expected_identity,
+    lookup_subject,
 )
 from third_party.vllm.source_local import _header_range, calibration_of
 
@@ -175,7 +176,7 @@ class StoreSource:
         try:
             expect = self._expect(params)
         except ValueError as e:
-            return _identity_miss("store", params, str(e), t0)
+            return _identity_miss("store", params, str(e), t0, prompt_token_ids)
         info: dict[str, Any] = {}
         try:
             if key:
@@ -189,7 +190,7 @@ class StoreSource:
         if man is None:
             why = info.get("miss") or why
             if why != "unknown key":
-                logger.warning("store source: miss for context %s: %s", key, why)
+                logger.warning("store source: miss for %s: %s", lookup_subject(params, prompt_token_ids, key), why)
             return Lookup(0, lookup_s=dt, info={"miss": why, **info})
         stored = man.token_ids
         n_match = _matched_tokens(params, prompt_token_ids, stored, len(stored))
