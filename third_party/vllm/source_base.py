@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 from streaming.identity_check import merge_expected
 from streaming.identity_entry import EntryIdentity
+from cachegen_common.kv_config import config_json_of
 from streaming.identity_sources import folder_tokenizer_hash, folder_weights_hash
 
 logger = logging.getLogger("cachegen.sources")
@@ -160,6 +161,10 @@ def engine_identity(vllm_config: Any, extra: dict[str, Any] | None = None,
                     hash_weights: bool = True) -> EntryIdentity:
     """Model part of the identity of a vLLM engine (duck-typed, no vLLM import): model path
     or name, KV dtype, layers, total KV heads, head size from `vllm_config.model_config`;
+    the K/V-shaping config fields from its `hf_config` (cachegen_common.kv_config: the same
+    transformers config class and the same reading as the HF path's, so both compute the
+    same identity for the same folder; vLLM's --hf-overrides are seen, as the engine runs
+    with them);
     weights hash from extra config "weights_hash", else computed once from the model folder
     (streaming.identity.folder_weights_hash); tokenizer hash from the tokenizer folder;
     model_id only from extra config "model_id" (the name the store writer used);
@@ -179,6 +184,9 @@ def engine_identity(vllm_config: Any, extra: dict[str, Any] | None = None,
         f["head_dim"] = int(mc.get_head_size())
     except Exception as e:  # noqa: BLE001 - an unknown field is checked no further
         logger.warning("connector: cannot read the model shape for identity checks: %s", e)
+    f["kv_config"] = config_json_of(getattr(mc, "hf_config", None))
+    if not f["kv_config"]:
+        logger.warning("connector: cannot read the model config's K/V fields for identity checks")
     folder = Path(str(getattr(mc, "model", "") or ""))
     tok = Path(str(getattr(mc, "tokenizer", "") or folder))
     f["weights_hash"] = str(extra.get("weights_hash") or "")
