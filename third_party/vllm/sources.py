@@ -80,7 +80,9 @@ def make_source(kind: str, extra: dict[str, Any], identity: EntryIdentity | None
     ValueError."""
     decode_fn = load_callable(extra["decode_fn"]) if extra.get("decode_fn") else None
     if kind == "local":
-        return LocalDirSource(extra.get("source_dir"), decode_fn, identity)
+        from third_party.vllm.trust import max_key_chars
+
+        return LocalDirSource(extra.get("source_dir"), decode_fn, identity, max_key_chars(extra))
     if kind == "store":
         return StoreSource(decode_fn, identity=identity)
     raise ValueError(f"unknown KV source {kind!r}; available: local, store")
