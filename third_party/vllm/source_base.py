@@ -7,7 +7,9 @@ prompt-prefix match and encode_for_save. No vLLM import. Not runnable by itself.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -146,10 +148,43 @@ def load_callable(path: str) -> Callable:
 def expected_identity(own: EntryIdentity | None, params: dict[str, Any]) -> EntryIdentity:
     """What a stored entry must match for this request: the reader's own model identity
     (`own`, set by the connector from its model config) merged with the request's
-    "identity" dict and "model_id" / "weights_hash". Raises ValueError when they conflict
-    (the request names another model than the engine's)."""
+    "identity" dict and "model_id" / "weights_hash", in the request's cache partition
+    (params "cache_partition", set by the connector: `request_partition`; "" = shared).
+    Raises ValueError when they conflict (the request names another model than the
+    engine's)."""
     req = {k: params[k] for k in ("model_id", "weights_hash") if params.get(k)}
-    return merge_expected(own, params.get("identity") or None, req)
+    ident = merge_expected(own, params.get("identity") or None, req)
+    return ident.replace(partition=str(params.get("cache_partition") or ""))
+
+
+def request_partition(request: Any) -> dict[str, str]:
+    """{"cache_partition": digest} of what vLLM keeps apart in its own prefix cache for a
+    request (vllm 0.32 v1/core/kv_cache_utils.py: the block hash's extra keys):
+    `request.cache_salt` (a tenant's salt, OpenAI API field "cache_salt") and the LoRA
+    adapter (`request.lora_request`: name and path; its K/V differ); {} when the request
+    has neither (the shared partition). The digest (sha256, 32 hex) enters the entry
+    identity (EntryIdentity.partition), hence the store key, the local folder name and the
+    prefix-index namespace: a partition never loads or overwrites another's entry. The
+    salt itself is never stored. Duck-typed (no vLLM import)."""
+    parts: dict[str, Any] = {}
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts["cache_salt"] = str(salt)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts["lora"] = [str(getattr(lora, "lora_name", "") or ""),
+                         str(getattr(lora, "lora_path", "") or getattr(lora, "path", "") or "")]
+    if not parts:
+        return {}
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return {"cache_partition": hashlib.sha256(b"cgh-cache-partition\x00" + blob).hexdigest()[:32]}
+
+
+def prefix_namespace(weights_hash: str, partition: str = "") -> str:
+    """The prefix index's namespace (third_party.vllm.prefix.chain_keys) of a model and a
+    cache partition: the weights hash alone for the shared partition (existing indexes
+    stay valid), else weights hash + "#" + partition: chains of two partitions never meet."""
+    return f"{weights_hash}#{partition}" if partition and weights_hash else weights_hash
 
 
 def _identity_miss(source: str, params: dict[str, Any], why: str, t0: float) -> "Lookup":

@@ -49,6 +49,8 @@ from third_party.vllm.source_base import (  # noqa: F401  (re-exported)
     expected_identity,
     load_callable,
     logger,
+    prefix_namespace,
+    request_partition,
 )
 from third_party.vllm.source_local import (  # noqa: F401  (re-exported)
     CAL_DIR,

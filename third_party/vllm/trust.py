@@ -190,6 +190,9 @@ def _identity(v: Any) -> dict[str, Any]:
 
     if not isinstance(v, dict):
         raise RequestRejected("identity must be an object")
+    if "partition" in v:  # the server's, from the request's cache_salt / LoRA (never a client's)
+        raise RequestRejected("identity.partition is not a request field (the server derives "
+                              "it from the request's cache_salt)")
     try:
         return EntryIdentity.from_dict(v).to_dict()
     except (ValueError, TypeError) as e:
