@@ -11,7 +11,8 @@ Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5: the context is split into 
 each independently decodable; decoding is pipelined with transfer.
 
 Sources:
-  * LocalDirSource ("local"): a folder `<root>/<context_key>/` with `manifest.json` (the
+  * LocalDirSource ("local"): a folder `<root>/<name>/` (the context key itself, or a hash
+    for a long or partitioned key: streaming.context_keys.key_file_name) with `manifest.json` (the
     published entry) and `g-<gen>/chunk_<i>.bin` files of each save's generation (encoded
     by `codec.encode_chunks`; see save_local_context for the guarantees). For tests and
     the demo; disk reads are pipelined with decoding by a reader thread.
