@@ -52,8 +52,8 @@ class EntryIdentity:
     scaling, geometry); config_hash: its sha256 (computed from kv_config when not given;
     ValueError when both are given and disagree). A reader that knows config_hash misses
     an entry with another one, naming the differing field.
-    partition: "" = the shared partition; else a digest of the request's isolation keys
-    (vLLM's cache_salt, LoRA adapter: third_party.vllm.connector_support.request_partition).
+    partition: "" = the shared partition; else a digest of a request's isolation keys (the
+    vLLM connector derives it from the request's cache_salt and LoRA adapter).
     Compared always, "" included: a partition never reads another's entries, and the key
     differs with it. kv_config, config_hash and partition are left out of the JSON form
     when "" (identities without them keep their keys).
