@@ -156,3 +156,41 @@ def test_salt_is_not_stored_and_not_a_request_field(env):
     with pytest.raises(RequestRejected, match="identity.partition"):
         validate_request({"context_key": key, "identity": {"partition": man.identity["partition"]}},
                          c._extra)
+
+
+def test_multimodal_inputs_and_prompt_embeds_are_partitions_too(env):
+    """Requests whose K/V are not a function of their token ids (an image behind
+    placeholder tokens, prompt embeddings) only share entries with the same inputs."""
+    from third_party.vllm.sources import request_partition
+
+    def feat(ident, offset=3, length=16):
+        return SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=offset, length=length))
+
+    def req(**kw):
+        return SimpleNamespace(**{"cache_salt": None, "lora_request": None, "mm_features": None,
+                                  "prompt_embeds": None, **kw})
+
+    plain = request_partition(req())
+    cat = request_partition(req(mm_features=[feat("img-cat")]))
+    dog = request_partition(req(mm_features=[feat("img-dog")]))
+    cat_moved = request_partition(req(mm_features=[feat("img-cat", offset=40)]))
+    e1 = request_partition(req(prompt_embeds=torch.ones(4, 8)))
+    e2 = request_partition(req(prompt_embeds=torch.zeros(4, 8)))
+    assert plain == {} and len({cat["cache_partition"], dog["cache_partition"],
+                                cat_moved["cache_partition"], e1["cache_partition"],
+                                e2["cache_partition"]}) == 5
+    assert request_partition(req(mm_features=[feat("img-cat")])) == cat      # same inputs: shared
+    assert request_partition(req(prompt_embeds=torch.ones(4, 8))) == e1
+    # through the connector: the cat request's entry is not served to the dog request
+    c, srv, _ = env
+    r = SimpleNamespace(request_id="mm-save", prompt_token_ids=PROMPT, cache_salt=None, lora_request=None,
+                        mm_features=[feat("img-cat")], kv_transfer_params={"save": {"source": "store",
+                                                                                   "codec": "raw"}})
+    c.update_state_after_alloc(r, None, 0)
+    tr = c._saves.pop("mm-save")
+    k = torch.ones((2, len(PROMPT), 1, 4), dtype=torch.bfloat16)
+    c._source("store").save(tr.params, tr.token_ids, k, -k)
+    for rid, f, want in (("mm-cat", "img-cat", 896), ("mm-dog", "img-dog", 0)):
+        q = SimpleNamespace(request_id=rid, prompt_token_ids=PROMPT + QUESTION, cache_salt=None,
+                            lora_request=None, mm_features=[feat(f)], kv_transfer_params={"mode": "cachegen"})
+        assert c.get_num_new_matched_tokens(q, 0)[0] == want

@@ -160,9 +160,11 @@ def expected_identity(own: EntryIdentity | None, params: dict[str, Any]) -> Entr
 def request_partition(request: Any) -> dict[str, str]:
     """{"cache_partition": digest} of what vLLM keeps apart in its own prefix cache for a
     request (vllm 0.32 v1/core/kv_cache_utils.py: the block hash's extra keys):
-    `request.cache_salt` (a tenant's salt, OpenAI API field "cache_salt") and the LoRA
-    adapter (`request.lora_request`: name and path; its K/V differ); {} when the request
-    has neither (the shared partition). The digest (sha256, 32 hex) enters the entry
+    `request.cache_salt` (a tenant's salt, OpenAI API field "cache_salt"), the LoRA
+    adapter (`request.lora_request`: name and path; its K/V differ), the multimodal
+    inputs (`request.mm_features`: identifier and placeholder position of each; their K/V
+    are not a function of the placeholder token ids) and prompt embeddings (a sha256 of
+    `request.prompt_embeds`); {} when the request has none of them (the shared partition). The digest (sha256, 32 hex) enters the entry
     identity (EntryIdentity.partition), hence the store key, the local folder name and the
     prefix-index namespace: a partition never loads or overwrites another's entry. The
     salt itself is never stored. Duck-typed (no vLLM import)."""
@@ -174,6 +176,15 @@ def request_partition(request: Any) -> dict[str, str]:
     if lora is not None:
         parts["lora"] = [str(getattr(lora, "lora_name", "") or ""),
                          str(getattr(lora, "lora_path", "") or getattr(lora, "path", "") or "")]
+    mm = [[str(getattr(f, "identifier", "") or getattr(f, "mm_hash", "") or ""),
+           int(getattr(getattr(f, "mm_position", None), "offset", -1)),
+           int(getattr(getattr(f, "mm_position", None), "length", -1))]
+          for f in (getattr(request, "mm_features", None) or [])]
+    if mm:
+        parts["mm"] = mm
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        parts["prompt_embeds"] = hashlib.sha256(embeds.detach().float().cpu().numpy().tobytes()).hexdigest()
     if not parts:
         return {}
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode("utf-8")
