@@ -12,6 +12,9 @@ package): one home for what many commands would otherwise spell differently.
 - :mod:`cachegen_common.files`: the atomic write of every result file and store object, and the
   sha256 of a list of files (a model's weights hash).
 - :mod:`cachegen_common.machine`: what sets the numerics of a run (CPU flags, oneDNN ISA).
+- :mod:`cachegen_common.kv_config`: the model config's fields that shape K/V (RoPE, windows,
+  attention scaling, geometry), canonical: the config part of a stored entry's identity,
+  read the same way by the HF path and the vLLM connector.
 
 Every package may import it except ``codec`` (which imports no project package);
 ``tests/project/test_architecture.py`` checks that it imports no project package itself.

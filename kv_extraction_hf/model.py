@@ -35,6 +35,7 @@ import zipfile
 from pathlib import Path
 
 from cachegen_common.files import files_sha256
+from cachegen_common.kv_config import config_json_of
 from kv_extraction_hf.errors import ExtractionError, run_cli
 from kv_extraction_hf.model_fetch import (  # noqa: F401  (re-exported: the registry, cache and fetch)
     DEFAULT_MODEL_ID,
@@ -81,7 +82,9 @@ class ModelInfo:
     kind, ``"full"`` (its cache holds every token) or ``"sliding"`` (it attends to the last
     ``sliding_window`` tokens only), empty = all full; ``sliding_window`` the window in
     tokens (None when no layer slides); ``license`` the model's license id where known
-    (e.g. ``"gemma"``: Gemma Terms of Use), else "".
+    (e.g. ``"gemma"``: Gemma Terms of Use), else ""; ``kv_config`` the canonical JSON of
+    the config's fields that shape K/V (``cachegen_common.kv_config.kv_config``: RoPE,
+    windows, attention scaling, geometry), "" when unknown: entry identities carry it.
     """
 
     model_id: str
@@ -95,6 +98,7 @@ class ModelInfo:
     layer_kinds: tuple[str, ...] = ()
     sliding_window: int | None = None
     license: str = ""
+    kv_config: str = ""
 
     def kind(self, layer: int) -> str:
         """Layer ``layer``'s attention kind: ``"full"`` or ``"sliding"``."""
@@ -109,7 +113,7 @@ class ModelInfo:
         """The fields as strings, for safetensors metadata (``model_layer_kinds`` a JSON list)."""
         out = {}
         for k, v in dataclasses.asdict(self).items():
-            if k in ("layer_kinds", "sliding_window", "license") and not v:
+            if k in ("layer_kinds", "sliding_window", "license", "kv_config") and not v:
                 continue     # absent when empty: an all-full model has no layer_kinds / window
             out[f"model_{k}" if not k.startswith("model_") else k] = json.dumps(list(v)) if isinstance(
                 v, (tuple, list)) else str(v)
@@ -445,6 +449,7 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
         layer_kinds=layer_kinds if "sliding" in layer_kinds else (),
         sliding_window=window,
         license=_license_of(model_id, source),
+        kv_config=config_json_of(config),
     )
     return ModelBundle(model=model, tokenizer=tokenizer, info=info)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Iterable, Mapping
 
+from cachegen_common.kv_config import describe_difference
 from streaming.identity_entry import _INT_FIELDS, _STR_FIELDS, EntryIdentity
 
 
@@ -21,7 +22,10 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
 
     Every field `expected` knows ("" / 0 = unknown) must be present and equal in `found`
     (the entry's identity dict, from its manifest); an entry without an identity, or
-    without a field the reader knows, is a mismatch - never served on trust. Expected
+    without a field the reader knows, is a mismatch - never served on trust. A model
+    config that differs is named by its first differing field ("model config rope_theta
+    differs: entry has ..., reader expects ..."). The partition is compared always ("" is
+    the shared partition, not unknown): an entry of another partition is a miss. Expected
     level_configs must appear with the same config hash in the entry; `levels`, when
     given, are levels the reader will fetch and must be in the entry's level_configs.
     Raises nothing: a malformed `found` is a mismatch.
@@ -40,8 +44,14 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
         got = found if isinstance(found, EntryIdentity) else EntryIdentity.from_dict(found)
     except (ValueError, TypeError) as e:
         return f"entry identity malformed: {e}"
+    if exp.partition != got.partition:
+        return "entry belongs to another cache partition (cache_salt / LoRA adapter differ)"
     for n in _STR_FIELDS + _INT_FIELDS:
         want, have = getattr(exp, n), getattr(got, n)
+        if n == "config_hash" and want and want != have:
+            if not have:
+                return "entry records no model config (written before configs were recorded)"
+            return describe_difference(got.kv_config, exp.kv_config)
         if want and want != have:
             return f"{n} mismatch: entry has {have!r}, reader expects {want!r}" if have else \
                 f"entry has no {n}, reader expects {want!r}"

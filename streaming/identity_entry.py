@@ -17,8 +17,14 @@ from typing import Any, Mapping
 IDENTITY_FORMAT = "cgh-identity-v1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json")
-_STR_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "dtype", "codec", "codec_version",
-               "calibration_hash", "kv_layout")
+_STR_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "dtype", "config_hash", "codec",
+               "codec_version", "calibration_hash", "kv_layout")
+# strings checked for type only (kv_config is compared through config_hash; partition always
+# compared, "" included: see streaming.identity_check)
+_OTHER_STR_FIELDS = ("kv_config", "partition")
+# left out of the JSON form (hence of the key) when empty: identities without them keep
+# their keys
+_OMIT_EMPTY = ("kv_layout", "kv_config", "config_hash", "partition")
 _INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
 # fields that do not enter codec_tag(): model_id and weights_hash enter the key directly
 _KEYED_APART = ("model_id", "weights_hash")
@@ -41,6 +47,16 @@ class EntryIdentity:
     kv_layout: "" = the full layout (every layer every token); else the sliding-window
     layout's tag (``codec.window.layout_tag``: which tokens each layer keeps). Left out
     of the JSON form when "" (so full-layout identities and their keys are unchanged).
+    kv_config: canonical JSON of the model config's K/V-shaping fields
+    (cachegen_common.kv_config.kv_config: RoPE theta and scaling, windows, attention
+    scaling, geometry); config_hash: its sha256 (computed from kv_config when not given;
+    ValueError when both are given and disagree). A reader that knows config_hash misses
+    an entry with another one, naming the differing field.
+    partition: "" = the shared partition; else a digest of a request's isolation keys (the
+    vLLM connector derives it from the request's cache_salt and LoRA adapter).
+    Compared always, "" included: a partition never reads another's entries, and the key
+    differs with it. kv_config, config_hash and partition are left out of the JSON form
+    when "" (identities without them keep their keys).
     """
 
     model_id: str = ""
@@ -55,9 +71,12 @@ class EntryIdentity:
     level_configs: tuple[tuple[int, str], ...] = field(default=())
     calibration_hash: str = ""
     kv_layout: str = ""
+    kv_config: str = ""
+    config_hash: str = ""
+    partition: str = ""
 
     def __post_init__(self) -> None:
-        for n in _STR_FIELDS:
+        for n in _STR_FIELDS + _OTHER_STR_FIELDS:
             v = getattr(self, n)
             if v is None:
                 object.__setattr__(self, n, "")
@@ -80,14 +99,22 @@ class EntryIdentity:
         if len({lv for lv, _ in pairs}) != len(pairs):
             raise ValueError("level_configs lists a level twice")
         object.__setattr__(self, "level_configs", pairs)
+        if self.kv_config:
+            from cachegen_common.kv_config import kv_config_hash
+
+            h = kv_config_hash(self.kv_config)
+            if self.config_hash and self.config_hash != h:
+                raise ValueError("config_hash does not match kv_config")
+            object.__setattr__(self, "config_hash", h)
 
     # ----------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict:
         """JSON-able dict (level_configs as {"level": hash}), with the format tag."""
         d = asdict(self)
         d["level_configs"] = {str(lv): h for lv, h in self.level_configs}
-        if not d["kv_layout"]:
-            del d["kv_layout"]
+        for n in _OMIT_EMPTY:
+            if not d[n]:
+                del d[n]
         d["format"] = IDENTITY_FORMAT
         return d
 
@@ -117,7 +144,9 @@ class EntryIdentity:
     def model_part(self) -> "EntryIdentity":
         """The same identity without its codec fields (what an engine knows by itself)."""
         return EntryIdentity(self.model_id, self.weights_hash, self.tokenizer_hash, self.dtype,
-                             self.num_layers, self.num_kv_heads, self.head_dim)
+                             self.num_layers, self.num_kv_heads, self.head_dim,
+                             kv_config=self.kv_config, config_hash=self.config_hash,
+                             partition=self.partition)
 
     # ----------------------------------------------------------------- key material
     def fingerprint(self) -> str:
@@ -130,8 +159,8 @@ class EntryIdentity:
 
     def codec_tag(self) -> str:
         """The store key's codec tag: "<codec>#<fingerprint[:32]>". Any change of the codec
-        config, level set, codec version, calibration, tokenizer, dtype or shape changes it,
-        hence the key (streaming.store.entry_key)."""
+        config, level set, codec version, calibration, tokenizer, dtype, shape, model config
+        or partition changes it, hence the key (streaming.store.entry_key)."""
         if not self.codec:
             raise ValueError("an entry identity needs a codec name to make a store key")
         return f"{self.codec}#{self.fingerprint()[:32]}"

@@ -46,7 +46,9 @@ def folder_tokenizer_hash(folder: str | os.PathLike) -> str:
 def model_identity(info: Any, tokenizer_hash: str = "") -> EntryIdentity:
     """Model part of an identity from an object with the attributes of
     kv_extraction_hf.model.ModelInfo (model_id, weights_hash, dtype, num_layers,
-    num_kv_heads, head_dim; optional path, used for the tokenizer hash when not given)."""
+    num_kv_heads, head_dim; optional path, used for the tokenizer hash when not given;
+    optional kv_config, the canonical JSON of the config's K/V-shaping fields,
+    cachegen_common.kv_config.config_json_of)."""
     if not tokenizer_hash and getattr(info, "path", None):
         try:
             tokenizer_hash = folder_tokenizer_hash(info.path)
@@ -60,6 +62,7 @@ def model_identity(info: Any, tokenizer_hash: str = "") -> EntryIdentity:
         num_layers=int(getattr(info, "num_layers", 0) or 0),
         num_kv_heads=int(getattr(info, "num_kv_heads", 0) or 0),
         head_dim=int(getattr(info, "head_dim", 0) or 0),
+        kv_config=str(getattr(info, "kv_config", "") or ""),
     )
 
 

@@ -96,8 +96,8 @@ from third_party.vllm.connector_support import (  # noqa: F401  (re-exported)
 )
 from third_party.vllm.connector_worker import _WorkerSide
 from third_party.vllm.kv_groups import check_one_group
-from third_party.vllm.sources import Lookup, SourceError, engine_identity, load_callable, make_source
-from third_party.vllm.trust import RequestRejected, allowed_stores, validate_request
+from third_party.vllm.sources import Lookup, SourceError, engine_identity, load_callable, make_source, request_partition
+from third_party.vllm.trust import RequestRejected, allowed_stores, max_key_chars, validate_request
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -134,6 +134,7 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
         self._sources: dict[str, Any] = {}
         self._key_fn = load_callable(self._extra["key_fn"]) if self._extra.get("key_fn") else None
         allowed_stores(self._extra)  # a malformed operator store list fails at start, clearly
+        max_key_chars(self._extra)   # so does a key bound above the one every source shares
         self._decode_cpus = decode_cpus(self._extra.get("decode_cpus", "all"))
         cc = getattr(vllm_config, "cache_config", None)
         self._prefix_caching = bool(getattr(cc, "enable_prefix_caching", False))
@@ -256,7 +257,7 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
         if str(p.get("mode", "")).lower() == "text":
             return None
         params = {k: self._extra[k] for k in ("model_id", "weights_hash") if k in self._extra}
-        params.update(p)
+        params.update(p, **request_partition(request))  # cache_salt / LoRA: its own partition
         if not p.get("context_key") and not p.get("context_tokens"):
             if p.get("save") and raw and set(raw) <= {"save", "stats_tag"}:
                 return None  # a save-only request
@@ -457,6 +458,7 @@ class CacheGenConnector(_WorkerSide, KVConnectorBase_V1):
                     if key not in save and key in self._extra:
                         save[key] = self._extra[key]
                 save.setdefault("stats_tag", p.get("stats_tag"))
+                save.update(request_partition(request))  # saved into the request's partition
                 self._saves[request.request_id] = _SaveTrack(prompt[:n], save)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

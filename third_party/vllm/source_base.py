@@ -7,7 +7,9 @@ prompt-prefix match and encode_for_save. No vLLM import. Not runnable by itself.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from streaming.identity_check import merge_expected
 from streaming.identity_entry import EntryIdentity
+from cachegen_common.kv_config import config_json_of
 from streaming.identity_sources import folder_tokenizer_hash, folder_weights_hash
 
 logger = logging.getLogger("cachegen.sources")
@@ -145,10 +148,54 @@ def load_callable(path: str) -> Callable:
 def expected_identity(own: EntryIdentity | None, params: dict[str, Any]) -> EntryIdentity:
     """What a stored entry must match for this request: the reader's own model identity
     (`own`, set by the connector from its model config) merged with the request's
-    "identity" dict and "model_id" / "weights_hash". Raises ValueError when they conflict
-    (the request names another model than the engine's)."""
+    "identity" dict and "model_id" / "weights_hash", in the request's cache partition
+    (params "cache_partition", set by the connector: `request_partition`; "" = shared).
+    Raises ValueError when they conflict (the request names another model than the
+    engine's)."""
     req = {k: params[k] for k in ("model_id", "weights_hash") if params.get(k)}
-    return merge_expected(own, params.get("identity") or None, req)
+    ident = merge_expected(own, params.get("identity") or None, req)
+    return ident.replace(partition=str(params.get("cache_partition") or ""))
+
+
+def request_partition(request: Any) -> dict[str, str]:
+    """{"cache_partition": digest} of what vLLM keeps apart in its own prefix cache for a
+    request (vllm 0.32 v1/core/kv_cache_utils.py: the block hash's extra keys):
+    `request.cache_salt` (a tenant's salt, OpenAI API field "cache_salt"), the LoRA
+    adapter (`request.lora_request`: name and path; its K/V differ), the multimodal
+    inputs (`request.mm_features`: identifier and placeholder position of each; their K/V
+    are not a function of the placeholder token ids) and prompt embeddings (a sha256 of
+    `request.prompt_embeds`); {} when the request has none of them (the shared partition). The digest (sha256, 32 hex) enters the entry
+    identity (EntryIdentity.partition), hence the store key, the local folder name and the
+    prefix-index namespace: a partition never loads or overwrites another's entry. The
+    salt itself is never stored. Duck-typed (no vLLM import)."""
+    parts: dict[str, Any] = {}
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts["cache_salt"] = str(salt)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts["lora"] = [str(getattr(lora, "lora_name", "") or ""),
+                         str(getattr(lora, "lora_path", "") or getattr(lora, "path", "") or "")]
+    mm = [[str(getattr(f, "identifier", "") or getattr(f, "mm_hash", "") or ""),
+           int(getattr(getattr(f, "mm_position", None), "offset", -1)),
+           int(getattr(getattr(f, "mm_position", None), "length", -1))]
+          for f in (getattr(request, "mm_features", None) or [])]
+    if mm:
+        parts["mm"] = mm
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        parts["prompt_embeds"] = hashlib.sha256(embeds.detach().float().cpu().numpy().tobytes()).hexdigest()
+    if not parts:
+        return {}
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return {"cache_partition": hashlib.sha256(b"cgh-cache-partition\x00" + blob).hexdigest()[:32]}
+
+
+def prefix_namespace(weights_hash: str, partition: str = "") -> str:
+    """The prefix index's namespace (third_party.vllm.prefix.chain_keys) of a model and a
+    cache partition: the weights hash alone for the shared partition (existing indexes
+    stay valid), else weights hash + "#" + partition: chains of two partitions never meet."""
+    return f"{weights_hash}#{partition}" if partition and weights_hash else weights_hash
 
 
 def lookup_subject(params: dict[str, Any], prompt_token_ids: Sequence[int] | None = None,
@@ -175,6 +222,10 @@ def engine_identity(vllm_config: Any, extra: dict[str, Any] | None = None,
                     hash_weights: bool = True) -> EntryIdentity:
     """Model part of the identity of a vLLM engine (duck-typed, no vLLM import): model path
     or name, KV dtype, layers, total KV heads, head size from `vllm_config.model_config`;
+    the K/V-shaping config fields from its `hf_config` (cachegen_common.kv_config: the same
+    transformers config class and the same reading as the HF path's, so both compute the
+    same identity for the same folder; vLLM's --hf-overrides are seen, as the engine runs
+    with them);
     weights hash from extra config "weights_hash", else computed once from the model folder
     (streaming.identity.folder_weights_hash); tokenizer hash from the tokenizer folder;
     model_id only from extra config "model_id" (the name the store writer used);
@@ -194,6 +245,9 @@ def engine_identity(vllm_config: Any, extra: dict[str, Any] | None = None,
         f["head_dim"] = int(mc.get_head_size())
     except Exception as e:  # noqa: BLE001 - an unknown field is checked no further
         logger.warning("connector: cannot read the model shape for identity checks: %s", e)
+    f["kv_config"] = config_json_of(getattr(mc, "hf_config", None))
+    if not f["kv_config"]:
+        logger.warning("connector: cannot read the model config's K/V fields for identity checks")
     folder = Path(str(getattr(mc, "model", "") or ""))
     tok = Path(str(getattr(mc, "tokenizer", "") or folder))
     f["weights_hash"] = str(extra.get("weights_hash") or "")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streaming.context_keys import key_file_name
 from streaming.identity_check import check_entry
 from streaming.identity_entry import EntryIdentity
 from streaming.identity_sources import codec_identity
@@ -71,12 +72,14 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
                      calibrations: dict[str, bytes] | None = None):
     """The write steps of save_local_context as a generator (tests stop it anywhere to
     model a crash). Yields ("base", gen read), ("cal", hash), ("chunk", i) per chunk,
-    ("manifest", folder). Layout: <root>/<key>/g-<gen>/chunk_<i>.bin and a copy of the
-    manifest there (immutable), then <root>/<key>/manifest.json published last by
-    rename under an exclusive flock of <root>/<key>/.lock, only if the key still holds
+    ("manifest", folder). Layout: <root>/<name>/g-<gen>/chunk_<i>.bin and a copy of the
+    manifest there (immutable), then <root>/<name>/manifest.json published last by
+    rename under an exclusive flock of <root>/<name>/.lock, only if the key still holds
     the generation read first (else streaming.errors.StoreRaceLostError, and this save's
     folder is removed). The entry two saves back is deleted (one overwrite of grace for
-    readers that planned from the previous one)."""
+    readers that planned from the previous one). <name> is
+    streaming.context_keys.key_file_name(context_key, identity.partition): the key itself
+    when short and unpartitioned, else a hash (the manifest records the key)."""
     import fcntl
     import hashlib
     import secrets
@@ -84,14 +87,13 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
 
     from streaming.errors import StoreRaceLostError
 
-    if not context_key or "/" in context_key or context_key.startswith("."):
-        raise ValueError(f"context key {context_key!r} must be a plain file name")
+    name = key_file_name(context_key, identity.partition if identity is not None else "")
     if len(chunks) != len(chunk_tokens) or sum(chunk_tokens) != len(token_ids):
         raise ValueError(
             f"{len(chunks)} chunks, chunk_tokens sum {sum(chunk_tokens)}, "
             f"{len(token_ids)} token ids: must agree"
         )
-    d = Path(root) / context_key
+    d = Path(root) / name
     d.mkdir(parents=True, exist_ok=True)
     base = _read_local_manifest(d / MANIFEST)
     base_gen = None if base is None else str(base.get("gen") or "")
@@ -115,6 +117,7 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
     man = {
         "version": LOCAL_FORMAT,
         "gen": gen,
+        "context_key": context_key,
         "num_tokens": len(token_ids),
         "chunk_tokens": [int(t) for t in chunk_tokens],
         "sizes": [len(c) for c in chunks],
@@ -179,7 +182,9 @@ def save_local_context(
     `identity` (streaming.identity.EntryIdentity of the model and codec config that made
     the chunks) is recorded; LocalDirSource serves the entry only to a matching reader; a
     calibration it names is stored under <root>/.cal/ (bytes from `calibrations` or the
-    codec). Raises ValueError on inconsistent lengths or a key that is not a plain name,
+    codec). The folder is <root>/key_file_name(context_key, identity.partition). Raises
+    ValueError (one line) on inconsistent lengths or a key that is not a plain name of at
+    most streaming.context_keys.MAX_KEY_CHARS characters,
     streaming.errors.StoreRaceLostError when another writer published the key first.
     """
     out = None
@@ -265,21 +270,25 @@ class LocalDirSource:
     identity: the reader's own model identity (the connector sets it from its model
     config); an entry whose recorded identity differs (streaming.identity.check_entry),
     or that records none while the reader knows its model, is a miss with the reason.
+    max_key_chars: the operator's key bound (None: streaming.context_keys.MAX_KEY_CHARS),
+    the same the trust check applies. params "cache_partition" (set by the connector from
+    the request's cache_salt / LoRA, never by a client) selects the partition's folder.
     """
 
     name = "local"
 
     def __init__(self, root: str | os.PathLike | None, decode_fn: DecodeFn | None = None,
-                 identity: EntryIdentity | None = None):
+                 identity: EntryIdentity | None = None, max_key_chars: int | None = None):
         self.root = Path(root) if root else None
         self._decode_fn = decode_fn
         self.identity = identity
+        self.max_key_chars = max_key_chars
 
     def _dir(self, params: dict[str, Any]) -> Path:
-        """<root>/<context_key>. The root is the operator's (constructor), never a request's
-        (issue 17: a client must not name server paths); the key must be a plain name
-        (third_party.vllm.trust.check_key) and the folder must resolve inside the root.
-        Raises SourceError."""
+        """<root>/key_file_name(context_key, partition). The root is the operator's
+        (constructor), never a request's (a client must not name server paths); the key
+        must be a plain name within the key bound (third_party.vllm.trust.check_key) and
+        the folder must resolve inside the root. Raises SourceError."""
         from third_party.vllm.trust import RequestRejected, check_key
 
         root, key = self.root, params.get("context_key")
@@ -287,10 +296,10 @@ class LocalDirSource:
             raise SourceError("local source needs a root folder (extra config 'source_dir') "
                               "and a 'context_key'")
         try:
-            key = check_key(key)
+            key = check_key(key, self.max_key_chars)
         except RequestRejected as e:
             raise SourceError(str(e)) from None
-        d = Path(root) / key
+        d = Path(root) / key_file_name(key, str(params.get("cache_partition") or ""))
         if Path(os.path.realpath(d)).parent != Path(os.path.realpath(root)):
             raise SourceError(f"context folder {key!r} resolves outside the source root")
         return d
@@ -309,6 +318,9 @@ class LocalDirSource:
                    "chunks written in place, no checksums): not served; save it again")
             logger.warning("local source: miss for %s: %s", lookup_subject(params), why)
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": why})
+        if man.get("context_key", params.get("context_key")) != params.get("context_key"):
+            return Lookup(0, lookup_s=time.perf_counter() - t0,
+                          info={"miss": "the folder holds another context key"})
         try:
             g = _gen_dir(d, man.get("gen"))
             n_files = len(man["chunk_tokens"])
@@ -334,7 +346,7 @@ class LocalDirSource:
         if n_match <= 0:
             return Lookup(0, lookup_s=time.perf_counter() - t0, info=winfo)
         return Lookup(n_match, [int(t) for t in man["chunk_tokens"]],
-                      time.perf_counter() - t0, {"key": d.name, **man.get("info", {}),
+                      time.perf_counter() - t0, {"key": params.get("context_key"), **man.get("info", {}),
                                                  "gen": man["gen"], **winfo})
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
@@ -345,11 +357,11 @@ class LocalDirSource:
         ident = codec_identity(expected_identity(self.identity, params), params.get("codec", "raw"),
                                [params.get("level")], calibration_hash=calibration_of(chunks))
         t0 = time.perf_counter()
-        save_local_context(d.parent, d.name, token_ids, chunks, sizes,
+        save_local_context(d.parent, params["context_key"], token_ids, chunks, sizes,
                            info={"codec": params.get("codec", "raw"), "level": params.get("level")},
                            identity=ident)
         return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
-                "bytes": sum(len(c) for c in chunks), "context_key": d.name}
+                "bytes": sum(len(c) for c in chunks), "context_key": params["context_key"]}
 
     def load(self, params, lookup: Lookup, num_tokens: int, on_chunk: ChunkSink) -> LoadStats:
         """Chunks of the generation the lookup planned from (lookup.info["gen"]: its

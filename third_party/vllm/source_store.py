@@ -27,6 +27,7 @@ from third_party.vllm.source_base import (
     encode_for_save,
     expected_identity,
     lookup_subject,
+    prefix_namespace,
 )
 from third_party.vllm.source_local import _header_range, calibration_of
 
@@ -160,9 +161,8 @@ class StoreSource:
         """Keyword expectation for get_manifest / stream_load. Raises ValueError when the
         request's identity conflicts with the source's own."""
         exp = {k: params.get(k) or None for k in ("model_id", "weights_hash", "codec_tag")}
-        ident = expected_identity(self.identity, params)
-        if ident != EntryIdentity():
-            exp["identity"] = ident.to_dict()
+        # always sent: even a reader that knows no field is in a partition ("" = shared)
+        exp["identity"] = expected_identity(self.identity, params).to_dict()
         return exp
 
     def lookup(self, params: dict[str, Any], prompt_token_ids: list[int]) -> Lookup:
@@ -212,7 +212,8 @@ class StoreSource:
         shorter chain levels, drops index records of deleted / evicted entries)."""
         from third_party.vllm.prefix import find_loadable
 
-        ns = (self.identity.weights_hash if self.identity else "") or params.get("weights_hash")
+        ns = prefix_namespace((self.identity.weights_hash if self.identity else "")
+                              or params.get("weights_hash") or "", str(params.get("cache_partition") or ""))
         if not ns:
             return None, None, "", {"miss": "prefix matching needs the model's weights hash"}
 
@@ -260,18 +261,20 @@ class StoreSource:
         if ident.model_id and ident.weights_hash:  # full identity: the key commits to it
             key = client.put_entry(ident, token_ids, {ident.levels[0]: chunks}, ranges)
         else:
+            tag = str(params.get("codec_tag") or params.get("codec", "raw"))
+            if ident.partition:  # no identity recorded: the partition keys the entry apart
+                tag = f"{tag}@{ident.partition}"
             key = client.put_context(
                 str(params.get("model_id") or "unknown-model"),
-                str(params.get("weights_hash") or "unknown-weights"),
-                str(params.get("codec_tag") or params.get("codec", "raw")), token_ids,
+                str(params.get("weights_hash") or "unknown-weights"), tag, token_ids,
                 {int(params.get("level") or 0): chunks}, ranges)
         put_s = time.perf_counter() - t0
         indexed = 0
         if ident.weights_hash:  # findable by prefix (third_party.vllm.prefix)
             from third_party.vllm.prefix import index_entry
 
-            indexed = index_entry(client, ident.weights_hash, token_ids, key,
-                                  params.get("codec", "raw"))
+            indexed = index_entry(client, prefix_namespace(ident.weights_hash, ident.partition),
+                                  token_ids, key, params.get("codec", "raw"))
         return {"encode_s": enc_s, "put_s": put_s, "index_s": time.perf_counter() - t0 - put_s,
                 "index_records": indexed, "bytes": sum(len(c) for c in chunks),
                 "context_key": key}

@@ -11,7 +11,8 @@ Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5: the context is split into 
 each independently decodable; decoding is pipelined with transfer.
 
 Sources:
-  * LocalDirSource ("local"): a folder `<root>/<context_key>/` with `manifest.json` (the
+  * LocalDirSource ("local"): a folder `<root>/<name>/` (the context key itself, or a hash
+    for a long or partitioned key: streaming.context_keys.key_file_name) with `manifest.json` (the
     published entry) and `g-<gen>/chunk_<i>.bin` files of each save's generation (encoded
     by `codec.encode_chunks`; see save_local_context for the guarantees). For tests and
     the demo; disk reads are pipelined with decoding by a reader thread.
@@ -49,6 +50,8 @@ from third_party.vllm.source_base import (  # noqa: F401  (re-exported)
     expected_identity,
     load_callable,
     logger,
+    prefix_namespace,
+    request_partition,
 )
 from third_party.vllm.source_local import (  # noqa: F401  (re-exported)
     CAL_DIR,
@@ -80,7 +83,9 @@ def make_source(kind: str, extra: dict[str, Any], identity: EntryIdentity | None
     ValueError."""
     decode_fn = load_callable(extra["decode_fn"]) if extra.get("decode_fn") else None
     if kind == "local":
-        return LocalDirSource(extra.get("source_dir"), decode_fn, identity)
+        from third_party.vllm.trust import max_key_chars
+
+        return LocalDirSource(extra.get("source_dir"), decode_fn, identity, max_key_chars(extra))
     if kind == "store":
         return StoreSource(decode_fn, identity=identity)
     raise ValueError(f"unknown KV source {kind!r}; available: local, store")

@@ -13,10 +13,13 @@ Operator keys (extra config) read here:
   source_dir: root folder of the local source (a request names a context folder under it).
   source: default source kind ("store" if a store is configured, else "local").
   allow_client_save: false (default) | true - may requests ask for a save.
-  max_key_chars: longest context key accepted (default 128).
+  max_key_chars: longest context key accepted; may only lower the bound every source
+      shares (streaming.context_keys.MAX_KEY_CHARS, the default); above it the connector
+      refuses to start (one line).
 Request keys accepted (types checked, strings bounded): see REQUEST_KEYS / SAVE_KEYS.
 Keys are plain names: [A-Za-z0-9._-], not starting with "." (no "/", no "..", no absolute
-path, no NUL), at most max_key_chars characters.
+path, no NUL), at most max_key_chars characters (streaming.context_keys.check_context_key:
+the same rule the local source applies at save and lookup).
 
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 runs the KV store beside a serving
 engine; the split between operator configuration and per-request choice follows vLLM's
@@ -33,6 +36,7 @@ from typing import Any
 
 from streaming.adapt_params import POLICY_INPUTS, POLICY_PRESETS, POLICY_REQUEST_KEYS
 from streaming.adapt_params import check_value as check_policy_value
+from streaming.context_keys import check_context_key, key_limit
 
 # request keys and the check each gets (see _check_* below)
 REQUEST_KEYS = ("source", "store", "context_key", "context_tokens", "mode", "level",
@@ -80,18 +84,23 @@ def _check_addr(addr: Any) -> str:
     return f"{host}:{int(port)}"
 
 
-def check_key(key: Any, max_chars: int = 128) -> str:
+def check_key(key: Any, max_chars: int | None = None) -> str:
     """A context key as a plain name (also a folder name under the local root): returns it;
-    raises RequestRejected for a non-string, an empty or too long one, or one with a path
-    separator, a leading ".", "..", NUL or another character outside [A-Za-z0-9._-]."""
-    if not isinstance(key, str):
-        raise RequestRejected(f"context_key must be a string, got {type(key).__name__}")
-    if not key or len(key) > max_chars:
-        raise RequestRejected(f"context_key must have 1..{max_chars} characters, got {len(key)}")
-    if not _NAME_RE.match(key) or ".." in key:
-        raise RequestRejected(f"context_key {key[:80]!r} is not a plain name "
-                              "([A-Za-z0-9._-], no leading '.', no '..')")
-    return key
+    raises RequestRejected for a non-string, an empty one, one longer than `max_chars`
+    (None: the shared bound, streaming.context_keys.MAX_KEY_CHARS), or one with a path
+    separator, a leading ".", "..", NUL or another character outside [A-Za-z0-9._-]
+    (streaming.context_keys.check_context_key)."""
+    try:
+        return check_context_key(key, key_limit(max_chars))
+    except ValueError as e:
+        raise RequestRejected(str(e)) from None
+
+
+def max_key_chars(extra: dict[str, Any]) -> int:
+    """The operator's key bound (extra "max_key_chars", default and ceiling
+    streaming.context_keys.MAX_KEY_CHARS). Raises ValueError (one line) above the ceiling
+    or for a non-integer: checked when the connector starts."""
+    return key_limit(extra.get("max_key_chars"))
 
 
 def _text(name: str, v: Any) -> str:
@@ -181,6 +190,9 @@ def _identity(v: Any) -> dict[str, Any]:
 
     if not isinstance(v, dict):
         raise RequestRejected("identity must be an object")
+    if "partition" in v:  # the server's, from the request's cache_salt / LoRA (never a client's)
+        raise RequestRejected("identity.partition is not a request field (the server derives "
+                              "it from the request's cache_salt)")
     try:
         return EntryIdentity.from_dict(v).to_dict()
     except (ValueError, TypeError) as e:
@@ -201,7 +213,10 @@ def validate_request(params: Any, extra: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise RequestRejected(f"kv_transfer_params must be an object, got {type(params).__name__}")
     stores = allowed_stores(extra)
-    max_key = int(extra.get("max_key_chars") or 128)
+    try:
+        max_key = max_key_chars(extra)
+    except ValueError as e:
+        raise RequestRejected(str(e)) from None
     errors: list[str] = []
     unknown = sorted(str(k)[:40] for k in params if k not in REQUEST_KEYS)
     if unknown:
@@ -250,7 +265,7 @@ def validate_request(params: Any, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate_save(save: Any, extra: dict[str, Any], stores: dict[str, str] | None = None,
-                  max_key: int = 128) -> dict[str, Any]:
+                  max_key: int | None = None) -> dict[str, Any]:
     """A request's "save" object, allowed only when extra "allow_client_save" is true.
     Returns the validated dict (store resolved, source filled); raises RequestRejected."""
     if not extra.get("allow_client_save"):
