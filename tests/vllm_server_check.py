@@ -166,6 +166,19 @@ def main(argv: list[str] | None = None) -> int:
                           kv_transfer_params={"mode": "cachegen", "stats_tag": "completion"}))
                 report["server"]["completion_s"] = time.perf_counter() - t0
                 report["server"]["completion"] = r["choices"][0]["text"]
+                # tenants: a context saved under cache_salt "tenant-a" (the unsalted
+                # entry of the same context is already stored) is loaded by tenant A and
+                # by nobody else: tenant B's request finds neither A's entry nor the
+                # unsalted one (the partition enters keys and the prefix index)
+                ten_msgs = [{"role": "user", "content": ctx_text + "\n\nWho wrote the text above?"}]
+                for tag, salt, kvp in (
+                        ("tenant-a-save", "tenant-a", {"save": {"source": "store", "codec": "cachegen",
+                                                                "chunk_tokens": 256}}),
+                        ("tenant-b", "tenant-b", {"mode": "cachegen"}),
+                        ("tenant-a", "tenant-a", {"mode": "cachegen"})):
+                    r = _post(f"{base}/v1/chat/completions", dict(body, messages=ten_msgs, max_tokens=1,
+                              cache_salt=salt, kv_transfer_params=dict(kvp, stats_tag=tag)))
+                    report["server"][f"{tag}_http_ok"] = bool(r.get("choices"))
                 # issue 26.5: prompt_logprobs makes vLLM drop the external hit; the
                 # connector still leaves one record (a miss saying why)
                 r = _post(f"{base}/v1/completions", dict(body, prompt=completion_text,

@@ -49,6 +49,19 @@ def test_server_output_matches_the_offline_engine(report, name):
     assert report["server"][name] == report["offline"][name] and report["server"][name]
 
 
+def test_tenants_do_not_share_kv_through_the_server(report):
+    """cache_salt partitions the store: tenant A's saved context loads for A only; tenant B
+    (same prompt, other salt) loads nothing, neither A's entry nor the unsalted one."""
+    (save,) = _recs(report["stats"], "tenant-a-save", "save")
+    assert save["error"] is None and save["tokens"] > 0
+    assert not _recs(report["stats"], "tenant-b")  # no load record for B
+    (miss,) = _recs(report["stats"], "tenant-b", "miss")
+    assert miss["loaded_tokens"] == 0 and miss["stored_tokens"] == 0
+    (a,) = _recs(report["stats"], "tenant-a")
+    assert a["error"] is None and a["loaded_tokens"] >= 0.9 * report["context_tokens"]
+    assert all(report["server"][f"{t}_http_ok"] for t in ("tenant-a-save", "tenant-b", "tenant-a"))
+
+
 def test_escape_is_rejected_and_the_server_stops_cleanly(report):
     (rej,) = _recs(report["stats"], "escape", "rejected")
     assert "source_dir" in rej["reason"] and report["server"]["escape_http_ok"]
