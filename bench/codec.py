@@ -15,7 +15,10 @@ not final (timings especially); the lead reruns it on a quiet one.
 Per (codec, level) row: bytes, bits_per_element, ratio_vs_dtype (vs the KV's own dtype,
 never fp32), payload_over_entropy (coded payload / empirical entropy per (layer, channel)),
 model/scale/sink/header shares, encode/decode Msym/s and MB/s (medians over --repeats after
-one warm-up run), relative L2 error per layer, and with a model: perplexity increase (%)
+one warm-up run; decode end to end on all cores and on one, into tensors allocated once,
+the entropy core alone, and the split: parse, checksum, first touch of the output, the
+rest), the break-even bandwidth (the link rate at which the transfer of a context takes
+as long as its decode), relative L2 error per layer, and with a model: perplexity increase (%)
 of the held-out 256-token continuation when the context KV is replaced by the decoded one,
 mean KL(lossless || decoded) in nats and top-1 agreement, averaged over contexts.
 
@@ -79,6 +82,11 @@ def print_table(rows: list[dict], out=None) -> None:
             ("decode_cpu_ms_per_1k_tokens", "CPU ms/1Kt", 1),
             ("decode_e2e_cpu_msym_s", "dec /CPU-s", 1), ("decode_ref_msym_s", "dec ref", 1),
             ("decode_coder_msym_s", "rANS only", 1),
+            ("decode_into_msym_s", "into", 1), ("decode_into_1thread_msym_s", "into 1t", 1),
+            ("decode_parse_ms", "parse ms", 1), ("decode_checksum_ms", "xxh3 ms", 2),
+            ("decode_alloc_ms", "alloc ms", 1), ("decode_other_ms", "other ms", 1),
+            ("break_even_mbps", "brk-even Mb/s", 0),
+            ("break_even_e2e_1thread_mbps", "brk 1t", 0),
             ("encode_mb_s", "enc MB/s", 1), ("decode_mb_s", "dec MB/s", 1),
             ("rel_l2_k", "relL2 K", 4), ("rel_l2_v", "relL2 V", 4),
             ("ppl_increase_pct", "ppl +%", 2), ("kl", "KL", 4), ("top1_match", "top1", 3)]

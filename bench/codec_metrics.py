@@ -46,18 +46,40 @@ def _median_cpu(fn, repeats: int) -> float:
     return _median_time(fn, repeats, clock=time.process_time)
 
 
+def _into_fn(chunks: list[bytes]):
+    """A call decoding every chunk into destination tensors allocated once (the
+    connector's path: ``api.decode_kv_into``), so no output page is touched first."""
+    outs = []
+    for c in chunks:
+        h = api.peek_header(c)
+        shape = (h["L"], h["T"], h["H"], h["D"])
+        dt = getattr(torch, h["dtype"])
+        outs.append((torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)))
+    return lambda: [api.decode_kv_into(c, *o) for c, o in zip(chunks, outs)]
+
+
 def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, float]:
     """Seconds to decode ``chunks`` (issue 14.4): ``e2e_1thread`` (container -> tensors
     in the model dtype, torch and numba on one thread), ``e2e_cpu`` (CPU seconds of the
-    default multi-threaded decode: Msym per CPU-second), ``ref`` (the reference unfused
-    path of cachegen/cachegen-ref/quant8: symbols, float32 dequantization, cast) and
-    ``coder`` (rANS decoding of the symbols alone, entropy-coded codecs only)."""
-    from codec import entropy
+    default multi-threaded decode: Msym per CPU-second), ``into`` / ``into_1thread``
+    (the same into tensors allocated once, ``decode_kv_into``: without the first touch of
+    fresh output pages), ``parse`` (the container parsed and its header checked,
+    checksum included), ``checksum`` (the checksum alone), ``ref`` (the reference
+    unfused path of cachegen/cachegen-ref/quant8: symbols, float32 dequantization, cast)
+    and ``coder`` (rANS decoding of the symbols alone into uint8 arrays, entropy-coded
+    codecs only: the entropy core)."""
+    from codec import bitstream, entropy
 
-    out = {"e2e_cpu": _median_cpu(lambda: [api.decode_kv(c) for c in chunks], repeats)}
+    into = _into_fn(chunks)
+    out = {"e2e_cpu": _median_cpu(lambda: [api.decode_kv(c) for c in chunks], repeats),
+           "into": _median_time(into, repeats),
+           "parse": _median_time(lambda: [api._read(c) for c in chunks], repeats),
+           "checksum": _median_time(lambda: [bitstream.checksum(c[4], memoryview(c)[
+               :len(c) - bitstream.checksum_bytes(c[4])]) for c in chunks], repeats)}
     old = _threads(1)
     try:
         out["e2e_1thread"] = _median_time(lambda: [api.decode_kv(c) for c in chunks], repeats)
+        out["into_1thread"] = _median_time(into, repeats)
     finally:
         torch.set_num_threads(old[0])
         import numba

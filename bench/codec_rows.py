@@ -15,6 +15,26 @@ from codec import api
 from codec.codecs import CODECS
 
 
+def _split_ms(dec_s: float, extra: dict, n_ctx: int) -> dict:
+    """``decode_<part>_ms`` per context from the summed seconds of ``decode_breakdown``."""
+    out = {f"decode_{key}_ms": 1e3 * extra[key] / n_ctx
+           for key in ("parse", "checksum", "into", "coder") if extra.get(key)}
+    if extra.get("into"):
+        out["decode_alloc_ms"] = 1e3 * (dec_s - extra["into"]) / n_ctx
+        out["decode_other_ms"] = 1e3 * (extra["into"] - extra.get("parse", 0.0)
+                                       - extra.get("coder", 0.0)) / n_ctx
+    return out
+
+
+def _break_even(nbytes: float, dec_s: float, extra: dict, n_ctx: int) -> dict:
+    """``break_even_mbps*``: 8 * bytes / decode seconds / 1e6 for one context."""
+    out = {"break_even_mbps": 8 * nbytes / dec_s / 1e6}
+    for key in ("e2e_1thread", "into", "into_1thread"):
+        if extra.get(key):
+            out[f"break_even_{key}_mbps"] = 8 * nbytes / (extra[key] / n_ctx) / 1e6
+    return out
+
+
 def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: list,
             args, config=None) -> tuple[dict, list[dict]]:
     """Encode/decode every context with one (codec, level); aggregate one JSON row.
@@ -104,6 +124,16 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         # that moves least when other processes share the cores
         **({"decode_cpu_ms_per_1k_tokens": 1e6 * dec_extra["e2e_cpu"]
             / (len(ctxs) * int(ctxs[0]["k"].shape[1]))} if dec_extra.get("e2e_cpu") else {}),
+        # where the decode time goes (ms per context): the container parse (checksum
+        # included) and the checksum alone, decode into tensors allocated once (no first
+        # touch of fresh pages; ``alloc`` = the rest of the end-to-end figure), the
+        # entropy core alone, and ``other`` = into - parse - entropy core (dequantization
+        # and scatter, or raw's copy)
+        **_split_ms(dec_s, dec_extra, len(ctxs)),
+        # break-even bandwidth (LMCache users' metric): the link rate at which moving the
+        # bytes takes as long as decoding them; above it the decoder, not the link, sets
+        # the time (Mbit/s, end to end and into tensors allocated once, all cores and one)
+        **_break_even(by / len(ctxs), dec_s / len(ctxs), dec_extra, len(ctxs)),
         "encode_mb_s": tot["dtype_bytes"] / enc_s / 1e6,
         "decode_mb_s": tot["dtype_bytes"] / dec_s / 1e6,
         "rel_l2_k": statistics.fmean(mean_k), "rel_l2_v": statistics.fmean(mean_v),

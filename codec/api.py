@@ -48,8 +48,10 @@ __all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_kv_
 # model tables and model index Rice-coded (docs/bitstream.md 4.3, issue
 # 14.7), container format version 3, 8 channels per rANS stream by default. 4: model
 # tables coded over their nonzero range, codebook size by description length over a finer
-# ladder, container format version 4 (issue 14.7).
-CODEC_VERSION = 4
+# ladder, container format version 4 (issue 14.7). 5: container format version 6 (an
+# xxh3-64 checksum in place of the CRC32; the content bytes of every chunk are those of
+# codec version 4).
+CODEC_VERSION = 5
 
 CONTAINER_KIND = "kvcodec"   # header["kind"]: what the container holds
 MAX_DIM = {"L": 1 << 12, "T": 1 << 24, "H": 1 << 12, "D": 1 << 13}
@@ -274,8 +276,11 @@ def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[in
               "codec_version": CODEC_VERSION}
     bf16 = [n for n, a in enc.arrays.items()
             if dtype_name == "bfloat16" and a.dtype == np.uint16 and not n.startswith("ent_")]
+    # every chunk is written in the newest container version (6: xxh3-64 trailer), which
+    # allows the version-5 features; ``enc.format_version`` (4 or 5) is the oldest
+    # version whose reader could read its content (``bitstream.reseal`` rewrites it so)
     data = bitstream.pack(header, enc.arrays, enc.payload, bf16=bf16,
-                          version=enc.format_version)
+                          version=bitstream.FORMAT_VERSION)
     stats = dict(enc.stats)
     stats.update(bytes=len(data), elements=2 * L * T * H * D,
                  dtype_bytes=2 * L * T * H * D * DTYPE_BYTES[dtype_name])
@@ -384,8 +389,9 @@ def _unpack_kind(data: Any, kind: str, what: str) -> tuple[dict, dict, bytes]:
     names it in the error); CodecError on anything else (also shared by codec.window)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(f"expected bytes, got {type(data).__name__}")
-    try:
-        header, arrays, payload = bitstream.unpack(bytes(data))
+    try:   # no copy: the arrays and the payload are read-only views of ``data``
+        c = bitstream.unpack_container(data, copy=False)
+        header, arrays, payload = c.header, c.arrays, c.payload
     except CodecError:
         raise
     except Exception as e:  # the container must only raise CodecError; be defensive

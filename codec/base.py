@@ -34,10 +34,12 @@ class EncodedChunk:
     """What a codec's ``encode`` returns (before the container): ``header`` (JSON-able,
     codec-specific), ``arrays`` (name -> numpy array), ``payload`` (bytes), ``stats``
     (not serialised: entropy_bits, ideal_bits, model_bytes, length_table_bytes,
-    payload_bytes, scale_bytes, symbols); ``format_version``: the container format
-    version the chunk needs (4; 5 when it uses a version-5 feature: a KIVI short last
-    group or cachegen outlier-channel exponents, docs/bitstream.md section 4.1), so that
-    KV without them keeps its version-4 bytes and an older reader refuses the rest."""
+    payload_bytes, scale_bytes, symbols); ``format_version``: the oldest container format
+    version whose reader can read the chunk's content (4; 5 when it uses a version-5
+    feature: a KIVI short last group or cachegen outlier-channel exponents,
+    docs/bitstream.md section 4.1). Every chunk is written as version 6 (the same content
+    with an xxh3-64 trailer); ``bitstream.reseal(data, format_version)`` gives the bytes
+    that version's writer made."""
 
     header: dict
     arrays: dict

@@ -22,14 +22,19 @@ class RawCodec(Codec):
 
     name = "raw"
     lossless = True
+    fused_cpu = True   # codec.fused.decode_raw_cpu: copy + finite check in one pass
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": to_bits(k), "v": to_bits(v)})
 
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
-               device=None):
+               device=None, fused=True, out=None):
         if payload:
             raise CodecError("raw codec: unexpected payload")
+        if fused or out is not None:
+            from .fused import decode_raw_cpu
+
+            return decode_raw_cpu(arrays, shape, dtype_name, out=out)
         return (from_bits(arrays.get("k"), dtype_name, shape, "k"),
                 from_bits(arrays.get("v"), dtype_name, shape, "v"))
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import threads
-from .dequant_kernels import (_dequant_direct_par, _dequant_direct_ser, _gather_par, _gather_ser,
+from .dequant_kernels import (_copy_finite_par, _copy_finite_ser,
+                              _dequant_direct_par, _dequant_direct_ser, _gather_par, _gather_ser,
                               _kivi_par, _kivi_ser, _lut8_par, _lut8_ser, _nonfinite_par,
                               _nonfinite_ser)
 from .errors import CodecError
@@ -121,4 +122,28 @@ def count_nonfinite(bits: np.ndarray, dtype_name: str, parallel: bool | None = N
     if flat.size == 0:
         return 0
     par = (flat.size >= threads.PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
-    return int(run_kernel(_nonfinite_par, _nonfinite_ser, par, flat, want(mask)))
+    mag = (1 << (8 * np.dtype(want).itemsize - 1)) - 1     # every bit but the sign
+    return int(run_kernel(_nonfinite_par, _nonfinite_ser, par, flat, want(mask), want(mag)))
+
+
+def copy_finite_into(src: np.ndarray, out: np.ndarray, dtype_name: str,
+                     parallel: bool | None = None) -> int:
+    """Copy a float tensor's bit pattern and count its inf/NaN elements in one pass, both
+    cores (the raw codec's decode: a copy at memory speed, no separate check pass).
+
+    Args: src: the uint16 (bf16/fp16) or uint32 (fp32) bits, any shape, C-contiguous
+      (e.g. a read-only view of a container); out: a writable C-contiguous array of the
+      same dtype and size; dtype_name: "bfloat16" | "float16" | "float32".
+    Returns: the number of inf/NaN elements (``out`` holds the copy either way).
+    Raises: ValueError on a dtype or size mismatch or a non-contiguous array."""
+    want, mask = _EXP_MASK[dtype_name]
+    if (not isinstance(src, np.ndarray) or not isinstance(out, np.ndarray) or src.dtype != want
+            or out.dtype != want or src.size != out.size or not src.flags.c_contiguous
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"copy_finite_into: C-contiguous {np.dtype(want)} arrays of one size, out writable")
+    if src.size == 0:
+        return 0
+    par = (src.size >= threads.PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
+    mag = (1 << (8 * np.dtype(want).itemsize - 1)) - 1     # every bit but the sign
+    return int(run_kernel(_copy_finite_par, _copy_finite_ser, par, src.reshape(-1),
+                          out.reshape(-1), want(mag), want(mask)))

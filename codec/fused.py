@@ -37,6 +37,7 @@ from .errors import CodecError
 from .threads import run_kernel
 
 __all__ = ["all_finite", "dequant_table", "bits_view", "decode_cachegen_cpu", "decode_fp8_cpu",
+           "decode_raw_cpu",
            "decode_kivi_cpu", "check_out", "row_absmax_fast", "quantize_fast"]
 
 
@@ -223,6 +224,29 @@ def _dest(shape: tuple, dt: torch.dtype, out) -> tuple[torch.Tensor, torch.Tenso
     if out is None:
         return scratch.empty(shape, dtype=dt), scratch.empty(shape, dtype=dt)
     return check_out(out, shape, dt)
+
+
+def decode_raw_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """raw decode: the stored bit patterns copied into the destination with the finite
+    check in the same pass, both cores (``dequant_cpu.copy_finite_into``): one read of the
+    container and one write, against a copy plus a separate check before.
+
+    Args: arrays: "k", "v" (uint16 for bf16/fp16, uint32 for fp32, ``shape`` [L, T, H, D],
+      e.g. read-only views of the container); out: optional destination pair.
+    Returns: (k, v) of the dtype (``out`` when given).
+    Raises: CodecError on a missing or mis-shaped array or an inf/NaN value; ValueError on
+      a bad out."""
+    from .dequant_cpu import copy_finite_into
+
+    dt = DTYPES[dtype_name]
+    want = np.uint32 if dt == torch.float32 else np.uint16
+    srcs = [need_array(arrays.get(n), want, shape, n) for n in ("k", "v")]
+    ko, vo = _dest(shape, dt, out)
+    for name, a, o in (("k", srcs[0], ko), ("v", srcs[1], vo)):
+        if copy_finite_into(np.ascontiguousarray(a), bits_view(o), dtype_name):
+            raise CodecError(f"raw array {name!r} holds NaN/inf (corrupt bitstream)")
+    return ko, vo
 
 
 def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None

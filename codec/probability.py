@@ -86,14 +86,21 @@ if njit is not None:
 
     @njit(cache=True, nogil=True)
     def _hist_kernel(sym, out):
-        """sym uint8 [L, T, C] -> out int32 [L, 256, C] (symbol-major: consecutive
-        channels of one token hit adjacent counters, which keeps the counters of a layer
-        (256 * C * 4 bytes) cache- and TLB-friendly)."""
+        """sym uint8 [L, T, C] -> out int64 [L, C, 256]. Counted per layer in an int32
+        [256, C] scratch (symbol-major: consecutive channels of one token hit adjacent
+        counters, cache- and TLB-friendly), then transposed into the layer's rows of
+        ``out`` while it is in cache (a numpy transpose + int64 cast of the whole result
+        afterwards took as long as the counting)."""
         L, T, C = sym.shape
+        tmp = np.zeros((256, C), dtype=np.int32)
         for layer in range(L):
+            tmp[:] = 0
             for t in range(T):
                 for c in range(C):
-                    out[layer, sym[layer, t, c], c] += 1
+                    tmp[sym[layer, t, c], c] += 1
+            for c in range(C):
+                for s in range(256):
+                    out[layer, c, s] = tmp[s, c]
 
 
 def histograms(sym: np.ndarray) -> np.ndarray:
@@ -106,9 +113,9 @@ def histograms(sym: np.ndarray) -> np.ndarray:
         raise ValueError("sym must be uint8 [L, T, C]")
     L, T, C = sym.shape
     if njit is not None:
-        tmp = np.zeros((L, 256, C), dtype=np.int32)
-        _hist_kernel(sym, tmp)
-        return tmp.transpose(0, 2, 1).astype(np.int64)  # [L, C, 256]
+        out = np.empty((L, C, 256), dtype=np.int64)   # every entry written by the kernel
+        _hist_kernel(sym, out)
+        return out
     idx = (np.arange(L)[:, None, None] * C + np.arange(C)[None, None, :]) * 256 + sym  # pragma: no cover
     return np.bincount(idx.reshape(-1), minlength=L * C * 256).reshape(L, C, 256)  # pragma: no cover
 

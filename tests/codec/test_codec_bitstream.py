@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,10 +59,46 @@ def test_round_trip_all_dtypes():
     for k, a in arrays.items():
         assert c.arrays[k].shape == a.shape
         assert np.array_equal(c.arrays[k], a), k
-    # CRC over everything before it, at the end
-    assert struct.unpack("<I", data[-4:])[0] == zlib.crc32(data[:-4])
-    assert data[:4] == b"KVCG" and struct.unpack("<H", data[4:6])[0] == bs.FORMAT_VERSION == 4
+    # xxh3-64 over everything before it, at the end (version 6)
+    assert struct.unpack("<Q", data[-8:])[0] == xxhash.xxh3_64_intdigest(data[:-8])
+    assert data[:4] == b"KVCG" and struct.unpack("<H", data[4:6])[0] == bs.FORMAT_VERSION == 6
     assert bs.peek_header(data) == hdr
+    # the version-4 writer's bytes: the same content with a CRC32 trailer
+    old = bs.pack(hdr, arrays, b"payload", bf16=["bf"], version=4)
+    assert old[:4] == b"KVCG" and old[4:6] == b"\x04\x00" and old[6:-4] == data[6:-8]
+    assert struct.unpack("<I", old[-4:])[0] == zlib.crc32(old[:-4])
+    assert bs.reseal(old, 6) == data and bs.reseal(data, 4) == old
+    c4 = bs.unpack_container(old)
+    assert c4.header == hdr and c4.payload == b"payload"
+    assert all(np.array_equal(c4.arrays[k], a) for k, a in arrays.items())
+
+
+def test_unpack_without_copy_gives_read_only_views():
+    """copy=False: the payload is a read-only view of the input (no copy), the arrays
+    read-only views too, even for a writable input; the values equal the copying parse."""
+    data = _sample_containers()[1]
+    ref = bs.unpack_container(data)
+    for src in (data, bytearray(data), memoryview(bytearray(data))):
+        c = bs.unpack_container(src, copy=False)
+        assert isinstance(c.payload, memoryview) and c.payload.readonly
+        assert bytes(c.payload) == ref.payload
+        for name, a in c.arrays.items():
+            assert not a.flags.writeable and np.array_equal(a, ref.arrays[name])
+    # a view, not a copy: it sees the input's memory
+    buf = bytearray(data)
+    c = bs.unpack_container(buf, copy=False)
+    assert np.shares_memory(np.frombuffer(c.payload, np.uint8), np.frombuffer(buf, np.uint8))
+
+
+def test_reseal_rejects_what_it_cannot_rewrite():
+    data = _sample_containers()[0]
+    for bad, ver in ((b"", None), (b"XVCG" + data[4:], None), (data, 7), (data, 3), ("text", None)):
+        with pytest.raises(CodecError):
+            bs.reseal(bad, ver)  # type: ignore[arg-type]
+    b = bytearray(bs.reseal(data, 4))
+    b[4] = 2   # a version-2 container is not rewritten as version 6 (another layout)
+    with pytest.raises(CodecError):
+        bs.reseal(bytes(b), 6)
 
 
 def test_layout_matches_spec():
@@ -74,7 +111,9 @@ def test_layout_matches_spec():
     head += b"\0" * ((-len(head)) % 8)
     body = head + a.tobytes() + b"\0" * 2 + struct.pack("<Q", 2) + b"pl"
     expected = body + struct.pack("<I", zlib.crc32(body))
-    assert bs.pack(hdr, {"x": a}, b"pl") == expected
+    assert bs.pack(hdr, {"x": a}, b"pl", version=4) == expected
+    body6 = body[:4] + struct.pack("<H", 6) + body[6:]
+    assert bs.pack(hdr, {"x": a}, b"pl") == body6 + struct.pack("<Q", xxhash.xxh3_64_intdigest(body6))
 
 
 @pytest.mark.parametrize("bad", [
@@ -105,6 +144,13 @@ def test_pack_rejects_bad_arrays():
 
 
 def _refresh_crc(b: bytearray) -> bytes:
+    """The bytes with their trailer recomputed as the spec says for the version field
+    they carry (xxh3-64 u64 from version 6, CRC32 u32 before), written here from the
+    spec rather than with ``bs.reseal``, so a crafted field reaches the parser."""
+    ver = struct.unpack_from("<H", b, 4)[0] if len(b) >= 6 else 0
+    if ver >= 6:
+        body = bytes(b[:-8])
+        return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     body = bytes(b[:-4])
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -116,17 +162,23 @@ def test_specific_corruptions():
         "short": data[:7],
         "magic": b"XVCG" + data[4:],
         "no crc": data[:-4],
+        "no checksum": data[:-8],
         "crc": data[:-1] + bytes([data[-1] ^ 1]),
+        "checksum low byte": data[:-8] + bytes([data[-8] ^ 1]) + data[-7:],
         "extra": data + b"\0",
+        "as version 4 without resealing": data[:4] + b"\x04" + data[5:],
     }
     for name, d in cases.items():
         with pytest.raises(CodecError):
             bs.unpack(d)
     b = bytearray(data)
-    b[4] = 6  # version 6 (CRC refreshed so the version check itself is exercised)
+    b[4] = 7  # version 7 (checksum refreshed so the version check itself is exercised)
     with pytest.raises(CodecError, match="version"):
         bs.unpack(_refresh_crc(b))
-    b = bytearray(data)
+    b = bytearray(bs.reseal(data, 4))   # versions 4 and 5: the CRC32 trailer
+    assert bs.unpack(bytes(b))[0] == bs.unpack(data)[0]
+    b[4] = 5
+    assert bs.unpack(_refresh_crc(b))[0] == bs.unpack(data)[0]
     b[4] = 1  # format version 1 containers (before the outlier side list) still read
     assert bs.unpack(_refresh_crc(b))[0] == bs.unpack(data)[0]
     b[4] = 2  # and version 2 (16-bit model tables; the entropy stage reads both codebooks)
@@ -190,10 +242,34 @@ def test_empty_arrays():
         bs.unpack(_refresh_crc(data))
 
 
+def test_huge_length_fields_with_a_valid_checksum():
+    """Each length field set to huge values behind a recomputed checksum (so the parser
+    itself is reached), in both trailer formats: CodecError, nothing allocated."""
+    for version in (6, 4):
+        data = bytearray(bs.pack({"a": 1}, {"x": np.arange(5, dtype=np.uint16)}, b"pay",
+                                 version=version))
+        tail = bs.checksum_bytes(version)
+        hlen = struct.unpack_from("<I", data, 8)[0]
+        pos_n = 12 + hlen
+        off_shape = pos_n + 2 + 1 + 1 + 2
+        pos_plen = len(data) - tail - 3 - 8
+        assert struct.unpack_from("<Q", data, pos_plen)[0] == 3
+        for fmt, pos, values in (("<I", 8, (2**20, 2**32 - 1)), ("<H", pos_n, (2, 256, 2**16 - 1)),
+                                 ("<Q", off_shape, (9, 2**40, 2**64 - 1)),
+                                 ("<Q", pos_plen, (0, 4, 2**63, 2**64 - 1))):
+            for val in values:
+                d = bytearray(data)
+                struct.pack_into(fmt, d, pos, val)
+                with pytest.raises(CodecError):
+                    bs.unpack(_refresh_crc(d))
+
+
 def test_fuzz_random_corruptions_raise_codec_error_only():
-    """Thousands of seeded random mutations: only CodecError, never another exception."""
+    """Thousands of seeded random mutations: only CodecError, never another exception
+    (containers of both trailer formats: version 6 and version 4)."""
     rng = random.Random(1234)
     samples = _sample_containers()
+    samples += [bs.reseal(d, 4) for d in samples]
     n_raised = n_ok = 0
     for i in range(4000):
         data = bytearray(samples[i % len(samples)])
@@ -213,7 +289,7 @@ def test_fuzz_random_corruptions_raise_codec_error_only():
             k = rng.randrange(len(data))
             data = data[:k] + bytearray(rng.randrange(256) for _ in range(rng.randint(0, 64)))
         else:  # flip bytes in the structural prefix and REPAIR the CRC
-            lim = min(len(data) - 4, 120)
+            lim = min(len(data) - 8, 120)
             for _ in range(rng.randint(1, 3)):
                 data[rng.randrange(lim)] ^= 1 << rng.randrange(8)
             data = bytearray(_refresh_crc(data))
@@ -234,8 +310,10 @@ def test_fuzz_pure_garbage():
     for i in range(500):
         n = int(rng.integers(0, 200))
         d = bytes(rng.integers(0, 256, n, dtype=np.uint8))
-        if i % 2:
+        if i % 3 == 1:
             d = b"KVCG\x01\x00\x00\x00" + d
+        elif i % 3 == 2:
+            d = b"KVCG\x06\x00\x00\x00" + d
         with pytest.raises(CodecError):
             bs.unpack(d)
 

@@ -483,3 +483,18 @@ def test_encode_refuses_a_zero_frequency_symbol_in_either_lane_path(parallel, ch
     sk[0, 3, channel] = 2
     with pytest.raises(ValueError, match="zero frequency"):
         rc.encode_streams(sk, sv, cum, mi, G, B, parallel=parallel)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 11), (1, 1, 1), (2, 0, 5), (30, 64, 192)])
+def test_histograms_equal_a_bincount(shape):
+    """probability.histograms (per-layer counting, transposed in cache) counts every
+    symbol 0..255 of every (layer, channel) exactly as a bincount does."""
+    rng = np.random.default_rng(sum(shape))
+    sym = rng.integers(0, 256, shape).astype(np.uint8)
+    if sym.size:
+        sym.reshape(-1)[0] = 255
+    L, T, C = shape
+    idx = (np.arange(L)[:, None, None] * C + np.arange(C)[None, None, :]) * 256 + sym
+    ref = np.bincount(idx.reshape(-1), minlength=L * C * 256).reshape(L, C, 256)
+    got = prob.histograms(sym)
+    assert got.dtype == np.int64 and got.shape == (L, C, 256) and np.array_equal(got, ref)

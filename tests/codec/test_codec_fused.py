@@ -147,7 +147,7 @@ def test_decode_streams_into_table_and_offsets():
                                      ok, ov, deq_k[:, :5].copy(), deq_v, t_stride, hd)
 
 
-@pytest.mark.parametrize("name", ["fp8", "kivi2", "kivi4"])
+@pytest.mark.parametrize("name", ["raw", "fp8", "kivi2", "kivi4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_baselines_equal_reference(name, dtype):
     for shape in ((2, 300, 3, 64), (3, 200, 2, 40)):   # head_dim 64 (groups of 32) and 40
@@ -166,6 +166,44 @@ def test_fused_fp8_rejects_nan_codes():
     arrays["v"][1, 3, 0, 2] = 0x7F
     with pytest.raises(CodecError, match="NaN"):
         c.decode(h["codec_header"], arrays, payload, (2, 8, 2, 4), h["dtype"], fused=True)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_raw_decode_checks_finite_in_its_copy(dtype, parallel, monkeypatch):
+    """raw's fused decode (copy + finite check in one pass): every inf/NaN pattern of the
+    dtype at the start, the end and inside a later 64K block is refused with CodecError,
+    through decode_kv and decode_kv_into, serial and parallel builds; finite extremes
+    decode bit for bit."""
+    from codec import bitstream
+    from codec.dequant_cpu import copy_finite_into, count_nonfinite
+
+    if parallel:
+        monkeypatch.setattr(threads, "PARALLEL_MIN_SYMBOLS", 0)
+    k, v = _kv((2, 300, 2, 64), dtype, seed=2)                     # 76800 > 65536 per tensor
+    fi = torch.finfo(dtype)
+    k[0, 0, 0, :4] = torch.tensor([fi.max, -fi.max, fi.tiny, -0.0]).to(dtype)
+    data = codec.encode_kv(k, v, codec="raw")
+    dk, dv = codec.decode_kv(data)
+    assert _bits_equal(dk, k) and _bits_equal(dv, v)
+    iv = torch.int32 if dtype == torch.float32 else torch.int16
+    h = bitstream.unpack_container(data)
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for tag, where in (("k", (0, 0, 0, 0)), ("v", (1, 299, 1, 63)), ("v", (1, 100, 0, 5))):
+            arrays = {n: np.array(a) for n, a in h.arrays.items()}
+            t = torch.from_numpy(arrays[tag]).view(iv).view(dtype)
+            t[where] = bad
+            blob = bitstream.pack(h.header, arrays, h.payload,
+                                  bf16=[n for n, d in h.dtypes.items() if d == "bf16"])
+            with pytest.raises(CodecError, match="NaN/inf"):
+                codec.decode_kv(blob)
+            with pytest.raises(CodecError, match="NaN/inf"):
+                codec.decode_kv_into(blob, torch.empty_like(k), torch.empty_like(v))
+            src = arrays[tag].reshape(-1)
+            out = np.empty_like(src)
+            n = copy_finite_into(src, out, name, parallel=parallel)
+            assert n == count_nonfinite(src, name) == 1 and np.array_equal(out, src)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,7 +225,7 @@ def test_all_finite_matches_torch(dtype):
     assert all_finite(torch.empty(0, dtype=dtype))
 
 
-@pytest.mark.parametrize("name", ["cachegen", "cachegen-ref", "quant8", "fp8", "kivi2"])
+@pytest.mark.parametrize("name", ["cachegen", "cachegen-ref", "quant8", "fp8", "kivi2", "raw"])
 def test_parallel_kernels_equal_reference(name, monkeypatch):
     """The parallel (prange) builds of the fused kernels give the reference's bits too."""
     monkeypatch.setattr(threads, "PARALLEL_MIN_SYMBOLS", 0)

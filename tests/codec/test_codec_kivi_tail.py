@@ -109,11 +109,15 @@ def test_short_group_fused_equals_reference_and_format_version():
         nt = (min(t, T - KIVI_RESIDUAL - off)) % KIVI_GROUP
         assert enc.header.get("nt", 0) == nt
         assert enc.format_version == (5 if nt else 4)
-    # containers: version 5 only when a short group is used; version 4 bytes otherwise
+    # containers: every chunk is written as version 6 (xxh3-64 trailer); the oldest
+    # reader that can read it (EncodedChunk.format_version, above) is 5 only when a short
+    # group is used; resealed as version 5 such a chunk decodes the same
     d5 = _encode_one(k[:, :17], v[:, :17], "kivi2", None, None, 0, T, 0, 2, backend="cpu")[0]
     d4 = _encode_one(k[:, :32], v[:, :32], "kivi2", None, None, 0, T, 0, 2, backend="cpu")[0]
-    assert d5[4:6] == (5).to_bytes(2, "little") and d4[4:6] == (4).to_bytes(2, "little")
-    assert 5 in bitstream.READ_VERSIONS
+    assert d5[4:6] == d4[4:6] == (6).to_bytes(2, "little")
+    assert 5 in bitstream.READ_VERSIONS and 6 in bitstream.READ_VERSIONS
+    a, b = decode_kv(d5), decode_kv(bitstream.reseal(d5, 5))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("bad", [0, 32, 16, 18, -1, "3"])

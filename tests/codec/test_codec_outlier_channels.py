@@ -2,7 +2,8 @@
 (as Llama-family keys have), 2-3 such channels, in several layers/heads: the relative L2
 error of the OTHER values of each affected (layer, KV head) stays within 2x of the error
 without the outlier channel, at every cachegen level, fused and reference decoders agree,
-and KV without such channels keeps its version-4 bytes (tests/codec/test_codec_digests.py)."""
+and KV without such channels keeps its version-4 content (tests/codec/test_codec_digests.py,
+tests/codec/test_codec_bitstream_versions.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,13 +69,16 @@ def _split(data):
 def test_other_values_error_within_2x(case, level):
     x0, y0, chans, d0 = _run(case, 1, level)
     base = others_err(x0, y0, chans)
-    assert d0[4:6] == (4).to_bytes(2, "little")          # no outlier channel: version 4
+    # no outlier channel (content a version-4 reader reads; written as version 6)
+    assert d0[4:6] == (6).to_bytes(2, "little")
+    assert not {"n_chx_k", "n_chx_v"} & set(_split(d0)[0]["codec_header"])
     for f in FACTORS:
         x, y, _, data = _run(case, f, level)
         err = others_err(x, y, chans)
         assert err <= 2 * base + 1e-9, (case, level, f, err, base)
-        # version 5 when a channel was pre-scaled (at x3000 the side list may hold it all)
-        assert data[4:6] in ((4).to_bytes(2, "little"), (5).to_bytes(2, "little"))
+        # every container is version 6 (a pre-scaled channel, n_chx_*, is what made it
+        # version 5 before; at x3000 the side list may hold it all)
+        assert data[4:6] == (6).to_bytes(2, "little")
         # the outlier channels themselves: relative error like a normal channel's at
         # this level (their own step is at most 2x the others')
         for l, h, c in chans:
