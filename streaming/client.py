@@ -15,9 +15,9 @@ One load, step by step (stream_load):
 3. ``_Decoder`` (the calling thread): decode each chunk as it arrives (one refetch over a
    side connection when the bytes do not decode), hand it to the caller, time it.
 
-Faults handled here: a chunk whose bytes fail the manifest's size, CRC-32 and sha256 (or
-whose decode raises ValueError, e.g. codec.CodecError) is refetched once, then falls back to
-text; a missing chunk falls back to text; a dropped connection is reconnected once, after
+Faults handled here: a chunk whose bytes fail the manifest's size and sha256 (CRC-32 for
+manifests without sha256), or whose decode raises ValueError (e.g. codec.CodecError), is
+refetched once, then falls back to text; a missing chunk falls back to text; a dropped connection is reconnected once, after
 which the remaining chunks fall back to text (LoadResult.error says why); an unknown key or
 an entry of another model/config is a clean miss (LoadResult.hit False, .reason). A
 transfer that runs past the policy's transfer_deadline_s(k) is cut: the connection is shut,
@@ -99,8 +99,8 @@ def stream_load(
             lookup): that generation's own manifest is read (and its chunks fetched), so a
             load racing an overwrite still gets the complete entry it planned from; a
             generation deleted since is a clean miss.
-    Every chunk is checked against the manifest the load planned from (size, CRC-32,
-    sha256, fetched from that manifest's write generation); a chunk missing or failing
+    Every chunk is checked against the manifest the load planned from (size and sha256;
+    CRC-32 where an older manifest has no sha256; fetched from that manifest's write generation); a chunk missing or failing
     the check after one refetch is recomputed from text (ChunkStat.note says why) and the
     entry is dropped from the store if it is still that generation (no entry fails every
     later load). Calibrations the manifest names are fetched first (ensure_calibrations);
@@ -415,7 +415,7 @@ class _Receiver:
 
     def fetch_verified(self, cl, k: int, lv: int, on_progress=None) -> tuple[bytes | None, float, bool, bool, str]:
         """-> (data or None, transfer_s, crc_ok, refetched, note). Refetches once when the
-        bytes fail the manifest's size, CRC-32 or sha256; a chunk missing or failing twice
+        bytes fail the manifest's size or sha256 (_content_ok); a chunk missing or failing twice
         drops the entry (if still this generation)."""
         m = self.manifest
         want_crc, want_len = m.crc32[lv][k], m.sizes[lv][k]
@@ -433,14 +433,22 @@ class _Receiver:
                 logger.warning("stream: %s chunk %d level %d: %s; entry dropped", self.key[:16], k, lv, note)
                 _invalidate(cl, self.key, self.gen, note)
                 return None, total_dt, False, refetched, note
-            if len(data) == want_len and zlib.crc32(data) == want_crc and \
-                    (want_sha is None or hashlib.sha256(data).hexdigest() == want_sha):
+            if len(data) == want_len and _content_ok(data, want_crc, want_sha):
                 return data, total_dt, True, refetched, ""
             refetched = attempt == 0
         note = "CRC/sha256 mismatch after refetch"
         logger.warning("stream: %s chunk %d level %d: %s; entry dropped", self.key[:16], k, lv, note)
         _invalidate(cl, self.key, self.gen, note)
         return None, total_dt, False, True, note
+
+
+def _content_ok(data: bytes, want_crc: int, want_sha: str | None) -> bool:
+    """Whether a chunk's bytes are the ones the manifest names: by sha256 when the manifest
+    has it (it proves the entry; a CRC-32 beside it would only add a second pass over the
+    bytes on the decode path), else by CRC-32 (manifests written before sha256)."""
+    if want_sha is not None:
+        return hashlib.sha256(data).hexdigest() == want_sha
+    return zlib.crc32(data) == want_crc
 
 
 class _Decoder:
