@@ -17,8 +17,8 @@ One load, step by step (stream_load):
 
 Faults handled here: a chunk whose bytes fail the manifest's size and sha256 (CRC-32 for
 manifests without sha256), or whose decode raises ValueError (e.g. codec.CodecError), is
-refetched once, then falls back to text; a missing chunk falls back to text; a dropped connection is reconnected once, after
-which the remaining chunks fall back to text (LoadResult.error says why); an unknown key or
+refetched once, then falls back to text; a missing chunk falls back to text; a dropped
+connection is reconnected once, after which the remaining chunks fall back to text (LoadResult.error says why); an unknown key or
 an entry of another model/config is a clean miss (LoadResult.hit False, .reason). A
 transfer that runs past the policy's transfer_deadline_s(k) is cut: the connection is shut,
 nothing of the chunk is kept, the client reconnects and the policy re-plans that chunk
