@@ -116,9 +116,10 @@ class AdaptivePolicy:
 
     def start(self, manifest) -> None:
         self.manifest = manifest
-        lv = list(manifest.levels) if self.inputs.levels is None else [x for x in self.inputs.levels if x in manifest.levels]
+        only = self.inputs.levels
+        lv = list(manifest.levels) if only is None else [x for x in only if x in manifest.levels]
         if not lv:
-            raise ValueError(f"none of the levels {self.inputs.levels} is stored (stored: {list(manifest.levels)})")
+            raise ValueError(f"none of the levels {only} is stored (stored: {list(manifest.levels)})")
         self.levels = sorted(lv)
         tokens = [b - a for a, b in manifest.token_ranges]
         if self.inputs.decode_s_per_token is not None:
@@ -131,7 +132,8 @@ class AdaptivePolicy:
         self.decode = DecodeTable(table)
         util = None if self.inputs.utility is None else {x: float(self.inputs.utility[x]) for x in self.levels}
         self.model = ClockModel({x: manifest.sizes[x] for x in self.levels}, tokens, self.decode.table,
-                                self.prefill_tokens_per_s, self.inputs.inject_s_per_token, self.inputs.request_overhead_s,
+                                self.prefill_tokens_per_s, self.inputs.inject_s_per_token,
+                                self.inputs.request_overhead_s,
                                 0.0, util, None if util is None else self.inputs.text_utility)
         self.decisions = []
         self.history = []

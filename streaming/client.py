@@ -18,15 +18,16 @@ One load, step by step (stream_load):
 Faults handled here: a chunk whose bytes fail the manifest's size and sha256 (CRC-32 for
 manifests without sha256), or whose decode raises ValueError (e.g. codec.CodecError), is
 refetched once, then falls back to text; a missing chunk falls back to text; a dropped
-connection is reconnected once, after which the remaining chunks fall back to text (LoadResult.error says why); an unknown key or
-an entry of another model/config is a clean miss (LoadResult.hit False, .reason). A
-transfer that runs past the policy's transfer_deadline_s(k) is cut: the connection is shut,
-nothing of the chunk is kept, the client reconnects and the policy re-plans that chunk
-(LoadResult.abandoned lists the cut attempts). Earlier than that, every PROGRESS_BYTES of a
-chunk's response the policy's should_abandon(k, bytes received, s since the request,
-wire_bytes=, wire_s=) may cut a transfer whose projected finish at the observed rate
-overruns its deadline, with the same clean cut; the rate is the wire clock's (kernel
-receive timestamps, first to last byte); observe_abandon gets the bytes received by the cut.
+connection is reconnected once, after which the remaining chunks fall back to text
+(LoadResult.error says why); an unknown key or an entry of another model/config is a clean
+miss (LoadResult.hit False, .reason). A transfer that runs past the policy's
+transfer_deadline_s(k) is cut: the connection is shut, nothing of the chunk is kept, the
+client reconnects and the policy re-plans that chunk (LoadResult.abandoned lists the cut
+attempts). Earlier than that, every PROGRESS_BYTES of a chunk's response the policy's
+should_abandon(k, bytes received, s since the request, wire_bytes=, wire_s=) may cut a
+transfer whose projected finish at the observed rate overruns its deadline, with the same
+clean cut; the rate is the wire clock's (kernel receive timestamps, first to last byte);
+observe_abandon gets the bytes received by the cut.
 
 Not runnable by itself; see `python -m bench.streaming`. The result types are in
 streaming.client_result, the wire clock and timed chunk get in streaming.client_wire.
@@ -100,11 +101,11 @@ def stream_load(
             load racing an overwrite still gets the complete entry it planned from; a
             generation deleted since is a clean miss.
     Every chunk is checked against the manifest the load planned from (size and sha256;
-    CRC-32 where an older manifest has no sha256; fetched from that manifest's write generation); a chunk missing or failing
-    the check after one refetch is recomputed from text (ChunkStat.note says why) and the
-    entry is dropped from the store if it is still that generation (no entry fails every
-    later load). Calibrations the manifest names are fetched first (ensure_calibrations);
-    one that cannot be had is a clean miss.
+    CRC-32 where an older manifest has no sha256; fetched from that manifest's write
+    generation); a chunk missing or failing the check after one refetch is recomputed from
+    text (ChunkStat.note says why) and the entry is dropped from the store if it is still
+    that generation (no entry fails every later load). Calibrations the manifest names are
+    fetched first (ensure_calibrations); one that cannot be had is a clean miss.
     Returns LoadResult (seconds, bytes). Raises only for programming errors (bad
     arguments, a decode_fn raising something other than ValueError, a hook failing).
     """
