@@ -49,9 +49,10 @@ from __future__ import annotations
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 from lmcache.v1.distributed.serde.base import SerdeProcessor
 from third_party.lmcache.serde_frame import FRAME_MAGIC, FRAME_VERSION, MAX_CONTAINERS, MAX_IDENT, parse_frame
-from third_party.lmcache.serde_layout import DTYPES, estimate_bytes, frame_overhead, kv_views
+from third_party.lmcache.serde_layout import DTYPES, frame_overhead, kv_views
 from third_party.lmcache.serde_options import opt_int, parse_settings
-from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer
+from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer, serializer_stats
+from third_party.lmcache.serde_slot import estimate_bytes
 from third_party.lmcache.serde_settings import (BITS_PER_ELEMENT, CONTAINER_SLACK, DEFAULT_SLOT_RATIO,
                                                 SerdeSettings)
 
@@ -59,6 +60,7 @@ __all__ = [
     "BITS_PER_ELEMENT", "CONTAINER_SLACK", "DEFAULT_SLOT_RATIO", "DTYPES", "FACTORIES", "FRAME_MAGIC", "FRAME_VERSION",
     "MAX_CONTAINERS", "MAX_IDENT", "CodecDeserializer", "CodecSerializer", "SerdeSettings",
     "estimate_bytes", "frame_overhead", "kv_views", "make_pair", "parse_frame", "parse_settings",
+    "serializer_stats",
 ]
 
 
