@@ -29,6 +29,7 @@ from third_party.lmcache.serde_settings import SerdeSettings
 
 RAW = "raw"
 FLOOR_BINS = {"floor-4": 4, "floor-6": 6, "floor-8": 8}
+GUARANTEED = "floor-4"
 FLOOR_SLACK = 1.03          # x the measured worst case, plus 64 bytes per container
 _cache: dict = {}
 _lock = threading.Lock()
@@ -59,7 +60,11 @@ def encode_group(k: torch.Tensor, v: torch.Tensor, keep: bool, off: int, s: Serd
         name = s.codec
     else:
         b = FLOOR_BINS[step]
-        cfg, lvl, name = codec.CodecConfig.uniform(k.shape[0], b, b, scale_group="chunk_head",
+        # floor-4 takes one scale per (layer, token): no outlier side lists, so its size
+        # has a bound whatever the values (the guarantee); the others one step per
+        # (layer, KV head), finer for normal KV
+        group = "token" if step == GUARANTEED else "chunk_head"
+        cfg, lvl, name = codec.CodecConfig.uniform(k.shape[0], b, b, scale_group=group,
                                                    sink_tokens=0), None, "cachegen"
         off = 0
     if s.chunk_tokens is None:
@@ -81,7 +86,7 @@ def worst_floor_bytes(s: SerdeSettings, shape, dtype) -> int:
     g = torch.Generator().manual_seed(0)
     x = (torch.randint(0, 3, tuple(key[1]), generator=g) - 1).to(dtype)
     k, v = kv_views(x, s)
-    blobs = encode_group(k.contiguous(), v.contiguous(), False, 0, s, "floor-4")
+    blobs = encode_group(k.contiguous(), v.contiguous(), False, 0, s, GUARANTEED)
     n = sum(math.ceil(len(b) * FLOOR_SLACK) + 64 for b in blobs)
     with _lock:
         _cache[key] = n
