@@ -14,7 +14,7 @@ and the error of what comes back (relative L2 error and max abs error), together
 the step each object was coded at:
 
     .venv-lmcache/bin/python -m bench.lmcache_e2e [--layers 30] [--serde-json '{...}'] \
-        [--out results.json]
+        [--kv DUMP.safetensors] [--out results.json]
 
 Needs the optional environment (``bash scripts/setup.sh lmcache``).
 """
@@ -70,14 +70,19 @@ def pattern(i: int, g: int, shape, dtype) -> torch.Tensor:
     return vals.to(dtype).reshape(shape)
 
 
-def _kv(kind: str, L: int, T: int, H: int, D: int):
+def _kv(kind: str, L: int, T: int, H: int, D: int, real=None):
     def fill(i: int, g: int, shape, dtype) -> torch.Tensor:
         if kind == "gauss":
             gen = torch.Generator().manual_seed(100 + 10 * i + g)
             return torch.randn(tuple(shape), generator=gen).to(dtype)
-        with torch.random.fork_rng():       # synthetic_kv's values also draw on the global RNG
-            torch.manual_seed(10 * i + g)
-            k, v = synthetic_kv(L, T, H, D, seed=10 * i + g, dtype=dtype)
+        if real is not None:        # key i: the dump's tokens [i T, (i + 1) T) (wrapping)
+            n = real[0].shape[1]
+            idx = torch.arange(i * T + 7 * g, i * T + 7 * g + T) % n
+            k, v = real[0][:, idx].to(dtype), real[1][:, idx].to(dtype)
+        else:
+            with torch.random.fork_rng():   # synthetic_kv's values also draw on the global RNG
+                torch.manual_seed(10 * i + g)
+                k, v = synthetic_kv(L, T, H, D, seed=10 * i + g, dtype=dtype)
         if len(shape) == 5:
             return torch.stack([k, v])
         planes = torch.stack([k.reshape(L, T, H * D), v.reshape(L, T, H * D)])
@@ -88,12 +93,15 @@ def _kv(kind: str, L: int, T: int, H: int, D: int):
     return fill
 
 
-def cases(L: int = 4, T: int = 256, H: int = 3, D: int = 64) -> dict[str, Case]:
+def cases(L: int = 4, T: int = 256, H: int = 3, D: int = 64, real=None) -> dict[str, Case]:
     """The layouts of the flow; KV ones of L layers, T tokens, H heads x D (the default
-    model: 30 layers, 3 x 64)."""
+    model: 30 layers, 3 x 64), synthetic, or slices of ``real`` = (K, V) [L, N, H, D]
+    (a dump of the model's KV; L, H, D then come from it)."""
     bf, fp, f32 = torch.bfloat16, torch.float16, torch.float32
+    if real is not None:
+        L, _, H, D = real[0].shape
     C = H * D
-    kv = _kv("kv", L, T, H, D)
+    kv = _kv("kv", L, T, H, D, real)
     return {
         # LMCache's generic layouts
         "generic-bf16 [100,2,512]": Case(((100, 2, 512),), (bf,), pattern, keys=5),
@@ -112,8 +120,8 @@ def cases(L: int = 4, T: int = 256, H: int = 3, D: int = 64) -> dict[str, Case]:
         "fused [1,L,T,2C]": Case(((1, L, T, 2 * C),), (bf,), kv),
         "one plane [L,T,2C]": Case(((L, T, 2 * C),), (bf,), kv),
         "two groups bf16+fp16": Case(((2, L, T, C), (2, L, T, C)), (bf, fp), kv),
-        "1 token": Case(((2, L, 1, C),), (bf,), _kv("kv", L, 1, H, D)),
-        "16 tokens": Case(((2, L, 16, C),), (bf,), _kv("kv", L, 16, H, D)),
+        "1 token": Case(((2, L, 1, C),), (bf,), _kv("kv", L, 1, H, D, real)),
+        "16 tokens": Case(((2, L, 16, C),), (bf,), _kv("kv", L, 16, H, D, real)),
         "gaussian [2,L,T,C]": Case(((2, L, T, C),), (bf,), _kv("gauss", L, T, H, D)),
     }
 
@@ -287,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--serde-json", default="{}", help="serde options (JSON object)")
     ap.add_argument("--layers", type=int, default=30, help="KV layers (default model: 30)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per object (LMCache's chunk)")
+    ap.add_argument("--kv", default=None, help="a KV dump (python -m kv_extraction_hf ... "
+                    "--out DIR): the KV layouts carry its tokens, not synthetic KV")
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -298,9 +308,19 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: --serde-json: {e}", file=sys.stderr)
         return 2
+    real = None
+    if a.kv:
+        from kv_extraction_hf.dump import load_kv
+        from kv_extraction_hf.errors import ExtractionError
+        try:
+            k, v, _ = load_kv(a.kv)
+        except (ExtractionError, OSError, ValueError) as e:
+            print(f"error: --kv {a.kv}: {e}", file=sys.stderr)
+            return 2
+        real = (k, v)
     rows = {}
     print(f"{'layout':36} {'hits':>7} {'ratio':>7} {'rel L2 err':>11} {'max abs':>9}  steps")
-    for name, case in cases(L=a.layers, T=a.tokens).items():
+    for name, case in cases(L=a.layers, T=a.tokens, real=real).items():
         if a.only and a.only not in name:
             continue
         r = round_trip(case, a.serde, kw)
@@ -311,7 +331,7 @@ def main(argv=None) -> int:
     if a.out:
         from cachegen_common.files import atomic_write_json
         atomic_write_json(a.out, {"serde": a.serde, "options": kw, "layers": a.layers,
-                                  "tokens": a.tokens, "rows": rows})
+                                  "tokens": a.tokens, "kv": a.kv, "rows": rows})
     return 0
 
 

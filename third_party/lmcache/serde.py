@@ -5,8 +5,11 @@ What LMCache hands a serde (read from lmcache 0.5.6): one ``MemoryObj`` per chun
 layout (``MemoryLayoutDesc``) lists one (shape, dtype) per kernel group, each
 - ``[2, L, T, H*D]`` (K and V planes; the MP server's layout for attention KV),
 - ``[2, L, T, H, D]`` (the same with heads split), or
-- ``[L, T, C]`` (one plane: MLA latent or fused K/V; ``cachegen`` only),
-in bfloat16, float16 or float32. K and V are taken as views ``[L, T, H, D]`` of the
+- ``[L, T, C]`` or ``[1, L, T, C]`` (one plane: MLA latent or fused K/V, C even;
+  ``cachegen`` only),
+in bfloat16, float16 or float32; an object may hold several groups (read group by group,
+never through ``MemoryObj.tensor``). Any other group is stored verbatim (lossless, its
+exact size added to the slot; logged once per layout). K and V are taken as views ``[L, T, H, D]`` of the
 object's memory (no copy); the decoder writes straight into the destination object when
 its view is contiguous (``codec.decode_kv_into``), else decodes then copies once.
 H and D: kvtc from its calibration; cachegen from ``num_kv_heads``/``head_dim`` in the
@@ -33,8 +36,11 @@ fits it (coarser: ``fallback``; finer: ``fill``; counted in ``stats``); with
 ``slot_ratio`` false or ``bits_per_element`` given, a bits-per-element bound per level
 (``BITS_PER_ELEMENT``, the max measured on the default model's KV at chunks of 256 and
 1024 tokens, docs/lmcache.md) plus the frame's exact overhead, every object at ``level``
-unless it does not fit. If no allowed level fits, serialize raises ValueError and writes
-nothing (LMCache keeps the chunk out of L2: a miss).
+unless it does not fit. Below level 0 the ladder has floor steps and raw
+(serde_steps.py); with ``always_fit`` (cachegen's default) the slot always holds one of
+them, so every object is stored; every fallback is counted in ``stats`` and logged. If no
+allowed step fits (``always_fit`` off), serialize raises ValueError and writes nothing
+(LMCache keeps the chunk out of L2: a miss; counted as ``refused``).
 
 Errors: the factories raise ValueError for a bad serde config (LMCache refuses to start
 with it); serialize/deserialize raise ValueError / codec.CodecError, which LMCache

@@ -1,5 +1,6 @@
-"""Which level an object is coded at, given its slot: the fallback to coarser levels and
-the fill to finer ones ("constant bitrate" for LMCache's fixed slots).
+"""The slot of an LMCache object and the step it is coded at in it: the fallback to coarser
+levels (and below level 0, the floor steps and raw) and the fill to finer ones ("constant
+bitrate" for LMCache's fixed slots).
 
 LMCache 0.5.6's fs and RESP adapters store every object at the size
 ``estimate_serialized_size`` returns (docs/lmcache.md, "The size estimate"), so the slot is

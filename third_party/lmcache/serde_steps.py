@@ -1,15 +1,16 @@
 """The steps an LMCache object can be coded at, coarsest first: ``raw`` (every kernel group
 verbatim), the floor steps ``floor-4``, ``floor-6``, ``floor-8`` (cachegen with that many
-uniform bins for K and V on every layer, one step per (layer, KV head), no exact sink
-tokens), then the serde codec's levels 0-5.
+uniform bins for K and V on every layer and no exact sink tokens; ``floor-4`` with one
+scale per (layer, token), the others one step per (layer, KV head)), then the serde
+codec's levels 0-5.
 
 Why the floor: the fixed slot (``slot_ratio`` 8: 2 bits per bf16 element) holds the
 default level of real KV, but not every object LMCache hands a serde: incompressible
 (Gaussian) KV codes at 2.9 bits per element at cachegen level 0, and a 1-token object's
 container is larger than its KV. The floor steps code Gaussian KV of 256 tokens at 1.7
-(8 bins), 1.2 (6) and 0.4 (4) bits per element (measured, docs/lmcache.md); the last
-steps are coarse (``floor-4`` maps most of a Gaussian to 0) and are only taken when
-nothing finer fits, counted in the serializer's stats and logged.
+(8 bins) and 1.2 (6) bits per element (measured here on 2 layers x 3 heads x 64); the
+floor steps are coarse (the errors in docs/lmcache.md) and are only taken when nothing
+finer fits, counted in the serializer's stats and logged.
 
 The slot guarantee (``always_fit``, :mod:`.serde_slot`) uses :func:`worst_floor_bytes`:
 the size of ``floor-4`` on maximum-entropy input (every value -1, 0 or +1 times the
