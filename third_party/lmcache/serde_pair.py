@@ -189,8 +189,9 @@ class CodecSerializer(_Base, Serializer):
                 self.stats["refused"] += 1
             hint = "a smaller \"slot_ratio\"" if s.slot_ratio is not None else \
                 "\"bits_per_element\" for this model"
-            msg = f"{s.codec} serde: {e}; not stored (set {hint} or \"always_fit\", " \
-                  f"docs/lmcache.md)"
+            msg = f"{s.codec} serde: {e}; not stored"
+            if "does not fit" in str(e):
+                msg += f" (set {hint} or \"always_fit\", docs/lmcache.md)"
             log.warning("%s (layout %s)", msg, _layout_text(tensors))
             raise ValueError(msg) from None
         n = len(data)
