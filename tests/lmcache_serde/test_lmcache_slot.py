@@ -330,7 +330,7 @@ def test_quality_rows_store_objects_through_the_serde():
     k2, v2 = lmcache_rows.decode(blob)
     for i, (a, b) in enumerate(blob.bounds):
         out = _obj(torch.zeros(2, L, b - a, H * D, dtype=k.dtype))
-        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows._key(i))
+        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows.object_key(i))
         assert torch.equal(out.tensor, _planes(k2[:, a:b], v2[:, a:b]))
     assert not torch.equal(k2, torch.zeros_like(k2))
     assert lmcache_rows.serde_options("lmcache-cachegen-256-max") == ("cachegen", 256,
@@ -339,3 +339,28 @@ def test_quality_rows_store_objects_through_the_serde():
     assert lmcache_rows.is_row("lmcache-kvtc-256") and not lmcache_rows.is_row("lmcache-fp8")
     with pytest.raises(ValueError, match="no kvtc calibration"):
         lmcache_rows.encode_with_stats(k, v, "lmcache-kvtc-64")
+
+
+@pytest.mark.parametrize("layout", ["-heads5", "-fused"])
+def test_quality_rows_in_other_layouts(layout):
+    """The rows' -heads5 / -fused objects are the layouts LMCache hands a serde; what the
+    deserializer gives back, mapped back to K and V, is what comes out of decode."""
+    from bench import lmcache_rows
+
+    k, v = synthetic_kv(L, 2 * T, H, D, seed=9)
+    x = lmcache_rows.to_layout(k, v, layout)
+    assert x.shape == ((2, L, 2 * T, H, D) if layout == "-heads5" else (1, L, 2 * T, 2 * H * D))
+    k0, v0 = lmcache_rows.from_layout(x, layout, H, D)
+    assert torch.equal(k0, k) and torch.equal(v0, v)
+    blob, st = lmcache_rows.encode_with_stats(k, v, f"lmcache-cachegen-{T}-r2{layout}")
+    assert len(blob.slots) == 2 and st["bytes"] == sum(int(s.numel()) for s in blob.slots)
+    k2, v2 = lmcache_rows.decode(blob)
+    for i, (a, b) in enumerate(blob.bounds):
+        obj = lmcache_rows.to_layout(k[:, a:b], v[:, a:b], layout)
+        out = _obj(torch.zeros_like(obj))
+        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows.object_key(i))
+        ko, vo = lmcache_rows.from_layout(out.tensor, layout, H, D)
+        assert torch.equal(ko, k2[:, a:b]) and torch.equal(vo, v2[:, a:b])
+    assert not torch.equal(k2, torch.zeros_like(k2))
+    assert lmcache_rows.is_row(f"lmcache-cachegen-256{layout}")
+    assert not lmcache_rows.is_row("lmcache-cachegen-256-fused-max")
