@@ -125,3 +125,19 @@ def test_without_always_fit_refuses_what_fits_no_step(caplog):
             ser.serialize(_obj([x]), _obj([torch.zeros(slot + 64, dtype=torch.uint8)]), KEY)
     assert ser.stats["refused"] == 1
     assert any("not stored" in m and "[2, 2, 64, 64]" in m for m in caplog.messages)
+
+
+def test_configuration_says_what_is_stored(caplog):
+    """When LMCache creates the serde, one line says which layouts are coded, that the
+    rest is stored verbatim, and whether every object is stored."""
+    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
+
+    from third_party import lmcache as plugin
+
+    plugin.register()
+    with caplog.at_level(logging.INFO, logger="third_party.lmcache.serde"):
+        create_serde_processor(SerdeConfig(type="cachegen", kwargs={})).close()
+        create_serde_processor(SerdeConfig(type="cachegen", kwargs={"always_fit": False})).close()
+    lines = [m for m in caplog.messages if m.startswith("cachegen serde: level 1")]
+    assert len(lines) == 2 and all("\n" not in m and "verbatim" in m for m in lines)
+    assert "every object is stored" in lines[0] and "refused" in lines[1]

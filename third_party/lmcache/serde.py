@@ -57,7 +57,7 @@ from lmcache.v1.distributed.serde.base import SerdeProcessor
 from third_party.lmcache.serde_frame import FRAME_MAGIC, FRAME_VERSION, MAX_CONTAINERS, MAX_IDENT, parse_frame
 from third_party.lmcache.serde_layout import DTYPES, frame_overhead, kv_views
 from third_party.lmcache.serde_options import opt_int, parse_settings
-from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer, serializer_stats
+from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer, log, serializer_stats
 from third_party.lmcache.serde_slot import estimate_bytes
 from third_party.lmcache.serde_settings import (BITS_PER_ELEMENT, CONTAINER_SLACK, DEFAULT_SLOT_RATIO,
                                                 SerdeSettings)
@@ -65,8 +65,8 @@ from third_party.lmcache.serde_settings import (BITS_PER_ELEMENT, CONTAINER_SLAC
 __all__ = [
     "BITS_PER_ELEMENT", "CONTAINER_SLACK", "DEFAULT_SLOT_RATIO", "DTYPES", "FACTORIES", "FRAME_MAGIC", "FRAME_VERSION",
     "MAX_CONTAINERS", "MAX_IDENT", "CodecDeserializer", "CodecSerializer", "SerdeSettings",
-    "estimate_bytes", "frame_overhead", "kv_views", "make_pair", "parse_frame", "parse_settings",
-    "serializer_stats",
+    "describe", "estimate_bytes", "frame_overhead", "kv_views", "make_pair", "parse_frame",
+    "parse_settings", "serializer_stats",
 ]
 
 
@@ -77,10 +77,24 @@ def make_pair(name: str, kwargs: dict) -> tuple[CodecSerializer, CodecDeserializ
     return CodecSerializer(s), CodecDeserializer(s)
 
 
+def describe(s: SerdeSettings) -> str:
+    """One line on what a serde config stores (logged when LMCache creates the serde)."""
+    slot = f"slot_ratio {s.slot_ratio:g}" if s.slot_ratio is not None else "max-bound slot"
+    kv = "[2, L, T, H*D], [2, L, T, H, D] and one-plane [L, T, C] / [1, L, T, C] groups" \
+        if s.codec == "cachegen" else "[2, L, T, H*D] and [2, L, T, H, D] groups of its " \
+        "calibration's geometry"
+    fit = "every object is stored (always_fit)" if s.always_fit else \
+        "an object no step fits is refused, counted and logged (always_fit off)"
+    return (f"{s.codec} serde: level {s.level}, {slot}; codes {kv}, stores any other group "
+            f"verbatim; falls back below the level to floor steps, then raw; {fit}")
+
+
 def _factory(name: str):
     def create(kwargs: dict) -> SerdeProcessor:
         mw = opt_int(kwargs, "max_workers", 1) or 1
         ser, de = make_pair(name, kwargs)
+        # a config that may refuse objects says so where the user sees it (WARNING)
+        (log.info if ser.settings.always_fit else log.warning)("%s", describe(ser.settings))
         return AsyncSerdeProcessor(ser, de, max_workers=mw)
 
     create.__name__ = f"create_{name}_serde"

@@ -211,7 +211,8 @@ class CodecSerializer(_Base, Serializer):
             self._log_once(("step", tuple(tuple(t.shape) for t in tensors), lvl),
                            "%s serde: object %s did not fit its slot of %d bytes at level %s: "
                            "stored at %s (counted in stats; logged once per layout and step)",
-                           s.codec, _layout_text(tensors), budget, s.level, lvl)
+                           s.codec, _layout_text(tensors), budget, s.level,
+                           f"level {lvl}" if is_level(lvl) else lvl)
         with self._lock:
             st = self.stats
             st["objects"] += 1

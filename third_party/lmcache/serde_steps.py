@@ -80,7 +80,7 @@ def worst_floor_bytes(s: SerdeSettings, shape, dtype) -> int:
     """An upper bound of the containers' bytes of one coded kernel group of ``shape`` and
     ``dtype`` at ``floor-4``, whatever its values (see the module docstring); cached per
     (serde identity, shape, dtype). Raises ValueError for a group the serde cannot code."""
-    key = (s.identity(), tuple(int(d) for d in shape), dtype)
+    key = (s, tuple(int(d) for d in shape), dtype)
     with _lock:
         if key in _cache:
             return _cache[key]
