@@ -23,6 +23,7 @@ from third_party.lmcache.serde_settings import SerdeSettings
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _LIMITS = tuple((name, MAX_DIM[name]) for name in "LTHD")
+PLANE_HEAD = 64     # the head size a one-plane group is read with when none is configured
 
 
 def group_tensors(obj: MemoryObj) -> list[torch.Tensor]:
@@ -73,7 +74,8 @@ def kv_form(shape, dtype, s: SerdeSettings) -> tuple[int, int, int, int]:
         L, T, C = dims[-3:]
         if C % 2:
             raise ValueError(f"one plane of an odd channel count ({C})")
-        H, D = 1, C // 2
+        d = plane_head(s, C)
+        H, D = (C // (2 * d), d) if d else (1, C // 2)
     else:
         raise ValueError("not [2, L, T, H*D], [2, L, T, H, D], [1, L, T, C] or [L, T, C]")
     for (name, lim), n in zip(_LIMITS, (L, T, H, D)):
@@ -88,6 +90,18 @@ def kv_form(shape, dtype, s: SerdeSettings) -> tuple[int, int, int, int]:
     return L, T, H, D
 
 
+def plane_head(s: SerdeSettings, C: int):
+    """The head size of a one-plane group of C channels read as fused K/V (each head's K
+    then V, ``[.., H, 2 D]``: how fused formats pack them): ``head_dim``, else C / (2
+    ``num_kv_heads``), else ``PLANE_HEAD``; None when C is not a multiple of 2 D (then
+    the plane is read as two halves, one head each: an MLA latent)."""
+    d = s.head_dim
+    if d is None and s.num_kv_heads and C % (2 * s.num_kv_heads) == 0:
+        d = C // (2 * s.num_kv_heads)
+    d = d or PLANE_HEAD
+    return d if C % (2 * d) == 0 else None
+
+
 def codable(shape, dtype, s: SerdeSettings) -> bool:
     """Whether the serde codes a kernel group of this shape and dtype (else: verbatim)."""
     try:
@@ -99,15 +113,19 @@ def codable(shape, dtype, s: SerdeSettings) -> bool:
 
 def kv_views(t: torch.Tensor, s: SerdeSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V views ``[L, T, H, D]`` of one kernel group's tensor (no copy): the planes
-    of ``[2, L, T, ...]``; a single plane's (``[L, T, C]``, ``[1, L, T, C]``) channel
-    halves. Raises ValueError for a group :func:`kv_form` refuses."""
+    of ``[2, L, T, ...]``; a single plane's (``[L, T, C]``, ``[1, L, T, C]``) heads'
+    K and V halves (:func:`plane_head`), else its two channel halves. Raises ValueError
+    for a group :func:`kv_form` refuses."""
     L, T, H, D = kv_form(t.shape, t.dtype, s)
     if t.dim() == 5:
         return t[0], t[1]
     if t.dim() == 4 and t.shape[0] == 2:
         return t[0].view(L, T, H, D), t[1].view(L, T, H, D)
     plane = t[0] if t.dim() == 4 else t
-    return plane[..., :D].unsqueeze(2), plane[..., D:].unsqueeze(2)
+    if H == 1 and plane_head(s, 2 * D) is None:          # two halves
+        return plane[..., :D].unsqueeze(2), plane[..., D:].unsqueeze(2)
+    heads = plane.view(L, T, H, 2 * D)                   # fused: each head's K then V
+    return heads[..., :D], heads[..., D:]
 
 
 def token_bounds(T: int, s: SerdeSettings) -> list[tuple[int, int]]:

@@ -20,7 +20,8 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde.base import Deserializer, Serializer
 from lmcache.v1.memory_management import MemoryObj
 from third_party.lmcache.serde_frame import is_raw, pack_frame, pack_raw, parse_frame, unpack_raw
-from third_party.lmcache.serde_layout import frame_ident, group_tensors, kv_form, kv_views, token_bounds
+from third_party.lmcache.serde_layout import (frame_ident, group_tensors, kv_form, kv_views, plane_head,
+                                              token_bounds)
 from third_party.lmcache.serde_settings import SerdeSettings
 from third_party.lmcache.serde_slot import estimate_bytes, level_step, pick_level
 from third_party.lmcache.serde_steps import RAW, encode_group, is_level, ladder
@@ -124,9 +125,10 @@ class CodecSerializer(_Base, Serializer):
             k, v = kv_views(t, s)
             off = 0
             # not a context's start: no exact sink tokens (our store path's chunks after
-            # the first); single-plane layouts keep them (serde_sinks); kvtc codes it at
-            # its estimated position (serde_rope)
-            planes = t.dim() == 5 or (t.dim() == 4 and t.shape[0] == 2)
+            # the first); an MLA plane keeps them (serde_sinks); kvtc codes it at its
+            # estimated position (serde_rope)
+            planes = t.dim() == 5 or (t.dim() == 4 and t.shape[0] == 2) or \
+                plane_head(s, int(t.shape[-1])) is not None      # fused K/V: real K and V
             keep = not (s.sinks == "auto" and planes and not starts_context(v))
             if not keep and s.codec == "kvtc" and s.position_step:
                 off = estimate_offset(k, codec_kvtc.get_calibration(s.calibration),
