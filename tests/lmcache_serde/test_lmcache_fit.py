@@ -141,3 +141,33 @@ def test_configuration_says_what_is_stored(caplog):
     lines = [m for m in caplog.messages if m.startswith("cachegen serde: level 1")]
     assert len(lines) == 2 and all("\n" not in m and "verbatim" in m for m in lines)
     assert "every object is stored" in lines[0] and "refused" in lines[1]
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 3}, {"head_dim": 64}])
+def test_fused_plane_is_coded_as_its_k_and_v(kw):
+    """A fused one-plane object (each head's K then V) is coded exactly as the same K and
+    V in [2, L, T, H, D]: the same containers, so the same KV back (not mixed halves)."""
+    from bench.codec_contexts import synthetic_kv
+
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        k, v = synthetic_kv(3, 48, 3, 64, seed=3)
+    fused = torch.cat([k, v], -1).reshape(1, 3, 48, 3 * 128).contiguous()
+    heads5 = torch.stack([k, v]).contiguous()
+    ser, de = S.make_pair("cachegen", {"slot_ratio": 4.0, **kw})
+    frames = []
+    for x in (fused, heads5, fused[0].contiguous()):
+        slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
+        buf = torch.zeros(slot, dtype=torch.uint8)
+        ser.serialize(_obj([x]), _obj([buf]), KEY)
+        frames.append([bytes(c) for c in S.parse_frame(memoryview(buf.numpy()))[1]])
+        out = _obj([torch.zeros_like(x)])
+        de.deserialize(_obj([buf]), out, KEY)
+        if x.dim() == 5:
+            k2, v2 = out.tensor[0], out.tensor[1]
+        else:
+            y = out.tensor.reshape(3, 48, 3, 128)
+            k2, v2 = y[..., :64], y[..., 64:]
+        kd, vd = codec.decode_kv(frames[-1][0])
+        assert torch.equal(k2, kd) and torch.equal(v2, vd)
+    assert frames[0] == frames[1] == frames[2]
