@@ -88,7 +88,7 @@ def _kv(kind: str, L: int, T: int, H: int, D: int, real=None):
         planes = torch.stack([k.reshape(L, T, H * D), v.reshape(L, T, H * D)])
         if len(shape) == 4 and shape[0] == 2:
             return planes
-        plane = torch.cat([planes[0], planes[1]], -1)      # one plane of 2C channels
+        plane = torch.cat([k, v], -1)        # fused K/V: each head's K then V, 2C channels
         return plane.reshape(shape)
     return fill
 
