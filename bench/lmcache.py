@@ -115,7 +115,7 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log, extra: Optional[dict
                    "actual_over_estimate_max": max(ratios, default=None),
                    "actual_over_estimate_min": min(ratios, default=None),
                    "refused": refused, "coarser": st["coarser"], "finer": st["finer"],
-                   "levels_used": dict(sorted(st["levels"].items())),
+                   "levels_used": dict(sorted(st["levels"].items(), key=lambda kv: str(kv[0]))),
                    "encodes_per_object": st["encodes"] / max(1, st["objects"]),
                    "fill_misses": st["fill_misses"],
                    "serialize_ms_median": statistics.median(ms) if ms else None,

@@ -4,7 +4,7 @@ serializer, and loaded back through the deserializer, so the quality rows measur
 LMCache hands back and the bytes its fs / RESP adapters write (the padded slots).
 
 Row names (``--codecs "lmcache-cachegen-256;lmcache-cachegen-256-max;..."``):
-``lmcache-<codec>-<tokens>[-max | -r<ratio>]``
+``lmcache-<codec>-<tokens>[-max | -r<ratio>][-heads5 | -fused]``
 - ``<codec>``: ``cachegen`` or ``kvtc`` (kvtc: the calibration bench.quality prepares);
 - ``<tokens>``: tokens per LMCache object (LMCache's chunk size; 256 is its default); the
   window's context is split into objects of that many tokens (a shorter last one is its
@@ -12,7 +12,9 @@ Row names (``--codecs "lmcache-cachegen-256;lmcache-cachegen-256-max;..."``):
 - no suffix: the serde's defaults (with LMCache 0.5.6: the fixed slot, ``slot_ratio``
   "auto", fill and fallback); ``-max``: the max-bound slot (``slot_ratio`` false, the
   ``BITS_PER_ELEMENT`` table, the default level everywhere: the default before the fixed
-  slot); ``-r<ratio>``: the fixed slot at that ``slot_ratio``.
+  slot); ``-r<ratio>``: the fixed slot at that ``slot_ratio``;
+- layout (default ``[2, L, T, H*D]``): ``-heads5``: ``[2, L, T, H, D]``; ``-fused``: one
+  plane ``[1, L, T, H*2D]``, each head's K then V (fused K/V, cachegen only).
 Bytes (``stats["bytes"]``): the slots, what LMCache 0.5.6 writes; ``frame_bytes``: our
 frames before padding. An object no level fits is refused by the serde (a miss in
 LMCache): the row raises and bench.quality skips it, reason recorded. Needs lmcache (the
@@ -26,7 +28,8 @@ from typing import Optional
 
 import torch
 
-_NAME = re.compile(r"^lmcache-(cachegen|kvtc)-([1-9][0-9]*)(-max|-r[0-9]+(?:\.[0-9]+)?)?$")
+_NAME = re.compile(r"^lmcache-(cachegen|kvtc)-([1-9][0-9]*)(-max|-r[0-9]+(?:\.[0-9]+)?)?"
+                   r"(-heads5|-fused)?$")
 
 
 def is_row(name: str) -> bool:
@@ -81,13 +84,15 @@ class SerdeBlob:
 
     name: str
     slots: list          # uint8 tensors, one per object
+    layout: str          # "", "-heads5" or "-fused" (the module docstring)
     bounds: list         # (first, end) token of each object
     deserializer: object
     shape: tuple         # (L, T, H, D)
     dtype: torch.dtype
 
 
-def _key(i: int):
+def object_key(i: int):
+    """The ObjectKey of the window's i-th object (what its slot was written for)."""
     from lmcache.v1.distributed.api import ObjectKey
 
     return ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(1 + i), model_name="bench", kv_rank=0)
@@ -112,17 +117,18 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, name: str,
     ser, de = S.make_pair(codec_name, kw)
     k, v = k.detach().cpu(), v.detach().cpu()
     slots, bounds = [], []
+    layout = _NAME.match(name).group(4) or ""
     for i, a in enumerate(range(0, T, n)):
         b = min(T, a + n)
-        x = torch.stack([k[:, a:b].reshape(L, b - a, H * D), v[:, a:b].reshape(L, b - a, H * D)])
+        x = to_layout(k[:, a:b], v[:, a:b], layout)
         slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
         dst = _obj(torch.zeros(slot, dtype=torch.uint8))
-        stored = ser.serialize(_obj(x), dst, _key(i))
+        stored = ser.serialize(_obj(x), dst, object_key(i))
         slots.append(dst.tensor[:stored].clone())
         bounds.append((a, b))
     st = ser.stats
     elements = 2 * L * T * H * D
-    blob = SerdeBlob(name, slots, bounds, de, (L, T, H, D), k.dtype)
+    blob = SerdeBlob(name, slots, layout, bounds, de, (L, T, H, D), k.dtype)
     return blob, {"bytes": sum(int(s.numel()) for s in slots), "frame_bytes": st["bytes"],
                   "estimate_bytes": st["slot_bytes"], "elements": elements,
                   "dtype_bytes": elements * k.element_size(), "levels": dict(st["levels"]),
@@ -138,8 +144,32 @@ def decode(blob: SerdeBlob) -> tuple[torch.Tensor, torch.Tensor]:
     k = torch.empty(L, T, H, D, dtype=blob.dtype)
     v = torch.empty(L, T, H, D, dtype=blob.dtype)
     for i, (slot, (a, b)) in enumerate(zip(blob.slots, blob.bounds)):
-        out = _obj(torch.zeros(2, L, b - a, H * D, dtype=blob.dtype))
-        blob.deserializer.deserialize(_obj(slot), out, _key(i))
-        k[:, a:b] = out.tensor[0].reshape(L, b - a, H, D)
-        v[:, a:b] = out.tensor[1].reshape(L, b - a, H, D)
+        shape = to_layout(k[:1, :1], v[:1, :1], blob.layout).shape
+        shape = (shape[0], L, b - a, *shape[3:]) if len(shape) == 5 else \
+            (shape[0], L, b - a, shape[3])
+        out = _obj(torch.zeros(shape, dtype=blob.dtype))
+        blob.deserializer.deserialize(_obj(slot), out, object_key(i))
+        k[:, a:b], v[:, a:b] = from_layout(out.tensor, blob.layout, H, D)
     return k, v
+
+
+def to_layout(k: torch.Tensor, v: torch.Tensor, layout: str) -> torch.Tensor:
+    """K, V ``[L, T, H, D]`` as the object LMCache hands a serde in ``layout`` (module
+    docstring): ``[2, L, T, H*D]``, ``[2, L, T, H, D]`` or ``[1, L, T, H*2D]``."""
+    L, T, H, D = k.shape
+    if layout == "-heads5":
+        return torch.stack([k, v]).contiguous()
+    if layout == "-fused":
+        return torch.cat([k, v], -1).reshape(1, L, T, H * 2 * D).contiguous()
+    return torch.stack([k.reshape(L, T, H * D), v.reshape(L, T, H * D)])
+
+
+def from_layout(x: torch.Tensor, layout: str, H: int, D: int):
+    """The inverse of :func:`to_layout`: K, V ``[L, T, H, D]``."""
+    if layout == "-heads5":
+        return x[0], x[1]
+    L, T = x.shape[1], x.shape[2]
+    if layout == "-fused":
+        y = x[0].reshape(L, T, H, 2 * D)
+        return y[..., :D], y[..., D:]
+    return x[0].reshape(L, T, H, D), x[1].reshape(L, T, H, D)

@@ -240,10 +240,14 @@ def test_kvtc_round_trip_is_our_codec(cal_hash):
         cfg = kvtc.KvtcConfig(calibration=cal_hash, level=3)
         k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="kvtc", config=cfg))
         assert torch.equal(out.tensor, _planes(k2, v2))
-        # a layout the calibration does not describe: the store fails cleanly
-        y = torch.zeros(2, L + 1, T, H * D, dtype=torch.bfloat16)
+        # a layout the calibration does not describe: stored verbatim (its exact size)
+        y = torch.randn(2, L + 1, T, H * D).bfloat16()
         slot = proc.estimate_serialized_size(MemoryLayoutDesc([y.shape], [y.dtype]))
-        assert _run(proc, "serialize", [_obj(y)], [_buf(slot)], [_key(5)]) is False
+        assert y.numel() * 2 < slot < y.numel() * 2 + 1024
+        tmp, out = _buf(slot), _obj(torch.zeros_like(y))
+        assert _run(proc, "serialize", [_obj(y)], [tmp], [_key(5)]) is True
+        assert _run(proc, "deserialize", [tmp], [out], [_key(5)]) is True
+        assert torch.equal(out.tensor, y)
     finally:
         proc.close()
 
@@ -293,10 +297,23 @@ def test_slot_too_small_falls_back_then_fails():
     de2.deserialize(tmp, out, _key(1))
     assert codec.peek_header(bytes(S.parse_frame(memoryview(tmp.tensor.numpy()))[1][0]))[
         "level"] < 5
-    proc = AsyncSerdeProcessor(*S.make_pair("cachegen", {"bits_per_element": 0.01,
-                                                         "fallback": True}))
+    # a bound no level fits: with always_fit off, refused (a failed task, counted)
+    ser3, de3 = S.make_pair("cachegen", {"bits_per_element": 0.01, "always_fit": False})
+    proc = AsyncSerdeProcessor(ser3, de3)
     slot = proc.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
     assert _run(proc, "serialize", [_obj(x)], [_buf(slot)], [_key(1)]) is False
+    assert ser3.stats["refused"] == 1 and ser3.stats["objects"] == 0
+    proc.close()
+    # cachegen's default (always_fit): the slot grows to what a floor step needs; stored
+    ser4, de4 = S.make_pair("cachegen", {"bits_per_element": 0.01})
+    proc = AsyncSerdeProcessor(ser4, de4)
+    slot = proc.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
+    tmp, out = _buf(slot), _obj(torch.zeros_like(x))
+    assert _run(proc, "serialize", [_obj(x)], [tmp], [_key(1)]) is True
+    assert _run(proc, "deserialize", [tmp], [out], [_key(1)]) is True
+    assert ser4.stats["floor"] + ser4.stats["raw"] == 1 == ser4.stats["coarser"]
+    assert ser4.stats["refused"] == 0 and slot < x.numel() * x.element_size()
+    assert S.serializer_stats() and any(st["floor"] + st["raw"] >= 1 for st in S.serializer_stats())
     proc.close()
 
 

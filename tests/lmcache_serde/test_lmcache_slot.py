@@ -135,10 +135,14 @@ def test_options_resolve_and_bad_ones_are_refused():
 def test_slot_is_kv_bytes_over_ratio(kv):
     _, _, x = kv
     raw = x.numel() * x.element_size()
+    lay = MemoryLayoutDesc([x.shape], [x.dtype])
     for r in (1.0, 3.0, 7.7, 20.0):
+        ser, _ = S.make_pair("cachegen", {"slot_ratio": r, "always_fit": False})
+        assert ser.estimate_serialized_size(lay) == math.floor(raw / r)
+        # always_fit (cachegen's default): never below what floor-4 needs for any values
         ser, _ = S.make_pair("cachegen", {"slot_ratio": r})
-        assert ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype])) == \
-            math.floor(raw / r)
+        assert ser.estimate_serialized_size(lay) == max(math.floor(raw / r), _floor_slot(ser, x))
+    assert _floor_slot(ser, x) > raw / 20                # this tiny object: 20x is below it
 
 
 @pytest.mark.parametrize("at", [0, 1, 2, 3, 4, 5])
@@ -188,10 +192,21 @@ def test_fallback_picks_a_coarser_level(kv, frame_sizes):
                        "slot_ratio": _ratio_for(x, frame_sizes[0])})
 
 
+def _floor_slot(ser, x) -> int:
+    """The always_fit bound for ``x``'s layout: min(raw frame, frame + floor-4's worst case)."""
+    from third_party.lmcache.serde_layout import frame_overhead, raw_frame_bytes
+    from third_party.lmcache.serde_steps import worst_floor_bytes
+
+    s, h = ser.settings, ser.ident_hash
+    return min(raw_frame_bytes(s, h, [x.shape], [x.dtype]),
+               frame_overhead(s, h, [x.shape], [x.dtype]) + worst_floor_bytes(s, x.shape, x.dtype))
+
+
 def test_too_big_for_the_coarsest_level_is_refused(kv, frame_sizes):
     _, _, x = kv
     r = _ratio_for(x, frame_sizes[0] - 64)
-    ser, _ = S.make_pair("cachegen", {"num_kv_heads": H, "slot_ratio": r})
+    ser, _ = S.make_pair("cachegen", {"num_kv_heads": H, "slot_ratio": r * 40,
+                                      "always_fit": False})
     slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
     buf = torch.full((slot + 64,), FILLER, dtype=torch.uint8)
     with pytest.raises(ValueError, match="does not fit the slot"):
@@ -243,9 +258,10 @@ def test_fs_adapter_stores_the_slot_and_refuses_what_fits_no_level(kv, frame_siz
     assert lvl == 2                                                  # filled: 1 -> 2
     k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="cachegen", level=lvl))
     assert torch.equal(got, _planes(k2, v2))
-    # a slot below level 0's frame: the serializer raises, LMCache stores nothing: a miss
+    # a slot below every step (always_fit off): the serializer raises, LMCache stores
+    # nothing: a miss
     stored, hit, got = _fs_store_load(tmp_path / "no", x, {"slot_ratio": _ratio_for(
-        x, frame_sizes[0] - 64)})
+        x, frame_sizes[0] - 64) * 40, "always_fit": False})
     assert not hit and not list((tmp_path / "no").glob("*.data"))
     assert not bool(got.any())
 
@@ -314,7 +330,7 @@ def test_quality_rows_store_objects_through_the_serde():
     k2, v2 = lmcache_rows.decode(blob)
     for i, (a, b) in enumerate(blob.bounds):
         out = _obj(torch.zeros(2, L, b - a, H * D, dtype=k.dtype))
-        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows._key(i))
+        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows.object_key(i))
         assert torch.equal(out.tensor, _planes(k2[:, a:b], v2[:, a:b]))
     assert not torch.equal(k2, torch.zeros_like(k2))
     assert lmcache_rows.serde_options("lmcache-cachegen-256-max") == ("cachegen", 256,
@@ -323,3 +339,28 @@ def test_quality_rows_store_objects_through_the_serde():
     assert lmcache_rows.is_row("lmcache-kvtc-256") and not lmcache_rows.is_row("lmcache-fp8")
     with pytest.raises(ValueError, match="no kvtc calibration"):
         lmcache_rows.encode_with_stats(k, v, "lmcache-kvtc-64")
+
+
+@pytest.mark.parametrize("layout", ["-heads5", "-fused"])
+def test_quality_rows_in_other_layouts(layout):
+    """The rows' -heads5 / -fused objects are the layouts LMCache hands a serde; what the
+    deserializer gives back, mapped back to K and V, is what comes out of decode."""
+    from bench import lmcache_rows
+
+    k, v = synthetic_kv(L, 2 * T, H, D, seed=9)
+    x = lmcache_rows.to_layout(k, v, layout)
+    assert x.shape == ((2, L, 2 * T, H, D) if layout == "-heads5" else (1, L, 2 * T, 2 * H * D))
+    k0, v0 = lmcache_rows.from_layout(x, layout, H, D)
+    assert torch.equal(k0, k) and torch.equal(v0, v)
+    blob, st = lmcache_rows.encode_with_stats(k, v, f"lmcache-cachegen-{T}-r2{layout}")
+    assert len(blob.slots) == 2 and st["bytes"] == sum(int(s.numel()) for s in blob.slots)
+    k2, v2 = lmcache_rows.decode(blob)
+    for i, (a, b) in enumerate(blob.bounds):
+        obj = lmcache_rows.to_layout(k[:, a:b], v[:, a:b], layout)
+        out = _obj(torch.zeros_like(obj))
+        blob.deserializer.deserialize(_obj(blob.slots[i]), out, lmcache_rows.object_key(i))
+        ko, vo = lmcache_rows.from_layout(out.tensor, layout, H, D)
+        assert torch.equal(ko, k2[:, a:b]) and torch.equal(vo, v2[:, a:b])
+    assert not torch.equal(k2, torch.zeros_like(k2))
+    assert lmcache_rows.is_row(f"lmcache-cachegen-256{layout}")
+    assert not lmcache_rows.is_row("lmcache-cachegen-256-fused-max")

@@ -5,8 +5,11 @@ What LMCache hands a serde (read from lmcache 0.5.6): one ``MemoryObj`` per chun
 layout (``MemoryLayoutDesc``) lists one (shape, dtype) per kernel group, each
 - ``[2, L, T, H*D]`` (K and V planes; the MP server's layout for attention KV),
 - ``[2, L, T, H, D]`` (the same with heads split), or
-- ``[L, T, C]`` (one plane: MLA latent or fused K/V; ``cachegen`` only),
-in bfloat16, float16 or float32. K and V are taken as views ``[L, T, H, D]`` of the
+- ``[L, T, C]`` or ``[1, L, T, C]`` (one plane: MLA latent or fused K/V, C even;
+  ``cachegen`` only),
+in bfloat16, float16 or float32; an object may hold several groups (read group by group,
+never through ``MemoryObj.tensor``). Any other group is stored verbatim (lossless, its
+exact size added to the slot; logged once per layout). K and V are taken as views ``[L, T, H, D]`` of the
 object's memory (no copy); the decoder writes straight into the destination object when
 its view is contiguous (``codec.decode_kv_into``), else decodes then copies once.
 H and D: kvtc from its calibration; cachegen from ``num_kv_heads``/``head_dim`` in the
@@ -33,8 +36,11 @@ fits it (coarser: ``fallback``; finer: ``fill``; counted in ``stats``); with
 ``slot_ratio`` false or ``bits_per_element`` given, a bits-per-element bound per level
 (``BITS_PER_ELEMENT``, the max measured on the default model's KV at chunks of 256 and
 1024 tokens, docs/lmcache.md) plus the frame's exact overhead, every object at ``level``
-unless it does not fit. If no allowed level fits, serialize raises ValueError and writes
-nothing (LMCache keeps the chunk out of L2: a miss).
+unless it does not fit. Below level 0 the ladder has floor steps and raw
+(serde_steps.py); with ``always_fit`` (cachegen's default) the slot always holds one of
+them, so every object is stored; every fallback is counted in ``stats`` and logged. If no
+allowed step fits (``always_fit`` off), serialize raises ValueError and writes nothing
+(LMCache keeps the chunk out of L2: a miss; counted as ``refused``).
 
 Errors: the factories raise ValueError for a bad serde config (LMCache refuses to start
 with it); serialize/deserialize raise ValueError / codec.CodecError, which LMCache
@@ -49,16 +55,18 @@ from __future__ import annotations
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 from lmcache.v1.distributed.serde.base import SerdeProcessor
 from third_party.lmcache.serde_frame import FRAME_MAGIC, FRAME_VERSION, MAX_CONTAINERS, MAX_IDENT, parse_frame
-from third_party.lmcache.serde_layout import DTYPES, estimate_bytes, frame_overhead, kv_views
+from third_party.lmcache.serde_layout import DTYPES, frame_overhead, kv_views
 from third_party.lmcache.serde_options import opt_int, parse_settings
-from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer
+from third_party.lmcache.serde_pair import CodecDeserializer, CodecSerializer, log, serializer_stats
+from third_party.lmcache.serde_slot import estimate_bytes
 from third_party.lmcache.serde_settings import (BITS_PER_ELEMENT, CONTAINER_SLACK, DEFAULT_SLOT_RATIO,
                                                 SerdeSettings)
 
 __all__ = [
     "BITS_PER_ELEMENT", "CONTAINER_SLACK", "DEFAULT_SLOT_RATIO", "DTYPES", "FACTORIES", "FRAME_MAGIC", "FRAME_VERSION",
     "MAX_CONTAINERS", "MAX_IDENT", "CodecDeserializer", "CodecSerializer", "SerdeSettings",
-    "estimate_bytes", "frame_overhead", "kv_views", "make_pair", "parse_frame", "parse_settings",
+    "describe", "estimate_bytes", "frame_overhead", "kv_views", "make_pair", "parse_frame",
+    "parse_settings", "serializer_stats",
 ]
 
 
@@ -69,10 +77,24 @@ def make_pair(name: str, kwargs: dict) -> tuple[CodecSerializer, CodecDeserializ
     return CodecSerializer(s), CodecDeserializer(s)
 
 
+def describe(s: SerdeSettings) -> str:
+    """One line on what a serde config stores (logged when LMCache creates the serde)."""
+    slot = f"slot_ratio {s.slot_ratio:g}" if s.slot_ratio is not None else "max-bound slot"
+    kv = "[2, L, T, H*D], [2, L, T, H, D] and one-plane [L, T, C] / [1, L, T, C] groups" \
+        if s.codec == "cachegen" else "[2, L, T, H*D] and [2, L, T, H, D] groups of its " \
+        "calibration's geometry"
+    fit = "every object is stored (always_fit)" if s.always_fit else \
+        "an object no step fits is refused, counted and logged (always_fit off)"
+    return (f"{s.codec} serde: level {s.level}, {slot}; codes {kv}, stores any other group "
+            f"verbatim; falls back below the level to floor steps, then raw; {fit}")
+
+
 def _factory(name: str):
     def create(kwargs: dict) -> SerdeProcessor:
         mw = opt_int(kwargs, "max_workers", 1) or 1
         ser, de = make_pair(name, kwargs)
+        # a config that may refuse objects says so where the user sees it (WARNING)
+        (log.info if ser.settings.always_fit else log.warning)("%s", describe(ser.settings))
         return AsyncSerdeProcessor(ser, de, max_workers=mw)
 
     create.__name__ = f"create_{name}_serde"

@@ -2,6 +2,10 @@
 u16 containers | u32 ident length | ident JSON | u64 length per container | u32 CRC32 of
 all of it, then the containers, zero padding to the slot after them. Bytes only: what the
 ident holds and how tensors map to containers is :mod:`.serde_layout`'s.
+
+A container is either one of our codec's (magic ``KVCG``, docs/bitstream.md) or a
+verbatim one: ``KVRW`` | u64 length | u32 CRC32 of the bytes, then a kernel group's bytes
+as they are (a layout the serde cannot code, or the ``raw`` step of the ladder).
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 MAX_CONTAINERS = 4096
 MAX_IDENT = 1 << 16
+RAW_MAGIC = b"KVRW"
+_RAW = struct.Struct("<4sQI")       # magic, length, CRC32 of the bytes
+RAW_HEAD = _RAW.size
 
 
 def header_size(ident_len: int, n_containers: int) -> int:
@@ -58,3 +65,28 @@ def parse_frame(buf: memoryview) -> tuple[bytes, list[memoryview]]:
     if pos < len(buf) and any(buf[pos:].tobytes().rstrip(b"\0")):
         raise ValueError("KVLM frame padding is not zero (corrupt object)")
     return ident, views
+
+
+def pack_raw(data: bytes) -> bytes:
+    """A verbatim container holding ``data`` (``RAW_HEAD`` + len(data) bytes)."""
+    return _RAW.pack(RAW_MAGIC, len(data), zlib.crc32(data)) + data
+
+
+def is_raw(view: memoryview) -> bool:
+    """Whether a container is a verbatim one (else: a codec container)."""
+    return bytes(view[:4]) == RAW_MAGIC
+
+
+def unpack_raw(view: memoryview, nbytes: int) -> memoryview:
+    """The bytes of a verbatim container, checked: ValueError unless it holds exactly
+    ``nbytes`` bytes whose CRC32 matches (a corrupt or foreign object)."""
+    if len(view) < _RAW.size:
+        raise ValueError("verbatim container truncated")
+    magic, n, crc = _RAW.unpack_from(view, 0)
+    if magic != RAW_MAGIC or n != nbytes or len(view) != _RAW.size + n:
+        raise ValueError(f"verbatim container holds {n} bytes, the destination group "
+                         f"{nbytes}")
+    body = view[_RAW.size:]
+    if zlib.crc32(body) != crc:
+        raise ValueError("verbatim container CRC mismatch (corrupt object)")
+    return body

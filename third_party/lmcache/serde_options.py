@@ -47,11 +47,14 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
     by the factory), ``slot_ratio`` ("auto" | number >= 1 | false: the fixed slot as KV
     bytes / slot; "auto": ``DEFAULT_SLOT_RATIO`` when padding and no ``bits_per_element``
     is given, else off), ``fill`` ("auto" | bool; "auto": on in the fixed-slot mode;
-    :mod:`.serde_slot`). Raises ValueError naming the bad option."""
+    :mod:`.serde_slot`), ``always_fit`` ("auto" | bool; "auto": on for cachegen, off for
+    kvtc, whose 20x slot is below the floor's worst case: :mod:`.serde_steps`). Raises
+    ValueError naming the bad option."""
     kw = dict(kwargs)
     known = {"level", "chunk_tokens", "num_kv_heads", "head_dim", "calibration",
              "calibration_path", "bits_per_element", "pad", "fallback", "sinks",
-             "position_step", "max_tokens", "max_workers", "slot_ratio", "fill"}
+             "position_step", "max_tokens", "max_workers", "slot_ratio", "fill",
+             "always_fit"}
     bad = sorted(set(kw) - known)
     if bad:
         raise ValueError(f"unknown {name} serde option(s) {bad}; known: {sorted(known)}")
@@ -97,6 +100,12 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
         fill = ratio is not None and pad
     elif not isinstance(fill, bool):
         raise ValueError(f"serde option 'fill' must be \"auto\", true or false, got {fill!r}")
+    always = kw.get("always_fit", "auto")
+    if always == "auto":
+        always = name == "cachegen"
+    elif not isinstance(always, bool):
+        raise ValueError(f"serde option 'always_fit' must be \"auto\", true or false, "
+                         f"got {always!r}")
     sinks = kw.get("sinks", "auto")
     if sinks not in SINK_MODES:
         raise ValueError(f"serde option 'sinks' must be one of {list(SINK_MODES)}, got {sinks!r}")
@@ -132,4 +141,5 @@ def parse_settings(name: str, kwargs: dict) -> SerdeSettings:
                          bits_per_element=None if bpe is None else float(bpe), pad=pad,
                          fallback=fallback, sinks=sinks,
                          position_step=step, max_tokens=max_tokens,
-                         slot_ratio=None if ratio is None else float(ratio), fill=fill)
+                         slot_ratio=None if ratio is None else float(ratio), fill=fill,
+                         always_fit=always)

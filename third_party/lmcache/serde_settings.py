@@ -67,7 +67,8 @@ class SerdeSettings:
     ``position_step`` 0: code every object at position 0); ``slot_ratio``: the fixed slot
     as the ratio of the object's KV bytes to the slot (None: the ``bits_per_element`` bound,
     :mod:`.serde_slot`); ``fill``: code at the finest level that fits the slot (the slot's
-    bytes are written anyway)."""
+    bytes are written anyway); ``always_fit``: the slot is at least what one step of the
+    ladder needs for any values (:mod:`.serde_steps`), so every object is stored."""
 
     codec: str
     level: int
@@ -83,6 +84,7 @@ class SerdeSettings:
     max_tokens: int = 131072
     slot_ratio: Optional[float] = None
     fill: bool = False
+    always_fit: bool = False
 
     def table(self) -> dict:
         """The measured bits-per-element table for this codec and ``sinks`` mode."""
@@ -111,6 +113,8 @@ class SerdeSettings:
                  "positions": [self.position_step, self.max_tokens]}
         if self.slot_ratio is not None or self.fill:    # (absent: the identities before them)
             ident.update(slot_ratio=self.slot_ratio, fill=self.fill)
+        if self.always_fit:     # (absent: the identities before it)
+            ident.update(always_fit=True)
         blob = json.dumps(ident, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -1,5 +1,6 @@
-"""Which level an object is coded at, given its slot: the fallback to coarser levels and
-the fill to finer ones ("constant bitrate" for LMCache's fixed slots).
+"""The slot of an LMCache object and the step it is coded at in it: the fallback to coarser
+levels (and below level 0, the floor steps and raw) and the fill to finer ones ("constant
+bitrate" for LMCache's fixed slots).
 
 LMCache 0.5.6's fs and RESP adapters store every object at the size
 ``estimate_serialized_size`` returns (docs/lmcache.md, "The size estimate"), so the slot is
@@ -24,12 +25,29 @@ level 2 for every object and missed each time, 2.0 encodes per object instead of
 An object whose next finer level is predicted past the slot costs one encode; each finer
 try that misses costs one more (counted: ``fill_misses``). The levels are assumed to grow
 in size (ours do).
+
+Below level 0 the ladder goes on (:mod:`.serde_steps`): the floor steps, then ``raw``.
+With ``always_fit`` (cachegen's default) the slot is at least the smaller of the raw frame
+and the floor's worst case, so one step fits every object of the layout whatever its
+values; for the default model's 256-token objects that bound (~1.6 bits per element) is
+below the 8x slot (2 bits), which is unchanged. Kernel groups the serde cannot code
+(:func:`.serde_layout.kv_form`) are stored verbatim and add their exact size to the slot.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
-from third_party.lmcache.serde_settings import SerdeSettings
+from third_party.lmcache.serde_layout import (
+    codable,
+    frame_overhead,
+    group_bytes,
+    raw_frame_bytes,
+    token_bounds,
+)
+from third_party.lmcache.serde_frame import RAW_HEAD
+from third_party.lmcache.serde_settings import CONTAINER_SLACK, SerdeSettings
+from third_party.lmcache.serde_steps import worst_floor_bytes
 
 FILL_SLACK = 0.98
 
@@ -50,14 +68,15 @@ def pick_level(encode: Callable[[int], bytes], start: int, levels: Sequence[int]
                step: Callable[[int, int], float]) -> tuple[bytes, int, dict]:
     """Code at the finest level whose frame fits ``budget`` bytes, starting at ``start``.
 
-    ``encode(level)`` -> the frame (bytes); ``levels``: the codec's levels; ``fallback``:
+    ``encode(level)`` -> the frame (bytes); ``levels``: the steps, coarsest first (the
+    codec's levels, or :func:`.serde_steps.ladder`); ``fallback``:
     try coarser levels when ``start``'s frame does not fit; ``fill``: try finer ones when
     it fits and ``len(frame) * step(level, finer) * FILL_SLACK <= budget``.
     Returns (frame, level coded at, ``{"encodes": n, "fill_misses": m}``).
     Raises ValueError when no allowed level fits (the frame at the coarsest tried is
     larger than the slot): the caller must not write it.
     """
-    order = sorted(levels)
+    order = list(levels)
     i = order.index(start)
     data = encode(start)
     info = {"encodes": 1, "fill_misses": 0}
@@ -83,3 +102,49 @@ def pick_level(encode: Callable[[int], bytes], start: int, levels: Sequence[int]
             break
         data, level, i = more, nxt, i + 1
     return data, level, info
+
+
+def _tokens(shape) -> int:
+    return int(shape[2]) if len(shape) >= 4 else int(shape[1])
+
+
+def estimate_bytes(s: SerdeSettings, ident_hash: str, layout) -> int:
+    """The slot for one object of ``layout`` (an LMCache ``MemoryLayoutDesc``; bytes).
+    Coded kernel groups: fixed-slot mode (``slot_ratio``): floor(their KV bytes /
+    slot_ratio), the frame included; else the frame overhead plus bits_per_element *
+    elements / 8 and ``CONTAINER_SLACK`` per container. Verbatim groups add their exact
+    size. ``always_fit``: at least min(raw frame, floor's worst case) (module docstring).
+    An object with no coded group: the raw frame. Never raises (LMCache calls it outside
+    its error handling): on an unexpected error, the raw size (its serialize may fail)."""
+    try:
+        shapes, dtypes = list(layout.shapes), list(layout.dtypes)
+        if not shapes or len(shapes) != len(dtypes):
+            raise ValueError("empty layout")
+        coded = [codable(sh, dt, s) for sh, dt in zip(shapes, dtypes)]
+        raw_frame = raw_frame_bytes(s, ident_hash, shapes, dtypes)
+        if not any(coded):
+            return raw_frame
+        kv_raw = sum(group_bytes(sh, dt) for sh, dt, c in zip(shapes, dtypes, coded) if c)
+        verbatim = sum(RAW_HEAD + group_bytes(sh, dt) for sh, dt, c in zip(shapes, dtypes, coded)
+                       if not c)
+        head = frame_overhead(s, ident_hash, shapes, dtypes)
+        if s.slot_ratio is not None:
+            slot = max(1, math.floor(kv_raw / s.slot_ratio)) + verbatim
+        else:
+            ct = s.chunk_tokens
+            payload = sum(math.ceil(math.prod(int(d) for d in sh)
+                                    * s.bound(min(_tokens(sh), ct or _tokens(sh))) / 8)
+                          + CONTAINER_SLACK * len(token_bounds(_tokens(sh), s))
+                          for sh, c in zip(shapes, coded) if c)
+            slot = head + payload + verbatim
+        if s.always_fit:
+            floor = head + verbatim + sum(worst_floor_bytes(s, sh, dt)
+                                          for sh, dt, c in zip(shapes, dtypes, coded) if c)
+            slot = max(slot, min(raw_frame, floor))
+        return slot
+    except Exception:  # noqa: BLE001 - the contract: never raise here
+        try:
+            return max(1, sum(math.prod(int(d) for d in sh) * dt.itemsize
+                              for sh, dt in zip(layout.shapes, layout.dtypes)))
+        except Exception:  # noqa: BLE001
+            return 1 << 20
