@@ -16,11 +16,11 @@ from third_party.vllm.sources import (
     LocalDirSource,
     Lookup,
     SourceError,
-    _PrefixPolicy,
     load_callable,
     make_source,
     save_local_context,
 )
+from third_party.vllm.source_store import _PrefixPolicy
 
 
 def _raw_decode(data: bytes):
