@@ -85,22 +85,14 @@ def run_vllm_check(tmp_path_factory):
 
 
 def scheduler_connector(extra: dict, prefix_caching: bool = False):
-    """A CacheGenConnector's scheduler side without an engine (its state set by hand, as
-    __init__ would from a vLLM config): extra = the operator's kv_connector_extra_config,
-    block size 128. Used by the connector unit tests (needs vLLM importable)."""
-    import threading
+    """The connector's scheduler side (third_party.vllm.scheduler.CacheGenScheduler) without
+    an engine: extra = the operator's kv_connector_extra_config, block size 128, no model
+    identity. Used by the connector unit tests (needs vLLM importable)."""
+    from third_party.vllm.connector_settings import ConnectorSettings
+    from third_party.vllm.scheduler import CacheGenScheduler
 
-    from third_party.vllm.cachegen_connector import CacheGenConnector
-
-    c = CacheGenConnector.__new__(CacheGenConnector)
-    c._extra, c._block_size, c._identity, c._key_fn = dict(extra), 128, None, None
-    c._sources, c._lookups, c._checked, c._local_hits = {}, {}, {}, {}
-    c._pending, c._saves, c._stats_lock = {}, {}, threading.Lock()
-    c._outcome = {}
-    c._prefix_caching = prefix_caching
-    c._allow_lossy_cache = bool(extra.get("allow_lossy_prefix_cache"))
-    c._init_async_state()
-    return c
+    return CacheGenScheduler(ConnectorSettings.from_extra(extra, block_size=128,
+                                                          prefix_caching=prefix_caching))
 
 
 @pytest.fixture(scope="module")

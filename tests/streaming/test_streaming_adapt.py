@@ -118,7 +118,7 @@ def test_vllm_prefix_wrapper_forwards_abandon_and_timing():
     # third_party/vllm/sources.py wraps the policy: deadlines, abandons, text and the
     # receive clock must reach the AdaptivePolicy inside (issue 15)
     from streaming.adapt import AdaptivePolicy
-    from third_party.vllm.sources import _PrefixPolicy
+    from third_party.vllm.source_store import _PrefixPolicy
 
     class Man:
         levels = (0, 1)

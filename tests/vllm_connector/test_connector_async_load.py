@@ -145,11 +145,14 @@ class _FakeSource:
 
 
 def _worker(tmp_path, source):
-    from tests.conftest import scheduler_connector
+    """The connector's worker side (CacheGenWorker, async mode) over one fake layer."""
+    from third_party.vllm.connector_settings import ConnectorSettings
+    from third_party.vllm.worker import CacheGenWorker
 
     stats = tmp_path / "w.jsonl"
-    c = scheduler_connector({"stats_path": str(stats), "async_load": True, "decode_cpus": "inherit"})
-    c._decode_cpus, c._failed_blocks, c._layers = None, set(), [(0, "l0")]
+    c = CacheGenWorker(ConnectorSettings.from_extra(
+        {"stats_path": str(stats), "async_load": True, "decode_cpus": "inherit"}))
+    c._layers = [(0, "l0")]
     c._sources = {"local": source}
     placed = []
     c._inject = lambda lr, slots, start, k, v, timer: placed.append(start) or k.shape[1]
@@ -157,7 +160,7 @@ def _worker(tmp_path, source):
 
 
 def _lr(rid="r", n_blocks=4):
-    from third_party.vllm.cachegen_connector import LoadRequest
+    from third_party.vllm.connector_support import LoadRequest
 
     return LoadRequest(rid, 0, 128 * n_blocks, list(range(10, 10 + n_blocks)), 128,
                        {"source": "local", "stats_tag": "w"}, Lookup(128 * n_blocks),
@@ -167,7 +170,7 @@ def _lr(rid="r", n_blocks=4):
 def test_cancel_stops_at_the_next_chunk_and_the_record_says_aborted(tmp_path):
     cancel = threading.Event()
     c, stats, placed = _worker(tmp_path, _FakeSource(4, after_chunk=lambda i: i == 0 and cancel.set()))
-    failed = c._load_one(_lr(), cancel)
+    failed = c.load_one(_lr(), cancel)
     assert placed == [0]           # chunk 0 placed; the load stopped before chunk 1
     assert failed == set()          # the request is finished: nothing to recompute
     (rec,) = _stats(stats)
@@ -181,7 +184,7 @@ def test_cancel_before_the_load_starts_is_one_miss(tmp_path):
     cancel = threading.Event()
     cancel.set()
     c, stats, placed = _worker(tmp_path, _FakeSource(4))
-    assert c._load_one(_lr(), cancel) == set() and placed == []
+    assert c.load_one(_lr(), cancel) == set() and placed == []
     (rec,) = _stats(stats)
     assert rec["kind"] == "miss" and rec["aborted"] is True and rec["loaded_tokens"] == 0
 
@@ -190,13 +193,12 @@ def _run_steps(c, metas, finished_ids=(), max_steps=500):
     """Worker steps: start_load_kv(meta), then get_finished / get_block_ids_with_load_errors
     (the mixin's order) until the request is reported; returns (reported ids, errors seen by
     that step, steps)."""
-    from third_party.vllm.cachegen_connector import CacheGenConnectorMetadata
+    from third_party.vllm.connector_support import CacheGenConnectorMetadata
 
     errors, done = set(), set()
     for step in range(max_steps):
         meta = metas[step] if step < len(metas) else CacheGenConnectorMetadata()
-        c._connector_metadata = meta
-        c.start_load_kv(SimpleNamespace(no_compile_layers={"l0": object()}))
+        c.start_load_kv(meta, SimpleNamespace(no_compile_layers={"l0": object()}))
         _, recv = c.get_finished(set(finished_ids) if step == 1 else set())
         errors |= c.get_block_ids_with_load_errors()
         done |= recv or set()
@@ -207,7 +209,7 @@ def _run_steps(c, metas, finished_ids=(), max_steps=500):
 
 
 def test_background_load_reports_failed_blocks_no_later_than_its_id(tmp_path):
-    from third_party.vllm.cachegen_connector import CacheGenConnectorMetadata
+    from third_party.vllm.connector_support import CacheGenConnectorMetadata
 
     c, stats, placed = _worker(tmp_path, _FakeSource(4, fail_at=2))
     done, errors, _ = _run_steps(c, [CacheGenConnectorMetadata(loads=[_lr()])])
@@ -223,7 +225,7 @@ def test_background_load_reports_failed_blocks_no_later_than_its_id(tmp_path):
 def test_abort_reaches_the_background_load(tmp_path, route):
     """Both routes across the process boundary: the cancel in the next step's metadata
     (request_finished -> build_connector_meta) and vLLM's finished_req_ids in get_finished."""
-    from third_party.vllm.cachegen_connector import CacheGenConnectorMetadata
+    from third_party.vllm.connector_support import CacheGenConnectorMetadata
 
     gate, go = threading.Event(), threading.Event()
 
@@ -234,12 +236,11 @@ def test_abort_reaches_the_background_load(tmp_path, route):
 
     c, stats, placed = _worker(tmp_path, _FakeSource(4, after_chunk=after))
     metas = [CacheGenConnectorMetadata(loads=[_lr()])]
-    c._connector_metadata = metas[0]
-    c.start_load_kv(SimpleNamespace(no_compile_layers={"l0": object()}))
+    c.start_load_kv(metas[0], SimpleNamespace(no_compile_layers={"l0": object()}))
     assert gate.wait(30)
     if route == "metadata":
-        c._connector_metadata = CacheGenConnectorMetadata(cancels=["r"])
-        c.start_load_kv(SimpleNamespace(no_compile_layers={}))
+        c.start_load_kv(CacheGenConnectorMetadata(cancels=["r"]),
+                        SimpleNamespace(no_compile_layers={}))
         assert c.get_finished(set()) == (None, None)  # still running (held)
     else:
         assert c.get_finished({"r"}) == (None, None)

@@ -54,7 +54,7 @@ def _save(c, salt, prompt, fill, source="store", key=None, lora=None) -> str:
     c.update_state_after_alloc(r, None, 0)
     tr = c._saves.pop(r.request_id)
     k = torch.full((2, len(tr.token_ids), 1, 4), float(fill), dtype=torch.bfloat16)
-    return c._source(tr.params["source"]).save(tr.params, tr.token_ids, k, -k)["context_key"]
+    return c.source(tr.params["source"]).save(tr.params, tr.token_ids, k, -k)["context_key"]
 
 
 def _lookup(c, salt, prompt, params, lora=None):
@@ -69,7 +69,7 @@ def _loaded_fill(c, lk, params, n) -> set[float]:
     """The values the source places for a load of n tokens (whose entry it was)."""
     got: set[float] = set()
     p = dict(params, context_key=params.get("context_key") or lk.info["key"])
-    st = c._source(p["source"]).load(p, lk, n, lambda s, k, v: got.update(k.float().unique().tolist()))
+    st = c.source(p["source"]).load(p, lk, n, lambda s, k, v: got.update(k.float().unique().tolist()))
     assert st.loaded_tokens == n
     return got
 
@@ -155,7 +155,7 @@ def test_salt_is_not_stored_and_not_a_request_field(env):
 
     with pytest.raises(RequestRejected, match="identity.partition"):
         validate_request({"context_key": key, "identity": {"partition": man.identity["partition"]}},
-                         c._extra)
+                         c.settings.extra)
 
 
 def test_multimodal_inputs_and_prompt_embeds_are_partitions_too(env):
@@ -189,7 +189,7 @@ def test_multimodal_inputs_and_prompt_embeds_are_partitions_too(env):
     c.update_state_after_alloc(r, None, 0)
     tr = c._saves.pop("mm-save")
     k = torch.ones((2, len(PROMPT), 1, 4), dtype=torch.bfloat16)
-    c._source("store").save(tr.params, tr.token_ids, k, -k)
+    c.source("store").save(tr.params, tr.token_ids, k, -k)
     for rid, f, want in (("mm-cat", "img-cat", 896), ("mm-dog", "img-dog", 0)):
         q = SimpleNamespace(request_id=rid, prompt_token_ids=PROMPT + QUESTION, cache_salt=None,
                             lora_request=None, mm_features=[feat(f)], kv_transfer_params={"mode": "cachegen"})

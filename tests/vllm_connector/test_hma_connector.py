@@ -11,7 +11,6 @@ Run: .venv/bin/python -m pytest tests/vllm_connector/test_hma_connector.py -q
 from __future__ import annotations
 
 import json
-import threading
 from types import SimpleNamespace as NS
 
 import pytest
@@ -67,19 +66,27 @@ def test_load_request_group_slot_mappings():
     assert bool((win[:128] == -1).all()) and win[128] == 8 * 128
 
 
-def _hma_scheduler(extra):
-    """A CacheGenHMAConnector's scheduler side without an engine (as tests.conftest's
-    scheduler_connector does for the plain connector)."""
-    from third_party.vllm.hma_connector import CacheGenHMAConnector
+def _hma_settings(extra):
+    """The hybrid-manager connector's settings from an operator extra config (block size
+    128, no model identity)."""
+    from third_party.vllm.connector_settings import ConnectorSettings
+    from third_party.vllm.hma_connector import hma_settings
 
-    c = CacheGenHMAConnector.__new__(CacheGenHMAConnector)
-    c._extra, c._block_size, c._identity, c._key_fn = dict(extra), 128, None, None
-    c._sources, c._lookups, c._checked, c._local_hits = {}, {}, {}, {}
-    c._pending, c._saves, c._stats_lock = {}, {}, threading.Lock()
-    c._outcome, c._prefix_caching, c._allow_lossy_cache = {}, False, False
-    c._init_async_state()
-    c._failed_recving, c._failed_blocks = set(), set()
-    return c
+    return hma_settings(ConnectorSettings.from_extra(extra, block_size=128))
+
+
+def _hma_scheduler(extra):
+    """The hybrid-manager connector's scheduler side without an engine."""
+    from third_party.vllm.hma_connector import HMAScheduler
+
+    return HMAScheduler(_hma_settings(extra))
+
+
+def _hma_worker(extra):
+    """The hybrid-manager connector's worker side without an engine."""
+    from third_party.vllm.hma_connector import HMAWorker
+
+    return HMAWorker(_hma_settings(extra))
 
 
 def test_hma_allocation_carries_every_groups_blocks_and_loads_async(tmp_path):
@@ -88,7 +95,7 @@ def test_hma_allocation_carries_every_groups_blocks_and_loads_async(tmp_path):
                                               json.dumps({"T": 44}).encode()], [256, 44],
                        info={"codec": "raw"})
     c = _hma_scheduler({"stats_path": str(tmp_path / "s.jsonl"), "source_dir": str(tmp_path)})
-    assert c._async is True                 # forced: failures are reported per request
+    assert c.settings.async_load is True    # forced: failures are reported per request
     r = NS(request_id="r1", prompt_token_ids=ids + [1, 2], kv_transfer_params={
         "source": "local", "context_key": "ctx", "mode": "raw"}, num_preemptions=0)
     n, is_async = c.get_num_new_matched_tokens(r, 0)
@@ -112,9 +119,7 @@ class _Impl:
 
 
 def test_worker_writes_each_layer_through_its_groups_slots_skipping_null_blocks():
-    from third_party.vllm.hma_connector import CacheGenHMAConnector
-
-    w = CacheGenHMAConnector.__new__(CacheGenHMAConnector)
+    w = _hma_worker({})
     names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     w._layers = list(enumerate(names))
     w._kv_caches = {n: torch.zeros(4, 1, 128, 8) for n in names}    # [blocks, H, bs, 2D]
@@ -135,12 +140,12 @@ def test_worker_writes_each_layer_through_its_groups_slots_skipping_null_blocks(
 
 
 def test_failed_async_load_is_reported_per_request_not_by_block():
-    w = _hma_scheduler({})
+    w = _hma_worker({})
     lr = LoadRequest("r9", 0, 256, [1, 2], 128, {}, Lookup(0))
     with w._async_lock:
-        w._publish_failed(lr, {1, 2})
+        w.publish_failed(lr, {1, 2})
         w._done_recving.add("r9")
-        w._publish_failed(LoadRequest("ok", 0, 128, [5], 128, {}, Lookup(0)), set())
+        w.publish_failed(LoadRequest("ok", 0, 128, [5], 128, {}, Lookup(0)), set())
         w._done_recving.add("ok")
     res = w.get_transfer_results(set())
     assert res.failed_recving == {"r9"} and res.finished_recving == {"r9", "ok"}

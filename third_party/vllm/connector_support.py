@@ -3,7 +3,7 @@
 Part of third_party.vllm.cachegen_connector (which re-exports every name here; vLLM loads
 the connector from there): LoadRequest / SaveRequest (scheduler -> worker, pickled),
 CacheGenConnectorMetadata, the async-load job, decode CPU affinity (decode_cpus,
-_DecodeAffinity) and the miss-reason helpers. Not runnable by itself.
+DecodeAffinity) and the miss-reason helpers. Not runnable by itself.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ class SaveRequest:
 
 
 @dataclass
-class _SaveTrack:
+class SaveTrack:
+    """Scheduler side: a request to save, its tokens and the blocks seen so far."""
+
     token_ids: list[int]
     params: dict[str, Any]
     block_ids: list[int] = field(default_factory=list)
@@ -92,19 +94,19 @@ class CacheGenConnectorMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)
 
 
-class _LoadCancelled(Exception):
+class LoadCancelled(Exception):
     """Raised inside a background load's chunk sink when its request was finished."""
 
 
 @dataclass
-class _AsyncJob:
+class AsyncJob:
     """One background load (worker side): its request and its cancel flag."""
 
     lr: LoadRequest
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
-def _layer_index(name: str) -> int:
+def layer_index(name: str) -> int:
     """Decoder-layer index from a vLLM layer name ("model.layers.12.self_attn.attn" -> 12)."""
     nums = [int(p) for p in name.split(".") if p.isdigit()]
     if len(nums) != 1:
@@ -113,7 +115,7 @@ def _layer_index(name: str) -> int:
 
 
 
-def _policy_preset(policy: Any) -> str | None:
+def policy_preset(policy: Any) -> str | None:
     """The PolicyParams preset a request's policy object runs (its "preset", else the
     default one), or None without a policy."""
     if not isinstance(policy, dict):
@@ -123,7 +125,7 @@ def _policy_preset(policy: Any) -> str | None:
     return str(policy.get("preset") or DEFAULT_PRESET)
 
 
-def _bool_option(extra: dict[str, Any], key: str, default: bool) -> bool:
+def bool_option(extra: dict[str, Any], key: str, default: bool) -> bool:
     """A boolean extra-config option; raises ValueError on anything but true/false."""
     v = extra.get(key, default)
     if not isinstance(v, bool):
@@ -131,7 +133,7 @@ def _bool_option(extra: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def _is_aborted(request: Any) -> bool:
+def is_aborted(request: Any) -> bool:
     """Whether vLLM finished the request as aborted (RequestStatus.FINISHED_ABORTED)."""
     st = getattr(request, "status", None)
     return st is not None and getattr(st, "name", str(st)) == "FINISHED_ABORTED"
@@ -159,7 +161,7 @@ def decode_cpus(setting: Any = "all") -> set[int] | None:
     raise ValueError(f'decode_cpus must be "all", "inherit" or a list of CPU ids, got {setting!r}')
 
 
-def _load_miss_reason(err: str | None, stats) -> str:
+def load_miss_reason(err: str | None, stats) -> str:
     """Why a load placed nothing (issue 26.4: the record says miss with the reason, never
     kind=load loaded_tokens=0): the load's error, else the first chunk's note (a chunk
     evicted or failing its checksum after the lookup)."""
@@ -178,7 +180,7 @@ def _load_miss_reason(err: str | None, stats) -> str:
     return "at load: no chunk could be loaded"
 
 
-def _chunk_failure(stats) -> str | None:
+def chunk_failure(stats) -> str | None:
     """The first chunk failure note of a load (a chunk whose decode or refetch failed and
     whose tokens the engine therefore recomputes), or None: a chunk sent as text by the
     adaptation policy is a choice, not an error (issue 13.3: the record says why)."""
@@ -189,7 +191,7 @@ def _chunk_failure(stats) -> str | None:
     return None
 
 
-class _DecodeAffinity:
+class DecodeAffinity:
     """Context manager: widen the CALLING thread's CPU affinity to ``cpus`` (Linux
     sched_setaffinity on pid 0 = this thread) and restore it on exit. Threads started
     inside (the stream receiver, numba's pool when it is launched here) inherit the wide
@@ -222,7 +224,7 @@ class _DecodeAffinity:
         return False
 
 
-def _thread_probe() -> dict[str, Any]:
+def thread_probe() -> dict[str, Any]:
     """Cores and threads the decode gets in this (worker) process (issue 14.1): the CPU
     affinity the worker's threads inherit, torch's and numba's thread counts."""
     import sys

@@ -11,7 +11,7 @@ this class does, and:
 
 * carries every group's block ids to the worker (``LoadRequest.group_block_ids``; null
   blocks as -1: kv_groups.group_block_ids), and the worker writes each layer through its own
-  group's slot mapping, skipping the null blocks' tokens (connector_worker._inject). The
+  group's slot mapping, skipping the null blocks' tokens (third_party.vllm.worker). The
   stored KV keeps its full layout ``[L, T, H, D]``; only the kept tokens are written.
 * loads asynchronously (extra config ``async_load`` is forced on): vLLM cannot map a
   failed block id back to a request with several groups (its scheduler raises on
@@ -23,6 +23,10 @@ this class does, and:
 * does not save (extra config ``allow_client_save: true`` is refused at start in one line):
   the read-back reads one block table.
 
+Shape: as CacheGenConnector, a thin class building its side by role; its sides are
+HMAScheduler / HMAWorker, subclasses of CacheGenScheduler / CacheGenWorker through their
+public hooks (``alloc_group_ids``, ``publish_failed``, ``fail_whole_request``).
+
 Select it with ``kv_connector="CacheGenHMAConnector"``,
 ``kv_connector_module_path="third_party.vllm.hma_connector"`` (third_party.vllm.engine.
 make_llm(..., hybrid_kv=True); run_benchmarks.py --vllm-hybrid-kv). Facts of this vLLM
@@ -31,6 +35,8 @@ build: docs/vllm-connector.md, "Hybrid models".
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,11 +44,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from third_party.vllm.cachegen_connector import CacheGenConnector, logger
+from third_party.vllm.cachegen_connector import CacheGenConnector
+from third_party.vllm.connector_settings import ConnectorSettings
 from third_party.vllm.kv_groups import group_block_ids
+from third_party.vllm.scheduler import CacheGenScheduler
+from third_party.vllm.worker import CacheGenWorker
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.cachegen_connector")
 
 # spec classes whose groups the connector writes (per-token K and V of every token, or of
 # the tokens inside a window); compared by class name (vllm.v1.kv_cache_interface)
@@ -64,40 +75,49 @@ def check_hma_groups(kv_cache_config: Any) -> None:
                          f"group, got {sizes}")
 
 
-class CacheGenHMAConnector(CacheGenConnector, SupportsHMA):
-    """CacheGenConnector for vLLM's hybrid KV cache manager (see the module docstring)."""
+def hma_settings(settings: ConnectorSettings) -> ConnectorSettings:
+    """The hybrid-manager connector's settings: loads forced asynchronous (a failed load is
+    reported per request). Raises ValueError (one line) when the operator allows saves."""
+    if not settings.async_load:
+        logger.info("CacheGenHMAConnector: loads are asynchronous (a failed load is "
+                    "reported per request, vLLM then recomputes it)")
+    if settings.extra.get("allow_client_save"):
+        raise ValueError("CacheGenHMAConnector does not save KV (the read-back reads one "
+                         "block table); set allow_client_save false or use CacheGenConnector")
+    return dataclasses.replace(settings, async_load=True)
 
-    # a failed load is recomputed as a whole (its load record's recomputed_tokens says so)
-    _fail_whole_request = True
 
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self._extra.get("allow_client_save"):
-            raise ValueError("CacheGenHMAConnector does not save KV (the read-back reads one "
-                             "block table); set allow_client_save false or use CacheGenConnector")
-        self._failed_recving: set[str] = set()
+class HMAScheduler(CacheGenScheduler):
+    """Scheduler side: a load carries every KV cache group's block ids."""
 
-    def _init_async_state(self) -> None:
-        super()._init_async_state()
-        if not self._async:
-            logger.info("CacheGenHMAConnector: loads are asynchronous (a failed load is "
-                        "reported per request, vLLM then recomputes it)")
-        self._async = True
-
-    @staticmethod
-    def _check_kv_groups(kv_cache_config) -> None:
-        check_hma_groups(kv_cache_config)
-
-    def _alloc_group_ids(self, blocks) -> list[list[int]] | None:
+    def alloc_group_ids(self, blocks) -> list[list[int]] | None:
+        """Every group's block ids of the allocation (-1: a null block)."""
         return group_block_ids(blocks.blocks)
 
-    def _publish_failed(self, lr, failed: set[int]) -> None:
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]):
+        """vLLM's finish hook for an HMA connector: as request_finished (group 0's ids);
+        returns (False, None): no blocks are held."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+
+class HMAWorker(CacheGenWorker):
+    """Worker side: a failed load is reported per request (failed_recving), not by block."""
+
+    fail_whole_request = True  # the load record's recomputed_tokens: the whole load
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any = None,
+                 kv_cache_config: Any = None):
+        super().__init__(settings, vllm_config, kv_cache_config)
+        self._failed_recving: set[str] = set()
+
+    def publish_failed(self, lr, failed: set[int]) -> None:
         if failed:      # block ids are per group: the request is reported instead
             self._failed_recving.add(lr.req_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Worker side: finished async loads, with the failed ones also in failed_recving
-        (vLLM's contract: a failed receive is reported in both sets)."""
+        """Finished async loads, with the failed ones also in failed_recving (vLLM's
+        contract: a failed receive is reported in both sets)."""
         _, done = self.get_finished(finished_req_ids)
         with self._async_lock:
             failed, self._failed_recving = self._failed_recving, set()
@@ -105,8 +125,28 @@ class CacheGenHMAConnector(CacheGenConnector, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=done | failed,
                                           failed_recving=failed)
 
+
+class CacheGenHMAConnector(CacheGenConnector, SupportsHMA):
+    """CacheGenConnector for vLLM's hybrid KV cache manager (see the module docstring)."""
+
+    scheduler_class = HMAScheduler
+    worker_class = HMAWorker
+
+    @staticmethod
+    def check_kv_groups(kv_cache_config: Any) -> None:
+        check_hma_groups(kv_cache_config)
+
+    @classmethod
+    def build_settings(cls, vllm_config) -> ConnectorSettings:
+        return hma_settings(super().build_settings(vllm_config))
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self.worker
+        assert isinstance(worker, HMAWorker)
+        return worker.get_transfer_results(finished_req_ids)
+
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]):
-        """vLLM's finish hook for an HMA connector: as request_finished (group 0's ids);
-        returns (False, None): no blocks are held."""
-        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+        scheduler = self.scheduler
+        assert isinstance(scheduler, HMAScheduler)
+        return scheduler.request_finished_all_groups(request, block_ids)

@@ -217,7 +217,7 @@ def _invalidate_local(d: Path, gen: str | None, why: str) -> None:
         os.close(fd)
 
 
-def _header_range(data: bytes) -> tuple[int, int] | None:
+def header_range(data: bytes) -> tuple[int, int] | None:
     """(token_offset, T) from a codec container's header (header only, no CRC or arrays
     read: codec.bitstream.peek_header), or None for bytes that are not a codec container
     (stand-in chunks of tests)."""
@@ -430,7 +430,7 @@ class LocalDirSource:
                 if err is not None:
                     _invalidate_local(d, lookup.info.get("gen"), f"chunk {i}: {err}")
                     raise SourceError(f"chunk {i}: {err}")
-                hr = _header_range(data)
+                hr = header_range(data)
                 if hr is not None and hr != (start, t):
                     raise SourceError(f"chunk {i}: its header says tokens {hr[0]}..{hr[0] + hr[1]}, "
                                       f"the plan {start}..{start + t}: not placed")

@@ -29,7 +29,7 @@ from third_party.vllm.source_base import (
     lookup_subject,
     prefix_namespace,
 )
-from third_party.vllm.source_local import _header_range, calibration_of
+from third_party.vllm.source_local import header_range, calibration_of
 
 logger = logging.getLogger("cachegen.sources")
 
@@ -289,7 +289,7 @@ class StoreSource:
 
         def decode(data: bytes):  # (k, v, the header's (token_offset, T) or None)
             k, v = inner(data)
-            return k, v, _header_range(data)
+            return k, v, header_range(data)
 
         client = self._client(params)
         starts = [0]

@@ -58,21 +58,12 @@ from third_party.vllm.source_local import (  # noqa: F401  (re-exported)
     LOCAL_FORMAT,
     MANIFEST,
     LocalDirSource,
-    _fsync_write,
-    _gen_dir,
-    _header_range,
-    _invalidate_local,
-    _local_calibration_bytes,
-    _LocalCalClient,
-    _read_local_manifest,
     calibration_of,
     local_save_steps,
     save_local_context,
 )
 from third_party.vllm.source_store import (  # noqa: F401  (re-exported)
     StoreSource,
-    _parse_addr,
-    _PrefixPolicy,
     default_stored_level,
 )
 

@@ -1,71 +1,110 @@
-"""Worker side of the CacheGen vLLM connector: load into the paged KV cache, save, read-back.
+"""Worker side of the CacheGen vLLM connector: load into the paged KV cache, save.
 
-Part of third_party.vllm.cachegen_connector: CacheGenConnector inherits these methods from
-_WorkerSide (a mixin, placed before vLLM's KVConnectorBase_V1 so that its methods are the
-connector's); the state they use is set up by CacheGenConnector.__init__. Not runnable by
-itself.
+CacheGenConnector (third_party.vllm.cachegen_connector) builds a CacheGenWorker when vLLM
+creates it with role WORKER and forwards vLLM's worker-side calls to it, with the step's
+metadata as an argument. A load streams and decodes a stored entry chunk by chunk and
+writes each chunk's K/V into every layer's paged cache through the attention backend's
+own cache-write op (``impl.do_kv_cache_update``) with a slot mapping; in async mode a
+background thread runs the loads and an abort stops one at its next chunk. A save reads
+the KV back (third_party.vllm.readback), encodes and stores it. Every load / save writes
+one stats record. The scheduler side is third_party.vllm.scheduler.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from third_party.vllm.connector_settings import ConnectorSettings
 from third_party.vllm.connector_support import (
+    AsyncJob,
     CacheGenConnectorMetadata,
+    DecodeAffinity,
+    LoadCancelled,
     LoadRequest,
-    _AsyncJob,
-    _chunk_failure,
-    _DecodeAffinity,
-    _layer_index,
-    _load_miss_reason,
-    _LoadCancelled,
-    _policy_preset,
-    _thread_probe,
+    chunk_failure,
+    layer_index,
+    load_miss_reason,
+    policy_preset,
+    thread_probe,
 )
 from third_party.vllm.kv_groups import describe_kv_cache, layer_groups, summary_line
+from third_party.vllm.readback import probe_gather_maps, read_kv
 from third_party.vllm.sources import SourceError
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
 
-# the connector's logger (under "vllm.", as in cachegen_connector)
+# the connector's logger (under "vllm.", as in third_party.vllm.scheduler)
 logger = logging.getLogger("vllm.cachegen_connector")
 
 
-class _WorkerSide:
-    """CacheGenConnector's worker-side methods (see the module docstring)."""
+class CacheGenWorker:
+    """The connector's worker side: one per worker process, built from the connector's
+    settings, vLLM's config (its forward context's attention layers) and the KV cache
+    config (its groups). Its public methods are vLLM's worker-side KVConnectorBase_V1
+    methods of the same names (those that read the step's metadata take it as their first
+    argument), plus ``load_one``, ``read_kv``, ``source`` and the hybrid-manager hooks
+    ``publish_failed`` / ``fail_whole_request``."""
 
-    # ------------------------------------------------------------------ worker side
+    # a failed load's record counts only the tokens after the gap as recomputed; the
+    # hybrid-manager worker reports the whole request failed (vLLM recomputes it all)
+    fail_whole_request = False
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any = None,
+                 kv_cache_config: Any = None):
+        self.settings = settings
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._sources: dict[str, Any] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layers: list[tuple[int, str]] = []  # (layer index, name) sorted by index
+        self._layer_group: dict[str, int] = {}    # layer name -> KV cache group (0: one group)
+        self._layer_objs: dict[str, Any] = {}
+        self._failed_blocks: set[int] = set()
+        self._gather_maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        # async mode: jobs by request id (queued or running), ids whose load stopped (to
+        # report in get_finished) and one background thread that runs jobs in order
+        self._jobs: dict[str, AsyncJob] = {}
+        self._done_recving: set[str] = set()
+        self._async_lock = threading.Lock()
+        self._job_queue: "queue.Queue[AsyncJob | None]" = queue.Queue()
+        self._loader: threading.Thread | None = None
+
+    def source(self, kind: str):
+        """The KV source of ``kind`` ("store" / "local"), made once per worker."""
+        src = self._sources.get(kind)
+        if src is None:
+            src = self._sources[kind] = self.settings.make_source(kind)
+        return src
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         """kv_caches: layer name -> [num_blocks, num_kv_heads, block_size, 2 * head_size]
         (the CPU backend's tensors, the same objects attention reads)."""
         self._kv_caches = dict(kv_caches)
-        self._layers = sorted((_layer_index(n), n) for n in kv_caches)
+        self._layers = sorted((layer_index(n), n) for n in kv_caches)
         idx = [i for i, _ in self._layers]
         if idx != list(range(len(idx))):
             raise ValueError(f"attention layers are not numbered 0..L-1: {idx}")
-        # the engine's KV memory (issue 28.2: hybrid models run with one group of
-        # full-length blocks): one log line and one "kv_cache" stats record
-        self._layer_group = layer_groups(getattr(self, "_kv_cache_config", None))
+        # the engine's KV memory (without the hybrid manager a sliding-window model runs
+        # with one group of full-length blocks): one log line and one "kv_cache" stats record
+        self._layer_group = layer_groups(self._kv_cache_config)
         fctx = getattr(getattr(self._vllm_config, "compilation_config", None),
                        "static_forward_context", None) or {}
-        desc = describe_kv_cache(getattr(self, "_kv_cache_config", None), {
+        desc = describe_kv_cache(self._kv_cache_config, {
             n: getattr(fctx.get(n), "sliding_window", None) for n in kv_caches},
             tensors=kv_caches.values())
         logger.info("CacheGenConnector: %s", summary_line(desc))
-        self._write_stats({"kind": "kv_cache", **desc, "time": time.time()})
-        if self._extra.get("warmup", True):
+        self.settings.stats.write({"kind": "kv_cache", **desc, "time": time.time()})
+        if self.settings.extra.get("warmup", True):
             # numba's thread pool starts at the first parallel kernel (here): its threads
             # inherit this thread's affinity, so start it with the decode's CPUs
-            with _DecodeAffinity(self._decode_cpus):
+            with DecodeAffinity(self.settings.decode_cpus):
                 self._warm_up(next(iter(kv_caches.values())).dtype if kv_caches else None)
 
     def _warm_up(self, dtype) -> None:
@@ -76,10 +115,10 @@ class _WorkerSide:
 
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             dtype = torch.bfloat16
-        info = warm_up_codecs(self._extra.get("warmup_codecs"), dtype=dtype)
+        info = warm_up_codecs(self.settings.extra.get("warmup_codecs"), dtype=dtype)
         logger.info("CacheGenConnector: codec warm-up took %.2f s (%s)", info["total_s"],
                     ", ".join(f"{k} {v}" for k, v in info["codecs"].items()))
-        self._write_stats({"kind": "warmup", **info, "time": time.time()})
+        self.settings.stats.write({"kind": "warmup", **info, "time": time.time()})
 
     def _inject(self, lr: LoadRequest, slots: list[torch.Tensor], start: int,
                 k: torch.Tensor, v: torch.Tensor, timer: list[float]) -> int:
@@ -96,7 +135,7 @@ class _WorkerSide:
                               f"the engine has {len(self._layers)} attention layers")
         t0 = time.perf_counter()
         fctx = self._layer_objs
-        groups = getattr(self, "_layer_group", None) or {}
+        groups = self._layer_group
         for li, name in self._layers:
             layer = fctx[name]
             cache = self._kv_caches[name]
@@ -118,8 +157,10 @@ class _WorkerSide:
         timer[0] += time.perf_counter() - t0
         return hi - lo
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
+    def start_load_kv(self, meta: Any, forward_context: "ForwardContext") -> None:
+        """Start this step's loads (meta: the step's CacheGenConnectorMetadata; anything
+        else is ignored) and pass its cancels to running loads: synchronous loads are
+        placed before this returns, async ones queue for the background loader."""
         if not isinstance(meta, CacheGenConnectorMetadata):
             return
         for rid in meta.cancels:
@@ -130,19 +171,18 @@ class _WorkerSide:
         if not all(n in layers for _, n in self._layers):
             layers = self._vllm_config.compilation_config.static_forward_context
         self._layer_objs = layers
-        if self._async:
+        if self.settings.async_load:
             for lr in meta.loads:
-                job = _AsyncJob(lr)
+                job = AsyncJob(lr)
                 with self._async_lock:
                     self._jobs[lr.req_id] = job
                 self._ensure_loader()
                 self._job_queue.put(job)
             return
-        with _DecodeAffinity(self._decode_cpus):   # the load gets every core (issue 14)
+        with DecodeAffinity(self.settings.decode_cpus):   # the load gets every core, not the worker's one
             for lr in meta.loads:
-                self._failed_blocks.update(self._load_one(lr))
+                self._failed_blocks.update(self.load_one(lr))
 
-    # ------------------------------------------------------------------ async worker side
     def _cancel(self, rid: str) -> None:
         with self._async_lock:
             job = self._jobs.get(rid)
@@ -160,23 +200,23 @@ class _WorkerSide:
         cancelled) publishes its failed blocks and its id together, under the lock, so
         get_block_ids_with_load_errors reports them no later than get_finished reports the
         id (vLLM's contract for async loads)."""
-        with _DecodeAffinity(self._decode_cpus):
+        with DecodeAffinity(self.settings.decode_cpus):
             while True:
                 job = self._job_queue.get()
                 if job is None:
                     return
                 try:
-                    failed = self._load_one(job.lr, job.cancel)
+                    failed = self.load_one(job.lr, job.cancel)
                 except Exception as e:  # never leave a request waiting forever
                     logger.error("KV async load of %s crashed: %s", job.lr.req_id, e)
                     failed = set(job.lr.block_ids[job.lr.start // job.lr.block_size:
                                                   -(-job.lr.end // job.lr.block_size)])
                 with self._async_lock:
-                    self._publish_failed(job.lr, failed)
+                    self.publish_failed(job.lr, failed)
                     self._done_recving.add(job.lr.req_id)
                     self._jobs.pop(job.lr.req_id, None)
 
-    def _publish_failed(self, lr: LoadRequest, failed: set[int]) -> None:
+    def publish_failed(self, lr: LoadRequest, failed: set[int]) -> None:
         """Record an async load's failed blocks for get_block_ids_with_load_errors (under
         self._async_lock); the hybrid-manager connector reports the request instead."""
         self._failed_blocks.update(failed)
@@ -185,7 +225,7 @@ class _WorkerSide:
         """Worker side: (None, ids whose async load stopped since the last call). A
         request in finished_req_ids (vLLM finished or aborted it) whose load still runs is
         cancelled here too (the route vLLM itself uses; the metadata's cancels come first)."""
-        if not self._async:
+        if not self.settings.async_load:
             return None, None
         for rid in finished_req_ids or ():
             self._cancel(rid)
@@ -201,21 +241,21 @@ class _WorkerSide:
             self._job_queue.put(None)
             self._loader.join(timeout=30)
 
-    def _load_one(self, lr: LoadRequest, cancel: threading.Event | None = None) -> set[int]:
+    def load_one(self, lr: LoadRequest, cancel: threading.Event | None = None) -> set[int]:
         """Load one request's KV (writes its one load / miss record); returns the block
         ids vLLM must recompute (none for a cancelled load: its request is finished).
         cancel: set when vLLM finished the request; checked before each chunk."""
         t_wall = time.perf_counter()
-        t_cpu = time.process_time()   # issue 14.1 probe: CPU-s / wall-s = cores the load got
+        t_cpu = time.process_time()   # CPU-s / wall-s = cores the load got
         slots = lr.group_slot_mappings()
         inject_s = [0.0]
         written = [lr.start]  # next token not yet written (contiguous prefix)
 
         def on_chunk(start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            if self._chunk_hook is not None:
-                self._chunk_hook(lr.params, start, cancel.is_set if cancel else lambda: False)
+            if self.settings.chunk_hook is not None:
+                self.settings.chunk_hook(lr.params, start, cancel.is_set if cancel else lambda: False)
             if cancel is not None and cancel.is_set():
-                raise _LoadCancelled(f"request finished (aborted) before the chunk at "
+                raise LoadCancelled(f"request finished (aborted) before the chunk at "
                                      f"token {start}")
             if start > written[0]:  # a gap: anything after it cannot be used
                 raise SourceError(f"chunk starting at token {start} after a gap at {written[0]}")
@@ -228,11 +268,11 @@ class _WorkerSide:
         aborted = cancel is not None and cancel.is_set()
         try:
             if aborted:
-                raise _LoadCancelled("request finished (aborted) before its load started")
-            stats = self._source(lr.params.get("source", "store")).load(
+                raise LoadCancelled("request finished (aborted) before its load started")
+            stats = self.source(lr.params.get("source", "store")).load(
                 lr.params, lr.lookup, lr.end, on_chunk)
         except Exception as e:  # any failure: recompute what was not written
-            if isinstance(e, _LoadCancelled) or isinstance(e.__cause__, _LoadCancelled) \
+            if isinstance(e, LoadCancelled) or isinstance(e.__cause__, LoadCancelled) \
                     or (cancel is not None and cancel.is_set()):
                 aborted = True
                 logger.info("KV load of %s stopped after %d tokens: %s", lr.req_id,
@@ -268,10 +308,10 @@ class _WorkerSide:
             "inject_s": inject_s[0],
             "load_s": time.perf_counter() - t_wall,
             "load_cpu_s": time.process_time() - t_cpu,
-            "decode_threads": _thread_probe(),
+            "decode_threads": thread_probe(),
             "bytes": stats.bytes if stats else None,
             "fallback": bool(stats.fallback) if stats else None,
-            "error": err or (stats.error if stats else None) or _chunk_failure(stats),
+            "error": err or (stats.error if stats else None) or chunk_failure(stats),
             "chunks": stats.chunks if stats else [],
             "lookup_info": lr.lookup.info,
             "after_preemption": lr.after_preemption,
@@ -280,13 +320,13 @@ class _WorkerSide:
             "aborted": aborted,
             "async_load": cancel is not None,
             # the adaptive policy's preset (streaming.adapt_params) and inputs; None for a level
-            "policy_preset": _policy_preset(lr.params.get("policy")),
+            "policy_preset": policy_preset(lr.params.get("policy")),
             "policy": lr.params.get("policy"),
             "time": time.time(),
         }
         if stats and stats.extra:
             rec.update({k: v for k, v in stats.extra.items() if k not in rec})
-        if failed and getattr(self, "_fail_whole_request", False):
+        if failed and self.fail_whole_request:
             # hybrid-manager connector: the failure is reported per request (failed_recving)
             # and vLLM recomputes every token of the load, not only those after the gap
             rec["recomputed_tokens"] = lr.end - lr.start
@@ -297,44 +337,23 @@ class _WorkerSide:
         if loaded == lr.start and lr.end > lr.start:  # nothing placed: a miss, with its reason
             rec["kind"] = "miss"
             if not aborted:
-                rec["reason"] = _load_miss_reason(err, stats)
+                rec["reason"] = load_miss_reason(err, stats)
         logger.info("KV load %s [%s]: loaded %d of %d tokens (local hits %d, prefill %s) "
                     "from %s %s in %.3f s, %s bytes%s", lr.req_id, rec["stats_tag"] or "-",
                     rec["loaded_tokens"], rec["requested_tokens"], lr.start,
                     rec["prefill_tokens"], rec["source"], str(rec["context_key"])[:16],
                     rec["load_s"], rec["bytes"], f", error: {rec['error']}" if rec["error"] else "")
-        self._write_stats(rec)
+        self.settings.stats.write(rec)
         return failed
-
-    def _write_stats(self, rec: dict[str, Any]) -> None:
-        path = self._extra.get("stats_path")
-        if not path:
-            return
-        line = json.dumps(rec, default=str) + "\n"
-        with self._stats_lock:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._async_lock:
             out, self._failed_blocks = self._failed_blocks, set()
         return out
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # sync: in place before the forward; async: the request is not scheduled yet
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # saves run once per step in wait_for_save, after every layer is written
-
-    def wait_for_save(self):
-        """Save requested KV (SaveRequest) after the forward wrote it: read back from the
+    def wait_for_save(self, meta: Any) -> None:
+        """Save requested KV (meta.saves) after the forward wrote it: read back from the
         paged cache with gather maps probed through the cache-write op, encode, store."""
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
         if not isinstance(meta, CacheGenConnectorMetadata) or not meta.saves:
             return
         for sr in meta.saves:
@@ -345,79 +364,23 @@ class _WorkerSide:
             try:
                 k, v = self.read_kv(sr.block_ids, sr.block_size, len(sr.token_ids))
                 rec["gather_s"] = time.perf_counter() - t0
-                info = self._source(sr.params["source"]).save(sr.params, sr.token_ids, k, v)
+                info = self.source(sr.params["source"]).save(sr.params, sr.token_ids, k, v)
                 rec.update(info)
             except Exception as e:  # a failed save must not fail the request
                 rec["error"] = f"{type(e).__name__}: {e}"
                 logger.warning("KV save of %s failed: %s", sr.req_id, rec["error"])
             rec["save_s"] = time.perf_counter() - t0
-            self._write_stats(rec)
-
-    # ------------------------------------------------------------------ read-back
-    def _probe_gather_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Learn where the cache-write op puts K[h, t, d] and V[h, t, d] inside one block.
-
-        Writes small integers (exact in bf16/fp16/fp32) through the op into a scratch block:
-        pass 1 key = t, pass 2 key = d, pass 3 key = h (value = -2 marker), then the same for
-        the value. Returns (pk, pv), int64 [H, bs, D]: flat offsets inside a block's
-        [H, bs, 2 * D] area. Raises RuntimeError for a quantized (fp8) cache or an op whose
-        writes are not a bijection (then save is unsupported on this build)."""
-        name = self._layers[0][1]
-        layer = self._layer_objs.get(name) or \
-            self._vllm_config.compilation_config.static_forward_context[name]
-        cache = self._kv_caches[name]
-        _, H, bs, D2 = cache.shape
-        D = D2 // 2
-        if cache.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
-                str(getattr(layer.impl, "kv_cache_dtype", "auto")) != "auto":
-            raise RuntimeError(f"KV read-back needs an unquantized cache, got {cache.dtype}")
-        t_i = torch.arange(bs).view(bs, 1, 1).expand(bs, H, D)
-        h_i = torch.arange(H).view(1, H, 1).expand(bs, H, D)
-        d_i = torch.arange(D).view(1, 1, D).expand(bs, H, D)
-        slots = torch.arange(bs, dtype=torch.int64)
-        maps = []
-        for which in ("k", "v"):
-            coords = []
-            for idx in (h_i, t_i, d_i):
-                scratch = torch.full((1, H, bs, D2), -1.0, dtype=cache.dtype)
-                val = idx.to(cache.dtype).contiguous()
-                other = torch.full((bs, H, D), -2.0, dtype=cache.dtype)
-                kk, vv = (val, other) if which == "k" else (other, val)
-                layer.impl.do_kv_cache_update(layer, kk, vv, scratch, slots)
-                flat = scratch.reshape(-1).float()
-                coords.append(flat)
-            # positions holding this tensor: not -1 (unwritten) and not -2 (the other one)
-            pos = torch.nonzero((coords[0] >= 0)).flatten()
-            if pos.numel() != H * bs * D:
-                raise RuntimeError(f"cache-write op wrote {pos.numel()} {which} values, "
-                                   f"expected {H * bs * D}")
-            h, t, d = (coords[j][pos].long() for j in range(3))
-            m = torch.full((H, bs, D), -1, dtype=torch.int64)
-            m[h, t, d] = pos
-            if (m < 0).any():
-                raise RuntimeError("cache-write op layout is not a bijection; cannot read back")
-            maps.append(m)
-        return maps[0], maps[1]
+            self.settings.stats.write(rec)
 
     def read_kv(self, block_ids: list[int], block_size: int, num_tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens [0, num_tokens) of a request from the paged cache: [L, T, H, D]
-        in the cache dtype. block_ids: the request's blocks in order."""
+        in the cache dtype. block_ids: the request's blocks in order. The block layout is
+        probed once (third_party.vllm.readback; RuntimeError where it can not be)."""
         if self._gather_maps is None:
-            self._gather_maps = self._probe_gather_maps()
-        pk, pv = self._gather_maps
-        H, kbs, D = pk.shape
-        nb = -(-num_tokens // block_size)
-        r = block_size // kbs  # kernel blocks per scheduler block (1 on this build)
-        kb = torch.tensor([b * r + j for b in block_ids[:nb] for j in range(r)], dtype=torch.int64)
-        ks, vs = [], []
-        for _, name in self._layers:
-            cache = self._kv_caches[name]
-            blocks = cache.view(-1, H, kbs, 2 * D)[kb].reshape(len(kb), -1)  # [nkb, H*kbs*2D]
-            k = blocks[:, pk.reshape(-1)].view(len(kb), H, kbs, D)
-            v = blocks[:, pv.reshape(-1)].view(len(kb), H, kbs, D)
-            # [nkb, H, kbs, D] -> [nkb * kbs, H, D]
-            ks.append(k.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
-            vs.append(v.permute(0, 2, 1, 3).reshape(-1, H, D)[:num_tokens])
-        return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
-
+            name = self._layers[0][1]
+            layer = self._layer_objs.get(name) or \
+                self._vllm_config.compilation_config.static_forward_context[name]
+            self._gather_maps = probe_gather_maps(layer, self._kv_caches[name])
+        return read_kv([self._kv_caches[n] for _, n in self._layers], self._gather_maps,
+                       block_ids, block_size, num_tokens)

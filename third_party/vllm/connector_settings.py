@@ -1,0 +1,121 @@
+"""The CacheGen connector's settings: what both of its sides read and never change.
+
+CacheGenConnector (third_party.vllm.cachegen_connector) builds one ConnectorSettings when
+vLLM creates it, from vLLM's config and the operator's kv_connector_extra_config, and hands
+it to the side it builds for its role (third_party.vllm.scheduler.CacheGenScheduler or
+third_party.vllm.worker.CacheGenWorker). A malformed operator option fails here, at engine
+start, with one line. Not runnable by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from third_party.vllm.connector_support import bool_option, decode_cpus
+from third_party.vllm.sources import engine_identity, load_callable, make_source
+from third_party.vllm.trust import allowed_stores, max_key_chars
+
+
+class StatsWriter:
+    """Appends one JSON line per record to the extra config's "stats_path" (nothing without
+    one). Thread-safe within a process: one lock per writer; each line is written whole."""
+
+    def __init__(self, path: str | None):
+        self.path = path or None
+        self._lock = threading.Lock()
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """Append ``rec`` (values json can not encode are written as str)."""
+        if not self.path:
+            return
+        line = json.dumps(rec, default=str) + "\n"
+        with self._lock:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+
+
+@dataclass
+class ConnectorSettings:
+    """Read-only settings of one connector (either role).
+
+    extra: the operator's kv_connector_extra_config (a copy).
+    block_size: tokens per block of vLLM's block table.
+    identity: this engine's model identity (streaming.identity; None in unit tests): every
+        stored entry is checked against it.
+    decode_cpus: CPUs the load runs on (None: the worker's own binding).
+    prefix_caching: vLLM's prefix caching is on.
+    allow_lossy_cache: extra config "allow_lossy_prefix_cache".
+    async_load: loads run in a worker background thread (extra config "async_load").
+    key_fn: extra config "key_fn" loaded, or None (streaming.store:context_key).
+    chunk_hook: test-only extra config "test_chunk_hook" loaded, or None.
+    stats: the stats writer of extra config "stats_path".
+    """
+
+    extra: dict[str, Any]
+    block_size: int = 128
+    identity: Any = None
+    decode_cpus: set[int] | None = None
+    prefix_caching: bool = False
+    allow_lossy_cache: bool = False
+    async_load: bool = False
+    key_fn: Callable | None = None
+    chunk_hook: Callable | None = None
+    stats: StatsWriter = field(default_factory=lambda: StatsWriter(None))
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, block_size: int = 128, identity: Any = None,
+                   prefix_caching: bool = False) -> "ConnectorSettings":
+        """Settings from the operator's extra config. Raises ValueError (one line) on a
+        malformed store list, key bound, "decode_cpus", "async_load" or hook."""
+        extra = dict(extra or {})
+        allowed_stores(extra)  # a malformed operator store list fails at start, clearly
+        max_key_chars(extra)   # so does a key bound above the one every source shares
+        # test-only hook (off by default): "module:function" called as
+        # hook(params, chunk_start_token, cancelled) before each chunk is placed
+        # (params: the request's kv_transfer_params; cancelled() -> bool)
+        return cls(
+            extra=extra, block_size=int(block_size), identity=identity,
+            decode_cpus=decode_cpus(extra.get("decode_cpus", "all")),
+            prefix_caching=bool(prefix_caching),
+            # lossy KV loaded with prefix caching on enters vLLM's local prefix cache and is
+            # then reused by later requests (even plain ones): refused unless allowed
+            allow_lossy_cache=bool(extra.get("allow_lossy_prefix_cache", False)),
+            # load in a worker background thread (vLLM's async load contract), so that an
+            # abort stops the load at the next chunk; default false (before the forward)
+            async_load=bool_option(extra, "async_load", False),
+            key_fn=load_callable(extra["key_fn"]) if extra.get("key_fn") else None,
+            chunk_hook=load_callable(extra["test_chunk_hook"])
+            if extra.get("test_chunk_hook") else None,
+            stats=StatsWriter(extra.get("stats_path")))
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> "ConnectorSettings":
+        """Settings of the engine vllm_config describes: its block size, prefix caching,
+        the operator's extra config and the model identity (hashed once, here)."""
+        cc = getattr(vllm_config, "cache_config", None)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        out = cls.from_extra(extra, block_size=cc.block_size,
+                             prefix_caching=bool(getattr(cc, "enable_prefix_caching", False)))
+        out.identity = engine_identity(vllm_config, extra)  # after the options' checks
+        return out
+
+    def prefix_mode(self) -> str:
+        """Operator's extra config "prefix_match": "off" (default), "params" (requests with
+        kv_transfer_params but no context key search the prefix index) or "all" (every
+        request, also those without kv_transfer_params). true means "params". Raises
+        ValueError on another value."""
+        m = self.extra.get("prefix_match", "off")
+        m = "params" if m is True else ("off" if m in (False, None) else str(m))
+        if m not in ("off", "params", "all"):
+            raise ValueError(f"extra config prefix_match must be off, params or all, got {m!r}")
+        return m
+
+    def make_source(self, kind: str):
+        """A new KV source of ``kind`` ("store" or "local") under these settings."""
+        return make_source(kind, self.extra, self.identity)
