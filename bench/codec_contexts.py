@@ -6,7 +6,6 @@ from bench/codec.py (the command) because this is the one part that loads the mo
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -60,12 +59,12 @@ def load_contexts(args, log) -> tuple[list[dict], Optional[Any], dict]:
                                                             "head_dim")}
     ctxs = []
     if args.kv:
-        from kv_extraction_hf.dump import load_kv
+        from kv_extraction_hf.dump import load_kv, metadata_ids
 
         for path in args.kv:
             k, v, meta = load_kv(path)
-            ids = json.loads(meta["token_ids"]) if "token_ids" in meta else None
-            cont = json.loads(meta["continuation_ids"]) if meta.get("continuation_ids") else None
+            ids = metadata_ids(meta, "token_ids", path, max_len=k.shape[1])
+            cont = metadata_ids(meta, "continuation_ids", path) if meta.get("continuation_ids") else None
             ctxs.append({"name": Path(path).stem, "k": k, "v": v, "context_ids": ids,
                          "continuation_ids": cont or None})
             # (kv_extraction_hf.dump writes the model's fields as model_*; older dumps: bare)

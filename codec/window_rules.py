@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 WINDOW_VERSION = 1            # header["window_version"]: bumped when the layout changes
+# A tag lists one window per layer (a few characters each): 64 KiB holds thousands of
+# layers; a longer tag is not one this codec wrote.
+MAX_TAG_CHARS = 1 << 16
 
 
 def _window_list(windows: Sequence[Optional[int]], num_layers: int) -> list[Optional[int]]:
@@ -76,9 +79,13 @@ def parse_layout_tag(tag: str) -> tuple[list[Optional[int]], int]:
     head = f"window/{WINDOW_VERSION}:"
     if not isinstance(tag, str) or not tag.startswith(head):
         raise ValueError(f"not a window layout tag: {str(tag)[:60]!r}")
+    if len(tag) > MAX_TAG_CHARS:
+        raise ValueError(f"window layout tag of {len(tag)} characters, over the limit of {MAX_TAG_CHARS}")
     try:
         d = json.loads(tag[len(head):])
         ws, extra = d["windows"], d["extra_tokens"]
+    except RecursionError:   # a tag is two levels deep; deeper nesting comes from hostile bytes
+        raise ValueError("window layout tag unreadable: nested too deeply") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"window layout tag unreadable: {e}") from None
     if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0 or not isinstance(ws, list):

@@ -106,7 +106,7 @@ def extract(args) -> list[Path]:
 
 def generate(args) -> None:
     """Inject each dump named by ``args.generate`` and print its greedy continuation."""
-    from kv_extraction_hf.dump import load_kv
+    from kv_extraction_hf.dump import load_kv, metadata_ids, metadata_strings
     from kv_extraction_hf.inject import generate_from_kv
     from kv_extraction_hf.model import load_model
 
@@ -116,12 +116,15 @@ def generate(args) -> None:
         if meta.get("model_weights_hash") not in (None, bundle.info.weights_hash):
             raise ExtractionError(f"{path} was dumped from other weights ({meta.get('model_id')}) than "
                                   f"{bundle.info.model_id}")
-        question = json.loads(meta.get("question_ids", "[]"))
+        question = metadata_ids(meta, "question_ids", path) or []
         if not question:
             raise ExtractionError(f"{path} has no question tokens to continue from")
         max_new = args.max_new_tokens or int(meta.get("max_new_tokens", "40")) or 40
-        out = generate_from_kv(bundle, k, v, json.loads(meta["token_ids"]), question, max_new)
-        print(json.dumps({"dump": str(path), "answers": json.loads(meta.get("answers", "[]")),
+        context = metadata_ids(meta, "token_ids", path, max_len=k.shape[1])
+        if context is None:
+            raise ExtractionError(f"{path} has no token_ids: the context the KV belongs to is unknown")
+        out = generate_from_kv(bundle, k, v, context, question, max_new)
+        print(json.dumps({"dump": str(path), "answers": metadata_strings(meta, "answers", path),
                           "generated": bundle.tokenizer.decode(out, skip_special_tokens=True)}))
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from cachegen_common import flags
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (issue 27 split)
     measure_sensitivity, _attn_modules, query_energy, output_gram, metric_from_stats,
@@ -42,6 +43,7 @@ from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (issu
 
 __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calibrate", "default_calibration",
            "file_text", "text_record", "calibration_provenance", "cached_default_calibration",
+           "calibration_index",
            "query_energy", "output_gram", "metric_from_stats",
            "DEFAULT_SETTINGS", "main"]
 
@@ -51,6 +53,33 @@ DEFAULT_SETTINGS = {"windows": 4, "window_tokens": 1024, "sensitivity_tokens": 5
                     "recent_tokens": 0, "default_level": 4, "centroid": False,
                     "rounding": 0.5, "sensitivity_batch": 12, "metric": "whitened",
                     "metric_power": 1.0, "group_layers": 2}
+
+
+# An index file names a calibration hash or a few dozen layer groups; 1 MiB and 8 levels
+# are far above what default_calibration or group_calibrations write.
+MAX_INDEX_BYTES = 1 << 20
+MAX_INDEX_DEPTH = 8
+_HASH_CHARS = frozenset("0123456789abcdef")
+
+
+def calibration_index(index: Path) -> dict:
+    """The JSON object of a calibration index file (``default-*.json`` / ``groups-*.json``
+    in ``$CACHEGEN_CACHE/kvtc``): read and parsed within MAX_INDEX_BYTES and
+    MAX_INDEX_DEPTH (the cache folder may be shared), and every artifact hash it names
+    (``hash``, or ``hash`` of each ``groups`` entry) checked to be 64 lowercase hex digits
+    so that it can only name a file in that folder. Raises OSError when unreadable,
+    ExtractionError (one line) when over a bound, not JSON or a hash is malformed."""
+    with open(index, "rb") as fh:
+        raw = fh.read(MAX_INDEX_BYTES + 1)
+    doc = parse_bounded_json(raw, what=f"calibration index {index}", max_bytes=MAX_INDEX_BYTES,
+                             max_depth=MAX_INDEX_DEPTH, expect=dict, error=ExtractionError)
+    groups = doc.get("groups", [])
+    named = ([doc["hash"]] if "hash" in doc else []) + \
+        [g.get("hash") if isinstance(g, dict) else g for g in (groups if isinstance(groups, list) else [groups])]
+    for h in named:
+        if not (isinstance(h, str) and len(h) == 64 and set(h) <= _HASH_CHARS):
+            raise ExtractionError(f"calibration index {index}: {str(h)[:80]!r} is not an artifact hash")
+    return doc
 
 
 def rope_theta_of(bundle) -> float | None:
@@ -338,7 +367,7 @@ def default_calibration(bundle, log=print) -> Path:
     with _file_lock(f"kvtc-{key}"):
         if index.is_file():
             with contextlib.suppress(ValueError, OSError, KeyError, kvtc.CodecError):
-                path = folder / f"{json.loads(index.read_text())['hash']}.safetensors"
+                path = folder / f"{calibration_index(index)['hash']}.safetensors"
                 kvtc.register_calibration(path)
                 return path
         log(f"[calibrate] no default KVTC calibration for this model yet: fitting one on "
@@ -366,7 +395,7 @@ def cached_default_calibration(weights_hash: str | None) -> Path | None:
     key = _settings_key(weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
     index = cache_dir() / "kvtc" / f"default-{key}.json"
     try:
-        path = index.parent / f"{json.loads(index.read_text())['hash']}.safetensors"
+        path = index.parent / f"{calibration_index(index)['hash']}.safetensors"
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return path if path.is_file() else None

@@ -48,9 +48,10 @@ def _key(weights_hash: str, text_sha256: str, groups) -> str:
 def _load_index(index: Path, folder: Path, groups) -> Optional[dict]:
     """{layers: hash} from a valid index whose every artifact registers; else None."""
     from codec import kvtc
+    from kv_extraction_hf.calibrate import calibration_index
 
     with contextlib.suppress(ValueError, OSError, KeyError, TypeError, kvtc.CodecError):
-        doc = json.loads(index.read_text())
+        doc = calibration_index(index)
         got = {tuple(int(i) for i in e["layers"]): str(e["hash"]) for e in doc["groups"]}
         if set(got) != {g for _, g in groups}:
             return None

@@ -19,10 +19,19 @@ from pathlib import Path
 
 import torch
 
+from cachegen_common.bounded_json import int_list, parse
 from kv_extraction_hf.errors import ExtractionError
 
 DUMP_FORMAT = "cachegen-harness-kv"
 DUMP_VERSION = "1"
+
+# Bounds of the JSON lists a dump's metadata holds. A token id list is written without
+# spaces or with ", " (json.dumps), a vocabulary id has at most 7 digits: 10 bytes per
+# token; 32 allows any spacing a hand edit adds. Other lists (question, continuation,
+# answers) are short; 1 MiB is far above any prompt the harness builds.
+BYTES_PER_TOKEN = 32
+MAX_LIST_FIELD_BYTES = 1 << 20
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def token_ids_sha256(token_ids) -> str:
@@ -80,7 +89,8 @@ def save_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, metadata:
     except (TypeError, ValueError) as exc:
         raise ExtractionError(f"KV dump metadata is not JSON-serialisable: {exc}") from exc
     if "token_ids" in meta:
-        meta["token_ids_sha256"] = token_ids_sha256(json.loads(meta["token_ids"]))
+        ids = metadata_ids(meta, "token_ids", max_len=k.shape[1], what=f"KV dump metadata for {path}: token_ids")
+        meta["token_ids_sha256"] = token_ids_sha256(ids)
     meta.update({
         "format": DUMP_FORMAT, "format_version": DUMP_VERSION, "dtype": str(k.dtype).replace("torch.", ""),
         "num_layers": str(k.shape[0]), "num_tokens": str(k.shape[1]), "num_kv_heads": str(k.shape[2]),
@@ -131,14 +141,46 @@ def load_kv(path: str | os.PathLike, verify: bool = True) -> tuple[torch.Tensor,
     expected = [meta.get(f) for f in ("num_layers", "num_tokens", "num_kv_heads", "head_dim")]
     if expected != [str(n) for n in k.shape] or meta.get("dtype") != str(k.dtype).replace("torch.", ""):
         raise ExtractionError(f"corrupt KV dump {path}: tensors {tuple(k.shape)} {k.dtype} disagree with metadata")
+    ids = metadata_ids(meta, "token_ids", path, max_len=k.shape[1])
     if verify:
         if meta.get("kv_sha256") != kv_sha256(k, v):
             raise ExtractionError(f"corrupt KV dump {path}: tensor bytes do not match kv_sha256")
-        if "token_ids" in meta:
-            try:
-                ids = json.loads(meta["token_ids"])
-            except ValueError as exc:
-                raise ExtractionError(f"corrupt KV dump {path}: token_ids is not JSON") from exc
-            if token_ids_sha256(ids) != meta.get("token_ids_sha256") or len(ids) != k.shape[1]:
-                raise ExtractionError(f"corrupt KV dump {path}: token_ids do not match the KV")
+        if ids is not None and (token_ids_sha256(ids) != meta.get("token_ids_sha256") or len(ids) != k.shape[1]):
+            raise ExtractionError(f"corrupt KV dump {path}: token_ids do not match the KV")
     return k, v, meta
+
+
+def metadata_ids(meta: dict[str, str], field: str, path: str | os.PathLike = "?",
+                 max_len: int | None = None, what: str | None = None) -> list[int] | None:
+    """The token ids a dump's metadata ``field`` holds (``token_ids``, ``question_ids``,
+    ``continuation_ids``) as a list of int, or None when the field is absent.
+
+    The field is untrusted text: it must be a flat JSON array of at most ``max_len``
+    integers in ``[0, 2**31 - 1]`` (``max_len`` None: bounded by size alone), at most
+    ``BYTES_PER_TOKEN`` bytes per entry. Raises ExtractionError (one line naming the file
+    and field) for text over the size bound, nested deeper than a flat list, not JSON,
+    or holding anything but integers in range. ``what`` replaces the message's default
+    head, "corrupt KV dump PATH: FIELD".
+    """
+    text = meta.get(field)
+    if text is None:
+        return None
+    what = what or f"corrupt KV dump {path}: {field}"
+    limit = MAX_LIST_FIELD_BYTES if max_len is None else BYTES_PER_TOKEN * max_len + 64
+    value = parse(text, what=what, max_bytes=limit, max_depth=1, error=ExtractionError)
+    return int_list(value, what=what, max_len=limit if max_len is None else max_len,
+                    hi=MAX_TOKEN_ID, error=ExtractionError)
+
+
+def metadata_strings(meta: dict[str, str], field: str, path: str | os.PathLike = "?") -> list[str]:
+    """A dump's metadata ``field`` holding a JSON array of strings (``answers``); [] when
+    absent. Raises ExtractionError for text over 1 MiB, nested, not JSON or not strings."""
+    text = meta.get(field)
+    if text is None:
+        return []
+    what = f"corrupt KV dump {path}: {field}"
+    value = parse(text, what=what, max_bytes=MAX_LIST_FIELD_BYTES, max_depth=1, expect=list,
+                  error=ExtractionError)
+    if not all(isinstance(x, str) for x in value):
+        raise ExtractionError(f"{what}: expected a JSON array of strings")
+    return value

@@ -104,6 +104,6 @@ def recv_frame(
     body is allocated), ConnectionClosed (EOF), socket.timeout or OSError."""
     hdr = recv_exact(sock, HEADER_SIZE, at_frame_start=True)
     ftype, ml, bl = parse_header(bytes(hdr), max_meta, max_body)
-    meta = parse_meta(recv_exact(sock, ml)) if ml else {}
+    meta = parse_meta(recv_exact(sock, ml), max_meta) if ml else {}
     body = recv_exact(sock, bl) if bl else b""
     return Frame(ftype, meta, body)

@@ -13,12 +13,16 @@ import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.errors import ProtocolError
 
 MAGIC = b"CGKV"
 HEADER = struct.Struct("<4sBIQ")
 HEADER_SIZE = HEADER.size  # 17 bytes
 DEFAULT_MAX_META = 4 << 20  # 4 MiB: a manifest of a 100K-token context with its token ids fits
+# Frame metadata is a flat request (key, levels, counts) or a manifest, four levels deep at
+# most; deeper nesting is refused before parsing.
+MAX_META_DEPTH = 32
 DEFAULT_MAX_BODY = 1 << 30  # 1 GiB: far above one encoded chunk (tens of MB raw at 1.5K tokens)
 
 
@@ -93,17 +97,15 @@ def parse_header(
     return FrameType(ftype), meta_len, body_len
 
 
-def parse_meta(mb: bytes | bytearray) -> dict:
-    """Decode the JSON metadata of a frame; it must be a JSON object. Raises ProtocolError."""
+def parse_meta(mb: bytes | bytearray, max_meta: int | None = None) -> dict:
+    """Decode the JSON metadata of a frame; it must be a JSON object of at most
+    ``max_meta`` bytes (default DEFAULT_MAX_META) nested at most MAX_META_DEPTH deep.
+    Raises ProtocolError (one line) for anything else: over a bound, not UTF-8, not JSON,
+    another top-level type."""
     if not mb:
         return {}
-    try:
-        meta = json.loads(bytes(mb).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ProtocolError(f"frame metadata is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise ProtocolError(f"frame metadata must be a JSON object, got {type(meta).__name__}")
-    return meta
+    return parse_bounded_json(mb, what="frame metadata", max_bytes=DEFAULT_MAX_META if max_meta is None else max_meta,
+                              max_depth=MAX_META_DEPTH, expect=dict, error=ProtocolError)
 
 
 def decode_frame(
@@ -117,5 +119,5 @@ def decode_frame(
     end = HEADER_SIZE + ml + bl
     if len(buf) < end:
         raise ProtocolError(f"truncated frame: {len(buf)} of {end} bytes")
-    meta = parse_meta(buf[HEADER_SIZE : HEADER_SIZE + ml])
+    meta = parse_meta(buf[HEADER_SIZE : HEADER_SIZE + ml], max_meta)
     return Frame(ftype, meta, bytes(buf[HEADER_SIZE + ml : end])), end

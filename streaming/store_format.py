@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import array
 import hashlib
-import json
 import secrets
 import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.errors import StoreError
 from streaming.identity_check import check_entry
 from streaming.identity_entry import EntryIdentity
@@ -25,6 +25,22 @@ MANIFEST_FORMAT = "cgh-manifest-v2"
 LEGACY_MANIFEST_FORMATS = ("cgh-manifest-v1",)
 _ANY = object()  # put_manifest without a base: no race check (last writer wins)
 _KEY_DOMAIN = b"cgh-context-key-v1\x00"
+
+
+# The largest manifest a reader parses: a manifest holds the context's token ids (about
+# 7 bytes each) and a few numbers per chunk and level, ~1 MiB for 100K tokens; 64 MiB is a
+# context of several million tokens. Deeper nesting than 32 is never written (a manifest
+# is at most four levels deep).
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_DEPTH = 32
+
+
+def manifest_json(raw: bytes | bytearray | memoryview | str, what: str = "stored manifest") -> dict:
+    """The JSON object of a stored manifest's bytes, parsed within MAX_MANIFEST_BYTES and
+    MAX_MANIFEST_DEPTH (untrusted: the store is shared). Raises StoreError (one line) for
+    bytes over either bound, not UTF-8, not JSON, or not a JSON object."""
+    return parse_bounded_json(raw, what=what, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH,
+                              expect=dict, error=StoreError)
 
 
 def context_key(model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int]) -> str:
@@ -269,9 +285,9 @@ def _parse_gen(raw: bytes | None) -> str | None:
     if raw is None:
         return None
     try:
-        g = json.loads(raw.decode("utf-8")).get("gen")
+        g = manifest_json(raw).get("gen")
         return g if isinstance(g, str) else ""
-    except (UnicodeDecodeError, ValueError, AttributeError):
+    except StoreError:
         return ""
 
 
@@ -282,10 +298,10 @@ def manifest_gens(raw: bytes | None) -> tuple[str | None, str | None]:
     if raw is None:
         return None, None
     try:
-        d = json.loads(raw.decode("utf-8"))
+        d = manifest_json(raw)
         prev = d.get("prev")
         g, p = d.get("gen"), prev.get("gen") if isinstance(prev, dict) else None
-    except (UnicodeDecodeError, ValueError, AttributeError):
+    except StoreError:
         return None, None
     return (g if isinstance(g, str) else None), (p if isinstance(p, str) else None)
 

@@ -12,6 +12,8 @@ import logging
 import threading
 from typing import Sequence
 
+from cachegen_common.bounded_json import JsonBoundsError
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.backends import StoreBackend
 from streaming.errors import StoreError, StoreRaceLostError
 from streaming.identity_entry import EntryIdentity
@@ -26,6 +28,7 @@ from streaming.store_format import (
     _manifest_key,
     _parse_gen,
     manifest_gens,
+    manifest_json,
 )
 from streaming.store_steps import save_steps
 
@@ -129,11 +132,11 @@ class KVStore:
             prev_of_cur = None
             if cur is not None:
                 try:
-                    old = json.loads(cur.decode("utf-8"))
+                    old = manifest_json(cur)
                     d["prev"] = {"gen": _check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
                                  "chunk_count": int(old["chunk_count"])}
                     prev_of_cur = old.get("prev")
-                except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+                except (StoreError, ValueError, KeyError, TypeError, AttributeError):
                     d["prev"] = None
             else:
                 d["prev"] = None
@@ -212,8 +215,8 @@ class KVStore:
             return None, "unknown key" if gen is None else \
                 f"generation {gen[:8]} gone (the entry was replaced since it was planned)"
         try:
-            m = Manifest.from_dict(json.loads(raw.decode("utf-8")))
-        except (StoreError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            m = Manifest.from_dict(manifest_json(raw))
+        except StoreError as e:
             return None, f"stored manifest unusable: {e}"
         if m.key != key:
             return None, "stored manifest belongs to another key"
@@ -300,7 +303,7 @@ def _cal_named(data: bytes, h: str) -> bool:
         n = int.from_bytes(bytes(data[:8]), "little")
         if not 0 < n <= min(len(data) - 8, 1 << 24):
             return False
-        head = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
+        head = parse_bounded_json(data[8:8 + n], what="calibration artifact header", max_bytes=n, expect=dict)
         return (head.get("__metadata__") or {}).get("hash") == h
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (JsonBoundsError, AttributeError):
         return False

@@ -8,12 +8,11 @@ streaming.store_format. Re-exported by streaming.store. Not runnable by itself.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Sequence
 
 from streaming.errors import ProtocolError, StoreError, StoreOutcomeUnknownError, StoreUnavailableError
-from streaming.store_format import Manifest, _check_gen, _parse_gen, new_generation
+from streaming.store_format import Manifest, _check_gen, _parse_gen, manifest_json, new_generation
 
 logger = logging.getLogger("cachegen.store")
 
@@ -28,10 +27,10 @@ def _prev_of(raw: bytes | None) -> dict | None:
     if raw is None:
         return None
     try:
-        old = json.loads(raw.decode("utf-8"))
+        old = manifest_json(raw)
         return {"gen": _check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
                 "chunk_count": int(old["chunk_count"])}
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -130,12 +129,12 @@ def _prev_of_prev(raw: bytes | None) -> dict | None:
     if raw is None:
         return None
     try:
-        prev = json.loads(raw.decode("utf-8")).get("prev")
+        prev = manifest_json(raw).get("prev")
         if not prev:
             return None
         return {"gen": _check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
                 "chunk_count": int(prev["chunk_count"])}
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

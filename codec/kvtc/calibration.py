@@ -26,6 +26,11 @@ from ..level_table import KVTC_DEFAULT_LEVEL
 
 CALIBRATION_FORMAT = "kvtc-calibration"
 CALIBRATION_VERSION = 1
+# The artifact's "kvtc" metadata is a flat record with a small provenance object (a few
+# KiB, three levels deep); an artifact over these bounds is not one this codec wrote
+# (artifacts come back from a shared KV store: untrusted).
+MAX_INFO_CHARS = 1 << 20
+MAX_INFO_DEPTH = 16
 # level -> target bits per coded element (empirical entropy on the calibration data);
 # bf16 is 16 bits per element. Chosen on WikiText-2 VALIDATION windows with the default
 # calibration (joint basis of the K and V of 2 layers, metric-whitened; docs/codec.md
@@ -244,6 +249,17 @@ class KvtcCalibration:
         return p
 
 
+def _nesting(value) -> int:
+    """Nesting depth of a parsed JSON value (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
     """Read and verify a calibration artifact (safetensors; no pickle).
     Raises CodecError if the file is missing, not a KVTC calibration, of another version,
@@ -257,9 +273,17 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
         with safe_open(str(p), framework="numpy") as f:
             md = f.metadata() or {}
             t = {k: f.get_tensor(k) for k in f.keys()}
-        info = json.loads(md.get("kvtc", "null"))
+        raw_info = md.get("kvtc", "null")
+        if len(raw_info) > MAX_INFO_CHARS:
+            raise CodecError(f"{p}: calibration metadata of {len(raw_info)} characters, over the "
+                             f"limit of {MAX_INFO_CHARS} (not an artifact this codec wrote)")
+        info = json.loads(raw_info)
+        if _nesting(info) > MAX_INFO_DEPTH:
+            raise CodecError(f"{p}: calibration metadata nested more than {MAX_INFO_DEPTH} levels deep")
     except CodecError:
         raise
+    except RecursionError:   # JSON nested deeper than the interpreter allows: hostile bytes
+        raise CodecError(f"cannot read KVTC calibration {p}: metadata nested too deeply") from None
     except Exception as e:   # safetensors/JSON parse errors of a damaged file
         raise CodecError(f"cannot read KVTC calibration {p}: {type(e).__name__}: {e}") from None
     if not isinstance(info, dict) or info.get("format") != CALIBRATION_FORMAT:

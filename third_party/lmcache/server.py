@@ -43,6 +43,8 @@ def check_adapters(args: list[str]) -> None:
             cfg = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--l2-adapter is not JSON ({e}): {value[:80]!r}") from None
+        except RecursionError:   # an option is two levels deep; this is not an adapter
+            raise ValueError(f"--l2-adapter is nested too deeply: {value[:80]!r}") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"--l2-adapter must be a JSON object, got {value[:80]!r}")
         serde = cfg.get("serde")

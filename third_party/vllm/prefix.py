@@ -34,9 +34,14 @@ import json
 import sys
 from typing import Any, Sequence
 
+from cachegen_common.bounded_json import parse as parse_bounded_json
+
 CHAIN_TOKENS = 256   # tokens per chain link (LMCache's default chunk size); multiple of 128
 INDEX_FORMAT = "cgh-prefix-index-v1"
 MAX_ENTRIES = 16     # entries listed per record (most recent kept)
+# A record lists MAX_ENTRIES entries of ~150 bytes; a stored record over 64 KiB is not ours
+# and is read as no record, like any malformed one.
+MAX_RECORD_BYTES = 64 << 10
 _DOMAIN = b"cgh-prefix-chain-v1\x00"
 
 
@@ -70,12 +75,13 @@ def _read_record(client, key: str) -> list[dict[str, Any]]:
     if not data:
         return []
     try:
-        rec = json.loads(data)
-        if rec.get("format") != INDEX_FORMAT:
+        rec = parse_bounded_json(data, what="prefix index record", max_bytes=MAX_RECORD_BYTES, expect=dict)
+        entries = rec.get("entries", [])
+        if rec.get("format") != INDEX_FORMAT or not isinstance(entries, list):
             return []
-        return [e for e in rec.get("entries", []) if isinstance(e, dict)
+        return [e for e in entries if isinstance(e, dict)
                 and isinstance(e.get("key"), str) and isinstance(e.get("tokens"), int)]
-    except (ValueError, AttributeError):
+    except ValueError:
         return []  # a malformed record is no record
 
 

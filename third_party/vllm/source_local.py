@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.context_keys import key_file_name
 from streaming.identity_check import check_entry
 from streaming.identity_entry import EntryIdentity
 from streaming.identity_sources import codec_identity
+from streaming.store_format import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
 from third_party.vllm.source_base import (
     ChunkSink,
     DecodeFn,
@@ -151,10 +153,48 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
     yield ("manifest", d)
 
 
+def _parse_manifest_file(p: Path):
+    """The JSON value of the manifest file at p, read and parsed within the store's manifest
+    bounds (size, nesting): the folder may be shared, its files are untrusted. Raises
+    FileNotFoundError / OSError, or JsonBoundsError (a ValueError) with one line."""
+    with open(p, "rb") as fh:
+        raw = fh.read(MAX_MANIFEST_BYTES + 1)
+    return parse_bounded_json(raw, what=f"manifest {p}", max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH)
+
+
+def _ints(x, n: int | None = None) -> bool:
+    return isinstance(x, list) and (n is None or len(x) == n) and all(type(t) is int and t >= 0 for t in x)
+
+
+def _manifest_fields_problem(man: dict) -> str | None:
+    """Why a parsed local manifest's fields have the wrong types or disagree (None when
+    they are usable): chunk_tokens, sizes (ints >= 0, one per chunk), sha256 (str per
+    chunk), num_tokens (int) and as many token_ids (ints), gen (str), info and identity
+    (objects), calibrations (list)."""
+    ct = man.get("chunk_tokens")
+    if not _ints(ct) or not ct or 0 in ct:
+        return "chunk_tokens is not a list of positive integers"
+    if not _ints(man.get("sizes"), len(ct)):
+        return "sizes is not one integer per chunk"
+    sha = man.get("sha256")
+    if not isinstance(sha, list) or len(sha) != len(ct) or not all(isinstance(h, str) for h in sha):
+        return "sha256 is not one string per chunk"
+    n = man.get("num_tokens")
+    if type(n) is not int or not _ints(man.get("token_ids"), n):
+        return "num_tokens and token_ids disagree"
+    if not isinstance(man.get("gen"), str) or not isinstance(man.get("info", {}), dict):
+        return "gen or info has the wrong type"
+    if not isinstance(man.get("identity", {}), (dict, type(None))):
+        return "identity is not an object"
+    if not isinstance(man.get("calibrations", []), list):
+        return "calibrations is not a list"
+    return None
+
+
 def _read_local_manifest(p: Path) -> dict | None:
     """The JSON manifest at p (None when absent; {} when unreadable)."""
     try:
-        m = json.loads(p.read_text())
+        m = _parse_manifest_file(p)
         return m if isinstance(m, dict) else {}
     except FileNotFoundError:
         return None
@@ -308,7 +348,7 @@ class LocalDirSource:
         t0 = time.perf_counter()
         d = self._dir(params)
         try:
-            man = json.loads((d / MANIFEST).read_text())
+            man = _parse_manifest_file(d / MANIFEST)
         except FileNotFoundError:
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": "no manifest"})
         except (OSError, ValueError) as e:
@@ -318,6 +358,9 @@ class LocalDirSource:
                    "chunks written in place, no checksums): not served; save it again")
             logger.warning("local source: miss for %s: %s", lookup_subject(params), why)
             return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": why})
+        bad = _manifest_fields_problem(man)
+        if bad:
+            return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"manifest unusable: {bad}"})
         if man.get("context_key", params.get("context_key")) != params.get("context_key"):
             return Lookup(0, lookup_s=time.perf_counter() - t0,
                           info={"miss": "the folder holds another context key"})
@@ -375,10 +418,13 @@ class LocalDirSource:
         decode = self._decode_fn or default_decode_fn()
         try:
             g = _gen_dir(d, lookup.info.get("gen"))
-            man = json.loads((g / MANIFEST).read_text())
+            man = _parse_manifest_file(g / MANIFEST)
         except (OSError, ValueError) as e:
             raise SourceMiss(f"local entry {d.name!r} replaced since the lookup (its generation "
                              f"is gone: {e})") from None
+        bad = _manifest_fields_problem(man) if isinstance(man, dict) else "not a JSON object"
+        if bad:
+            raise SourceMiss(f"local entry {d.name!r}: planned manifest unusable: {bad}")
         if [int(t) for t in man.get("chunk_tokens", [])] != [int(t) for t in lookup.chunk_tokens]:
             raise SourceMiss(f"local entry {d.name!r}: the planned generation's chunking differs "
                              "from the lookup's plan")
