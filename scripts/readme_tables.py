@@ -318,9 +318,9 @@ def replace_block(readme: str, block: str, start: str = START, end: str = END) -
     return f"{head}{start}\n{block}{end}{tail}"
 
 
-def _rel(path: Path) -> str:
+def _rel_to(path: Path, root: Path = ROOT) -> str:
     try:
-        return os.path.relpath(Path(path).resolve(), ROOT)
+        return os.path.relpath(Path(path).resolve(), Path(root).resolve())
     except ValueError:
         return str(path)
 
@@ -334,18 +334,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python scripts/readme_tables.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
                     help="do not write; exit 1 with a unified diff when a generated block is stale")
-    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results.json"))
-    ap.add_argument("--readme", default=str(ROOT / "README.md"),
-                    help="the front README: the headline block (default: README.md)")
-    ap.add_argument("--tables", default=str(ROOT / "benchmarks" / "README.md"),
-                    help="the results, quality and adaptation blocks (default: benchmarks/README.md)")
+    ap.add_argument("--root", default=str(ROOT),
+                    help="the folder the default paths below and the file names written into the tables are "
+                         "relative to (default: this checkout); tests point it at a copy of the last commit's files")
+    ap.add_argument("--results", default=None, help="results.json (default: ROOT/benchmarks/results.json)")
+    ap.add_argument("--readme", default=None,
+                    help="the front README: the headline block (default: ROOT/README.md)")
+    ap.add_argument("--tables", default=None,
+                    help="the results, quality and adaptation blocks (default: ROOT/benchmarks/README.md)")
     ap.add_argument("--quality", default=None,
                     help="quality.json of python -m bench.quality (default: quality.json beside --results)")
     ap.add_argument("--adaptation", default=None,
                     help="adaptation.json of python -m bench.adapt (default: adaptation.json beside --results)")
     a = ap.parse_args(argv)
-    readme_path, tables_path = Path(a.readme), Path(a.tables)
-    res_path = Path(a.results)
+    root = Path(a.root)
+    readme_path = Path(a.readme or root / "README.md")
+    tables_path = Path(a.tables or root / "benchmarks" / "README.md")
+    res_path = Path(a.results or root / "benchmarks" / "results.json")
+
+    def _rel(path: Path) -> str:   # names in the tables and messages, relative to --root
+        return _rel_to(path, root)
+
     q_path = Path(a.quality) if a.quality else res_path.parent / "quality.json"
     ad_path = Path(a.adaptation) if a.adaptation else res_path.parent / "adaptation.json"
     try:

@@ -116,3 +116,19 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="session")
+def committed_file():
+    """``committed_file("notebooks/x.ipynb") -> bytes``: the file as the last commit holds
+    it in a git checkout (what a user's own run, notebook session or edit leaves in the
+    working tree does not make a committed-file test fail), else the working tree's copy."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def read(rel: str) -> bytes:
+        cp = subprocess.run(["git", "-C", str(root), "show", f"HEAD:{rel}"], capture_output=True, timeout=60)
+        return cp.stdout if cp.returncode == 0 else (root / rel).read_bytes()
+
+    return read
