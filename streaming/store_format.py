@@ -202,6 +202,13 @@ class Manifest:
                                  "checksums, chunks written in place): not served; store it again")
             if d.get("format") != MANIFEST_FORMAT:
                 raise StoreError(f"unknown manifest format {d.get('format')!r}")
+            for name, kind in (("levels", list), ("token_ranges", list), ("text", list), ("sizes", dict),
+                               ("crc32", dict), ("sha256", dict)):
+                if not isinstance(d.get(name), kind):   # a str would pass int() per character
+                    what = "array" if kind is list else "object"
+                    raise StoreError(f"malformed manifest: {name} is not a JSON {what}")
+            if not all(isinstance(ids, list) for ids in d["text"]):
+                raise StoreError("malformed manifest: text is not a list of token id arrays")
             levels = tuple(int(x) for x in d["levels"])
             n = int(d["chunk_count"])
             ranges = tuple((int(a), int(b)) for a, b in d["token_ranges"])

@@ -309,6 +309,32 @@ def test_store_reads_a_hostile_manifest_as_a_miss(store_server, name):
         assert m is not None and m.prev is None, c.last_miss_reason
 
 
+@pytest.mark.parametrize("field,value", [
+    ("identity", {"level_configs": 5}), ("identity", {"num_layers": "x"}), ("identity", [1, 2]),
+    ("identity", "abc"), ("identity", {"calibration_hash": 5}), ("identity", {"model_id": {"a": [1]}}),
+    ("levels", [[1]]), ("levels", "1"), ("text", ["0123456789", "0123456789"]), ("sizes", [1, 2]), ("crc32", {"1": "x"}), ("text", [["a"]]),
+    ("token_ranges", [[0]]), ("gen", 5), ("prev", [1]), ("calibrations", [5]), ("meta", [1]),
+    ("chunk_count", "two"), ("key", 5),
+])
+def test_store_reads_a_manifest_with_wrong_types_as_a_miss(tmp_path, field, value):
+    from streaming import standin
+    from streaming.folder_backend import LocalFolderBackend
+    from streaming.store_format import build_manifest
+    from streaming.store_kv import KVStore
+
+    st = KVStore(LocalFolderBackend(tmp_path))
+    chunks = {1: [standin.make_chunk(1000 + i, seed=i) for i in range(2)]}
+    key, man = build_manifest("m", "w", "standin", list(range(20)), chunks, [(0, 10), (10, 20)])
+    for i, c in enumerate(chunks[1]):
+        st.put_chunk(key, 1, i, c, man["gen"])
+    st.put_manifest(man)
+    assert st.get_manifest(key)[0] is not None
+    raw = st.backend.get(f"ctx/{key}/manifest")
+    st.backend.put(f"ctx/{key}/manifest", json.dumps({**json.loads(raw), field: value}).encode())
+    m, why = st.get_manifest(key)
+    assert m is None and "stored manifest unusable" in why and "\n" not in why, why
+
+
 def test_manifest_over_the_size_bound_is_refused(tmp_path):
     from streaming.errors import StoreError
     from streaming.store_format import MAX_MANIFEST_BYTES, manifest_json
