@@ -17,7 +17,6 @@ leftovers of dead runs now.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cachegen_common.bounded_json import JsonBoundsError
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from cachegen_common.files import atomic_write_json
 
 SHM_DIR = Path("/dev/shm")
@@ -243,8 +244,8 @@ def cleanup_stale_runs(cache: Path | None = None, log=None) -> list[str]:
     out: list[str] = []
     for path in sorted(runs_dir(cache).glob("*.json")):
         try:
-            rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+            rec = parse_bounded_json(path.read_bytes(), what=str(path), max_bytes=1 << 20, expect=dict)
+        except (OSError, JsonBoundsError):   # not a record this harness wrote: dropped
             path.unlink(missing_ok=True)
             continue
         if rec.get("pid") == os.getpid() or _same_process(rec):

@@ -34,6 +34,7 @@ import urllib.parse
 import zipfile
 from pathlib import Path
 
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from cachegen_common.files import files_sha256
 from cachegen_common.kv_config import config_json_of
 from kv_extraction_hf.errors import ExtractionError, run_cli
@@ -68,6 +69,10 @@ from kv_extraction_hf.model_fetch import (  # noqa: F401  (re-exported: the regi
     _one_line,
 )
 
+# The cache's own JSON records (a weights hash record lists a folder's files, a source
+# record a conversion's provenance): a few KiB; the cache may be shared, so a record over
+# 16 MiB or nested deeper than 32 is read as no record.
+MAX_RECORD_BYTES = 16 << 20
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -145,8 +150,9 @@ def weights_hash(folder: str | os.PathLike) -> str:
     hash_dir.mkdir(exist_ok=True)
     record = hash_dir / (hashlib.sha1(str(folder).encode()).hexdigest() + ".json")
     if record.is_file():
-        with contextlib.suppress(ValueError, OSError):
-            saved = json.loads(record.read_text())
+        with contextlib.suppress(ValueError, OSError):   # an unusable record is recomputed
+            saved = parse_bounded_json(record.read_bytes(), what=str(record), max_bytes=MAX_RECORD_BYTES,
+                                       max_depth=4, expect=dict)
             if saved.get("files") == stamp:
                 return saved["sha256"]
     digest = files_sha256(files)
@@ -376,7 +382,8 @@ def _source_record(folder: Path) -> dict:
     """The folder's ``cachegen_source.json`` (written by :func:`convert_gguf`), {} when absent
     or unreadable."""
     try:
-        rec = json.loads((Path(folder) / SOURCE_FILE).read_text())
+        rec = parse_bounded_json((Path(folder) / SOURCE_FILE).read_bytes(), what=SOURCE_FILE,
+                                 max_bytes=MAX_RECORD_BYTES)
     except (OSError, ValueError):
         return {}
     return rec if isinstance(rec, dict) else {}

@@ -17,10 +17,11 @@ Not runnable by itself.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from cachegen_common.bounded_json import parse as parse_bounded_json
 
 ARTIFACT_DIR = Path(__file__).resolve().parent / "traces_data"
 RECORDED_FILE = "bw_traces_gbps.jsonl"
@@ -68,6 +69,11 @@ def step(values_mbps: Sequence[float], chunks_per_step: int, n: int | None = Non
     return Trace("step-" + "-".join(f"{v:g}" for v in values_mbps), tuple(out))
 
 
+# A trace line is {"bw": [Gbit/s per chunk]}: a few bytes per chunk; 16 MiB is millions of
+# chunks, and a line over it (or nested deeper than that list) is not a trace.
+MAX_LINE_BYTES = 16 << 20
+
+
 def load_artifact_traces(path: str | Path | None = None, scale: float = DEFAULT_SCALE) -> list[Trace]:
     """Traces from an artifact jsonl (Gbit/s per chunk) -> Mbit/s * scale, floored at 1 Mbit/s.
     Default: every *.jsonl in ARTIFACT_DIR. Raises ValueError on a malformed line."""
@@ -80,9 +86,10 @@ def load_artifact_traces(path: str | Path | None = None, scale: float = DEFAULT_
             if not line.strip():
                 continue
             try:
-                bw = json.loads(line)["bw"]
+                bw = parse_bounded_json(line, what="trace line", max_bytes=MAX_LINE_BYTES, max_depth=2,
+                                        expect=dict)["bw"]
                 vals = tuple(max(MIN_MBPS, float(g) * 1000.0 * scale) for g in bw)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{p}:{i + 1}: not a {{'bw': [...]}} trace line: {e}") from None
             if not vals:
                 raise ValueError(f"{p}:{i + 1}: empty trace")

@@ -423,3 +423,32 @@ def test_lmcache_frame_refuses_an_oversized_ident():
     frame = pack_frame(_deep_lists(MAX_IDENT).encode(), [b"x"])
     with pytest.raises(ValueError, match="out of range"):
         parse_frame(memoryview(frame))
+
+
+# --------------------------------------------------------------------------- trace files, the cache's records
+
+@pytest.mark.parametrize("line", [*DEEP_DOCS.values(), '{"bw": ' + _deep_lists(3) + "}", "[1]", '"bw"',
+                                  '{"bw": "fast"}', '{"bw": {"a": 1}}', '{"bw": [' + "1," * 9_000_000 + "1]}"])
+def test_trace_file_refuses_hostile_lines(tmp_path, line):
+    from streaming.traces import load_artifact_traces
+
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"bw": [0.1, 0.2]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl:2: not a \{'bw'"):
+        load_artifact_traces(p)
+
+
+@pytest.mark.parametrize("doc", [*DEEP_DOCS.values(), "[1]", '"x"', "{" + " " * (17 << 20) + "}"])
+def test_the_caches_records_are_read_as_absent_when_hostile(tmp_path, monkeypatch, doc):
+    from harness import lifecycle
+    from kv_extraction_hf import model
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / model.SOURCE_FILE).write_text(doc)
+    assert model._source_record(folder) == {}
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "dead.json").write_text(doc)
+    monkeypatch.setattr(lifecycle, "runs_dir", lambda cache=None: runs)
+    assert lifecycle.cleanup_stale_runs() == [] and not (runs / "dead.json").exists()
