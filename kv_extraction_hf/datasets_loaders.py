@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from pathlib import Path
 
+from cachegen_common.bounded_json import parse as parse_bounded_json
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.textcheck import check_text
 from kv_extraction_hf.wikitext import WIKITEXT_HUB, _offline_requested  # defined there (no cycle)
@@ -127,6 +127,9 @@ def load_wikitext2(source: str | None = None, split: str = "test") -> str:
 # JSONL with a field mapping (``--data-path`` with ``--task longchat|longbench|jsonl``)
 
 USER_DATA_TASKS = ("longchat", "longbench", "jsonl")
+# One row of a user's JSONL file: a long context is a few MB of text; a line over 256 MiB
+# or nested deeper than 32 levels is not a dataset row (refused before it is parsed).
+MAX_ROW_BYTES = 256 << 20
 DATA_ROLES = ("context", "question", "answers")
 LONGCHAT_FIELDS = ("test_id", "prompt", "label")
 LONGCHAT_QUESTION_MARKER = "Now the record ends."
@@ -185,12 +188,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ExtractionError(f"{p} line {n} is not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise ExtractionError(f"{p} line {n} is a JSON {type(row).__name__}, not an object")
+        row = parse_bounded_json(line, what=f"{p} line {n}", max_bytes=MAX_ROW_BYTES, expect=dict,
+                                 error=ExtractionError)
         rows.append(row)
     if not rows:
         raise ExtractionError(f"{p} holds no rows")

@@ -99,8 +99,13 @@ def test_wrong_fields_and_bad_files_are_one_clear_error(tmp_path):
         D.load_user_data("longchat", lc)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"a": 1}\nnot json\n')
-    with pytest.raises(ExtractionError, match="line 2 is not JSON"):
+    with pytest.raises(ExtractionError, match="line 2: not valid JSON"):
         D.read_jsonl(bad)
+    # a hostile row: nested far past any dataset's shape, or not an object
+    for row in ("[" * 200_000 + "]" * 200_000, '{"a":' * 100_000 + "1" + "}" * 100_000, "[1, 2]"):
+        bad.write_text('{"a": 1}\n' + row + "\n")
+        with pytest.raises(ExtractionError, match="line 2: (JSON nested more than 32|expected a JSON object)"):
+            D.read_jsonl(bad)
     with pytest.raises(ExtractionError, match="not found"):
         D.read_jsonl(tmp_path / "missing.jsonl")
     with pytest.raises(ExtractionError, match="role 'ctx' is unknown"):
