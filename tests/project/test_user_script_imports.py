@@ -1,6 +1,7 @@
 """A user's script kept in its own folder, beside files with the most common module names
 (common.py, utils.py, config.py, helpers.py, ...), imports the harness's entry modules with
-PYTHONPATH at the repository: no top-level name of the project is one that a user's file
+PYTHONPATH at the repository (a module whose optional dependency, e.g. lmcache, is not
+installed is left out): no top-level name of the project is one that a user's file
 beside a script shadows (Python puts the script's folder first on sys.path), and no
 project module imports such a name.
 
@@ -39,17 +40,20 @@ def _entry_modules() -> list[str]:
 SCRIPT = """
 import importlib, json, sys
 entries = json.loads(sys.argv[1])
-failed = {}
+failed, optional = {}, {}
 for mod in entries:
     try:
         importlib.import_module(mod)
+    except ModuleNotFoundError as e:   # an optional dependency (lmcache, ...) absent from this venv
+        top = (e.name or "").split(".")[0]
+        (optional if top not in PROJECT and top not in USER_FILES else failed)[mod] = f"{type(e).__name__}: {e}"
     except Exception as e:  # a user's file shadowing a project module surfaces here
         failed[mod] = f"{type(e).__name__}: {e}"
 # the user's own files are theirs: nothing of the harness imported them ...
 shadowed = sorted(n for n in USER_FILES if n in sys.modules)
 # ... and the script still imports them
 import common, utils, config, helpers
-print(json.dumps({"failed": failed, "shadowed": shadowed,
+print(json.dumps({"failed": failed, "optional": optional, "shadowed": shadowed,
                   "user": [m.ORIGIN for m in (common, utils, config, helpers)]}))
 """
 
@@ -59,7 +63,8 @@ def test_a_users_script_beside_common_py_imports_the_harness(tmp_path):
     user.mkdir()
     for name in USER_FILES:
         (user / f"{name}.py").write_text(f'ORIGIN = "user"\nfiles = config = None  # the user\'s {name}.py\n')
-    (user / "script.py").write_text(f"USER_FILES = {USER_FILES!r}\n" + SCRIPT)
+    project = sorted({m.split(".")[0] for m in _entry_modules()} | set(PACKAGES))
+    (user / "script.py").write_text(f"USER_FILES = {USER_FILES!r}\nPROJECT = {project!r}\n" + SCRIPT)
     entries = _entry_modules()
     assert {"run_benchmarks", "visualize_results", "kv_extraction_hf", "streaming.store"} <= set(entries)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
