@@ -37,7 +37,7 @@ from pathlib import Path
 
 from cachegen_common import flags  # stdlib only: the shared flag spellings
 
-# The figure code lives in visualize/ (issue 27: modules under 600 lines); its names are
+# The figure code lives in visualize/ (modules under 600 lines); its names are
 # re-exported here for the tests, the notebook and other callers (`import visualize_results as vr`).
 from visualize.data import (  # noqa: F401
     BREAKDOWN_PARTS, DEFAULT_HIGHER_IS_BETTER, DEFAULT_OUT, DEFAULT_RESULTS, MB,

@@ -29,7 +29,7 @@ artifact's own generator ("artifact-generator": --generator-traces, default 100,
 i.i.d. uniform 0.1-10 Gbit/s per chunk, seed --generator-seed 15, used by no tuning set;
 simulated only), constant 10/100/1000 Mbit/s ("constant"), steps
 1000 -> 10 and 10 -> 1000 Mbit/s mid-context ("step"); artifact Gbit/s scaled by --scale.
-Goals (issue 15) are judged per trace set with paired cluster-bootstrap 95% intervals
+Goals are judged per trace set with paired cluster-bootstrap 95% intervals
 (resampling traces, each trace's start offsets together; goals(), cluster_bootstrap_diff).
 Quality: per-level KL from benchmarks/quality.json when present (token-weighted mean KL of
 a load; text chunks are recomputed exactly, KL 0); otherwise quality_kl is null and the
@@ -39,7 +39,7 @@ Run (default; ~3 min quiet (115 s on 2026-11-30 before the held-out set, which a
 5.4 min at load 3.7-4 (2026-12-01), 16 min at load 9-14):  python -m bench.adapt
 Quick (~2 min; ~1 min with --level-table):   python -m bench.adapt --quick
 Simulation only, reusing a level table:      python -m bench.adapt --no-real --level-table benchmarks/adaptation.json
-Round 6's dip reserve (evaluated, not the default): add --dip-reserve
+The dip reserve (evaluated, not the default): add --dip-reserve
 Tuning of the policy (TUNING traces only):   python scripts/adapt_tune.py (docs/streaming.md section 4)
 Output: benchmarks/adaptation.json (schema: docs/results-schema.md, section adaptation.json).
 """
@@ -57,27 +57,27 @@ from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
 from streaming import standin
-from streaming.adapt_model import ClockModel  # noqa: F401 - also re-exported (issue 27 split)
+from streaming.adapt_model import ClockModel  # noqa: F401 - also re-exported (old import path)
 from streaming.adapt_oracle import oracle, oracle_labels  # noqa: F401 - also re-exported
 from streaming.adapt_policy import AdaptivePolicy, FixedPolicy  # noqa: F401 - also re-exported
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
 from streaming.adapt_simulate import simulate  # noqa: F401 - also re-exported
-from streaming.traces import (  # noqa: F401 - also re-exported (issue 27 split)
+from streaming.traces import (  # noqa: F401 - also re-exported (old import path)
     GENERATOR_SEED, Trace, apply_trace, artifact_generated, artifact_generator, artifact_recorded, constant,
     synthetic_uniform,
 )
-from bench.adapt_sim import (  # noqa: F401 - re-exported (issue 27 split)
+from bench.adapt_sim import (  # noqa: F401 - re-exported (old import path)
     LEVELS, SLOS, ISSUE_ALL_TEXT_S, measure_level_table, _table_levels, load_quality,
     start_offsets, rotate, trace_sets, _Man, clock_model, SLO_MARGIN, SLO_RESERVE_S, DIP_RESERVE,
     TUNING, make_adaptive, _kl_of, _util_per_token, simulate_all, _req,
 )
-from bench.adapt_stats import (  # noqa: F401 - re-exported (issue 27 split)
+from bench.adapt_stats import (  # noqa: F401 - re-exported (old import path)
     _ci95, _wilson95, aggregate, GOAL_SET_ORDER, G1_POINTS, BOOT_REPS, BOOT_SEED, cluster_of,
     bootstrap_weights, cluster_bootstrap_diff, cluster_bootstrap_goal2, BOOT_MIN_TRACES,
     _ci_verdict, goals, _goal, _goal_ci,
 )
-from bench.adapt_real import _calibrate_rounds, run_real, sim_vs_real  # noqa: F401 - re-exported (issue 27 split)
-from bench.adapt_report import (  # noqa: F401 - re-exported (issue 27 split)
+from bench.adapt_real import _calibrate_rounds, run_real, sim_vs_real  # noqa: F401 - re-exported (old import path)
+from bench.adapt_report import (  # noqa: F401 - re-exported (old import path)
     _fmt_ci, _num, _print_goal_cis, _print_summary, _requests, _verdict
 )
 
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"(default {DEFAULT_PRESET}: chosen on the tuning traces; 'default': AdaptivePolicy's "
                          "own defaults); recorded as config.policy_preset")
     ap.add_argument("--dip-reserve", action="store_true",
-                    help="run the adaptive policy with round 6's dip reserve (DIP_RESERVE: dip_chunks=5, "
+                    help="run the adaptive policy with the dip reserve (DIP_RESERVE: dip_chunks=5, "
                          "dip_min_samples=3; evaluated, not the default - docs/streaming.md section 4)")
     ap.add_argument("--synthetic", type=int, default=40,
                     help="synthetic tuning traces (trace_set 'synthetic', simulated only; default 40)")

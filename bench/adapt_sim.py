@@ -1,5 +1,5 @@
 """bench.adapt's level table, quality, trace sets, clock model and policy defaults, and the
-simulated sweep (simulate_all). Split out of bench.adapt (issue 27), which re-exports every
+simulated sweep (simulate_all). Split out of bench.adapt, which re-exports every
 name; what the benchmark runs is described there.
 """
 
@@ -168,7 +168,7 @@ def clock_model(table: dict, prefill_tps: float, inject_s_per_token: float, over
 
 
 # The benchmark's adaptive policy is a preset of the ONE policy object
-# streaming.adapt_params.PolicyParams (issue 27.3): "tuned" by default (DEFAULT_PRESET, chosen
+# streaming.adapt_params.PolicyParams: "tuned" by default (DEFAULT_PRESET, chosen
 # on the TUNING traces below), "tuned-dip" with --dip-reserve, any preset with --policy-preset.
 # The constants and comments below are the record of how "tuned" was chosen.
 SLO_MARGIN = POLICY_PRESETS["tuned"].slo_margin  # PolicyParams.slo_margin (its default)
@@ -178,12 +178,12 @@ SLO_MARGIN = POLICY_PRESETS["tuned"].slo_margin  # PolicyParams.slo_margin (its 
 # 0.1-0.3): the smallest value whose SLO-1 s violations exceed the oracle's by <= 5 points there.
 # The 10 recorded artifact traces are the evaluation set and were not used to choose it.
 SLO_RESERVE_S = POLICY_PRESETS["tuned"].slo_reserve_s  # 0.3
-# The rules of round 3 (issue 15), each checked on the same TUNING traces (generated + synthetic
+# The re-planning rules, each checked on the same TUNING traces (generated + synthetic
 # + constant + step, simulated, SLO 0.5/1/2/4 s) against the two goals, never on the artifact's
 # recorded traces: after an abandon the chunk takes its smallest level or text; the probe is the
 # smallest level, cut at half the chunk's recompute time, no back-off; text chosen for quality
 # is deferred to the end of the load and counts as slack for an overrun.
-# Round 4: the plan's floor SLO x min_plan_frac (was SLO / 2: at SLO 0.5 s the 0.25 s reserve
+# The plan's floor SLO x min_plan_frac (was SLO / 2: at SLO 0.5 s the 0.25 s reserve
 # was capped there) and the plain harmonic mean (robust=False: RobustMPC's discount on top of
 # the reserve cost quality without fewer violations) with reserve 0.3 s - chosen on the same
 # TUNING traces with 10 cyclic start offsets per generated trace (435 requests per SLO); see
@@ -192,7 +192,7 @@ SLO_RESERVE_S = POLICY_PRESETS["tuned"].slo_reserve_s  # 0.3
 # field - after_abandon "smallest", probe_level "smallest", probe_deadline_frac 0.5,
 # probe_backoff 1, defer_text, text_slack, early_abandon, early_min_s 0.02, early_margin 0,
 # partial_sample, slo_margin 0.05 - equals AdaptivePolicy's default.)
-# Round 6: the dip reserve (AdaptivePolicy.dip_reserve_s): from the 3rd goodput sample on, the
+# The dip reserve (AdaptivePolicy.dip_reserve_s): from the 3rd goodput sample on, the
 # reserve is min(0.3 s, 5 chunks at their smallest level at the lowest rate in the window) -
 # a link that has not dipped keeps little of it (at SLO 0.5 s the fixed 0.3 s held every plan at
 # level 0). Selected by scripts/adapt_tune.py on TUNING requests only (TUNING["round6"]), then
@@ -200,10 +200,10 @@ SLO_RESERVE_S = POLICY_PRESETS["tuned"].slo_reserve_s  # 0.3
 # lost at 1 s by one request (6% vs oracle 0%) - so NOT the default; `--dip-reserve` runs it.
 DIP_RESERVE = {"dip_chunks": 5, "dip_min_samples": 3}  # = preset "tuned-dip" minus "tuned"
 assert POLICY_PRESETS["tuned-dip"] == POLICY_PRESETS["tuned"].with_(**DIP_RESERVE)
-# Round 5: early abandon from the bytes received (AdaptivePolicy.should_abandon, checked every
+# Early abandon from the bytes received (AdaptivePolicy.should_abandon, checked every
 # 64 KiB as streaming.client does) and the cut transfer's bytes/time as a provisional sample;
 # early_min_bytes is the estimator's sample floor max(64 KiB, 4 shaper bursts) (the burst rule
-# of issue 15, not tuned). Compared on the same TUNING requests only (TUNING["round5"]).
+# of the link estimator, not tuned). Compared on the same TUNING requests only (TUNING["round5"]).
 TUNING = {"evaluation_trace_set": "artifact",
           "tuning_trace_sets": ["generated", "synthetic"],
           "synthetic": "streaming.traces.synthetic_uniform(n_chunks, 40, seed=1): iid uniform 10-1000 Mbit/s",
@@ -233,15 +233,15 @@ TUNING = {"evaluation_trace_set": "artifact",
                                  "KL 0.0697/0.0313/0.0079/0.0019, violations 21/5/2/0% (oracle 19/3/1/0%)",
                                  "robust=True, slo_reserve_s=0.25, min_plan_frac=0.3":
                                  "KL 0.0669/0.0330/0.0106/0.0022, violations 22/5/2/0%"},
-                     "before": "round-3 parameters on the same requests: G1 missed at SLO 0.5 "
+                     "before": "TUNING['round3'] parameters on the same requests: G1 missed at SLO 0.5 "
                                "(26% vs oracle 19%)"},
           "round5": {"trace_sets": ["generated x 10 start offsets", "synthetic x 10 start offsets", "constant",
                                     "step"], "requests_per_slo": 435, "slo_s": [0.5, 1, 2, 4],
                      "compared": {"early_abandon": [False, True], "partial_sample": [False, True],
                                   "early_min_bytes": [65536, 262144], "early_min_s": [0.0, 0.02, 0.05],
                                   "early_margin": [0.0, 0.1, 0.25]},
-                     "criterion": "round 4's (G1 and G2 at every SLO, then the lowest KL summed over the SLOs)",
-                     "results": {"before (round 4)": "KL 0.0697/0.0313/0.0079/0.0019, violations 21/5/2/0%",
+                     "criterion": "TUNING['round4']'s (G1, G2 at every SLO, then the lowest KL summed over the SLOs)",
+                     "results": {"before (the round4 setting)": "KL 0.0697/0.0313/0.0079/0.0019, violations 21/5/2/0%",
                                  "early_min_s=0.02, margin 0, partial_sample (chosen)":
                                  "KL 0.0697/0.0265/0.0055/0.0016, violations 20/3/1/0% (oracle 19/3/1/0%)",
                                  "early_min_s=0": "KL 0.0697/0.0256/0.0055/0.0016, violations 20/3/1/0% - "
@@ -261,7 +261,7 @@ TUNING = {"evaluation_trace_set": "artifact",
                      "compared": {"slo_reserve_frac": [None, 0.2, 0.3], "robust+slo_reserve_s": [0, 0.1, 0.2],
                                   "slo_reserve_s": [0.2, 0.3], "dip_chunks": [3, 5, 8], "dip_min_samples": [2, 3],
                                   "dip_chunks 5 + robust": [True]},
-                     "criterion": "no (tuning set, SLO) where round 5 meets G1 may be lost (where round 5 misses "
+                     "criterion": "no (tuning set, SLO) where TUNING['round5'] meets G1 may be lost (where it misses "
                                   "it, at most 1 point more excess); then the lowest pooled mean KL summed over "
                                   "the SLOs (scripts/adapt_tune.py pick())",
                      "results": {"round5": "violations 181/87/9/1 of 620 (oracle 179/52/3/1), KL "
@@ -272,12 +272,12 @@ TUNING = {"evaluation_trace_set": "artifact",
                                  "not admissible": "reserve_frac 0.2/0.3, robust with reserve 0/0.1/0.2, reserve "
                                                    "0.2, dip 3 or 5 or 8 with 2 samples, dip 5 + robust: G1 lost "
                                                    "on synthetic 0.5 s or markov 2 s"},
-                     "open": "markov 1 s: 88 vs oracle 52 of 200 for every candidate (round 5: 87) - a bad state "
+                     "open": "markov 1 s: 88 vs oracle 52 of 200 for every candidate (base setting: 87) - a bad state "
                              "lasting several chunks is not absorbed by a 0.3 s reserve",
                      "evaluation": "artifact, simulated with the committed level table and calibration (python -m "
                                    "bench.adapt --no-real --level-table benchmarks/adaptation.json --dip-reserve): "
-                                   "violations 40/6/0/0% (round 5: 40/5/0/0%, oracle 40/0/0/0%), KL of met loads "
-                                   "0.0496/0.0244/0.0069/0.0021 (round 5: 0.0704/0.0267/0.0069/0.0021; fixed-l2 "
+                                   "violations 40/6/0/0% (base setting: 40/5/0/0%, oracle 40/0/0/0%), KL of met loads "
+                                   "0.0496/0.0244/0.0069/0.0021 (base setting: 0.0704/0.0267/0.0069/0.0021; fixed-l2 "
                                    "0.0336 at 0.5 s): goal 2 at 0.5 s still missed, goal 1 at 1 s lost by one "
                                    "request -> not adopted as the default"},
           "criterion": "SLO 1 s: violations where the oracle meets the SLO <= 5% of the tuning traces, "

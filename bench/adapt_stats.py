@@ -1,5 +1,5 @@
-"""bench.adapt's per-row aggregation (aggregate), goals (issue 15) and their paired
-cluster-bootstrap 95% intervals. Split out of bench.adapt (issue 27), which re-exports every
+"""bench.adapt's per-row aggregation (aggregate), goals and their paired
+cluster-bootstrap 95% intervals. Split out of bench.adapt, which re-exports every
 name; what the benchmark runs is described there.
 """
 

@@ -43,7 +43,7 @@ from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
 
-# The parts live in their own modules (issue 27: one job per module): the KV sources and
+# The parts live in their own modules (one job per module): the KV sources and
 # the kvtc calibration in bench/codec_contexts.py, one measured row in bench/codec_rows.py
 # (LMCache's peer rows in bench/codec_peer_row.py), the measurements in bench/codec_metrics.py;
 # re-exported here.

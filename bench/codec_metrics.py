@@ -1,6 +1,6 @@
 """Measurements of ``python -m bench.codec``: median wall and CPU time, the decode-time
 breakdown per stage, per-layer relative L2 error and the perplexity / KL / top-1 cost of a
-decoded KV on its continuation. Moved from ``bench/codec.py`` (issue 27), which re-exports
+decoded KV on its continuation. Moved from ``bench/codec.py``, which re-exports
 these names."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _into_fn(chunks: list[bytes]):
 
 
 def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, float]:
-    """Seconds to decode ``chunks`` (issue 14.4): ``e2e_1thread`` (container -> tensors
+    """Seconds to decode ``chunks``: ``e2e_1thread`` (container -> tensors
     in the model dtype, torch and numba on one thread), ``e2e_cpu`` (CPU seconds of the
     default multi-threaded decode: Msym per CPU-second), ``into`` / ``into_1thread``
     (the same into tensors allocated once, ``decode_kv_into``: without the first touch of

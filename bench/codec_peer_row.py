@@ -1,4 +1,4 @@
-"""The LMCache peer rows of ``python -m bench.codec`` (issue 29): each ``--chunk-tokens``
+"""The LMCache peer rows of ``python -m bench.codec``: each ``--chunk-tokens``
 chunk serialised by LMCache's own serde (bench/lmcache_peers.py) and measured with the
 same size, speed, error and quality columns as our codecs' rows (coder-internal columns
 None). Separate from bench.codec_rows because LMCache is optional (its own venv) and its

@@ -110,12 +110,12 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         "sink_share": tot["sink_bytes"] / by,
         "encode_s": enc_s / len(ctxs), "decode_s": dec_s / len(ctxs),
         "encode_msym_s": n_el / enc_s / 1e6, "decode_msym_s": n_el / dec_s / 1e6,
-        # issue 14.4: end-to-end decode (container -> tensors in the model dtype) with
+        # end-to-end decode (container -> tensors in the model dtype) with
         # every core (the figure above), with one thread, per CPU-second (robust on a
         # busy machine), the reference unfused path, and the rANS coder alone
         "decode_e2e_msym_s": n_el / dec_s / 1e6,
         **{f"decode_{key}_msym_s": n_el / val / 1e6 for key, val in dec_extra.items() if val > 0},
-        # issue 16: decode time per 1K tokens (the yardstick across codecs whose symbol
+        # decode time per 1K tokens (the yardstick across codecs whose symbol
         # counts differ), every core and one thread
         "decode_ms_per_1k_tokens": 1e6 * dec_s / (len(ctxs) * int(ctxs[0]["k"].shape[1])),
         **({"decode_1thread_ms_per_1k_tokens": 1e6 * dec_extra["e2e_1thread"]

@@ -1,4 +1,4 @@
-"""Cost as the context grows (issue 28, item 4): TTFT of text, quant8, the cachegen default
+"""Cost as the context grows: TTFT of text, quant8, the cachegen default
 and the kvtc default level at each context length and link rate, with the bytes moved and
 each TTFT part's share, from one ``run_benchmarks.py`` run per context length.
 
@@ -182,7 +182,7 @@ def _run_length(args, length: int, out: Path) -> tuple[list[dict], dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.context_sweep",
-                                description="TTFT vs context length (issue 28.4): one run_benchmarks.py run per length.")
+                                description="TTFT vs context length: one run_benchmarks.py run per length.")
     flags.add_model(p, default=DEFAULT_MODEL, help="model (default %(default)s)")
     flags.add_context_tokens(p, nargs="+", default=list(DEFAULT_LENGTHS),
                              help="context lengths, tokens (default 2048 4096 8192 16384)")

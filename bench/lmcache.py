@@ -1,4 +1,4 @@
-"""Our serdes inside LMCache, measured (issue 29): bytes LMCache writes to its fs and Redis
+"""Our serdes inside LMCache, measured: bytes LMCache writes to its fs and Redis
 backends through them vs no serde and vs LMCache's fp8, CPU decode time vs our own store
 path on the same chunk, and the slot estimate's tightness (actual / estimate).
 
@@ -342,7 +342,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="kvtc calibration artifact (kvtc rows only with it)")
     ap.add_argument("--serde-json", default=None, metavar="JSON",
                     help="extra options for our serdes, e.g. '{\"slot_ratio\": false}' "
-                         "(the max-bound slot of round 12) or '{\"slot_ratio\": 9}'")
+                         "(the max-bound slot, the former default) or '{\"slot_ratio\": 9}'")
     ap.add_argument("--levels", choices=("all", "default"), default="all",
                     help="--estimate: every level (default) or the codecs' default levels")
     flags.add_repeats(ap, default=3)

@@ -1,4 +1,4 @@
-"""LMCache's own serdes as peer rows of bench.codec and bench.quality (issue 29).
+"""LMCache's own serdes as peer rows of bench.codec and bench.quality.
 
 ``lmcache-fp8`` (lmcache.v1.distributed.serde.fp8: cast to float8_e4m3fn, 1 byte per
 element, no scale) and ``lmcache-asym_k16_v8`` (lmcache.v1.distributed.serde.asym_k16_v8:

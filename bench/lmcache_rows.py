@@ -1,4 +1,4 @@
-"""Our LMCache serdes as rows of bench.quality (issue 29): a window's KV stored the way
+"""Our LMCache serdes as rows of bench.quality: a window's KV stored the way
 LMCache's MP mode stores it, object by object, through our ``cachegen`` / ``kvtc``
 serializer, and loaded back through the deserializer, so the quality rows measure the KV
 LMCache hands back and the bytes its fs / RESP adapters write (the padded slots).

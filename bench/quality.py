@@ -62,7 +62,7 @@ from cachegen_common.header import environment as header_environment
 
 
 # The measurement code lives in bench/quality_config.py, quality_text.py and quality_tasks.py
-# (issue 27: modules under 600 lines); its names are re-exported here (`from bench import quality`).
+# (modules under 600 lines); its names are re-exported here (`from bench import quality`).
 from bench.quality_config import (  # noqa: F401
     ANSWER_PATHS, DEFAULT_BATCH, DEFAULT_CODEC_WORKERS, DEFAULT_OUT, DEFAULT_TASK_CODECS,
     FAMILY_DEFAULT, MARGIN_SPLIT, QUICK_CONTINUATION, QUICK_TASK_REQUESTS, QualityError, REFERENCE,

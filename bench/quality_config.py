@@ -1,6 +1,6 @@
 """Defaults and the input error of the quality benchmark (``python -m bench.quality``):
 codec lists, task lengths, batch sizes, quick-mode sizes, the margin split. Moved from
-``bench/quality.py`` (issue 27), which re-exports these names."""
+``bench/quality.py``, which re-exports these names."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ TOPIC_LENGTHS = (512,)
 TASK_MAX_NEW_TOKENS = 40
 # the codecs/levels measured on tasks by default: the default cachegen level, LMCache's schedule, kvtc's
 # TTFT level and its near-lossless one, quant8 and raw (the check: agreement must be 1). KIVI-2 left
-# the default in round 6 to keep the run within 20 min (its answers were the slowest: 54 of 60 diverge
-# and continue token by token; agreement 0.45 [0.33, 0.58] in the round-5 run): a --task-codecs list naming it measures it
+# the default to keep the run within 20 min (its answers were the slowest: 54 of 60 diverge
+# and continue token by token; agreement 0.45 [0.33, 0.58] then): a --task-codecs list naming it measures it
 DEFAULT_TASK_CODECS = "cachegen:1;cachegen-ref:0;kvtc:4,5;quant8;raw"
 # codecs whose continuation runs in one batched forward (inject.continuation_logits_batch);
 # 7 splits the 21 default rows into 3 forwards (~1.5 GB of KV, logits and activations)

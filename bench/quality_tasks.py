@@ -1,6 +1,6 @@
 """Task answers of the quality benchmark: needle / topic-retrieval requests,
 :func:`run_tasks` (lossless vs decoded greedy answers), agreement splits and per-codec
-rows with Wilson CIs. Moved from ``bench/quality.py`` (issue 27), which re-exports these
+rows with Wilson CIs. Moved from ``bench/quality.py``, which re-exports these
 names."""
 
 from __future__ import annotations

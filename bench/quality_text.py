@@ -1,6 +1,6 @@
 """Text fidelity of the quality benchmark: codec lists and labels, the per-window scores
 (KL, top-1 agreement, perplexity) and :func:`run_text_quality` over WikiText-2 windows.
-Moved from ``bench/quality.py`` (issue 27), which re-exports these names."""
+Moved from ``bench/quality.py``, which re-exports these names."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Benchmark of the Triton codec kernels against the CPU backend and the entropy bound.
 
-Purpose: issue 7's figures. On a synthetic KV shaped like a 7B model (32 layers, 8 KV
+Purpose: the Triton kernels' figures of docs/gpu.md. On a synthetic KV shaped like a 7B model (32 layers, 8 KV
 heads, head dim 128, 4K tokens; Laplace-like values with per-channel scales, LMCache's
 CacheGen bin schedule, one scale per (layer, token)) it times, with synchronized timers,
 warm-up excluded and medians over repeats:

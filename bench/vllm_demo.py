@@ -41,7 +41,7 @@ from third_party.vllm.sources import save_local_context
 
 def run_demo(args) -> int:
     """TTFT of plain prefill vs. KV loads through the connector on one engine (see
-    ``--help``). Modes are interleaved round by round; round 0 is a warm-up, not counted.
+    ``--help``). Modes are interleaved repeat by repeat; repeat 0 is a warm-up, not counted.
     Returns the exit code; raises ExtractionError / ValueError / OSError / RuntimeError."""
     # the stored KV must be in the engine's dtype (the connector refuses an entry of another
     # dtype): a float32 / float16 checkpoint is loaded in it (as run_benchmarks.py does)

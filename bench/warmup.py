@@ -1,5 +1,5 @@
 """First vs tenth decode of one chunk in a FRESH process, with and without the connector's
-warm-up (issue 17: the first load must be as fast as the tenth).
+warm-up (the first load must be as fast as the tenth).
 
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5 pipelines decoding with transfer; a
 first decode 50x slower than the rest breaks the pipeline's budget. The warm-up is

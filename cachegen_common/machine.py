@@ -1,8 +1,8 @@
 """What of the machine changes numerics: one record for results.json, quality.json and
-codec_bench.json (issue 25.6).
+codec_bench.json.
 
 Purpose: a figure computed with bf16 matmuls depends on the CPU's kernel family (oneDNN
-picks AMX, AVX512-BF16 or AVX2 kernels, whose reduction orders differ; issue 25 measured
+picks AMX, AVX512-BF16 or AVX2 kernels, whose reduction orders differ; we measured
 batch-1 vs batch-7 logits, a bf16 prefill and the calibration probe moving with it), so
 every result file records which one ran. ``numerics()`` returns:
 

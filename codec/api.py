@@ -45,10 +45,10 @@ __all__ = ["encode_kv", "encode_blob", "encode_chunks", "decode_kv", "decode_kv_
 # ``config_hash`` so that a store never serves bytes made by another codec version.
 # 1: format version 1. 2: cachegen outlier side list (docs/bitstream.md 4.4), KIVI in
 # float64, container format version 2, chunk_tokens in the container header. 3: cachegen
-# model tables and model index Rice-coded (docs/bitstream.md 4.3, issue
-# 14.7), container format version 3, 8 channels per rANS stream by default. 4: model
+# model tables and model index Rice-coded (docs/bitstream.md 4.3), container
+# format version 3, 8 channels per rANS stream by default. 4: model
 # tables coded over their nonzero range, codebook size by description length over a finer
-# ladder, container format version 4 (issue 14.7). 5: container format version 6 (an
+# ladder, container format version 4. 5: container format version 6 (an
 # xxh3-64 checksum in place of the CRC32; the content bytes of every chunk are those of
 # codec version 4).
 CODEC_VERSION = 5
@@ -80,7 +80,7 @@ def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
     for key, n in zip("LTHD", k.shape):
         if n > MAX_DIM[key]:
             raise ValueError(f"dimension {key}={n} exceeds the limit {MAX_DIM[key]}")
-    from .fused import all_finite   # one numba pass over the bits (issue 14.6)
+    from .fused import all_finite   # one numba pass over the bits
 
     for name, t in (("k", k), ("v", v)):
         if not all_finite(t):
@@ -98,7 +98,7 @@ def _check_level(codec_obj, level: Optional[int], config: Optional[CodecConfig] 
 
 
 def _device(device: Any) -> torch.device:
-    """``torch.device(device)``, checked to be usable HERE, before any work (issue 12.9).
+    """``torch.device(device)``, checked to be usable HERE, before any work.
     Raises ValueError (one line) on a malformed device, a CUDA device with a CPU-only
     torch or without that GPU, a device type this torch cannot allocate on, or "meta"."""
     try:
@@ -202,7 +202,7 @@ def _stored_config(cfg: Any) -> Any:
 def config_hash(codec: str, level: Optional[int] = None,
                 config: Optional[CodecConfig] = None, *,
                 num_layers: Optional[int] = None) -> str:
-    """Identity of everything that changes the encoded bytes, for store keys (issue 11.4,
+    """Identity of everything that changes the encoded bytes, for store keys (one level scale per codec,
     12.1): a 16-hex-digit prefix of the SHA-256 of the codec name, the resolved level
     (``resolve_level``: None and the default level give the same hash), the full resolved
     config (bins schedule per layer, scale group and format, sink tokens, stream layout,
@@ -334,7 +334,7 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     Returns: bytes (self-describing: ``decode_kv`` needs nothing else).
     Raises: ValueError on bad input (rank, shapes, dtype, NaN/inf, unknown
       codec/level/backend, backend="triton" where Triton cannot run). Values up to the
-      dtype's max are accepted by every codec (issue 12.2); fp8 saturates at +-448.
+      dtype's max are accepted by every codec; fp8 saturates at +-448.
     Thread safety: every encode/decode function may be called from several threads at
       once (``codec.threads``); results are identical to serial calls.
     """
@@ -440,7 +440,7 @@ def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
 
 def decode_kv_into(data: bytes, k_out: torch.Tensor, v_out: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode one container on the CPU straight into caller-provided tensors (issue 14.2).
+    """Decode one container on the CPU straight into caller-provided tensors.
 
     k_out, v_out: contiguous CPU tensors [L, T, H, D] of the container's dtype (see
     ``peek_header``). cachegen / cachegen-ref / quant8 decode into them with no

@@ -43,7 +43,7 @@ class Fp8Codec(Codec):
     """float8 e4m3 cast (saturating at +-448), 1 byte per element."""
 
     name = "fp8"
-    fused_cpu = True   # codec.fused.decode_fp8_cpu (issue 14.5)
+    fused_cpu = True   # codec.fused.decode_fp8_cpu
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": lowbit.fp8_quantize(k).numpy(), "v": lowbit.fp8_quantize(v).numpy()})
@@ -78,7 +78,7 @@ class KiviCodec(Codec):
         """``(nq, nt)``: of this chunk's tokens before the last KIVI_RESIDUAL tokens of the
         context, ``nq`` (a multiple of KIVI_GROUP) form whole key groups and the
         remaining ``nt`` (0..KIVI_GROUP-1) one short last key group with its own lo/step
-        (issue 28.7: every token before the residual is quantized whatever the
+        (every token before the residual is quantized whatever the
         chunking; docs/bitstream.md section 4.6)."""
         n = max(0, min(T, total_tokens - KIVI_RESIDUAL - token_offset))
         return n - n % KIVI_GROUP, n % KIVI_GROUP
@@ -149,7 +149,7 @@ class KiviCodec(Codec):
         header["nt"] = nt
         return EncodedChunk(header, arrays, format_version=5)
 
-    fused_cpu = True   # codec.fused.decode_kivi_cpu (issue 14.5)
+    fused_cpu = True   # codec.fused.decode_kivi_cpu
 
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
                device=None, fused=True, out=None):

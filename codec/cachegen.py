@@ -36,7 +36,7 @@ def _row_scales(x: torch.Tensor, dim) -> torch.Tensor:
 def _quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> torch.Tensor:
     """``codec.quantize.quantize(x, scale, max_level)`` (uint8 symbols, shape of x): a CPU
     x [L, T, G, D] with a 4-d scale takes the fused numba pass ``codec.fused.quantize_fast``
-    (same symbols, one pass; issue 14.6) where it applies, else the torch reference."""
+    (same symbols, one pass) where it applies, else the torch reference."""
     if x.dim() == 4 and x.device.type == "cpu" and isinstance(scale, torch.Tensor) \
             and scale.dim() == 4 and x.shape[0] == max_level.shape[0]:
         from .fused import quantize_fast
@@ -142,7 +142,7 @@ class CacheGenCodec(Codec):
         s = _row_scales(xg, dims) if xg.numel() else torch.zeros(eshape, device=x.device)
         if cfg.scale_group == "chunk_head" and xg.numel():
             # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
-            # a sparse side list and set to 0 before the scale is taken (issue 12.3;
+            # a sparse side list and set to 0 before the scale is taken (one outlier must not set its group's step;
             # docs/bitstream.md section 4.4); normal KV stops at the group maxima
             thr = outliers.outlier_thresholds(xg, dims)
             x_orig = xg
@@ -157,7 +157,7 @@ class CacheGenCodec(Codec):
                 hdr[f"n_out_{tag}"] = int(idx.size)
                 xg = torch.where(mask, torch.zeros_like(xg), xg)
                 s = _row_scales(xg, dims)
-            # outlier channels (issue 28.7; docs/bitstream.md section 4.4b): after the side
+            # outlier channels (docs/bitstream.md section 4.4b): after the side
             # list took its values out, a channel far above the rest of its (layer, KV
             # head) is divided by 2^e (e stored) before the scale is taken, so that it no
             # longer sets the step of the others
@@ -170,7 +170,7 @@ class CacheGenCodec(Codec):
                 hdr[f"n_chx_{tag}"] = int(cidx.size)
                 xg = Q.scale_channels(xg.clone(), cidx, cexp, -1)
                 s = _row_scales(xg, dims)
-        s = Q.flush_tiny_scales(s)      # M / s must not overflow float32 (issue 12.2)
+        s = Q.flush_tiny_scales(s)      # M / s must not overflow float32
         enc = Q.encode_log8(s) if cfg.scale_format == "log8" and s.numel() else None
         if enc is not None:
             codes, e0, eff = enc
@@ -373,7 +373,7 @@ class CacheGenCodec(Codec):
         triton = backend == "triton" and self.supports_triton
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if (fused or out is not None) and not triton and dev.type == "cpu":
-            from .fused import decode_cachegen_cpu   # issue 14.2
+            from .fused import decode_cachegen_cpu   # decodes straight into the destination
 
             return decode_cachegen_cpu(self, cfg, header, arrays, payload, shape, dtype_name,
                                        ns, out=out)

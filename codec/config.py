@@ -44,13 +44,13 @@ __all__ = [
 # Block sizes of the engines the chunks are fed to: vLLM CPU uses 128-token KV blocks,
 # GPU vLLM 16. Chunks must be a multiple of the smaller one; use 128 multiples for vLLM CPU.
 MIN_BLOCK_TOKENS = 16
-DEFAULT_CHUNK_TOKENS = 1024  # issue 6: 1K tokens per independently decodable chunk
+DEFAULT_CHUNK_TOKENS = 1024  # 1K tokens per independently decodable chunk
 # one scale per (layer, token) | per (layer, token, KV head) | per (layer, KV head) over the chunk
 SCALE_GROUPS = ("token", "head", "chunk_head")
 SCALE_FORMATS = ("dtype", "log8")    # scale stored in the model dtype | log-quantized uint8
 VARIANTS = ("reference", "harness")
 
-# The level schedules live in codec.schedules (issue 27); re-exported here, their former home.
+# The level schedules live in codec.schedules; re-exported here, their former home.
 from .schedules import (HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, HARNESS_SINK_TOKENS,  # noqa: E402,F401
                         LEVELS, REFERENCE_DEFAULT_LEVEL, QuantizationSpec, _scaled, _specs,
                         harness_schedule, reference_schedule)
@@ -86,7 +86,7 @@ class CodecConfig:
     scale_group: str = "token"
     scale_format: str = "dtype"
     sink_tokens: int = 0
-    channels_per_stream: int = 16  # docs/bitstream.md 4.3: 16 channels x T tokens per stream (issue 14.7)
+    channels_per_stream: int = 16  # docs/bitstream.md 4.3: 16 channels x T tokens per stream
     tokens_per_stream: Optional[int] = None
     variant: str = "custom"
 

@@ -86,7 +86,7 @@ def kivi_into(qb: np.ndarray, bits: int, tab: np.ndarray, strides: tuple, out: n
 def dequant_direct_into(sym: np.ndarray, m: np.ndarray, step: np.ndarray, t_stride: int,
                         hd: int, t_off: int, big: float, dtype_name: str, out: np.ndarray,
                         parallel: bool | None = None) -> None:
-    """quant8's decode without a table (issue 14.5; see ``_dequant_direct_impl``): sym
+    """quant8's decode without a table (see ``_dequant_direct_impl``): sym
     uint8 [L, T, C]; m float32 [L]; step float32 [L, R] (scale / M, computed by the
     caller exactly as codec.quantize.dequantize does); out the uint16 (bfloat16) or
     uint32 (float32) bits view [L, >= t_off + T, C]. fp16 has no direct path (use a
@@ -114,7 +114,7 @@ _EXP_MASK = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00),
 def count_nonfinite(bits: np.ndarray, dtype_name: str, parallel: bool | None = None) -> int:
     """Number of inf/NaN elements of a float tensor given as its bit pattern (``bits``: the
     uint16 / uint32 view of a contiguous bf16 / fp16 / fp32 array, any shape): one pass,
-    both cores, no temporary (replaces ``torch.isfinite(x).all()``, issue 14.6)."""
+    both cores, no temporary (replaces ``torch.isfinite(x).all()``)."""
     want, mask = _EXP_MASK[dtype_name]
     flat = np.ascontiguousarray(bits).reshape(-1)
     if flat.dtype != want:

@@ -43,7 +43,7 @@ __all__ = ["EncodedSymbols", "CoderBackend", "encode_symbols", "decode_symbols",
 
 
 class CoderBackend(Protocol):
-    """What the entropy stage needs from a coder backend (issue 11.3). Implemented by
+    """What the entropy stage needs from a coder backend. Implemented by
     ``codec.rans_cpu.CPU_CODER`` (numba, numpy arrays) and
     ``codec.triton_kernels.TRITON_CODER`` (Triton, torch tensors on a GPU); both code the
     rANS streams of ``codec.rans_spec`` and produce identical bytes.
@@ -259,7 +259,7 @@ def decode_symbols_into(header: dict, arrays: dict, payload: bytes, L: int, T: i
                         out_v: np.ndarray, deq_k: np.ndarray, deq_v: np.ndarray, t_stride: int,
                         hd: int, t_off: int = 0, max_symbols: int = 1 << 32) -> None:
     """Fused decode + dequantization of what `encode_symbols` produced, straight into a
-    destination (issue 14.2): symbol s of (kv, layer, t, c) becomes
+    destination: symbol s of (kv, layer, t, c) becomes
     ``out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s]`` in one numba pass
     over the streams, both cores (`codec.rans_cpu.decode_streams_into`).
 

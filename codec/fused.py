@@ -1,5 +1,5 @@
 """Fused CPU decode of the quantized codecs: symbols -> model-dtype values, in one pass,
-straight into the destination tensor (issue 14.2).
+straight into the destination tensor.
 
 Purpose: the reference decode path (``codecs.CacheGenCodec.decode`` on the CPU) makes a
 uint8 symbol tensor, an int64 copy for the range check, a float32 dequantized tensor, a
@@ -56,7 +56,7 @@ _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "
 
 def all_finite(t: torch.Tensor) -> bool:
     """``bool(torch.isfinite(t).all())`` for a bf16/fp16/fp32 tensor in one numba pass over
-    its bits on both cores, without the full-size bool temporary (issue 14.6); other
+    its bits on both cores, without the full-size bool temporary; other
     devices/dtypes fall back to torch."""
     if t.device.type != "cpu" or t.dtype not in _NAMES:
         return bool(torch.isfinite(t).all())
@@ -203,11 +203,11 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
                                     ns, float(torch.finfo(dt).max), dtype_name, o)
             else:
                 gather_into(sym, o, tab, t_stride, hd, ns)
-    # outlier channels (issue 28.7): the pre-scaling undone before the exact outliers are
+    # outlier channels: the pre-scaling undone before the exact outliers are
     # scattered, as the reference decoder (codecs.CacheGenCodec.dequantize_tensor) does
     for tag, o in (("k", k_out), ("v", v_out)):
         codec_obj.apply_channels(o[:, ns:], header, arrays, tag)
-    # exact outliers (issue 12.3): scattered after the fused dequantization
+    # exact outliers: scattered after the fused dequantization
     for tag, o in (("k", k_out), ("v", v_out)):
         if header.get(f"n_out_{tag}") is None and f"out_{tag}_idx" not in arrays \
                 and f"out_{tag}_val" not in arrays:
@@ -219,7 +219,7 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
     return k_out, v_out
 
 
-# ------------------------------------------------------------------ baselines (issue 14.5)
+# ------------------------------------------------------------------ baselines
 def _dest(shape: tuple, dt: torch.dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:
         return scratch.empty(shape, dtype=dt), scratch.empty(shape, dtype=dt)
@@ -323,7 +323,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
 
 
 # ============================================================================ encode side
-# Fused CPU quantization (issue 14.6): ``codec.quantize.row_scales`` and
+# Fused CPU quantization: ``codec.quantize.row_scales`` and
 # ``codec.quantize.quantize`` in torch make a float32 copy of x, an abs copy, and five
 # full-size float32 temporaries (x * inv, round, max, min, + M) before the uint8 cast:
 # ~2/3 of a cachegen encode (profile in docs/codec.md, section 5b). The kernels below read

@@ -5,7 +5,7 @@ WHAT is taken out before quantization; the caller (``codec.cachegen``) stores ou
 values in a sparse side list and divides outlier channels by a power of two
 (``codec.quantize.scale_channels``).
 
-Values (issue 12.3, cachegen's "chunk_head" groups): ``outlier_thresholds`` gives per
+Values (cachegen's "chunk_head" groups): ``outlier_thresholds`` gives per
 group ``OUTLIER_RATIO * median(|x|)`` (the median over every channel of every step-th
 token, about ``OUTLIER_SAMPLE`` elements, so that it is cheap and identical on every
 backend); values
@@ -30,7 +30,7 @@ import torch
 # always taken out.
 OUTLIER_RATIO = 64.0
 OUTLIER_SAMPLE = 4096      # about this many elements per group enter the median
-# Outlier CHANNELS (issue 28.7): per (layer, KV head) group, the channel maxima over the
+# Outlier CHANNELS: per (layer, KV head) group, the channel maxima over the
 # chunk's tokens sorted descending c(1) >= c(2) >= ...; the top j channels (j <= CHANNEL_MAX)
 # are outlier channels when c(j) > CHANNEL_GAP * c(j + 1) for the largest such j (and their
 # medians stand CHANNEL_MEDIAN_GAP above the rest's: see outlier_channels). Measured

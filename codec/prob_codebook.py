@@ -5,7 +5,7 @@ Purpose: `ModelSet` holds the coded models of one chunk (built by
 codec.probability.build_models); `serialize_models` writes it as header fields + uint8
 arrays, `deserialize_models` rebuilds (cum, model_index) from untrusted fields with a
 one-line CodecError on any inconsistency. Moved out of codec/probability.py unchanged
-(issue 27, module size); codec.probability re-exports every public name.
+(modules stay under 600 lines); codec.probability re-exports every public name.
 
 Shapes and dtypes: cum uint32 [n_models, 257]; model_index / local_index uint16
 [2, L, C]; per-group tables int64 [K, nbins].

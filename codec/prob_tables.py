@@ -7,7 +7,7 @@ Purpose: the deterministic, integer-only building blocks shared by the model bui
 `normalize_freqs` (counts -> frequencies summing to M = 65536), `table_codes` /
 `freqs_from_codes` (q = round(64 * sqrt(p)), w = q^2), and the bit-level Rice / ranged
 writers and readers (numba, cache=True; pure Python without numba). Moved out of
-codec/probability.py unchanged (issue 27, module size); codec.probability re-exports
+codec/probability.py unchanged (modules stay under 600 lines); codec.probability re-exports
 every public name.
 
 Shapes and dtypes: counts int [K, nbins] (>= 0); codes q int64 [K, nbins] in

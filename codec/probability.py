@@ -12,7 +12,7 @@ store K frequency tables + one small index per (kv, layer, channel). K is chosen
 the group's description length: payload + codebook + index bits (Rissanen's minimum
 description length principle), unless that leaves the cross-entropy more than
 XENT_TARGET over the empirical entropy and a larger K meets it within MDL_SLACK bytes.
-The codebook is sent compactly (format version 4, issue 14.7): each table as codes
+The codebook is sent compactly (format version 4): each table as codes
 q = round(64 * sqrt(p)) (w = q^2, normalised to 16 bits) over its nonzero range (first
 symbol and span), Rice-coded (R. F. Rice, JPL 79-22, 1979) as zigzag deltas along the
 range; the indices Rice-coded with tables numbered by decreasing use. Versions 3 (no
@@ -55,7 +55,7 @@ __all__ = [
 
 from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/rans_spec.py)
 # The integer table arithmetic and the codebook (ModelSet, serialisation) live in
-# codec.prob_tables and codec.prob_codebook (issue 27, module size); re-exported here.
+# codec.prob_tables and codec.prob_codebook (modules stay under 600 lines); re-exported here.
 from .prob_tables import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_Q, TABLE_QMAX,  # noqa: E402,F401
                           _bits_read, _fixed_write, _normalize_rows, _normalize_rows_py,
                           _range_bits, _ranged_deltas, _ranged_read, _ranged_write, _rice_one,
@@ -72,7 +72,7 @@ LLOYD_ITERS = 3  # fixed K-means iterations: 3 is within 0.05% of 6 on real KV a
 # length (MDL); where that K leaves the cross-entropy more than XENT_TARGET above the
 # group's empirical entropy, the smallest-description K that meets XENT_TARGET is taken
 # instead among those that cost at most MDL_SLACK more bytes than the minimum (if none
-# does, the one of lowest cross-entropy among them; issue 14.7: the payload <= 1% over
+# does, the one of lowest cross-entropy among them, so that the payload stays <= 1% over
 # the empirical entropy; a measured trade, docs/bitstream.md 4.3).
 # MDL_SLACK = 0 gives the pure minimum-description-length choice.
 XENT_TARGET = 0.008

@@ -26,7 +26,7 @@ broadcasts against it and ``M = bins // 2 - 1`` (per layer, float32):
 so |x32 - x_hat| <= s / (2M) (plus float32 rounding, <= 2 ulp of |x|) for every element
 with |x| <= s. An all-zero row has s = 0 -> inv = 0 -> every symbol M -> x_hat = 0 (no NaN).
 
-Limits of the dtype (issue 12.2): ``x_hat`` is clamped to the output dtype's finite range
+Limits of the dtype: ``x_hat`` is clamped to the output dtype's finite range
 before the cast (``to_dtype_clamped``: float32 rounding of ``M * (s / M)`` can exceed
 float32's max when s is near it); scales below ``TINY_SCALE`` = 2^-100 are flushed to 0 by
 the codecs (``flush_tiny_scales``) so that ``M / s`` cannot overflow float32 (bf16/fp32

@@ -13,7 +13,7 @@ symbols with ONE model: ~190 / ~50 (see `python -m bench.coder rans --npz ...`).
 
 `decode_streams_into` is the same decoder writing, for each symbol, an entry of a
 caller-given table (the dequantized value in the model dtype's bits) straight into a
-destination (codec/fused.py, issue 14.2); `gather_into`, `lut8_into`, `kivi_into`, the
+destination (codec/fused.py); `gather_into`, `lut8_into`, `kivi_into`, the
 table decoders of the baselines quant8, fp8 and KIVI, are codec/dequant_cpu.py's. `CPU_CODER` is this module as the
 coder backend of codec/entropy.py; the constants and layout are codec/rans_spec.py's.
 
@@ -78,13 +78,13 @@ if sys.byteorder != "little":  # pragma: no cover - the numba kernels write nati
     raise ImportError("codec.rans_cpu assumes a little-endian host")
 
 # The numba kernels (codec.rans_kernels) and the pure-Python reference (codec.rans_ref)
-# live in their own modules (issue 27, module size); re-exported here for callers
+# live in their own modules (modules stay under 600 lines); re-exported here for callers
 # (codec.fused imports HAVE_NUMBA and _dual from here).
 from .rans_kernels import (HAVE_NUMBA, LANES, LUT_SHIFT, _compact_par, _compact_ser,  # noqa: E402,F401
                            _decode_par, _decode_ser, _dual, _encode_par, _encode_ser, _lut_par,
                            _lut_ser)
 # The table decoders of the baselines (quant8, fp8, KIVI) and the inf/NaN count live in
-# codec.dequant_cpu (issue 27); re-exported here, their former home.
+# codec.dequant_cpu; re-exported here, their former home.
 from .dequant_cpu import (count_nonfinite, dequant_direct_into, gather_into,  # noqa: E402,F401
                           kivi_into, lut8_into)
 from .rans_ref import (_iter_stream_positions, decode_streams_ref, encode_streams_ref,  # noqa: E402,F401
@@ -201,7 +201,7 @@ def encode_streams(
     err = np.zeros(n_streams, dtype=np.int64)
     items = _work_items(L, T, C, G, B)
     par = (2 * L * T * C >= threads.PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
-    # run_kernel: thread-safe parallel/serial dispatch (codec.threads, issue 12.4)
+    # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
     run_kernel(_encode_par, _encode_ser, par, sym_k, sym_v, freq, np.ascontiguousarray(cum64[:, :256]), mi, G, B, items, scratch, scr_off, nwords, err)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
@@ -352,7 +352,7 @@ def decode_streams_into(
     err = np.zeros(n_streams, dtype=np.int64)
     items = _work_items(L, T, C, G, B)
     par = (2 * L * T * C >= threads.PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
-    # run_kernel: thread-safe parallel/serial dispatch (codec.threads, issue 12.4)
+    # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
     counter = np.zeros(1, dtype=np.int64)   # next work item (dynamic scheduling, `_decode_impl`)
     workers = _num_workers() if par else 1
     run_kernel(_decode_par, _decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,

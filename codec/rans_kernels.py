@@ -313,7 +313,7 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
     reads past its end finishes with pos > its end and is reported as truncated; err[i]
     per stream (0 = ok).
 
-    Scheduling (issue 14): `n_workers` prange iterations each take the next work item
+    Scheduling: `n_workers` prange iterations each take the next work item
     from a shared atomic counter (`counter[0]`, starts at 0) until none is left, instead
     of numba's static split of the items into one contiguous share per thread. Inside
     vLLM's worker a decode thread shares its core with the scheduler process's spin loop

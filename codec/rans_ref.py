@@ -4,7 +4,7 @@ Purpose: the coder's specification, literally: one stream (`rans_encode_ref`,
 `rans_decode_ref`) and all streams of a chunk in section-3 order (`encode_streams_ref`,
 `decode_streams_ref`); the numba kernels (codec.rans_cpu) and the Triton kernels
 (codec.triton_kernels) must produce exactly these bytes. Slow: tests and small shapes only.
-Re-exported by codec.rans_cpu (moved out of it unchanged, issue 27, module size).
+Re-exported by codec.rans_cpu (moved out of it unchanged, to keep each module under 600 lines).
 
 Shapes and dtypes: sym_k, sym_v uint8 [L, T, C]; cum uint32 [n_models, 257]; model_index
 [2, L, C]; G, B channels / tokens per stream (codec/rans_cpu.py's module docstring).

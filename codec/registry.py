@@ -24,7 +24,7 @@ CODECS: dict[str, Codec] = _build_registry()
 
 
 def resolve_level(codec: str, level: Optional[int] = None) -> Optional[int]:
-    """THE one place where "default level" is resolved (issue 11.4).
+    """THE one place where "default level" is resolved.
 
     ``level=None`` means the codec's default (``default_level``: cachegen 1, cachegen-ref 0;
     codecs without levels: None); an int must be one of the codec's ``levels``.

@@ -1,4 +1,4 @@
-"""Scratch buffers of the codec: one allocator, with a test mode that poisons them (issue 25).
+"""Scratch buffers of the codec: one allocator, with a test mode that poisons them.
 
 Purpose: every buffer the codec allocates without initialising it (``torch.empty`` /
 ``np.empty``: decode destinations, per-worker GEMM operands, symbol arrays) comes from

@@ -1,4 +1,4 @@
-"""Thread safety of the codec's numba kernels (issue 12.4).
+"""Thread safety of the codec's numba kernels.
 
 Purpose: the codec's CPU kernels are compiled twice by numba (``codec.rans_cpu``,
 ``codec.probability``): a ``parallel=True`` build and a serial build of the same source,

@@ -8,7 +8,7 @@ Triton), the launch helpers (`_on`, `_launch_opts`), the checks of where the ker
 run (`interpreting`, `available`, `resolve_backend`, `_require`), and
 `compile_for_target`, the ahead-of-time compile check that needs no GPU. Kernels read
 only constexpr globals of this module (`K_*`, `tl`). Moved out of
-codec/triton_kernels.py unchanged (issue 27, module size); codec.triton_kernels, whose
+codec/triton_kernels.py unchanged (modules stay under 600 lines); codec.triton_kernels, whose
 Python wrappers launch these kernels, re-exports every name here.
 
 Run the tests (CPU, interpreter):

@@ -89,7 +89,7 @@ from .rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_MESSAGES as _
                         RANS_L, bad_stream_lengths, stream_layout)
 
 # The kernels, their JIT / AOT compilation, the launch helpers, the import guard and the
-# checks of where Triton can run live in codec.triton_jit (issue 27, module size);
+# checks of where Triton can run live in codec.triton_jit (modules stay under 600 lines);
 # re-exported here.
 from .triton_jit import (HAVE_TRITON, K_ERR_FINAL, K_ERR_INTERNAL, K_ERR_LEFTOVER,  # noqa: E402,F401
                          K_ERR_OK, K_ERR_STATE, K_ERR_SYMBOL, K_ERR_TRUNCATED, K_PROB_SCALE,

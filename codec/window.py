@@ -1,5 +1,5 @@
 """Sliding-window storage: a KV cache whose sliding-window layers keep only the tokens a
-continuation can attend to (issue 28, item 2).
+continuation can attend to.
 
 Separate from ``codec.api`` because it is a layout ABOVE the codecs: it splits the
 layers into groups by their window, encodes each group with the ordinary codec

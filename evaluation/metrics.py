@@ -41,7 +41,7 @@ from evaluation.metrics_logits import (  # noqa: F401 - re-exported
     perplexity,
     ppl_increase_pct,
 )
-from evaluation.metrics_registry import (  # noqa: F401 - re-exported (issue 27 split)
+from evaluation.metrics_registry import (  # noqa: F401 - re-exported (old import path)
     AGGREGATIONS, Metric, METRICS, UnknownMetricError, register_metric, result_metrics,
     list_metrics, get_metric,
 )

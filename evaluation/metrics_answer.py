@@ -81,7 +81,7 @@ def scored_answer(prediction: str, answer: str):
     last run of digits as an int (None when there is none) when ``answer`` is a
     non-negative integer, else whether the normalised answer occurs in the normalised
     prediction (bool). Two predictions with the same scored answer get the same verdict
-    for the same reason; used for answer agreement with a lossless answer (issue 13).
+    for the same reason; used for answer agreement with a lossless answer.
 
     Raises:
         ValueError: non-str arguments, or an answer that is empty after normalisation.

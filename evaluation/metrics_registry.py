@@ -1,6 +1,6 @@
 """The metric registry of evaluation.metrics: Metric (function, direction, unit, aggregation),
 METRICS (name -> Metric, in registration order), register_metric, get_metric, list_metrics,
-result_metrics and AGGREGATIONS. Split out of evaluation.metrics (issue 27), which registers
+result_metrics and AGGREGATIONS. Split out of evaluation.metrics, which registers
 the metrics and re-exports every name here.
 """
 

@@ -73,7 +73,7 @@ class RequestTiming:
     # misses with a stored prefix (a policy's text decision). The harness records such a
     # request in "failures" (stage "load"): a KV mode that loaded nothing is never a result.
     miss_reason: str | None = None
-    # issue 14.1: process CPU seconds of the worker during the load (load_cpu_s / load_s =
+    # process CPU seconds of the worker during the load (load_cpu_s / load_s =
     # cores the load got) and the threads/affinity the decode ran with (vLLM connector)
     load_cpu_s: float | None = None
     decode_threads: dict[str, Any] | None = None

@@ -77,7 +77,7 @@ class VLLMEngine(Engine):
         from third_party.vllm.engine import make_llm  # lazy: imports vllm
 
         self.stats_path = stats_path
-        # the connector connects only to stores of its own configuration (issue 17): the
+        # the connector connects only to stores of its own configuration: the
         # run's store server is registered here; requests name it (request_params)
         extra = {"stats_path": str(stats_path), "source": "store",
                  "async_load": bool(async_load)}

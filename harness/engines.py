@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from harness.config import RunConfig
 from harness.contexts import Context, Variant
-# the engines and what they share live in their own modules (issue 27); their names are
+# the engines and what they share live in their own modules; their names are
 # re-exported here, the documented import path
 from harness.engine_api import Engine, LoadOutcome, RequestTiming, merge_decisions  # noqa: F401
 from harness.engine_hf import HFEngine, hf_load  # noqa: F401
@@ -78,7 +78,7 @@ def warm_up_variants(engine: Engine, ctx: Context, variants: list[Variant],
                      params_of: Callable[[Variant], dict[str, Any] | None]) -> dict[str, Any]:
     """Serve one untimed request per KV variant on `ctx`, so that no timed request pays a
     codec's first-call JIT compile (numba kernels: measured 6.1 s for cachegen's first
-    decode and 3.1 s for kvtc's on Gemma 3 at 2K tokens, then 0.05-0.07 s; issue 17's rule:
+    decode and 3.1 s for kvtc's on Gemma 3 at 2K tokens, then 0.05-0.07 s; the rule:
     the first load as fast as the tenth). The vLLM connector warms its codecs in its worker
     (third_party.vllm.warmup) except kvtc, which needs a calibration; the HF engine decodes
     in this process, so the harness warms it here with the run's own entries.

@@ -1,5 +1,5 @@
 """Fault injection for the main job's own tests (off by default): make a codec fail on
-purpose, to check that a failing codec never ends the run (issue 25.4).
+purpose, to check that a failing codec never ends the run.
 
 ``CACHEGEN_FAULT=kvtc-decode`` (environment): every kvtc decode in this process raises
 ``codec.CodecError("kvtc: injected fault ...")``, as a decode of corrupt or non-finite

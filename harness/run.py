@@ -193,7 +193,7 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     vlist = variants(cfg, codec_levels_all, tuple(codec_pkg.levels("kvtc")))
     levels = store_levels(vlist, cfg, codec_levels_all)
     # a codec that fails (its calibration, an encode, a decode) is recorded in "failures"
-    # with its reason and the run goes on without it (issue 25.4)
+    # with its reason and the run goes on without it
     failures: list[dict[str, Any]] = []
     configs: dict[str, Any] = {}     # codec -> the config its encodes get
     layout = store_layout(cfg, info)  # (windows, extra tokens): sliding-window storage, or (None, 0)

@@ -37,7 +37,7 @@ import torch
 from cachegen_common import flags
 from cachegen_common.bounded_json import parse as parse_bounded_json
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (issue 27 split)
+from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (old import path)
     measure_sensitivity, _attn_modules, query_energy, output_gram, metric_from_stats,
 )
 

@@ -1,4 +1,4 @@
-"""kvtc calibrations per layer group, for sliding-window storage (issue 28, item 2).
+"""kvtc calibrations per layer group, for sliding-window storage.
 
 ``codec.window`` codes each group of layers that share a window (Gemma 3 270M: the 15
 sliding-window layers, W = 512, and the 3 full-attention layers) as its own container,

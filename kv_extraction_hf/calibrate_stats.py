@@ -1,7 +1,7 @@
 """The model-side statistics a KVTC calibration weights its fit with: per-channel output
 sensitivity (measure_sensitivity), the attention modules' query energy (query_energy), the
 output-projection Gram (output_gram) and the whitening metric built from them
-(metric_from_stats). Split out of kv_extraction_hf.calibrate (issue 27), which re-exports
+(metric_from_stats). Split out of kv_extraction_hf.calibrate, which re-exports
 every name.
 """
 
@@ -38,7 +38,7 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     KL of ~1e-3 nats on the default model, as large as some layers' probe KL, and that
     rounding depends on the matmul kernels, which depend on the batch (on an AMX Xeon
     oneDNN's bf16 GEMMs of 8 and of 2 rows differ; the measured sensitivities moved by up
-    to 119%, issue 25). In float32 (2^-24, 2^16 times finer) that term is negligible and
+    to 119%). In float32 (2^-24, 2^16 times finer) that term is negligible and
     the probe KL moves only by the cross term 2 r / d (rounding shift r, probe shift d): the result depends on the batch and on the CPU's kernel family by float32
     rounding only (measured <= 3.2e-3 relative on an AMX Xeon; tests/extraction/test_kvtc_calibrate.py
     bounds it at 1e-2). Memory: a

@@ -2,7 +2,7 @@
 
 KVTC learns its bases on calibration text (arXiv 2511.01815, section 3.1). The default
 calibration (``kv_extraction_hf.calibrate.default_calibration``) must be fittable on a
-fresh, offline machine with nothing beside the clone (issue 25.3): no hub, no
+fresh, offline machine with nothing beside the clone: no hub, no
 ``../shared``, no corpus committed to the project. The text used is the **docstrings of
 a fixed list of pure-Python standard-library modules** (``STDLIB_MODULES``, shipped with
 every CPython the harness supports), in a fixed order:

@@ -293,5 +293,5 @@ def load_user_data(task: str, path: str | os.PathLike | None,
     return list(_load_user_data_cached(task, os.fspath(path), tuple(sorted(data_map.items()))))
 
 
-# WikiText-2 split discovery (--data-path, hub, shared fallback) with provenance: issue 13
+# WikiText-2 split discovery (--data-path, hub, shared fallback) with provenance, recorded with every quality figure
 from kv_extraction_hf.wikitext import WikiText, load_wikitext2_split  # noqa: E402,F401

@@ -80,7 +80,7 @@ def save_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, metadata:
     k = k.detach().cpu().contiguous()
     v = v.detach().cpu().contiguous()
     if k.numel() and v.numel() and _share_storage(k, v):
-        # the same tensor twice, two views of one buffer, overlapping slices (issue 26.8,
+        # the same tensor twice, two views of one buffer, overlapping slices (
         # kind of safetensors #202: it refuses tensors that share memory): V gets its own copy
         v = v.clone()
     try:

@@ -200,7 +200,7 @@ def _grow_layer_class():
                 cap = max(self.capacity, cur + n)
                 # zeros, not new_empty: the attention reads keys/values as a slice
                 # [..., :cur + n, :] of this buffer, and no kernel's reads past a slice may
-                # meet undefined memory (issue 25; codec/scratch.py says why)
+                # meet undefined memory (codec/scratch.py says why)
                 kb, vb = key_states.new_zeros((b, h, cap, d)), value_states.new_zeros((b, h, cap, d))
                 if cur:
                     kb[..., :cur, :] = self.keys
@@ -268,7 +268,7 @@ def continuation_logits_batch(bundle, kvs, context_ids, continuation_ids) -> lis
     Identity by construction, on any CPU: every operation of the batched forward is per
     batch row, but a matmul kernel's reduction order may depend on the number of rows (on
     an AMX Xeon oneDNN's bf16 GEMMs of 7 x 40 rows and of 40 rows differ by an ulp, and the
-    logits by ~1e-2; on AVX2 / AVX512-BF16 machines they were identical, issue 25). The
+    logits by ~1e-2; on AVX2 / AVX512-BF16 machines they were identical). The
     first call for a shape (entries, context, continuation, torch threads, dtype) also runs
     every entry at batch 1 and compares: identical -> that shape is batched from then on
     (kernels are chosen by shape, never by value); different -> the batch-1 logits are

@@ -1,5 +1,5 @@
 """Injection of a windowed KV (``codec.window.WindowedKV``: sliding-window layers hold only
-their last W tokens, issue 28.2) into a transformers model's own cache, and the
+their last W tokens) into a transformers model's own cache, and the
 continuation logits on top of it.
 
 Separate from ``kv_extraction_hf.inject`` (the full-layout injection paths, which it

@@ -66,7 +66,7 @@ def seeded_rng(task: str, seed: int, index: int) -> random.Random:
 def encode(tokenizer, text: str, special: bool = False) -> list[int]:
     """Token ids of ``text`` (``special``: with BOS). Raises ExtractionError for invalid text."""
     # the backstop of every data path: a lone surrogate or NUL is one ExtractionError line,
-    # not the tokenizer's TypeError (issue 26.7); the loaders check first, naming the row
+    # not the tokenizer's TypeError; the loaders check first, naming the row
     return list(tokenizer.encode(check_text(text, "prompt text"), add_special_tokens=special))
 
 

@@ -1,4 +1,4 @@
-"""One check that a piece of user text is text a tokenizer can take (issue 26.7, kind of
+"""One check that a piece of user text is text a tokenizer can take (kind of
 ai-microcore #74): JSON allows escapes of lone UTF-16 surrogates (``"\\ud800"``) that give
 a Python ``str`` no UTF-8 encoder or tokenizer accepts (HF tokenizers fail deep inside
 with ``TypeError: TextEncodeInput must be Union[...]``), and a NUL character marks binary

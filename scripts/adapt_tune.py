@@ -1,4 +1,4 @@
-"""Reproducible tuning of the adaptive policy's reserve (issue 15, CacheGen section 5.2) on
+"""Reproducible tuning of the adaptive policy's reserve (CacheGen section 5.2) on
 TUNING traces only - never on the CacheGen artifact's recorded traces, which are the
 evaluation set of `python -m bench.adapt`.
 
@@ -18,10 +18,10 @@ calibration of an earlier bench.adapt output):
 For each candidate setting (field overrides of the "tuned" PolicyParams preset,
 streaming.adapt_params) it reports, per SLO, the adaptive
 policy's violation rate against the oracle's and its mean KL (all loads and met loads)
-against the best fixed level (or text) at no more violations - the two goals of issue 15,
+against the best fixed level (or text) at no more violations - the two goals of docs/streaming.md section 4,
 judged the way bench.adapt.goals judges the evaluation set - and picks the candidate by the
-rule stated in docs/streaming.md (section 4, round 6) and in pick(): no tuning set and SLO
-where the round-5 setting meets goal 1 may be lost; among the candidates that keep them, the
+rule stated in docs/streaming.md (section 4) and in pick(): no tuning set and SLO
+where the base setting (TUNING['round5']) meets goal 1 may be lost; among the candidates that keep them, the
 lowest mean KL of all loads summed over the SLOs.
 
 Run (620 requests per SLO; 12 candidates: 12 min at load 6-7 on 2 cores, of which 7.5 min
@@ -54,9 +54,9 @@ from streaming.traces import Trace, artifact_generated, constant, synthetic_unif
 
 SLOS = (0.5, 1.0, 2.0, 4.0)
 
-# The candidates compared in round 6 (each a set of field overrides of the "tuned" preset).
+# The dip-reserve candidates compared (each a set of field overrides of the "tuned" preset).
 CANDIDATES = {
-    "round5": {},  # the "tuned" preset (round 5): fixed 0.3 s reserve, plain harmonic mean
+    "round5": {},  # the "tuned" preset: fixed 0.3 s reserve, plain harmonic mean
     "reserve_frac 0.2": {"slo_reserve_frac": 0.2},
     "reserve_frac 0.3": {"slo_reserve_frac": 0.3},
     "robust, reserve 0": {"robust": True, "slo_reserve_s": 0.0},
@@ -224,7 +224,7 @@ def show(name: str, res: dict) -> None:
 
 
 def pick(per_set: dict[str, dict], base: str = "round5") -> tuple[str | None, dict]:
-    """The rule of round 6. A candidate is admissible when, on every tuning set and SLO where
+    """The selection rule. A candidate is admissible when, on every tuning set and SLO where
     the `base` setting meets goal 1 (violations <= oracle + 5 points), it meets it too (where
     the base misses it - the markov set at 1 s - it may not add more than 1 point of excess).
     Among the admissible, the lowest mean KL of all loads summed over the SLOs (pooled over the
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                     help="an earlier bench.adapt output (its level table and real-run clock calibration)")
     ap.add_argument("--results", type=Path, default=_REPO / "benchmarks" / "results.json")
     ap.add_argument("--quality", type=Path, default=_REPO / "benchmarks" / "quality.json")
-    ap.add_argument("--candidates", help="JSON {name: {overrides of the tuned preset's fields}} (default: the round-6 list)")
+    ap.add_argument("--candidates", help="JSON {name: {overrides of the tuned preset's fields}} (default: CANDIDATES)")
     ap.add_argument("--only", nargs="*", help="candidate names to run (default: all)")
     ap.add_argument("--offsets", type=int, default=5, help="cyclic start offsets per tuning trace (default 5)")
     ap.add_argument("--sets", nargs="*", help="tuning sets (default: all)")
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         best, why = pick(per_set)
         for n_, w in why.items():
             print(f"  {n_}: {w}")
-        print(f"picked by the round-6 rule: {best} {cands.get(best)}")
+        print(f"picked by the selection rule: {best} {cands.get(best)}")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if a.out:
         atomic_write_json(a.out, {"candidates": cands, "results": results, "per_set": per_set,

@@ -1,6 +1,6 @@
 """GPU check of the Triton codec: correctness against the CPU backend, then speed.
 
-Purpose: issue 7's single prepared check, run by scripts/gpu_check.sh on a GPU machine
+Purpose: the Triton codec's single prepared check, run by scripts/gpu_check.sh on a GPU machine
 that has only its image (PyTorch, Triton; numpy/numba installed by the .sh if possible).
 Steps, each bounded:
   1. environment (GPU, versions);

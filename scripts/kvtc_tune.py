@@ -18,7 +18,7 @@ codes the last R1 context tokens at level B1, the R2 tokens before them at level
 the rest at level A, in ONE container (``KvtcConfig(level=A, tiers=((R1, B1), (R2,
 B2)))``, one container per window as ``bench.quality`` makes it, or chunks of --chunk
 tokens), with the first
-variant's calibration. With --sim, the round-5 simulation instead (docs/codec.md 8.6):
+variant's calibration. With --sim, the earlier simulation instead (docs/codec.md 8.6):
 each span its own container (``codec.api._encode_one`` at the span's token offset).
 A plain level A of the table is the tiered level when ``kvtc.DEFAULT_LEVEL_TIERS`` has
 it; 'A/' is level A without tiers.
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--diag", action="store_true", help="also K-only / V-only error rows")
     ap.add_argument("--tiers", default="", help="position-graded precision simulations, "
                     "e.g. 2/128x5/384x3 (see the module docstring)")
-    ap.add_argument("--sim", action="store_true", help="--tiers as the round-5 simulation "
+    ap.add_argument("--sim", action="store_true", help="--tiers as the earlier simulation "
                     "(one container per span) instead of the codec's format-3 mode")
     ap.add_argument("--tier-sinks", type=int, default=None, help="sink_tokens of the "
                     "format-3 --tiers rows (default: the calibration's)")

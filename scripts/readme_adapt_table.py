@@ -1,6 +1,6 @@
 """The adaptation block of benchmarks/README.md: :func:`render_adaptation`, from an
 adaptation.json of ``python -m bench.adapt`` (per trace set: violations, overshoot, quality
-KL and regret vs the oracle per SLO, link and policy; the issue-15 goals with their
+KL and regret vs the oracle per SLO, link and policy; the two adaptation goals with their
 bootstrap intervals). Separate from readme_file_tables.py (the quality block) because it
 reads another file with its own orderings; scripts/readme_tables.py re-exports its names."""
 from __future__ import annotations
@@ -84,7 +84,7 @@ GOAL_SETS = ("artifact", "artifact-generator")
 
 
 def _adaptation_goals(adoc: dict[str, Any]) -> list[str]:
-    """Issue 15's two goals per SLO on the recorded artifact traces and the held-out
+    """The two adaptation goals (docs/streaming.md section 4) per SLO on the recorded artifact traces and the held-out
     generator set (simulated link), each difference with its paired cluster-bootstrap 95%
     interval and verdict, as ``bench.adapt`` wrote them in ``goals``; [] when absent."""
     gl = [g for g in adoc.get("goals") or [] if isinstance(g, dict) and g.get("link") == "simulated"

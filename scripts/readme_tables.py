@@ -65,7 +65,7 @@ from evaluation.summary import plot_label  # noqa: E402
 
 
 # Markers, loaders and cell formats live in readme_table_cells.py, the quality and adaptation
-# blocks in readme_file_tables.py / readme_adapt_table.py (issue 27); re-exported here.
+# blocks in readme_file_tables.py / readme_adapt_table.py; re-exported here.
 from readme_table_cells import (  # noqa: E402, F401
     ADAPT_ABSENT, ADAPT_END, ADAPT_START, END, HEADLINE_END, HEADLINE_ROWS, HEADLINE_START, MODE_ORDER,
     PAPER_TTFT_VS_QUANT8, PAPER_TTFT_VS_TEXT, QUALITY_ABSENT, QUALITY_END, QUALITY_START,

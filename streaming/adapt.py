@@ -42,7 +42,7 @@ unit-tested in tests/streaming/test_adapt_policy.py.
 
 from __future__ import annotations
 
-from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy object (issue 27.3)
+from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy object
     DEFAULT_PRESET,
     POLICY_INPUTS,
     POLICY_PRESETS,
@@ -52,17 +52,17 @@ from streaming.adapt_params import (  # noqa: F401 - re-exported: one policy obj
     preset,
     split_policy_args,
 )
-from streaming.adapt_estimate import (  # noqa: F401 - re-exported (issue 27 split)
+from streaming.adapt_estimate import (  # noqa: F401 - re-exported (old import path)
     MIN_BYTES_FOR_ESTIMATE, BURST_SAMPLE_FACTOR, TEXT, ThroughputEstimator, DecodeTable,
 )
-from streaming.adapt_model import ClockModel, Decision  # noqa: F401 - re-exported (issue 27 split)
-from streaming.adapt_plan import (  # noqa: F401 - re-exported (issue 27 split)
+from streaming.adapt_model import ClockModel, Decision  # noqa: F401 - re-exported (old import path)
+from streaming.adapt_plan import (  # noqa: F401 - re-exported (old import path)
     choose_level, plan_mpc, overrun_allowance_s,
 )
-from streaming.adapt_policy import (  # noqa: F401 - re-exported (issue 27 split)
+from streaming.adapt_policy import (  # noqa: F401 - re-exported (old import path)
     AdaptivePolicy, FixedPolicy, Policy,
 )
-from streaming.adapt_oracle import (  # noqa: F401 - re-exported (issue 27 split)
+from streaming.adapt_oracle import (  # noqa: F401 - re-exported (old import path)
     OracleResult, oracle_labels, oracle, _pareto, brute_force,
 )
-from streaming.adapt_simulate import SimResult, simulate  # noqa: F401 - re-exported (issue 27 split)
+from streaming.adapt_simulate import SimResult, simulate  # noqa: F401 - re-exported (old import path)

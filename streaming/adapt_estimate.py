@@ -1,5 +1,5 @@
 """Link goodput and decode-cost estimators of the adaptation policy (ThroughputEstimator,
-DecodeTable), and the option constant TEXT. Split out of streaming.adapt (issue 27), which
+DecodeTable), and the option constant TEXT. Split out of streaming.adapt, which
 re-exports every name; the design is described there.
 """
 

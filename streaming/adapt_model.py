@@ -1,5 +1,5 @@
 """The clock model of a load (ClockModel) and the per-chunk Decision (the planning arithmetic
-over them: streaming.adapt_plan). Split out of streaming.adapt (issue 27), which re-exports
+over them: streaming.adapt_plan). Split out of streaming.adapt, which re-exports
 every name; the design is described there.
 """
 

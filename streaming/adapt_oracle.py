@@ -1,6 +1,6 @@
 """The offline oracle: the exact label-setting DP over a whole known rate trace, and the
 brute force that checks it (the simulator that drives a policy: streaming.adapt_simulate).
-Split out of streaming.adapt (issue 27), which re-exports every name; the design is
+Split out of streaming.adapt, which re-exports every name; the design is
 described there.
 """
 

@@ -1,5 +1,5 @@
 """The adaptive policy's tunable parameters as ONE frozen object with named presets
-(issue 27.3): the TTFT run (harness, run_benchmarks.py's `cachegen-adaptive` row), the
+: the TTFT run (harness, run_benchmarks.py's `cachegen-adaptive` row), the
 adaptation benchmark (`python -m bench.adapt`) and the vLLM connector (a request's
 `kv_transfer_params["policy"]`) all build `streaming.adapt.AdaptivePolicy` from a
 :class:`PolicyParams`, and the connector's trust layer (third_party/vllm/trust.py) allows
@@ -12,7 +12,7 @@ under an SLO); the rules these parameters tune are docs/streaming.md section 4.
 Presets (:data:`POLICY_PRESETS`):
 - ``"default"``: AdaptivePolicy's own argument defaults (no reserve, RobustMPC discount,
   plan floor SLO / 2).
-- ``"tuned"``: the values chosen in rounds 3-5 of issue 15 on the TUNING traces only
+- ``"tuned"``: the values chosen on the TUNING traces only
   (bench/adapt.py TUNING: the artifact's *generated* traces with 10 cyclic start offsets,
   40 synthetic iid-uniform 10-1000 Mbit/s traces (streaming.traces.synthetic_uniform, seed 1)
   with 10 offsets, constant and step traces; simulated; SLO 0.5/1/2/4 s; 435 requests per
@@ -20,7 +20,7 @@ Presets (:data:`POLICY_PRESETS`):
   defaults). The artifact's 10 recorded traces are the evaluation set and were not used.
   This is what benchmarks/README.md's adaptation table reports and what run_benchmarks.py's
   ``cachegen-adaptive`` row runs by default (``--policy-preset``).
-- ``"tuned-dip"``: ``tuned`` plus round 6's dip reserve (``dip_chunks=5``,
+- ``"tuned-dip"``: ``tuned`` plus the dip reserve (``dip_chunks=5``,
   ``dip_min_samples=3``), selected by scripts/adapt_tune.py on tuning traces, evaluated and
   NOT adopted (docs/streaming.md section 4); ``python -m bench.adapt --dip-reserve``.
 

@@ -314,7 +314,7 @@ class AdaptivePolicy:
 
     def should_abandon(self, k: int, received_bytes: int, elapsed_s: float,
                        wire_bytes: int | None = None, wire_s: float | None = None) -> bool:
-        """Early abandon (issue 15): True when chunk k's running transfer should be cut now.
+        """Early abandon: True when chunk k's running transfer should be cut now.
 
         received_bytes: bytes of the response received so far; elapsed_s: seconds since the
         request was sent (the clock of transfer_deadline_s). wire_bytes, wire_s: the

@@ -23,7 +23,7 @@ class _WireClock:
     throughput, not the receiver's back-pressure). Falls back to perf_counter at each read
     where the kernel gives no timestamp. Everything else is delegated to the socket.
 
-    Wake-ups (issue 14): every read sets the socket's receive low-water mark
+    Wake-ups: every read sets the socket's receive low-water mark
     (SO_RCVLOWAT, Linux socket(7)) to the bytes it asks for, capped at LOWAT_MAX, so the
     receiver thread wakes once per ~128 KiB instead of once per arriving segment burst.
     On a shaped link the per-segment wake-ups (a Python loop taking the GIL each time) ran

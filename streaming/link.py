@@ -46,7 +46,7 @@ from streaming.link_cleanup import (  # noqa: F401 - re-exported
     netns_available,
 )
 from streaming.link_proxy import TokenBucket, _ShapingProxy  # noqa: F401 - re-exported
-from streaming.link_shaper import (  # noqa: F401 - re-exported (issue 27 split)
+from streaming.link_shaper import (  # noqa: F401 - re-exported (old import path)
     METHOD_NETNS, METHOD_USERSPACE, _METHOD_ALIASES, NS_PREFIX, _NS_RE, _VETH_RE, _LOCK_PATH,
     PACING_QUANTUM, MAX_PACING_QUANTUM, pacing_quantum, TBF_LATENCY_MS, MTU_BYTES,
     TBF_BURST_MIN_BYTES, TBF_BURST_S, default_burst_bytes, USERSPACE_BURST_S,

@@ -1,6 +1,6 @@
 """The shaped link's rate rules (methods, tbf and token-bucket burst sizes, pacing quanta), its
 shell helpers and subnet choice (the userspace shaper itself: streaming.link_proxy).
-Split out of streaming.link (issue 27), which re-exports every name; the design is
+Split out of streaming.link, which re-exports every name; the design is
 described there.
 """
 

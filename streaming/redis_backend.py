@@ -1,7 +1,7 @@
 """Redis as the shared KV store backend: opaque bytes under string keys, pipelined reads.
 
 Paper: CacheGen section 5 (encoded KV chunks live in a remote store and are streamed to the
-engine on reuse; decoding chunk k overlaps the transfer of chunk k+1). Issue 8; see
+engine on reuse; decoding chunk k overlaps the transfer of chunk k+1); see
 docs/redis.md. Chosen by URL through streaming.backends.open_backend("redis://HOST:PORT/DB")
 (`--store redis://...`). Benchmark (load through the shaped link: local-folder store vs
 Redis behind the store server vs Redis read directly), in the measurement package:

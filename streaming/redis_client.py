@@ -1,7 +1,7 @@
 """RedisStoreClient: the streaming.store.StoreClient interface straight over Redis.
 
-Paper: CacheGen section 5 (the engine streams encoded KV chunks from a remote store). Issue
-8; see docs/redis.md. Moved out of streaming.redis_backend (issue 27) so that the Redis
+Paper: CacheGen section 5 (the engine streams encoded KV chunks from a remote store); see
+docs/redis.md. Moved out of streaming.redis_backend so that the Redis
 backend, which streaming.backends.open_backend loads, does not import streaming.store (which
 imports streaming.backends): this module sits above both. Not runnable by itself.
 """

@@ -3,7 +3,7 @@
 Paper: CacheGen section 5 (the KV cache is stored remotely and streamed over the network);
 this module starts the remote store (Debian's `redis-server`) on loopback or inside the
 server namespace of a shaped link (streaming.link), so the measured link sits between the
-engine and Redis. Issue 8; see docs/redis.md.
+engine and Redis; see docs/redis.md.
 
 Run one in the foreground (prints its URL, Ctrl-C stops it and removes its folder):
 

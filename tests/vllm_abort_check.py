@@ -1,4 +1,4 @@
-"""Abort-during-load check of CacheGenConnector in a real vLLM engine (issue 26), run by
+"""Abort-during-load check of CacheGenConnector in a real vLLM engine, run by
 tests/vllm_connector/test_vllm_connector_abort.py in a subprocess (vLLM's LLM() must be created under
 ``__main__``). Writes a JSON report the tests assert on.
 

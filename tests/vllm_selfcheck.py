@@ -124,7 +124,7 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
                 toks, lps, ncached, ttft = _generate_lp(llm, prompt, max_tokens, kp)
                 report["outputs"][name], report["logprobs"][name] = toks, lps
                 report["num_cached_tokens"][name], report["ttft_s"][name] = ncached, ttft
-            # issue 26.5 (kind of vLLM #57596): prompt_logprobs makes vLLM skip the external
+            # kind of vLLM #57596: prompt_logprobs makes vLLM skip the external
             # hit (skip_reading_prefix_cache); the connector must still leave one record
             llm.reset_prefix_cache()
             toks, _, ncached, _ = _generate_lp(

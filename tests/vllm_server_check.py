@@ -1,4 +1,4 @@
-"""Server check of CacheGenConnector in vLLM's OpenAI server (issue 17, item 5), run by
+"""Server check of CacheGenConnector in vLLM's OpenAI server, run by
 tests/vllm_connector/test_vllm_server.py in a subprocess. Writes a JSON report the test asserts on.
 
 Steps: start a KV store server (loopback) and `python -m vllm.entrypoints.openai.api_server`
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = _post(f"{base}/v1/chat/completions", dict(body, messages=ten_msgs, max_tokens=1,
                               cache_salt=salt, kv_transfer_params=dict(kvp, stats_tag=tag)))
                     report["server"][f"{tag}_http_ok"] = bool(r.get("choices"))
-                # issue 26.5: prompt_logprobs makes vLLM drop the external hit; the
+                # prompt_logprobs makes vLLM drop the external hit; the
                 # connector still leaves one record (a miss saying why)
                 r = _post(f"{base}/v1/completions", dict(body, prompt=completion_text,
                           max_tokens=1, prompt_logprobs=1,

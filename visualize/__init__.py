@@ -1,4 +1,4 @@
-"""The figures of ``visualize_results.py``, split by what they read (issue 27).
+"""The figures of ``visualize_results.py``, split by what they read.
 
 - :mod:`visualize.loading`: reading result files (results.json, quality.json,
   adaptation.json; stdlib only, shared with scripts/readme_tables.py);

@@ -361,7 +361,7 @@ def _check_calibration(cal: KvtcCalibration, where: str) -> None:
 # the KL at equal bytes. level -> ((R1, B1), (R2, B2), ...), from the end of the context.
 # None by default since the grouped calibration (docs/codec.md 8.8): its untiered levels
 # are simpler and robust to where the question sits; a caller may still pass
-# ``KvtcConfig(tiers=...)`` (e.g. ((64, 5), (320, 4)), round 6's level 3).
+# ``KvtcConfig(tiers=...)`` (e.g. ((64, 5), (320, 4)), once measured as level 3).
 DEFAULT_LEVEL_TIERS: dict[int, tuple] = {}
 # level -> exact attention-sink tokens when the config does not say (levels not named: the
 # calibration's ``sink_tokens``)

@@ -1,4 +1,4 @@
-"""KVTC calibrations as bytes (issue 25.5): an entry's calibration travels with it through
+"""KVTC calibrations as bytes: an entry's calibration travels with it through
 the KV store, which keeps the artifact under cal/<hash>; a reader that lacks it fetches it
 once (``calibration_from_bytes``: verified, registered, kept in the cache folder).
 

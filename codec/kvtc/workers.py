@@ -20,7 +20,7 @@ def _decode_workers() -> int:
     """Worker threads of ``KvtcCodec._inverse``: the larger of torch's and numba's thread
     counts (numba's is the one the rANS decoder of the same chunk uses; inside the vLLM CPU
     worker torch runs with 1 thread but the decode may use both cores while the engine
-    waits on the load, issue 14.2), at most ``_MAX_DECODE_WORKERS``."""
+    waits on the load), at most ``_MAX_DECODE_WORKERS``."""
     n = torch.get_num_threads()
     try:
         import numba

@@ -1,4 +1,4 @@
-"""The goals' statistics in bench.adapt (issue 15): the paired cluster bootstrap of
+"""The goals' statistics in bench.adapt: the paired cluster bootstrap of
 (adaptive - reference) differences, goals() per trace set with its intervals, and the
 held-out artifact-generator traces (streaming.traces.artifact_generator)."""
 

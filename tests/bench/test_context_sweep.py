@@ -1,4 +1,4 @@
-"""bench.context_sweep (issue 28.4): its arithmetic on made-up runs, its flags' one-line
+"""bench.context_sweep: its arithmetic on made-up runs, its flags' one-line
 errors, and the figure drawn from its file (no model: the sweep itself runs run_benchmarks.py,
 which tests/harness covers)."""
 

@@ -31,7 +31,7 @@ def make_kv(L=3, T=40, H=2, D=16, dtype=torch.bfloat16, seed=0, zero_token=None)
 
 def encode_or_skip(k, v, name, **kw) -> bytes:
     """``codec.encode_kv``, skipping the test for codecs that must be given a calibration
-    (kvtc: an encode names its calibration, issue 27.4; its round trips, sinks and error
+    (kvtc: an encode names its calibration explicitly; its round trips, sinks and error
     bounds are tests/codec/test_codec_kvtc.py's) rather than failing. Deterministic: no
     calibration registered by an earlier test is ever picked up here."""
     try:
@@ -54,7 +54,7 @@ def cachegen_bound(x: torch.Tensor, cfg, is_key: bool, n_sink: int) -> torch.Ten
     b = (eff.reshape(eshape) / (2 * m.reshape((-1,) + (1,) * (len(eshape) - 1))))
     b = b.expand(view).reshape(L, T, H, D).clone()
     tag = "k" if is_key else "v"
-    if f"chx_{tag}_idx" in arrays:     # outlier channels (issue 28.7): step times 2^e
+    if f"chx_{tag}_idx" in arrays:     # outlier channels: step times 2^e
         Q.scale_channels(b, arrays[f"chx_{tag}_idx"].astype(np.int64),
                          arrays[f"chx_{tag}_exp"], +1)
     eps = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8, torch.float32: 2 ** -23}[x.dtype]
@@ -128,7 +128,7 @@ def test_kivi_keeps_last_128_tokens_exact():
     for name in ("kivi2", "kivi4"):
         k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec=name))
         # quantized prefix: every token before the last 128 (300 - 128 = 172: five groups
-        # of 32 and a short last key group of 12, issue 28.7)
+        # of 32 and a short last key group of 12)
         assert torch.equal(k2[:, 172:], k[:, 172:]) and torch.equal(v2[:, 172:], v[:, 172:])
         assert not torch.equal(k2[:, :160], k[:, :160])
         assert not torch.equal(k2[:, 160:172], k[:, 160:172])

@@ -418,7 +418,7 @@ def test_validate_cum_table():
 
 
 def test_entropy_stage_composes_any_backend():
-    """codec.entropy composes models + streams once over a coder backend (issue 11.3): a
+    """codec.entropy composes models + streams once over a coder backend: a
     backend that records its calls (wrapping the numba one) gives the default's bytes and
     is the only thing that touched the symbols."""
     from codec import entropy, rans_cpu, rans_spec

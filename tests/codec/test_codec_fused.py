@@ -1,4 +1,4 @@
-"""The fused CPU decoder (codec.fused, issue 14.2) is bit-identical to the reference
+"""The fused CPU decoder (codec.fused) is bit-identical to the reference
 decode path (decode symbols -> dequantize in float32 -> cast), for every cachegen level,
 cachegen-ref level and quant8, in bf16 / fp16 / fp32, on irregular shapes, with sink
 tokens, outliers and caller-provided destinations."""
@@ -243,7 +243,7 @@ def test_parallel_kernels_equal_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 7])
 def test_dynamic_scheduling_any_worker_count(workers, monkeypatch):
-    """The decode kernel's workers take items from an atomic counter (issue 14): any
+    """The decode kernel's workers take items from an atomic counter: any
     number of workers (fewer, as many as or more than numba's threads) decodes every item
     exactly once, to the same symbols as the reference decoder, and a corrupt stream is
     still reported."""

@@ -1,4 +1,4 @@
-"""The fused numba quantization (codec.fused.quantize_fast / row_absmax_fast, issue 14.6)
+"""The fused numba quantization (codec.fused.quantize_fast / row_absmax_fast)
 gives exactly the symbols and scales of the torch reference arithmetic, and the codec's
 bitstream is unchanged by it (same bytes as with the torch path).
 

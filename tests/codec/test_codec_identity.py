@@ -1,4 +1,4 @@
-"""One meaning per parameter (issue 11.4) and device checks (issue 12.9).
+"""One meaning per parameter and device checks.
 
 - ``level``: one scale per codec, ``None`` = the codec's default resolved in ONE function
   (``codec.resolve_level``), no 0/-1 sentinels;

@@ -1,4 +1,4 @@
-"""KIVI on chunks shorter than its group (issue 28.7 A): every token before the context's
+"""KIVI on chunks shorter than its group: every token before the context's
 last KIVI_RESIDUAL tokens is quantized whatever the chunking (a short last key group with
 its own lo/step, container format 5), sizes and errors stay near the one-shot encode."""
 import pytest

@@ -23,7 +23,7 @@ def _correlated(L, T, H, D, seed, decay=-2.0):
     return (torch.bmm(z, mix) + 0.5).reshape(L, T, H, D)
 
 
-# the round-6 level table: these tests check the mechanics on random data, whose error
+# an earlier, finer level table: these tests check the mechanics on random data, whose error
 # at a given rate has nothing to do with the default table (chosen on real KV)
 TEST_TARGETS = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
 
@@ -267,7 +267,7 @@ def test_encode_errors(cal):
     with pytest.raises(ValueError, match="level"):
         codec.encode_kv(k, k, codec="kvtc", level=99, config=kvtc.KvtcConfig(calibration=cal))
     # an encode names its calibration: none given is refused, even with one registered of
-    # this very shape (no "most recent of this shape" choice, issue 27.4)
+    # this very shape (no "most recent of this shape" choice)
     assert cal.hash in kvtc.registered_calibrations()
     with pytest.raises(ValueError, match="needs its calibration"):
         codec.encode_kv(k, k, codec="kvtc")

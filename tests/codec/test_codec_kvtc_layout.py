@@ -1,4 +1,4 @@
-"""Tests of the kvtc column layouts (issue 16, docs/bitstream.md 4.5): the "kept" layout
+"""Tests of the kvtc column layouts (docs/bitstream.md 4.5): the "kept" layout
 (format 2: only each (K/V, layer)'s kept columns are entropy-coded) written now, and the
 older "padded" layout (format 1) still decoded bit-exactly from a fixture container.
 

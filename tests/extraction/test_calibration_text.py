@@ -1,4 +1,4 @@
-"""The default KVTC calibration text (kv_extraction_hf.calibration_text, issue 25.3):
+"""The default KVTC calibration text (kv_extraction_hf.calibration_text):
 offline, deterministic, large enough for the default fit, and sharing no sentence with
 the pydoc_data.topics text the main job evaluates on.
 

@@ -1,4 +1,4 @@
-"""kv_extraction_hf.dump.save_kv with K and V that share storage (issue 26.8, kind of
+"""kv_extraction_hf.dump.save_kv with K and V that share storage (kind of
 safetensors #202: "Some tensors share memory"): the same tensor twice, views of one
 buffer, overlapping slices; each round-trips exactly through load_kv.
 

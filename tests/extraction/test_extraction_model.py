@@ -50,7 +50,7 @@ def test_info_and_prefill_shape(default_bundle, needle):
     assert k.shape == v.shape == (30, len(p.context_ids), 3, 64)
     assert k.dtype == v.dtype == torch.bfloat16 and k.is_contiguous()
     # prefill is deterministic, and the KV of a prefix is the prefix of the KV (causal), up to
-    # the rounding of differently shaped matmuls (issue 25: a bound from the dtype, any CPU)
+    # the rounding of differently shaped matmuls (a bound from the dtype, any CPU)
     k1, v1 = prefill_kv(default_bundle, p.context_ids)
     assert torch.equal(k1, k) and torch.equal(v1, v)
     k2, v2 = prefill_kv(default_bundle, p.context_ids[:50])

@@ -189,7 +189,7 @@ def test_kv_shape_of_supported_configs():
     # a window as long as the context is no limit
     mistral = _cfg("MistralConfig", num_hidden_layers=2, sliding_window=4096, max_position_embeddings=4096)
     assert kv_shape(mistral)[0] == 2
-    # sliding-window layers are supported (issue 28): every layer (Mistral-7B-v0.1) or 5 of 6 (Gemma 3)
+    # sliding-window layers are supported: every layer (Mistral-7B-v0.1) or 5 of 6 (Gemma 3)
     from kv_extraction_hf.model import attention_layers
 
     mistral = _cfg("MistralConfig", num_hidden_layers=2, sliding_window=4096, max_position_embeddings=32768)

@@ -6,7 +6,7 @@ builds from Gemma 3's GGUF, adds no BOS; the registry; each layer's kind and win
 Gemma 3 config; the teacher-forced answer path on a tiny random Gemma 3 whose window is
 shorter than the context (its sliding layers' caches drop tokens); the store entry the
 harness writes for a float32 / float16 / bfloat16 checkpoint is one the vLLM connector serves
-(the round-11 fault: a float32 checkpoint's entries all missed on the dtype). Slow part with
+(a fault once seen: a float32 checkpoint's entries all missed on the dtype). Slow part with
 vLLM: ``run_benchmarks.py --engine vllm`` on tiny Gemma 3 layouts loads every KV row's
 prefix, its lossless row reproducing plain prefill.
 
@@ -241,7 +241,7 @@ def _engine_identity_of(mdir, dtype):
     (torch.bfloat16, 512, ("sliding_attention",) * 2 + ("full_attention",)),
 ])
 def test_vllm_store_identity_matches_the_engine_for_any_checkpoint_dtype(tmp_path, ckpt_dtype, window, layers):
-    """The cause of the round-11 fault: the harness stored KV extracted in the checkpoint's
+    """The cause of that fault: the harness stored KV extracted in the checkpoint's
     dtype (float32 for the tiny layout) while vLLM runs bfloat16 (ENGINE_DTYPE), so the
     connector's expected identity conflicted with every entry's ("conflicting expectations
     for dtype") and every request was a miss. Under --engine vllm the model is now loaded in
@@ -320,10 +320,10 @@ def _check_kv_rows(doc, block=128, engine="vllm", windowed=True, hybrid=False):
 @pytest.mark.slow
 def test_vllm_engine_runs_a_hybrid_model(tmp_path):
     """run_benchmarks.py --engine vllm (the default engine) with a tiny random-weight
-    sliding-window model (Gemma 3 layout, saved in float32): it runs (until round 11 it was
+    sliding-window model (Gemma 3 layout, saved in float32): it runs (it was once
     refused, exit 2), vLLM's hybrid KV cache manager is off with our connector (every layer
     keeps every token), and every KV mode's requests loaded their prefix without a load
-    error (until round 12 all of them missed: the stored KV was float32, the engine bf16)."""
+    error (once all of them missed: the stored KV was float32, the engine bf16)."""
     mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src())
     _check_kv_rows(_run_vllm(tmp_path, mdir))
 
@@ -344,7 +344,7 @@ def test_vllm_engine_hybrid_variant_float16_small_window_short_context(tmp_path)
 def test_vllm_hybrid_manager_on_loads_windowed_entries(tmp_path):
     """--vllm-hybrid-kv (CacheGenHMAConnector) with the store's default window layout: a
     sliding layer's kept blocks all lie inside the stored last W + block tokens, so the
-    lossless row reproduces plain prefill from windowed entries (round 14; before, the
+    lossless row reproduces plain prefill from windowed entries (before, the
     harness stored the full layout whenever the manager was on)."""
     mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=16, dtype=torch.float16, init=0.2,
                             layer_types=("full_attention", "sliding_attention", "sliding_attention"))

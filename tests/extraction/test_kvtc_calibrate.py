@@ -27,7 +27,7 @@ def test_sensitivity_does_not_depend_on_batch(default_bundle, fixtures_dir):
     # same noise draws; only the float32 rounding of a batched forward pass differs. A
     # probe's KL is ~ the square of its logit shift d, and the rounding shift r of another
     # kernel moves it by ~2 r / d relative: float32 (2^-24) measured 3.2e-3 at most on an
-    # AMX Xeon (bf16 activations, 2^-8: up to 119%, issue 25), hence 1e-2. A real fault (noise
+    # AMX Xeon (bf16 activations, 2^-8: up to 119%), hence 1e-2. A real fault (noise
     # drawn in another order, a probe written to the wrong (K/V, layer)) moves it by O(1).
     np.testing.assert_allclose(many, one, rtol=1e-2)
     with pytest.raises(ExtractionError, match="batch"):

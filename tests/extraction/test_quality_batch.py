@@ -87,7 +87,7 @@ def test_text_rows_do_not_depend_on_codec_workers(default_bundle):
 
 
 def test_batch_of_a_shape_is_checked_once_and_falls_back_to_batch_one(default_bundle, monkeypatch):
-    # identity by construction on any CPU (issue 25): the first call of a shape compares the
+    # identity by construction on any CPU: the first call of a shape compares the
     # batched logits with batch 1; a shape whose kernels round differently (AMX) runs at batch 1
     from kv_extraction_hf import inject
 

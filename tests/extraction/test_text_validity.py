@@ -1,5 +1,5 @@
 """Text that is not valid Unicode in every data path is one ExtractionError line, exit 2
-(issue 26.7, kind of ai-microcore #74): a lone surrogate (a valid JSON escape such as
+(kind of ai-microcore #74): a lone surrogate (a valid JSON escape such as
 "\\ud800") or a NUL in a --task jsonl / longchat / longbench context, question or answer;
 invalid UTF-8 bytes in a data file; the same in WikiText and calibration text files.
 kv_extraction_hf.textcheck.check_text is the one check.

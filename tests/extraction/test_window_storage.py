@@ -5,7 +5,7 @@ bit; one token fewer per sliding layer does not.
 CI part: a tiny random Gemma 3 (window 8, contexts shorter and longer than it). Opt-in
 part: the real Gemma 3 270M when cached (bf16, the engine's dtype), at 2K tokens (stored
 elements 0.375 of the full layout) and, with ``CACHEGEN_WINDOW_8K=1`` (about 2 min on 2
-cores), 8K tokens (0.21875 <= 0.22, issue 28).
+cores), 8K tokens (0.21875 <= 0.22).
 
 Run: .venv/bin/python -m pytest tests/extraction/test_window_storage.py -q
 """

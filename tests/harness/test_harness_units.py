@@ -98,7 +98,7 @@ def test_populate_store_identity_carries_kvtc_calibration_hash():
                            num_layers=L, num_kv_heads=H, head_dim=D)
     ctx = _ctx(k=k[:, :128].to(torch.bfloat16).contiguous(), v=v[:, :128].to(torch.bfloat16).contiguous(),
                load_tokens=128, prompt=_prompt(context_ids=list(range(130))))
-    # the calibration is an argument of the encode (issue 27.4), never found by shape
+    # the calibration is an argument of the encode, never found by shape
     populate_store(RunConfig(chunk_tokens=128, block_tokens=128), client, info, [ctx],
                    {"kvtc": [3, 4], "raw": [None]},
                    configs={"kvtc": kvtc.KvtcConfig(calibration=cal)})
@@ -110,7 +110,7 @@ def test_populate_store_identity_carries_kvtc_calibration_hash():
     # another calibration gives another store key (a stale entry misses)
     assert by_codec["kvtc"].codec_tag() != by_codec["kvtc"].replace(calibration_hash="0" * 64).codec_tag()
     # without its calibration the kvtc encode fails: with a failures list it is recorded
-    # (issue 25.4) and the other codecs are stored; without one it is a BenchmarkError
+    # and the other codecs are stored; without one it is a BenchmarkError
     from harness.contexts import BenchmarkError
 
     ctx2 = _ctx(k=ctx.k, v=ctx.v, load_tokens=128, prompt=_prompt(context_ids=list(range(130))))
@@ -176,7 +176,7 @@ def test_decisions_reach_chunks_under_both_engines():
 
 
 def test_a_store_miss_is_a_miss_reason_a_policy_text_decision_is_not():
-    """Round 12: the connector's scheduler-side miss (nothing servable stored, e.g. an entry
+    """The connector's scheduler-side miss (nothing servable stored, e.g. an entry
     of another dtype) becomes RequestTiming.miss_reason and a run record field; a load that
     placed nothing by the adaptive policy's choice, a load, and text mode leave it None."""
     from harness.results import run_record
@@ -521,7 +521,7 @@ def test_run_restores_the_logging_environment(monkeypatch):
 
 
 def test_vllm_hybrid_kv_flag_and_its_validation(capsys):
-    """--vllm-hybrid-kv (config vllm_hybrid_kv, issue 28.2) parses to True, defaults to the
+    """--vllm-hybrid-kv (config vllm_hybrid_kv) parses to True, defaults to the
     config's false, and is refused in one line (exit 2) with --engine hf or a non-bool."""
     from harness.config import ConfigError, resolve
 

@@ -1,4 +1,4 @@
-"""The numerics record of the result files (cachegen_common/machine.py, issue 25.6): CPU vendor and
+"""The numerics record of the result files (cachegen_common/machine.py): CPU vendor and
 model, the AMX / AVX512 / AVX2 flags, torch's CPU capability and the ISA oneDNN uses; and
 that ``ONEDNN_MAX_CPU_ISA`` (the second kernel family CI runs under) reaches oneDNN.
 

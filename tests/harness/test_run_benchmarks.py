@@ -96,7 +96,7 @@ def test_quick_run_vllm_engine(tmp_path):
 
 
 def test_a_failing_kvtc_decode_never_ends_the_main_job(tmp_path):
-    """Issue 25.4: with every kvtc decode made to fail (the off-by-default fault hook
+    """With every kvtc decode made to fail (the off-by-default fault hook
     CACHEGEN_FAULT=kvtc-decode), the run completes (rc 0, "complete": true), records the
     perplexity pass's failure and each request's recomputed chunks with their reasons,
     and the summary says so; one console line per failure, no traceback."""

@@ -1,4 +1,4 @@
-"""Our serdes ``cachegen`` and ``kvtc`` inside the real LMCache (lmcache 0.5.6, issue 29).
+"""Our serdes ``cachegen`` and ``kvtc`` inside the real LMCache (lmcache 0.5.6).
 
 Needs the optional environment (``bash scripts/setup.sh lmcache`` -> .venv-lmcache, which
 CI runs this file with); in the main .venv (no lmcache) the module is skipped.

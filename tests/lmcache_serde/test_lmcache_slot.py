@@ -1,5 +1,5 @@
-"""The fixed-slot ("constant bitrate") mode of our LMCache serdes (issue 29,
-third_party/lmcache/serde_slot.py): ``slot_ratio`` sizes the slot, ``fallback`` codes a
+"""The fixed-slot ("constant bitrate") mode of our LMCache serdes
+(third_party/lmcache/serde_slot.py): ``slot_ratio`` sizes the slot, ``fallback`` codes a
 frame too big for it at a coarser level, ``fill`` at the finest level that still fits.
 
 - the slot is never exceeded (the frame and the padding end at the slot, the bytes of

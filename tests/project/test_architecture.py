@@ -161,12 +161,12 @@ def test_import_scanner_resolves_relative_and_lazy_imports(tmp_path):
     ("kv_extraction_hf", ("harness", "bench")),
     ("evaluation", ("harness", "bench")),
     ("third_party", ("harness", "bench")),
-    # the LMCache serde plugin is our codec inside LMCache: codec only (issue 29)
+    # the LMCache serde plugin is our codec inside LMCache: codec only
     ("third_party.lmcache", ("kv_extraction_hf", "streaming", "harness", "bench",
                              "evaluation")),
     ("visualize_results", ("kv_extraction_hf", "codec", "streaming", "third_party", "harness",
                            "bench")),
-    # the figure code visualize_results.py re-exports (issue 27): the same rule
+    # the figure code visualize_results.py re-exports: the same rule
     ("visualize", ("kv_extraction_hf", "codec", "streaming", "third_party", "harness", "bench")),
 ])
 def test_dependencies_point_one_way(package, forbidden):
@@ -183,7 +183,7 @@ def _graph(package: str, module_level_only: bool = False) -> dict[str, list[str]
                        if m in nodes and m != n}) for n in nodes}
 
 
-# Cycles not cut yet (issue 27.1), each with its cause. Cutting one: delete its entry.
+# Cycles not cut yet, each with its cause. Cutting one: delete its entry.
 KNOWN_CYCLES: dict[str, list[list[str]]] = {}
 
 

@@ -1,5 +1,5 @@
 """docs/modules.md (the module map a newcomer reads) is what scripts/module_map.py writes
-from the modules' docstrings, and the house keeps the sizes issue 27 set: no module over
+from the modules' docstrings, and the house keeps its sizes: no module over
 600 lines outside tests/, a median of at most 150, every module with a docstring.
 
 Run: .venv/bin/python -m pytest tests/project/test_module_map.py -q

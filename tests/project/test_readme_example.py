@@ -1,5 +1,5 @@
 """The README's Python example ("The codec in ten lines") runs and prints a ratio and an
-error (issue 27.6): the test extracts the README's one ```python block and runs it in a
+error: the test extracts the README's one ```python block and runs it in a
 fresh interpreter from the repository root, so the example cannot rot.
 
 Run: .venv/bin/python -m pytest tests/project/test_readme_example.py -q
@@ -37,7 +37,7 @@ def test_readme_python_example_runs_and_prints_ratio_and_error():
 
 
 def test_relative_links_of_the_readmes_and_docs_resolve():
-    # issue 27.6: the README, benchmarks/README.md and docs/ link each other with relative
+    # the README, benchmarks/README.md and docs/ link each other with relative
     # paths; every one must name a file or folder that exists (anchors are not checked)
     files = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken = []

@@ -335,7 +335,7 @@ def test_adaptation_block_rows_and_absent_line():
 
 
 def test_adaptation_goals_table_with_intervals():
-    # issue 15's goals as bench.adapt wrote them: artifact first, then the held-out set, per
+    # the two adaptation goals as bench.adapt wrote them: artifact first, then the held-out set, per
     # SLO; point verdict with the interval's; sets other than those two and the real link left out
     doc = _adapt_doc()
     g = {"link": "simulated", "slo_s": 0.5, "n": 100, "g1_slo": True, "g1_ci": "met", "best_fixed": "fixed-l2",
@@ -405,7 +405,7 @@ def test_bad_quality_file_exit_2(tmp_path):
 
 
 def test_summaries_tables_and_figures_show_failures(tmp_path):
-    # issue 25.4: failures recorded in results.json reach the summary rows, the console
+    # failures recorded in results.json reach the summary rows, the console
     # table, the README table generator and the figures
     from evaluation.summary import summarize
     from harness.results import summary_table
@@ -440,7 +440,7 @@ def test_summaries_tables_and_figures_show_failures(tmp_path):
 
 
 def test_committed_readme_is_a_front_door():
-    # issue 27.6: <= 150 lines, one generated headline block, the big blocks in benchmarks/README.md
+    # <= 150 lines, one generated headline block, the big blocks in benchmarks/README.md
     readme = (ROOT / "README.md").read_text()
     tables = (ROOT / "benchmarks" / "README.md").read_text()
     assert len(readme.splitlines()) <= 150

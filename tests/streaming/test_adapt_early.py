@@ -1,4 +1,4 @@
-"""Early abandon (issue 15): a running transfer is cut as soon as its projected finish at the
+"""Early abandon: a running transfer is cut as soon as its projected finish at the
 observed rate (bytes received / wire time) overruns its deadline, not at the deadline; the
 partial transfer is a (provisional) throughput sample and the chunk is re-planned at that rate.
 Pure policy arithmetic (streaming.adapt.AdaptivePolicy.should_abandon and simulate)."""

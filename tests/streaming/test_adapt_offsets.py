@@ -1,4 +1,4 @@
-"""Issue 15, round 4: several requests per recorded trace (cyclic start offsets, paired across
+"""Adaptation measured honestly: several requests per recorded trace (cyclic start offsets, paired across
 policies), real-vs-simulated agreement on the same requests, and the estimator's prior and
 chance-constrained rate (streaming.adapt.ThroughputEstimator)."""
 

@@ -209,7 +209,7 @@ def test_adaptive_close_to_the_oracle_on_iid_traces():
     assert va[1.0] <= vo[1.0] + 0.4 * N, (va, vo)
 
 
-# ----------------------------------------------------------------------------- issue 15, round 2
+# ----------------------------------------------------------------------------- abandon bound, estimator window
 def test_abandon_bound_is_provisional_until_a_measured_transfer():
     e = ThroughputEstimator(None, window=5)
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""One adaptive policy (issue 27.3): the frozen parameter object
+"""One adaptive policy: the frozen parameter object
 streaming.adapt_params.PolicyParams with named presets is what the TTFT run (harness),
 bench.adapt and the vLLM connector build AdaptivePolicy from; the connector's trust layer
 allows exactly its fields (plus "preset" and the per-request measurements); results say

@@ -1,4 +1,4 @@
-"""Issue 15, round 3: re-planning after an abandon (smallest level or text), the cheap probe
+"""Re-planning after an abandon (smallest level or text), the cheap probe
 with back-off after a failed one, and the reserve capped as a fraction of the SLO. Pure
 policy arithmetic on synthetic traces (streaming.adapt.simulate)."""
 

@@ -1,4 +1,4 @@
-"""Issue 15, round 6: the dip reserve (PolicyParams(dip_chunks=...)): the seconds held back
+"""The dip reserve (PolicyParams(dip_chunks=...)): the seconds held back
 from the SLO follow the lowest rate the load has seen, capped by the fixed reserve; and the
 selection rule of scripts/adapt_tune.py. Pure policy arithmetic (streaming.adapt.simulate)."""
 

@@ -1,4 +1,4 @@
-"""streaming.redis_backend against a real redis-server started by the tests (issue 8).
+"""streaming.redis_backend against a real redis-server started by the tests.
 
 Round trip of a multi-chunk context, prefetching reads, two processes sharing one Redis,
 concurrent identical writers, eviction under a small maxmemory, and faults: Redis down at

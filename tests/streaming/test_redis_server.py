@@ -1,4 +1,4 @@
-"""streaming.redis_server: a real redis-server with a unique port and folder (issue 8).
+"""streaming.redis_server: a real redis-server with a unique port and folder.
 
 Skipped (with the reason) only when redis-server is not installed.
 Run: python -m pytest tests/streaming/test_redis_server.py -q

@@ -1,4 +1,4 @@
-"""Redis as the shared KV store, end to end: manifests, stream_load, eviction, faults (issue 8).
+"""Redis as the shared KV store, end to end: manifests, stream_load, eviction, faults.
 
 A real redis-server is started by the tests (streaming.redis_server.RedisServer); chunks are
 streaming.standin chunks (CRC-checked, real decode work) so no model is needed. Skipped

@@ -1,4 +1,4 @@
-"""Calibrations travel with their entries (issue 25.5): an entry encoded with kvtc
+"""Calibrations travel with their entries: an entry encoded with kvtc
 calibration H decodes on a machine that never fitted H - or is a clean miss with the
 reason. Two cache folders stand for two machines (CACHEGEN_CACHE differs; each machine
 is its own process, so no in-process registry is shared). Stores: the local store folder

@@ -1,4 +1,4 @@
-"""Store failures are classified and timeouts mean "no progress" (issue 12.7).
+"""Store failures are classified and timeouts mean "no progress".
 
 Every store client - the store server's client, Redis (RedisBackend, RedisStoreClient) and
 the local folder - raises one class of streaming.errors per cause, with a message naming the

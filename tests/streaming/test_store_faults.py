@@ -1,4 +1,4 @@
-"""Fault-injection matrix of the KV store (issue 26): crashes at every write step, every
+"""Fault-injection matrix of the KV store: crashes at every write step, every
 interleaving of two writers, readers racing overwrites, Redis eviction - for every store
 (local folder in-process, the store server, Redis). Over all of it: 0 loads of wrong KV,
 0 entries left that fail every later load, every outcome a load or a recorded miss.

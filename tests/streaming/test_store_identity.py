@@ -1,5 +1,5 @@
-"""A store entry is only ever served to the model and codec config that made it (issue 12.1,
-issue 11 deliverable 4).
+"""A store entry is only ever served to the model and codec config that made it
+(the identity of an entry is everything that shapes its KV).
 
 Two models (different weights and KV shapes) and two codec configs share ONE store folder
 (through the store server), ONE Redis and ONE local folder (the connector's local source);

@@ -1,4 +1,5 @@
-"""The store inputs of issue 26 (failures 1, 2, 3, 4, 6) re-made as tests, with variants.
+"""Store fault reports re-made as tests, with variants: an entry re-chunked between lookup and
+load, a save killed half way, two interleaved writers, Redis eviction, a deleted longer prefix.
 
 Token-identifying KV (raw codec, float32: K at token t is (t, version), V = -K), so every
 placed token proves its position and the save it came from. The connector's
@@ -73,7 +74,7 @@ def _stored_lookup(cl, srv, ids, source):
 
 @pytest.mark.parametrize("overwrites", [1, 2])
 def test_failure1_rechunked_between_lookup_and_load(server, tmp_path, overwrites):
-    """Issue 26.1: a 2048-token raw context looked up with 256-token chunks, re-stored under
+    """A 2048-token raw context looked up with 256-token chunks, re-stored under
     the same key with 1024-token chunks before load_one. The load reads the generation
     its lookup planned from: one overwrite later it places 1280 tokens, each at its own
     position; two overwrites later (that generation deleted) it is a miss with the reason
@@ -146,7 +147,7 @@ def _local_load(src, ids, n):
 
 
 def test_failure2_save_killed_half_way_stays_invisible(tmp_path):
-    """Issue 26.2: context B saved into context A's local folder, killed right after
+    """Context B saved into context A's local folder, killed right after
     chunk_0: A's next request loads A (its 1024 tokens, its KV), never B's chunk 0. At
     every other crash point too: before the manifest A is served, after it B is (and A's
     prompt misses); a later save always loads."""
@@ -233,7 +234,7 @@ def test_local_two_writers_one_wins(tmp_path):
 
 # --------------------------------------------------------------------------- failure 3
 def test_failure3_two_store_clients_interleaved(server):
-    """Issue 26.3: two StoreClient writers of one context (1024- and 256-token chunks),
+    """Two StoreClient writers of one context (1024- and 256-token chunks),
     frames interleaved as put_context sends them: one is told it won, the other gets
     StoreRaceLostError (not "differs from the manifest"); has() is true; every later load
     loads all 1920 tokens (nothing recomputed, no entry that fails forever)."""
@@ -278,7 +279,7 @@ def test_legacy_manifest_is_a_clean_miss(server):
 # --------------------------------------------------------------------------- failure 4
 @needs_redis
 def test_failure4_redis_eviction_lookup_and_load_records(tmp_path):
-    """Issue 26.4: Redis allkeys-lru, 3 MB, 20 contexts x 4 chunks behind the store server.
+    """Redis allkeys-lru, 3 MB, 20 contexts x 4 chunks behind the store server.
     has() is true only for entries that still have every chunk; the connector's lookup
     promises tokens only for those, and each such load places all of them. A chunk
     evicted after the lookup: the load record says miss with the reason (never
@@ -336,7 +337,7 @@ def test_failure4_redis_eviction_lookup_and_load_records(tmp_path):
 
 # --------------------------------------------------------------------------- failure 6
 def test_failure6_prefix_falls_back_to_an_entry_that_loads(server):
-    """Issue 26.6: two entries share their first 512 tokens; the longer is deleted (its
+    """Two entries share their first 512 tokens; the longer is deleted (its
     index records remain): the lookup falls back to the shorter chain levels and loads
     512 tokens of the other entry; the stale records are dropped."""
     from third_party.vllm.prefix import _read_record, chain_keys, index_entry

@@ -1,4 +1,4 @@
-"""Streaming client: pipelined load, text fallback and the faults of issue 4, over a real
+"""Streaming client: pipelined load, text fallback and the link and store faults, over a real
 shaped link (userspace token bucket always; netns + tc tbf too when running as root)."""
 
 import socket

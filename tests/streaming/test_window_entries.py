@@ -1,4 +1,4 @@
-"""Sliding-window store entries (issue 28): the layout rules (codec.window_rules), the
+"""Sliding-window store entries: the layout rules (codec.window_rules), the
 extra tokens a store entry keeps, chunk-by-chunk dense decode, the identity's kv_layout
 and the load rule a source applies (a load too short for what the entry kept is a miss,
 never KV with a hole in a sliding layer's window)."""

@@ -1,4 +1,4 @@
-"""Async load mode of CacheGenConnector (extra config "async_load": true; issue 26: an
+"""Async load mode of CacheGenConnector (extra config "async_load": true: an
 aborted request stops loading at the next chunk and its record says so). The scheduler's
 and the worker's calls are replayed by hand in the order vllm 0.32 uses them
 (v1/core/sched/scheduler.py, v1/worker/kv_connector_model_runner_mixin.py); the real engine

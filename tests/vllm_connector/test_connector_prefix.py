@@ -1,4 +1,4 @@
-"""Prefix matching of the vLLM connector (issue 17, item 2): a hash chain over 256-token
+"""Prefix matching of the vLLM connector: a hash chain over 256-token
 chunks finds the longest stored prefix of any prompt; the connector loads the common
 prefix and prefills the rest. Unit level (a real KV store server on loopback, no engine).
 

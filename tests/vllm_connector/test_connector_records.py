@@ -1,4 +1,4 @@
-"""Issue 26.5 / abort: every request that carries kv_transfer_params leaves exactly ONE
+"""Engine-dropped hits and aborts: every request that carries kv_transfer_params leaves exactly ONE
 stats record (load, miss with its reason, local_hit, rejected) and one log line, whatever
 vLLM's scheduler did with the hit the connector offered: dropped it (prompt_logprobs ->
 skip_reading_prefix_cache, kind of vLLM #57596), kept a local hit instead, aborted or

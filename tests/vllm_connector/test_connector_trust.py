@@ -1,4 +1,4 @@
-"""Trust boundary of the vLLM connector (issue 17, item 1): no field of a client's
+"""Trust boundary of the vLLM connector: no field of a client's
 kv_transfer_params can make the server read, write or connect outside what its
 kv_connector_extra_config allows. Unit level: no engine is started.
 

@@ -1,4 +1,4 @@
-"""Unit tests of the connector under vLLM's hybrid KV cache manager (issue 28.2):
+"""Unit tests of the connector under vLLM's hybrid KV cache manager:
 per-group block ids with null blocks, per-group slot mappings, the worker writing each
 layer through its own group's slots, failures reported per request, the group check
 (third_party/vllm/kv_groups.py, third_party/vllm/hma_connector.py). No engine: the

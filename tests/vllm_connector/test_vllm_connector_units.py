@@ -232,7 +232,7 @@ def test_slot_mapping_and_layer_index():
 
 
 def test_default_stored_level_is_the_codecs_default():
-    """One meaning of "default level" (issue 11.4): the connector fetches the codec's own
+    """One meaning of "default level": the connector fetches the codec's own
     default level when the entry stores it, else the highest stored level."""
     import codec
     from third_party.vllm.sources import default_stored_level

@@ -1,4 +1,4 @@
-"""The connector's decode CPUs (issue 14): vLLM's CPU worker binds itself to the cores
+"""The connector's decode CPUs: vLLM's CPU worker binds itself to the cores
 left after the scheduler's, so the load widens its own thread's affinity for the decode
 and restores it for the forward pass. Unit tests, no engine (the engine check is in
 tests/vllm_connector/test_vllm_connector.py: its load records carry the affinity the decode ran with).
@@ -63,7 +63,7 @@ def test_inherit_changes_nothing():
 
 
 def test_load_record_names_the_chunk_failure():
-    # issue 13.3: a load whose chunk failed to decode says why (not only recomputed_tokens)
+    # a load whose chunk failed to decode says why (not only recomputed_tokens)
     from types import SimpleNamespace
 
     from third_party.vllm.connector_support import chunk_failure

@@ -1,4 +1,4 @@
-"""End to end on a sliding-window model (issue 28.2): run_benchmarks.py --engine vllm with
+"""End to end on a sliding-window model: run_benchmarks.py --engine vllm with
 Gemma 3 270M (15 of 18 layers sliding, window 512), with vLLM's hybrid KV cache manager off
 (CacheGenConnector: every layer keeps every token) and on (CacheGenHMAConnector: a
 sliding layer keeps its window; a 1024-token context makes the loaded prefix longer than

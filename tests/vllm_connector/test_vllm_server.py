@@ -1,4 +1,4 @@
-"""CacheGenConnector in vLLM's OpenAI server (issue 17, item 5): start the server with the
+"""CacheGenConnector in vLLM's OpenAI server: start the server with the
 connector on loopback (127.0.0.1, a free port), store a context, send a chat request and a
 completion request sharing the stored prefix (no context key: prefix matching), check that
 both load it and give the offline engine's output, that a client's escape attempt is
@@ -72,7 +72,7 @@ def test_escape_is_rejected_and_the_server_stops_cleanly(report):
 
 
 def test_engine_dropped_hit_is_one_miss_record(report):
-    """Issue 26.5 on the OpenAI server path: a completion with prompt_logprobs (vLLM drops
+    """An engine-dropped hit on the OpenAI server path: a completion with prompt_logprobs (vLLM drops
     the external hit) leaves exactly one record, a miss with the reason, and one log line."""
     assert report["server"]["prompt_logprobs_http_ok"]
     recs = [r for r in report["stats"] if r.get("stats_tag") == "prompt_logprobs"]

@@ -32,7 +32,7 @@ BITS_PER_ELEMENT = {
              1024: {0: 0.35, 1: 0.47, 2: 0.59, 3: 0.71, 4: 0.83, 5: 1.56}},
 }
 # the same, measured with "sinks": "every_object" (every object coded as its own context
-# at position 0, the coding before round 12)
+# at position 0, the former coding)
 BITS_PER_ELEMENT_EVERY_OBJECT = {
     "cachegen": {256: {0: 1.97, 1: 2.36, 2: 2.50, 3: 2.81, 4: 3.26, 5: 4.88},
                  1024: {0: 1.70, 1: 2.10, 2: 2.24, 3: 2.55, 4: 3.00, 5: 4.62}},

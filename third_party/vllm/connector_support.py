@@ -144,7 +144,7 @@ def decode_cpus(setting: Any = "all") -> set[int] | None:
     ``decode_cpus``: "all" (default: every CPU of the machine, as the kernel's cpuset
     allows), "inherit" (keep the worker's binding: None), or a list of CPU ids.
 
-    Why (issue 14, measured): vLLM's CPU worker binds itself to the cores left after the
+    Why (measured): vLLM's CPU worker binds itself to the cores left after the
     scheduler's reserved one (ENGINE_ENV reserves 1 of this machine's 2, so the worker runs
     on {0}), and every thread it starts inherits that, so the decode got ONE core inside
     the engine although the engine does nothing else while it waits for the load (the
@@ -162,7 +162,7 @@ def decode_cpus(setting: Any = "all") -> set[int] | None:
 
 
 def load_miss_reason(err: str | None, stats) -> str:
-    """Why a load placed nothing (issue 26.4: the record says miss with the reason, never
+    """Why a load placed nothing (the record says miss with the reason, never
     kind=load loaded_tokens=0): the load's error, else the first chunk's note (a chunk
     evicted or failing its checksum after the lookup)."""
     if err:
@@ -183,7 +183,7 @@ def load_miss_reason(err: str | None, stats) -> str:
 def chunk_failure(stats) -> str | None:
     """The first chunk failure note of a load (a chunk whose decode or refetch failed and
     whose tokens the engine therefore recomputes), or None: a chunk sent as text by the
-    adaptation policy is a choice, not an error (issue 13.3: the record says why)."""
+    adaptation policy is a choice, not an error (the record says why)."""
     for c in (getattr(stats, "chunks", None) or []):
         note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
         if note and "failed" in note and not note.startswith("decode failed once, refetch decoded"):
@@ -225,7 +225,7 @@ class DecodeAffinity:
 
 
 def thread_probe() -> dict[str, Any]:
-    """Cores and threads the decode gets in this (worker) process (issue 14.1): the CPU
+    """Cores and threads the decode gets in this (worker) process: the CPU
     affinity the worker's threads inherit, torch's and numba's thread counts."""
     import sys
 

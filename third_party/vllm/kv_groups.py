@@ -1,4 +1,4 @@
-"""vLLM's KV cache groups as the CacheGen connector sees them (hybrid models, issue 28.2).
+"""vLLM's KV cache groups as the CacheGen connector sees them (hybrid models).
 
 vLLM 0.32 groups a model's attention layers into KV cache groups (``KVCacheConfig.
 kv_cache_groups``, each a ``KVCacheGroupSpec(layer_names, kv_cache_spec)``) that share one

@@ -1,6 +1,6 @@
 """Longest stored prefix of a prompt, by chunk: a hash chain over fixed-size token chunks.
 
-Purpose (issue 17, item 2): a request that merely SHARES a prefix with a stored context -
+Purpose: a request that merely SHARES a prefix with a stored context -
 a chat request (the chat template adds tokens before the context), a completion whose
 prompt continues differently - must load every stored chunk it shares and prefill only
 the rest, without naming the context.
@@ -22,7 +22,7 @@ Records live in the KV store as chunks (level 0, index 0) under key_i (64 hex, d
 separated from context keys): JSON {"format", "entries": [{"key", "tokens", "codec"}]}.
 Stale records (a deleted or evicted entry) are dropped by `find_loadable`, which falls
 back from the longest indexed prefix to shorter chain levels until an entry really loads
-(issue 26.6: two entries share 512 tokens, the longer is deleted: the shorter still gives
+(two entries share 512 tokens, the longer is deleted: the shorter still gives
 512). No vLLM import; unit-tested in tests/vllm_connector/test_connector_prefix.py. Not runnable.
 """
 

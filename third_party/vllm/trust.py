@@ -1,6 +1,6 @@
 """Trust boundary of the CacheGen connector: what a client's `kv_transfer_params` may ask.
 
-Purpose (issue 17, item 1): in vLLM's OpenAI server any HTTP client sets
+Purpose: in vLLM's OpenAI server any HTTP client sets
 `kv_transfer_params`. Everything that names a filesystem path, a host or a port, or turns
 on saving therefore comes from the operator's `kv_connector_extra_config` only; a request
 may only CHOOSE among what the operator allowed (a source kind, a named store, a codec
@@ -46,7 +46,7 @@ SAVE_KEYS = ("source", "store", "context_key", "codec", "level", "chunk_tokens",
              "num_tokens", "model_id", "weights_hash", "codec_tag", "stats_tag")
 # a request's "policy": "preset" (a streaming.adapt_params.POLICY_PRESETS name), the
 # per-request measurements (POLICY_INPUTS, numbers) and exactly the fields of the one policy
-# object streaming.adapt_params.PolicyParams (each checked by its kind) - issue 27.3
+# object streaming.adapt_params.PolicyParams (each checked by its kind): one policy object
 POLICY_KEYS = POLICY_REQUEST_KEYS
 SOURCES = ("store", "local")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]*$")

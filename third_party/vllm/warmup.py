@@ -1,4 +1,4 @@
-"""Warm-up of the codecs' JIT kernels before the first request (issue 17, item 3).
+"""Warm-up of the codecs' JIT kernels before the first request.
 
 Purpose: the CPU coder and quantizers are numba kernels (`cache=True`: compiled once per
 machine into numba's on-disk cache), but a fresh process still pays for loading (or, the
