@@ -229,7 +229,7 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
 
     if user is not None:
         from codec import kvtc
-        from kv_extraction_hf.model import sha256_file
+        from kv_extraction_hf.model_fetch import sha256_file
 
         if (user.num_layers, user.num_heads, user.head_dim) != (
                 bundle.info.num_layers, bundle.info.num_kv_heads, bundle.info.head_dim):
@@ -241,7 +241,7 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
                 "data": user.meta.get("data", "")}
     try:
         from kv_extraction_hf.calibrate import default_calibration
-        from kv_extraction_hf.model import sha256_file
+        from kv_extraction_hf.model_fetch import sha256_file
 
         path = default_calibration(bundle, log=lambda m: None)
         from codec import kvtc
@@ -570,7 +570,7 @@ def _main(args, argv: list[str]) -> int:
                                "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks,
                                "window_storage": wstore}
         if longchat is not None:
-            from kv_extraction_hf.model import sha256_file
+            from kv_extraction_hf.model_fetch import sha256_file
 
             recs = tinfo["requests"]
             doc["tasks_config"].update({

@@ -37,7 +37,7 @@ import torch
 from cachegen_common import flags
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (issue 27 split)
-    measure_sensitivity, _attn_modules, query_energy, output_gram, metric_from_stats,
+    measure_sensitivity, attn_modules, query_energy, output_gram, metric_from_stats,
 )
 
 __all__ = ["rope_theta_of", "calibration_samples", "measure_sensitivity", "calibrate", "default_calibration",
@@ -177,7 +177,7 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
                               f"layers")
     if metric != "none":
         try:
-            _attn_modules(bundle)
+            attn_modules(bundle)
         except ExtractionError as e:
             log(f"[calibrate] {e}: fitting without a metric")
             metric = "none"
@@ -258,7 +258,7 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
 FIT_VERSION = 2
 
 
-def _settings_key(weights_hash: str, settings: dict, text_sha256: str = "") -> str:
+def settings_key(weights_hash: str, settings: dict, text_sha256: str = "") -> str:
     from codec import kvtc
 
     # the codec's level table is part of the key: new targets mean a new default fit; so is
@@ -328,14 +328,15 @@ def default_calibration(bundle, log=print) -> Path:
     ...)``); the artifact is also registered (``codec.kvtc.register_calibration``) so the
     chunks that name its hash decode. Raises ExtractionError if no calibration text."""
     from codec import kvtc
-    from kv_extraction_hf.model import _file_lock, cache_dir
+    from kv_extraction_hf.model import cache_dir
+    from kv_extraction_hf.model_fetch import file_lock
 
     text, rec = _default_text()
-    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, rec["sha256"])
+    key = settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, rec["sha256"])
     folder = cache_dir() / "kvtc"
     folder.mkdir(parents=True, exist_ok=True)
     index = folder / f"default-{key}.json"
-    with _file_lock(f"kvtc-{key}"):
+    with file_lock(f"kvtc-{key}"):
         if index.is_file():
             with contextlib.suppress(ValueError, OSError, KeyError, kvtc.CodecError):
                 path = folder / f"{json.loads(index.read_text())['hash']}.safetensors"
@@ -363,7 +364,7 @@ def cached_default_calibration(weights_hash: str | None) -> Path | None:
 
     if not weights_hash:
         return None
-    key = _settings_key(weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
+    key = settings_key(weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
     index = cache_dir() / "kvtc" / f"default-{key}.json"
     try:
         path = index.parent / f"{json.loads(index.read_text())['hash']}.safetensors"
@@ -497,7 +498,7 @@ def _default_index(bundle) -> Path:
     """The default calibration's index file for ``bundle``'s model (may not exist)."""
     from kv_extraction_hf.model import cache_dir
 
-    key = _settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
+    key = settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, _default_text()[1]["sha256"])
     return cache_dir() / "kvtc" / f"default-{key}.json"
 
 

@@ -38,9 +38,9 @@ def _groups(windows: Sequence[Optional[int]]) -> list[tuple[Optional[int], tuple
 
 
 def _key(weights_hash: str, text_sha256: str, groups) -> str:
-    from kv_extraction_hf.calibrate import DEFAULT_SETTINGS, _settings_key
+    from kv_extraction_hf.calibrate import DEFAULT_SETTINGS, settings_key
 
-    base = _settings_key(weights_hash, DEFAULT_SETTINGS, text_sha256)
+    base = settings_key(weights_hash, DEFAULT_SETTINGS, text_sha256)
     blob = json.dumps({"base": base, "groups": [[w, list(g)] for w, g in groups]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -71,7 +71,8 @@ def group_calibrations(bundle, windows: Sequence[Optional[int]], text_path: Opti
     text, a bad group) or ValueError (``windows`` does not match the model's layers)."""
     from codec import kvtc
     from kv_extraction_hf import calibrate as cal_mod
-    from kv_extraction_hf.model import _file_lock, cache_dir
+    from kv_extraction_hf.model import cache_dir
+    from kv_extraction_hf.model_fetch import file_lock
 
     if len(list(windows)) != bundle.info.num_layers:
         raise ValueError(f"windows has {len(list(windows))} entries for the model's "
@@ -82,7 +83,7 @@ def group_calibrations(bundle, windows: Sequence[Optional[int]], text_path: Opti
     folder = cache_dir() / "kvtc"
     folder.mkdir(parents=True, exist_ok=True)
     index = folder / f"groups-{key}.json"
-    with _file_lock(f"kvtc-groups-{key}"):
+    with file_lock(f"kvtc-groups-{key}"):
         got = _load_index(index, folder, groups) if index.is_file() else None
         if got is not None:
             return got

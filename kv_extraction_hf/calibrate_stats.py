@@ -108,7 +108,7 @@ def measure_sensitivity(bundle, k: torch.Tensor, v: torch.Tensor, ids: list[int]
     return out
 
 
-def _attn_modules(bundle) -> list:
+def attn_modules(bundle) -> list:
     """The self-attention module of each decoder layer (llama-style ``model.model.layers[i]
     .self_attn`` with ``q_proj`` / ``o_proj``); raises ExtractionError otherwise."""
     layers = getattr(getattr(bundle.model, "model", None), "layers", None)
@@ -126,7 +126,7 @@ class query_energy(contextlib.AbstractContextManager):
     ``result()``: float64 [L, Hq * D] (Hq query heads), E[q^2] over all tokens seen."""
 
     def __init__(self, bundle):
-        self.mods = _attn_modules(bundle)
+        self.mods = attn_modules(bundle)
         self.sum = None
         self.count = 0
         self.handles = []
@@ -163,7 +163,7 @@ def output_gram(bundle):
     query head g's attention output costs in the residual stream, squared norm)."""
     import numpy as np
 
-    mods = _attn_modules(bundle)
+    mods = attn_modules(bundle)
     cfg = bundle.model.config
     Hq = cfg.num_attention_heads
     out = []

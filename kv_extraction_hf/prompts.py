@@ -30,28 +30,13 @@ Run: ``python -m kv_extraction_hf --task needle --context-tokens 1024 --num-cont
 
 from __future__ import annotations
 
-# the task modules are the homes of these names; they stay importable from here (the
-# documented path)
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.natural_text import natural_paragraphs, natural_sentences
-from kv_extraction_hf.prompt_base import (
-    CONTINUATION_TOKENS,
-    DATA_PATH_TASKS,
-    DATASET_TASKS,
-    SYNTHETIC_TASKS,
-    TASKS,
-    USER_DATA_TASKS,
-    Prompt,
-)
-from kv_extraction_hf.prompts_datasets import LONGBENCH_PROMPTS, MIN_DOC_TOKENS, longbench_prompt, text_ppl_prompt
-from kv_extraction_hf.prompts_synthetic import NEEDLE_DEPTHS, longchat_lines_prompt, needle_prompt
-from kv_extraction_hf.prompts_topics import TOPIC_SENTENCES, TOPICS, topic_retrieval_prompt
-from kv_extraction_hf.prompts_user_data import (
-    USER_DATA_TEMPLATES,
-    check_data_flags,
-    context_budget,
-    user_data_prompt,
-)
+from kv_extraction_hf.natural_text import natural_paragraphs
+from kv_extraction_hf.prompt_base import TASKS, USER_DATA_TASKS, Prompt
+from kv_extraction_hf.prompts_datasets import longbench_prompt, text_ppl_prompt
+from kv_extraction_hf.prompts_synthetic import longchat_lines_prompt, needle_prompt
+from kv_extraction_hf.prompts_topics import topic_retrieval_prompt
+from kv_extraction_hf.prompts_user_data import check_data_flags, user_data_prompt
 
 __all__ = [
     "CONTINUATION_TOKENS", "DATA_PATH_TASKS", "DATASET_TASKS", "LONGBENCH_PROMPTS", "MIN_DOC_TOKENS",
