@@ -30,13 +30,14 @@ from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
 from harness.contexts import (BenchmarkError, build_contexts, failure_record, log,
                               one_line, populate_store, store_layout, store_levels, variants)
-from harness.engine_api import Engine
-from harness.engine_hf import HFEngine
-from harness.engine_vllm import VLLMEngine, check_vllm, vllm_model_check
-from harness.engine_numerics import extraction_dtype
-from harness.engines import measure_prefill_speed, request_params, warm_up_variants
+from harness.engines.api import Engine
+from harness.engines.hf import HFEngine
+from harness.engines.vllm import VLLMEngine, check_vllm, vllm_model_check
+from harness.engines.numerics import extraction_dtype
+from harness.engines.protocol import measure_prefill_speed, request_params, warm_up_variants
 from harness.quality import perplexity_pass, score_output
-from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
+from cachegen_common.header import git_commit
+from harness.results import ResultsWriter, environment, print_summary, run_record
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model import load_model
 from streaming.link import ShapedLink

@@ -2,7 +2,7 @@
 the timings of one request (:class:`RequestTiming`, seconds, the TTFT split of
 harness.engines' docstring), the merge of the adaptive policy's decisions into the chunk
 records (:func:`merge_decisions`, the same for both engines) and the :class:`Engine` face.
-Separate from the engines themselves (harness.engine_hf, harness.engine_vllm) so that each
+Separate from the engines themselves (harness.engines.hf, harness.engines.vllm) so that each
 imports these types without importing the other engine.
 """
 from __future__ import annotations

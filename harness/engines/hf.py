@@ -1,7 +1,7 @@
 """The transformers engine (``--engine hf``): prefill, KV injection and greedy decoding in
 this process, its KV prefix loaded by :func:`hf_load` through the same
 ``third_party.vllm.sources.StoreSource`` the vLLM connector uses. Separate from
-harness.engine_vllm: it needs no vLLM, and its timings are measured here, not read from a
+harness.engines.vllm: it needs no vLLM, and its timings are measured here, not read from a
 connector record.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 
 from harness.contexts import BenchmarkError
-from harness.engine_api import Engine, LoadOutcome, RequestTiming, merge_decisions
-from harness.engine_numerics import numerics_env
+from harness.engines.api import Engine, LoadOutcome, RequestTiming, merge_decisions
+from harness.engines.numerics import numerics_env
 from kv_extraction_hf.inject import make_cache
 from third_party.vllm.sources import SourceError, StoreSource
 

@@ -20,7 +20,7 @@ NUMERICS_ENV_KEYS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"
                      "MKL_NUM_THREADS", "NUMBA_NUM_THREADS", "CACHEGEN_TORCH_THREADS", "LD_PRELOAD")
 
 
-def _cpu_list_str(cpus: list[int]) -> str:
+def cpu_list_str(cpus: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the CPU-list syntax of VLLM_CPU_OMP_THREADS_BIND)."""
     parts, i = [], 0
     while i < len(cpus):
@@ -32,7 +32,7 @@ def _cpu_list_str(cpus: list[int]) -> str:
     return ",".join(parts)
 
 
-def _parse_cpu_list(text: str) -> list[int] | None:
+def parse_cpu_list(text: str) -> list[int] | None:
     """``"0-2,5"`` -> ``[0, 1, 2, 5]``; None for anything else ("auto", "nobind", junk)."""
     out: list[int] = []
     try:
@@ -48,13 +48,13 @@ def sysfs_siblings(cpu: int) -> list[int]:
     """SMT siblings of ``cpu`` (itself included) from sysfs
     ``/sys/devices/system/cpu/cpuN/topology/thread_siblings_list``; ``[cpu]`` without it."""
     try:
-        return _parse_cpu_list(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        return parse_cpu_list(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
                                     "thread_siblings_list").read_text().strip()) or [cpu]
     except OSError:
         return [cpu]
 
 
-def _one_cpu_per_core(cpus: list[int], siblings: Callable[[int], list[int]]) -> list[int]:
+def one_cpu_per_core(cpus: list[int], siblings: Callable[[int], list[int]]) -> list[int]:
     """Drop SMT siblings: keep the lowest allowed CPU of each physical core."""
     keep = []
     for c in cpus:
@@ -100,12 +100,12 @@ def engine_thread_binding(allowed_cpus: set[int] | list[int] | None = None,
     allowed = sorted(set(allowed_cpus))
     user = (env.get(BIND_ENV) or "").strip()
     if user:
-        cpus = _parse_cpu_list(user)
+        cpus = parse_cpu_list(user)
         return {BIND_ENV: user, "omp_threads": len(cpus) if cpus else None, "source": "user",
                 "allowed_cpus": allowed}
-    cores = _one_cpu_per_core(allowed, siblings or sysfs_siblings) or allowed[:1]
+    cores = one_cpu_per_core(allowed, siblings or sysfs_siblings) or allowed[:1]
     chosen = cores[:-RESERVED_CPUS] if len(cores) > RESERVED_CPUS else cores[:1]
-    return {BIND_ENV: _cpu_list_str(chosen), "omp_threads": len(chosen), "source": "harness",
+    return {BIND_ENV: cpu_list_str(chosen), "omp_threads": len(chosen), "source": "harness",
             "allowed_cpus": allowed}
 
 

@@ -1,4 +1,4 @@
-"""Engines the benchmark measures TTFT on and the request protocol they share.
+"""The request protocol the engines share, the prefill-speed measurement and the warm-up.
 
 ``hf`` (transformers, in-process) and ``vllm`` (our connector, third_party/vllm) serve the
 same requests: a request names its store entry through ``request_params`` (the
@@ -13,9 +13,9 @@ token. Paper: CacheGen (Liu et al., SIGCOMM 2024) section 6 (TTFT = network + de
 remaining prefill). Run: ``python run_benchmarks.py --engine hf|vllm``.
 
 This module holds the request protocol (:func:`request_params`), the prefill-speed
-measurement and the untimed per-variant warm-up (:func:`warm_up_variants`); the engines live in harness.engine_hf and harness.engine_vllm, what they share
-in harness.engine_api and their numerics settings in harness.engine_numerics (all names
-re-exported here).
+measurement and the untimed per-variant warm-up (:func:`warm_up_variants`); the engines live
+in harness.engines.hf and harness.engines.vllm, what they share in harness.engines.api and
+their numerics settings in harness.engines.numerics.
 """
 from __future__ import annotations
 
@@ -25,15 +25,7 @@ from typing import Any, Callable
 
 from harness.config import RunConfig
 from harness.contexts import Context, Variant
-# the engines and what they share live in their own modules (issue 27); their names are
-# re-exported here, the documented import path
-from harness.engine_api import Engine, LoadOutcome, RequestTiming, merge_decisions  # noqa: F401
-from harness.engine_hf import HFEngine, hf_load  # noqa: F401
-from harness.engine_numerics import (  # noqa: F401
-    BIND_ENV, ENGINE_DTYPE, ENGINE_SEED, NUMERICS_ENV_KEYS, RESERVED_CPUS, _cpu_list_str, _one_cpu_per_core,
-    _parse_cpu_list, engine_thread_binding, numerics_env, sysfs_siblings
-)
-from harness.engine_vllm import VLLMEngine, check_vllm, timing_from_connector  # noqa: F401
+from harness.engines.api import Engine
 
 
 # ----------------------------------------------------------------------------- protocol

@@ -1,7 +1,7 @@
 """The vLLM engine (``--engine vllm``): vLLM with our connector (third_party/vllm) for every
-mode, its OpenMP binding pinned (harness.engine_numerics), and the request timings read
+mode, its OpenMP binding pinned (harness.engines.numerics), and the request timings read
 from the connector's load record (:func:`timing_from_connector`). Separate from
-harness.engine_hf because it imports vLLM lazily and measures through the connector.
+harness.engines.hf because it imports vLLM lazily and measures through the connector.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from harness.contexts import BenchmarkError
-from harness.engine_api import Engine, RequestTiming, merge_decisions
-from harness.engine_numerics import (BIND_ENV, ENGINE_DTYPE, ENGINE_SEED, RESERVED_CPUS, engine_thread_binding,
+from harness.engines.api import Engine, RequestTiming, merge_decisions
+from harness.engines.numerics import (BIND_ENV, ENGINE_DTYPE, ENGINE_SEED, RESERVED_CPUS, engine_thread_binding,
                                      numerics_env)
 
 
