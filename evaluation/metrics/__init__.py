@@ -17,31 +17,31 @@ by name with ``higher_is_better`` (as lm-evaluation-harness does); look them up 
 Run its tests:  ``python -m pytest tests/evaluation/test_evaluation_metrics.py -q``
 Example:        ``python -c "from evaluation import qa_f1; print(qa_f1('The Eiffel Tower', ['eiffel tower']))"``
 
-The metrics live by kind, each registered on import: evaluation.metrics_answer (task
-answers: retrieval_accuracy, qa_f1), evaluation.metrics_generation (rouge_l, bleu),
-evaluation.metrics_logits (perplexity, ppl_increase_pct, kl_divergence, greedy_match),
-evaluation.metrics_aggregate (median, quantile, mean_stderr, aggregate); the registry is
-evaluation.metrics_registry. This module re-exports all of them (importing it registers
+The metrics live by kind, each registered on import: evaluation.metrics.answer (task
+answers: retrieval_accuracy, qa_f1), evaluation.metrics.generation (rouge_l, bleu),
+evaluation.metrics.logits (perplexity, ppl_increase_pct, kl_divergence, greedy_match),
+evaluation.metrics.aggregate (median, quantile, mean_stderr, aggregate); the registry is
+evaluation.metrics.registry. This package face exports all of them (importing it registers
 every metric, in this order).
 """
 
 from __future__ import annotations
 
-from evaluation.metrics_aggregate import aggregate, mean_stderr, median, quantile  # noqa: F401
-from evaluation.metrics_answer import (  # noqa: F401 - re-exported
+from evaluation.metrics.aggregate import aggregate, mean_stderr, median, quantile
+from evaluation.metrics.answer import (
     normalize_answer,
     qa_f1,
     retrieval_accuracy,
     scored_answer,
 )
-from evaluation.metrics_generation import bleu, rouge_l  # noqa: F401 - re-exported
-from evaluation.metrics_logits import (  # noqa: F401 - re-exported
+from evaluation.metrics.generation import bleu, rouge_l
+from evaluation.metrics.logits import (
     greedy_match,
     kl_divergence,
     perplexity,
     ppl_increase_pct,
 )
-from evaluation.metrics_registry import (  # noqa: F401 - re-exported (issue 27 split)
+from evaluation.metrics.registry import (
     AGGREGATIONS, Metric, METRICS, UnknownMetricError, register_metric, result_metrics,
     list_metrics, get_metric,
 )

@@ -3,8 +3,8 @@ accuracy as LongEval scores it (retrieval_accuracy, scored_answer) and token-lev
 LongBench scores TriviaQA / NarrativeQA (qa_f1), with LongBench's answer normalisation.
 
 Part of evaluation.metrics (which re-exports every name and documents the sources); the
-generation-similarity metrics are in evaluation.metrics_generation, the logit metrics in
-evaluation.metrics_logits. Registered by name on import (evaluation.metrics_registry).
+generation-similarity metrics are in evaluation.metrics.generation, the logit metrics in
+evaluation.metrics.logits. Registered by name on import (evaluation.metrics.registry).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from evaluation.metrics_registry import register_metric
+from evaluation.metrics.registry import register_metric
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = frozenset(string.punctuation)
@@ -37,7 +37,7 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def _check_str(value: Any, what: str) -> str:
+def check_str(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a str, got {type(value).__name__}")
     return value
@@ -66,8 +66,8 @@ def retrieval_accuracy(prediction: str, answer: str) -> bool:
     Raises:
         ValueError: non-str arguments, or an answer that is empty after normalisation.
     """
-    prediction = _check_str(prediction, "prediction")
-    answer = _check_str(answer, "answer").strip()
+    prediction = check_str(prediction, "prediction")
+    answer = check_str(answer, "answer").strip()
     if _DIGITS.fullmatch(answer):
         return _last_number(prediction) == int(answer)
     norm_answer = normalize_answer(answer)
@@ -86,9 +86,9 @@ def scored_answer(prediction: str, answer: str):
     Raises:
         ValueError: non-str arguments, or an answer that is empty after normalisation.
     """
-    answer = _check_str(answer, "answer").strip()
+    answer = check_str(answer, "answer").strip()
     if _DIGITS.fullmatch(answer):
-        return _last_number(_check_str(prediction, "prediction"))
+        return _last_number(check_str(prediction, "prediction"))
     return retrieval_accuracy(prediction, answer)
 
 
@@ -132,7 +132,7 @@ def qa_f1(prediction: str, answers: Sequence[str] | str, *, first_line: bool = F
     Raises:
         ValueError: no answers, or non-str values.
     """
-    prediction = _check_str(prediction, "prediction")
+    prediction = check_str(prediction, "prediction")
     if isinstance(answers, str):
         answers = [answers]
     answers = list(answers)
@@ -143,6 +143,6 @@ def qa_f1(prediction: str, answers: Sequence[str] | str, *, first_line: bool = F
     pred_tokens = normalize_answer(prediction).split()
     best = 0.0
     for answer in answers:
-        truth_tokens = normalize_answer(_check_str(answer, "each answer")).split()
+        truth_tokens = normalize_answer(check_str(answer, "each answer")).split()
         best = max(best, _token_f1(pred_tokens, truth_tokens))
     return best

@@ -2,8 +2,8 @@
 (``rouge-score``) and sentence BLEU (``sacrebleu``), both imported lazily.
 
 Part of evaluation.metrics (which re-exports every name); kept apart from the task
-metrics (evaluation.metrics_answer) because these need no task skill and depend on
-optional packages. Registered by name on import (evaluation.metrics_registry).
+metrics (evaluation.metrics.answer) because these need no task skill and depend on
+optional packages. Registered by name on import (evaluation.metrics.registry).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from evaluation.metrics_answer import _check_str
-from evaluation.metrics_registry import register_metric
+from evaluation.metrics.answer import check_str
+from evaluation.metrics.registry import register_metric
 
 
 def _compare_texts(prediction: str, reference: str, identical: float,
@@ -20,8 +20,8 @@ def _compare_texts(prediction: str, reference: str, identical: float,
     """``score(prediction, reference)`` of two checked strings, or ``identical`` when they
     are equal (the score of a generation identical to the lossless one, whatever the
     package would say for it). Raises ValueError for non-str arguments."""
-    prediction = _check_str(prediction, "prediction")
-    reference = _check_str(reference, "reference")
+    prediction = check_str(prediction, "prediction")
+    reference = check_str(reference, "reference")
     if prediction == reference:
         return identical
     return score(prediction, reference)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.metrics_registry import register_metric
+from evaluation.metrics.registry import register_metric
 
 def _as_tensor(x: Any, what: str) -> torch.Tensor:
     import torch
