@@ -43,7 +43,7 @@ class PeerBlob:
     dtype: torch.dtype
 
 
-def _obj(t: torch.Tensor):
+def memory_obj(t: torch.Tensor):
     from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
     raw = t.contiguous().view(-1)
@@ -72,8 +72,8 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, name: str) -> tuple[Peer
         x = torch.stack([k.reshape(L, T, H * D), v.reshape(L, T, H * D)])
         ser = Fp8QuantizationSerializer()
         n_est = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
-        dst = _obj(torch.empty(n_est, dtype=torch.uint8))
-        n = ser.serialize(_obj(x), dst, _key())
+        dst = memory_obj(torch.empty(n_est, dtype=torch.uint8))
+        n = ser.serialize(memory_obj(x), dst, _key())
     elif name == "lmcache-asym_k16_v8":
         from lmcache.v1.distributed.serde.asym_k16_v8 import AsymK16V8MultiSerializer
 
@@ -81,8 +81,8 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, name: str) -> tuple[Peer
         ser = AsymK16V8MultiSerializer()
         lay = MemoryLayoutDesc([kk.shape], [kk.dtype])
         n_est = ser.estimate_serialized_size((lay, MemoryLayoutDesc([vv.shape], [vv.dtype])))
-        dst = _obj(torch.empty(n_est, dtype=torch.uint8))
-        n = ser.serialize((_obj(kk), _obj(vv)), dst, _key())
+        dst = memory_obj(torch.empty(n_est, dtype=torch.uint8))
+        n = ser.serialize((memory_obj(kk), memory_obj(vv)), dst, _key())
     else:
         raise ValueError(f"unknown LMCache peer {name!r} (known: {list(PEERS)})")
     elements = 2 * L * T * H * D
@@ -97,15 +97,15 @@ def decode(blob: PeerBlob) -> tuple[torch.Tensor, torch.Tensor]:
     if blob.name == "lmcache-fp8":
         from lmcache.v1.distributed.serde.fp8 import Fp8QuantizationDeserializer
 
-        out = _obj(torch.empty(2, L, T, H * D, dtype=blob.dtype))
-        Fp8QuantizationDeserializer().deserialize(_obj(blob.data), out, _key())
+        out = memory_obj(torch.empty(2, L, T, H * D, dtype=blob.dtype))
+        Fp8QuantizationDeserializer().deserialize(memory_obj(blob.data), out, _key())
         x = out.tensor
         return x[0].reshape(L, T, H, D), x[1].reshape(L, T, H, D)
     from lmcache.v1.distributed.serde.asym_k16_v8 import AsymK16V8MultiDeserializer
 
-    ko = _obj(torch.empty(L, T, H * D, dtype=blob.dtype))
-    vo = _obj(torch.empty(L, T, H * D, dtype=blob.dtype))
-    AsymK16V8MultiDeserializer().deserialize(_obj(blob.data), (ko, vo), _key())
+    ko = memory_obj(torch.empty(L, T, H * D, dtype=blob.dtype))
+    vo = memory_obj(torch.empty(L, T, H * D, dtype=blob.dtype))
+    AsymK16V8MultiDeserializer().deserialize(memory_obj(blob.data), (ko, vo), _key())
     return ko.tensor.reshape(L, T, H, D), vo.tensor.reshape(L, T, H, D)
 
 

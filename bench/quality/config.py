@@ -1,13 +1,13 @@
 """Defaults and the input error of the quality benchmark (``python -m bench.quality``):
-codec lists, task lengths, batch sizes, quick-mode sizes, the margin split. Moved from
-``bench/quality.py`` (issue 27), which re-exports these names."""
+codec lists, task lengths, batch sizes, quick-mode sizes, the margin split.
+Part of bench.quality (the command is bench.quality.cli)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "benchmarks" / "quality.json"
 REFERENCE = ("cachegen-ref", 0)          # LMCache's default schedule
 FAMILY_DEFAULT = "cachegen"

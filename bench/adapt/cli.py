@@ -56,32 +56,17 @@ from pathlib import Path
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
-from streaming import standin
-from streaming.adapt_model import ClockModel  # noqa: F401 - also re-exported (issue 27 split)
-from streaming.adapt_oracle import oracle, oracle_labels  # noqa: F401 - also re-exported
-from streaming.adapt_policy import AdaptivePolicy, FixedPolicy  # noqa: F401 - also re-exported
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
-from streaming.adapt_simulate import simulate  # noqa: F401 - also re-exported
-from streaming.traces import (  # noqa: F401 - also re-exported (issue 27 split)
-    GENERATOR_SEED, Trace, apply_trace, artifact_generated, artifact_generator, artifact_recorded, constant,
-    synthetic_uniform,
+from streaming.traces import GENERATOR_SEED
+from bench.adapt.sim import (
+    SLOS, ISSUE_ALL_TEXT_S, measure_level_table, load_quality, start_offsets, trace_sets,
+    TUNING, simulate_all,
 )
-from bench.adapt_sim import (  # noqa: F401 - re-exported (issue 27 split)
-    LEVELS, SLOS, ISSUE_ALL_TEXT_S, measure_level_table, _table_levels, load_quality,
-    start_offsets, rotate, trace_sets, _Man, clock_model, SLO_MARGIN, SLO_RESERVE_S, DIP_RESERVE,
-    TUNING, make_adaptive, _kl_of, _util_per_token, simulate_all, _req,
-)
-from bench.adapt_stats import (  # noqa: F401 - re-exported (issue 27 split)
-    _ci95, _wilson95, aggregate, GOAL_SET_ORDER, G1_POINTS, BOOT_REPS, BOOT_SEED, cluster_of,
-    bootstrap_weights, cluster_bootstrap_diff, cluster_bootstrap_goal2, BOOT_MIN_TRACES,
-    _ci_verdict, goals, _goal, _goal_ci,
-)
-from bench.adapt_real import _calibrate_rounds, run_real, sim_vs_real  # noqa: F401 - re-exported (issue 27 split)
-from bench.adapt_report import (  # noqa: F401 - re-exported (issue 27 split)
-    _fmt_ci, _num, _print_goal_cis, _print_summary, _requests, _verdict
-)
+from bench.adapt.stats import aggregate, BOOT_REPS, BOOT_SEED, BOOT_MIN_TRACES, goals
+from bench.adapt.real import run_real, sim_vs_real
+from bench.adapt.report import print_summary
 
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- defaults from real runs
@@ -310,10 +295,7 @@ def _main(argv: list[str] | None = None) -> int:
     except (StreamingError, ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _print_summary(rows, agree, checks, doc["goals"])
+    print_summary(rows, agree, checks, doc["goals"])
     print(f"wrote {a.out} ({doc['wall_s']} s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 (:func:`run_real`: streaming.link.ShapedLink, the KV store server, stand-in chunks of the
 real per-level sizes and a decoder doing calibrated CPU work, streaming.client.stream_load
 unmodified) and its comparison with the simulation on the same requests
-(:func:`sim_vs_real`). Separate from bench/adapt.py (the command) and bench/adapt_sim.py
+(:func:`sim_vs_real`). Separate from bench/adapt/cli.py (the command) and bench/adapt/sim.py
 (the clock-model simulation) because it needs the link and the store.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import tempfile
 import time
 
-from bench.adapt_sim import _Man, _req, clock_model, make_adaptive
+from bench.adapt.sim import TableManifest, request_row, clock_model, make_adaptive
 from cachegen_common.units import mbps_to_bytes_per_s
 from streaming import standin
 from streaming.adapt import oracle
@@ -36,7 +36,7 @@ def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: fl
     from streaming.link import ShapedLink
     from streaming.store import start_store_server
 
-    man = _Man(table)
+    man = TableManifest(table)
     util = None if kl is None else {lv: -kl[lv] for lv in man.levels}
     model = clock_model(table, prefill_tps, inject, 0.0, 0.0, util)
     toks = list(table["tokens"])
@@ -82,7 +82,7 @@ def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: fl
                 orc = oracle(mod, rates, slo_c)
                 ests = [dd.throughput_mbps_est for dd in r.decisions]
                 hms = [dd.estimate_mbps for dd in r.decisions]
-                reqs.append(_req("adaptive", set_name, tr, slo_c, total, levels, mod, kl, orc.utility / sum(mod.tokens),
+                reqs.append(request_row("adaptive", set_name, tr, slo_c, total, levels, mod, kl, orc.utility / sum(mod.tokens),
                                  "real", abandons=len(r.abandoned),
                                  extra={"load_s": round(r.total_s, 5),
                                         "recompute_s": round(r.recompute_tokens / tps, 5),

@@ -47,8 +47,8 @@ def _planes(k, v):
     return torch.stack([k.reshape(L, T, -1), v.reshape(L, T, -1)])
 
 
-def _obj(t):
-    from bench.lmcache_peers import _obj as o
+def memory_obj(t):
+    from bench.lmcache.peers import memory_obj as o
 
     return o(t)
 
@@ -97,14 +97,14 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log, extra: Optional[dict
                     before = ser.stats["bytes"]
                     t0 = time.perf_counter()
                     try:
-                        ser.serialize(_obj(x), _obj(torch.zeros(slot, dtype=torch.uint8)), key)
+                        ser.serialize(memory_obj(x), memory_obj(torch.zeros(slot, dtype=torch.uint8)), key)
                     except ValueError:
                         refused += 1
                     else:
                         ms.append(1e3 * (time.perf_counter() - t0))
                         used.append(ser.stats["bytes"] - before)
                         ratios.append(used[-1] / slot)
-                    frame = big.encode_frame(_obj(x), key, 1 << 40, lvl)
+                    frame = big.encode_frame(memory_obj(x), key, 1 << 40, lvl)
                     ov = S.frame_overhead(big.settings, big.ident_hash, [x.shape], [x.dtype])
                     bpe.append((len(frame) - ov) * 8 / x.numel())
             st = ser.stats
@@ -264,9 +264,9 @@ def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: in
                 x = _planes(k[:, :chunk], v[:, :chunk])
                 key = ObjectKey(chunk_hash=b"\1" * 32, model_name="m", kv_rank=0)
                 slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
-                buf = _obj(torch.zeros(slot, dtype=torch.uint8))
-                ser.serialize(_obj(x), buf, key)
-                out = _obj(torch.zeros_like(x))
+                buf = memory_obj(torch.zeros(slot, dtype=torch.uint8))
+                ser.serialize(memory_obj(x), buf, key)
+                out = memory_obj(torch.zeros_like(x))
                 # the store path's container at the level the serde coded this chunk at
                 # (fixed-slot mode may code it coarser or finer than settings.level): the same
                 # bytes, so the comparison is of the two paths, not of two levels
@@ -387,6 +387,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

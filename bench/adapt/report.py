@@ -1,6 +1,6 @@
 """The console report of ``python -m bench.adapt``: the per (link, trace set, SLO, policy)
-table (:func:`_print_summary`) and the goals with their paired cluster-bootstrap 95%
-intervals (:func:`_print_goal_cis`). Separate from bench/adapt.py because it only formats
+table (:func:`print_summary`) and the goals with their paired cluster-bootstrap 95%
+intervals (:func:`_print_goal_cis`). Separate from bench/adapt/cli.py because it only formats
 rows that the run has already computed and written.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 
-def _print_summary(rows, agree, checks, gl=()) -> None:
+def print_summary(rows, agree, checks, gl=()) -> None:
     print(f"{'link':>9} {'trace_set':>18} {'SLO':>4} {'policy':>9} {'n':>3} {'viol%':>6} {'ovs_mean':>8} "
           f"{'ovs_p95':>8} {'KL':>8} {'regret':>8}")
     for r in rows:

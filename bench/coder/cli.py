@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from bench.coder_rans import rans_bench
+from bench.coder.rans import rans_bench
 from codec.entropy import decode_symbols, encode_symbols
 from cachegen_common import flags
 
@@ -101,6 +101,3 @@ def main(argv: Optional[list[str]] = None) -> int:
               "(python -m bench.coder --help)", file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
-
-if __name__ == "__main__":
-    sys.exit(main())

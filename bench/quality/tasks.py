@@ -1,7 +1,6 @@
 """Task answers of the quality benchmark: needle / topic-retrieval requests,
 :func:`run_tasks` (lossless vs decoded greedy answers), agreement splits and per-codec
-rows with Wilson CIs. Moved from ``bench/quality.py`` (issue 27), which re-exports these
-names."""
+rows with Wilson CIs. Part of bench.quality (the command is bench.quality.cli)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ import math
 import time
 from typing import Callable, Optional, Sequence
 
-from bench.quality_config import (ANSWER_PATHS, DEFAULT_CODEC_WORKERS, FAMILY_DEFAULT, MARGIN_SPLIT, TASK_LENGTHS,
+from bench.quality.config import (ANSWER_PATHS, DEFAULT_CODEC_WORKERS, FAMILY_DEFAULT, MARGIN_SPLIT, TASK_LENGTHS,
                                   TASK_MAX_NEW_TOKENS, TASKS, TOPIC_LENGTHS)
-from bench.quality_text import _encode_decode_all, _label, default_level
+from bench.quality.text import encode_decode_all, level_label, default_level
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -78,10 +77,9 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
     be read.
     """
     from codec import window
-    from evaluation import retrieval_accuracy, scored_answer
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import (answer_from_kv, generate_from_kv, generate_from_kv_margin,
-                                         greedy_from_kvs_batch, teacher_forcing_margin)
+                                         teacher_forcing_margin)
 
     if answer_mode not in ANSWER_PATHS:
         raise ValueError(f"answer_mode must be one of {sorted(ANSWER_PATHS)}, got {answer_mode!r}")
@@ -117,8 +115,8 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
 
         # every codec's KV first, ``codec_workers`` at a time (the engine's dtype: ~95 MB per
         # codec at 4K tokens); answers below one codec at a time
-        live = [pair for pair in pairs if _label(*pair) not in skipped]
-        coded = dict(zip(live, _encode_decode_all(live, code_one, codec_workers)))
+        live = [pair for pair in pairs if level_label(*pair) not in skipped]
+        coded = dict(zip(live, encode_decode_all(live, code_one, codec_workers)))
 
         def decode_one(pair):
             """(k2, v2 upcast exactly to the answer dtype, codec seconds), or None (skipped)."""
@@ -126,33 +124,18 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
             if got is None:
                 return None
             if isinstance(got, Exception):
-                label = _label(*pair)
+                label = level_label(*pair)
                 skipped[label] = f"{type(got).__name__}: {' '.join(str(got).split())[:200]}"
                 log(f"  skip {label}: {skipped[label]}")
                 return None
             return got[0].to(adt), got[1].to(adt), got[2]
 
         decoded = []                     # (pair, codec seconds), in the order of got_all
+        share = 0.0                      # batched: each entry's share of the batch seconds
         k_ab, v_ab = k.to(adt), v.to(adt)
         if answer_mode == "batched":
-            # lossless + every codec: one batched greedy generation (entries with a low margin
-            # are regenerated alone); answer seconds are each entry's share of the batch
-            kvs = []
-            for pair in pairs:
-                one = decode_one(pair)
-                if one is not None:
-                    kvs.append(one[:2])
-                    decoded.append((pair, one[2]))
-            t_ref = time.perf_counter()
-            got_all = greedy_from_kvs_batch(ab, [(k_ab, v_ab)] + kvs,
-                                            p.context_ids, p.question_ids, budget, min_margin=margin)
-            share = (time.perf_counter() - t_ref) / len(got_all)
-            ref_ids, ref_margin, ref_s = got_all[0]["ids"], got_all[0]["min_margin"], share
-            got_all = got_all[1:]
-            if verify:
-                for got, (k2, v2) in zip(got_all, kvs):
-                    got["plain"] = generate_from_kv(ab, k2, v2, p.context_ids, p.question_ids, budget)
-            del kvs
+            got_all, ref_ids, ref_margin, ref_s, share = _batched_answers(
+                ab, pairs, decode_one, decoded, (k_ab, v_ab), p, budget, margin, verify)
         else:
             # the lossless answer, then one codec at a time (its decoded KV is freed before the
             # next: ~190 MB per codec at 4K tokens instead of all of them at once)
@@ -174,52 +157,113 @@ def run_tasks(bundle, pairs: list[tuple[str, Optional[int]]], n_requests: int, s
                 decoded.append((pair, codec_s))
                 del k2, v2, one
         del k_ab, v_ab
-        ref_text = _answer_text(bundle, ref_ids)
-        rec = {"task": task, "context_tokens": len(p.context_ids), "index": index,
-               "depth": p.meta.get("depth"), "answer": p.answer,
-               "truncated_from_tokens": p.meta.get("truncated_from_tokens"),
-               "lossless": {"text": ref_text, "tokens": len(ref_ids), "ids": ref_ids,
-                            "correct": bool(retrieval_accuracy(ref_text, p.answer)),
-                            "min_margin": ref_margin if math.isfinite(ref_margin) else None},
-               "seconds": {"prefill": t1 - t, "lossless_answer": ref_s},
-               "codecs": {}}
-        for (pair, codec_s), got in zip(decoded, got_all):
-            label = _label(*pair)
-            ids = got["ids"]
-            text = _answer_text(bundle, ids)
-            diverged = got.get("diverged_at", None) if answer_mode != "batched" else \
-                next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b),
-                     None if ids == ref_ids else min(len(ids), len(ref_ids)))
-            c = {"codec": pair[0], "level": pair[1], "text": text, "ids": ids,
-                 "correct": bool(retrieval_accuracy(text, p.answer)),
-                 "agrees": scored_answer(text, p.answer) == scored_answer(ref_text, p.answer),
-                 "token_agrees": ids == ref_ids,
-                 "path": got["path"], "diverged_at": diverged,
-                 "min_margin": got["min_margin"] if math.isfinite(got["min_margin"]) else None,
-                 "codec_s": codec_s, "answer_s": got.get("answer_s", share if answer_mode == "batched" else 0.0)}
-            paths.setdefault(label, dict.fromkeys(ANSWER_PATHS[answer_mode], 0))[got["path"]] += 1
-            if verify:
-                plain = got["plain"]
-                checked += 1
-                mismatches += plain != ids
-                c["verified"] = plain == ids
-            rec["codecs"][label] = c
+        rec, n_checked, n_mismatched = _request_record(
+            bundle, p, (task, index), (t1 - t, ref_s), ref_ids, ref_margin, decoded, got_all,
+            answer_mode, share, verify, paths)
+        checked += n_checked
+        mismatches += n_mismatched
         del decoded
         records.append(rec)
         log(f"  request {r + 1}/{n_requests} ({task}, {len(p.context_ids)} tokens) done, "
             f"{time.perf_counter() - t0:.0f} s")
-    rows = task_rows(records, [p_ for p_ in pairs if _label(*p_) not in skipped])
-    info = {"requests": records, "skipped": skipped, "total_s": time.perf_counter() - t0,
+    rows = task_rows(records, [p_ for p_ in pairs if level_label(*p_) not in skipped])
+    info = _tasks_info(records, skipped, time.perf_counter() - t0, (lengths, topic_lengths),
+                       max_new_tokens, adt, margin, answer_mode, codec_workers, paths,
+                       (checked, mismatches) if verify else None)
+    return rows, info
+
+
+def _batched_answers(ab, pairs: list, decode_one: Callable, decoded: list, kv_ab: tuple, p,
+                     budget: int, margin: float, verify: bool) -> tuple:
+    """The "batched" answer path: the lossless answer and every codec's in one batched greedy
+    generation. decode_one(pair) gives a codec's KV in the answer dtype (or None: skipped);
+    decoded gets (pair, codec seconds) per answer. Returns (answers, lossless ids, its
+    smallest margin, its seconds, each entry's share of the batch seconds)."""
+    from kv_extraction_hf import inject
+
+    k_ab, v_ab = kv_ab
+    # lossless + every codec: one batched greedy generation (entries with a low margin
+    # are regenerated alone); answer seconds are each entry's share of the batch
+    kvs = []
+    for pair in pairs:
+        one = decode_one(pair)
+        if one is not None:
+            kvs.append(one[:2])
+            decoded.append((pair, one[2]))
+    t_ref = time.perf_counter()
+    got_all = inject.greedy_from_kvs_batch(ab, [(k_ab, v_ab)] + kvs,
+                                           p.context_ids, p.question_ids, budget, min_margin=margin)
+    share = (time.perf_counter() - t_ref) / len(got_all)
+    ref_ids, ref_margin, ref_s = got_all[0]["ids"], got_all[0]["min_margin"], share
+    got_all = got_all[1:]
+    if verify:
+        for got, (k2, v2) in zip(got_all, kvs):
+            got["plain"] = inject.generate_from_kv(ab, k2, v2, p.context_ids, p.question_ids, budget)
+    del kvs
+    return got_all, ref_ids, ref_margin, ref_s, share
+
+
+def _tasks_info(records: list, skipped: dict, total_s: float, lengths: tuple, max_new_tokens: int,
+                adt, margin: float, answer_mode: str, codec_workers: int, paths: dict,
+                counts: Optional[tuple[int, int]]) -> dict:
+    """run_tasks' info: the per-request records, the skipped codecs, seconds, the settings,
+    the answer paths per codec and the verify counts ((checked, mismatches) or None)."""
+    lengths, topic_lengths = lengths
+    return {"requests": records, "skipped": skipped, "total_s": total_s,
             "lengths": list(lengths), "topic_lengths": list(topic_lengths), "max_new_tokens": max_new_tokens,
             "answer_dtype": str(adt).replace("torch.", ""), "min_margin": margin, "answer_mode": answer_mode,
             "codec_workers": codec_workers, "answer_paths": paths,
             "fallbacks": sum(x["fallback"] for x in paths.values()),
-            "verify": {"checked": checked, "mismatches": mismatches} if verify else None,
+            "verify": None if counts is None else {"checked": counts[0], "mismatches": counts[1]},
             "agreement_rule": ("agreement: the scored answer (evaluation.scored_answer: the last number for a "
                                "numeric answer, else whether the gold answer occurs) equals the lossless "
                                "answer's; token_agreement: generated token ids identical to the lossless "
                                "answer's")}
-    return rows, info
+
+
+def _request_record(bundle, p, where: tuple, seconds: tuple[float, float], ref_ids: list[int],
+                    ref_margin: float, decoded: list, got_all: list, answer_mode: str, share: float,
+                    verify: bool, paths: dict) -> tuple[dict, int, int]:
+    """One request's record: the lossless answer and, per codec/level, its answer scored
+    against the gold answer and the lossless one. where: (task, index); seconds: (prefill,
+    lossless answer); decoded: (pair, codec seconds) in the order of got_all; paths (label ->
+    answer path counts) is updated. Returns (record, answers verified, verify mismatches)."""
+    from evaluation import retrieval_accuracy, scored_answer
+
+    task, index = where
+    prefill_s, ref_s = seconds
+    checked = mismatches = 0
+    ref_text = _answer_text(bundle, ref_ids)
+    rec = {"task": task, "context_tokens": len(p.context_ids), "index": index,
+           "depth": p.meta.get("depth"), "answer": p.answer,
+           "truncated_from_tokens": p.meta.get("truncated_from_tokens"),
+           "lossless": {"text": ref_text, "tokens": len(ref_ids), "ids": ref_ids,
+                        "correct": bool(retrieval_accuracy(ref_text, p.answer)),
+                        "min_margin": ref_margin if math.isfinite(ref_margin) else None},
+           "seconds": {"prefill": prefill_s, "lossless_answer": ref_s},
+           "codecs": {}}
+    for (pair, codec_s), got in zip(decoded, got_all):
+        label = level_label(*pair)
+        ids = got["ids"]
+        text = _answer_text(bundle, ids)
+        diverged = got.get("diverged_at", None) if answer_mode != "batched" else \
+            next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b),
+                 None if ids == ref_ids else min(len(ids), len(ref_ids)))
+        c = {"codec": pair[0], "level": pair[1], "text": text, "ids": ids,
+             "correct": bool(retrieval_accuracy(text, p.answer)),
+             "agrees": scored_answer(text, p.answer) == scored_answer(ref_text, p.answer),
+             "token_agrees": ids == ref_ids,
+             "path": got["path"], "diverged_at": diverged,
+             "min_margin": got["min_margin"] if math.isfinite(got["min_margin"]) else None,
+             "codec_s": codec_s, "answer_s": got.get("answer_s", share if answer_mode == "batched" else 0.0)}
+        paths.setdefault(label, dict.fromkeys(ANSWER_PATHS[answer_mode], 0))[got["path"]] += 1
+        if verify:
+            plain = got["plain"]
+            checked += 1
+            mismatches += plain != ids
+            c["verified"] = plain == ids
+        rec["codecs"][label] = c
+    return rec, checked, mismatches
 
 
 def _share(hits: int, n: int) -> dict:
@@ -271,7 +315,7 @@ def task_rows(records: list[dict], pairs: list[tuple[str, Optional[int]]],
                      "accuracy_ci": list(wilson_ci(ok, n)), "agreement": 1.0, "agreement_ci": [1.0, 1.0],
                      "token_agreement": 1.0, "token_agreement_ci": [1.0, 1.0]})
         for pair in pairs:
-            label = _label(*pair)
+            label = level_label(*pair)
             mine = [x for x in recs if label in x["codecs"]]
             got = [x["codecs"][label] for x in mine]
             if not got:

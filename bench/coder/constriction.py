@@ -1,7 +1,7 @@
 """The constriction library's coders (RangeEncoder, AnsCoder; https://github.com/bamler-lab/constriction)
 on the symbols and models of ``python -m bench.coder rans``: one encode call per channel
 (its per-model API) and its best case (one model, one call), single thread. Separate from
-bench/coder_rans.py because it is the optional comparison (skipped when constriction is
+bench/coder/rans.py because it is the optional comparison (skipped when constriction is
 not installed or with --no-constriction), not our coder."""
 from __future__ import annotations
 

@@ -60,25 +60,14 @@ from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
 
-
-# The measurement code lives in bench/quality_config.py, quality_text.py and quality_tasks.py
-# (issue 27: modules under 600 lines); its names are re-exported here (`from bench import quality`).
-from bench.quality_config import (  # noqa: F401
+from bench.quality.config import (
     ANSWER_PATHS, DEFAULT_BATCH, DEFAULT_CODEC_WORKERS, DEFAULT_OUT, DEFAULT_TASK_CODECS,
-    FAMILY_DEFAULT, MARGIN_SPLIT, QUICK_CONTINUATION, QUICK_TASK_REQUESTS, QualityError, REFERENCE,
-    REPO, TASKS, TASK_LENGTHS, TASK_MAX_NEW_TOKENS, TOPIC_LENGTHS
+    FAMILY_DEFAULT, QUICK_CONTINUATION, QUICK_TASK_REQUESTS, QualityError, REFERENCE, TASKS,
+    TASK_LENGTHS, TOPIC_LENGTHS,
 )
-from bench.quality_text import (  # noqa: F401
-    _encode_decode_all, _label, _row_dot, codec_levels, default_level, parse_codec_spec,
-    reference_scores, run_text_quality, summarize_rows, window_scores
-)
-from bench.quality_tasks import (  # noqa: F401
-    _answer_text, _share, agreement_split, run_tasks, task_requests, task_rows
-)
-
-__all__ = ["codec_levels", "parse_codec_spec", "reference_scores", "window_scores", "run_text_quality", "run_tasks",
-           "task_rows", "agreement_split",
-           "choose_default_level", "summarize_rows", "main"]
+from bench.quality.text import parse_codec_spec, run_text_quality
+from bench.quality.tasks import run_tasks
+from bench.quality.report import print_table, print_task_paths, print_task_splits, print_task_table
 
 
 # ----------------------------------------------------------------------------- default rule
@@ -125,83 +114,6 @@ def choose_default_level(doc: dict, family: str = FAMILY_DEFAULT, reference: tup
             "candidates": cands,
             "rule": "smallest size whose 95% paired bootstrap CI of (KL - KL_ref) reaches <= 0 and of "
                     "(top1 - top1_ref) reaches >= 0, on the same windows"}
-
-
-# ----------------------------------------------------------------------------- output
-def _fmt_ci(x: float, ci: Sequence[float], digits: int = 4) -> str:
-    return f"{x:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
-
-
-def _print_rows(header: str, lines, note: str, out=None) -> None:
-    """One printed table: ``header``, one line per item of ``lines``, then ``note``."""
-    for line in (header, *lines, note):
-        print(line, file=out)
-
-
-def print_table(rows: list[dict], out=None) -> None:
-    """The text-fidelity table (ppl change labelled as not monotone in distortion)."""
-    rows = sorted(rows, key=lambda r: (r["codec"], -1 if r["level"] is None else r["level"]))
-    _print_rows(
-        f"{'codec / level':<18} {'ratio':>7} {'bits/el':>7}  {'n':>3}  {'KL nats/token [95% CI]':<28} "
-        f"{'top-1 agreement [95% CI]':<26} {'ppl change % [95% CI] (not monotone)':<30}",
-        (f"{_label(r['codec'], r['level']) + (' *' if r.get('default') else ''):<18} "
-         f"{r['ratio_vs_dtype']:>6.2f}x {r['bits_per_element']:>7.3f}  {r['n_windows']:>3}  "
-         f"{_fmt_ci(r['kl'], r['kl_ci']):<28} {_fmt_ci(r['top1_agreement'], r['top1_agreement_ci'], 3):<26} "
-         f"{_fmt_ci(r['ppl_change_pct'], r['ppl_change_pct_ci'], 1):<30}" for r in rows),
-        "* = default codec/level. KL and top-1 agreement are against the lossless KV on the same windows; "
-        "rank by them, not by ppl change.", out)
-
-
-def print_task_table(rows: list[dict], out=None) -> None:
-    _print_rows(
-        f"{'codec / level':<18} {'task':<16} {'n':>4}  {'accuracy [Wilson 95%]':<24} "
-        f"{'answer agreement [Wilson 95%]':<30} {'token agreement [Wilson 95%]':<30}",
-        (f"{_label(r['codec'], r['level']):<18} {r['task']:<16} {r['n']:>4}  "
-         f"{_fmt_ci(r['accuracy'], r['accuracy_ci'], 3):<24} {_fmt_ci(r['agreement'], r['agreement_ci'], 3):<30} "
-         + (f"{_fmt_ci(r['token_agreement'], r['token_agreement_ci'], 3):<30}"
-            if r.get("token_agreement") is not None else f"{'-':<30}") for r in rows),
-        "answer agreement: the scored answer equals the lossless answer's; token agreement: identical "
-        "token ids (a rephrasing disagrees).", out)
-
-
-def print_task_splits(rows: list[dict], out=None) -> None:
-    """Answer agreement (task ``all``) split by the lossless answer: correct / wrong, and
-    its smallest top-2 logit margin above / below ``margin_split`` (n and Wilson 95% CI)."""
-    rows = [r for r in rows if r["task"] == "all" and r.get("agreement_split")]
-    if not rows:
-        return
-    th = rows[0]["agreement_split"]["margin_split"]
-
-    def cell(d):
-        return "-" if not d["n"] else f"{d['agreement']:.3f} [{d['agreement_ci'][0]:.2f}, {d['agreement_ci'][1]:.2f}] n={d['n']}"
-
-    print(f"{'codec / level':<18} {'lossless correct':<28} {'lossless wrong':<28} "
-          f"{f'lossless margin >= {th:g}':<28} {f'margin < {th:g}':<28}", file=out)
-    for r in rows:
-        sp = r["agreement_split"]
-        print(f"{_label(r['codec'], r['level']):<18} " + " ".join(
-            f"{cell(sp[k]):<28}" for k in ("lossless_correct", "lossless_wrong", "margin_high", "margin_low")),
-            file=out)
-    print("answer agreement (all tasks) split by the lossless answer of each request (Wilson 95% CIs).", file=out)
-
-
-def print_task_paths(info: dict, out=None) -> None:
-    """How the task answers were obtained (teacher-forced / continued / fallback per codec),
-    the verify counts when present, and the mean seconds per request."""
-    n = len(info["requests"])
-    print(f"answers ({info['answer_dtype']} activations, fallback below a top-2 margin of {info['min_margin']:g}): "
-          + "; ".join(f"{lab}: " + ", ".join(f"{n} {path}" for path, n in d.items())
-                      for lab, d in info["answer_paths"].items()), file=out)
-    if info.get("verify"):
-        print(f"verify: {info['verify']['mismatches']} of {info['verify']['checked']} fast-path answers differ "
-              "from plain greedy generation", file=out)
-    if n:
-        sec = [x["seconds"] for x in info["requests"]]
-        codec_s = sum(c["codec_s"] for x in info["requests"] for c in x["codecs"].values())
-        ans_s = sum(c["answer_s"] for x in info["requests"] for c in x["codecs"].values())
-        print(f"seconds per request: {info['total_s'] / n:.1f} (prefill {sum(x['prefill'] for x in sec) / n:.1f}, "
-              f"lossless answer {sum(x['lossless_answer'] for x in sec) / n:.1f}, codecs encode+decode "
-              f"{codec_s / n:.1f}, codec answers {ans_s / n:.1f})", file=out)
 
 
 def environment() -> dict:
@@ -498,7 +410,7 @@ def _main(args, argv: list[str]) -> int:
         print(f"--quick on a sliding-window model: {context}-token windows (twice the largest window)")
     wstore = {"option": args.window_storage, "applied": ws is not None, "windows": ws,
               "ratio_basis": "full-attention layout in the KV dtype"}
-    from bench.lmcache_rows import needs_kvtc
+    from bench.lmcache.rows import needs_kvtc
 
     if any(name == "kvtc" or needs_kvtc(name) for name, _ in pairs + task_pairs):
         if ws is not None or args.kvtc_calibration_data is not None:
@@ -516,76 +428,11 @@ def _main(args, argv: list[str]) -> int:
                 configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
                 print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
     if wt is not None:
-        print(f"data: WikiText-2 {wt.split} from {wt.source} ({wt.location}), sha256 {wt.sha256}")
-        ids = bundle.tokenizer(wt.text)["input_ids"]
-        print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
-              f"{len(pairs)} codec/levels"
-              + ("; a smoke run: its CIs are wide, do not rank codecs on it (use >= 32 windows)"
-                 if windows < 32 else ""))
-        rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
-                                       log=_log, batch=batch, codec_workers=codec_workers,
-                                       configs=configs, windows=ws)
-        doc["rows"] = rows
-        doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
-        doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
-                         "seed": args.seed, "codecs": args.codecs, "quick": bool(args.quick),
-                         "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
-                         "10000 resamples, seed 0 (exact enumeration for n <= 7)", "window_storage": wstore}
-        doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
-                                                 "prefill_s", "scores_s", "batch", "batch_exact",
-                                                 "codec_workers", "total_s")}
-        print()
-        print_table(rows)
-        chk = info["lossless_check"]
-        if chk is not None:
-            print(f"lossless check (raw): max KL {chk['max_kl']:.3g}, min top-1 {chk['min_top1']:.3f} -> "
-                  f"{'passed' if chk['passed'] else 'FAILED'}")
-        for label, why in info["skipped"].items():
-            print(f"skipped {label}: {why}")
+        _text_part(args, bundle, wt, pairs, (windows, context, continuation), batch, codec_workers,
+                   configs, ws, wstore, doc)
     if do_tasks:
-        if longchat is not None:
-            print(f"tasks: {min(n_req, len(longchat))} LongChat rows of {args.task_data} at full length "
-                  f"(up to the model's {bundle.info.max_context} tokens); {len(task_pairs)} codec/levels")
-        else:
-            print(f"tasks: {n_req} requests per codec/level ({', '.join(TASKS)}; needle lengths {list(lengths)}, "
-                  f"topic lengths {list(topic_lengths)}); "
-                  f"{len(task_pairs)} codec/levels")
-        answer_bundle = bundle
-        if args.task_dtype == "float32" and bundle.info.dtype != "float32":
-            answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
-        requests = None
-        if longchat is not None:   # full length: the model's context, middle-truncated only beyond it
-            requests = [("longchat", bundle.info.max_context, i) for i in range(min(n_req, len(longchat)))]
-        trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
-                                 answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
-                                 answer_mode=args.task_answers, codec_workers=codec_workers,
-                                 configs=configs, requests=requests, windows=ws,
-                                 data_path=str(args.task_data) if longchat is not None else None)
-        doc["tasks"] = trows
-        doc["tasks_info"] = {k: v for k, v in tinfo.items()}
-        doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),
-                               "codecs": args.task_codecs, "answer_dtype": tinfo["answer_dtype"],
-                               "kv_dtype": bundle.info.dtype, "verify": bool(args.task_verify),
-                               "answer_mode": args.task_answers,
-                               "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks,
-                               "window_storage": wstore}
-        if longchat is not None:
-            from kv_extraction_hf.model_fetch import sha256_file
-
-            recs = tinfo["requests"]
-            doc["tasks_config"].update({
-                "n_requests": len(recs), "lengths": None, "topic_lengths": None,
-                "task_data": {"name": args.task_data.name, "sha256": sha256_file(args.task_data),
-                              "rows": len(longchat), "source": "the CacheGen artifact's LongChat "
-                              "topic-retrieval prompts (UChi-JCL/CacheGen test_data; not in this repository)"},
-                "context_tokens": {"min": min(x["context_tokens"] for x in recs),
-                                   "max": max(x["context_tokens"] for x in recs)},
-                "truncated": sum(x["truncated_from_tokens"] is not None for x in recs)})
-        print()
-        print_task_table(trows)
-        print()
-        print_task_splits(trows)
-        print_task_paths(tinfo)
+        _task_part(args, bundle, task_pairs, n_req, (lengths, topic_lengths), longchat,
+                   codec_workers, configs, ws, wstore, doc)
     doc["tasks_wall_s" if args.tasks_only else "wall_s"] = time.perf_counter() - t_start
     _write_json(args.out, doc)
     print(f"\nwrote {args.out} ({doc['tasks_wall_s' if args.tasks_only else 'wall_s']:.0f} s)")
@@ -596,5 +443,89 @@ def _main(args, argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch: int,
+               codec_workers: int, configs: dict, ws, wstore: dict, doc: dict) -> None:
+    """The text-fidelity part: every codec/level against the lossless KV on WikiText-2
+    windows; sizes is (windows, context tokens, continuation tokens). Fills doc's "rows",
+    "data", "config" and "text_info" and prints the table."""
+    windows, context, continuation = sizes
+    print(f"data: WikiText-2 {wt.split} from {wt.source} ({wt.location}), sha256 {wt.sha256}")
+    ids = bundle.tokenizer(wt.text)["input_ids"]
+    print(f"{len(ids)} tokens; {windows} windows x ({context} + {continuation}); "
+          f"{len(pairs)} codec/levels"
+          + ("; a smoke run: its CIs are wide, do not rank codecs on it (use >= 32 windows)"
+             if windows < 32 else ""))
+    rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
+                                   log=_log, batch=batch, codec_workers=codec_workers,
+                                   configs=configs, windows=ws)
+    doc["rows"] = rows
+    doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
+    doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
+                     "seed": args.seed, "codecs": args.codecs, "quick": bool(args.quick),
+                     "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
+                     "10000 resamples, seed 0 (exact enumeration for n <= 7)", "window_storage": wstore}
+    doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
+                                             "prefill_s", "scores_s", "batch", "batch_exact",
+                                             "codec_workers", "total_s")}
+    print()
+    print_table(rows)
+    chk = info["lossless_check"]
+    if chk is not None:
+        print(f"lossless check (raw): max KL {chk['max_kl']:.3g}, min top-1 {chk['min_top1']:.3f} -> "
+              f"{'passed' if chk['passed'] else 'FAILED'}")
+    for label, why in info["skipped"].items():
+        print(f"skipped {label}: {why}")
+
+
+def _task_part(args, bundle, task_pairs: list, n_req: int, lengths: tuple, longchat,
+               codec_workers: int, configs: dict, ws, wstore: dict, doc: dict) -> None:
+    """The task-answer part: each codec/level's greedy answers against the lossless answers;
+    lengths is (needle lengths, topic lengths), longchat the user's LongChat rows or None.
+    Fills doc's "tasks", "tasks_info" and "tasks_config" and prints the tables."""
+    from kv_extraction_hf.model import load_model
+
+    lengths, topic_lengths = lengths
+    if longchat is not None:
+        print(f"tasks: {min(n_req, len(longchat))} LongChat rows of {args.task_data} at full length "
+              f"(up to the model's {bundle.info.max_context} tokens); {len(task_pairs)} codec/levels")
+    else:
+        print(f"tasks: {n_req} requests per codec/level ({', '.join(TASKS)}; needle lengths {list(lengths)}, "
+              f"topic lengths {list(topic_lengths)}); "
+              f"{len(task_pairs)} codec/levels")
+    answer_bundle = bundle
+    if args.task_dtype == "float32" and bundle.info.dtype != "float32":
+        answer_bundle = load_model(args.model, dtype="float32", log=lambda m: None)
+    requests = None
+    if longchat is not None:   # full length: the model's context, middle-truncated only beyond it
+        requests = [("longchat", bundle.info.max_context, i) for i in range(min(n_req, len(longchat)))]
+    trows, tinfo = run_tasks(bundle, task_pairs, n_req, args.seed, lengths, topic_lengths=topic_lengths,
+                             answer_bundle=answer_bundle, verify=args.task_verify, log=_log,
+                             answer_mode=args.task_answers, codec_workers=codec_workers,
+                             configs=configs, requests=requests, windows=ws,
+                             data_path=str(args.task_data) if longchat is not None else None)
+    doc["tasks"] = trows
+    doc["tasks_info"] = {k: v for k, v in tinfo.items()}
+    doc["tasks_config"] = {"n_requests": n_req, "lengths": list(lengths), "topic_lengths": list(topic_lengths),
+                           "codecs": args.task_codecs, "answer_dtype": tinfo["answer_dtype"],
+                           "kv_dtype": bundle.info.dtype, "verify": bool(args.task_verify),
+                           "answer_mode": args.task_answers,
+                           "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks,
+                           "window_storage": wstore}
+    if longchat is not None:
+        from kv_extraction_hf.model_fetch import sha256_file
+
+        recs = tinfo["requests"]
+        doc["tasks_config"].update({
+            "n_requests": len(recs), "lengths": None, "topic_lengths": None,
+            "task_data": {"name": args.task_data.name, "sha256": sha256_file(args.task_data),
+                          "rows": len(longchat), "source": "the CacheGen artifact's LongChat "
+                          "topic-retrieval prompts (UChi-JCL/CacheGen test_data; not in this repository)"},
+            "context_tokens": {"min": min(x["context_tokens"] for x in recs),
+                               "max": max(x["context_tokens"] for x in recs)},
+            "truncated": sum(x["truncated_from_tokens"] is not None for x in recs)})
+    print()
+    print_task_table(trows)
+    print()
+    print_task_splits(trows)
+    print_task_paths(tinfo)

@@ -1,6 +1,6 @@
 """bench.adapt's per-row aggregation (aggregate), goals (issue 15) and their paired
-cluster-bootstrap 95% intervals. Split out of bench.adapt (issue 27), which re-exports every
-name; what the benchmark runs is described there.
+cluster-bootstrap 95% intervals. Part of bench.adapt, whose
+command (bench.adapt.cli) describes what the benchmark runs.
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import statistics
 
-from streaming.adapt_oracle import oracle
-from streaming.traces import constant
 
 
 def _ci95(xs: list[float]) -> float | None:
@@ -93,7 +91,7 @@ def cluster_bootstrap_diff(reqs_a: list[dict], reqs_b: list[dict], value: str = 
     3.8: resample the independent units, keep what is correlated inside them together) of
     mean(value over a's requests) - mean(value over b's requests).
 
-    reqs_a, reqs_b: request dicts (bench.adapt._req: "trace", "violated", "quality_kl") of two
+    reqs_a, reqs_b: request dicts (bench.adapt.request_row: "trace", "violated", "quality_kl") of two
     policies on the SAME requests (the same multiset of trace names, else ValueError). A
     cluster is the recorded trace a request replays (cluster_of): its start offsets share
     every rate, so they are resampled together. `value`: "violated" (0/1, the statistic is

@@ -102,7 +102,7 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, name: str,
     fits) or the codec's errors."""
     from lmcache.v1.distributed.api import MemoryLayoutDesc
 
-    from bench.lmcache_peers import _obj
+    from bench.lmcache.peers import memory_obj
     from third_party.lmcache import serde as S
 
     codec_name, n, kw = serde_options(name, configs)
@@ -116,8 +116,8 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, name: str,
         b = min(T, a + n)
         x = torch.stack([k[:, a:b].reshape(L, b - a, H * D), v[:, a:b].reshape(L, b - a, H * D)])
         slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
-        dst = _obj(torch.zeros(slot, dtype=torch.uint8))
-        stored = ser.serialize(_obj(x), dst, _key(i))
+        dst = memory_obj(torch.zeros(slot, dtype=torch.uint8))
+        stored = ser.serialize(memory_obj(x), dst, _key(i))
         slots.append(dst.tensor[:stored].clone())
         bounds.append((a, b))
     st = ser.stats
@@ -132,14 +132,14 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, name: str,
 
 def decode(blob: SerdeBlob) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V ``[L, T, H, D]`` in the original dtype, each object through the deserializer."""
-    from bench.lmcache_peers import _obj
+    from bench.lmcache.peers import memory_obj
 
     L, T, H, D = blob.shape
     k = torch.empty(L, T, H, D, dtype=blob.dtype)
     v = torch.empty(L, T, H, D, dtype=blob.dtype)
     for i, (slot, (a, b)) in enumerate(zip(blob.slots, blob.bounds)):
-        out = _obj(torch.zeros(2, L, b - a, H * D, dtype=blob.dtype))
-        blob.deserializer.deserialize(_obj(slot), out, _key(i))
+        out = memory_obj(torch.zeros(2, L, b - a, H * D, dtype=blob.dtype))
+        blob.deserializer.deserialize(memory_obj(slot), out, _key(i))
         k[:, a:b] = out.tensor[0].reshape(L, b - a, H, D)
         v[:, a:b] = out.tensor[1].reshape(L, b - a, H, D)
     return k, v

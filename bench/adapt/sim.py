@@ -1,6 +1,6 @@
 """bench.adapt's level table, quality, trace sets, clock model and policy defaults, and the
-simulated sweep (simulate_all). Split out of bench.adapt (issue 27), which re-exports every
-name; what the benchmark runs is described there.
+simulated sweep (simulate_all). Part of bench.adapt, whose
+command (bench.adapt.cli) describes what the benchmark runs.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def trace_sets(n: int, scale: float, quick: bool, synthetic: int = 40, offsets: 
 
 
 # --------------------------------------------------------------------------- manifest stand-in
-class _Man:
+class TableManifest:
     """The fields of streaming.store.Manifest the policies and simulate() read."""
 
     def __init__(self, table: dict):
@@ -317,7 +317,7 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
     """Every policy on every trace and SLO with the clock model -> (request rows, timelines).
     The model's decode clock is the level table x decode_scale (calibrated on the real run);
     the adaptive policy starts from the unscaled table, as on the real link."""
-    man = _Man(table)
+    man = TableManifest(table)
     util = None if kl is None else {lv: -kl[lv] for lv in man.levels}
     model = clock_model(table, prefill_tps, inject, overhead_s, start_s, util)
     model.decode_s_per_token = {lv: v * decode_scale for lv, v in model.decode_s_per_token.items()}
@@ -337,7 +337,7 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
                 pols.update({f"fixed-l{lv}": FixedPolicy(lv) for lv in man.levels})
                 for name, pol in pols.items():
                     r = simulate(pol, man, [tr.at(k) for k in range(man.chunk_count)], model=model)
-                    reqs.append(_req(name, set_name, tr, slo, r.total_s, r.levels, model, kl, orc_u, "simulated",
+                    reqs.append(request_row(name, set_name, tr, slo, r.total_s, r.levels, model, kl, orc_u, "simulated",
                                      abandons=r.abandons))
                     base_name = tr.name.rsplit("@", 1)[0]  # one timeline per recorded trace (first offset)
                     if name == "adaptive" and set_name in ("artifact", "step") and slo == 1.0 \
@@ -346,12 +346,12 @@ def simulate_all(table, sets, slos, prefill_tps, inject, overhead_s, start_s, kl
                         timelines.append({"policy": name, "trace": tr.name, "trace_set": set_name, "slo_s": slo,
                                           "link": "simulated", "chunks": r.timeline})
                 orc_levels = list(orc.options)
-                reqs.append(_req("oracle", set_name, tr, slo, orc.finish_s, orc_levels, model, kl, orc_u, "simulated"))
+                reqs.append(request_row("oracle", set_name, tr, slo, orc.finish_s, orc_levels, model, kl, orc_u, "simulated"))
         log(f"simulated {set_name}: {len(traces)} requests x {len(slos)} SLOs ({time.perf_counter() - t_set:.1f} s)")
     return reqs, timelines
 
 
-def _req(policy, set_name, tr, slo, total, levels, model, kl, orc_u, link, abandons=0, extra=None) -> dict:
+def request_row(policy, set_name, tr, slo, total, levels, model, kl, orc_u, link, abandons=0, extra=None) -> dict:
     u = _util_per_token(levels, model)
     d = {"policy": policy, "trace_set": set_name, "trace": tr.name, "trace_scale": tr.scale, "slo_s": slo,
          "total_s": round(total, 5), "violated": total > slo, "overshoot_s": round(max(0.0, total - slo), 5),

@@ -1,6 +1,6 @@
 """Text fidelity of the quality benchmark: codec lists and labels, the per-window scores
 (KL, top-1 agreement, perplexity) and :func:`run_text_quality` over WikiText-2 windows.
-Moved from ``bench/quality.py`` (issue 27), which re-exports these names."""
+Part of bench.quality (the command is bench.quality.cli)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from bench.quality_config import DEFAULT_BATCH, DEFAULT_CODEC_WORKERS, FAMILY_DEFAULT, QualityError
+from bench.quality.config import DEFAULT_BATCH, DEFAULT_CODEC_WORKERS, FAMILY_DEFAULT, QualityError
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -36,10 +36,11 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     """``"all"``/None -> every registered codec and level (:func:`codec_levels`), raw
     last; else ``"name[:l1,l2];name2;..."`` (``;``-separated; levels optional = all;
     also LMCache's serdes ``lmcache-fp8``, ``lmcache-asym_k16_v8`` and ours inside LMCache,
-    ``lmcache-<codec>-<tokens>[-max|-r<ratio>]``: bench/lmcache_rows.py; those need lmcache).
+    ``lmcache-<codec>-<tokens>[-max|-r<ratio>]``: bench/lmcache/rows.py; those need lmcache).
     Raises QualityError for an unknown codec or level."""
     import codec
-    from bench import lmcache_peers, lmcache_rows
+    from bench.lmcache import peers as lmcache_peers
+    from bench.lmcache import rows as lmcache_rows
 
     out: list[tuple[str, Optional[int]]] = []
     if spec is None or spec.strip() == "all":
@@ -52,7 +53,7 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     for part in [p.strip() for p in spec.split(";") if p.strip()]:
         name, _, levels = part.partition(":")
         name = name.strip()
-        # our serdes inside LMCache (bench/lmcache_rows.py) and LMCache's own serdes
+        # our serdes inside LMCache (bench/lmcache/rows.py) and LMCache's own serdes
         ours, peer = lmcache_rows.is_row(name), lmcache_peers.is_peer(name)
         if ours or peer:
             if not (lmcache_rows.can_run(name) if ours else name in lmcache_peers.available()):
@@ -79,7 +80,7 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     return out
 
 
-def _label(name: str, level: Optional[int]) -> str:
+def level_label(name: str, level: Optional[int]) -> str:
     from codec import level_table
 
     return level_table.label(name, level)
@@ -167,7 +168,7 @@ def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[d
 
 
 # ----------------------------------------------------------------------------- text quality
-def _encode_decode_all(jobs: list, one: Callable, workers: int) -> list:
+def encode_decode_all(jobs: list, one: Callable, workers: int) -> list:
     """``[one(job) for job in jobs]``, run by ``workers`` threads (1: in this thread), in
     the order of ``jobs``. ``one`` must not raise (return an error marker instead).
     While the threads run, torch runs its ops on one thread each: two OpenMP teams on two
@@ -242,18 +243,19 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         ref = reference_scores(ref_logits, cont)
         del ref_logits
         t_scores += time.perf_counter() - t
-        todo = [p for p in pairs if _label(*p) not in skipped]
+        todo = [p for p in pairs if level_label(*p) not in skipped]
         def code_one(pair):
             """(k2, v2, stats, encode s, decode s) from the real bitstream, or the exception."""
-            from bench import lmcache_peers, lmcache_rows
+            from bench.lmcache import peers as lmcache_peers
+            from bench.lmcache import rows as lmcache_rows
 
             peer = lmcache_peers.is_peer(pair[0])
             ours = lmcache_rows.is_row(pair[0])
             try:
                 t1 = time.perf_counter()
-                if peer:       # LMCache's own serde code (bench/lmcache_peers.py)
+                if peer:       # LMCache's own serde code (bench/lmcache/peers.py)
                     data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
-                elif ours:     # our serdes inside LMCache, object by object (bench/lmcache_rows.py)
+                elif ours:     # our serdes inside LMCache, object by object (bench/lmcache/rows.py)
                     data, stats = lmcache_rows.encode_with_stats(k, v, pair[0], configs)
                 else:
                     data, stats = window.encode_with_stats(k, v, windows, codec=pair[0], level=pair[1],
@@ -268,9 +270,9 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
 
         for i in range(0, len(todo), batch):
             group = []                       # (pair, k2, v2, stats) decoded from the real bitstream
-            for pair, got in zip(todo[i:i + batch], _encode_decode_all(todo[i:i + batch], code_one, codec_workers)):
+            for pair, got in zip(todo[i:i + batch], encode_decode_all(todo[i:i + batch], code_one, codec_workers)):
                 if isinstance(got, Exception):
-                    label = _label(*pair)
+                    label = level_label(*pair)
                     skipped[label] = f"{type(got).__name__}: {' '.join(str(got).split())[:200]}"
                     log(f"  skip {label}: {skipped[label]}")
                     continue
@@ -309,7 +311,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         ref_ppl.append(math.exp(ref["ref_nll"]))
         log(f"  window {w + 1}/{len(offsets)} (offset {off}) done, {time.perf_counter() - t0:.0f} s")
     for label in skipped:
-        acc = {p: a for p, a in acc.items() if _label(*p) != label}
+        acc = {p: a for p, a in acc.items() if level_label(*p) != label}
     rows = summarize_rows(acc)
     lossless = [r for r in rows if r["codec"] == "raw"]
     check = None

@@ -1,6 +1,6 @@
 """``python -m bench.coder rans``: the numba rANS coder (codec.rans_cpu) encode/decode Msym/s,
 1 thread and parallel, on a synthetic chunk or real symbols (--npz), then the same symbols
-through constriction (bench.coder_constriction). Separate from bench/coder.py (the command
+through constriction (bench.coder.constriction). Separate from bench/coder/cli.py (the command
 and the entropy-stage figures) because it owns the synthetic symbol source and the
 renormalisation-rate measurement of the bare coder (J. Duda, arXiv:1311.2540)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from bench.coder_constriction import compare_constriction
+from bench.coder.constriction import compare_constriction
 from codec import probability as prob
 from codec.rans_cpu import PROB_SCALE, decode_streams, encode_streams
 from cachegen_common import flags
