@@ -280,6 +280,18 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         writer.doc["environment"]["engine"]["warmup_s"] = warm
         log(f"warm-up (untimed, one request per KV variant): {warm}")
 
+    _ttft_requests(cfg, engine, bundle, vlist, contexts, link, store_addr, prefill_tps, ppl,
+                   writer)
+    _adaptation_stage(cfg, engine, bundle, levels, contexts, link, store_addr, writer)
+
+
+def _ttft_requests(cfg: RunConfig, engine: Engine, bundle, vlist: list, contexts: list, link,
+                   store_addr: str, prefill_tps: float, ppl: dict[str, dict],
+                   writer: ResultsWriter) -> None:
+    """The timed requests: every (bandwidth, variant, context, repeat) request served and recorded, each
+    scored against the text mode's output on the same context; a failed request is recorded
+    in "failures" and the run goes on."""
+    info = bundle.info
     refs: dict[str, tuple[str, list[int]]] = {}
     jobs = [(bw, var, ctx, rep) for bw in cfg.bandwidth_mbps for var in vlist
             for ctx in contexts for rep in range(cfg.repeats)]
@@ -318,6 +330,12 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
                                   cfg.slo_s if adaptive else None,
                                   slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None))
 
+
+def _adaptation_stage(cfg: RunConfig, engine: Engine, bundle, levels: dict, contexts: list, link,
+                      store_addr: str, writer: ResultsWriter) -> None:
+    """After the timed requests: the engine closed, the adaptation experiment over the bandwidth traces on the
+    first context's cachegen entry (recorded as not run when that entry's encode failed)."""
+    info = bundle.info
     engine.close()  # a live vLLM engine would compete for the CPU with the HF engine below
     if cfg.traces and "cachegen" in levels and "cachegen" not in contexts[0].keys:
         # the adaptation experiment streams the first context's cachegen entry: its encode
