@@ -1,7 +1,7 @@
 """A results.json as the figures see it: :func:`prepare` (tidy DataFrames in
-:class:`ResultsData`; reading the file is visualize.loading's, re-exported here), the
+:class:`ResultsData`; reading the file is visualize.loading.s), the
 shared plot helpers (labels, colours, ticks, captions) and :func:`save_figure` (atomic
-write). Moved from ``visualize_results.py``, which re-exports these names."""
+write). Drawn by ``visualize_results.py``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The figures of the other result files: ``quality_divergence`` from a quality.json
 (``python -m bench.quality``) and the adaptation figures from an adaptation.json
-(``python -m bench.adapt``; the figures themselves are in visualize.adapt_figures,
-re-exported here). Each reads only its file. Moved from ``visualize_results.py``, which
-re-exports these names."""
+(``python -m bench.adapt``; the figures themselves are in visualize.adapt_figures).
+Each reads only its file; ``visualize_results.py`` draws them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The figures drawn from a results.json (:data:`FIGURES`): TTFT vs bandwidth, KV size,
 quality vs size, TTFT breakdown, per-layer reconstruction error, adaptation timeline.
 Each ``fig_*`` takes a :class:`visualize.data.ResultsData` and returns a matplotlib Figure,
-or raises :class:`visualize.data.SkipFigure`. Moved from ``visualize_results.py``, which
-re-exports these names."""
+or raises :class:`visualize.data.SkipFigure`. ``visualize_results.py`` draws them."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 and the summary dict of all of them (aggregate); None values (metric not applicable) are
 dropped, NaN is refused.
 
-Part of evaluation.metrics (which re-exports every name). Numbers in, numbers out.
+Part of evaluation.metrics (whose face exports every name). Numbers in, numbers out.
 """
 
 from __future__ import annotations

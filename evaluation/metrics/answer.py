@@ -2,7 +2,7 @@
 accuracy as LongEval scores it (retrieval_accuracy, scored_answer) and token-level F1 as
 LongBench scores TriviaQA / NarrativeQA (qa_f1), with LongBench's answer normalisation.
 
-Part of evaluation.metrics (which re-exports every name and documents the sources); the
+Part of evaluation.metrics (whose face exports every name and documents the sources); the
 generation-similarity metrics are in evaluation.metrics.generation, the logit metrics in
 evaluation.metrics.logits. Registered by name on import (evaluation.metrics.registry).
 """

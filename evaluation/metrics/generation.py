@@ -1,7 +1,7 @@
 """Fidelity of a generation against the lossless generation, as text: ROUGE-L
 (``rouge-score``) and sentence BLEU (``sacrebleu``), both imported lazily.
 
-Part of evaluation.metrics (which re-exports every name); kept apart from the task
+Part of evaluation.metrics (whose face exports every name); kept apart from the task
 metrics (evaluation.metrics.answer) because these need no task skill and depend on
 optional packages. Registered by name on import (evaluation.metrics.registry).
 """

@@ -2,7 +2,7 @@
 CacheGen reports it on WikiText), the perplexity increase over the lossless run, the KL
 divergence against the lossless logits, and the share of identical greedy tokens.
 
-Part of evaluation.metrics (which re-exports every name). torch is imported inside the
+Part of evaluation.metrics (whose face exports every name). torch is imported inside the
 functions only: the registry (directions, aggregation rules) is read by the figures and
 the notebook, which must not need torch. Registered by name on import.
 """

@@ -1,7 +1,7 @@
 """The metric registry of evaluation.metrics: Metric (function, direction, unit, aggregation),
 METRICS (name -> Metric, in registration order), register_metric, get_metric, list_metrics,
-result_metrics and AGGREGATIONS. Split out of evaluation.metrics (issue 27), which registers
-the metrics and re-exports every name here.
+result_metrics and AGGREGATIONS. Part of evaluation.metrics, whose face registers
+the metrics and exports every name.
 """
 
 from __future__ import annotations
