@@ -354,7 +354,7 @@ def prepare_kvtc(bundle, windows=None) -> tuple[dict[str, Any], Any]:
     (kv_extraction_hf.calibrate.default_calibration, on the default calibration text),
     fitted on first use then cached, registered; with ``windows`` (sliding-window storage,
     harness.contexts.store_layout) one calibration per layer group instead
-    (kv_extraction_hf.calibrate_groups, same text and settings). provenance: results.json
+    (kv_extraction_hf.calibrate.groups, same text and settings). provenance: results.json
     ``kvtc_calibration`` (``calibration_provenance``: hash, source, group_layers, text
     {source, description, sha256}; per group under ``groups``); config: a ``KvtcConfig``
     (or ``{layers: KvtcConfig}``) for every kvtc encode. The hash(es) enter every kvtc
@@ -369,7 +369,7 @@ def prepare_kvtc(bundle, windows=None) -> tuple[dict[str, Any], Any]:
         + (", one per layer group (window storage)" if windows is not None else ""))
     try:
         if windows is not None:
-            from kv_extraction_hf.calibrate_groups import group_calibrations, groups_record
+            from kv_extraction_hf.calibrate.groups import group_calibrations, groups_record
 
             hashes = group_calibrations(bundle, windows, log=log)
             rec = groups_record(hashes, "default (per layer group)")

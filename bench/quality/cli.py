@@ -141,7 +141,7 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
 
     if user is not None:
         from codec import kvtc
-        from kv_extraction_hf.model_fetch import sha256_file
+        from kv_extraction_hf.model.fetch import sha256_file
 
         if (user.num_layers, user.num_heads, user.head_dim) != (
                 bundle.info.num_layers, bundle.info.num_kv_heads, bundle.info.head_dim):
@@ -153,7 +153,7 @@ def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = 
                 "data": user.meta.get("data", "")}
     try:
         from kv_extraction_hf.calibrate import default_calibration
-        from kv_extraction_hf.model_fetch import sha256_file
+        from kv_extraction_hf.model.fetch import sha256_file
 
         path = default_calibration(bundle, log=lambda m: None)
         from codec import kvtc
@@ -174,7 +174,7 @@ def prepare_kvtc_groups(bundle, windows, text_path: Optional[Path]) -> tuple[Any
     every layer). config: ``{layers: KvtcConfig}`` for ``codec.window`` (a plain
     ``KvtcConfig`` for one group); record: ``calibrate_groups.groups_record``. Raises
     QualityError when the calibration cannot be fitted (a named text must be usable)."""
-    from kv_extraction_hf.calibrate_groups import group_calibrations, groups_record
+    from kv_extraction_hf.calibrate.groups import group_calibrations, groups_record
     from kv_extraction_hf.errors import ExtractionError
     from codec.kvtc import KvtcConfig
 
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its last W tokens (the tokens a continuation attends to: the consumer here, Hugging "
                         "Face's, applies the window); ratios stay against the full-attention layout. auto "
                         "(default) = on where the model has sliding-window layers; kvtc then uses one "
-                        "calibration per layer group (kv_extraction_hf.calibrate_groups)")
+                        "calibration per layer group (kv_extraction_hf.calibrate.groups)")
     p.add_argument("--kvtc-calibration-data", type=Path, default=None, metavar="FILE",
                    help="text the kvtc calibration(s) are fitted on (raw text or WikiText-2 validation; "
                         "fitted once, cached by the text's sha256); default: the default calibration text. "
@@ -513,7 +513,7 @@ def _task_part(args, bundle, task_pairs: list, n_req: int, lengths: tuple, longc
                            "seed": args.seed, "ci": "Wilson 95%", "tasks": args.tasks,
                            "window_storage": wstore}
     if longchat is not None:
-        from kv_extraction_hf.model_fetch import sha256_file
+        from kv_extraction_hf.model.fetch import sha256_file
 
         recs = tinfo["requests"]
         doc["tasks_config"].update({

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kv_extraction_hf import model as model_mod
-from kv_extraction_hf import model_fetch
+from kv_extraction_hf.model import fetch as model_fetch
 from kv_extraction_hf.errors import ExtractionError
 
 VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "the": 4, "capital": 5, "of": 6, "france": 7, "is": 8}

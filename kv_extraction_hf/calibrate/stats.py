@@ -1,8 +1,7 @@
 """The model-side statistics a KVTC calibration weights its fit with: per-channel output
 sensitivity (measure_sensitivity), the attention modules' query energy (query_energy), the
 output-projection Gram (output_gram) and the whitening metric built from them
-(metric_from_stats). Split out of kv_extraction_hf.calibrate (issue 27), which re-exports
-every name.
+(metric_from_stats). Part of kv_extraction_hf.calibrate (its face exports these names).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import torch
 
 from cachegen_common import flags
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.calibrate_stats import (  # noqa: F401 - re-exported (issue 27 split)
+from kv_extraction_hf.calibrate.stats import (
     measure_sensitivity, attn_modules, query_energy, output_gram, metric_from_stats,
 )
 
@@ -154,7 +154,7 @@ def calibrate(bundle, text: str, *, windows: int = DEFAULT_SETTINGS["windows"],
     of layer-index tuples (e.g. a hybrid model's sliding-window and full-attention
     layers, ``codec.window.layer_groups``): one prefill and sensitivity probe, then one
     calibration per group fitted on that group's layers only (``meta["layers"]``),
-    returned as ``{tuple(layers): KvtcCalibration}`` (kv_extraction_hf.calibrate_groups).
+    returned as ``{tuple(layers): KvtcCalibration}`` (kv_extraction_hf.calibrate.groups).
     Raises ExtractionError."""
     from codec import kvtc
 
@@ -329,7 +329,7 @@ def default_calibration(bundle, log=print) -> Path:
     chunks that name its hash decode. Raises ExtractionError if no calibration text."""
     from codec import kvtc
     from kv_extraction_hf.model import cache_dir
-    from kv_extraction_hf.model_fetch import file_lock
+    from kv_extraction_hf.model.fetch import file_lock
 
     text, rec = _default_text()
     key = settings_key(bundle.info.weights_hash, DEFAULT_SETTINGS, rec["sha256"])
@@ -506,6 +506,3 @@ def _mkdir(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
 
-
-if __name__ == "__main__":
-    sys.exit(main())

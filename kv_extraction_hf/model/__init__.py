@@ -36,7 +36,7 @@ from pathlib import Path
 
 from cachegen_common.files import files_sha256
 from kv_extraction_hf.errors import ExtractionError, run_cli
-from kv_extraction_hf.model_fetch import (
+from kv_extraction_hf.model.fetch import (
     DEFAULT_MODEL_ID,
     DEFAULT_DIR_NAME,
     DEFAULT_ALIASES,
@@ -461,6 +461,3 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_cli(run)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ the data flags (``--data-path``, ``--data-map``) against the tasks that read the
 from __future__ import annotations
 
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.prompt_base import (
+from kv_extraction_hf.prompts.base import (
     DATA_PATH_TASKS,
     USER_DATA_TASKS,
     Prompt,
@@ -15,7 +15,7 @@ from kv_extraction_hf.prompt_base import (
     finish_prompt,
     wrap_chat,
 )
-from kv_extraction_hf.prompts_datasets import cut_middle
+from kv_extraction_hf.prompts.datasets import cut_middle
 
 USER_DATA_TEMPLATES = {
     # LongChat topic retrieval: the row's own conversation and question, no extra words

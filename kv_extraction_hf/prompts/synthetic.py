@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.natural_text import filler_sentences
-from kv_extraction_hf.prompt_base import Prompt, finish_prompt, fit_pieces, seeded_rng, wrap_chat
+from kv_extraction_hf.prompts.base import Prompt, finish_prompt, fit_pieces, seeded_rng, wrap_chat
 
 NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 

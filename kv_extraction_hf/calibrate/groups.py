@@ -11,7 +11,7 @@ like the default calibration: ``<cache>/kvtc/<hash>.safetensors`` per group plus
 index ``groups-<key>.json`` keyed by the model's weights hash, the calibration settings
 (``DEFAULT_SETTINGS``), the text's sha256 and the groups.
 
-    from kv_extraction_hf.calibrate_groups import group_configs
+    from kv_extraction_hf.calibrate.groups import group_configs
     cfg = group_configs(bundle, windows)          # {layers tuple: KvtcConfig}
     data = codec.window.encode_windowed(k, v, windows, codec="kvtc", config=cfg)
 
@@ -72,7 +72,7 @@ def group_calibrations(bundle, windows: Sequence[Optional[int]], text_path: Opti
     from codec import kvtc
     from kv_extraction_hf import calibrate as cal_mod
     from kv_extraction_hf.model import cache_dir
-    from kv_extraction_hf.model_fetch import file_lock
+    from kv_extraction_hf.model.fetch import file_lock
 
     if len(list(windows)) != bundle.info.num_layers:
         raise ValueError(f"windows has {len(list(windows))} entries for the model's "

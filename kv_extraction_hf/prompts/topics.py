@@ -6,7 +6,7 @@ other synthetic tasks because of its topic and sentence tables.
 from __future__ import annotations
 
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.prompt_base import Prompt, finish_prompt, fit_pieces, seeded_rng, wrap_chat
+from kv_extraction_hf.prompts.base import Prompt, finish_prompt, fit_pieces, seeded_rng, wrap_chat
 
 TOPICS = (
     "jazz music", "mountain climbing", "electric cars", "ancient Egypt", "coffee brewing", "chess openings",

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.natural_text import natural_paragraphs
-from kv_extraction_hf.prompt_base import TASKS, USER_DATA_TASKS, Prompt
-from kv_extraction_hf.prompts_datasets import longbench_prompt, text_ppl_prompt
-from kv_extraction_hf.prompts_synthetic import longchat_lines_prompt, needle_prompt
-from kv_extraction_hf.prompts_topics import topic_retrieval_prompt
-from kv_extraction_hf.prompts_user_data import check_data_flags, user_data_prompt
+from kv_extraction_hf.prompts.base import TASKS, USER_DATA_TASKS, Prompt
+from kv_extraction_hf.prompts.datasets import longbench_prompt, text_ppl_prompt
+from kv_extraction_hf.prompts.synthetic import longchat_lines_prompt, needle_prompt
+from kv_extraction_hf.prompts.topics import topic_retrieval_prompt
+from kv_extraction_hf.prompts.user_data import check_data_flags, user_data_prompt
 
 __all__ = [
     "CONTINUATION_TOKENS", "DATA_PATH_TASKS", "DATASET_TASKS", "LONGBENCH_PROMPTS", "MIN_DOC_TOKENS",

@@ -8,7 +8,7 @@ truncation (shared by the user-data prompts). The data comes in as arguments
 from __future__ import annotations
 
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.prompt_base import (
+from kv_extraction_hf.prompts.base import (
     CONTINUATION_TOKENS,
     Prompt,
     context_part_ids,
