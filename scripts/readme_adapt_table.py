@@ -2,7 +2,7 @@
 adaptation.json of ``python -m bench.adapt`` (per trace set: violations, overshoot, quality
 KL and regret vs the oracle per SLO, link and policy; the issue-15 goals with their
 bootstrap intervals). Separate from readme_file_tables.py (the quality block) because it
-reads another file with its own orderings; scripts/readme_tables.py re-exports its names."""
+reads another file with its own orderings; scripts/readme_tables.py draws it."""
 from __future__ import annotations
 
 from typing import Any

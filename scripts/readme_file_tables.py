@@ -1,7 +1,6 @@
 """The quality block of benchmarks/README.md: :func:`render_quality` (from a quality.json
-of ``python -m bench.quality``: the text-fidelity and task tables). Moved from
-``scripts/readme_tables.py`` (issue 27), which re-exports these names; the adaptation block
-is in readme_adapt_table.py."""
+of ``python -m bench.quality``: the text-fidelity and task tables), drawn by
+``scripts/readme_tables.py``; the adaptation block is in readme_adapt_table.py."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,6 @@
 """Markers, loaders and cell formatting shared by the README table generator
 (``scripts/readme_tables.py``): block markers, :class:`ReadmeTableError`,
-:func:`load_results` / :func:`load_optional` and the number formats of the cells.
-Moved from ``scripts/readme_tables.py`` (issue 27), which re-exports these names."""
+:func:`load_results` / :func:`load_optional` and the number formats of the cells."""
 from __future__ import annotations
 
 import math
