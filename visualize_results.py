@@ -11,7 +11,8 @@ It reads only the results file: it imports no codec, streaming, engine or model 
 (only ``evaluation.summary``, the summary and label rules run_benchmarks.py writes with).
 The figure code is in the ``visualize`` package (loading and helpers in ``visualize.data``,
 results.json figures in ``visualize.results_figures``, quality.json and adaptation.json
-figures in ``visualize.file_figures``); this script re-exports its names and keeps the CLI.
+figures in ``visualize.file_figures``); this script is the CLI (import the figure functions
+from their modules).
 A file an interrupted run left (``"complete": false``) is drawn with "INCOMPLETE" in
 every figure's title. Figures
 whose data is missing are skipped and named; a file that is not a JSON object is an error
@@ -37,31 +38,12 @@ from pathlib import Path
 
 from cachegen_common import flags  # stdlib only: the shared flag spellings
 
-# The figure code lives in visualize/ (modules under 600 lines); its names are
-# re-exported here for the tests, the notebook and other callers (`import visualize_results as vr`).
-from visualize.data import (  # noqa: F401
-    BREAKDOWN_PARTS, DEFAULT_HIGHER_IS_BETTER, DEFAULT_OUT, DEFAULT_RESULTS, MB,
-    MODE_MARKERS, MODE_ORDER, NUMERIC_SUMMARY_COLUMNS, ResultsData,
-    _add_labels, _bandwidth_ticks, _caption, _coerce_bool, _coerce_numeric, _coerce_str, _colors,
-    _keep_small_ints, _log_helps, _marker, _new_figure, _plain_log_ticks, _records, _require,
-    label_order, plot_label, prepare, save_figure, summaries_from_runs
-)
-from visualize.results_figures import (  # noqa: F401
-    FIGURES, FigureSpec, QUALITY_JSON_KL_PANEL, QUALITY_PANELS, _accuracy_ci, _pareto, _per_label,
-    _quality_json_kl, _quality_json_kl_panel, fig_adaptation_timeline, fig_kv_size, fig_quality_vs_size,
-    fig_reconstruction_error, fig_ttft_breakdown, fig_ttft_vs_bandwidth
-)
-from visualize.adapt_figures import (  # noqa: F401
-    _ADAPT_ORDER, ADAPT_FIGURES, DEFAULT_ADAPTATION, _adapt_policies, _adapt_rows, fig_adapt_quality_vs_violation,
-    fig_adapt_timeline, fig_adapt_violation_vs_slo
-)
-from visualize.file_figures import (  # noqa: F401
-    DEFAULT_QUALITY, fig_quality_divergence, render_adaptation, render_quality
-)
-from visualize.sweep_figures import fig_ttft_vs_context, render_context_sweep  # noqa: F401
-from visualize.loading import (  # noqa: F401
-    KNOWN_SCHEMA_VERSION, ResultsError, SkipFigure, load_results, schema_warnings
-)
+from visualize.data import DEFAULT_OUT, DEFAULT_RESULTS, ResultsData, prepare, save_figure
+from visualize.results_figures import FIGURES
+from visualize.adapt_figures import DEFAULT_ADAPTATION
+from visualize.file_figures import DEFAULT_QUALITY, render_adaptation, render_quality
+from visualize.sweep_figures import render_context_sweep
+from visualize.loading import ResultsError, SkipFigure, load_results, schema_warnings
 
 INCOMPLETE_MARK = "INCOMPLETE RUN"
 # the command lines of --help's examples (after "python visualize_results.py")

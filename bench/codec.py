@@ -120,9 +120,9 @@ def _environment() -> dict:
 
 def parse_rows(spec: Optional[list[str]]) -> list[tuple[str, Optional[int]]]:
     """``["raw", "cachegen:2", "cachegen-ref:0"]`` -> [(codec, level), ...]."""
-    from bench import lmcache_peers
+    from bench.lmcache import peers as lmcache_peers
 
-    if not spec:   # LMCache's own serdes too when lmcache imports (bench/lmcache_peers.py)
+    if not spec:   # LMCache's own serdes too when lmcache imports (bench/lmcache/peers.py)
         return list(DEFAULT_ROWS) + [(n, None) for n in lmcache_peers.available()]
     out = []
     for s in spec:

@@ -1,5 +1,5 @@
 """The LMCache peer rows of ``python -m bench.codec``: each ``--chunk-tokens``
-chunk serialised by LMCache's own serde (bench/lmcache_peers.py) and measured with the
+chunk serialised by LMCache's own serde (bench/lmcache/peers.py) and measured with the
 same size, speed, error and quality columns as our codecs' rows (coder-internal columns
 None). Separate from bench.codec_rows because LMCache is optional (its own venv) and its
 serde has no coder statistics.
@@ -15,10 +15,10 @@ from bench.codec_metrics import _median_time, continuation_stats, quality, rel_l
 
 def run_peer_row(name: str, ctxs: list[dict], bundle, bases: list, args
                  ) -> tuple[dict, list[dict]]:
-    """One row computed by LMCache's own serde ``name`` (bench/lmcache_peers.py): each
+    """One row computed by LMCache's own serde ``name`` (bench/lmcache/peers.py): each
     ``--chunk-tokens`` chunk serialised as LMCache stores it; the same size, speed, error
     and quality columns as ``run_row`` (coder-internal columns None)."""
-    from bench import lmcache_peers
+    from bench.lmcache import peers as lmcache_peers
 
     by = n_el = dtype_b = 0
     enc_s = dec_s = 0.0

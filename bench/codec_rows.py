@@ -40,7 +40,7 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
     """Encode/decode every context with one (codec, level); aggregate one JSON row.
     ``config``: the codec's config object for every encode (kvtc: the ``KvtcConfig``
     naming its calibration), None = the level's preset."""
-    from bench import lmcache_peers
+    from bench.lmcache import peers as lmcache_peers
 
     if lmcache_peers.is_peer(name):
         return run_peer_row(name, ctxs, bundle, bases, args)

@@ -27,7 +27,7 @@ from typing import Any
 
 import codec
 from cachegen_common import flags
-from harness.engine_numerics import ENGINE_DTYPE
+from harness.engines.numerics import ENGINE_DTYPE
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model

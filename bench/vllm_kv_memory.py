@@ -56,12 +56,12 @@ def parse_engine_log(text: str) -> dict[str, Any]:
 def _engine(config: str, model_dir: Path, max_model_len: int, log_path: Path, stats: Path,
             max_num_batched_tokens: int | None = None):
     """Start one engine of ``config`` with its logs in ``log_path`` (vLLM imported here)."""
-    from harness.engine_numerics import BIND_ENV, ENGINE_DTYPE, ENGINE_SEED, engine_thread_binding
+    from harness.engines.numerics import BIND_ENV, ENGINE_DTYPE, ENGINE_SEED, engine_thread_binding
     from harness.run import route_engine_logs
     from third_party.vllm.engine import make_llm
 
     route_engine_logs(log_path)       # read by the engine processes spawned below
-    os.environ[BIND_ENV] = engine_thread_binding()[BIND_ENV]   # as harness.engine_vllm does
+    os.environ[BIND_ENV] = engine_thread_binding()[BIND_ENV]   # as harness.engines.vllm does
     connector = {"stats_path": str(stats), "warmup": False} if "connector" in config else None
     return make_llm(model_dir, connector, max_model_len=max_model_len, dtype=ENGINE_DTYPE,
                     seed=ENGINE_SEED, max_num_batched_tokens=max_num_batched_tokens)

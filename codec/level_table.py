@@ -3,7 +3,7 @@ means, how a (codec, level) pair is spelled, and the order codecs are listed in.
 
 One answer to "which levels, which default" for every entry point: the codec registry
 (``codec.registry``, ``codec.api.levels`` / ``default_level``), harness/config.py (flag
-checks that must not load torch), bench/quality.py and scripts/readme_tables.py. Imports
+checks that must not load torch), bench/quality/cli.py and scripts/readme_tables.py. Imports
 only the standard library and ``codec.schedules`` (itself torch-free), so ``import
 codec.level_table`` does not import torch (tests/codec/test_codec_level_table.py checks it in
 a subprocess). Named ``level_table``, not ``levels``: ``codec.levels`` is the public

@@ -2,7 +2,7 @@
 
 Pure functions (strings, numbers or torch tensors in; Python numbers out) looked up by
 name from :data:`evaluation.metrics.METRICS`. No model, engine or network. See
-``evaluation/metrics.py`` for sources (LongEval, LongBench, CacheGen section 7.1).
+``evaluation/metrics/`` for sources (LongEval, LongBench, CacheGen section 7.1).
 
 Run the tests: ``python -m pytest tests/evaluation/test_evaluation_metrics.py -q``
 """

@@ -12,8 +12,8 @@ from typing import Any
 
 from harness.config import RunConfig
 from harness.contexts import BenchmarkError, Context, log
-from harness.engine_api import RequestTiming
-from harness.engine_hf import HFEngine, hf_load
+from harness.engines.api import RequestTiming
+from harness.engines.hf import HFEngine, hf_load
 from streaming import traces as T
 
 TRACES = ("constant", "step", "artifact")

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachegen_common.files import atomic_write_json  # noqa: F401 - re-exported
-from cachegen_common.header import git_commit, utc_now  # noqa: F401 - re-exported
+from cachegen_common.files import atomic_write_json
+from cachegen_common.header import utc_now
 from cachegen_common.header import environment as header_environment
 from evaluation.summary import plot_label, summarize
 

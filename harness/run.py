@@ -30,13 +30,14 @@ from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
 from harness.contexts import (BenchmarkError, build_contexts, failure_record, log,
                               one_line, populate_store, store_layout, store_levels, variants)
-from harness.engine_api import Engine
-from harness.engine_hf import HFEngine
-from harness.engine_vllm import VLLMEngine, check_vllm, vllm_model_check
-from harness.engine_numerics import extraction_dtype
-from harness.engines import measure_prefill_speed, request_params, warm_up_variants
+from harness.engines.api import Engine
+from harness.engines.hf import HFEngine
+from harness.engines.vllm import VLLMEngine, check_vllm, vllm_model_check
+from harness.engines.numerics import extraction_dtype
+from harness.engines.protocol import measure_prefill_speed, request_params, warm_up_variants
 from harness.quality import perplexity_pass, score_output
-from harness.results import ResultsWriter, environment, git_commit, print_summary, run_record
+from cachegen_common.header import git_commit
+from harness.results import ResultsWriter, environment, print_summary, run_record
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model import load_model
 from streaming.link import ShapedLink
@@ -279,6 +280,18 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         writer.doc["environment"]["engine"]["warmup_s"] = warm
         log(f"warm-up (untimed, one request per KV variant): {warm}")
 
+    _ttft_requests(cfg, engine, bundle, vlist, contexts, link, store_addr, prefill_tps, ppl,
+                   writer)
+    _adaptation_stage(cfg, engine, bundle, levels, contexts, link, store_addr, writer)
+
+
+def _ttft_requests(cfg: RunConfig, engine: Engine, bundle, vlist: list, contexts: list, link,
+                   store_addr: str, prefill_tps: float, ppl: dict[str, dict],
+                   writer: ResultsWriter) -> None:
+    """The timed requests: every (bandwidth, variant, context, repeat) request served and recorded, each
+    scored against the text mode's output on the same context; a failed request is recorded
+    in "failures" and the run goes on."""
+    info = bundle.info
     refs: dict[str, tuple[str, list[int]]] = {}
     jobs = [(bw, var, ctx, rep) for bw in cfg.bandwidth_mbps for var in vlist
             for ctx in contexts for rep in range(cfg.repeats)]
@@ -317,6 +330,12 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
                                   cfg.slo_s if adaptive else None,
                                   slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None))
 
+
+def _adaptation_stage(cfg: RunConfig, engine: Engine, bundle, levels: dict, contexts: list, link,
+                      store_addr: str, writer: ResultsWriter) -> None:
+    """After the timed requests: the engine closed, the adaptation experiment over the bandwidth traces on the
+    first context's cachegen entry (recorded as not run when that entry's encode failed)."""
+    info = bundle.info
     engine.close()  # a live vLLM engine would compete for the CPU with the HF engine below
     if cfg.traces and "cachegen" in levels and "cachegen" not in contexts[0].keys:
         # the adaptation experiment streams the first context's cachegen entry: its encode
@@ -335,7 +354,7 @@ def prepare_kvtc(bundle, windows=None) -> tuple[dict[str, Any], Any]:
     (kv_extraction_hf.calibrate.default_calibration, on the default calibration text),
     fitted on first use then cached, registered; with ``windows`` (sliding-window storage,
     harness.contexts.store_layout) one calibration per layer group instead
-    (kv_extraction_hf.calibrate_groups, same text and settings). provenance: results.json
+    (kv_extraction_hf.calibrate.groups, same text and settings). provenance: results.json
     ``kvtc_calibration`` (``calibration_provenance``: hash, source, group_layers, text
     {source, description, sha256}; per group under ``groups``); config: a ``KvtcConfig``
     (or ``{layers: KvtcConfig}``) for every kvtc encode. The hash(es) enter every kvtc
@@ -350,7 +369,7 @@ def prepare_kvtc(bundle, windows=None) -> tuple[dict[str, Any], Any]:
         + (", one per layer group (window storage)" if windows is not None else ""))
     try:
         if windows is not None:
-            from kv_extraction_hf.calibrate_groups import group_calibrations, groups_record
+            from kv_extraction_hf.calibrate.groups import group_calibrations, groups_record
 
             hashes = group_calibrations(bundle, windows, log=log)
             rec = groups_record(hashes, "default (per layer group)")

@@ -23,8 +23,8 @@ from pathlib import Path
 from cachegen_common import flags
 from kv_extraction_hf.dataflags import add_data_flags, data_map_from_args
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.prompt_base import DATA_PATH_TASKS, TASKS, USER_DATA_TASKS
-from kv_extraction_hf.prompts_user_data import check_data_flags
+from kv_extraction_hf.prompts.base import DATA_PATH_TASKS, TASKS, USER_DATA_TASKS
+from kv_extraction_hf.prompts.user_data import check_data_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from pathlib import Path
 from cachegen_common.bounded_json import parse as parse_bounded_json
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.textcheck import check_text
-from kv_extraction_hf.wikitext import WIKITEXT_HUB, _offline_requested  # defined there (no cycle)
+from kv_extraction_hf.wikitext import WIKITEXT_HUB, offline_requested  # defined there (no cycle)
 
 LONGBENCH_HUB = "THUDM/LongBench"
 LONGBENCH_FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
@@ -40,7 +40,7 @@ def _load_hub(name: str, *args, **kwargs):
     """``datasets.load_dataset`` from the hub, failing fast with one line when unreachable."""
     from kv_extraction_hf.model import hub_reachable
 
-    if not _offline_requested() and not hub_reachable():
+    if not offline_requested() and not hub_reachable():
         raise ExtractionError(f"dataset '{name}' not available: the hub is unreachable "
                               "(pass a local file with --data-path)")
     import datasets
@@ -292,6 +292,3 @@ def load_user_data(task: str, path: str | os.PathLike | None,
                                   "(or --data-field-context/--data-field-question/--data-field-answers)")
     return list(_load_user_data_cached(task, os.fspath(path), tuple(sorted(data_map.items()))))
 
-
-# WikiText-2 split discovery (--data-path, hub, shared fallback) with provenance, recorded with every quality figure
-from kv_extraction_hf.wikitext import WikiText, load_wikitext2_split  # noqa: E402,F401

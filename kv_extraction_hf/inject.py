@@ -27,10 +27,10 @@ def validate_kv(bundle, k: torch.Tensor, v: torch.Tensor, context_ids=None) -> N
     if v.dtype != k.dtype:
         raise ExtractionError(f"KV dtype {str(k.dtype).replace('torch.', '')}/{str(v.dtype).replace('torch.', '')} "
                               f"does not match the model's {bundle.info.dtype}")
-    _check_fit(bundle.info, tuple(k.shape), k.dtype, context_ids)
+    check_fit(bundle.info, tuple(k.shape), k.dtype, context_ids)
 
 
-def _check_fit(info, shape: tuple, dtype, context_ids=None) -> None:
+def check_fit(info, shape: tuple, dtype, context_ids=None) -> None:
     """ExtractionError unless a KV of logical ``shape`` ``(L, T, H_kv, D)`` and ``dtype``
     fits the model of ``info`` (and T == len(context_ids) when given)."""
     want = (info.num_layers, info.num_kv_heads, info.head_dim)
@@ -59,7 +59,7 @@ def make_cache(k: torch.Tensor, v: torch.Tensor, config=None, capacity: int = 0)
     whole cache at every step (the stock layer concatenates); the attention reads the same
     values (identical logits, tests/bench/test_bench_quality_tasks.py). 0 = the stock cache.
     """
-    cache = _new_cache(config, capacity)
+    cache = new_cache(config, capacity)
     for layer in range(k.shape[0]):
         cache.update(k[layer].transpose(0, 1).unsqueeze(0).contiguous(),
                      v[layer].transpose(0, 1).unsqueeze(0).contiguous(), layer)
@@ -145,11 +145,11 @@ def continuation_logits(bundle, k: torch.Tensor, v: torch.Tensor, context_ids, c
     if total > bundle.info.max_context:
         raise ExtractionError(f"context + continuation = {total} tokens exceeds the model's context of "
                               f"{bundle.info.max_context} tokens")
-    return _continuation_rows(bundle, lambda n: make_cache(k[:, :n], v[:, :n], bundle.model.config),
+    return continuation_rows(bundle, lambda n: make_cache(k[:, :n], v[:, :n], bundle.model.config),
                               k.shape[1], context_ids, cont)
 
 
-def _continuation_rows(bundle, cache_of, T: int, context_ids, cont: list) -> torch.Tensor:
+def continuation_rows(bundle, cache_of, T: int, context_ids, cont: list) -> torch.Tensor:
     """The rows of :func:`continuation_logits`; ``cache_of(n)`` builds a cache of the
     context's first ``n`` tokens (n = T - 1 for row 0, T for the others)."""
     model = bundle.model
@@ -224,7 +224,7 @@ def _grow_layer_class():
     return GrowLayer
 
 
-def _new_cache(config=None, capacity: int = 0):
+def new_cache(config=None, capacity: int = 0):
     """An empty transformers ``DynamicCache``; with ``capacity`` > 0 (tokens) and a model
     whose layers are all full attention, its layers append in place into buffers of that
     many tokens (no copy of the whole cache per decoding step)."""
@@ -246,7 +246,7 @@ def _batch_cache(kvs, config=None, capacity: int = 0):
     """A ``DynamicCache`` of batch ``len(kvs)``: entry b holds ``kvs[b]`` (``[L, T, H_kv, D]``
     each, all one shape/dtype), laid out ``[B, H_kv, T, D]`` per layer (``capacity``: as
     :func:`make_cache`)."""
-    cache = _new_cache(config, capacity)
+    cache = new_cache(config, capacity)
     for layer in range(kvs[0][0].shape[0]):
         kb = torch.stack([k[layer] for k, _ in kvs], 0).transpose(1, 2).contiguous()
         vb = torch.stack([v[layer] for _, v in kvs], 0).transpose(1, 2).contiguous()

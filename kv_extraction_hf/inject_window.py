@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.inject import _check_fit, _continuation_rows, _new_cache
+from kv_extraction_hf.inject import check_fit, continuation_rows, new_cache
 
 __all__ = ["make_cache_windowed", "continuation_logits_windowed", "model_windows"]
 
@@ -32,7 +32,7 @@ def make_cache_windowed(wkv, config, capacity: int = 0):
     :func:`make_cache` (used only when every layer is full attention).
     Raises ExtractionError when a layer holds fewer tokens than the model's layer needs:
     all T for a full-attention layer, ``min(T, W - 1)`` for a sliding one."""
-    cache = _new_cache(config, capacity)
+    cache = new_cache(config, capacity)
     T = wkv.total_tokens
     layers = getattr(cache, "layers", None)
     for i in range(wkv.num_layers):
@@ -58,7 +58,7 @@ def continuation_logits_windowed(bundle, wkv, context_ids, continuation_ids) -> 
     ``[n, vocab]``, equal bit for bit to :func:`continuation_logits` of the full KV when the
     windowed KV holds the same values. Raises ExtractionError (KV does not fit the model,
     holds too few tokens, or the total exceeds the model's context)."""
-    _check_fit(bundle.info, tuple(wkv.shape), wkv.dtype, context_ids)
+    check_fit(bundle.info, tuple(wkv.shape), wkv.dtype, context_ids)
     cont = list(continuation_ids)
     if not cont:
         raise ExtractionError("continuation_logits needs at least one continuation token")
@@ -66,7 +66,7 @@ def continuation_logits_windowed(bundle, wkv, context_ids, continuation_ids) -> 
     if T + len(cont) > bundle.info.max_context:
         raise ExtractionError(f"context + continuation = {T + len(cont)} tokens exceeds the model's context of "
                               f"{bundle.info.max_context} tokens")
-    return _continuation_rows(bundle, lambda n: make_cache_windowed(wkv.prefix(n), bundle.model.config),
+    return continuation_rows(bundle, lambda n: make_cache_windowed(wkv.prefix(n), bundle.model.config),
                               T, context_ids, cont)
 
 

@@ -41,7 +41,7 @@ SPLITS = ("test", "valid")
 WIKITEXT_HUB = ("Salesforce/wikitext", "wikitext-2-raw-v1")
 
 
-def _offline_requested() -> bool:
+def offline_requested() -> bool:
     """HF_DATASETS_OFFLINE or HF_HUB_OFFLINE is set to a true value."""
     return any(os.environ.get(v, "").lower() in {"1", "true", "yes", "on"}
                for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
@@ -118,7 +118,7 @@ def _from_hub(split: str) -> WikiText | None:
     """The split from the hub through ``datasets``, or None when it cannot be had (fast)."""
     from kv_extraction_hf.model import hub_reachable
 
-    offline = _offline_requested()
+    offline = offline_requested()
     if not offline and not hub_reachable(timeout=3.0):
         return None
     try:

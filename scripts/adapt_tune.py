@@ -128,7 +128,7 @@ class Bench:
     def __init__(self, table, calib, prefill_tps, inject, kl, sets, slos=SLOS, cache: Path | None = None):
         self.table, self.kl, self.sets, self.slos = table, kl, sets, slos
         self.prefill_tps, self.inject = prefill_tps, inject
-        self.man = B._Man(table)
+        self.man = B.TableManifest(table)
         self.util = {lv: -kl[lv] for lv in self.man.levels}
         self.overhead = calib["request_overhead_s"]
         self.model = B.clock_model(table, prefill_tps, inject, self.overhead, calib["start_s"], self.util)

@@ -52,7 +52,8 @@ from cachegen_common import flags  # noqa: E402
 from cachegen_common.files import atomic_write_json  # noqa: E402
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this script (see the module docstring)."""
     ap = argparse.ArgumentParser(prog="python scripts/kvtc_tune.py")
     ap.add_argument("--variants", default="base,metric")
     ap.add_argument("--levels", default="3,4,5")
@@ -78,7 +79,81 @@ def main(argv=None) -> int:
                     "bench.quality codes a window)")
     ap.add_argument("--sinks", default="", help="comma-separated sink_tokens overrides to "
                     "measure besides the calibration's (e.g. 1,2)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _samples(args, bundle, text: str, cache: Path):
+    """The calibration samples and model statistics (k, v, pos, sens, qe, wo tensors) the
+    variants are fitted on: read from ``cache`` (tensors only), else measured on ``text``
+    and saved there; None when only the default calibration is measured."""
+    from kv_extraction_hf import calibrate as kc
+
+    only_default = all(x == "default" for x in args.variants.split(","))
+    if only_default:
+        d = None
+    elif cache.is_file():
+        d = torch.load(cache, weights_only=True)  # tensors only: never unpickle arbitrary objects
+    else:
+        t0 = time.perf_counter()
+        first: dict = {}
+        with kc.query_energy(bundle) as qe:
+            k, v, pos = kc.calibration_samples(bundle, text, 4, 1024, 4, first=first)
+        sens = kc.measure_sensitivity(bundle, first["k"][:, :512], first["v"][:, :512],
+                                      first["ids"][:512], sink_tokens=4, batch=12)
+        d = {"k": k, "v": v, "pos": pos, "sens": torch.from_numpy(sens),
+             "qe": torch.from_numpy(qe.result()),
+             "wo": torch.from_numpy(kc.output_gram(bundle))}
+        torch.save(d, cache)
+        print(f"samples in {time.perf_counter() - t0:.0f} s")
+    return d
+
+
+def _tier_rows(args, first) -> list[tuple]:
+    """The --tiers rows to measure, each (name, level, calibration, spans): spans the
+    (start, end, level) list of the --sim simulation, else ("mode", tiers) of the format-3
+    mode; ``first``: the first variant's calibration."""
+    todo = []
+    for spec in filter(None, args.tiers.split(",")):
+        parts = spec.split("/")
+        bounds, end = [], args.context_tokens
+        for item in filter(None, parts[1:]):         # (tokens, level), from the end
+            r_, b_ = (int(x) for x in item.split("x"))
+            bounds.append((end - r_, end, b_))
+            end -= r_
+        bounds = [(0, end, int(parts[0]))] + bounds[::-1]
+        tiers = tuple((int(x.split("x")[0]), int(x.split("x")[1]))
+                      for x in filter(None, parts[1:]))
+        todo.append((f"tiers:{spec}", int(parts[0]), first,
+                     bounds if args.sim else ("mode", tiers)))
+    return todo
+
+
+def _level_targets(spec: str) -> dict[int, float]:
+    """The kvtc level targets (level -> bits per element) with --targets' level=bits,...
+    overrides applied."""
+    from codec import kvtc
+
+    targets = dict(kvtc.DEFAULT_LEVEL_TARGETS)
+    for item in filter(None, spec.split(",")):
+        a, b = item.split("=")
+        targets[int(a)] = float(b)
+    return targets
+
+
+def _print_summary(args, rows: dict, n_windows: int) -> None:
+    """Per row: mean compression ratio, KL and top-1 agreement with 1.96 sd/sqrt(n)."""
+    print(f"n = {n_windows} validation windows x {args.continuation} tokens "
+          f"(context {args.context_tokens}); mean +- 1.96 sd/sqrt(n)")
+    for key, r in rows.items():
+        n = len(r["kl"])
+        kl, t1 = np.array(r["kl"]), np.array(r["top1"])
+        h = lambda a: 1.96 * a.std(ddof=1) / math.sqrt(n) if n > 1 else float("nan")
+        print(f"{key:24s} {np.mean(r['ratio']):6.2f}x  KL {kl.mean():.4f} +- {h(kl):.4f}  "
+              f"top-1 {t1.mean():.3f} +- {h(t1):.3f}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import codec
     from codec import kvtc
@@ -98,31 +173,12 @@ def main(argv=None) -> int:
     text = load_wikitext2_split("valid", None).text
     cache = Path(args.cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    only_default = all(x == "default" for x in args.variants.split(","))
-    if only_default:
-        d = None
-    elif cache.is_file():
-        d = torch.load(cache, weights_only=True)  # tensors only: never unpickle arbitrary objects
-    else:
-        t0 = time.perf_counter()
-        first: dict = {}
-        with kc.query_energy(bundle) as qe:
-            k, v, pos = kc.calibration_samples(bundle, text, 4, 1024, 4, first=first)
-        sens = kc.measure_sensitivity(bundle, first["k"][:, :512], first["v"][:, :512],
-                                      first["ids"][:512], sink_tokens=4, batch=12)
-        d = {"k": k, "v": v, "pos": pos, "sens": torch.from_numpy(sens),
-             "qe": torch.from_numpy(qe.result()),
-             "wo": torch.from_numpy(kc.output_gram(bundle))}
-        torch.save(d, cache)
-        print(f"samples in {time.perf_counter() - t0:.0f} s")
+    d = _samples(args, bundle, text, cache)
     theta = kc.rope_theta_of(bundle)
     sens = d["sens"].numpy() if d is not None else None
     weighting = 1.0 / np.maximum(sens, 1e-6 * sens.max()) if d is not None else None
     levels = [int(x) for x in filter(None, args.levels.split(","))]
-    targets = dict(kvtc.DEFAULT_LEVEL_TARGETS)
-    for item in filter(None, args.targets.split(",")):
-        a, b = item.split("=")
-        targets[int(a)] = float(b)
+    targets = _level_targets(args.targets)
     mk, mv = kc.metric_from_stats(d["qe"].numpy(), d["wo"].numpy(), bundle) \
         if d is not None else (None, None)
 
@@ -198,19 +254,7 @@ def main(argv=None) -> int:
                [(name, lv, cal, sk) for name, cal in cals.items() for lv in levels
                 for sk in sinks]
         from codec.api import _encode_one    # per-span encode at the span's token offset
-        first = next(iter(cals.values()))
-        for spec in filter(None, args.tiers.split(",")):
-            parts = spec.split("/")
-            bounds, end = [], args.context_tokens
-            for item in filter(None, parts[1:]):         # (tokens, level), from the end
-                r_, b_ = (int(x) for x in item.split("x"))
-                bounds.append((end - r_, end, b_))
-                end -= r_
-            bounds = [(0, end, int(parts[0]))] + bounds[::-1]
-            tiers = tuple((int(x.split("x")[0]), int(x.split("x")[1]))
-                          for x in filter(None, parts[1:]))
-            todo.append((f"tiers:{spec}", int(parts[0]), first,
-                         bounds if args.sim else ("mode", tiers)))
+        todo += _tier_rows(args, next(iter(cals.values())))
         for name, lv, cal, sk in todo:
             if isinstance(sk, tuple):                    # --tiers: the format-3 mode
                 cfg = kvtc.KvtcConfig(calibration=cal, level=lv, tiers=sk[1],
@@ -253,14 +297,7 @@ def main(argv=None) -> int:
                 print(f"  {key} {r['ratio'][-1]:.2f}x KL {s['kl']:.4f} top1 {s['top1']:.3f}",
                       flush=True)
         print(f"window {w + 1}/{len(offs)} done", flush=True)
-    print(f"n = {len(offs)} validation windows x {args.continuation} tokens "
-          f"(context {args.context_tokens}); mean +- 1.96 sd/sqrt(n)")
-    for key, r in rows.items():
-        n = len(r["kl"])
-        kl, t1 = np.array(r["kl"]), np.array(r["top1"])
-        h = lambda a: 1.96 * a.std(ddof=1) / math.sqrt(n) if n > 1 else float("nan")
-        print(f"{key:24s} {np.mean(r['ratio']):6.2f}x  KL {kl.mean():.4f} +- {h(kl):.4f}  "
-              f"top-1 {t1.mean():.3f} +- {h(t1):.3f}")
+    _print_summary(args, rows, len(offs))
     if args.out:
         atomic_write_json(args.out, rows, indent=None)
     return 0

@@ -2,19 +2,19 @@
 adaptation.json of ``python -m bench.adapt`` (per trace set: violations, overshoot, quality
 KL and regret vs the oracle per SLO, link and policy; the two adaptation goals with their
 bootstrap intervals). Separate from readme_file_tables.py (the quality block) because it
-reads another file with its own orderings; scripts/readme_tables.py re-exports its names."""
+reads another file with its own orderings; scripts/readme_tables.py draws it."""
 from __future__ import annotations
 
 from typing import Any
 
-from readme_table_cells import ADAPT_ABSENT, _f, _g, _sections
+from readme_table_cells import ADAPT_ABSENT, fmt_or, fmt_g, doc_sections
 
 
 TRACE_SET_ORDER = ("artifact", "artifact-generator", "generated", "constant", "step", "synthetic", "issue-drop")
 POLICY_ORDER = ("oracle", "adaptive", "text") + tuple(f"fixed-l{i}" for i in range(10))
 
 
-def _order(value: Any, order: tuple) -> tuple:
+def policy_order(value: Any, order: tuple) -> tuple:
     return (order.index(value) if value in order else len(order), str(value))
 
 
@@ -25,7 +25,7 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
     the one-line "not yet measured" block."""
     if adoc is None:
         return ADAPT_ABSENT
-    env, link, cfg, wall = _sections(adoc, "environment", "link", "config")
+    env, link, cfg, wall = doc_sections(adoc, "environment", "link", "config")
     real = link.get("real") or {}
     rows = [r for r in adoc.get("rows") or [] if isinstance(r, dict)]
     no_kl = all(r.get("quality_kl") is None for r in rows)
@@ -47,16 +47,16 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
     if svr:
         lines.append("Simulated vs real link at the real run's SLO: " + "; ".join(
             f"{x.get('trace_set')} {x.get('policy', '')} SLO {x.get('slo_s')} s: violations real "
-            f"{_f(x.get('violation_rate_real'), '.0%')}, simulated {_f(x.get('violation_rate_sim'), '.0%')}"
+            f"{fmt_or(x.get('violation_rate_real'), '.0%')}, simulated {fmt_or(x.get('violation_rate_sim'), '.0%')}"
             + (f" (n = {x['n']} paired requests, {x['same_outcome']} with the same outcome)"
                if isinstance(x.get("n"), int) and isinstance(x.get("same_outcome"), int) else "")
             for x in svr) + ".")
         lines.append("")
-    lines += _adaptation_goals(adoc)
-    sets = sorted({r.get("trace_set") for r in rows}, key=lambda t: _order(t, TRACE_SET_ORDER))
+    lines += adaptation_goals(adoc)
+    sets = sorted({r.get("trace_set") for r in rows}, key=lambda t: policy_order(t, TRACE_SET_ORDER))
     for i, ts in enumerate(sets):
         sub = sorted((r for r in rows if r.get("trace_set") == ts),
-                     key=lambda r: (r.get("slo_s") or 0, r.get("link") != "real", _order(r.get("policy"),
+                     key=lambda r: (r.get("slo_s") or 0, r.get("link") != "real", policy_order(r.get("policy"),
                                                                                          POLICY_ORDER)))
         per_link = sorted({(str(r.get("link")), r.get("n")) for r in sub}, key=lambda x: x[0] != "simulated")
         head = f"Trace set `{ts}` (loads per row: {', '.join(f'{n} {ln}' for ln, n in per_link)})"
@@ -70,10 +70,10 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
         for r in sub:
             v, n = r.get("violation_rate"), r.get("n")
             viol = f"{round(v * n)}/{n}" if isinstance(v, (int, float)) and n else "-"
-            lines.append(f"| {_f(r.get('slo_s'), 'g')} | {r.get('link', '?')} | {r.get('policy', '?')} | {viol} | "
-                         f"{_f(r.get('overshoot_s_mean'), '.2f')} | {_f(r.get('overshoot_s_p95'), '.2f')} | "
-                         + ("" if no_kl else f"{_g(r.get('quality_kl'))} | ")
-                         + f"{_f(r.get('regret_vs_oracle'), '.3f')} |")
+            lines.append(f"| {fmt_or(r.get('slo_s'), 'g')} | {r.get('link', '?')} | {r.get('policy', '?')} | {viol} | "
+                         f"{fmt_or(r.get('overshoot_s_mean'), '.2f')} | {fmt_or(r.get('overshoot_s_p95'), '.2f')} | "
+                         + ("" if no_kl else f"{fmt_g(r.get('quality_kl'))} | ")
+                         + f"{fmt_or(r.get('regret_vs_oracle'), '.3f')} |")
         lines.append("")
         if i:
             lines += ["</details>", ""]
@@ -83,7 +83,7 @@ def render_adaptation(adoc: dict[str, Any] | None, source: str = "benchmarks/ada
 GOAL_SETS = ("artifact", "artifact-generator")
 
 
-def _adaptation_goals(adoc: dict[str, Any]) -> list[str]:
+def adaptation_goals(adoc: dict[str, Any]) -> list[str]:
     """The two adaptation goals (docs/streaming.md section 4) per SLO on the recorded artifact traces and the held-out
     generator set (simulated link), each difference with its paired cluster-bootstrap 95%
     interval and verdict, as ``bench.adapt`` wrote them in ``goals``; [] when absent."""
@@ -108,8 +108,8 @@ def _adaptation_goals(adoc: dict[str, Any]) -> list[str]:
              "the artifact's own generator, a held-out set; docs/streaming.md section 4):", "",
              "| SLO (s) | trace set | requests (traces) | G1 points | G1 | G2 vs | G2 KL diff | G2 |",
              "|---|---|---|---|---|---|---|---|"]
-    for g in sorted(gl, key=lambda g: (g.get("slo_s") or 0, _order(g.get("trace_set"), GOAL_SETS))):
-        lines.append(f"| {_f(g.get('slo_s'), 'g')} | {g.get('trace_set')} | {g.get('n')} ({g.get('n_traces')}) | "
+    for g in sorted(gl, key=lambda g: (g.get("slo_s") or 0, policy_order(g.get("trace_set"), GOAL_SETS))):
+        lines.append(f"| {fmt_or(g.get('slo_s'), 'g')} | {g.get('trace_set')} | {g.get('n')} ({g.get('n_traces')}) | "
                      f"{diff(g, 'violation_diff_vs_oracle', 100, '+.0f')} | "
                      f"{verdict(g.get('g1_slo'), g.get('g1_ci'))} | {g.get('best_fixed') or '-'} | "
                      f"{diff(g, 'kl_met_diff_vs_best_fixed', 1, '+.4f')} | "

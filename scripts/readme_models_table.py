@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from readme_table_cells import _ci, _default_level, _g, _quality_rows, _ratio
+from readme_table_cells import fmt_ci, mode_default_level, fmt_g, quality_rows, fmt_ratio
 
 MODELS_START = "<!-- models-table:start -->"
 MODELS_END = "<!-- models-table:end -->"
@@ -64,21 +64,21 @@ def render_models(docs: Sequence[tuple[str, Optional[dict[str, Any]]]]) -> str:
             lines.append(f"| `{src}` | not yet measured | - | - | - | - |")
             continue
         model = doc.get("model") or {}
-        rows = _quality_rows(doc)
+        rows = quality_rows(doc)
         ws = ((doc.get("config") or {}).get("window_storage") or {})
         name = (f"{model.get('id', '?')} ({model.get('num_layers', '?')} layers, {model.get('dtype', '?')}"
                 + (", window storage" if ws.get("applied") else "") + ")")
         for codec, label in ROWS:
-            level = _default_level(codec)
+            level = mode_default_level(codec)
             r = rows.get((codec, level))
             if r is None:
                 continue
             lab = label if level is None else f"{label} {level}"
-            ratio = _ratio(r.get("ratio_vs_dtype"))
+            ratio = fmt_ratio(r.get("ratio_vs_dtype"))
             if (r.get("stored_fraction") or 1.0) < 1.0 and r.get("ratio_vs_stored"):
-                ratio += f" ({_ratio(r['ratio_vs_stored'])} on the kept tokens)"
+                ratio += f" ({fmt_ratio(r['ratio_vs_stored'])} on the kept tokens)"
             lines.append(f"| {name} | {lab} | {ratio} | "
-                         f"{_ci(r.get('kl'), r.get('kl_ci'), _g)} | "
-                         f"{_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), _pct)} | "
+                         f"{fmt_ci(r.get('kl'), r.get('kl_ci'), fmt_g)} | "
+                         f"{fmt_ci(r.get('top1_agreement'), r.get('top1_agreement_ci'), _pct)} | "
                          f"{r.get('n_windows', '?')} |")
     return "\n".join(lines) + "\n"

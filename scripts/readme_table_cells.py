@@ -1,7 +1,6 @@
 """Markers, loaders and cell formatting shared by the README table generator
 (``scripts/readme_tables.py``): block markers, :class:`ReadmeTableError`,
-:func:`load_results` / :func:`load_optional` and the number formats of the cells.
-Moved from ``scripts/readme_tables.py``, which re-exports these names."""
+:func:`load_results` / :func:`load_optional` and the number formats of the cells."""
 from __future__ import annotations
 
 import math
@@ -42,7 +41,7 @@ class ReadmeTableError(ValueError):
 
 
 
-def _isa_note(env: dict) -> str:
+def isa_note(env: dict) -> str:
     """" (oneDNN: <matmul kernel>)" from ``environment.numerics`` (what set the numerics of
     the run: AMX, AVX-512 or AVX2 kernels), "" for files without it."""
     impl = (env.get("numerics") or {}).get("onednn_matmul_impl")
@@ -62,7 +61,7 @@ def load_optional(path: Path, what: str, key: str = "rows") -> dict[str, Any] | 
     return read_json_doc(path, what, key, error=ReadmeTableError)
 
 
-def _sections(doc: dict[str, Any], *keys: str) -> list[Any]:
+def doc_sections(doc: dict[str, Any], *keys: str) -> list[Any]:
     """``doc[key] or {}`` for each of ``keys`` (the object sections of a result file), then
     its ``wall_s`` (None when absent)."""
     return [doc.get(k) or {} for k in keys] + [doc.get("wall_s")]
@@ -76,12 +75,12 @@ def summaries(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return summarize(doc["runs"], doc.get("failures"), (doc.get("config") or {}).get("bandwidth_mbps"))
 
 
-def _mode_key(mode: str, level: Any) -> tuple:
+def mode_key(mode: str, level: Any) -> tuple:
     idx = MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
     return (idx, mode, -1 if level is None else level)
 
 
-def _default_level(mode: str) -> Any:
+def mode_default_level(mode: str) -> Any:
     """The codec's default level (None when unknown or the codec has no levels)."""
     try:
         return level_table.default_level(mode)
@@ -89,17 +88,17 @@ def _default_level(mode: str) -> Any:
         return None
 
 
-def _f(v: Any, fmt: str, none: str = "-") -> str:
+def fmt_or(v: Any, fmt: str, none: str = "-") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return none
     return format(v, fmt)
 
 
-def _mb(v: float) -> str:
+def fmt_mb(v: float) -> str:
     return "0" if v == 0 else f"{v / 1e6:.1f} MB"
 
 
-def _one_or_range(vals: list[float], fmt) -> str:
+def one_or_range(vals: list[float], fmt) -> str:
     vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not vals:
         return "-"
@@ -107,26 +106,26 @@ def _one_or_range(vals: list[float], fmt) -> str:
     return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} - {fmt(hi)}"
 
 
-def _ppl(v: float) -> str:
+def fmt_ppl(v: float) -> str:
     return f"{v:+.2f}%" if v != 0 else "0.00%"
 
 
-def _kl(v: float) -> str:
+def fmt_kl(v: float) -> str:
     return "0" if v == 0 else f"{v:.2g}"
 
 
-def _ratio(v: float) -> str:
+def fmt_ratio(v: float) -> str:
     return f"{v:.2f}x"
 
 
-def _g(v: Any) -> str:
+def fmt_g(v: Any) -> str:
     """3 significant digits; exact 0 as "0"."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return "0" if v == 0 else f"{v:.3g}"
 
 
-def _ci(v: Any, ci: Any, fmt) -> str:
+def fmt_ci(v: Any, ci: Any, fmt) -> str:
     """``value [lo, hi]``; the bare value when the CI is missing."""
     if v is None:
         return "-"
@@ -135,16 +134,16 @@ def _ci(v: Any, ci: Any, fmt) -> str:
     return f"{fmt(v)} [no CI]"
 
 
-def _quality_rows(qdoc: dict[str, Any] | None) -> dict[tuple, dict[str, Any]]:
+def quality_rows(qdoc: dict[str, Any] | None) -> dict[tuple, dict[str, Any]]:
     """quality.json rows keyed by (codec, level)."""
     if not qdoc:
         return {}
     return {(r.get("codec"), r.get("level")): r for r in qdoc.get("rows") or [] if isinstance(r, dict)}
 
 
-def _quality_kl_cell(q: dict[str, Any] | None) -> str:
+def quality_kl_cell(q: dict[str, Any] | None) -> str:
     if not q or q.get("kl") is None:
         return "-"
-    return f"{_ci(q['kl'], q.get('kl_ci'), _g)} (n={q.get('n_windows', '?')})"
+    return f"{fmt_ci(q['kl'], q.get('kl_ci'), fmt_g)} (n={q.get('n_windows', '?')})"
 
 

@@ -65,28 +65,24 @@ from evaluation.summary import plot_label  # noqa: E402
 
 
 # Markers, loaders and cell formats live in readme_table_cells.py, the quality and adaptation
-# blocks in readme_file_tables.py / readme_adapt_table.py; re-exported here.
-from readme_table_cells import (  # noqa: E402, F401
-    ADAPT_ABSENT, ADAPT_END, ADAPT_START, END, HEADLINE_END, HEADLINE_ROWS, HEADLINE_START, MODE_ORDER,
-    PAPER_TTFT_VS_QUANT8, PAPER_TTFT_VS_TEXT, QUALITY_ABSENT, QUALITY_END, QUALITY_START,
-    ReadmeTableError, START, _ci, _default_level, _f, _g, _isa_note, _kl, _mb, _mode_key, _one_or_range,
-    _ppl, _quality_kl_cell, _quality_rows, _ratio, load_optional, load_results, summaries
+# blocks in readme_file_tables.py / readme_adapt_table.py.
+from readme_table_cells import (  # noqa: E402
+    ADAPT_END, ADAPT_START, END, HEADLINE_END, HEADLINE_ROWS, HEADLINE_START,
+    PAPER_TTFT_VS_QUANT8, PAPER_TTFT_VS_TEXT, QUALITY_END, QUALITY_START, ReadmeTableError,
+    START, mode_default_level, fmt_or, isa_note, fmt_kl, fmt_mb, mode_key, one_or_range,
+    fmt_ppl, quality_kl_cell, quality_rows, fmt_ratio, load_optional, load_results, summaries,
 )
-from readme_file_tables import (  # noqa: E402, F401
-    TASK_ORDER, _codec_label, _family_key, _pct, _wilson_cell, render_quality
-)
+from readme_file_tables import render_quality  # noqa: E402
 from readme_models_table import MODELS_END, MODELS_START, OTHER_MODELS, quality_paths, render_models  # noqa: E402
 from readme_sweep_table import SWEEP_MODELS, render_sweep, sweep_markers, sweep_path  # noqa: E402
-from readme_adapt_table import (  # noqa: E402, F401
-    GOAL_SETS, POLICY_ORDER, TRACE_SET_ORDER, _adaptation_goals, _order, render_adaptation
-)
+from readme_adapt_table import render_adaptation  # noqa: E402
 
 def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality: dict[str, Any] | None = None,
            quality_source: str = "benchmarks/quality.json") -> str:
     """The generated TTFT block (without the markers), Markdown. With ``quality`` (a
     quality.json document) the ppl change / KL columns give that file's KL [95% CI] (n
     windows) of the same codec/level instead of the grid's few contexts."""
-    qrows = _quality_rows(quality)
+    qrows = quality_rows(quality)
     rows = summaries(doc)
     runs = doc["runs"]
     cfg = doc.get("config") or {}
@@ -96,7 +92,7 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
     by_label: dict[tuple, dict[float, dict]] = defaultdict(dict)
     for r in rows:
         by_label[(r["mode"], r.get("level"))][float(r["bandwidth_mbps"])] = r
-    keys = sorted(by_label, key=lambda k: _mode_key(*k))
+    keys = sorted(by_label, key=lambda k: mode_key(*k))
 
     pk = env.get("packages") or {}
     engine = cfg.get("engine") or (runs[0].get("engine") if runs else "?")
@@ -116,7 +112,7 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
         f"{engine_s}, {model.get('model_id', '?')} {model.get('dtype', '')}, {cfg.get('num_contexts', '?')} "
         f"{tasks} contexts of {cfg.get('context_tokens', '?')} tokens ({cfg.get('chunk_tokens', '?')}-token chunks), "
         f"{cfg.get('repeats', '?')} repeats, link `{env.get('link_method', '?')}`; {env.get('num_cpus', '?')}-core "
-        f"{env.get('cpu', '?')}{_isa_note(env)}, {gpu}; {len(runs)} requests"
+        f"{env.get('cpu', '?')}{isa_note(env)}, {gpu}; {len(runs)} requests"
         + (f", {wall / 60:.0f} min wall." if isinstance(wall, (int, float)) else "."))
     lines.append("")
     if quality is not None:
@@ -141,7 +137,7 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
         label = plot_label(mode, level)
         if level is not None and mode.startswith("cachegen"):
             label = f"{mode} level {level}"
-            if level == _default_level(mode):
+            if level == mode_default_level(mode):
                 label += " (default)"
         if mode == "text":
             label = "text (prefill)"
@@ -154,14 +150,14 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
         if failed:
             label += " (failed)"
         ttft = ["failed" if b in per and failed and not per[b].get("n") else
-                _f(per[b].get("ttft_s_median"), ".2f") if b in per else "-" for b in bws]
-        size = _one_or_range([r.get("bytes_median") for r in rs], _mb)
-        ratio = _one_or_range([r.get("ratio_vs_dtype") for r in rs], _ratio) if mode != "text" else "-"
+                fmt_or(per[b].get("ttft_s_median"), ".2f") if b in per else "-" for b in bws]
+        size = one_or_range([r.get("bytes_median") for r in rs], fmt_mb)
+        ratio = one_or_range([r.get("ratio_vs_dtype") for r in rs], fmt_ratio) if mode != "text" else "-"
         if quality is not None:
-            qual_cells = _quality_kl_cell(qrows.get((mode, level)))
+            qual_cells = quality_kl_cell(qrows.get((mode, level)))
         else:
-            qual_cells = (f"{_one_or_range([r.get('ppl_increase_pct') for r in rs], _ppl)} | "
-                          f"{_one_or_range([r.get('kl') for r in rs], _kl)}")
+            qual_cells = (f"{one_or_range([r.get('ppl_increase_pct') for r in rs], fmt_ppl)} | "
+                          f"{one_or_range([r.get('kl') for r in rs], fmt_kl)}")
         ks, k_all, n_all = [], 0, 0
         for b in bws:
             r = per.get(b)
@@ -205,7 +201,7 @@ def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
     vs the model's dtype and quality.json's KL(lossless || decoded) [95% CI] (n windows).
     Rows absent from the results are left out; a failed row says so."""
     rows = summaries(doc)
-    qrows = _quality_rows(quality)
+    qrows = quality_rows(quality)
     model = doc.get("model") or {}
     gpu = (doc.get("environment") or {}).get("gpu")
     by_label: dict[tuple, dict[float, dict]] = defaultdict(dict)
@@ -225,7 +221,7 @@ def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
              "|---" * (len(ends) + 3) + "|"]
     for mode, level in HEADLINE_ROWS:
         if level == "default":
-            level = _default_level(mode)
+            level = mode_default_level(mode)
         per = by_label.get((mode, level))
         if not per:
             continue
@@ -234,9 +230,9 @@ def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
             label = f"{mode} level {level} (default)"
         failed = next((r["failed"] for r in per.values() if r.get("failed")), None)
         ttft = ["failed" if failed and not (per.get(b) or {}).get("n") else
-                _f((per.get(b) or {}).get("ttft_s_median"), ".2f") for b in ends]
-        ratio = "-" if mode == "text" else _one_or_range([r.get("ratio_vs_dtype") for r in per.values()], _ratio)
-        kl = "-" if mode == "text" else _quality_kl_cell(qrows.get((mode, level)))
+                fmt_or((per.get(b) or {}).get("ttft_s_median"), ".2f") for b in ends]
+        ratio = "-" if mode == "text" else one_or_range([r.get("ratio_vs_dtype") for r in per.values()], fmt_ratio)
+        kl = "-" if mode == "text" else quality_kl_cell(qrows.get((mode, level)))
         lines.append(f"| {label} | {' | '.join(ttft)} | {ratio} | {kl} |")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -244,7 +240,7 @@ def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
 def _derived(doc, rows, bws, keys, by_label, quality=None) -> list[str]:
     out = []
     cfg = doc.get("config") or {}
-    dl = _default_level("cachegen")
+    dl = mode_default_level("cachegen")
     cg = by_label.get(("cachegen", dl))
 
     def ttft(mode, level, b):

@@ -13,7 +13,7 @@ Presets (:data:`POLICY_PRESETS`):
 - ``"default"``: AdaptivePolicy's own argument defaults (no reserve, RobustMPC discount,
   plan floor SLO / 2).
 - ``"tuned"``: the values chosen on the TUNING traces only
-  (bench/adapt.py TUNING: the artifact's *generated* traces with 10 cyclic start offsets,
+  (bench/adapt/cli.py TUNING: the artifact's *generated* traces with 10 cyclic start offsets,
   40 synthetic iid-uniform 10-1000 Mbit/s traces (streaming.traces.synthetic_uniform, seed 1)
   with 10 offsets, constant and step traces; simulated; SLO 0.5/1/2/4 s; 435 requests per
   SLO): ``slo_reserve_s=0.3``, ``robust=False``, ``min_plan_frac=0.3`` (the rest equals the

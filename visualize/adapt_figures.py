@@ -14,10 +14,10 @@ import numpy as np
 from visualize.data import SkipFigure
 
 DEFAULT_ADAPTATION = Path("benchmarks/adaptation.json")
-_ADAPT_ORDER = ["oracle", "adaptive", "text"] + [f"fixed-l{i}" for i in range(10)]
+ADAPT_ORDER = ["oracle", "adaptive", "text"] + [f"fixed-l{i}" for i in range(10)]
 
 
-def _adapt_rows(doc: dict, link: str | None = None) -> list[dict]:
+def adapt_rows(doc: dict, link: str | None = None) -> list[dict]:
     rows = [r for r in doc.get("rows", []) if isinstance(r, dict)]
     if link:
         rows = [r for r in rows if r.get("link") == link]
@@ -26,9 +26,9 @@ def _adapt_rows(doc: dict, link: str | None = None) -> list[dict]:
     return rows
 
 
-def _adapt_policies(rows: list[dict]) -> list[str]:
+def adapt_policies(rows: list[dict]) -> list[str]:
     pols = {r["policy"] for r in rows}
-    return [p for p in _ADAPT_ORDER if p in pols] + sorted(pols - set(_ADAPT_ORDER))
+    return [p for p in ADAPT_ORDER if p in pols] + sorted(pols - set(ADAPT_ORDER))
 
 
 def fig_adapt_violation_vs_slo(doc: dict, trace_set: str = "artifact"):
@@ -36,11 +36,11 @@ def fig_adapt_violation_vs_slo(doc: dict, trace_set: str = "artifact"):
     with the real-link points of the same set as hollow markers."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in _adapt_rows(doc) if r.get("trace_set") == trace_set]
+    rows = [r for r in adapt_rows(doc) if r.get("trace_set") == trace_set]
     if not rows:
         raise SkipFigure(f"no rows for trace set {trace_set!r}")
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for pol in _adapt_policies(rows):
+    for pol in adapt_policies(rows):
         pts = sorted((r["slo_s"], 100 * r["violation_rate"]) for r in rows
                      if r["policy"] == pol and r.get("link") == "simulated")
         if pts:
@@ -69,14 +69,14 @@ def fig_adapt_quality_vs_violation(doc: dict, trace_set: str = "artifact"):
     available) vs violation rate, one point per policy and SLO; the oracle's points joined."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in _adapt_rows(doc, "simulated") if r.get("trace_set") == trace_set]
+    rows = [r for r in adapt_rows(doc, "simulated") if r.get("trace_set") == trace_set]
     if not rows:
         raise SkipFigure(f"no simulated rows for trace set {trace_set!r}")
     use_kl = all(r.get("quality_kl") is not None for r in rows)
     key, ylab = ("quality_kl", "mean KL per token (lower is better)") if use_kl else \
         ("regret_vs_oracle", "regret vs oracle (ordinal utility per token; KL unavailable)")
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for pol in _adapt_policies(rows):
+    for pol in adapt_policies(rows):
         pts = sorted((100 * r["violation_rate"], r[key], r["slo_s"]) for r in rows
                      if r["policy"] == pol and r.get(key) is not None)
         if not pts:

@@ -1,7 +1,7 @@
 """A results.json as the figures see it: :func:`prepare` (tidy DataFrames in
-:class:`ResultsData`; reading the file is visualize.loading's, re-exported here), the
+:class:`ResultsData`; reading the file is visualize.loading.s), the
 shared plot helpers (labels, colours, ticks, captions) and :func:`save_figure` (atomic
-write). Moved from ``visualize_results.py``, which re-exports these names."""
+write). Drawn by ``visualize_results.py``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ import pandas as pd
 
 from cachegen_common.files import atomic_write  # stdlib only
 from evaluation import summary as summary_rules  # stdlib + metric registry: no engine, no torch
-from visualize.loading import (  # noqa: F401  (re-exported)
-    KNOWN_SCHEMA_VERSION, ResultsError, SkipFigure, load_results, schema_warnings
-)
+from visualize.loading import SkipFigure
 
 DEFAULT_RESULTS = Path("benchmarks/results.json")
 DEFAULT_OUT = Path("benchmarks")
@@ -244,7 +242,7 @@ def prepare(doc: dict) -> ResultsData:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _require(df: pd.DataFrame, what: str, columns: Sequence[str]) -> None:
+def require_columns(df: pd.DataFrame, what: str, columns: Sequence[str]) -> None:
     if df.empty:
         raise SkipFigure(f"no '{what}' records")
     missing = [c for c in columns if c not in df.columns or df[c].isna().all()]
@@ -265,35 +263,35 @@ def label_order(labels: Sequence[str], df: pd.DataFrame) -> list[str]:
     return sorted(set(labels), key=key)
 
 
-def _colors(labels: Sequence[str]) -> dict[str, Any]:
+def label_colors(labels: Sequence[str]) -> dict[str, Any]:
     from matplotlib import colormaps
 
     cmap = colormaps["tab10" if len(labels) <= 10 else "tab20"]
     return {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
 
 
-def _marker(df: pd.DataFrame, label: str) -> str:
+def mode_marker(df: pd.DataFrame, label: str) -> str:
     mode = df.loc[df["label"] == label, "mode"].iloc[0]
     return MODE_MARKERS.get(mode, "o")
 
 
-def _new_figure(width: float, height: float):
+def new_figure(width: float, height: float):
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _caption(fig, data: ResultsData, note: str = "") -> None:
+def add_caption(fig, data: ResultsData, note: str = "") -> None:
     text = data.caption + (f"\n{note}" if note else "")
     fig.text(0.0, 0.0, text, ha="left", va="top", fontsize=7, color="0.3", wrap=False)
 
 
-def _log_helps(values: Sequence[float]) -> bool:
+def log_helps(values: Sequence[float]) -> bool:
     vals = [v for v in values if v is not None and np.isfinite(v) and v > 0]
     return len(vals) >= 2 and max(vals) / min(vals) >= 10
 
 
-def _plain_log_ticks(axis) -> None:
+def plain_log_ticks(axis) -> None:
     """Log axis with plain numbers (0.2, 0.5, 1, 2, 5, ...) instead of 2x10^-1."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
@@ -302,7 +300,7 @@ def _plain_log_ticks(axis) -> None:
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
 
 
-def _bandwidth_ticks(ax, bandwidths: Sequence[float]) -> None:
+def bandwidth_ticks(ax, bandwidths: Sequence[float]) -> None:
     from matplotlib.ticker import FixedLocator, NullLocator
 
     bws = sorted(set(float(b) for b in bandwidths))

@@ -1,8 +1,7 @@
 """The figures of the other result files: ``quality_divergence`` from a quality.json
 (``python -m bench.quality``) and the adaptation figures from an adaptation.json
-(``python -m bench.adapt``; the figures themselves are in visualize.adapt_figures,
-re-exported here). Each reads only its file. Moved from ``visualize_results.py``, which
-re-exports these names."""
+(``python -m bench.adapt``; the figures themselves are in visualize.adapt_figures).
+Each reads only its file; ``visualize_results.py`` draws them."""
 
 from __future__ import annotations
 
@@ -12,13 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from visualize.adapt_figures import (  # noqa: F401  (re-exported)
-    _ADAPT_ORDER, ADAPT_FIGURES, DEFAULT_ADAPTATION, _adapt_policies, _adapt_rows, fig_adapt_quality_vs_violation,
-    fig_adapt_timeline, fig_adapt_violation_vs_slo
-)
-from visualize.data import SkipFigure, _colors, _log_helps, _new_figure, save_figure, save_formats
+from visualize.adapt_figures import ADAPT_FIGURES
+from visualize.data import SkipFigure, label_colors, log_helps, new_figure, save_figure, save_formats
 from visualize.loading import read_json_doc
-from visualize.results_figures import _pareto
+from visualize.results_figures import pareto_front
 
 # ----------------------------------------------------------------------------- quality.json (bench.quality)
 DEFAULT_QUALITY = Path("benchmarks/quality.json")
@@ -34,8 +30,8 @@ def fig_quality_divergence(doc: dict):
     if not rows:
         raise SkipFigure("quality.json has no lossy rows with bits_per_element, kl and top1_agreement")
     families = list(dict.fromkeys(r["codec"] for r in rows))
-    colors = _colors(families)
-    fig = _new_figure(11.5, 4.6)
+    colors = label_colors(families)
+    fig = new_figure(11.5, 4.6)
     axes = fig.subplots(1, 2, squeeze=False)[0]
     handles = {}
     panels = [("kl", "kl_ci", "KL(lossless || decoded), nats/token", False),
@@ -58,13 +54,13 @@ def fig_quality_divergence(doc: dict):
                 if r.get("default"):
                     ax.scatter([xi], [yi], s=120, facecolor="none", edgecolor="black", zorder=4)
             points.extend(zip(x.tolist(), y.tolist()))
-        front = _pareto(points, hib)
+        front = pareto_front(points, hib)
         if len(front) >= 2:
             fx, fy = zip(*front, strict=True)
             h = ax.step(fx, fy, where="post", color="0.45", linewidth=3, alpha=0.35, zorder=1,
                         label="Pareto front")[0]
             handles.setdefault("Pareto front", h)
-        if key == "kl" and _log_helps([p[1] for p in points if p[1] > 0]):
+        if key == "kl" and log_helps([p[1] for p in points if p[1] > 0]):
             ax.set_yscale("log")
         ax.set_xlabel("bits per element (KV dtype = 16)")
         ax.set_ylabel(ylabel)

@@ -1,8 +1,7 @@
 """The figures drawn from a results.json (:data:`FIGURES`): TTFT vs bandwidth, KV size,
 quality vs size, TTFT breakdown, per-layer reconstruction error, adaptation timeline.
 Each ``fig_*`` takes a :class:`visualize.data.ResultsData` and returns a matplotlib Figure,
-or raises :class:`visualize.data.SkipFigure`. Moved from ``visualize_results.py``, which
-re-exports these names."""
+or raises :class:`visualize.data.SkipFigure`. ``visualize_results.py`` draws them."""
 
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from visualize.data import (BREAKDOWN_PARTS, MB, ResultsData, SkipFigure, _bandwidth_ticks, _caption, _colors,
-                            _log_helps, _marker, _new_figure, _plain_log_ticks, _require, label_order)
+from visualize.data import (BREAKDOWN_PARTS, MB, ResultsData, SkipFigure, bandwidth_ticks, add_caption, label_colors,
+                            log_helps, mode_marker, new_figure, plain_log_ticks, require_columns, label_order)
 
 # ----------------------------------------------------------------------------- figures
 
@@ -23,14 +22,14 @@ from visualize.data import (BREAKDOWN_PARTS, MB, ResultsData, SkipFigure, _bandw
 def fig_ttft_vs_bandwidth(data: ResultsData):
     """TTFT (median, p25-p75 bars) vs link bandwidth, one line per mode/level. Reads summaries."""
     s = data.summaries
-    _require(s, "summaries", ["mode", "bandwidth_mbps", "ttft_s_median"])
+    require_columns(s, "summaries", ["mode", "bandwidth_mbps", "ttft_s_median"])
     s = s.dropna(subset=["bandwidth_mbps", "ttft_s_median"])
     s = s[s["bandwidth_mbps"] > 0]
     if s.empty:
         raise SkipFigure("no summary row has both bandwidth_mbps > 0 and ttft_s_median")
     labels = label_order(s["label"], s)
-    colors = _colors(labels)
-    fig = _new_figure(7.5, 4.8)
+    colors = label_colors(labels)
+    fig = new_figure(7.5, 4.8)
     ax = fig.add_subplot()
     for lab in labels:
         rows = s[s["label"] == lab].sort_values("bandwidth_mbps")
@@ -40,13 +39,13 @@ def fig_ttft_vs_bandwidth(data: ResultsData):
             lo = np.clip(y - rows["ttft_s_p25"].to_numpy(), 0, None)
             hi = np.clip(rows["ttft_s_p75"].to_numpy() - y, 0, None)
             yerr = np.nan_to_num(np.vstack([lo, hi]))
-        ax.errorbar(x, y, yerr=yerr, label=lab, color=colors[lab], marker=_marker(s, lab),
+        ax.errorbar(x, y, yerr=yerr, label=lab, color=colors[lab], marker=mode_marker(s, lab),
                     linestyle="--" if lab == "text" else "-", capsize=3, linewidth=1.5, markersize=6)
     ax.set_xscale("log")
-    _bandwidth_ticks(ax, s["bandwidth_mbps"])
-    if _log_helps(s["ttft_s_median"]):
+    bandwidth_ticks(ax, s["bandwidth_mbps"])
+    if log_helps(s["ttft_s_median"]):
         ax.set_yscale("log")
-        _plain_log_ticks(ax.yaxis)
+        plain_log_ticks(ax.yaxis)
     ax.set_xlabel("link bandwidth (Mbit/s, log scale)")
     ax.set_ylabel("TTFT (s" + (", log scale)" if ax.get_yscale() == "log" else ")"))
     ax.set_title("Time to first token vs link bandwidth")
@@ -57,7 +56,7 @@ def fig_ttft_vs_bandwidth(data: ResultsData):
     if not n.empty:
         lo, hi = int(n.min()), int(n.max())
         note += f" over {lo} requests" if lo == hi else f" over {lo}-{hi} requests"
-    _caption(fig, data, note + "; bars: p25-p75")
+    add_caption(fig, data, note + "; bars: p25-p75")
     return fig
 
 
@@ -78,10 +77,10 @@ def fig_kv_size(data: ResultsData):
     if "mode" not in s.columns or not (has_bytes or has_ratio):
         raise SkipFigure("'summaries' lack bytes_median and ratio_vs_dtype")
     panels = [(c, t) for c, t, ok in [("bytes_median", "bytes", has_bytes), ("ratio_vs_dtype", "ratio", has_ratio)] if ok]
-    fig = _new_figure(5.0 * len(panels) + 1.0, 4.6)
+    fig = new_figure(5.0 * len(panels) + 1.0, 4.6)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     all_labels = label_order(s["label"], s)
-    colors = _colors(all_labels)
+    colors = label_colors(all_labels)
     varying = []
     for ax, (col, kind) in zip(axes, panels, strict=True):
         agg = _per_label(s, col)
@@ -100,9 +99,9 @@ def fig_kv_size(data: ResultsData):
         ax.bar_label(bars, labels=[fmt.format(v / scale) for v in vals], fontsize=7, padding=2)
         ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
         if kind == "bytes":
-            if _log_helps(vals):
+            if log_helps(vals):
                 ax.set_yscale("log")
-                _plain_log_ticks(ax.yaxis)
+                plain_log_ticks(ax.yaxis)
             ax.set_ylabel("KV bytes per context (MB = 10^6 B" + (", log)" if ax.get_yscale() == "log" else ")"))
             ax.set_title("Size sent per context")
         else:
@@ -117,7 +116,7 @@ def fig_kv_size(data: ResultsData):
         note += f"; black whiskers: min-max over bandwidths ({', '.join(varying)})"
     if "text" in s["label"].values:
         note += "; text = prompt bytes (no KV sent)"
-    _caption(fig, data, note)
+    add_caption(fig, data, note)
     return fig
 
 
@@ -126,7 +125,7 @@ QUALITY_PANELS = [("ppl_increase_pct", "perplexity increase vs lossless (%)"),
                   ("rouge_l", "ROUGE-L F vs lossless generation")]
 
 
-def _pareto(points: list[tuple[float, float]], higher_is_better: bool) -> list[tuple[float, float]]:
+def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[tuple[float, float]]:
     """Non-dominated points (smaller size, better quality), sorted by size."""
     front, best = [], -math.inf
     for size, q in sorted(points, key=lambda p: (p[0], -p[1] if higher_is_better else p[1])):
@@ -182,7 +181,7 @@ def fig_quality_vs_size(data: ResultsData):
     WikiText-2 test), and the title says so; accuracy points carry Wilson 95% CI bars
     (k/n pooled over the point's requests)."""
     s = data.summaries
-    _require(s, "summaries", ["mode", "bytes_median"])
+    require_columns(s, "summaries", ["mode", "bytes_median"])
     qkl = _quality_json_kl(data)
     panels = QUALITY_PANELS if not qkl else [QUALITY_JSON_KL_PANEL] + [
         (m, t) for m, t in QUALITY_PANELS if m not in ("ppl_increase_pct", "kl")]
@@ -193,8 +192,8 @@ def fig_quality_vs_size(data: ResultsData):
     if kv.empty:
         raise SkipFigure("no KV mode (other than text) has bytes_median")
     labels = label_order(kv["label"], kv)
-    colors = _colors(label_order(s["label"], s))
-    fig = _new_figure(4.4 * len(metrics) + 1.6, 4.4)
+    colors = label_colors(label_order(s["label"], s))
+    fig = new_figure(4.4 * len(metrics) + 1.6, 4.4)
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     text_rows = s[s["mode"] == "text"]
     handles = {}
@@ -219,7 +218,7 @@ def fig_quality_vs_size(data: ResultsData):
                     if ci is not None and np.isfinite(size) and np.isfinite(q):
                         ax.errorbar([size / MB], [q], yerr=[[max(q - ci[0], 0)], [max(ci[1] - q, 0)]],
                                     color=colors[lab], capsize=3, linewidth=1, zorder=2)
-                h = ax.scatter(size / MB, q, color=colors[lab], marker=_marker(kv, lab), s=55,
+                h = ax.scatter(size / MB, q, color=colors[lab], marker=mode_marker(kv, lab), s=55,
                                edgecolor="black", linewidth=0.5, zorder=3, label=lab)
                 handles.setdefault(lab, h)
                 if bw is not None and np.isfinite(bw):
@@ -243,7 +242,7 @@ def fig_quality_vs_size(data: ResultsData):
                         if isinstance(data.doc.get("config"), dict) and data.doc["config"].get("ppl_contexts")
                         else ""))
     fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8)
-    _caption(fig, data, "points: medians over requests; Pareto front: no other point is both smaller "
+    add_caption(fig, data, "points: medians over requests; Pareto front: no other point is both smaller "
                         "and better" + ("; accuracy bars: Wilson 95% CI of k/n" if "n" in s.columns else "")
                 + ("; KL bars: 95% bootstrap CI over quality.json's windows" if qkl else ""))
     return fig
@@ -263,7 +262,7 @@ def _quality_json_kl_panel(ax, kv: pd.DataFrame, labels, colors, qkl: dict, hand
         kl, lo, hi, _n = qkl[key]
         size = rows["bytes_median"].median() / MB
         h = ax.errorbar([size], [kl], yerr=[[max(kl - lo, 0)], [max(hi - kl, 0)]], color=colors[lab],
-                        marker=_marker(kv, lab), markersize=7, markeredgecolor="black", markeredgewidth=0.5,
+                        marker=mode_marker(kv, lab), markersize=7, markeredgecolor="black", markeredgewidth=0.5,
                         capsize=3, linewidth=1, zorder=3, label=lab)
         handles.setdefault(lab, h)
         points.append((size, kl))
@@ -277,7 +276,7 @@ def _quality_json_kl_panel(ax, kv: pd.DataFrame, labels, colors, qkl: dict, hand
 def _pareto_step(ax, points: list[tuple[float, float]], higher_is_better: bool, handles: dict) -> None:
     """Draw the Pareto front of ``points`` ((MB, quality) pairs) as a step line on ``ax``
     when it has at least two points; its handle joins ``handles`` under "Pareto front"."""
-    front = _pareto(points, higher_is_better)
+    front = pareto_front(points, higher_is_better)
     if len(front) >= 2:
         fx, fy = zip(*front, strict=True)
         h = ax.step(fx, fy, where="post", color="0.4", linewidth=1, linestyle="-", zorder=2,
@@ -288,7 +287,7 @@ def _pareto_step(ax, points: list[tuple[float, float]], higher_is_better: bool, 
 def _size_axes(ax, ylabel: str, title: str) -> None:
     """The axes of a quality-vs-size panel: log x in MB of KV per context, grid."""
     ax.set_xscale("log")
-    _plain_log_ticks(ax.xaxis)
+    plain_log_ticks(ax.xaxis)
     ax.set_xlabel("KV bytes per context (MB, log scale)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
@@ -298,7 +297,7 @@ def _size_axes(ax, ylabel: str, title: str) -> None:
 def fig_ttft_breakdown(data: ResultsData):
     """Stacked TTFT components per mode/level, one panel per bandwidth; black marks = measured TTFT."""
     s = data.summaries
-    _require(s, "summaries", ["mode"])
+    require_columns(s, "summaries", ["mode"])
     parts = [(c, n) for c, n in BREAKDOWN_PARTS if c in s.columns and s[c].notna().any()]
     if not parts:
         raise SkipFigure("'summaries' lack transfer_s_median, decode_s_median, inject_s_median and prefill_s_median")
@@ -306,7 +305,7 @@ def fig_ttft_breakdown(data: ResultsData):
         bws = sorted(s["bandwidth_mbps"].dropna().unique())
     else:
         bws = [None]
-    fig = _new_figure(min(4.2 * len(bws), 16) + 1.2, 4.8)
+    fig = new_figure(min(4.2 * len(bws), 16) + 1.2, 4.8)
     axes = fig.subplots(1, len(bws), squeeze=False)[0]
     from matplotlib import colormaps
 
@@ -331,7 +330,7 @@ def fig_ttft_breakdown(data: ResultsData):
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside right center", fontsize=8)
     fig.suptitle("TTFT breakdown per mode (medians)")
-    _caption(fig, data, "stacked: median of each component; when decoding overlaps transfer (pipelined), "
+    add_caption(fig, data, "stacked: median of each component; when decoding overlaps transfer (pipelined), "
                         "the stack can exceed the measured TTFT")
     return fig
 
@@ -339,18 +338,18 @@ def fig_ttft_breakdown(data: ResultsData):
 def fig_reconstruction_error(data: ResultsData):
     """Relative L2 error of the decoded KV per layer, keys and values, per mode/level. Reads codec_layers."""
     c = data.codec_layers
-    _require(c, "codec_layers", ["mode", "layer", "rel_l2"])
+    require_columns(c, "codec_layers", ["mode", "layer", "rel_l2"])
     c = c.dropna(subset=["layer", "rel_l2"])
     kvs = sorted(c["kv"].dropna().astype(str).unique()) if "kv" in c.columns else []
     panels = kvs if kvs else [None]
     labels = label_order(c["label"], c)
-    colors = _colors(labels)
+    colors = label_colors(labels)
     lossless = [lab for lab in labels if (c.loc[c["label"] == lab, "rel_l2"] == 0).all()]
     drawn = c[~c["label"].isin(lossless)]
     if drawn.empty:
         raise SkipFigure("every codec in 'codec_layers' has zero error (nothing to plot)")
-    log = (drawn["rel_l2"] > 0).all() and _log_helps(drawn["rel_l2"])
-    fig = _new_figure(5.0 * len(panels) + 1.6, 4.4)
+    log = (drawn["rel_l2"] > 0).all() and log_helps(drawn["rel_l2"])
+    fig = new_figure(5.0 * len(panels) + 1.6, 4.4)
     axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
     names = {"k": "keys", "v": "values"}
     for ax, kv in zip(axes, panels, strict=True):
@@ -359,7 +358,7 @@ def fig_reconstruction_error(data: ResultsData):
             r = rows[rows["label"] == lab].sort_values("layer")
             if r.empty:
                 continue
-            ax.plot(r["layer"], r["rel_l2"], label=lab, color=colors[lab], marker=_marker(c, lab),
+            ax.plot(r["layer"], r["rel_l2"], label=lab, color=colors[lab], marker=mode_marker(c, lab),
                     markersize=3, linewidth=1.3)
         if log:
             ax.set_yscale("log")
@@ -373,14 +372,14 @@ def fig_reconstruction_error(data: ResultsData):
     note = "error of the decoded KV against the original, per layer"
     if lossless:
         note += f"; lossless (error 0, not drawn): {', '.join(lossless)}"
-    _caption(fig, data, note)
+    add_caption(fig, data, note)
     return fig
 
 
 def fig_adaptation_timeline(data: ResultsData):
     """Per chunk: link bandwidth and estimate, level chosen (text fallback), elapsed time vs SLO."""
     a = data.adaptation
-    _require(a, "adaptation", ["chunk"])
+    require_columns(a, "adaptation", ["chunk"])
     a = a.dropna(subset=["chunk"])
     rows_avail = [(col, ok) for col, ok in [
         ("bandwidth", any(c in a.columns and a[c].notna().any() for c in ("bandwidth_mbps", "throughput_mbps_est"))),
@@ -393,7 +392,7 @@ def fig_adaptation_timeline(data: ResultsData):
         a = a.assign(trace="trace")
     a = a.assign(trace=a["trace"].fillna("trace").astype(str))
     traces = list(dict.fromkeys(a["trace"]))[:4]
-    fig = _new_figure(4.8 * len(traces) + 1.8, 2.2 * len(rows_avail) + 1.2)
+    fig = new_figure(4.8 * len(traces) + 1.8, 2.2 * len(rows_avail) + 1.2)
     axes = fig.subplots(len(rows_avail), len(traces), squeeze=False, sharex="col")
     for j, trace in enumerate(traces):
         t = a[a["trace"] == trace]
@@ -445,7 +444,7 @@ def fig_adaptation_timeline(data: ResultsData):
         if entries:
             row[-1].legend(list(entries.values()), list(entries.keys()), fontsize=7, loc="best")
     fig.suptitle("Adaptation timeline per chunk")
-    _caption(fig, data, "one context per trace; level 'text' = the chunk was sent as text and recomputed")
+    add_caption(fig, data, "one context per trace; level 'text' = the chunk was sent as text and recomputed")
     return fig
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visualize.data import SkipFigure, _colors, _new_figure, _plain_log_ticks, save_formats
+from visualize.data import SkipFigure, label_colors, new_figure, plain_log_ticks, save_formats
 from visualize.loading import read_json_doc
 
 SWEEP_MODES = ("text", "quant8", "cachegen", "kvtc")
@@ -30,9 +30,9 @@ def fig_ttft_vs_context(doc: dict):
     rates = sorted({float(r["bandwidth_mbps"]) for r in rows})
     labels = list(dict.fromkeys(_label(r) for r in sorted(
         rows, key=lambda r: SWEEP_MODES.index(r["mode"]) if r["mode"] in SWEEP_MODES else 99)))
-    colors = _colors(labels)
+    colors = label_colors(labels)
     fits = {f["bandwidth_mbps"]: f for f in (doc.get("fits") or {}).get("text_over_cachegen", [])}
-    fig = _new_figure(5.2 * len(rates), 4.4)
+    fig = new_figure(5.2 * len(rates), 4.4)
     axes = fig.subplots(1, len(rates), squeeze=False, sharey=True)[0]
     for ax, bw in zip(axes, rates, strict=True):
         for lab in labels:
@@ -49,7 +49,7 @@ def fig_ttft_vs_context(doc: dict):
                 ax.fill_between(x, lo, hi, color=colors[lab], alpha=0.15, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        _plain_log_ticks(ax.yaxis)
+        plain_log_ticks(ax.yaxis)
         ax.set_xticks(sorted({r["context_tokens_target"] for r in rows}))
         ax.set_xticklabels([f"{t / 1024:g}K" if t >= 1024 else str(t) for t in sorted({r["context_tokens_target"] for r in rows})])
         f = fits.get(bw)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench import adapt as B
+from bench.adapt import cli as adapt_cli, stats as adapt_stats
 
 TABLE = {"tokens": [100, 100, 100], "sizes": {"0": [200_000] * 3, "1": [400_000] * 3},
          "decode_s_per_token": {"0": 1e-4, "1": 2e-4}, "prefill_tps_hf": 1000.0}
@@ -54,7 +55,7 @@ def test_bad_input_exits_2(capsys, monkeypatch):
     assert B.main(["--no-real", "--chunk-tokens", "100"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
     # counts are checked before the level table is measured (that takes a minute)
-    monkeypatch.setattr(B, "measure_level_table", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    monkeypatch.setattr(adapt_cli, "measure_level_table", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
     for flag, bad, lo in (("--generator-traces", "-1", 0), ("--bootstrap-reps", "0", 1), ("--offsets", "0", 1),
                           ("--real-offsets", "0", 1)):
         assert B.main(["--no-real", flag, bad]) == 2
@@ -66,11 +67,11 @@ def test_goal_2_unknown_without_fixed_rows_and_vacuous_without_a_qualifying_one(
     def row(policy, v, kl):
         return {"policy": policy, "trace_set": "t", "link": "simulated", "slo_s": 1.0, "n": 10,
                 "violation_rate": v, "quality_kl_met": kl, "quality_kl": kl}
-    only = B._goal([row("adaptive", 0.1, 0.02), row("oracle", 0.0, 0.01)], "t", "simulated", 1.0)
+    only = adapt_stats._goal([row("adaptive", 0.1, 0.02), row("oracle", 0.0, 0.01)], "t", "simulated", 1.0)
     assert only["g2_quality"] is None and only["best_fixed"] is None        # no fixed level measured
-    worse = B._goal([row("adaptive", 0.1, 0.02), row("fixed-l5", 0.5, 0.001)], "t", "simulated", 1.0)
+    worse = adapt_stats._goal([row("adaptive", 0.1, 0.02), row("fixed-l5", 0.5, 0.001)], "t", "simulated", 1.0)
     assert worse["g2_quality"] is True and worse["best_fixed"] is None      # none at no more violations
-    beat = B._goal([row("adaptive", 0.1, 0.02), row("fixed-l2", 0.1, 0.01)], "t", "simulated", 1.0)
+    beat = adapt_stats._goal([row("adaptive", 0.1, 0.02), row("fixed-l2", 0.1, 0.01)], "t", "simulated", 1.0)
     assert beat["g2_quality"] is False and beat["best_fixed"] == "fixed-l2"
 
 
@@ -122,7 +123,7 @@ def test_aggregate_met_quality_and_intervals():
     assert row["quality_kl_met_ci95"] == pytest.approx(0.0196, abs=1e-6)
     lo, hi = row["violation_rate_ci95"]  # Wilson 95% of 2/4: 0.150 .. 0.850
     assert lo == pytest.approx(0.1500, abs=1e-3) and hi == pytest.approx(0.8500, abs=1e-3)
-    assert B._wilson95(0, 10) == [0.0, pytest.approx(0.2775, abs=1e-4)]
+    assert adapt_stats._wilson95(0, 10) == [0.0, pytest.approx(0.2775, abs=1e-4)]
 
 
 def _row(policy, viol, kl_met, kl_all=None, slo=1.0):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from bench import adapt as B
+from bench.adapt import stats as adapt_stats
 from streaming.traces import GENERATOR_SEED, artifact_generator, synthetic_uniform
 
 
@@ -133,8 +134,8 @@ def test_goals_per_trace_set_with_intervals():
     # without reqs the old fields only (the schema's readers)
     (g,) = B.goals(rows, trace_set="artifact")
     assert "n_traces" not in g and g["g1_slo"] is False
-    assert B._ci_verdict([0.0, 0.04], 0.05) == "met" and B._ci_verdict([0.06, 0.1], 0.05) == "missed"
-    assert B._ci_verdict([0.06, 0.1], 0.05, n_traces=3) == "too few traces"
+    assert adapt_stats._ci_verdict([0.0, 0.04], 0.05) == "met" and adapt_stats._ci_verdict([0.06, 0.1], 0.05) == "missed"
+    assert adapt_stats._ci_verdict([0.06, 0.1], 0.05, n_traces=3) == "too few traces"
 
 
 def test_artifact_generator_is_the_artifacts_range_scaled_and_seeded():

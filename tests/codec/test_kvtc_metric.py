@@ -1,6 +1,6 @@
 """KVTC's distortion metric: per-component water levels from the model's use of
 K and V, and the metric-whitened basis (codec/kvtc/ ``fit_calibration(metric=,
-whiten=)``, kv_extraction_hf/calibrate.py ``metric_from_stats``).
+whiten=)``, kv_extraction_hf/calibrate/__init__.py ``metric_from_stats``).
 Run: .venv/bin/python -m pytest tests/codec/test_kvtc_metric.py -q
 """
 from __future__ import annotations

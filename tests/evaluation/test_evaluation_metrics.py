@@ -1,4 +1,4 @@
-"""Tests of evaluation/metrics.py against hand-computed values.
+"""Tests of evaluation/metrics/ against hand-computed values.
 
 Run: python -m pytest tests/evaluation/test_evaluation_metrics.py -q
 """

@@ -47,8 +47,8 @@ def test_enough_tokens_for_the_default_fit(default_tokenizer):
 def test_default_key_names_the_text_and_records_it():
     from types import SimpleNamespace
 
-    a = kc._settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
-    assert a != kc._settings_key("w" * 64, kc.DEFAULT_SETTINGS, "b" * 64)
+    a = kc.settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
+    assert a != kc.settings_key("w" * 64, kc.DEFAULT_SETTINGS, "b" * 64)
     cal = SimpleNamespace(meta={"data": "x", "data_source": ct.SOURCE, "data_description": "d",
                                 "data_sha256": "c" * 64}, hash="h" * 64, group_layers=2)
     assert kc.text_record(cal) == {"source": ct.SOURCE, "description": "d", "sha256": "c" * 64}
@@ -81,6 +81,6 @@ def test_calibrate_data_file_records_its_text(tmp_path, fixtures_dir):
 def test_default_key_names_the_fitting_procedure(monkeypatch):
     """A default fitted by an older fitting procedure is another cache entry (never served
     after the procedure changed)."""
-    a = kc._settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
+    a = kc.settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
     monkeypatch.setattr(kc, "FIT_VERSION", kc.FIT_VERSION + 1)
-    assert a != kc._settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)
+    assert a != kc.settings_key("w" * 64, kc.DEFAULT_SETTINGS, "a" * 64)

@@ -17,7 +17,8 @@ from kv_extraction_hf import datasets_loaders
 from kv_extraction_hf import model as model_mod
 from kv_extraction_hf.dump import kv_sha256, load_kv, save_kv, token_ids_sha256
 from kv_extraction_hf.errors import ExtractionError
-from kv_extraction_hf.prompts import SYNTHETIC_TASKS, build_prompt, natural_paragraphs
+from kv_extraction_hf.prompts import build_prompt, natural_paragraphs
+from kv_extraction_hf.prompts.base import SYNTHETIC_TASKS
 
 ROOT = Path(__file__).resolve().parents[2]
 

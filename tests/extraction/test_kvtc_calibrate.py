@@ -1,4 +1,4 @@
-"""Tests of the model-facing KVTC calibration (kv_extraction_hf/calibrate.py): the batched
+"""Tests of the model-facing KVTC calibration (kv_extraction_hf/calibrate/__init__.py): the batched
 sensitivity probe gives the same values whatever the batch, and the first calibration
 window's KV is reused for it. Run: .venv/bin/python -m pytest tests/extraction/test_kvtc_calibrate.py -q
 """

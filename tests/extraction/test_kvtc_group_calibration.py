@@ -1,4 +1,4 @@
-"""kvtc calibrations per layer group (kv_extraction_hf.calibrate_groups) for sliding-window
+"""kvtc calibrations per layer group (kv_extraction_hf.calibrate.groups) for sliding-window
 storage, on a tiny random Gemma 3 (layers 0-4 sliding, window 8; layer 5 full)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from codec import kvtc, window
 from kv_extraction_hf import calibrate as cal_mod
-from kv_extraction_hf import calibrate_groups as cg
+from kv_extraction_hf.calibrate import groups as cg
 from kv_extraction_hf.inject import continuation_logits
 from kv_extraction_hf.inject_window import model_windows
 from kv_extraction_hf.extract import prefill_kv

@@ -103,7 +103,7 @@ def test_wikitext_and_calibration_text_files(tmp_path, raw):
 def test_prompt_builder_backstop(default_tokenizer):
     """Any text reaching the tokenizer through the prompt builder is checked (the
     tokenizer's own failure is a TypeError traceback)."""
-    from kv_extraction_hf.prompt_base import encode
+    from kv_extraction_hf.prompts.base import encode
 
     with pytest.raises(ExtractionError, match="U\\+D800"):
         encode(default_tokenizer, "abc\ud800")

@@ -234,8 +234,8 @@ def test_engine_thread_binding_is_explicit():
 def test_vllm_engine_pins_binding_and_records_settings(monkeypatch, tmp_path):
     import os
 
-    import harness.engine_numerics as N
-    import harness.engine_vllm as E
+    import harness.engines.numerics as N
+    import harness.engines.vllm as E
     import third_party.vllm.engine as VE
 
     seen = {}

@@ -40,11 +40,11 @@ def _check_doc(doc: dict, engine: str) -> None:
     eng = doc["environment"]["engine"]
     assert eng["engine"] == engine and eng["dtype"] == "bfloat16"
     if engine == "vllm":
-        from harness.engines import _parse_cpu_list
+        from harness.engines import parse_cpu_list
 
         assert eng["seed"] == 0 and eng["prefix_caching"] is False
         if eng["bind_source"] == "harness":  # an explicit CPU list, one OpenMP thread per CPU
-            assert eng["omp_threads"] == len(_parse_cpu_list(eng["omp_threads_bind"])) >= 1
+            assert eng["omp_threads"] == len(parse_cpu_list(eng["omp_threads_bind"])) >= 1
     by_mode = {r["mode"]: r for r in doc["runs"]}
     for r in doc["runs"]:
         assert r["engine"] == engine

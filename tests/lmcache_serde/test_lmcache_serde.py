@@ -508,9 +508,9 @@ def test_duck_typed_round_trip_and_estimates():
 
 
 def test_lmcache_fp8_row_is_our_fp8():
-    """The bench rows' fairness: LMCache's fp8 serde (bench/lmcache_peers.py) gives 2.00x
+    """The bench rows' fairness: LMCache's fp8 serde (bench/lmcache/peers.py) gives 2.00x
     and exactly the values our fp8 codec gives on in-range KV."""
-    from bench import lmcache_peers
+    from bench.lmcache import peers as lmcache_peers
 
     k, v = synthetic_kv(L, T, H, D, seed=6)
     blob, st = lmcache_peers.encode_with_stats(k, v, "lmcache-fp8")

@@ -317,9 +317,9 @@ def test_pick_level_bounds_its_encodes():
 
 
 def test_quality_rows_store_objects_through_the_serde():
-    """bench.quality's rows lmcache-<codec>-<tokens>[-max|-r<ratio>] (bench/lmcache_rows.py):
+    """bench.quality's rows lmcache-<codec>-<tokens>[-max|-r<ratio>] (bench/lmcache/rows.py):
     the bytes are the slots LMCache writes, the KV is the deserializer's, object by object."""
-    from bench import lmcache_rows
+    from bench.lmcache import rows as lmcache_rows
 
     k, v = synthetic_kv(L, 2 * T + 16, H, D, seed=8)          # 3 objects: 64, 64, 16 tokens
     ratio = 2.0

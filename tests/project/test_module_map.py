@@ -1,12 +1,12 @@
 """docs/modules.md (the module map a newcomer reads) is what scripts/module_map.py writes
-from the modules' docstrings, and the house keeps its sizes: no module over
-600 lines outside tests/, a median of at most 150, every module with a docstring.
+from the modules' docstrings, no module is over 600 lines outside tests/ (a reason to look,
+not a reason to cut: modules are cut by idea, see test_house_rules.py), and every module has
+a docstring.
 
 Run: .venv/bin/python -m pytest tests/project/test_module_map.py -q
 """
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +28,6 @@ def test_module_sizes_and_docstrings():
     sizes = {p.relative_to(ROOT).as_posix(): module_map.lines(p) for p in mods}
     assert len(sizes) > 100
     assert [m for m, n in sizes.items() if n > 600] == []
-    assert statistics.median(sizes.values()) <= 150
     missing = [p.relative_to(ROOT).as_posix() for p in mods
                if not module_map.summary(p) and module_map.lines(p) > 5]
     assert missing == [], f"modules without a docstring: {missing}"

@@ -19,6 +19,7 @@ import pytest
 matplotlib.use("Agg")
 
 import visualize_results as vr  # noqa: E402
+from visualize import data as vdata, results_figures as vfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "results_small.json"
@@ -87,7 +88,7 @@ def _legend_texts(fig_or_ax):
 
 
 def test_ttft_vs_bandwidth_axes_and_values(data, doc):
-    fig = vr.fig_ttft_vs_bandwidth(data)
+    fig = vfig.fig_ttft_vs_bandwidth(data)
     assert len(fig.axes) == 1
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"  # 0.15 s .. 4 s spans > 10x
@@ -107,7 +108,7 @@ def test_ttft_vs_bandwidth_axes_and_values(data, doc):
 
 
 def test_kv_size_bars(data, doc):
-    fig = vr.fig_kv_size(data)
+    fig = vfig.fig_kv_size(data)
     size_ax, ratio_ax = fig.axes
     assert size_ax.get_yscale() == "log"  # text (8.6 kB) vs raw (47 MB)
     assert [t.get_text() for t in size_ax.get_xticklabels()] == LABELS
@@ -124,8 +125,8 @@ def test_kv_size_bars(data, doc):
 
 
 def test_quality_vs_size_pareto(data):
-    fig = vr.fig_quality_vs_size(data)
-    assert [ax.get_ylabel() for ax in fig.axes] == [t for _, t in vr.QUALITY_PANELS]
+    fig = vfig.fig_quality_vs_size(data)
+    assert [ax.get_ylabel() for ax in fig.axes] == [t for _, t in vfig.QUALITY_PANELS]
     for ax in fig.axes:
         assert ax.get_xscale() == "log"
         assert "MB" in ax.get_xlabel()
@@ -145,13 +146,13 @@ def test_quality_vs_size_pareto(data):
 
 def test_pareto_helper():
     pts = [(1, 0.5), (2, 0.4), (3, 0.9), (4, 0.9), (5, 1.0)]
-    assert vr._pareto(pts, higher_is_better=True) == [(1, 0.5), (3, 0.9), (5, 1.0)]
+    assert vfig.pareto_front(pts, higher_is_better=True) == [(1, 0.5), (3, 0.9), (5, 1.0)]
     lower = [(1, 3.0), (2, 4.0), (3, 0.3), (4, 0.3), (5, 0.0)]
-    assert vr._pareto(lower, higher_is_better=False) == [(1, 3.0), (3, 0.3), (5, 0.0)]
+    assert vfig.pareto_front(lower, higher_is_better=False) == [(1, 3.0), (3, 0.3), (5, 0.0)]
 
 
 def test_ttft_breakdown_stacks(data, doc):
-    fig = vr.fig_ttft_breakdown(data)
+    fig = vfig.fig_ttft_breakdown(data)
     axes = fig.axes
     assert [ax.get_title() for ax in axes] == ["100 Mbit/s", "500 Mbit/s", "1000 Mbit/s"]
     names = _legend_texts(fig)
@@ -164,12 +165,12 @@ def test_ttft_breakdown_stacks(data, doc):
     s = next(r for r in doc["summaries"] if r["mode"] == "raw" and r["bandwidth_mbps"] == 100.0)
     raw_idx = LABELS.index("raw")
     stack = sum(ax.patches[part * 8 + raw_idx].get_height() for part in range(5))
-    want = sum(s[c] for c, _ in vr.BREAKDOWN_PARTS)
+    want = sum(s[c] for c, _ in vdata.BREAKDOWN_PARTS)
     assert stack == pytest.approx(want)
 
 
 def test_reconstruction_error_per_layer(data):
-    fig = vr.fig_reconstruction_error(data)
+    fig = vfig.fig_reconstruction_error(data)
     keys_ax, values_ax = fig.axes
     assert (keys_ax.get_title(), values_ax.get_title()) == ("keys", "values")
     assert keys_ax.get_yscale() == "log"
@@ -181,7 +182,7 @@ def test_reconstruction_error_per_layer(data):
 
 
 def test_adaptation_timeline(data, doc):
-    fig = vr.fig_adaptation_timeline(data)
+    fig = vfig.fig_adaptation_timeline(data)
     bw_ax, level_ax, time_ax = fig.axes
     assert bw_ax.get_ylabel() == "Mbit/s" and level_ax.get_ylabel() == "level chosen"
     assert time_ax.get_xlabel() == "chunk index"
@@ -196,10 +197,10 @@ def test_adaptation_timeline(data, doc):
 
 
 def test_plot_label():
-    assert vr.plot_label("cachegen", 2.0) == "cachegen-l2"
-    assert vr.plot_label("cachegen", 2) == "cachegen-l2"
-    assert vr.plot_label("raw", None) == "raw"
-    assert vr.plot_label("raw", float("nan")) == "raw"
+    assert vdata.plot_label("cachegen", 2.0) == "cachegen-l2"
+    assert vdata.plot_label("cachegen", 2) == "cachegen-l2"
+    assert vdata.plot_label("raw", None) == "raw"
+    assert vdata.plot_label("raw", float("nan")) == "raw"
 
 
 # ----------------------------------------------------------------------------- partial input
@@ -211,7 +212,7 @@ def test_summaries_computed_from_runs_when_missing(doc, tmp_path, capsys):
     assert data.notes == ["no 'summaries' in the file; medians computed from 'runs'"]
     got = data.summaries.set_index(["label", "bandwidth_mbps"])
     for s in doc["summaries"]:
-        row = got.loc[(vr.plot_label(s["mode"], s["level"]), s["bandwidth_mbps"])]
+        row = got.loc[(vdata.plot_label(s["mode"], s["level"]), s["bandwidth_mbps"])]
         assert row["n"] == s["n"]
         assert row["ttft_s_median"] == pytest.approx(s["ttft_s_median"])
         assert row["ttft_s_p25"] == pytest.approx(s["ttft_s_p25"])
@@ -239,7 +240,7 @@ def test_missing_sections_are_named_as_skipped(doc, tmp_path, capsys):
     assert "skipped reconstruction_error: no 'codec_layers' records" in captured.out
     assert sorted(p.name for p in out.iterdir()) == [
         "kv_size.png", "quality_vs_size.png", "ttft_breakdown.png", "ttft_vs_bandwidth.png"]
-    fig = vr.fig_ttft_vs_bandwidth(vr.prepare(partial))
+    fig = vfig.fig_ttft_vs_bandwidth(vr.prepare(partial))
     assert _legend_texts(fig.axes[0]) == ["raw", "cachegen-l3", "cachegen-l2", "cachegen-l1"]
 
 
@@ -399,7 +400,7 @@ def test_adaptation_several_traces_without_estimate(doc):
             rows.append({"trace": trace, "context_id": "c0", "chunk": i, "bandwidth_mbps": bw,
                          "level": None if bw < 60 else (3 if bw > 500 else 1), "text_fallback": bw < 60,
                          "elapsed_s": 0.3 * (i + 1), "slo_s": 1.0, "trace_scale": 0.1})
-    fig = vr.fig_adaptation_timeline(vr.prepare({**doc, "adaptation": rows}))
+    fig = vfig.fig_adaptation_timeline(vr.prepare({**doc, "adaptation": rows}))
     assert len(fig.axes) == 9  # 3 rows (bandwidth, level, elapsed) x 3 traces
     assert [ax.get_title() for ax in fig.axes[:3]] == [
         "trace: constant  (context c0)", "trace: step  (context c0)", "trace: artifact  (context c0)"]
@@ -459,9 +460,9 @@ def _errorbar_segments(ax):
 def test_quality_vs_size_uses_quality_json_kl_with_ci(doc):
     data = vr.prepare(doc)
     data.quality = _quality_doc()
-    fig = vr.fig_quality_vs_size(data)
+    fig = vfig.fig_quality_vs_size(data)
     ylabels = [ax.get_ylabel() for ax in fig.axes]
-    assert ylabels[0] == vr.QUALITY_JSON_KL_PANEL[1]
+    assert ylabels[0] == vfig.QUALITY_JSON_KL_PANEL[1]
     assert "perplexity increase vs lossless (%)" not in ylabels  # the 2-context ppl panel is replaced
     assert "KL from quality.json (32 WikiText-2 test windows, 95% bootstrap CI)" in fig.get_suptitle()
     kl_ax = fig.axes[0]
@@ -476,7 +477,7 @@ def test_quality_vs_size_uses_quality_json_kl_with_ci(doc):
 
 
 def test_quality_vs_size_accuracy_has_wilson_bars(data):
-    fig = vr.fig_quality_vs_size(data)
+    fig = vfig.fig_quality_vs_size(data)
     acc_ax = next(ax for ax in fig.axes if ax.get_ylabel() == "task accuracy (share correct)")
     at = sorted((round(lo, 4), round(hi, 4)) for x, lo, hi in _errorbar_segments(acc_ax)
                 if np.isclose(x, 5825422 / 1e6))
@@ -496,7 +497,7 @@ def test_main_reads_quality_json_beside_the_results(doc, tmp_path, capsys, monke
         fig = spec.draw(data)
         seen.append(fig.get_suptitle())
         return fig
-    monkeypatch.setitem(vr.FIGURES, "quality_vs_size", vr.FigureSpec(spec.name, spec.reads, draw))
+    monkeypatch.setitem(vr.FIGURES, "quality_vs_size", vfig.FigureSpec(spec.name, spec.reads, draw))
     res = _write(tmp_path, doc)
     args = ["--results", str(res), "--out", str(tmp_path / "figs"), "--only", "quality_vs_size", "--formats", "svg"]
     assert vr.main(args) == 0

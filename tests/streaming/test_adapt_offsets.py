@@ -9,7 +9,7 @@ import pytest
 from bench import adapt as B
 from tests.helpers.policy import make_policy
 from streaming.adapt import AdaptivePolicy, ThroughputEstimator
-from streaming.traces import Trace
+from streaming.traces import Trace, artifact_generated, artifact_recorded
 
 MBPS = 1e6 / 8
 
@@ -33,11 +33,11 @@ def test_rotate_wraps_around_and_names_the_offset():
 
 def test_trace_sets_offsets_give_paired_requests_per_trace():
     s = B.trace_sets(10, 0.1, quick=False, offsets=10)
-    assert len(s["artifact"]) == 100 and len(s["generated"]) == 10 * len(B.artifact_generated(0.1))
+    assert len(s["artifact"]) == 100 and len(s["generated"]) == 10 * len(artifact_generated(0.1))
     names = {t.name for t in s["artifact"]}
     assert "bw_traces_gbps-0@0" in names and "bw_traces_gbps-9@9" in names
     r5 = next(t for t in s["artifact"] if t.name == "bw_traces_gbps-3@5")
-    base = B.artifact_recorded(0.1)[3]
+    base = artifact_recorded(0.1)[3]
     assert r5.mbps[0] == base.mbps[5] and r5.mbps[5] == base.mbps[0]
     assert len(s["constant"]) == 3 and len(s["step"]) == 2  # not rotated
     assert len(B.trace_sets(10, 0.1, quick=True, offsets=2)["artifact"]) == 4 * 2

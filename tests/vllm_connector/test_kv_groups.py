@@ -1,5 +1,5 @@
 """Unit tests of the connector's view of vLLM's KV cache groups (third_party/vllm/kv_groups.py)
-and of the vLLM engine path's model check (harness.engine_vllm.vllm_model_check) for sliding-window models.
+and of the vLLM engine path's model check (harness.engines.vllm.vllm_model_check) for sliding-window models.
 No engine: vLLM's KVCacheConfig is stood in for by plain objects with the same fields.
 
 Run: .venv/bin/python -m pytest tests/vllm_connector/test_kv_groups.py -q
@@ -12,7 +12,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from harness.contexts import BenchmarkError
-from harness.engine_vllm import vllm_model_check
+from harness.engines.vllm import vllm_model_check
 from third_party.vllm.kv_groups import check_one_group, describe_kv_cache, summary_line
 
 
