@@ -29,10 +29,12 @@ from __future__ import annotations
 
 from evaluation.metrics_aggregate import aggregate, mean_stderr, median, quantile  # noqa: F401
 from evaluation.metrics_answer import (  # noqa: F401 - re-exported
+    all_values_match,
     normalize_answer,
     qa_f1,
     retrieval_accuracy,
     scored_answer,
+    stated_values,
 )
 from evaluation.metrics_generation import bleu, rouge_l  # noqa: F401 - re-exported
 from evaluation.metrics_logits import (  # noqa: F401 - re-exported
@@ -57,6 +59,8 @@ __all__ = [
     "AGGREGATIONS",
     "normalize_answer",
     "retrieval_accuracy",
+    "all_values_match",
+    "stated_values",
     "qa_f1",
     "rouge_l",
     "bleu",
