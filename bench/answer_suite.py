@@ -236,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"answer suite: {len(cells)} contexts ({', '.join(kinds)} x {lengths} x {contexts}), "
               f"{len(pairs)} codec/levels, haystack {hname}; model {bundle.info.model_id}")
         t0 = time.perf_counter()
-        records = run_suite(bundle, pairs, cells, args.seed, haystack, hname, ab, configs)
+        records = run_suite(bundle, pairs, cells, args.seed, haystack, hname, ab, configs,
+                            log=lambda m: print(m, flush=True))
         wall = time.perf_counter() - t0
         labels = [codec_label(n, lv) for n, lv in pairs]
         rows = suite_rows(records, labels)
