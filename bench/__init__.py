@@ -26,5 +26,7 @@ Commands (run from the repository root):
   python -m bench.warmup                      first vs tenth decode in a fresh process, with and
                                               without the connector's JIT warm-up
   python -m bench.taskcheck --task needle     lossless task scores (docs/tasks.md)
+  python -m bench.answer_suite                RULER-kind needle suite: accuracy, agreement with
+                                              lossless (Wilson 95%), McNemar vs lossless
 Importing the package imports nothing.
 """

@@ -12,6 +12,9 @@ network.
 - :func:`wilson_ci`: Wilson score interval of a binomial proportion (Wilson 1927; Brown,
   Cai & DasGupta 2001, "Interval Estimation for a Binomial Proportion").
 - :func:`mean_ci`: mean + bootstrap CI as a dict ready for a results row.
+- :func:`mcnemar_exact`: McNemar's paired test of two classifiers on the same items, in its
+  exact (binomial) form (McNemar 1947; Edwards 1948; Fagerland, Lydersen & Laake 2013, "The
+  McNemar test for binary matched-pairs data").
 
 Run the tests: ``python -m pytest tests/evaluation/test_evaluation_stats.py -q``
 """
@@ -25,7 +28,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["bootstrap_ci", "wilson_ci", "mean_ci", "z_value"]
+__all__ = ["bootstrap_ci", "wilson_ci", "mean_ci", "mcnemar_exact", "z_value"]
 
 EXACT_MAX_N = 7  # exact enumeration of n^n resamples up to n = 7 (823,543 resamples)
 
@@ -130,3 +133,25 @@ def mean_ci(values: Sequence[float] | np.ndarray, confidence: float = 0.95, n_re
     lo, hi = bootstrap_ci(arr, confidence, n_resamples, seed)
     sd = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
     return {"mean": float(arr.mean()), "ci": [lo, hi], "sd": sd, "n": int(arr.size)}
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value of paired binary outcomes.
+
+    ``b``: items the first method got right and the second wrong; ``c``: the reverse (the
+    discordant pairs; concordant pairs carry no information). Under the null hypothesis of
+    equal accuracy each discordant pair falls either way with probability 1/2, so
+    ``p = min(1, 2 * P[Binomial(b + c, 1/2) <= min(b, c)])``; 1.0 when ``b + c == 0``.
+
+    Raises:
+        ValueError: negative or non-integer counts.
+    """
+    for name, val in (("b", b), ("c", c)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+    n = int(b) + int(c)
+    if n == 0:
+        return 1.0
+    k = min(int(b), int(c))
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)

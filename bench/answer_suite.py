@@ -1,0 +1,270 @@
+"""The answer suite: RULER-kind needle retrieval (single, multi-key, multi-value) at lengths
+1K-16K and depths 10-90%, several questions per context, answered from lossless and from
+each codec's decoded KV; accuracy and answer agreement with lossless (Wilson 95% CIs) and
+McNemar's exact paired test of each codec's correctness against lossless.
+
+What it measures: whether compressing the KV cache changes the answers of a retrieval task
+the lossless model gets right (CacheGen section 7.1 measures accuracy on LongChat / TriviaQA
+/ NarrativeQA; RULER, arXiv:2404.06654, gives the needle kinds). Each context is prefilled
+once and its KV coded once per codec; every question of the context is answered from that KV
+(the lossless answer by greedy generation, each codec's by
+``kv_extraction_hf.inject.answer_from_kv``: the same ids as greedy generation, cheaper where
+they agree). Contexts come from ``kv_extraction_hf.prompts.ruler`` (a distinct haystack and
+needle draw per cell). A request is one question; n per codec/level is the number of questions.
+
+    python -m bench.answer_suite --model qwen2.5-coder-1.5b --contexts 6 --out /tmp/suite.json
+    python -m bench.answer_suite --quick          # a smoke run: 1K tokens, one context per kind
+    python -m bench.answer_suite --lossless-only --contexts 2 --lengths 1024   # the model's own score
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+from cachegen_common import flags
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+# questions per (length, context index) over the three kinds: 1 + 4 + 2 = 7; 6 contexts per kind
+# and length at 5 lengths give 210 requests per codec/level (n >= 200)
+DEFAULT_CONTEXTS = 6
+DEFAULT_CODECS = "cachegen:1;cachegen-ref:0;kvtc:4,5;quant8;raw"
+
+
+def suite_cells(kinds: Sequence[str], lengths: Sequence[int], contexts: int) -> list[tuple[str, int, int]]:
+    """The (kind, context_tokens, index) cells: every kind at every length, ``contexts`` each
+    (index i has depth ``DEPTHS[i % 5]``: five consecutive indices cover 10-90%)."""
+    return [(kind, length, i) for length in lengths for kind in kinds for i in range(contexts)]
+
+
+def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tuple[str, int, int]],
+              seed: int = 0, haystack=None, haystack_name: str = "offline", answer_bundle=None,
+              configs: Optional[dict] = None, log: Callable[[str], None] = print) -> list[dict]:
+    """Per-question records of the suite.
+
+    ``bundle``: the model whose KV is coded (engine dtype); ``answer_bundle``: the model that
+    answers (e.g. float32; None = ``bundle``), given the KV cast exactly to its dtype.
+    ``pairs``: (codec, level) to measure; ``configs``: codec -> encode config (kvtc's
+    calibration). Each record: kind, context_tokens, index, depth, key, answers, seconds
+    (prefill per context, split over its questions), ``lossless`` {text, ids, correct} and
+    ``codecs`` {label: {text, ids, correct, agrees, token_agrees, path}}; ``agrees``: the
+    numbers stated equal the lossless answer's (``evaluation.stated_values``). Raises
+    ExtractionError (a context that does not fit) and the codec's errors."""
+    import codec as codec_api
+    from codec.level_table import label as codec_label
+    from evaluation.metrics import all_values_match, stated_values
+    from kv_extraction_hf.extract import prefill_kv
+    from kv_extraction_hf.inject import answer_from_kv, generate_from_kv_margin, teacher_forcing_margin
+    from kv_extraction_hf.prompts.ruler import suite_contexts
+
+    ab = answer_bundle if answer_bundle is not None else bundle
+    adt = next(ab.model.parameters()).dtype
+    margin = teacher_forcing_margin(adt)
+    records = []
+    t0 = time.perf_counter()
+    for c, ctx in enumerate(suite_contexts(bundle.tokenizer, cells, seed, haystack, haystack_name)):
+        kind, length, index = cells[c]
+        t = time.perf_counter()
+        k, v = prefill_kv(bundle, ctx.context_ids)
+        prefill_s = time.perf_counter() - t
+        decoded = {}
+        for name, level in pairs:
+            k2, v2 = codec_api.decode_kv(codec_api.encode_kv(k, v, codec=name, level=level,
+                                                             config=(configs or {}).get(name)))
+            decoded[codec_label(name, level)] = (k2.to(k.dtype).to(adt), v2.to(v.dtype).to(adt))
+        k_ab, v_ab = k.to(adt), v.to(adt)
+        for q in ctx.questions:
+            ref_ids, _ = generate_from_kv_margin(ab, k_ab, v_ab, ctx.context_ids, q.question_ids, q.max_new_tokens)
+            ref_text = bundle.tokenizer.decode(ref_ids, skip_special_tokens=True)
+            rec = {"kind": kind, "context_tokens": len(ctx.context_ids), "length": length, "index": index,
+                   "redraw": ctx.meta["redraw"],
+                   "depth": q.depth, "key": q.key, "answers": q.answers,
+                   "prefill_s": prefill_s / len(ctx.questions),
+                   "lossless": {"text": ref_text, "ids": ref_ids, "correct": all_values_match(ref_text, q.answers)},
+                   "codecs": {}}
+            for label, (k2, v2) in decoded.items():
+                got = answer_from_kv(ab, k2, v2, ctx.context_ids, q.question_ids, ref_ids, q.max_new_tokens,
+                                     min_margin=margin)
+                text = bundle.tokenizer.decode(got["ids"], skip_special_tokens=True)
+                rec["codecs"][label] = {"text": text, "ids": got["ids"], "path": got["path"],
+                                        "correct": all_values_match(text, q.answers),
+                                        "agrees": stated_values(text) == stated_values(ref_text),
+                                        "token_agrees": got["ids"] == ref_ids}
+            records.append(rec)
+        del decoded, k_ab, v_ab
+        log(f"  context {c + 1}/{len(cells)} ({kind}, {len(ctx.context_ids)} tokens, {len(ctx.questions)} "
+            f"questions) done, {time.perf_counter() - t0:.0f} s")
+    return records
+
+
+def suite_rows(records: list[dict], labels: Sequence[str]) -> list[dict]:
+    """Rows per group (``all``, each kind, each length) and codec label: n, accuracy,
+    agreement and token agreement with Wilson 95% CIs, and McNemar's exact test of the
+    codec's correctness against lossless on the same questions (``mcnemar``: b = lossless
+    right and codec wrong, c = the reverse, p two-sided). The ``lossless`` row has accuracy only."""
+    from evaluation.stats import mcnemar_exact, wilson_ci
+
+    def share(hits, n):
+        return hits / n, list(wilson_ci(hits, n))
+
+    groups = [("all", records)]
+    groups += [(f"kind={k}", [r for r in records if r["kind"] == k]) for k in dict.fromkeys(r["kind"] for r in records)]
+    groups += [(f"length={n}", [r for r in records if r["length"] == n])
+               for n in sorted({r["length"] for r in records})]
+    rows = []
+    for group, recs in groups:
+        if not recs:
+            continue
+        n = len(recs)
+        ok = sum(r["lossless"]["correct"] for r in recs)
+        acc, acc_ci = share(ok, n)
+        rows.append({"group": group, "codec": "lossless", "n": n, "accuracy": acc, "accuracy_ci": acc_ci})
+        for label in labels:
+            got = [(r["lossless"]["correct"], r["codecs"][label]) for r in recs if label in r["codecs"]]
+            if not got:
+                continue
+            m = len(got)
+            b = sum(ref and not g["correct"] for ref, g in got)
+            c = sum(g["correct"] and not ref for ref, g in got)
+            acc, acc_ci = share(sum(g["correct"] for _, g in got), m)
+            agr, agr_ci = share(sum(g["agrees"] for _, g in got), m)
+            tok, tok_ci = share(sum(g["token_agrees"] for _, g in got), m)
+            rows.append({"group": group, "codec": label, "n": m, "accuracy": acc, "accuracy_ci": acc_ci,
+                         "agreement": agr, "agreement_ci": agr_ci, "token_agreement": tok,
+                         "token_agreement_ci": tok_ci, "mcnemar": {"b": b, "c": c, "p": mcnemar_exact(b, c)}})
+    return rows
+
+
+def print_rows(rows: list[dict], out=None) -> None:
+    """The rows as a table (one line per group and codec)."""
+    out = out or sys.stdout
+    print(f"{'group':<16} {'codec':<14} {'n':>4}  {'accuracy [95% CI]':<24} {'agreement [95% CI]':<24} "
+          f"{'McNemar b/c p':<16}", file=out)
+    for r in rows:
+        acc = f"{r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, {r['accuracy_ci'][1]:.3f}]"
+        agr = (f"{r['agreement']:.3f} [{r['agreement_ci'][0]:.3f}, {r['agreement_ci'][1]:.3f}]"
+               if "agreement" in r else "-")
+        mc = f"{r['mcnemar']['b']}/{r['mcnemar']['c']} {r['mcnemar']['p']:.3g}" if "mcnemar" in r else "-"
+        print(f"{r['group']:<16} {r['codec']:<14} {r['n']:>4}  {acc:<24} {agr:<24} {mc:<16}", file=out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.answer_suite", description=__doc__.split("\n")[0])
+    flags.add_model(p)
+    flags.add_quick(p, help="a smoke run: 1024 tokens, one context per kind, cachegen:1 and raw")
+    flags.add_seed(p)
+    flags.add_out(p, type=str, help="write the records and rows as JSON (atomically)")
+    flags.add_data_path(p, help="WikiText-2 (a folder with wiki.test.raw / test.txt, or the file) for the "
+                                "haystack; default: the offline natural sentences of the Python docs")
+    p.add_argument("--kinds", default="single,multikey,multivalue", help="comma-separated (default %(default)s)")
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+                   help="context lengths, tokens, comma-separated (default %(default)s)")
+    p.add_argument("--contexts", type=int, default=DEFAULT_CONTEXTS,
+                   help="contexts per kind and length (default %(default)s)")
+    p.add_argument("--codecs", default=DEFAULT_CODECS, help="codecs/levels, bench.quality's syntax "
+                   "(default %(default)s)")
+    p.add_argument("--lossless-only", action="store_true", help="answer from lossless KV only")
+    p.add_argument("--answer-dtype", choices=("float32", "model"), default="float32",
+                   help="activations of the answering model (default float32; the KV stays the model's dtype)")
+    return p
+
+
+def _haystack(data_path: Optional[str]):
+    """(sentences, name) of the haystack: WikiText-2 test from ``data_path`` or offline."""
+    from pathlib import Path
+
+    from kv_extraction_hf.datasets_loaders import load_wikitext2
+    from kv_extraction_hf.errors import ExtractionError
+    from kv_extraction_hf.prompts.ruler import haystack_sentences
+
+    if data_path is None:
+        return None, "offline: Python reference prose (pydoc_data.topics)"
+    path = Path(data_path)
+    if path.is_dir():
+        found = [path / n for n in ("wiki.test.raw", "test.txt") if (path / n).is_file()]
+        if not found:
+            raise ExtractionError(f"--data-path {path}: no wiki.test.raw or test.txt in the folder")
+        path = found[0]
+    return haystack_sentences(load_wikitext2(str(path))), f"WikiText-2 test ({path.name})"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI; exit 2 with one line for bad input (ExtractionError / ValueError of the flags)."""
+    from kv_extraction_hf.errors import ExtractionError, run_cli
+
+    args = build_parser().parse_args(argv)
+
+    def run() -> None:
+        from bench.quality.cli import environment, prepare_kvtc
+        from bench.quality.text import parse_codec_spec
+        from cachegen_common.files import atomic_write_json
+        from codec.level_table import label as codec_label
+        from kv_extraction_hf.model import load_model
+        from kv_extraction_hf.prompts.ruler import KINDS
+
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in KINDS]
+        try:
+            lengths = [int(x) for x in args.lengths.split(",")]
+        except ValueError:
+            raise ExtractionError("--lengths must be comma-separated integers") from None
+        if bad or not kinds or args.contexts < 1 or min(lengths) < 256:
+            raise ExtractionError(f"--kinds from {', '.join(KINDS)}; --contexts >= 1; --lengths >= 256 "
+                                  f"(got kinds {kinds}, contexts {args.contexts}, lengths {lengths})")
+        if args.quick:
+            lengths, contexts, spec = [1024], 1, "cachegen:1;raw"
+        else:
+            contexts, spec = args.contexts, args.codecs
+        try:
+            pairs = [] if args.lossless_only else parse_codec_spec(spec)
+        except ValueError as exc:
+            raise ExtractionError(f"--codecs: {exc}") from None
+        haystack, hname = _haystack(args.data_path)
+        bundle = load_model(args.model, log=lambda m: print(m, file=sys.stderr))
+        ab = bundle
+        if args.answer_dtype == "float32" and bundle.info.dtype != "float32":
+            ab = load_model(args.model, dtype="float32", log=lambda m: None)
+        configs, cal = {}, None
+        if any(n == "kvtc" for n, _ in pairs):
+            from codec.kvtc import KvtcConfig
+
+            cal = prepare_kvtc(bundle, None, log=lambda m: print(m, file=sys.stderr))
+            configs["kvtc"] = KvtcConfig(calibration=cal["hash"])
+        cells = suite_cells(kinds, lengths, contexts)
+        print(f"answer suite: {len(cells)} contexts ({', '.join(kinds)} x {lengths} x {contexts}), "
+              f"{len(pairs)} codec/levels, haystack {hname}; model {bundle.info.model_id}")
+        t0 = time.perf_counter()
+        records = run_suite(bundle, pairs, cells, args.seed, haystack, hname, ab, configs,
+                            log=lambda m: print(m, flush=True))
+        wall = time.perf_counter() - t0
+        labels = [codec_label(n, lv) for n, lv in pairs]
+        rows = suite_rows(records, labels)
+        print()
+        print_rows(rows)
+        ctx_tokens = {(r["kind"], r["length"], r["index"]): r["context_tokens"] for r in records}
+        per_1k = (sum(r["prefill_s"] for r in records) / sum(ctx_tokens.values()) * 1000) if records else math.nan
+        print(f"\n{len(records)} questions from {len(cells)} contexts in {wall:.0f} s "
+              f"(prefill ~{per_1k:.2f} s per 1K tokens, bundle dtype {bundle.info.dtype})")
+        if args.out:
+            atomic_write_json(args.out, {
+                "kind": "answer_suite",
+                "command": " ".join(["python -m bench.answer_suite"] + list(argv or sys.argv[1:])),
+                "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
+                          "dtype": bundle.info.dtype, "answer_dtype": str(next(ab.model.parameters()).dtype)},
+                "environment": environment(), "config": {
+                    "kinds": kinds, "lengths": lengths, "contexts": contexts, "seed": args.seed, "codecs": spec,
+                    "haystack": hname, "kvtc_calibration": cal, "ci": "Wilson 95%",
+                    "paired_test": "McNemar exact (binomial), two-sided, vs lossless",
+                    "agreement": "the numbers stated equal the lossless answer's (evaluation.stated_values)",
+                    "scorer": "evaluation.all_values_match (RULER string_match_all)"},
+                "rows": rows, "records": records, "wall_s": wall})
+            print(f"wrote {args.out}")
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
