@@ -345,7 +345,7 @@ def test_quality_rows_store_objects_through_the_serde():
 def test_quality_rows_in_other_layouts(layout):
     """The rows' -heads5 / -fused objects are the layouts LMCache hands a serde; what the
     deserializer gives back, mapped back to K and V, is what comes out of decode."""
-    from bench import lmcache_rows
+    from bench.lmcache import rows as lmcache_rows
 
     k, v = synthetic_kv(L, 2 * T, H, D, seed=9)
     x = lmcache_rows.to_layout(k, v, layout)
