@@ -92,7 +92,7 @@ def parse(data: bytes | bytearray | memoryview | str, *, what: str, max_bytes: i
         raise error(f"{what}: over the {max_bytes}-byte limit")
     depth = nesting_depth(text, stop_above=max_depth)
     if depth > max_depth:
-        raise error(f"{what}: JSON nested more than {max_depth} levels deep")
+        raise error(f"{what}: JSON nested more than {max_depth} level{'s' if max_depth != 1 else ''} deep")
     try:
         value = json.loads(text, parse_constant=_no_constants)
     except RecursionError:   # not reached after the depth check; kept as a last guard

@@ -29,10 +29,10 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
                              "or jsonl (any fields, see --data-map); also the local file of "
                              "triviaqa/narrativeqa/wikitext2")
     parser.add_argument("--data-map", default=None, metavar="context=F,question=F,answers=F",
-                        help="--task jsonl: which field holds the context, the question and the answers")
+                        help="--tasks jsonl: which field holds the context, the question and the answers")
     for role in ("context", "question", "answers"):
         parser.add_argument(f"--data-field-{role}", default=None, metavar="FIELD",
-                            help=f"--task jsonl: the field holding the {role} (same as --data-map {role}=FIELD)")
+                            help=f"--tasks jsonl: the field holding the {role} (same as --data-map {role}=FIELD)")
     parser.add_argument("--no-truncate", dest="truncate", action="store_const", const=False, default=None,
                         help="refuse (naming the limit) a context longer than --context-tokens or the model's "
                              "context, instead of truncating it in the middle (LongBench's rule)")

@@ -45,7 +45,7 @@ def check_data_flags(tasks, data_path=None, data_map=None) -> None:
         unused = [t for t in tasks if t not in ("jsonl", "longbench")]
         if unused:
             raise ExtractionError(f"--data-map / --data-field-* are not used by task(s) {', '.join(unused)} "
-                                  "(they map the fields of --task jsonl or longbench)")
+                                  "(they map the fields of --tasks jsonl or longbench)")
     for t in tasks:
         if t in USER_DATA_TASKS and not data_path:
             raise ExtractionError(f"task {t} reads your own JSONL file: pass --data-path FILE")

@@ -1,6 +1,6 @@
 """Text that is not valid Unicode in every data path is one ExtractionError line, exit 2
 (kind of ai-microcore #74): a lone surrogate (a valid JSON escape such as
-"\\ud800") or a NUL in a --task jsonl / longchat / longbench context, question or answer;
+"\\ud800") or a NUL in a --tasks jsonl / longchat / longbench context, question or answer;
 invalid UTF-8 bytes in a data file; the same in WikiText and calibration text files.
 kv_extraction_hf.textcheck.check_text is the one check.
 
