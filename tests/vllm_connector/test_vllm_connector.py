@@ -98,7 +98,7 @@ def test_corrupt_chunk_is_recomputed(report):
     """A chunk failing its CRC stops the load there; its blocks are reported as failed
     and vLLM recomputes them (kv_load_failure_policy=recompute): same output, no crash."""
     r = _rec(report, "corrupt")
-    assert r is not None and "CRC" in (r["error"] or "")
+    assert r is not None and any(w in (r["error"] or "") for w in ("CRC", "xxh3"))
     assert r["loaded_tokens"] == report["chunk_tokens"]  # chunk 0 loaded, chunk 1 corrupt
     assert r["recomputed_tokens"] == r["requested_tokens"] - r["loaded_tokens"] > 0
     assert report["outputs"]["corrupt"] == report["outputs"]["text"]
