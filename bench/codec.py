@@ -37,7 +37,8 @@ from typing import Optional
 
 import torch
 
-from codec.codecs import CODECS, DTYPE_NAMES
+from codec.base import DTYPE_NAMES
+from codec.registry import CODECS
 from codec.config import DEFAULT_CHUNK_TOKENS
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json

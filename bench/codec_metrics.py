@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from codec import api
-from codec.codecs import CODECS
+from codec.registry import CODECS
 from codec.config import CodecConfig
 
 

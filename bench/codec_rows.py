@@ -12,7 +12,7 @@ from typing import Optional
 from bench.codec_metrics import _median_time, continuation_stats, decode_breakdown, quality, rel_l2_per_layer
 from bench.codec_peer_row import run_peer_row
 from codec import api
-from codec.codecs import CODECS
+from codec.registry import CODECS
 
 
 def _split_ms(dec_s: float, extra: dict, n_ctx: int) -> dict:

@@ -5,11 +5,11 @@ heads, head dim 128, 4K tokens; Laplace-like values with per-channel scales, LMC
 CacheGen bin schedule, one scale per (layer, token)) it times, with synchronized timers,
 warm-up excluded and medians over repeats:
   encode: quantize (Triton) + histograms (Triton) + rANS encode, two passes (Triton);
-          the host-side model build (codec.probability.build_models) and the payload's
+          the host-side model build (codec.entropy.models.build_models) and the payload's
           device-to-host copy are timed separately and reported as "end to end";
   decode: rANS decode (Triton) + dequantize to fp16 (Triton), payload already on device
           (both symbol lookups of the decoder are timed: "auto"/scan and "search");
-and the CPU backend (numba, codec/rans_cpu.py) on ONE layer (K and V), scaled by the layer
+and the CPU backend (numba, codec/entropy/rans_cpu.py) on ONE layer (K and V), scaled by the layer
 count (said so in the table). Throughput is GB/s of the fp16-equivalent KV
 (2 tensors x L x T x H x D x 2 bytes) per second, and Msym/s. It also checks on the big
 KV that the GPU decodes its own stream exactly, and that the GPU's bytes for layer 0 equal
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from codec import triton_kernels as tk
+from codec.triton import ops as tk
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
@@ -106,7 +106,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
     extra_blocks: further lanes-per-program values to time the rANS kernels with (the
       default block gets the full set of rows; these only rANS encode/decode rows).
     """
-    from codec import probability as prob
+    from codec.entropy import models as prob
 
     dev = torch.device(device)
     C = H * D
@@ -137,7 +137,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
     t_models = time.perf_counter() - t0
     checks = {}
     # the quantizer against the torch reference on a slice (exactness)
-    from codec import quantize as Q
+    from codec.quant import reference as Q
     ref = Q.quantize(k3[:2], sc_k[:2], mk[:2].to(dev))
     checks["quantize_equals_reference"] = bool(torch.equal(ref, sym_k[:2]))
     ideal_bits = float(ms.ideal_bits)
@@ -200,7 +200,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
                             "+models+D2H"))
         # CPU backend on `cpu_layers` layers of K and V, same models, same layout
         try:
-            from codec import rans_cpu
+            from codec.entropy import rans_cpu
             nl = min(cpu_layers, L)
             ck = sym_k[:nl].cpu().numpy()
             cv = sym_v[:nl].cpu().numpy()

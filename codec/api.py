@@ -80,7 +80,7 @@ def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
     for key, n in zip("LTHD", k.shape):
         if n > MAX_DIM[key]:
             raise ValueError(f"dimension {key}={n} exceeds the limit {MAX_DIM[key]}")
-    from .fused import all_finite   # one numba pass over the bits
+    from .quant.fused import all_finite   # one numba pass over the bits
 
     for name, t in (("k", k), ("v", v)):
         if not all_finite(t):
@@ -235,14 +235,14 @@ def config_hash(codec: str, level: Optional[int] = None,
 
 
 def _resolve_backend(device: torch.device, backend: Any) -> str:
-    """"cpu" or "triton" for tensors on ``device`` (``codec.triton_kernels.resolve_backend``).
+    """"cpu" or "triton" for tensors on ``device`` (``codec.triton.ops.resolve_backend``).
     ValueError on an unknown name (listing the options) or on "triton" where Triton
     cannot run. "auto" on a non-CUDA device is "cpu" without importing Triton."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available backends: {list(BACKENDS)}")
     if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
         return "cpu"
-    from . import triton_kernels as tk
+    from .triton import ops as tk
 
     return tk.resolve_backend(device, backend)
 
@@ -324,7 +324,7 @@ def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
         ``codec.kvtc.KvtcConfig`` for kvtc (its calibration, sinks, tiers).
       backend: "auto" (default: Triton when k is on CUDA and Triton is usable, else CPU),
         "cpu" (copies to the host) or "triton" (the Triton kernels of
-        ``codec.triton_kernels``, on k's device). Same bytes either way. Only cachegen
+        ``codec.triton.ops``, on k's device). Same bytes either way. Only cachegen
         and cachegen-ref have Triton kernels; other codecs always encode on a CPU copy.
       token_offset: the position of the first token in its context (int >= 0, default 0):
         the tokens are coded as positions ``token_offset .. token_offset + T - 1`` of a
@@ -444,7 +444,7 @@ def decode_kv_into(data: bytes, k_out: torch.Tensor, v_out: torch.Tensor
 
     k_out, v_out: contiguous CPU tensors [L, T, H, D] of the container's dtype (see
     ``peek_header``). cachegen / cachegen-ref / quant8 decode into them with no
-    intermediate full-size tensor (``codec.fused``); kvtc writes its inverse transform
+    intermediate full-size tensor (``codec.quant.fused``); kvtc writes its inverse transform
     into them (no copy); the other codecs decode, then copy.
     Returns: (k_out, v_out). Raises: CodecError on a corrupt container; ValueError when
     the destination does not match the header's shape/dtype."""
@@ -457,10 +457,10 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
 
     ``backend``: "auto" (default: Triton when ``device`` is CUDA and Triton is usable,
     else CPU), "cpu" (decode on the host, then copy to ``device``) or "triton" (rANS
-    decoding and dequantization by ``codec.triton_kernels`` on ``device``). The decoded
+    decoding and dequantization by ``codec.triton.ops`` on ``device``). The decoded
     values are identical either way. Only cachegen / cachegen-ref use Triton.
     On the CPU, cachegen / cachegen-ref / quant8 / fp8 / KIVI decode with the fused
-    decoders of ``codec.fused`` (symbols -> model dtype in one pass, both cores, no
+    decoders of ``codec.quant.fused`` (symbols -> model dtype in one pass, both cores, no
     intermediate tensor; bit-identical to the reference path). ``out``: optional
     (k_out, v_out) contiguous CPU tensors of the header's shape and dtype to decode into
     (``decode_kv_into``).
@@ -477,7 +477,7 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
         if b == "triton" and c.supports_triton:
             k, v = c.decode(header["codec_header"], arrays, payload, shape,
                             header["dtype"], backend="triton", device=dev)
-        elif getattr(c, "fused_cpu", False):   # codec.fused: into ``out`` if given
+        elif getattr(c, "fused_cpu", False):   # codec.quant.fused: into ``out`` if given
             k, v = c.decode(header["codec_header"], arrays, payload, shape, header["dtype"],
                             out=outp)
         elif outp is not None and getattr(c, "decodes_into", False):   # kvtc: no copy after
@@ -497,7 +497,7 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
     # fused CPU decoders check their tables, sinks and outliers instead: finite by
     # construction, no extra pass over the output)
     fused = b != "triton" and getattr(c, "fused_cpu", False)
-    from .fused import all_finite
+    from .quant.fused import all_finite
 
     if not fused and not (all_finite(k) and all_finite(v)):
         raise CodecError(f"{c.name}: decoded KV contains NaN/inf (corrupt bitstream)")
@@ -515,7 +515,7 @@ def _check_out(out, shape: tuple, dtype_name: str):
     """None, or the validated (k_out, v_out) pair (ValueError if it does not match)."""
     if out is None:
         return None
-    from .fused import check_out
+    from .quant.fused import check_out
 
     return check_out(out, shape, DTYPES[dtype_name])
 

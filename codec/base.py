@@ -117,7 +117,7 @@ class Codec:
     on anything inconsistent.
 
     ``backend`` ("cpu" | "triton", already resolved by ``codec.api`` with
-    ``codec.triton_kernels.resolve_backend``): only codecs with ``supports_triton`` get
+    ``codec.triton.ops.resolve_backend``): only codecs with ``supports_triton`` get
     "triton"; they then take K/V on the device (encode) and return K/V on ``device``
     (decode), with the same bytes / values as the CPU backend. The others always get CPU
     tensors and "cpu"."""

@@ -7,8 +7,8 @@ import difflib
 from typing import Optional
 
 from .base import Codec
-from .baselines import Fp8Codec, KiviCodec, RawCodec
-from .cachegen import CacheGenCodec
+from .codecs.baselines import Fp8Codec, KiviCodec, RawCodec
+from .codecs.cachegen import CacheGenCodec
 from .kvtc import KvtcCodec   # transform coding (arXiv 2511.01815), codec/kvtc/
 
 

@@ -25,7 +25,7 @@ the environment variable ``CACHEGEN_SCRATCH`` (``nan`` | ``zero``) sets it for a
 process (e.g. a test run) when ``mode()`` was never called. Nothing happens at import.
 The default (no mode) is plain ``torch.empty`` / ``np.empty``: no cost.
 Buffers allocated inside numba-compiled kernels (``np.empty`` in a jitted function,
-``codec.rans_cpu`` / ``codec.fused``) cannot call Python: they are filled completely by
+``codec.entropy.rans_cpu`` / ``codec.quant.fused``) cannot call Python: they are filled completely by
 the kernel before any read and reach no BLAS call.
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_scratch.py -q

@@ -1,7 +1,7 @@
 """Thread safety of the codec's numba kernels.
 
-Purpose: the codec's CPU kernels are compiled twice by numba (``codec.rans_cpu``,
-``codec.probability``): a ``parallel=True`` build and a serial build of the same source,
+Purpose: the codec's CPU kernels are compiled twice by numba (``codec.entropy.rans_cpu``,
+``codec.entropy.models``): a ``parallel=True`` build and a serial build of the same source,
 producing identical results. numba's "workqueue" threading layer (chosen by
 ``configure_threading_layer`` at the first parallel call, because OpenMP clashes with
 torch's OpenMP runtime) is not reentrant:
@@ -13,6 +13,10 @@ build; if another thread holds the lock, it runs the serial build instead (compi
 ``nogil=True``, so threads still run side by side). The bytes and values are identical
 either way, and a single-threaded caller always gets the parallel build (no slowdown).
 
+The numba availability helpers live here too: ``HAVE_NUMBA`` (with ``njit`` and ``prange``,
+None without numba), ``dual_build`` (the parallel and serial builds of one kernel) and
+``num_workers`` (numba's thread count).
+
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_threads.py -q
 """
 from __future__ import annotations
@@ -21,10 +25,21 @@ import os
 import threading
 from typing import Any, Callable
 
-__all__ = ["PARALLEL_LOCK", "PARALLEL_MIN_SYMBOLS", "run_kernel", "configure_threading_layer"]
+try:  # numba is a hard requirement for speed, but keep the references usable without it
+    from numba import njit, prange
+
+    # numba's threading layer is chosen at the first parallel kernel call, not here:
+    # run_kernel calls configure_threading_layer() first (no import-time side effects).
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - numba is in requirements.txt
+    HAVE_NUMBA = False
+    njit = prange = None
+
+__all__ = ["PARALLEL_LOCK", "PARALLEL_MIN_SYMBOLS", "run_kernel", "configure_threading_layer",
+           "HAVE_NUMBA", "dual_build", "num_workers"]
 
 # Symbols (or elements) per call below which the codec's kernels use their serial build:
-# waking the thread pool costs more than the work (codec.rans_cpu, codec.dequant_cpu).
+# waking the thread pool costs more than the work (codec.entropy.rans_cpu, codec.quant.tables).
 PARALLEL_MIN_SYMBOLS = 1 << 18
 
 # Held while a parallel numba kernel runs; at most one at a time per process.
@@ -66,3 +81,27 @@ def run_kernel(parallel_fn: Callable, serial_fn: Callable, use_parallel: bool,
         finally:
             PARALLEL_LOCK.release()
     return serial_fn(*args)
+
+
+def dual_build(fn: Callable) -> tuple[Any, Any]:
+    """(parallel, serial) numba compilations of `fn` (distinct cache entries, cache=True,
+    nogil=True); (None, None) without numba."""
+    if not HAVE_NUMBA:  # pragma: no cover
+        return None, None
+    import types
+
+    par = njit(cache=True, nogil=True, parallel=True)(fn)
+    ser_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    ser_fn.__qualname__ = fn.__qualname__ + "_serial"
+    ser = njit(cache=True, nogil=True)(ser_fn)
+    return par, ser
+
+
+def num_workers() -> int:
+    """numba's current thread count (the parallel kernels' prange workers); 1 without numba."""
+    try:
+        import numba
+
+        return max(1, int(numba.get_num_threads()))
+    except Exception:  # noqa: BLE001 - no numba / pool not available: one worker
+        return 1

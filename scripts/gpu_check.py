@@ -29,10 +29,10 @@ from cachegen_common.files import atomic_write_json
 
 def correctness(device: str, tiny: bool = False, log=print) -> dict:
     """Bytes / symbols equality against the CPU backend; returns {check: bool}."""
-    from codec import probability as prob
-    from codec import quantize as Q
-    from codec import rans_cpu
-    from codec import triton_kernels as tk
+    from codec.entropy import models as prob
+    from codec.quant import reference as Q
+    from codec.entropy import rans_cpu, rans_ref
+    from codec.triton import ops as tk
     from codec.errors import CodecError
 
     try:
@@ -68,7 +68,7 @@ def correctness(device: str, tiny: bool = False, log=print) -> dict:
             cpay, clen = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, Bv)
             cpay = cpay.tobytes()
         else:
-            cpay, clen = rans_cpu.encode_streams_ref(sk, sv, ms.cum, ms.model_index, G, Bv)
+            cpay, clen = rans_ref.encode_streams_ref(sk, sv, ms.cum, ms.model_index, G, Bv)
         tsk, tsv = torch.from_numpy(sk).to(device), torch.from_numpy(sv).to(device)
         gpay, glen = tk.rans_encode_triton(tsk, tsv, ms.cum, ms.model_index, G, Bv)
         checks[f"bytes_equal_{tag}"] = (gpay.cpu().numpy().tobytes() == cpay
@@ -82,7 +82,7 @@ def correctness(device: str, tiny: bool = False, log=print) -> dict:
             rk, rv = rans_cpu.decode_streams(gb, glen.cpu().numpy(), ms.cum, ms.model_index,
                                              L, T, C, G, Bv)
         else:
-            rk, rv = rans_cpu.decode_streams_ref(gb, glen.cpu().numpy(), ms.cum, ms.model_index,
+            rk, rv = rans_ref.decode_streams_ref(gb, glen.cpu().numpy(), ms.cum, ms.model_index,
                                                  L, T, C, G, Bv)
         checks[f"cpu_decodes_gpu_{tag}"] = np.array_equal(rk, sk) and np.array_equal(rv, sv)
         # corrupt: drop the last word of the payload, and shift a word between streams
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                     help="tiny shapes everywhere (smoke run under TRITON_INTERPRET=1 on a CPU)")
     a = ap.parse_args(argv)
     from bench import triton as tb
-    from codec import triton_kernels as tk
+    from codec.triton import ops as tk
 
     if not tk.available() or (a.device == "cuda" and not torch.cuda.is_available()):
         print("gpu_check: no usable Triton/CUDA here", file=sys.stderr)

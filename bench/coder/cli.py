@@ -7,7 +7,7 @@ F. Giesen's ryg_rans). Not a test: it prints figures (medians over --repeats aft
 warm-up). Figures from a busy machine are not final.
 
     python -m bench.coder rans [--layers 30 --tokens 1024 --channels 192 --repeats 5]
-        numba rANS (codec.rans_cpu) encode/decode Msym/s, 1 thread and parallel, vs
+        numba rANS (codec.entropy.rans_cpu) encode/decode Msym/s, 1 thread and parallel, vs
         constriction on the same symbols; --npz FILE for real symbols
     python -m bench.coder entropy [--npz FILE]
         sizes and Msym/s of codec.entropy.encode_symbols / decode_symbols (model table,

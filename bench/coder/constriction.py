@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from codec.rans_cpu import PROB_SCALE
+from codec.entropy.rans_cpu import PROB_SCALE
 
 
 def compare_constriction(sk: np.ndarray, sv: np.ndarray, cum: np.ndarray, mi: np.ndarray, repeats: int) -> int:

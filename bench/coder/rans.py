@@ -1,4 +1,4 @@
-"""``python -m bench.coder rans``: the numba rANS coder (codec.rans_cpu) encode/decode Msym/s,
+"""``python -m bench.coder rans``: the numba rANS coder (codec.entropy.rans_cpu) encode/decode Msym/s,
 1 thread and parallel, on a synthetic chunk or real symbols (--npz), then the same symbols
 through constriction (bench.coder.constriction). Separate from bench/coder/cli.py (the command
 and the entropy-stage figures) because it owns the synthetic symbol source and the
@@ -12,8 +12,8 @@ from typing import Optional
 import numpy as np
 
 from bench.coder.constriction import compare_constriction
-from codec import probability as prob
-from codec.rans_cpu import PROB_SCALE, decode_streams, encode_streams
+from codec.entropy import models as prob
+from codec.entropy.rans_cpu import PROB_SCALE, decode_streams, encode_streams
 from cachegen_common import flags
 
 
@@ -65,7 +65,7 @@ def rans_bench(argv=None) -> int:
     flags.add_repeats(ap, default=5)
     ap.add_argument("--no-constriction", action="store_true")
     ap.add_argument("--npz", default=None, help="real symbols: sym_k, sym_v [L, T, C], nbins_k, nbins_v "
-                    "(models from codec.probability.build_models); default: synthetic")
+                    "(models from codec.entropy.models.build_models); default: synthetic")
     a = ap.parse_args(argv)
     if a.npz:
         d = np.load(a.npz)

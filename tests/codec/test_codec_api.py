@@ -1,5 +1,5 @@
 """Public codec API: round trips of every codec, the faults known from peer implementations
-(LMCache's cachegen serde, the CacheGen artifact), chunking, sizes, input validation (codec/api.py, codec/codecs.py)."""
+(LMCache's cachegen serde, the CacheGen artifact), chunking, sizes, input validation (codec/api.py, codec/codecs/__init__.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import codec
-from codec import quantize as Q
+from codec.quant import reference as Q
 from codec.codecs import CacheGenCodec
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

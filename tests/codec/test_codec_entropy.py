@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from codec import bitstream as bs
-from codec import probability as prob
-from codec import rans_cpu as rc
+from codec.entropy import models as prob
+from codec.entropy import rans_cpu as rc
+from codec.entropy import rans_ref as rref
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
 
@@ -92,17 +93,17 @@ def _random_cum(rng, nb, alpha=0.5):
 
 def test_ref_stream_examples():
     cum = _random_cum(np.random.default_rng(0), 4)
-    assert rc.rans_encode_ref([], []) == bytes([0x00, 0x00, 0x01, 0x00])  # n = 0: x = L
-    assert rc.rans_decode_ref(bytes([0, 0, 1, 0]), []) == []
+    assert rref.rans_encode_ref([], []) == bytes([0x00, 0x00, 0x01, 0x00])  # n = 0: x = L
+    assert rref.rans_decode_ref(bytes([0, 0, 1, 0]), []) == []
     syms = [0, 1, 2, 3, 3, 2, 1, 0] * 10
-    st_ = rc.rans_encode_ref(syms, [cum] * len(syms))
-    assert rc.rans_decode_ref(st_, [cum] * len(syms)) == syms
+    st_ = rref.rans_encode_ref(syms, [cum] * len(syms))
+    assert rref.rans_decode_ref(st_, [cum] * len(syms)) == syms
     with pytest.raises(CodecError):
-        rc.rans_decode_ref(st_[:-2], [cum] * len(syms))
+        rref.rans_decode_ref(st_[:-2], [cum] * len(syms))
     with pytest.raises(CodecError):
-        rc.rans_decode_ref(st_ + b"\0\0", [cum] * len(syms))
+        rref.rans_decode_ref(st_ + b"\0\0", [cum] * len(syms))
     with pytest.raises(CodecError):
-        rc.rans_decode_ref(b"\xff\xff\x00\x00", [cum])  # x < L
+        rref.rans_decode_ref(b"\xff\xff\x00\x00", [cum])  # x < L
 
 
 @pytest.mark.parametrize("cfg", [
@@ -117,13 +118,13 @@ def test_numba_matches_reference_bytes(cfg):
     nbm = np.array(nbs)[mi]
     sk = (rng.random((L, T, C)) * nbm[0][:, None, :]).astype(np.uint8)
     sv = (rng.random((L, T, C)) * nbm[1][:, None, :]).astype(np.uint8)
-    p_ref, l_ref = rc.encode_streams_ref(sk, sv, cum, mi, G, B)
+    p_ref, l_ref = rref.encode_streams_ref(sk, sv, cum, mi, G, B)
     p, lens = rc.encode_streams(sk, sv, cum, mi, G, B)
     assert p.tobytes() == p_ref
     assert np.array_equal(lens, l_ref)
     dk, dv = rc.decode_streams(p.tobytes(), lens, cum, mi, L, T, C, G, B)
     assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
-    rk, rv = rc.decode_streams_ref(p_ref, l_ref, cum, mi, L, T, C, G, B)
+    rk, rv = rref.decode_streams_ref(p_ref, l_ref, cum, mi, L, T, C, G, B)
     assert np.array_equal(rk, sk) and np.array_equal(rv, sv)
 
 
@@ -421,7 +422,8 @@ def test_entropy_stage_composes_any_backend():
     """codec.entropy composes models + streams once over a coder backend: a
     backend that records its calls (wrapping the numba one) gives the default's bytes and
     is the only thing that touched the symbols."""
-    from codec import entropy, rans_cpu, rans_spec
+    from codec import entropy
+    from codec.entropy import rans_cpu, rans_spec
 
     calls = []
 
@@ -459,9 +461,9 @@ def test_entropy_stage_composes_any_backend():
     assert set(ref.header) <= set(rans_spec.HEADER_FIELDS)
     assert set(ref.arrays) <= set(rans_spec.ARRAY_NAMES)
     # one definition of the constants and layout, shared by both backends
-    from codec import triton_kernels as tk
+    from codec.triton import ops as tk
 
-    assert rans_cpu.RANS_L == tk.RANS_L == rans_spec.RANS_L
+    assert tk.RANS_L == rans_spec.RANS_L
     assert rans_cpu.stream_layout is rans_spec.stream_layout
     assert tk._layout(2, 33, 6, 2, 33) == rans_spec.stream_layout(2, 33, 6, 2, 33)
 

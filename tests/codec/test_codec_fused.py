@@ -1,4 +1,4 @@
-"""The fused CPU decoder (codec.fused) is bit-identical to the reference
+"""The fused CPU decoder (codec.quant.fused) is bit-identical to the reference
 decode path (decode symbols -> dequantize in float32 -> cast), for every cachegen level,
 cachegen-ref level and quant8, in bf16 / fp16 / fp32, on irregular shapes, with sink
 tokens, outliers and caller-provided destinations."""
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import codec
-from codec import api, codecs as CC, rans_cpu, threads
+from codec import api, base as CC, threads
+from codec.entropy import rans_cpu, rans_ref
 from codec.api import _read
 from codec.errors import CodecError
 
@@ -120,7 +121,7 @@ def test_decode_streams_into_table_and_offsets():
     L, T, C, G = 2, 9, 7, 2
     sk = rng.integers(0, 5, (L, T, C)).astype(np.uint8)
     sv = rng.integers(0, 3, (L, T, C)).astype(np.uint8)
-    from codec import probability as prob
+    from codec.entropy import models as prob
 
     ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), [5] * L, [3] * L)
     pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, T)
@@ -176,7 +177,7 @@ def test_raw_decode_checks_finite_in_its_copy(dtype, parallel, monkeypatch):
     through decode_kv and decode_kv_into, serial and parallel builds; finite extremes
     decode bit for bit."""
     from codec import bitstream
-    from codec.dequant_cpu import copy_finite_into, count_nonfinite
+    from codec.quant.tables import copy_finite_into, count_nonfinite
 
     if parallel:
         monkeypatch.setattr(threads, "PARALLEL_MIN_SYMBOLS", 0)
@@ -208,7 +209,7 @@ def test_raw_decode_checks_finite_in_its_copy(dtype, parallel, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_finite_matches_torch(dtype):
-    from codec.fused import all_finite
+    from codec.quant.fused import all_finite
 
     x = torch.randn(3, 70000, dtype=torch.float32).to(dtype)   # > one 64K block
     assert all_finite(x)
@@ -229,7 +230,7 @@ def test_all_finite_matches_torch(dtype):
 def test_parallel_kernels_equal_reference(name, monkeypatch):
     """The parallel (prange) builds of the fused kernels give the reference's bits too."""
     monkeypatch.setattr(threads, "PARALLEL_MIN_SYMBOLS", 0)
-    from codec.fused import all_finite
+    from codec.quant.fused import all_finite
 
     for dtype in (torch.bfloat16, torch.float16):
         k, v = _kv((3, 200, 2, 64), dtype, seed=11)
@@ -247,16 +248,16 @@ def test_dynamic_scheduling_any_worker_count(workers, monkeypatch):
     number of workers (fewer, as many as or more than numba's threads) decodes every item
     exactly once, to the same symbols as the reference decoder, and a corrupt stream is
     still reported."""
-    monkeypatch.setattr(rans_cpu, "_num_workers", lambda: workers)
+    monkeypatch.setattr(threads, "num_workers", lambda: workers)
     rng = np.random.default_rng(5)
     L, T, C, G, B = 3, 40, 24, 2, 16          # quads, single-lane items and short blocks
     sk = rng.integers(0, 6, (L, T, C)).astype(np.uint8)
     sv = rng.integers(0, 4, (L, T, C)).astype(np.uint8)
-    from codec import probability as prob
+    from codec.entropy import models as prob
 
     ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), [6] * L, [4] * L)
     pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
-    ref_k, ref_v = rans_cpu.decode_streams_ref(pay.tobytes(), lens, ms.cum, ms.model_index,
+    ref_k, ref_v = rans_ref.decode_streams_ref(pay.tobytes(), lens, ms.cum, ms.model_index,
                                                L, T, C, G, B)
     for par in (True, False):
         dk, dv = rans_cpu.decode_streams(pay.tobytes(), lens, ms.cum, ms.model_index,

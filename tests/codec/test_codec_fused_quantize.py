@@ -1,4 +1,4 @@
-"""The fused numba quantization (codec.fused.quantize_fast / row_absmax_fast)
+"""The fused numba quantization (codec.quant.fused.quantize_fast / row_absmax_fast)
 gives exactly the symbols and scales of the torch reference arithmetic, and the codec's
 bitstream is unchanged by it (same bytes as with the torch path).
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import codec
-from codec import fused as F
-from codec import quantize as Q
+from codec.quant import fused as F
+from codec.quant import reference as Q
 
 
 def _torch_absmax(x, dims):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import codec
-from codec import quantize as Q
+from codec.quant import reference as Q
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPE = (2, 192, 2, 32)              # L, T, H, D: KIVI quantizes 64 tokens (192 - 128)

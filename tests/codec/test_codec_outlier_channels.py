@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import codec
-from codec import quantize as Q
+from codec.quant import reference as Q
 from codec.api import decode_kv, encode_kv
 from codec.errors import CodecError
 from tests.codec.test_codec_outliers import SHAPE, normal_kv  # the same KV as the outlier tests

@@ -17,7 +17,7 @@ import torch
 
 import codec
 from codec import bitstream
-from codec import quantize as Q
+from codec.quant import reference as Q
 
 SHAPE = (3, 256, 2, 64)      # L, T, H, D
 LAYER, HEAD = 1, 1           # the slice the outliers go into

@@ -1,4 +1,4 @@
-"""Config presets and reference quantizers (codec/config.py, codec/quantize.py)."""
+"""Config presets and reference quantizers (codec/config.py, codec/quant/reference.py)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from codec import quantize as Q
+from codec.quant import reference as Q
 from codec.config import CodecConfig, QuantizationSpec, reference_schedule
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import pytest
 
-from codec import probability as prob
+from codec.entropy import models as prob
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
 from tests.codec.test_codec_entropy import _normalize_spec  # docs/bitstream.md 4.3, literally

@@ -25,13 +25,13 @@ CHILD = textwrap.dedent(r"""
     import torch
 
     import codec
-    from codec import rans_cpu
+    from codec import threads
 
     THREADS = int(sys.argv[1])
-    # [4, 512, 2, 64]: 2*L*T*C = 524288 symbols >= rans_cpu.PARALLEL_MIN_SYMBOLS, so the
+    # [4, 512, 2, 64]: 2*L*T*C = 524288 symbols >= threads.PARALLEL_MIN_SYMBOLS, so the
     # parallel numba kernels are the ones used by a lone caller
     L, T, H, D = 4, 512, 2, 64
-    assert 2 * L * T * H * D >= rans_cpu.PARALLEL_MIN_SYMBOLS
+    assert 2 * L * T * H * D >= threads.PARALLEL_MIN_SYMBOLS
     g = torch.Generator().manual_seed(0)
     k = (torch.randn(L, T, H, D, generator=g) * 2).to(torch.bfloat16)
     v = torch.randn(L, T, H, D, generator=g).to(torch.bfloat16)

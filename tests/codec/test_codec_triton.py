@@ -15,10 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from codec import probability as prob  # noqa: E402
-from codec import quantize as Q  # noqa: E402
-from codec import rans_cpu  # noqa: E402
-from codec import triton_kernels as tk  # noqa: E402
+from codec.entropy import models as prob  # noqa: E402
+from codec.quant import reference as Q  # noqa: E402
+from codec.entropy import rans_cpu  # noqa: E402
+from codec.entropy import rans_ref  # noqa: E402
+from codec.triton import ops as tk  # noqa: E402
 from codec.errors import CodecError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.available(), reason="Triton not usable here")
@@ -75,7 +76,7 @@ def test_rans_bytes_equal_cpu_and_decode_both_ways(L, T, C, G, B):
 def test_rans_matches_pure_python_reference():
     L, T, C, G, B = 1, 6, 3, 2, 4
     sk, sv, ms = _chunk(7, L, T, C, [8], [4])
-    ref_pay, ref_len = rans_cpu.encode_streams_ref(sk, sv, ms.cum, ms.model_index, G, B)
+    ref_pay, ref_len = rans_ref.encode_streams_ref(sk, sv, ms.cum, ms.model_index, G, B)
     pay, lens = tk.rans_encode_triton(_t(sk), _t(sv), ms.cum, ms.model_index, G, B)
     assert pay.cpu().numpy().tobytes() == ref_pay
     assert lens.cpu().tolist() == ref_len.tolist()
@@ -302,7 +303,7 @@ def test_available_under_interpreter_or_cuda():
 
 _COMPILE_SCRIPT = r"""
 import json, sys
-from codec import triton_kernels as tk
+from codec.triton import ops as tk
 try:
     ptx = tk.compile_for_target(90)
 except (FileNotFoundError, ImportError, TypeError) as e:  # no ptxas / other Triton API

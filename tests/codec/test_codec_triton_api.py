@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import codec  # noqa: E402
-from codec import triton_kernels as tk  # noqa: E402
+from codec.triton import ops as tk  # noqa: E402
 from codec.config import CodecConfig  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not tk.available(), reason="Triton not usable here")

@@ -139,25 +139,27 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'bench/codec_rows.py': [
         'bench.codec_metrics._median_time'
     ],
-    'codec/codecs.py': [
-        'codec.registry._build_registry'
-    ],
     'codec/config.py': [
         'codec.schedules._scaled', 'codec.schedules._specs'
     ],
-    'codec/dequant_cpu.py': [
-        'codec.dequant_kernels._copy_finite_par', 'codec.dequant_kernels._copy_finite_ser',
-        'codec.dequant_kernels._dequant_direct_par', 'codec.dequant_kernels._dequant_direct_ser',
-        'codec.dequant_kernels._gather_par', 'codec.dequant_kernels._gather_ser',
-        'codec.dequant_kernels._kivi_par', 'codec.dequant_kernels._kivi_ser',
-        'codec.dequant_kernels._lut8_par', 'codec.dequant_kernels._lut8_ser',
-        'codec.dequant_kernels._nonfinite_par', 'codec.dequant_kernels._nonfinite_ser'
+    'codec/entropy/codebook.py': [
+        'codec.entropy.codebook_codes._range_bits', 'codec.entropy.codebook_codes._ranged_deltas',
+        'codec.entropy.codebook_codes._ranged_read', 'codec.entropy.codebook_codes._ranged_write',
+        'codec.entropy.codebook_codes._rice_read', 'codec.entropy.codebook_codes._rice_read_plain',
+        'codec.entropy.codebook_codes._rice_write_plain'
     ],
-    'codec/dequant_kernels.py': [
-        'codec.rans_kernels._dual'
-    ],
-    'codec/fused.py': [
-        'codec.rans_cpu._num_workers', 'codec.rans_kernels._dual'
+    'codec/entropy/models.py': [
+        'codec.entropy.codebook._assemble', 'codec.entropy.codebook._cum_from_freqs',
+        'codec.entropy.codebook._deserialize_models_v2', 'codec.entropy.codebook._layer_nbins',
+        'codec.entropy.codebook._ms_nb_layer', 'codec.entropy.codebook_codes._bits_read',
+        'codec.entropy.codebook_codes._fixed_write', 'codec.entropy.codebook_codes._normalize_rows',
+        'codec.entropy.codebook_codes._normalize_rows_py',
+        'codec.entropy.codebook_codes._range_bits', 'codec.entropy.codebook_codes._ranged_deltas',
+        'codec.entropy.codebook_codes._ranged_read', 'codec.entropy.codebook_codes._ranged_write',
+        'codec.entropy.codebook_codes._rice_one', 'codec.entropy.codebook_codes._rice_read',
+        'codec.entropy.codebook_codes._rice_read_plain', 'codec.entropy.codebook_codes._rice_write',
+        'codec.entropy.codebook_codes._rice_write_plain',
+        'codec.entropy.codebook_codes._zigzag_deltas'
     ],
     'codec/kvtc/__init__.py': [
         'codec.kvtc.calibration._HASH_RE', 'codec.kvtc.calibration._check_calibration',
@@ -213,38 +215,18 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'codec/kvtc/transfer.py': [
         'codec.kvtc.calibration._HASH_RE'
     ],
-    'codec/prob_codebook.py': [
-        'codec.prob_tables._range_bits', 'codec.prob_tables._ranged_deltas',
-        'codec.prob_tables._ranged_read', 'codec.prob_tables._ranged_write', 'codec.prob_tables._rice_read',
-        'codec.prob_tables._rice_read_plain', 'codec.prob_tables._rice_write_plain'
-    ],
-    'codec/probability.py': [
-        'codec.prob_codebook._assemble', 'codec.prob_codebook._cum_from_freqs',
-        'codec.prob_codebook._deserialize_models_v2', 'codec.prob_codebook._layer_nbins',
-        'codec.prob_codebook._ms_nb_layer', 'codec.prob_tables._bits_read',
-        'codec.prob_tables._fixed_write', 'codec.prob_tables._normalize_rows',
-        'codec.prob_tables._normalize_rows_py', 'codec.prob_tables._range_bits',
-        'codec.prob_tables._ranged_deltas', 'codec.prob_tables._ranged_read',
-        'codec.prob_tables._ranged_write', 'codec.prob_tables._rice_one', 'codec.prob_tables._rice_read',
-        'codec.prob_tables._rice_read_plain', 'codec.prob_tables._rice_write',
-        'codec.prob_tables._rice_write_plain', 'codec.prob_tables._zigzag_deltas'
-    ],
-    'codec/rans_cpu.py': [
-        'codec.rans_kernels._compact_par', 'codec.rans_kernels._compact_ser',
-        'codec.rans_kernels._decode_par', 'codec.rans_kernels._decode_ser', 'codec.rans_kernels._dual',
-        'codec.rans_kernels._encode_par', 'codec.rans_kernels._encode_ser', 'codec.rans_kernels._lut_par',
-        'codec.rans_kernels._lut_ser', 'codec.rans_ref._iter_stream_positions'
-    ],
-    'codec/triton_kernels.py': [
-        'codec.triton_jit._constexpr', 'codec.triton_jit._dequantize_kernel',
-        'codec.triton_jit._histogram_kernel', 'codec.triton_jit._jit', 'codec.triton_jit._kernel',
-        'codec.triton_jit._launch_opts', 'codec.triton_jit._on', 'codec.triton_jit._quantize_kernel',
-        'codec.triton_jit._rans_decode_kernel', 'codec.triton_jit._rans_encode_kernel',
-        'codec.triton_jit._require'
+    'codec/triton/ops.py': [
+        'codec.triton.kernels._constexpr', 'codec.triton.kernels._dequantize_kernel',
+        'codec.triton.kernels._histogram_kernel', 'codec.triton.kernels._jit',
+        'codec.triton.kernels._kernel', 'codec.triton.kernels._launch_opts',
+        'codec.triton.kernels._on', 'codec.triton.kernels._quantize_kernel',
+        'codec.triton.kernels._rans_decode_kernel', 'codec.triton.kernels._rans_encode_kernel',
+        'codec.triton.kernels._require'
     ],
     'codec/window.py': [
-        'codec.api._check_kv', 'codec.api._check_level', 'codec.api._device', 'codec.api._encode_one',
-        'codec.api._resolve_backend', 'codec.api._unpack_kind', 'codec.window_rules._window_list'
+        'codec.api._check_kv', 'codec.api._check_level', 'codec.api._device',
+        'codec.api._encode_one', 'codec.api._resolve_backend', 'codec.api._unpack_kind',
+        'codec.window_rules._window_list'
     ],
     'scripts/kvtc_tune.py': [
         'codec.api._encode_one'
@@ -324,40 +306,28 @@ ALLOW_FORWARDED: dict[str, list[str]] = {
     'cachegen_common/header.py': [
         'atomic_write', 'atomic_write_json', 'atomic_write_text', 'json_default'
     ],
-    'codec/codecs.py': [
-        'CODECS', 'CacheGenCodec', 'Codec', 'CodecConfig', 'CodecError', 'DTYPES', 'DTYPE_BYTES',
-        'DTYPE_NAMES', 'EncodedChunk', 'Fp8Codec', 'KIVI_GROUP', 'KIVI_RESIDUAL', 'KiviCodec', 'RawCodec',
-        '_build_registry', 'from_bits', 'get_codec', 'need_array', 'need_int', 'pack_bits', 'resolve_level',
-        'to_bits', 'unpack_bits'
-    ],
     'codec/config.py': [
         'HARNESS_LEVELS', 'LEVELS', '_scaled', '_specs'
     ],
-    'codec/probability.py': [
+    'codec/entropy/models.py': [
         'PROB_SCALE', 'RICE_MAX_K', 'TABLE_Q', 'TABLE_QMAX', '_bits_read', '_cum_from_freqs',
-        '_deserialize_models_v2', '_fixed_write', '_ms_nb_layer', '_normalize_rows_py', '_range_bits',
-        '_ranged_deltas', '_ranged_read', '_ranged_write', '_rice_one', '_rice_read', '_rice_read_plain',
-        '_rice_write', '_rice_write_plain', '_zigzag_deltas', 'deserialize_models', 'rice_cost',
-        'serialize_models'
+        '_deserialize_models_v2', '_fixed_write', '_ms_nb_layer', '_normalize_rows_py',
+        '_range_bits', '_ranged_deltas', '_ranged_read', '_ranged_write', '_rice_one', '_rice_read',
+        '_rice_read_plain', '_rice_write', '_rice_write_plain', '_zigzag_deltas',
+        'deserialize_models', 'rice_cost', 'serialize_models'
     ],
-    'codec/quantize.py': [
-        'CHANNEL_GAP', 'CHANNEL_MAX', 'CHANNEL_MAX_EXP', 'CHANNEL_MEDIAN_GAP', 'FP8_MAX', 'OUTLIER_RATIO',
-        'OUTLIER_SAMPLE', 'fp8_dequantize', 'fp8_quantize', 'kivi_dequantize', 'kivi_quantize',
-        'outlier_channels', 'outlier_thresholds'
+    'codec/quant/reference.py': [
+        'CHANNEL_GAP', 'CHANNEL_MAX', 'CHANNEL_MAX_EXP', 'CHANNEL_MEDIAN_GAP', 'FP8_MAX',
+        'OUTLIER_RATIO', 'OUTLIER_SAMPLE', 'fp8_dequantize', 'fp8_quantize', 'kivi_dequantize',
+        'kivi_quantize', 'outlier_channels', 'outlier_thresholds'
     ],
-    'codec/rans_cpu.py': [
-        'ERR_FINAL', 'ERR_LEFTOVER', 'ERR_OK', 'ERR_SHORT', 'ERR_STATE', 'ERR_SYMBOL', 'ERR_TRUNCATED',
-        'HAVE_NUMBA', 'LUT_SHIFT', 'PARALLEL_MIN_SYMBOLS', 'PROB_BITS', 'RANS_L', '_MASK16', '_dual',
-        '_iter_stream_positions', 'count_nonfinite', 'decode_streams_ref', 'dequant_direct_into',
-        'encode_streams_ref', 'gather_into', 'kivi_into', 'lut8_into', 'rans_decode_ref', 'rans_encode_ref'
-    ],
-    'codec/triton_kernels.py': [
-        'ERR_FINAL', 'ERR_INTERNAL', 'ERR_LEFTOVER', 'ERR_OK', 'ERR_STATE', 'ERR_SYMBOL', 'ERR_TRUNCATED',
-        'HAVE_TRITON', 'K_ERR_FINAL', 'K_ERR_INTERNAL', 'K_ERR_LEFTOVER', 'K_ERR_OK', 'K_ERR_STATE',
-        'K_ERR_SYMBOL', 'K_ERR_TRUNCATED', 'K_PROB_SCALE', 'K_RANS_L', 'PROB_BITS', 'RANS_L',
-        'RANS_WARPS_GPU', '_constexpr', '_dequantize_kernel', '_histogram_kernel', '_jit',
-        '_quantize_kernel', '_rans_decode_kernel', '_rans_encode_kernel', 'available', 'compile_for_target',
-        'resolve_backend', 'tl'
+    'codec/triton/ops.py': [
+        'ERR_FINAL', 'ERR_INTERNAL', 'ERR_LEFTOVER', 'ERR_OK', 'ERR_STATE', 'ERR_SYMBOL',
+        'ERR_TRUNCATED', 'HAVE_TRITON', 'K_ERR_FINAL', 'K_ERR_INTERNAL', 'K_ERR_LEFTOVER',
+        'K_ERR_OK', 'K_ERR_STATE', 'K_ERR_SYMBOL', 'K_ERR_TRUNCATED', 'K_PROB_SCALE', 'K_RANS_L',
+        'PROB_BITS', 'RANS_L', 'RANS_WARPS_GPU', '_constexpr', '_dequantize_kernel',
+        '_histogram_kernel', '_jit', '_quantize_kernel', '_rans_decode_kernel',
+        '_rans_encode_kernel', 'available', 'compile_for_target', 'resolve_backend', 'tl'
     ],
     'codec/window.py': [
         'layout_tag', 'min_load_tokens', 'parse_layout_tag', 'stored_fraction'

@@ -25,7 +25,7 @@ logger = logging.getLogger("cachegen.vllm_warmup")
 # calibration artifact (kvtc) - one failing codec is logged and skipped, never fatal
 DEFAULT_SKIP = ("kvtc",)
 # The CPU rANS coder has a serial kernel for small chunks and a parallel (prange) one from
-# codec.rans_cpu.PARALLEL_MIN_SYMBOLS symbols up (distinct numba cache entries): entropy-
+# codec.threads.PARALLEL_MIN_SYMBOLS symbols up (distinct numba cache entries): entropy-
 # coded codecs are warmed a second time with a chunk above that size, or a real chunk's
 # first decode still compiles the parallel kernel (measured 5.3 s when numba's cache was
 # stale).
@@ -54,7 +54,7 @@ def warm_up_codecs(codecs: Iterable[str] | None = None, dtype: Any = None,
     names = list(codecs) if codecs is not None else \
         [c for c in codec_pkg.CODECS if c not in DEFAULT_SKIP]
     try:
-        from codec.rans_cpu import PARALLEL_MIN_SYMBOLS as par_min
+        from codec.threads import PARALLEL_MIN_SYMBOLS as par_min
     except ImportError:  # pragma: no cover - coder without a size switch
         par_min = 1 << 18
     L, T, H, D = shape

@@ -1,7 +1,7 @@
 """The baselines' low-bit quantizers: KIVI's asymmetric groups and the FP8 (e4m3) cast.
 
-Separate from ``codec.quantize`` (cachegen's symmetric quantizer) because they serve other
-codecs (``codec.baselines``, ``codec.fused``) and share none of its arithmetic. KIVI
+Separate from ``codec.quant.reference`` (cachegen's symmetric quantizer) because they serve other
+codecs (``codec.codecs.baselines``, ``codec.quant.fused``) and share none of its arithmetic. KIVI
 (Liu et al., ICML 2024) computes its range and step in float64 (``max - min`` of two
 finite values can overflow float32).
 """

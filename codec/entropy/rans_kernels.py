@@ -1,11 +1,11 @@
-"""The numba kernels of the CPU rANS coder (codec.rans_cpu): encode, compaction, decode
+"""The numba kernels of the CPU rANS coder (codec.entropy.rans_cpu): encode, compaction, decode
 (dynamic scheduling over an atomic counter) and the decode tables, each compiled twice by
-`_dual` (parallel and serial builds, numba cache=True). The table decoders of the
-baselines (quant8, fp8, KIVI, the inf/NaN count) are codec/dequant_kernels.py's.
+``codec.threads.dual_build`` (parallel and serial builds, numba cache=True). The table decoders of the
+baselines (quant8, fp8, KIVI, the inf/NaN count) are codec/quant/tables.py's.
 
-Purpose: the hot loops only; argument checks, layout and dispatch are codec.rans_cpu's
+Purpose: the hot loops only; argument checks, layout and dispatch are codec.entropy.rans_cpu's
 Python wrappers (`encode_streams`, `decode_streams_into`, ...), which are the public API.
-Shapes and dtypes: see codec/rans_cpu.py's module docstring and each kernel's docstring.
+Shapes and dtypes: see codec/entropy/rans_cpu.py's module docstring and each kernel's docstring.
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_fused.py -q
 """
@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # numba is a hard requirement for speed, but keep the reference usable without it
-    from numba import njit, prange
-
-    # numba's threading layer is chosen at the first parallel kernel call, not here:
-    # codec.threads.run_kernel calls codec.threads.configure_threading_layer() first
-    # (no import-time side effects).
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - numba is in requirements.txt
-    HAVE_NUMBA = False
+from ..threads import HAVE_NUMBA, dual_build, njit, prange
 
 # ---------------------------------------------------------------------------------------
 # numba kernels
@@ -35,19 +27,6 @@ except ImportError:  # pragma: no cover - numba is in requirements.txt
 # ---------------------------------------------------------------------------------------
 LANES = 4
 LUT_SHIFT = 8  # decode: coarse table of 65536 >> 8 = 256 first-candidate symbols per model
-
-
-def _dual(fn):
-    """(parallel, serial) numba compilations of `fn` (distinct cache entries)."""
-    if not HAVE_NUMBA:  # pragma: no cover
-        return None, None
-    import types
-
-    par = njit(cache=True, nogil=True, parallel=True)(fn)
-    ser_fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
-    ser_fn.__qualname__ = fn.__qualname__ + "_serial"
-    ser = njit(cache=True, nogil=True)(ser_fn)
-    return par, ser
 
 
 if HAVE_NUMBA:
@@ -331,9 +310,9 @@ def _decode_impl(words, w_off, packed_tab, cum_tab, lut_tab, model_index, G, B, 
                          out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err)
 
 
-_encode_par, _encode_ser = _dual(_encode_impl)
-_compact_par, _compact_ser = _dual(_compact_impl)
-_decode_par, _decode_ser = _dual(_decode_impl)
+encode_par, encode_ser = dual_build(_encode_impl)
+compact_par, compact_ser = dual_build(_compact_impl)
+decode_par, decode_ser = dual_build(_decode_impl)
 
 
 def _lut_py(c, lut):
@@ -349,7 +328,7 @@ def _lut_py(c, lut):
 
 
 if HAVE_NUMBA:
-    _lut_par, _lut_ser = _dual(_lut_py)
+    lut_par, lut_ser = dual_build(_lut_py)
 else:  # pragma: no cover
     prange = range
-    _lut_par = _lut_ser = _lut_py
+    lut_par = lut_ser = _lut_py

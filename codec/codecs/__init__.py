@@ -21,22 +21,16 @@ plus KIVI and an FP8 cast:
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_api*.py -q
 
 Layout: ``codec/base.py`` (the shared vocabulary: dtypes, EncodedChunk, bit helpers, the
-Codec base), ``codec/baselines.py`` (raw, fp8, KIVI), ``codec/cachegen.py``
+Codec base), ``codec/codecs/baselines.py`` (raw, fp8, KIVI), ``codec/codecs/cachegen.py``
 (CacheGenCodec: cachegen, cachegen-ref, quant8), ``codec/kvtc/`` (kvtc) and
-``codec/registry.py`` (CODECS, get_codec, resolve_level). This module re-exports their
-names so ``from codec.codecs import ...`` keeps working. Add a codec: a ``Codec``
-subclass in its own module, registered in ``codec/registry.py``.
+``codec/registry.py`` (CODECS, get_codec, resolve_level). This package's face names the
+codec classes. Add a codec: a ``Codec`` subclass in its own module, registered in
+``codec/registry.py``.
 """
 
 from __future__ import annotations
 
-from .base import (Codec, DTYPES, DTYPE_BYTES, DTYPE_NAMES, EncodedChunk, KIVI_GROUP,
-                   KIVI_RESIDUAL, from_bits, need_array, need_int, pack_bits, to_bits,
-                   unpack_bits)
 from .baselines import Fp8Codec, KiviCodec, RawCodec
 from .cachegen import CacheGenCodec
-from .config import CodecConfig
-from .errors import CodecError
-from .registry import CODECS, _build_registry, get_codec, resolve_level
 
-__all__ = ["Codec", "CODECS", "get_codec", "resolve_level", "DTYPES", "EncodedChunk"]
+__all__ = ["CacheGenCodec", "Fp8Codec", "KiviCodec", "RawCodec"]

@@ -2,11 +2,11 @@
 
 Purpose: the GPU half of "written twice" (DEVELOPERS.md): quantization/dequantization
 with the layer-wise bins (CacheGen, Liu et al., SIGCOMM 2024, section 5.2; arithmetic of
-codec/quantize.py), per-(layer, channel) histograms (the statistics behind the 16-bit
+codec/quant/reference.py), per-(layer, channel) histograms (the statistics behind the 16-bit
 CDFs of section 5.2), and the 32-bit-state / 16-bit-word rANS coder of
 docs/bitstream.md sections 2-3 (J. Duda, "Asymmetric numeral systems", 2013), one SIMD
 lane per independent stream. Every kernel produces exactly the bytes / symbols of the
-CPU backend (codec/rans_cpu.py, codec/quantize.py, codec/probability.py) for the same
+CPU backend (codec/entropy/rans_cpu.py, codec/quant/reference.py, codec/entropy/models.py) for the same
 input, so a KV encoded on a GPU decodes on a CPU and the reverse. See docs/gpu.md.
 
 Design (docs/gpu.md has the long version):
@@ -22,16 +22,16 @@ Design (docs/gpu.md has the long version):
 - Decoding reads each stream from the prefix sum of the stored lengths (validated on the
   host first: even, >= 4, <= 4 + 2 * symbols, summing to the payload size), never reads
   outside its own slot, and writes a per-stream error code (the codes of
-  codec/rans_cpu.py: truncated, final state != L, leftover bytes); the wrapper turns any
+  codec/entropy/rans_cpu.py: truncated, final state != L, leftover bytes); the wrapper turns any
   non-zero code into CodecError. Symbol lookup (`lookup=`): "search", a branch-free
   binary search over the model's cum row, ceil(log2(nbins)) gathers (<= 8 for 256
   bins), or "scan", the row held in registers and NB compare/selects per symbol;
   "auto" scans alphabets <= 32 symbols. One launch per alphabet-size class of layers.
-- Models (the codebook clustering of codec/probability.py) are built on the HOST from the
+- Models (the codebook clustering of codec/entropy/models.py) are built on the HOST from the
   GPU-computed histograms: that step is tiny (models x bins counts) and running the very
   same numpy code guarantees identical models, hence identical bytes.
 - Quantization: scales (max |x|, log8 rounding) and `inv = M / s`, `step = s / M` are
-  computed with the same torch expressions as codec/quantize.py on the tensor's device
+  computed with the same torch expressions as codec/quant/reference.py on the tensor's device
   (they are 1/D of the data); the elementwise part runs in Triton. Rounding is
   round-half-to-even implemented with floor/compare (exact, no libdevice, so it also runs
   in the interpreter), and fp fusion is disabled so x * inv is rounded before rint.
@@ -48,9 +48,9 @@ Public API (mirrors the CPU functions):
   compile_for_target(arch=90) -> {variant: PTX}: AOT compile check, no GPU needed
   encode_symbols_triton / decode_symbols_triton: codec.entropy's API on the GPU path.
 Layout: the kernel sources, their compilation and the availability checks are in
-codec/triton_jit.py (re-exported here); the Python wrappers that launch them are here.
-Torch/numpy references: codec.quantize.quantize/dequantize, histogram_ref (torch
-bincount), codec.rans_cpu.encode_streams_ref / decode_streams_ref.
+codec/triton/kernels.py (re-exported here); the Python wrappers that launch them are here.
+Torch/numpy references: codec.quant.reference.quantize/dequantize, histogram_ref (torch
+bincount), codec.entropy.rans_ref.encode_streams_ref / decode_streams_ref.
 
 Run the tests (CPU, interpreter):
   TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/codec/test_codec_triton.py -q
@@ -64,8 +64,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import scratch
-from .errors import CodecError
+from .. import scratch
+from ..errors import CodecError
 
 __all__ = [
     "available",
@@ -82,16 +82,16 @@ __all__ = [
     "TRITON_CODER",
 ]
 
-# The coder's constants, error codes and stream layout: codec.rans_spec (specified once,
-# shared with the numba backend codec.rans_cpu; docs/bitstream.md sections 2-4).
-from .rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_MESSAGES as _ERR_MESSAGES,  # noqa: E402,F401
+# The coder's constants, error codes and stream layout: codec.entropy.rans_spec (specified once,
+# shared with the numba backend codec.entropy.rans_cpu; docs/bitstream.md sections 2-4).
+from ..entropy.rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_MESSAGES as _ERR_MESSAGES,  # noqa: E402,F401
                         ERR_OK, ERR_STATE, ERR_SYMBOL, ERR_TRUNCATED, PROB_BITS, PROB_SCALE,
                         RANS_L, bad_stream_lengths, stream_layout)
 
 # The kernels, their JIT / AOT compilation, the launch helpers, the import guard and the
-# checks of where Triton can run live in codec.triton_jit (modules stay under 600 lines);
+# checks of where Triton can run live in codec.triton.kernels (modules stay under 600 lines);
 # re-exported here.
-from .triton_jit import (HAVE_TRITON, K_ERR_FINAL, K_ERR_INTERNAL, K_ERR_LEFTOVER,  # noqa: E402,F401
+from .kernels import (HAVE_TRITON, K_ERR_FINAL, K_ERR_INTERNAL, K_ERR_LEFTOVER,  # noqa: E402,F401
                          K_ERR_OK, K_ERR_STATE, K_ERR_SYMBOL, K_ERR_TRUNCATED, K_PROB_SCALE,
                          K_RANS_L, RANS_BLOCK_GPU, RANS_BLOCK_INTERP, RANS_WARPS_GPU,
                          _constexpr, _dequantize_kernel, _histogram_kernel, _jit, _kernel,
@@ -131,7 +131,7 @@ def _scale_indexing(x_shape: torch.Size, s: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> torch.Tensor:
-    """Triton twin of `codec.quantize.quantize`: the same uint8 symbols, bit for bit.
+    """Triton twin of `codec.quant.reference.quantize`: the same uint8 symbols, bit for bit.
 
     Args:
       x: [L, ...] float16/bfloat16/float32, on CUDA (or CPU under TRITON_INTERPRET=1).
@@ -154,7 +154,7 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tenso
     m = max_level.to(device=dev, dtype=torch.float32).contiguous()
     mb = m.reshape((-1,) + (1,) * (x.dim() - 1))              # [L, 1, ..., 1]
     s32 = scale.to(torch.float32)
-    # the exact expression of codec.quantize.quantize (broadcasts like it)
+    # the exact expression of codec.quant.reference.quantize (broadcasts like it)
     inv = torch.where(s32 > 0, mb / torch.where(s32 > 0, s32, torch.ones_like(s32)),
                       torch.zeros_like(s32))
     table, S, DIV, MOD = _scale_indexing(x.shape, inv)
@@ -175,7 +175,7 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tenso
 
 def dequantize_triton(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor,
                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Triton twin of `codec.quantize.dequantize`: float32 (sym - M) * (scale / M), then
+    """Triton twin of `codec.quant.reference.dequantize`: float32 (sym - M) * (scale / M), then
     cast (round to nearest even) to `out_dtype` (float32/float16/bfloat16).
 
     Args: sym uint8 [L, ...]; scale float broadcastable to sym (layer first); max_level
@@ -221,7 +221,7 @@ def histogram_ref(sym: torch.Tensor) -> torch.Tensor:
 
 
 def histogram_triton(sym: torch.Tensor, nbins_max: int = 256) -> torch.Tensor:
-    """Per-(layer, channel) symbol counts over tokens (twin of codec.probability.histograms).
+    """Per-(layer, channel) symbol counts over tokens (twin of codec.entropy.models.histograms).
 
     Args: sym uint8 [L, T, C] (CUDA, or CPU under the interpreter); nbins_max: an upper
       bound on the symbols + 1 (smaller = smaller register histograms); symbols >= it
@@ -319,7 +319,7 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
                        G: int, B: int, block: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode all streams of a chunk (docs/bitstream.md sections 2-3) on the GPU; twin of
-    `codec.rans_cpu.encode_streams` (identical bytes).
+    `codec.entropy.rans_cpu.encode_streams` (identical bytes).
 
     Args:
       sym_k, sym_v: uint8 [L, T, C] on CUDA (CPU under TRITON_INTERPRET=1).
@@ -393,12 +393,12 @@ def _steps_per_kvl(cum_t: torch.Tensor, mi: torch.Tensor) -> list[int]:
 def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: int,
                        G: int, B: int, block: int | None = None, device=None,
                        lookup: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode all streams of a chunk on the GPU; twin of `codec.rans_cpu.decode_streams`.
+    """Decode all streams of a chunk on the GPU; twin of `codec.entropy.rans_cpu.decode_streams`.
 
     Args:
       payload: the concatenated streams: uint8 tensor, numpy array or bytes-like.
       lengths: integer [n_streams], bytes per stream (section-3 order).
-      cum: [n_models, 257] valid rows (`codec.rans_cpu.validate_cum_table` for untrusted
+      cum: [n_models, 257] valid rows (`codec.entropy.rans_cpu.validate_cum_table` for untrusted
         tables; rows are also checked here for monotonicity); model_index [2, L, C].
       L, T, C, G, B: chunk shape and stream layout.
       device: where to decode (default: payload's device if a tensor, else "cuda", or
@@ -532,12 +532,12 @@ def encode_symbols_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, nbins_k: Seq
     Args: sym_k, sym_v uint8 torch tensors [L, T, C] on CUDA (CPU under the interpreter);
       the rest as `codec.entropy.encode_symbols`.
     Steps (codec.entropy.encode_symbols with ``backend=TRITON_CODER``): histograms
-      (Triton) -> host: codec.probability.build_models (the same numpy code as the CPU
+      (Triton) -> host: codec.entropy.models.build_models (the same numpy code as the CPU
       path, so the models are identical; it is tiny) -> rANS (Triton, two-pass) ->
       payload copied to the host as bytes.
     Raises: ValueError as `encode_symbols` does (and on an empty chunk).
     """
-    from . import entropy as ent
+    from .. import entropy as ent
 
     sym_k, sym_v = TRITON_CODER.check_symbols(sym_k, sym_v)
     if min(sym_k.shape) < 1:
@@ -554,11 +554,11 @@ def decode_symbols_triton(header: dict, arrays: dict, payload, L: int, T: int, C
     uint8 torch tensors [L, T, C] on `device` (default cuda; cpu under the interpreter).
 
     codec.entropy.decode_symbols with ``backend=TRITON_CODER``: the header / model-table
-    validation is codec.entropy's and codec.probability's own code (run on the host: it
+    validation is codec.entropy's and codec.entropy.models's own code (run on the host: it
     is small); only the rANS decoding runs in Triton.
     Raises: CodecError on any inconsistency.
     """
-    from . import entropy as ent
+    from .. import entropy as ent
 
     for name, v in (("L", L), ("T", T), ("C", C)):
         if type(v) not in (int, np.int64, np.int32) or v < 1:

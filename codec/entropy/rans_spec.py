@@ -1,7 +1,7 @@
 """The rANS coder's specification, defined once: constants, error codes, stream layout.
 
 Purpose: docs/bitstream.md sections 2-4 in code. Both coder backends - numba on the CPU
-(``codec.rans_cpu``) and Triton on the GPU (``codec.triton_kernels``) - and the entropy
+(``codec.entropy.rans_cpu``) and Triton on the GPU (``codec.triton.ops``) - and the entropy
 stage that composes them (``codec.entropy``) import these names; nothing here depends on
 numpy's or torch's flavour of arrays except the two layout helpers (numpy).
 

@@ -13,18 +13,18 @@ symbols with ONE model: ~190 / ~50 (see `python -m bench.coder rans --npz ...`).
 
 `decode_streams_into` is the same decoder writing, for each symbol, an entry of a
 caller-given table (the dequantized value in the model dtype's bits) straight into a
-destination (codec/fused.py); `gather_into`, `lut8_into`, `kivi_into`, the
-table decoders of the baselines quant8, fp8 and KIVI, are codec/dequant_cpu.py's. `CPU_CODER` is this module as the
-coder backend of codec/entropy.py; the constants and layout are codec/rans_spec.py's.
+destination (codec/quant/fused.py); `gather_into`, `lut8_into`, `kivi_into`, the
+table decoders of the baselines quant8, fp8 and KIVI, are codec/quant/tables.py's. `CPU_CODER` is this module as the
+coder backend of codec/entropy/__init__.py; the constants and layout are codec/entropy/rans_spec.py's.
 
 The numba kernels (`encode_streams`, `decode_streams`) run one work item (4 streams of
 identical shape coded in lockstep, or 1 stream) at a time on every core (the encoder per
 `prange` iteration; the decoder's workers take items from an atomic counter, so a thread
 slowed by other work does not hold the others back; small chunks use a serial build) and must produce exactly the bytes of the pure-Python
 reference (`rans_encode_ref`, `rans_decode_ref`, `encode_streams_ref`,
-`decode_streams_ref`), which the Triton kernels (codec/triton_kernels.py) also match.
-The kernels themselves are in codec/rans_kernels.py and the reference in
-codec/rans_ref.py (both re-exported here).
+`decode_streams_ref`), which the Triton kernels (codec/triton/ops.py) also match.
+The kernels themselves are in codec/entropy/rans_kernels.py and the reference in
+codec/entropy/rans_ref.py (both re-exported here).
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy*.py -q
 Run the benchmark: nice -n 5 .venv/bin/python -m bench.coder rans   (Msym/s encode/decode)
@@ -44,51 +44,26 @@ import sys
 
 import numpy as np
 
-from .errors import CodecError
-from .scratch import np_empty
-from . import threads
-from .threads import PARALLEL_MIN_SYMBOLS, run_kernel  # noqa: F401  (re-exported)
+from ..errors import CodecError
+from ..scratch import np_empty
+from .. import threads
+from ..threads import run_kernel
 
-__all__ = [
-    "PROB_BITS",
-    "PROB_SCALE",
-    "RANS_L",
-    "ERR_MESSAGES",
-    "stream_layout",
-    "validate_cum_table",
-    "rans_encode_ref",
-    "rans_decode_ref",
-    "encode_streams_ref",
-    "decode_streams_ref",
-    "encode_streams",
-    "decode_streams",
-    "decode_streams_into",
-    "gather_into",
-    "CPU_CODER",
-]
+__all__ = ["validate_cum_table", "encode_streams", "decode_streams", "decode_streams_into",
+           "build_decode_tables", "max_symbols_of", "CPU_CODER"]
 
 # The coder's constants, error codes and stream layout are specified once, in
-# codec.rans_spec (docs/bitstream.md sections 2-4); re-exported here for callers.
-from .rans_spec import (ERR_FINAL, ERR_LEFTOVER, ERR_MESSAGES, ERR_OK, ERR_SHORT,  # noqa: E402,F401
-                        ERR_STATE, ERR_SYMBOL, ERR_TRUNCATED, PROB_BITS, PROB_SCALE, RANS_L,
-                        WORD_MASK as _MASK16, bad_stream_lengths, stream_layout,
+# codec.entropy.rans_spec (docs/bitstream.md sections 2-4).
+from .rans_spec import (ERR_MESSAGES, PROB_SCALE, bad_stream_lengths, stream_layout,  # noqa: E402
                         stream_symbol_counts)
 
 if sys.byteorder != "little":  # pragma: no cover - the numba kernels write native u16
-    raise ImportError("codec.rans_cpu assumes a little-endian host")
+    raise ImportError("codec.entropy.rans_cpu assumes a little-endian host")
 
-# The numba kernels (codec.rans_kernels) and the pure-Python reference (codec.rans_ref)
-# live in their own modules (modules stay under 600 lines); re-exported here for callers
-# (codec.fused imports HAVE_NUMBA and _dual from here).
-from .rans_kernels import (HAVE_NUMBA, LANES, LUT_SHIFT, _compact_par, _compact_ser,  # noqa: E402,F401
-                           _decode_par, _decode_ser, _dual, _encode_par, _encode_ser, _lut_par,
-                           _lut_ser)
-# The table decoders of the baselines (quant8, fp8, KIVI) and the inf/NaN count live in
-# codec.dequant_cpu; re-exported here, their former home.
-from .dequant_cpu import (count_nonfinite, dequant_direct_into, gather_into,  # noqa: E402,F401
-                          kivi_into, lut8_into)
-from .rans_ref import (_iter_stream_positions, decode_streams_ref, encode_streams_ref,  # noqa: E402,F401
-                       rans_decode_ref, rans_encode_ref)
+# The numba kernels live in codec.entropy.rans_kernels, the pure-Python reference in
+# codec.entropy.rans_ref (modules stay under 600 lines).
+from .rans_kernels import (LANES, compact_par, compact_ser, decode_par, decode_ser,  # noqa: E402
+                           encode_par, encode_ser, lut_par, lut_ser)
 
 
 # ---------------------------------------------------------------------------------------
@@ -202,14 +177,14 @@ def encode_streams(
     items = _work_items(L, T, C, G, B)
     par = (2 * L * T * C >= threads.PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
     # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
-    run_kernel(_encode_par, _encode_ser, par, sym_k, sym_v, freq, np.ascontiguousarray(cum64[:, :256]), mi, G, B, items, scratch, scr_off, nwords, err)
+    run_kernel(encode_par, encode_ser, par, sym_k, sym_v, freq, np.ascontiguousarray(cum64[:, :256]), mi, G, B, items, scratch, scr_off, nwords, err)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
         raise ValueError(f"stream {i}: {ERR_MESSAGES.get(int(err[i]), 'encode error')}")
     out_off = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum(nwords, out=out_off[1:])
     out = np_empty(int(out_off[-1]), dtype=np.uint16)
-    run_kernel(_compact_par, _compact_ser, par, scratch, scr_off, nwords, out_off, out)
+    run_kernel(compact_par, compact_ser, par, scratch, scr_off, nwords, out_off, out)
     return out.view(np.uint8), nwords * 2
 
 
@@ -224,7 +199,7 @@ def build_decode_tables(cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     freq = c[:, 1:] - c[:, :-1]
     packed = freq | (c[:, :256] << 16)
     lut = np_empty((c.shape[0], 256), dtype=np.uint8)
-    run_kernel(_lut_par, _lut_ser, c.shape[0] >= LUT_PARALLEL_MODELS, c, lut)
+    run_kernel(lut_par, lut_ser, c.shape[0] >= LUT_PARALLEL_MODELS, c, lut)
     return packed, lut
 
 
@@ -250,16 +225,6 @@ def decode_streams(
     decode_streams_into(payload, lengths, cum, model_index, L, T, C, G, B, out_k, out_v,
                         ident, ident, 0, C, 0, parallel=parallel)
     return out_k, out_v
-
-
-def _num_workers() -> int:
-    """numba's current thread count (the decode's prange workers)."""
-    try:
-        import numba
-
-        return max(1, int(numba.get_num_threads()))
-    except Exception:  # noqa: BLE001 - no numba / pool not available: one worker
-        return 1
 
 
 def _dims_ok(L, T, C) -> bool:
@@ -354,8 +319,8 @@ def decode_streams_into(
     par = (2 * L * T * C >= threads.PARALLEL_MIN_SYMBOLS) if parallel is None else parallel
     # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
     counter = np.zeros(1, dtype=np.int64)   # next work item (dynamic scheduling, `_decode_impl`)
-    workers = _num_workers() if par else 1
-    run_kernel(_decode_par, _decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
+    workers = threads.num_workers() if par else 1
+    run_kernel(decode_par, decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
                items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, workers)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
@@ -380,7 +345,7 @@ class _CpuCoder:
 
     @staticmethod
     def histograms(sym):
-        from .probability import histograms
+        from .models import histograms
 
         return histograms(sym)
 

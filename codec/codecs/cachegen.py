@@ -2,7 +2,7 @@
 per-(layer, channel) rANS coding, as codecs ``cachegen`` (this project's quantizer,
 variant "harness"), ``cachegen-ref`` (the LMCache reference schedules) and ``quant8``
 (256 bins, no entropy coding). The caller-side choice of the fused numba quantizer or
-the reference one (``codec.quantize``) is made here.
+the reference one (``codec.quant.reference``) is made here.
 """
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import level_table
-from . import outliers
-from . import quantize as Q
-from .config import CodecConfig
-from .errors import CodecError
+from .. import level_table
+from ..quant import outliers
+from ..quant import reference as Q
+from ..config import CodecConfig
+from ..errors import CodecError
 
-from .base import Codec, DTYPES, EncodedChunk, from_bits, need_array, need_int, to_bits
+from ..base import Codec, DTYPES, EncodedChunk, from_bits, need_array, need_int, to_bits
 
 
 def _row_scales(x: torch.Tensor, dim) -> torch.Tensor:
-    """``codec.quantize.row_scales(x, dim)``: a contiguous CPU bf16/fp32 x [L, T, G, D]
-    reduced over (3,) or (1, 3) takes the fused numba pass ``codec.fused.row_absmax_fast``
+    """``codec.quant.reference.row_scales(x, dim)``: a contiguous CPU bf16/fp32 x [L, T, G, D]
+    reduced over (3,) or (1, 3) takes the fused numba pass ``codec.quant.fused.row_absmax_fast``
     (bit-identical, no float32 copy), anything else the torch reference."""
     if x.dim() == 4 and x.device.type == "cpu":
-        from .fused import row_absmax_fast
+        from ..quant.fused import row_absmax_fast
 
         fast = row_absmax_fast(x, (dim,) if isinstance(dim, int) else tuple(dim))
         if fast is not None:
@@ -34,12 +34,12 @@ def _row_scales(x: torch.Tensor, dim) -> torch.Tensor:
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> torch.Tensor:
-    """``codec.quantize.quantize(x, scale, max_level)`` (uint8 symbols, shape of x): a CPU
-    x [L, T, G, D] with a 4-d scale takes the fused numba pass ``codec.fused.quantize_fast``
+    """``codec.quant.reference.quantize(x, scale, max_level)`` (uint8 symbols, shape of x): a CPU
+    x [L, T, G, D] with a 4-d scale takes the fused numba pass ``codec.quant.fused.quantize_fast``
     (same symbols, one pass) where it applies, else the torch reference."""
     if x.dim() == 4 and x.device.type == "cpu" and isinstance(scale, torch.Tensor) \
             and scale.dim() == 4 and x.shape[0] == max_level.shape[0]:
-        from .fused import quantize_fast
+        from ..quant.fused import quantize_fast
 
         fast = quantize_fast(x, scale, max_level.to(torch.float32).reshape(-1, 1, 1, 1))
         if fast is not None:
@@ -129,7 +129,7 @@ class CacheGenCodec(Codec):
         arrays dict, effective float32 scales broadcastable to the ``_layout`` view).
 
         Scales are computed by torch on x's device (exact: max |x| and a searchsorted);
-        ``backend="triton"`` quantizes with ``codec.triton_kernels.quantize_triton`` (the
+        ``backend="triton"`` quantizes with ``codec.triton.ops.quantize_triton`` (the
         same symbols bit for bit) and returns symbols and scales on x's device."""
         L, T, H, D = x.shape
         bins = cfg.key_bins if is_key else cfg.value_bins
@@ -183,7 +183,7 @@ class CacheGenCodec(Codec):
             hdr[f"scale_{tag}"] = "dtype"
             arrays[f"scale_{tag}"] = to_bits(st.reshape(sshape))
         if backend == "triton" and xg.numel():
-            from . import triton_kernels as tk
+            from ..triton import ops as tk
 
             sym = tk.quantize_triton(xg, eff, m).reshape(L, T, H * D)
         else:
@@ -195,13 +195,13 @@ class CacheGenCodec(Codec):
                           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Inverse of ``quantize_tensor``; sym [L, T, C] -> ``out_dtype`` [L, T, H, D] on
         sym's device (float32 arithmetic, then rounded to ``out_dtype``). ``backend=
-        "triton"``: ``codec.triton_kernels.dequantize_triton`` (bit-identical)."""
+        "triton"``: ``codec.triton.ops.dequantize_triton`` (bit-identical)."""
         L, T, H, D = shape
         tag = "k" if is_key else "v"
         view, _, _, eshape = self._layout(shape, cfg, is_key)
         eff, m = self.decode_scales(hdr, arrays, cfg, shape, dtype_name, is_key)
         if backend == "triton" and sym.numel():
-            from . import triton_kernels as tk
+            from ..triton import ops as tk
 
             x = tk.dequantize_triton(sym.reshape(view), eff.reshape(eshape).to(sym.device),
                                      m, out_dtype=out_dtype).reshape(L, T, H, D)
@@ -241,7 +241,7 @@ class CacheGenCodec(Codec):
                       dtype_name: str, is_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated effective float32 scales of K (``is_key``) or V of x [L, T, H, D],
         shaped as ``_layout``'s ``eshape``, and M per layer (float32 [L]); shared by
-        ``dequantize_tensor`` and the fused decoder (``codec.fused``).
+        ``dequantize_tensor`` and the fused decoder (``codec.quant.fused``).
         Raises CodecError on a bad scale array or format."""
         tag = "k" if is_key else "v"
         bins = cfg.key_bins if is_key else cfg.value_bins
@@ -320,12 +320,12 @@ class CacheGenCodec(Codec):
                                                        if n.startswith("sink_")))}
         payload = b""
         if self.entropy:
-            from .entropy import encode_symbols
+            from ..entropy import encode_symbols
 
             nk = [b - 1 for b in cfg.key_bins]       # 2M + 1 = bins - 1 symbols per layer
             nv = [b - 1 for b in cfg.value_bins]
             if isinstance(syms[0], torch.Tensor):
-                from .triton_kernels import encode_symbols_triton
+                from ..triton.ops import encode_symbols_triton
 
                 es = encode_symbols_triton(syms[0], syms[1], nk, nv,
                                            channels_per_stream=cfg.channels_per_stream,
@@ -348,13 +348,13 @@ class CacheGenCodec(Codec):
         ver = 5 if any(n.startswith("chx_") for n in arrays) else 4
         return EncodedChunk(header, arrays, payload, stats, format_version=ver)
 
-    # the CPU decode is fused (codec.fused): symbols -> model dtype straight into the
+    # the CPU decode is fused (codec.quant.fused): symbols -> model dtype straight into the
     # destination, finite by construction (tables, sinks and outliers are checked)
     fused_cpu = True
 
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
                device=None, fused=True, out=None):
-        """``fused`` (default): on the CPU, decode with ``codec.fused`` (bit-identical to
+        """``fused`` (default): on the CPU, decode with ``codec.quant.fused`` (bit-identical to
         the reference path kept below, which ``fused=False`` selects); ``out``: optional
         (k_out, v_out) destination tensors for the fused path (``codec.decode_kv_into``)."""
         L, T, H, D = shape
@@ -373,19 +373,19 @@ class CacheGenCodec(Codec):
         triton = backend == "triton" and self.supports_triton
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if (fused or out is not None) and not triton and dev.type == "cpu":
-            from .fused import decode_cachegen_cpu   # decodes straight into the destination
+            from ..quant.fused import decode_cachegen_cpu   # decodes straight into the destination
 
             return decode_cachegen_cpu(self, cfg, header, arrays, payload, shape, dtype_name,
                                        ns, out=out)
         if self.entropy:
-            from .entropy import decode_symbols, decoding_errors, entropy_part
+            from ..entropy import decode_symbols, decoding_errors, entropy_part
 
             nk = [b - 1 for b in cfg.key_bins]
             nv = [b - 1 for b in cfg.value_bins]
             ent, ent_arrays = entropy_part(header, arrays)
             with decoding_errors():
                 if triton and Tq:   # symbols decoded on (and left on) the device
-                    from .triton_kernels import decode_symbols_triton
+                    from ..triton.ops import decode_symbols_triton
 
                     sk, sv = decode_symbols_triton(ent, ent_arrays, payload, L, Tq, C, nk,
                                                    nv, device=dev, max_symbols=1 << 32)

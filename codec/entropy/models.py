@@ -22,10 +22,10 @@ Everything here is deterministic for a given input (fixed initialisation, fixed 
 of iterations, lowest-index tie-breaking, integer-only frequency normalisation).
 
 Layout: histograms, clustering and `build_models` here; the integer table arithmetic and
-Rice / range coding in codec/prob_tables.py, `ModelSet` and the codebook serialisation
-in codec/prob_codebook.py (both re-exported here).
+Rice / range coding in codec/entropy/codebook_codes.py, `ModelSet` and the codebook serialisation
+in codec/entropy/codebook.py (both re-exported here).
 
-Run: imported by codec/entropy.py; tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_tables.py -q
+Run: imported by codec/entropy/__init__.py; tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_tables.py -q
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .scratch import np_empty
-from .threads import run_kernel
+from ..scratch import np_empty
+from ..threads import run_kernel
 
 try:
     from numba import njit, prange
@@ -53,16 +53,16 @@ __all__ = [
     "entropy_bits_of_counts",
 ]
 
-from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/rans_spec.py)
+from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/entropy/rans_spec.py)
 # The integer table arithmetic and the codebook (ModelSet, serialisation) live in
-# codec.prob_tables and codec.prob_codebook (modules stay under 600 lines); re-exported here.
-from .prob_tables import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_Q, TABLE_QMAX,  # noqa: E402,F401
+# codec.entropy.codebook_codes and codec.entropy.codebook (modules stay under 600 lines); re-exported here.
+from .codebook_codes import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_Q, TABLE_QMAX,  # noqa: E402,F401
                           _bits_read, _fixed_write, _normalize_rows, _normalize_rows_py,
                           _range_bits, _ranged_deltas, _ranged_read, _ranged_write, _rice_one,
                           _rice_read, _rice_read_plain, _rice_write, _rice_write_plain,
                           _zigzag_deltas, entropy_bits_of_counts, freqs_from_codes, index_cost,
                           normalize_freqs, ranged_cost, rice_cost, table_codes)
-from .prob_codebook import (ModelSet, _assemble, _cum_from_freqs, _deserialize_models_v2,  # noqa: E402,F401
+from .codebook import (ModelSet, _assemble, _cum_from_freqs, _deserialize_models_v2,  # noqa: E402,F401
                             _layer_nbins, _ms_nb_layer, deserialize_models, serialize_models)
 
 K_LADDER = (1, 4, 16, 64, 256, 512, 768, 1024, 1536, 2048)  # candidate codebook sizes per nbins group

@@ -3,17 +3,17 @@ its dtype, lossless), ``fp8`` (float8 e4m3 cast, saturating at +-448) and ``kivi
 ``kivi4`` (KIVI, Liu et al., ICML 2024: keys per-channel in groups of 32 tokens, values
 per-token in groups of 32 channels, the last 128 tokens kept exact; a chunk's tokens before
 those 128 that do not fill a group of 32 form one short last key group with its own
-lo/step, so chunking never leaves a token unquantized). See codec/codecs.py.
+lo/step, so chunking never leaves a token unquantized). See codec/codecs/__init__.py.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from . import lowbit
-from .errors import CodecError
+from ..quant import lowbit
+from ..errors import CodecError
 
-from .base import (Codec, DTYPES, EncodedChunk, KIVI_GROUP, KIVI_RESIDUAL, from_bits,
+from ..base import (Codec, DTYPES, EncodedChunk, KIVI_GROUP, KIVI_RESIDUAL, from_bits,
                    need_array, need_int, pack_bits, to_bits, unpack_bits)
 
 
@@ -22,7 +22,7 @@ class RawCodec(Codec):
 
     name = "raw"
     lossless = True
-    fused_cpu = True   # codec.fused.decode_raw_cpu: copy + finite check in one pass
+    fused_cpu = True   # codec.quant.fused.decode_raw_cpu: copy + finite check in one pass
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": to_bits(k), "v": to_bits(v)})
@@ -32,7 +32,7 @@ class RawCodec(Codec):
         if payload:
             raise CodecError("raw codec: unexpected payload")
         if fused or out is not None:
-            from .fused import decode_raw_cpu
+            from ..quant.fused import decode_raw_cpu
 
             return decode_raw_cpu(arrays, shape, dtype_name, out=out)
         return (from_bits(arrays.get("k"), dtype_name, shape, "k"),
@@ -43,7 +43,7 @@ class Fp8Codec(Codec):
     """float8 e4m3 cast (saturating at +-448), 1 byte per element."""
 
     name = "fp8"
-    fused_cpu = True   # codec.fused.decode_fp8_cpu
+    fused_cpu = True   # codec.quant.fused.decode_fp8_cpu
 
     def encode(self, k, v, *, level, config, token_offset, total_tokens, backend="cpu"):
         return EncodedChunk({}, {"k": lowbit.fp8_quantize(k).numpy(), "v": lowbit.fp8_quantize(v).numpy()})
@@ -53,7 +53,7 @@ class Fp8Codec(Codec):
         if payload:
             raise CodecError("fp8: unexpected payload")
         if fused or out is not None:
-            from .fused import decode_fp8_cpu
+            from ..quant.fused import decode_fp8_cpu
 
             return decode_fp8_cpu(arrays, shape, dtype_name, out=out)
         out = []
@@ -149,12 +149,12 @@ class KiviCodec(Codec):
         header["nt"] = nt
         return EncodedChunk(header, arrays, format_version=5)
 
-    fused_cpu = True   # codec.fused.decode_kivi_cpu
+    fused_cpu = True   # codec.quant.fused.decode_kivi_cpu
 
     def decode(self, header, arrays, payload, shape, dtype_name, *, backend="cpu",
                device=None, fused=True, out=None):
         if fused or out is not None:
-            from .fused import decode_kivi_cpu
+            from ..quant.fused import decode_kivi_cpu
 
             if payload:
                 raise CodecError("kivi: unexpected payload")

@@ -8,9 +8,9 @@ besides the rANS decoding itself (measured breakdown: docs/codec.md, "Where deco
 goes"). Here every lossy decode is a table lookup: for each scale row r (a (layer, KV
 head) of a chunk for cachegen's "chunk_head" scales, a (layer, token[, head]) otherwise)
 the value of every symbol s is computed ONCE, by the reference torch arithmetic of
-``codec.quantize.dequantize`` and the same cast (``to_dtype_clamped``), into a table
+``codec.quant.reference.dequantize`` and the same cast (``to_dtype_clamped``), into a table
 ``deq[layer, r, s]`` of the model dtype's bit pattern; the numba rANS decoder
-(``codec.rans_cpu.decode_streams_into``) then writes ``deq[layer, row(t, c), s]`` for each
+(``codec.entropy.rans_cpu.decode_streams_into``) then writes ``deq[layer, row(t, c), s]`` for each
 decoded symbol directly into the destination's memory, both cores, no intermediate
 tensor. Since the table entries are computed by the reference code, the result is
 bit-identical to decode -> dequantize -> cast (tests/codec/test_codec_fused.py).
@@ -30,11 +30,12 @@ import numpy as np
 import torch
 
 from . import lowbit
-from . import quantize as Q
-from . import scratch
-from .base import DTYPES, KIVI_GROUP, from_bits, need_array, need_int
-from .errors import CodecError
-from .threads import run_kernel
+from . import reference as Q
+from .. import scratch
+from ..base import DTYPES, KIVI_GROUP, from_bits, need_array, need_int
+from ..errors import CodecError
+from .. import threads
+from ..threads import run_kernel
 
 __all__ = ["all_finite", "dequant_table", "bits_view", "decode_cachegen_cpu", "decode_fp8_cpu",
            "decode_raw_cpu",
@@ -60,7 +61,7 @@ def all_finite(t: torch.Tensor) -> bool:
     devices/dtypes fall back to torch."""
     if t.device.type != "cpu" or t.dtype not in _NAMES:
         return bool(torch.isfinite(t).all())
-    from .dequant_cpu import count_nonfinite
+    from .tables import count_nonfinite
 
     return count_nonfinite(bits_view(t.contiguous()), _NAMES[t.dtype]) == 0
 
@@ -74,7 +75,7 @@ def dequant_table(eff: torch.Tensor, m: torch.Tensor, nsym: int, dtype: torch.dt
       model dtype.
     Returns: numpy [L, Ts * NH, nsym] (uint16 for bf16/fp16, uint32 for fp32) with
       entry [l, r, s] = to_dtype_clamped((float32(s) - M_l) * (eff[l, r] / M_l), dtype):
-      exactly the elementwise arithmetic of ``codec.quantize.dequantize`` followed by the
+      exactly the elementwise arithmetic of ``codec.quant.reference.dequantize`` followed by the
       codecs' cast, so a lookup is bit-identical to the reference.
     """
     L, Ts, NH = eff.shape[0], eff.shape[1], eff.shape[2]
@@ -146,7 +147,7 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
             o[:, :ns] = sink
     if not Tq:
         if codec_obj.entropy:   # the entropy part must still be the empty one
-            from .entropy import decode_symbols_into, entropy_part
+            from ..entropy import decode_symbols_into, entropy_part
 
             ent, ent_arrays = entropy_part(header, arrays)
             decode_symbols_into(ent, ent_arrays, payload, L, 0, C, [2] * L, [2] * L,
@@ -178,7 +179,7 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
     ok_k = bits_view(k_out).reshape(L, T, C)
     ov_k = bits_view(v_out).reshape(L, T, C)
     if codec_obj.entropy:
-        from .entropy import decode_symbols_into, decoding_errors, entropy_part
+        from ..entropy import decode_symbols_into, decoding_errors, entropy_part
 
         ent, ent_arrays = entropy_part(header, arrays)
         nk = [b - 1 for b in cfg.key_bins]
@@ -187,7 +188,7 @@ def decode_cachegen_cpu(codec_obj, cfg, header: dict, arrays: dict, payload: byt
             decode_symbols_into(ent, ent_arrays, payload, L, Tq, C, nk, nv, ok_k, ov_k,
                                 tabs[0], tabs[1], t_stride, hd, ns)
     else:
-        from .dequant_cpu import dequant_direct_into, gather_into
+        from .tables import dequant_direct_into, gather_into
 
         if payload:
             raise CodecError("quant8: unexpected payload")
@@ -229,7 +230,7 @@ def _dest(shape: tuple, dt: torch.dtype, out) -> tuple[torch.Tensor, torch.Tenso
 def decode_raw_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """raw decode: the stored bit patterns copied into the destination with the finite
-    check in the same pass, both cores (``dequant_cpu.copy_finite_into``): one read of the
+    check in the same pass, both cores (``tables.copy_finite_into``): one read of the
     container and one write, against a copy plus a separate check before.
 
     Args: arrays: "k", "v" (uint16 for bf16/fp16, uint32 for fp32, ``shape`` [L, T, H, D],
@@ -237,7 +238,7 @@ def decode_raw_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
     Returns: (k, v) of the dtype (``out`` when given).
     Raises: CodecError on a missing or mis-shaped array or an inf/NaN value; ValueError on
       a bad out."""
-    from .dequant_cpu import copy_finite_into
+    from .tables import copy_finite_into
 
     dt = DTYPES[dtype_name]
     want = np.uint32 if dt == torch.float32 else np.uint16
@@ -254,7 +255,7 @@ def decode_fp8_cpu(arrays: dict, shape: tuple, dtype_name: str, out=None
     """fp8 (e4m3) decode by a 256-entry table in the model dtype, one pass per tensor,
     both cores; bit-identical to ``fp8_dequantize(...).to(dtype)``.
     Raises CodecError on NaN codes (0x7F / 0xFF) or bad arrays; ValueError on a bad out."""
-    from .dequant_cpu import lut8_into
+    from .tables import lut8_into
 
     dt = DTYPES[dtype_name]
     ko, vo = _dest(shape, dt, out)
@@ -275,7 +276,7 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
     cast to the dtype: bit-identical), then one numba pass unpacking the codes and looking
     them up; the full-precision tokens are copied behind. Raises CodecError as the
     reference decoder; ValueError on a bad out."""
-    from .dequant_cpu import kivi_into
+    from .tables import kivi_into
 
     L, T, H, D = shape
     bits = codec_obj.bits
@@ -323,8 +324,8 @@ def decode_kivi_cpu(codec_obj, header: dict, arrays: dict, shape: tuple, dtype_n
 
 
 # ============================================================================ encode side
-# Fused CPU quantization: ``codec.quantize.row_scales`` and
-# ``codec.quantize.quantize`` in torch make a float32 copy of x, an abs copy, and five
+# Fused CPU quantization: ``codec.quant.reference.row_scales`` and
+# ``codec.quant.reference.quantize`` in torch make a float32 copy of x, an abs copy, and five
 # full-size float32 temporaries (x * inv, round, max, min, + M) before the uint8 cast:
 # ~2/3 of a cachegen encode (profile in docs/codec.md, section 5b). The kernels below read
 # the KV's bit pattern (bf16 or fp32) once per pass and compute exactly the same float32
@@ -403,15 +404,10 @@ def _quant_impl(bits, shift, inv, m, out, nchunks):
     return bad
 
 
-try:
-    from .rans_kernels import HAVE_NUMBA as _HAVE_NUMBA, _dual
-    from .threads import PARALLEL_MIN_SYMBOLS as _PAR_MIN
-except ImportError:  # pragma: no cover
-    _HAVE_NUMBA = False
-if _HAVE_NUMBA:
+if threads.HAVE_NUMBA:
     from numba import prange  # noqa: F811 - the kernels above use prange inside numba
-    _absmax_par, _absmax_ser = _dual(_absmax_impl)
-    _quant_par, _quant_ser = _dual(_quant_impl)
+    _absmax_par, _absmax_ser = threads.dual_build(_absmax_impl)
+    _quant_par, _quant_ser = threads.dual_build(_quant_impl)
 else:  # pragma: no cover
     prange = range
 
@@ -420,7 +416,7 @@ def _fast_bits(x: torch.Tensor):
     """(4-D bit view, shift) of a CPU bf16/fp32 tensor with unit stride in its last dim
     (e.g. the KV after its sink tokens are sliced off), or None (other dtypes,
     devices, layouts or no numba: the caller keeps the torch path)."""
-    if not _HAVE_NUMBA or x.device.type != "cpu" or x.dim() != 4 or (x.numel() and x.stride(3) != 1):
+    if not threads.HAVE_NUMBA or x.device.type != "cpu" or x.dim() != 4 or (x.numel() and x.stride(3) != 1):
         return None
     if x.dtype == torch.bfloat16:
         return bits_view(x), 16
@@ -444,14 +440,14 @@ def row_absmax_fast(x: torch.Tensor, dims: tuple) -> Optional[torch.Tensor]:
     L, T, G, D = x.shape
     mode = 0 if dims == (3,) else 1
     out = np.zeros((L, T if mode == 0 else 1, G), dtype=np.uint32)
-    run_kernel(_absmax_par, _absmax_ser, x.numel() >= _PAR_MIN, bits, shift, mode, out)
+    run_kernel(_absmax_par, _absmax_ser, x.numel() >= threads.PARALLEL_MIN_SYMBOLS, bits, shift, mode, out)
     if bool((out >= np.uint32(0x7F800000)).any()):
         return None
     return torch.from_numpy(out.view(np.float32)).unsqueeze(-1)
 
 
 def quantize_fast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> Optional[torch.Tensor]:
-    """``codec.quantize.quantize(x, scale, M)`` for a CPU bf16/fp32 ``x``
+    """``codec.quant.reference.quantize(x, scale, M)`` for a CPU bf16/fp32 ``x``
     [L, T, G, D] with float32 ``scale`` [L, T, G, 1] or [L, 1, G, 1] and ``m`` the
     broadcast M [L, 1, 1, 1]: the same float32 arithmetic per element (``inv = M / s`` by
     torch, then x32 * inv, round half to even, clamp, + M), bit-identical uint8 symbols,
@@ -467,13 +463,12 @@ def quantize_fast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> Opti
     bits, shift = fb
     s = scale.to(torch.float32)
     mm = m.to(torch.float32).reshape(L, 1, 1, 1)
-    # exactly the torch expression of codec.quantize.quantize (one float32 division)
+    # exactly the torch expression of codec.quant.reference.quantize (one float32 division)
     inv = torch.where(s > 0, mm / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
     inv_np = np.ascontiguousarray(inv.reshape(L, s.shape[1], G).numpy())
     out = scratch.np_empty((L, T, G, D), dtype=np.uint8)
-    par = x.numel() >= _PAR_MIN
-    from .rans_cpu import _num_workers
-    nchunks = max(1, min(L * T, 8 * _num_workers())) if par else 1
+    par = x.numel() >= threads.PARALLEL_MIN_SYMBOLS
+    nchunks = max(1, min(L * T, 8 * threads.num_workers())) if par else 1
     bad = run_kernel(_quant_par, _quant_ser, par, bits, shift, inv_np,
                      np.ascontiguousarray(m.to(torch.float32).reshape(L).numpy()), out, nchunks)
     return None if bad else torch.from_numpy(out)

@@ -1,9 +1,9 @@
 """Outlier detection of the cachegen codec: which values and which channels stand out.
 
-Separate from ``codec.quantize`` (the quantizers themselves) because it only decides
-WHAT is taken out before quantization; the caller (``codec.cachegen``) stores outlier
+Separate from ``codec.quant.reference`` (the quantizers themselves) because it only decides
+WHAT is taken out before quantization; the caller (``codec.codecs.cachegen``) stores outlier
 values in a sparse side list and divides outlier channels by a power of two
-(``codec.quantize.scale_channels``).
+(``codec.quant.reference.scale_channels``).
 
 Values (cachegen's "chunk_head" groups): ``outlier_thresholds`` gives per
 group ``OUTLIER_RATIO * median(|x|)`` (the median over every channel of every step-th

@@ -2,10 +2,10 @@
 (docs/bitstream.md section 4.3, format version 4; versions 3 and 2 still read).
 
 Purpose: `ModelSet` holds the coded models of one chunk (built by
-codec.probability.build_models); `serialize_models` writes it as header fields + uint8
+codec.entropy.models.build_models); `serialize_models` writes it as header fields + uint8
 arrays, `deserialize_models` rebuilds (cum, model_index) from untrusted fields with a
-one-line CodecError on any inconsistency. Moved out of codec/probability.py unchanged
-(modules stay under 600 lines); codec.probability re-exports every public name.
+one-line CodecError on any inconsistency. Moved out of codec/entropy/models.py unchanged
+(modules stay under 600 lines); codec.entropy.models re-exports every public name.
 
 Shapes and dtypes: cum uint32 [n_models, 257]; model_index / local_index uint16
 [2, L, C]; per-group tables int64 [K, nbins].
@@ -19,12 +19,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import CodecError
-from .prob_tables import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_QMAX, _range_bits, _ranged_deltas,
+from ..errors import CodecError
+from .codebook_codes import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_QMAX, _range_bits, _ranged_deltas,
                           _ranged_read, _ranged_write, _rice_read, _rice_read_plain, _rice_write_plain,
                           freqs_from_codes, index_cost, ranged_cost)
 from .rans_spec import PROB_SCALE
-from .scratch import np_empty
+from ..scratch import np_empty
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 Purpose: the coder's specification, literally: one stream (`rans_encode_ref`,
 `rans_decode_ref`) and all streams of a chunk in section-3 order (`encode_streams_ref`,
-`decode_streams_ref`); the numba kernels (codec.rans_cpu) and the Triton kernels
-(codec.triton_kernels) must produce exactly these bytes. Slow: tests and small shapes only.
-Re-exported by codec.rans_cpu (moved out of it unchanged, to keep each module under 600 lines).
+`decode_streams_ref`); the numba kernels (codec.entropy.rans_cpu) and the Triton kernels
+(codec.triton.ops) must produce exactly these bytes. Slow: tests and small shapes only.
+Re-exported by codec.entropy.rans_cpu (moved out of it unchanged, to keep each module under 600 lines).
 
 Shapes and dtypes: sym_k, sym_v uint8 [L, T, C]; cum uint32 [n_models, 257]; model_index
-[2, L, C]; G, B channels / tokens per stream (codec/rans_cpu.py's module docstring).
-Errors: CodecError with a one-line message (codec.rans_spec.ERR_MESSAGES).
+[2, L, C]; G, B channels / tokens per stream (codec/entropy/rans_cpu.py's module docstring).
+Errors: CodecError with a one-line message (codec.entropy.rans_spec.ERR_MESSAGES).
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py -q
 """
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import CodecError
+from ..errors import CodecError
 from .rans_spec import (ERR_FINAL, ERR_LEFTOVER, ERR_MESSAGES, ERR_SHORT, ERR_STATE, ERR_TRUNCATED,
                         RANS_L, WORD_MASK as _MASK16, stream_layout)
 

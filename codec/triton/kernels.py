@@ -1,14 +1,14 @@
-"""The Triton kernel sources of the codec (codec.triton_kernels) and their compilation.
+"""The Triton kernel sources of the codec (codec.triton.ops) and their compilation.
 
 Purpose: the GPU kernels themselves - quantization / dequantization, per-(layer,
 channel) histograms, the two-pass rANS encoder and the rANS decoder (docs/gpu.md, and
-the design notes of codec/triton_kernels.py) - as plain functions jitted on first use by
+the design notes of codec/triton/ops.py) - as plain functions jitted on first use by
 `_jit` (so TRITON_INTERPRET is read at call time and importing this module never needs
 Triton), the launch helpers (`_on`, `_launch_opts`), the checks of where the kernels can
 run (`interpreting`, `available`, `resolve_backend`, `_require`), and
 `compile_for_target`, the ahead-of-time compile check that needs no GPU. Kernels read
 only constexpr globals of this module (`K_*`, `tl`). Moved out of
-codec/triton_kernels.py unchanged (modules stay under 600 lines); codec.triton_kernels, whose
+codec/triton/ops.py unchanged (modules stay under 600 lines); codec.triton.ops, whose
 Python wrappers launch these kernels, re-exports every name here.
 
 Run the tests (CPU, interpreter):
@@ -33,8 +33,8 @@ except Exception:  # pragma: no cover - e.g. a CPU-only install without triton
     tl = None
     HAVE_TRITON = False
 
-# The coder's constants and error codes: codec.rans_spec (docs/bitstream.md sections 2-4).
-from .rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_OK, ERR_STATE,  # noqa: E402
+# The coder's constants and error codes: codec.entropy.rans_spec (docs/bitstream.md sections 2-4).
+from ..entropy.rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_OK, ERR_STATE,  # noqa: E402
                         ERR_SYMBOL, ERR_TRUNCATED, PROB_SCALE, RANS_L)
 
 # Lanes (streams) per program for the rANS kernels. On a GPU one lane is one thread

@@ -4,10 +4,10 @@ Purpose: turn the integer symbols of one chunk (K and V, each [L, T, C] uint8) i
 independent rANS streams (docs/bitstream.md sections 1-3) plus the compact model table
 (section 4), and back. Implements CacheGen's arithmetic coding with a probability model
 per (layer, channel) (Liu et al., SIGCOMM 2024, section 5.2) with a per-chunk codebook of
-models (codec/probability.py) and a rANS coder backend (``CoderBackend``: the numba
-``codec.rans_cpu.CPU_CODER`` by default, or ``codec.triton_kernels.TRITON_CODER``), whose
-constants and stream layout are codec/rans_spec.py's. ``decode_symbols_into`` fuses the
-decoding with a table dequantization into a destination (codec/fused.py).
+models (codec/entropy/models.py) and a rANS coder backend (``CoderBackend``: the numba
+``codec.entropy.rans_cpu.CPU_CODER`` by default, or ``codec.triton.ops.TRITON_CODER``), whose
+constants and stream layout are codec/entropy/rans_spec.py's. ``decode_symbols_into`` fuses the
+decoding with a table dequantization into a destination (codec/quant/fused.py).
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy*.py -q
 Run the benchmark: .venv/bin/python -m bench.coder entropy   (prints Msym/s and overheads)
@@ -33,9 +33,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from . import probability as prob
+from . import models as prob
 from . import rans_cpu
-from .errors import CodecError
+from ..errors import CodecError
 from .rans_spec import ARRAY_NAMES, CODER_NAME, HEADER_FIELDS, stream_layout
 
 __all__ = ["EncodedSymbols", "CoderBackend", "encode_symbols", "decode_symbols",
@@ -44,9 +44,9 @@ __all__ = ["EncodedSymbols", "CoderBackend", "encode_symbols", "decode_symbols",
 
 class CoderBackend(Protocol):
     """What the entropy stage needs from a coder backend. Implemented by
-    ``codec.rans_cpu.CPU_CODER`` (numba, numpy arrays) and
-    ``codec.triton_kernels.TRITON_CODER`` (Triton, torch tensors on a GPU); both code the
-    rANS streams of ``codec.rans_spec`` and produce identical bytes.
+    ``codec.entropy.rans_cpu.CPU_CODER`` (numba, numpy arrays) and
+    ``codec.triton.ops.TRITON_CODER`` (Triton, torch tensors on a GPU); both code the
+    rANS streams of ``codec.entropy.rans_spec`` and produce identical bytes.
 
     check_symbols(sym_k, sym_v) -> (sym_k, sym_v): the backend's uint8 [L, T, C] arrays;
       ValueError on a wrong type/dtype/rank or differing shapes.
@@ -261,12 +261,12 @@ def decode_symbols_into(header: dict, arrays: dict, payload: bytes, L: int, T: i
     """Fused decode + dequantization of what `encode_symbols` produced, straight into a
     destination: symbol s of (kv, layer, t, c) becomes
     ``out[layer, t_off + t, c] = deq[layer, t * t_stride + c // hd, s]`` in one numba pass
-    over the streams, both cores (`codec.rans_cpu.decode_streams_into`).
+    over the streams, both cores (`codec.entropy.rans_cpu.decode_streams_into`).
 
     Args: header .. nbins_v as `decode_symbols`; out_k/out_v writable C-contiguous arrays
       [L, T_out, C] (e.g. the uint16 view of a bf16 destination [L, T_out, H, D]);
       deq_k/deq_v [L, R, NS] tables of out's dtype (values of each symbol per scale row);
-      t_stride, hd, t_off as in `codec.rans_cpu.decode_streams_into`.
+      t_stride, hd, t_off as in `codec.entropy.rans_cpu.decode_streams_into`.
     Raises: CodecError on any inconsistency of the bitstream (as `decode_symbols`);
       ValueError on inconsistent destination/table arguments.
     """

@@ -32,8 +32,8 @@ float32's max when s is near it); scales below ``TINY_SCALE`` = 2^-100 are flush
 the codecs (``flush_tiny_scales``) so that ``M / s`` cannot overflow float32 (bf16/fp32
 subnormal groups decode as zeros: absolute error < 2^-100).
 
-Outlier detection lives in ``codec.outliers``, the KIVI and FP8 quantizers of the baselines
-in ``codec.lowbit`` (both re-exported here, their former home).
+Outlier detection lives in ``codec.quant.outliers``, the KIVI and FP8 quantizers of the baselines
+in ``codec.quant.lowbit`` (both re-exported here, their former home).
 
 Scales: ``row_scales`` = max |x| over the grouped channels, computed in float32 (exact:
 the max of dtype values is a dtype value). ``log8`` scales replace it by the smallest
@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import scratch
+from .. import scratch
 
 from .lowbit import (FP8_MAX, fp8_dequantize, fp8_quantize,  # noqa: E402,F401  (re-exports)
                      kivi_dequantize, kivi_quantize)
@@ -114,8 +114,8 @@ def max_levels(bins_per_layer, device=None) -> torch.Tensor:
 
 def row_scales(x: torch.Tensor, dim=-1) -> torch.Tensor:
     """max |x| over ``dim`` (keepdim), float32. E.g. x [L, T, G, D] -> [L, T, G, 1].
-    The reference (torch only); ``codec.fused.row_absmax_fast`` is its bit-identical numba
-    twin, chosen by the caller (``codec.cachegen``), never from here."""
+    The reference (torch only); ``codec.quant.fused.row_absmax_fast`` is its bit-identical numba
+    twin, chosen by the caller (``codec.codecs.cachegen``), never from here."""
     return x.to(torch.float32).abs().amax(dim=dim, keepdim=True)
 
 
@@ -133,8 +133,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> t
         effective scale, i.e. after any log8 rounding; must be >= max |x| of its group.
       max_level: float32 [L], M = bins/2 - 1 per layer (1..127).
     Returns: uint8 symbols, shape of x, in [0, 2M].
-    The reference (torch only); ``codec.fused.quantize_fast`` is its bit-identical numba
-    twin, chosen by the caller (``codec.cachegen``), never from here.
+    The reference (torch only); ``codec.quant.fused.quantize_fast`` is its bit-identical numba
+    twin, chosen by the caller (``codec.codecs.cachegen``), never from here.
     """
     if x.shape[0] != max_level.shape[0]:
         raise ValueError(f"x has {x.shape[0]} layers but max_level has {max_level.shape[0]}")
@@ -143,7 +143,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> t
 
 def quantize_bcast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``quantize`` with M already broadcast against x (float32, e.g. [L, 1, 1, 1]): the
-    arithmetic itself, also the tests' reference for ``codec.fused.quantize_fast``."""
+    arithmetic itself, also the tests' reference for ``codec.quant.fused.quantize_fast``."""
     scale = scale.to(torch.float32)
     inv = torch.where(scale > 0, m / torch.where(scale > 0, scale, torch.ones_like(scale)),
                       torch.zeros_like(scale))

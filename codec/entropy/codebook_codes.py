@@ -3,11 +3,11 @@ table codes of the model codebook (square-root-domain codes, Rice / range coding
 docs/bitstream.md section 4.3).
 
 Purpose: the deterministic, integer-only building blocks shared by the model builder
-(codec.probability: clustering) and the codebook serialisation (codec.prob_codebook):
+(codec.entropy.models: clustering) and the codebook serialisation (codec.entropy.codebook):
 `normalize_freqs` (counts -> frequencies summing to M = 65536), `table_codes` /
 `freqs_from_codes` (q = round(64 * sqrt(p)), w = q^2), and the bit-level Rice / ranged
 writers and readers (numba, cache=True; pure Python without numba). Moved out of
-codec/probability.py unchanged (modules stay under 600 lines); codec.probability re-exports
+codec/entropy/models.py unchanged (modules stay under 600 lines); codec.entropy.models re-exports
 every public name.
 
 Shapes and dtypes: counts int [K, nbins] (>= 0); codes q int64 [K, nbins] in
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .scratch import np_empty
+from ..scratch import np_empty
 
 try:
     from numba import njit
@@ -31,7 +31,7 @@ def _numba_or_py_early(fn):
     return njit(cache=True, nogil=True)(fn) if njit is not None else fn
 
 
-from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/rans_spec.py)
+from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/entropy/rans_spec.py)
 MAX_K = 4096  # tables per nbins group a decoder accepts
 MAX_MODELS = 65535  # n_models: the coder's model index is uint16
 TABLE_Q = 64  # table code q[s] = round(TABLE_Q * sqrt(p[s])) in [0, TABLE_QMAX]; weight q^2
