@@ -59,7 +59,7 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
         chunks = []
         for i in range(n_chunks):
             a, b = i * args.chunk_tokens, min(T, (i + 1) * args.chunk_tokens)
-            data, st = api._encode_one(k[:, a:b], v[:, a:b], name, level, config, a, T, i,
+            data, st = api.encode_one(k[:, a:b], v[:, a:b], name, level, config, a, T, i,
                                        n_chunks)
             chunks.append(data)
             for key in tot:

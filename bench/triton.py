@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from codec.triton import kernels as tj
 from codec.triton import ops as tk
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
@@ -245,7 +246,7 @@ def run(device: str = "cuda", L: int = LAYERS_7B, T: int = TOKENS_7B, H: int = H
 def environment(device: str) -> dict:
     """Date, GPU, versions (for docs/gpu.md records; :func:`cachegen_common.header.environment`)."""
     env = header_environment(("date", "python", "torch", "triton", "numpy", "cpu_count",
-                              "interpret", "numba"), interpret=tk.interpreting())
+                              "interpret", "numba"), interpret=tj.interpreting())
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     flags.add_repeats(ap, default=5)
     flags.add_out(ap, help="also write the results here (JSON, atomically)")
     a = ap.parse_args(argv)
-    if not tk.available():
+    if not tj.available():
         print("Triton unavailable (needs triton + a CUDA device, or TRITON_INTERPRET=1)",
               file=sys.stderr)
         return 2

@@ -60,7 +60,7 @@ BACKENDS = ("auto", "cpu", "triton")
 
 
 # ------------------------------------------------------------------------ validation
-def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
+def check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
     """ValueError unless k and v are finite fp16/bf16/fp32 tensors of one shape
     [L, T, H, D] with every dimension >= 1."""
     for name, t in (("k", k), ("v", v)):
@@ -88,7 +88,7 @@ def _check_kv(k: Any, v: Any) -> tuple[int, int, int, int]:
     return tuple(k.shape)  # type: ignore[return-value]
 
 
-def _check_level(codec_obj, level: Optional[int], config: Optional[CodecConfig] = None
+def check_level(codec_obj, level: Optional[int], config: Optional[CodecConfig] = None
                  ) -> Optional[int]:
     """The level to encode with: ``resolve_level`` (None -> the codec's default) when no
     config is given; with a config, None stays None (the config's own level counts)."""
@@ -97,7 +97,7 @@ def _check_level(codec_obj, level: Optional[int], config: Optional[CodecConfig] 
     return resolve_level(codec_obj.name, level)
 
 
-def _device(device: Any) -> torch.device:
+def as_device(device: Any) -> torch.device:
     """``torch.device(device)``, checked to be usable HERE, before any work.
     Raises ValueError (one line) on a malformed device, a CUDA device with a CPU-only
     torch or without that GPU, a device type this torch cannot allocate on, or "meta"."""
@@ -219,7 +219,7 @@ def config_hash(codec: str, level: Optional[int] = None,
     if num_layers is not None and (isinstance(num_layers, bool)
                                    or not isinstance(num_layers, int) or num_layers < 1):
         raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-    lvl = _check_level(c, level, config)
+    lvl = check_level(c, level, config)
     if config is not None and lvl is None:
         lvl = config.level
     ident = {"codec": c.name, "level": lvl, "codec_version": CODEC_VERSION,
@@ -234,7 +234,7 @@ def config_hash(codec: str, level: Optional[int] = None,
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _resolve_backend(device: torch.device, backend: Any) -> str:
+def backend_for(device: torch.device, backend: Any) -> str:
     """"cpu" or "triton" for tensors on ``device`` (``codec.triton.ops.resolve_backend``).
     ValueError on an unknown name (listing the options) or on "triton" where Triton
     cannot run. "auto" on a non-CUDA device is "cpu" without importing Triton."""
@@ -242,13 +242,13 @@ def _resolve_backend(device: torch.device, backend: Any) -> str:
         raise ValueError(f"unknown backend {backend!r}; available backends: {list(BACKENDS)}")
     if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
         return "cpu"
-    from .triton import ops as tk
+    from .triton.kernels import resolve_backend
 
-    return tk.resolve_backend(device, backend)
+    return resolve_backend(device, backend)
 
 
 # -------------------------------------------------------------------------- encoding
-def _encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[int],
+def encode_one(k: torch.Tensor, v: torch.Tensor, codec: str, level: Optional[int],
                 config: Optional[CodecConfig], token_offset: int, total_tokens: int,
                 chunk_index: int, num_chunks: int, backend: str = "cpu",
                 chunk_tokens: Optional[int] = None) -> tuple[bytes, dict]:
@@ -301,11 +301,11 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     entropy_bits, ideal_bits, model_bytes, length_table_bytes, payload_bytes, scale_bytes,
     sink_bytes, symbols) for benchmarks."""
     codec_obj = get_codec(codec)
-    level = _check_level(codec_obj, level, config)
-    _, T, _, _ = _check_kv(k, v)
+    level = check_level(codec_obj, level, config)
+    _, T, _, _ = check_kv(k, v)
     off = _check_offset(token_offset)
-    b = _resolve_backend(k.device, backend)
-    return _encode_one(k, v, codec, level, config, off, off + T, 0, 1, backend=b)
+    b = backend_for(k.device, backend)
+    return encode_one(k, v, codec, level, config, off, off + T, 0, 1, backend=b)
 
 
 def encode_kv(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
@@ -370,21 +370,21 @@ def encode_chunks(k: torch.Tensor, v: torch.Tensor, codec: str = "cachegen",
     Raises ValueError on bad input.
     """
     codec_obj = get_codec(codec)
-    level = _check_level(codec_obj, level, config)
-    _, T, _, _ = _check_kv(k, v)
-    bk = _resolve_backend(k.device, backend)
+    level = check_level(codec_obj, level, config)
+    _, T, _, _ = check_kv(k, v)
+    bk = backend_for(k.device, backend)
     if chunk_tokens is None and config is not None:
         chunk_tokens = config.chunk_tokens
     off = _check_offset(token_offset)
     bounds = chunk_bounds(T, chunk_tokens)
     ct = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
-    return [_encode_one(k[:, a:b], v[:, a:b], codec, level, config, off + a, off + T, i,
+    return [encode_one(k[:, a:b], v[:, a:b], codec, level, config, off + a, off + T, i,
                         len(bounds), backend=bk, chunk_tokens=ct)[0]
             for i, (a, b) in enumerate(bounds)]
 
 
 # -------------------------------------------------------------------------- decoding
-def _unpack_kind(data: Any, kind: str, what: str) -> tuple[dict, dict, bytes]:
+def unpack_kind(data: Any, kind: str, what: str) -> tuple[dict, dict, bytes]:
     """``bitstream.unpack`` of ``data`` whose header ``kind`` must be ``kind`` (``what``
     names it in the error); CodecError on anything else (also shared by codec.window)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -403,7 +403,7 @@ def _unpack_kind(data: Any, kind: str, what: str) -> tuple[dict, dict, bytes]:
 
 def _read(data: Any) -> tuple[dict, dict, bytes, Any]:
     """unpack + validate the common header; returns (header, arrays, payload, codec)."""
-    header, arrays, payload = _unpack_kind(data, CONTAINER_KIND, "KV codec")
+    header, arrays, payload = unpack_kind(data, CONTAINER_KIND, "KV codec")
     name = header.get("codec")
     if not isinstance(name, str) or name not in CODECS:
         raise CodecError(f"unknown codec {name!r} in header; known: {sorted(CODECS)}")
@@ -468,8 +468,8 @@ def decode_kv(data: bytes, device: Any = "cpu", backend: str = "auto", out=None
     Raises: CodecError on any malformed, truncated or corrupted input (nothing else);
       ValueError on a bad ``device`` or ``backend`` argument.
     """
-    dev = _device(device)
-    b = _resolve_backend(dev, backend)
+    dev = as_device(device)
+    b = backend_for(dev, backend)
     header, arrays, payload, c = _read(data)
     shape = (header["L"], header["T"], header["H"], header["D"])
     outp = _check_out(out, shape, header["dtype"])   # ValueError on a bad destination
@@ -533,7 +533,7 @@ def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "
     (``backend`` as ``decode_kv``); returns (k, v) [L, T, H, D] of the call's T tokens.
     Raises CodecError if chunks are missing, out of order or from different KVs;
     ValueError on a bad ``device`` or ``backend``."""
-    _resolve_backend(_device(device), backend)   # argument errors before any decoding
+    backend_for(as_device(device), backend)   # argument errors before any decoding
     if not chunks:
         raise CodecError("no chunks")
     ks, vs = [], []

@@ -33,10 +33,8 @@ from typing import Any, Optional
 __all__ = [
     "QuantizationSpec",
     "CodecConfig",
-    "LEVELS",
     "HARNESS_DEFAULT_LEVEL",
     "REFERENCE_DEFAULT_LEVEL",
-    "HARNESS_LEVELS",
     "SCALE_GROUPS",
     "SCALE_FORMATS",
 ]
@@ -50,10 +48,10 @@ SCALE_GROUPS = ("token", "head", "chunk_head")
 SCALE_FORMATS = ("dtype", "log8")    # scale stored in the model dtype | log-quantized uint8
 VARIANTS = ("reference", "harness")
 
-# The level schedules live in codec.schedules; re-exported here, their former home.
-from .schedules import (HARNESS_DEFAULT_LEVEL, HARNESS_LEVELS, HARNESS_SINK_TOKENS,  # noqa: E402,F401
-                        LEVELS, REFERENCE_DEFAULT_LEVEL, QuantizationSpec, _scaled, _specs,
-                        harness_schedule, reference_schedule)
+# The level schedules live in codec.schedules (import them from there).
+from .schedules import (HARNESS_DEFAULT_LEVEL, HARNESS_SINK_TOKENS,  # noqa: E402
+                        REFERENCE_DEFAULT_LEVEL, QuantizationSpec, harness_schedule,
+                        reference_schedule)
 
 
 @dataclass(frozen=True)

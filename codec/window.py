@@ -53,8 +53,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import bitstream
-from .api import (DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, _check_kv, _check_level, _device, _encode_one,
-                  _resolve_backend, _unpack_kind, chunk_bounds, decode_kv, peek_header)
+from .api import (DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, check_kv, check_level, as_device, encode_one,
+                  backend_for, unpack_kind, chunk_bounds, decode_kv, peek_header)
 from .base import DTYPE_BYTES, DTYPE_NAMES, DTYPES
 from .config import CodecConfig, QuantizationSpec
 from .errors import CodecError
@@ -70,7 +70,7 @@ WINDOW_KIND = "kvwindow"      # header["kind"] of a windowed container
 
 
 from .window_rules import (  # noqa: E402,F401 - the layout rules, re-exported
-    WINDOW_VERSION, _window_list, kept_tokens, layer_groups, layout_tag, min_load_tokens, parse_layout_tag,
+    WINDOW_VERSION, window_list, kept_tokens, layer_groups, layout_tag, min_load_tokens, parse_layout_tag,
     stored_fraction)
 
 
@@ -212,7 +212,7 @@ def _encode_group(k, v, c, level, gcfg, lo, hi, total, index, count, backend, ct
     kg = k[sel[0]:sel[-1] + 1, lo:hi] if contiguous else k[sel, lo:hi]
     vg = v[sel[0]:sel[-1] + 1, lo:hi] if contiguous else v[sel, lo:hi]
     try:
-        return _encode_one(kg, vg, c.name, level, gcfg, lo, total, index, count,
+        return encode_one(kg, vg, c.name, level, gcfg, lo, total, index, count,
                            backend=backend, chunk_tokens=ct)
     except (ValueError, CodecError) as e:
         msg = " ".join(str(e).split())
@@ -265,11 +265,11 @@ def _extra(extra_tokens) -> int:
 def _prepare(k, v, windows, codec, level, config, backend):
     c = get_codec(codec)
     if not isinstance(config, dict):
-        level = _check_level(c, level, config)
-    L, T, _, _ = _check_kv(k, v)
-    groups = layer_groups(_window_list(windows, L))
+        level = check_level(c, level, config)
+    L, T, _, _ = check_kv(k, v)
+    groups = layer_groups(window_list(windows, L))
     configs = [_group_config(c, level, config, layers, L) for _, layers in groups]
-    return c, level, T, groups, configs, _resolve_backend(k.device, backend)
+    return c, level, T, groups, configs, backend_for(k.device, backend)
 
 
 def encode_windowed_with_stats(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional[int]],
@@ -333,7 +333,7 @@ def _int(h: dict, key: str, lo: int, hi: int) -> int:
 
 
 def _unpack(data: Any) -> tuple[dict, bytes]:
-    header, _, payload = _unpack_kind(data, WINDOW_KIND, "windowed KV")
+    header, _, payload = unpack_kind(data, WINDOW_KIND, "windowed KV")
     if header.get("window_version") != WINDOW_VERSION or isinstance(header.get("window_version"), bool):
         raise CodecError(f"window_version {header.get('window_version')!r} not supported "
                          f"(this decoder reads {WINDOW_VERSION})")
@@ -442,10 +442,10 @@ def decode_chunk_dense(data: bytes, device: Any = "cpu", backend: str = "auto"
     (``token_offset`` .. + T) in the stored dtype, zeros where a layer keeps nothing: what
     a chunk-by-chunk loader (the store's sources) places at those positions. Raises
     CodecError on malformed input; ValueError on a bad device or backend."""
-    _resolve_backend(_device(device), backend)
+    backend_for(as_device(device), backend)
     h, parts = _decode_parts(data, device, backend)
     L, Tc, H, D = h["L"], h["T"], h["H"], h["D"]
-    k = torch.zeros((L, Tc, H, D), dtype=DTYPES[h["dtype"]], device=_device(device))
+    k = torch.zeros((L, Tc, H, D), dtype=DTYPES[h["dtype"]], device=as_device(device))
     v = torch.zeros_like(k)
     for g, p in zip(h["groups"], parts):
         if p is None:
@@ -472,7 +472,7 @@ def decode_windowed_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend
     """Decode all chunks of one ``encode_windowed_chunks`` call into one :class:`WindowedKV`
     (each group's tokens concatenated). Raises CodecError if chunks are missing, out of
     order, from different KVs or malformed; ValueError on a bad device or backend."""
-    _resolve_backend(_device(device), backend)
+    backend_for(as_device(device), backend)
     if not chunks:
         raise CodecError("no chunks")
     first = None

@@ -14,7 +14,7 @@ WINDOW_VERSION = 1            # header["window_version"]: bumped when the layout
 MAX_TAG_CHARS = 1 << 16
 
 
-def _window_list(windows: Sequence[Optional[int]], num_layers: int) -> list[Optional[int]]:
+def window_list(windows: Sequence[Optional[int]], num_layers: int) -> list[Optional[int]]:
     """``windows`` checked: one entry per layer, each None or an int >= 1 (ValueError)."""
     ws = list(windows)
     if len(ws) != num_layers:
@@ -29,7 +29,7 @@ def layer_groups(windows: Sequence[Optional[int]]) -> list[tuple[Optional[int], 
     """The layer groups of a window list: ``[(window, layers), ...]``, the full-attention
     group (window None) first, then one group per distinct window, ascending; layers
     ascending in each. ValueError on a bad entry."""
-    ws = _window_list(windows, len(list(windows)))
+    ws = window_list(windows, len(list(windows)))
     keys = sorted(set(ws), key=lambda w: -1 if w is None else w)
     return [(w, tuple(i for i, x in enumerate(ws) if x == w)) for w in keys]
 
@@ -50,7 +50,7 @@ def min_load_tokens(windows: Sequence[Optional[int]], total_tokens: int, extra_t
     n >= start + W with start = T - kept (or start = 0). With ``extra_tokens`` = S that
     is n >= T - S. Full-attention layers keep everything. Returns 1 when any prefix is
     servable (no window shorter than the context). ValueError on a bad window list."""
-    ws = _window_list(windows, len(list(windows)))
+    ws = window_list(windows, len(list(windows)))
     n = 1
     for w in ws:
         if w is None:
@@ -67,7 +67,7 @@ def layout_tag(windows: Sequence[Optional[int]], extra_tokens: int = 0) -> str:
     tokens. Two layouts give the same tag iff they keep the same tokens."""
     import json
 
-    ws = _window_list(windows, len(list(windows)))
+    ws = window_list(windows, len(list(windows)))
     return f"window/{WINDOW_VERSION}:" + json.dumps({"windows": ws, "extra_tokens": int(extra_tokens)},
                                                     separators=(",", ":"))
 
@@ -90,11 +90,11 @@ def parse_layout_tag(tag: str) -> tuple[list[Optional[int]], int]:
         raise ValueError(f"window layout tag unreadable: {e}") from None
     if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0 or not isinstance(ws, list):
         raise ValueError("window layout tag: extra_tokens must be an int >= 0 and windows a list")
-    return _window_list(ws, len(ws)), extra
+    return window_list(ws, len(ws)), extra
 
 
 def stored_fraction(windows: Sequence[Optional[int]], total_tokens: int) -> float:
     """Stored KV elements over those of the full layout (every layer all T tokens), before
     any coding: ``sum_l kept_tokens(T, w_l) / (L * T)``."""
-    ws = _window_list(windows, len(list(windows)))
+    ws = window_list(windows, len(list(windows)))
     return sum(kept_tokens(total_tokens, w) for w in ws) / (len(ws) * total_tokens)

@@ -127,9 +127,10 @@ def main(argv=None) -> int:
                     help="tiny shapes everywhere (smoke run under TRITON_INTERPRET=1 on a CPU)")
     a = ap.parse_args(argv)
     from bench import triton as tb
+    from codec.triton import kernels as tj
     from codec.triton import ops as tk
 
-    if not tk.available() or (a.device == "cuda" and not torch.cuda.is_available()):
+    if not tj.available() or (a.device == "cuda" and not torch.cuda.is_available()):
         print("gpu_check: no usable Triton/CUDA here", file=sys.stderr)
         return 2
     env = tb.environment(a.device)

@@ -19,7 +19,7 @@ the rest at level A, in ONE container (``KvtcConfig(level=A, tiers=((R1, B1), (R
 B2)))``, one container per window as ``bench.quality`` makes it, or chunks of --chunk
 tokens), with the first
 variant's calibration. With --sim, the earlier simulation instead (docs/codec.md 8.6):
-each span its own container (``codec.api._encode_one`` at the span's token offset).
+each span its own container (``codec.api.encode_one`` at the span's token offset).
 A plain level A of the table is the tiered level when ``kvtc.DEFAULT_LEVEL_TIERS`` has
 it; 'A/' is level A without tiers.
 
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         todo = [("cachegen", lv, None, None) for lv in cg] + \
                [(name, lv, cal, sk) for name, cal in cals.items() for lv in levels
                 for sk in sinks]
-        from codec.api import _encode_one    # per-span encode at the span's token offset
+        from codec.api import encode_one    # per-span encode at the span's token offset
         todo += _tier_rows(args, next(iter(cals.values())))
         for name, lv, cal, sk in todo:
             if isinstance(sk, tuple):                    # --tiers: the format-3 mode
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
                 modes = [(name, None)]
             elif isinstance(sk, list):                   # --tiers --sim: the simulation
                 cfg = kvtc.KvtcConfig(calibration=cal)
-                blobs = [_encode_one(k[:, a:b], v[:, a:b], "kvtc", b_, cfg, a, args.context_tokens, i,
+                blobs = [encode_one(k[:, a:b], v[:, a:b], "kvtc", b_, cfg, a, args.context_tokens, i,
                                      len(sk))[0] for i, (a, b, b_) in enumerate(sk)]
                 dec = [codec.decode_kv(x) for x in blobs]
                 k2 = torch.cat([x[0] for x in dec], 1)

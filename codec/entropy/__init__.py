@@ -33,6 +33,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from . import codebook as cb
 from . import models as prob
 from . import rans_cpu
 from ..errors import CodecError
@@ -160,7 +161,7 @@ def encode_symbols(
     ms = prob.build_models(hist_k, hist_v, nbk, nbv)
     payload, lengths = backend.encode_streams(sym_k, sym_v, ms.cum, ms.model_index, G, B)
     len_dtype = np.uint16 if int(lengths.max()) < 65536 else np.uint32
-    m_hdr, m_arrays = prob.serialize_models(ms)
+    m_hdr, m_arrays = cb.serialize_models(ms)
     header = {
         "coder": CODER_NAME,
         "channels_per_stream": int(G),
@@ -221,7 +222,7 @@ def _parse_streams(header, arrays, payload, L, T, C, nbins_k, nbins_v, max_symbo
     extra = set(arrays) - set(ARRAY_NAMES)
     if extra:
         raise CodecError(f"unknown entropy arrays {sorted(extra)}")
-    cum, model_index = prob.deserialize_models(header, arrays, nbins_k, nbins_v, L, C)
+    cum, model_index = cb.deserialize_models(header, arrays, nbins_k, nbins_v, L, C)
     lengths = arrays.get("ent_stream_lengths")
     if (not isinstance(lengths, np.ndarray) or lengths.dtype not in (np.uint16, np.uint32)
             or lengths.shape != (n_streams,)):

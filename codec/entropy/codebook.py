@@ -4,8 +4,7 @@
 Purpose: `ModelSet` holds the coded models of one chunk (built by
 codec.entropy.models.build_models); `serialize_models` writes it as header fields + uint8
 arrays, `deserialize_models` rebuilds (cum, model_index) from untrusted fields with a
-one-line CodecError on any inconsistency. Moved out of codec/entropy/models.py unchanged
-(modules stay under 600 lines); codec.entropy.models re-exports every public name.
+one-line CodecError on any inconsistency.
 
 Shapes and dtypes: cum uint32 [n_models, 257]; model_index / local_index uint16
 [2, L, C]; per-group tables int64 [K, nbins].
@@ -20,8 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import CodecError
-from .codebook_codes import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_QMAX, _range_bits, _ranged_deltas,
-                          _ranged_read, _ranged_write, _rice_read, _rice_read_plain, _rice_write_plain,
+from .codebook_codes import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_QMAX, range_bits, ranged_deltas,
+                          ranged_read, ranged_write, rice_read, rice_read_plain, rice_write_plain,
                           freqs_from_codes, index_cost, ranged_cost)
 from .rans_spec import PROB_SCALE
 from ..scratch import np_empty
@@ -54,7 +53,7 @@ class ModelSet:
     trials: list = field(default_factory=list)
 
 
-def _layer_nbins(nbins_k: Sequence[int], nbins_v: Sequence[int], L: int) -> np.ndarray:
+def layer_nbins(nbins_k: Sequence[int], nbins_v: Sequence[int], L: int) -> np.ndarray:
     nb = np.array([list(nbins_k), list(nbins_v)], dtype=np.int64)
     if nb.shape != (2, L):
         raise ValueError(f"nbins_k and nbins_v must each have L={L} entries")
@@ -71,7 +70,7 @@ def _cum_from_freqs(freqs: np.ndarray) -> np.ndarray:
     return cum
 
 
-def _assemble(groups_freqs: list, nb_layer: np.ndarray, local: np.ndarray, C: int) -> tuple[np.ndarray, np.ndarray]:
+def assemble_models(groups_freqs: list, nb_layer: np.ndarray, local: np.ndarray, C: int) -> tuple[np.ndarray, np.ndarray]:
     """cum table + global model index from per-group tables and local indices."""
     offsets = {}
     rows = []
@@ -113,12 +112,12 @@ def serialize_models(ms: ModelSet) -> tuple[dict, dict]:
         ik = index_cost(ms.local_index[nb_layer == nb])[1] if K > 1 else 0
         idx_k[int(nb)] = (int(K), ik)
         groups.append([int(nb), int(K), int(k), int(ik)])
-        chunks.append((_ranged_deltas(q), _range_bits(int(nb)), k))
+        chunks.append((ranged_deltas(q), range_bits(int(nb)), k))
         total += bits
     buf = np.zeros((total + 7) // 8, dtype=np.uint8)
     pos = 0
     for (lo, span, zz), w, k in chunks:
-        pos = _ranged_write(np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(span, dtype=np.int64),
+        pos = ranged_write(np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(span, dtype=np.int64),
                             np.ascontiguousarray(zz, dtype=np.int64), int(w), int(k), buf, pos)
     assert pos == total
     arrays = {"ent_codebook": buf}
@@ -133,7 +132,7 @@ def serialize_models(ms: ModelSet) -> tuple[dict, dict]:
         ib = np.zeros((nbits + 7) // 8, dtype=np.uint8)
         pos = 0
         for v, k in rows:
-            pos = _rice_write_plain(v, int(k), ib, pos)
+            pos = rice_write_plain(v, int(k), ib, pos)
         arrays["ent_model_index"] = ib
     return {"model_groups": groups}, arrays
 
@@ -150,7 +149,7 @@ def _header_groups(hdr: dict, nbins_k: Sequence[int], nbins_v: Sequence[int], L:
     ``width`` ints, one per distinct nbins in increasing order; ``what`` names the entry
     in the error). Raises CodecError otherwise."""
     try:
-        nb_layer = _layer_nbins(nbins_k, nbins_v, L)
+        nb_layer = layer_nbins(nbins_k, nbins_v, L)
     except (ValueError, TypeError, OverflowError) as e:
         raise CodecError(str(e)) from None
     groups = hdr.get("model_groups") if isinstance(hdr, dict) else None
@@ -201,7 +200,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
         raise CodecError(f"{tname} must be a 1-D uint8 array")
     # every table code takes at least one bit (version 3); every version-4 table at least
     # its two range fields and one code: bounds the allocation by the input's size
-    need = sum(K * (2 * _range_bits(nb) + 1) if v4 else nb * K for nb, K, _, _ in groups)
+    need = sum(K * (2 * range_bits(nb) + 1) if v4 else nb * K for nb, K, _, _ in groups)
     if need > 8 * buf.size:
         raise CodecError(f"{tname} of {buf.size} bytes cannot hold the {sum(g[1] for g in groups)} tables declared")
     buf = np.ascontiguousarray(buf)
@@ -209,10 +208,10 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
     for nb, K, k, _ in groups:
         if v4:
             q = np.zeros((K, nb), dtype=np.int64)
-            pos = _ranged_read(buf, pos, K, nb, _range_bits(nb), k, TABLE_QMAX, q)
+            pos = ranged_read(buf, pos, K, nb, range_bits(nb), k, TABLE_QMAX, q)
         else:
             q = np_empty(nb * K, dtype=np.int64)
-            pos = _rice_read(buf, pos, nb * K, nb, k, TABLE_QMAX, q)
+            pos = rice_read(buf, pos, nb * K, nb, k, TABLE_QMAX, q)
         if pos < 0:
             raise CodecError(f"{tname}: bad or truncated table codes for nbins={nb}")
         tables.append((nb, freqs_from_codes(q.reshape(K, nb))))
@@ -234,7 +233,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
             for layer in range(L):
                 K, ik = kmap[int(nb_layer[kv, layer])]
                 if K > 1:
-                    pos = _rice_read_plain(li, pos, C, ik, K - 1, row)
+                    pos = rice_read_plain(li, pos, C, ik, K - 1, row)
                     if pos < 0:
                         raise CodecError("ent_model_index: bad or truncated index codes "
                                          "(or an index out of range of its group's codebook)")
@@ -243,7 +242,7 @@ def deserialize_models(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v:
             raise CodecError("ent_model_index: bytes left over or non-zero padding")
     else:
         local = _single_model_index(arrays, L, C)
-    return _assemble(tables, nb_layer, local, C)
+    return assemble_models(tables, nb_layer, local, C)
 
 
 def _deserialize_models_v2(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbins_v: Sequence[int],
@@ -277,4 +276,4 @@ def _deserialize_models_v2(hdr: dict, arrays: dict, nbins_k: Sequence[int], nbin
             raise CodecError("ent_model_index out of range of its group's codebook")
     else:
         li = _single_model_index(arrays, L, C)
-    return _assemble(tables, nb_layer, li, C)
+    return assemble_models(tables, nb_layer, li, C)

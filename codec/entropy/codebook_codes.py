@@ -6,9 +6,7 @@ Purpose: the deterministic, integer-only building blocks shared by the model bui
 (codec.entropy.models: clustering) and the codebook serialisation (codec.entropy.codebook):
 `normalize_freqs` (counts -> frequencies summing to M = 65536), `table_codes` /
 `freqs_from_codes` (q = round(64 * sqrt(p)), w = q^2), and the bit-level Rice / ranged
-writers and readers (numba, cache=True; pure Python without numba). Moved out of
-codec/entropy/models.py unchanged (modules stay under 600 lines); codec.entropy.models re-exports
-every public name.
+writers and readers (numba, cache=True; pure Python without numba).
 
 Shapes and dtypes: counts int [K, nbins] (>= 0); codes q int64 [K, nbins] in
 [0, TABLE_QMAX]; bit buffers uint8 (MSB first). Errors: readers return -1 on bad or
@@ -67,7 +65,7 @@ def normalize_freqs(counts: np.ndarray) -> np.ndarray:
     if np.any(flat.sum(axis=1) > (1 << 46)):  # keep count * (M - nb) inside int64
         raise ValueError("counts too large to normalise")
     out = np_empty(flat.shape, flat.dtype)
-    _normalize_rows(flat, out)
+    normalize_rows(flat, out)
     return out.reshape(c.shape)
 
 
@@ -119,7 +117,7 @@ def _normalize_rows_py(c, out):
                 s += 1
 
 
-_normalize_rows = njit(cache=True, nogil=True)(_normalize_rows_py) if njit is not None else _normalize_rows_py
+normalize_rows = njit(cache=True, nogil=True)(_normalize_rows_py) if njit is not None else _normalize_rows_py
 
 
 def entropy_bits_of_counts(counts: np.ndarray) -> float:
@@ -211,7 +209,7 @@ def _rice_put(x, k, out, pos):
 
 
 @_numba_or_py_early
-def _rice_write_plain(v, k, out, pos):
+def rice_write_plain(v, k, out, pos):
     """Append the Rice codes (parameter k) of v int64 [n] >= 0 at bit pos of out (zeroed
     uint8, MSB first); returns the new bit position. Also ``_rice_write``: the table codes'
     zigzag deltas are written the same way."""
@@ -220,7 +218,7 @@ def _rice_write_plain(v, k, out, pos):
     return pos
 
 
-_rice_write = _rice_write_plain
+_rice_write = rice_write_plain
 
 
 @_numba_or_py_early
@@ -265,7 +263,7 @@ def _rice_one(buf, pos, nbits, k, umax):
 
 
 @_numba_or_py_early
-def _rice_read_plain(buf, pos, n, k, vmax, out):
+def rice_read_plain(buf, pos, n, k, vmax, out):
     """Read n Rice codes (parameter k) with values in [0, vmax] from bit pos of buf into
     out int64 [n]; returns the new bit position or -1 (buffer ends early, value > vmax)."""
     nbits = buf.shape[0] * 8
@@ -279,7 +277,7 @@ def _rice_read_plain(buf, pos, n, k, vmax, out):
 
 
 @_numba_or_py_early
-def _rice_read(buf, pos, n, nb, k, qmax, out):
+def rice_read(buf, pos, n, nb, k, qmax, out):
     """Decode n table codes (rows of nb) from the bit buffer buf starting at bit pos into
     out int64 [n]. Returns the bit position after them, or -1 if the buffer ends early /
     a quotient is longer than any valid code / a code leaves [0, qmax]."""
@@ -298,12 +296,12 @@ def _rice_read(buf, pos, n, nb, k, qmax, out):
     return pos
 
 
-def _range_bits(nb: int) -> int:
+def range_bits(nb: int) -> int:
     """Bits of a table's first nonzero symbol (and of its span): bit_length(nb - 1)."""
     return max(1, int(nb - 1).bit_length())
 
 
-def _ranged_deltas(q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ranged_deltas(q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(lo, span, zz) of table codes q int64 [K, nb] (format version 4): lo = the first
     nonzero code's symbol, span = last nonzero - lo (0, 0 for an all-zero table); zz the
     zigzag deltas of q[lo .. lo + span] (q[lo - 1] taken as 0), tables concatenated."""
@@ -326,13 +324,13 @@ def ranged_cost(q: np.ndarray) -> tuple[int, int]:
     inside the span as Rice codes with one parameter k in [0, RICE_MAX_K], lowest on ties)."""
     q = np.asarray(q, dtype=np.int64)
     K, nb = q.shape
-    _, _, zz = _ranged_deltas(q)
-    fixed = 2 * K * _range_bits(nb)
+    _, _, zz = ranged_deltas(q)
+    fixed = 2 * K * range_bits(nb)
     return _best_rice_k(zz, fixed)
 
 
 @_numba_or_py_early
-def _ranged_write(lo, span, zz, w, k, out, pos):
+def ranged_write(lo, span, zz, w, k, out, pos):
     """Append the version-4 tables (lo, span int64 [K], zz int64 [sum(span + 1)]) at bit
     pos of out (zeroed uint8); returns the new bit position."""
     j = 0
@@ -346,7 +344,7 @@ def _ranged_write(lo, span, zz, w, k, out, pos):
 
 
 @_numba_or_py_early
-def _ranged_read(buf, pos, K, nb, w, k, qmax, out):
+def ranged_read(buf, pos, K, nb, w, k, qmax, out):
     """Read K version-4 tables of nb codes from bit pos of buf into out int64 [K, nb]
     (zeroed). Returns the new bit position or -1: buffer ends early, lo + span >= nb, a
     quotient longer than any valid code, a code outside [0, qmax]."""

@@ -23,7 +23,7 @@ of iterations, lowest-index tie-breaking, integer-only frequency normalisation).
 
 Layout: histograms, clustering and `build_models` here; the integer table arithmetic and
 Rice / range coding in codec/entropy/codebook_codes.py, `ModelSet` and the codebook serialisation
-in codec/entropy/codebook.py (both re-exported here).
+in codec/entropy/codebook.py (import them from there).
 
 Run: imported by codec/entropy/__init__.py; tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy.py tests/codec/test_codec_tables.py -q
 """
@@ -41,29 +41,14 @@ try:
 except ImportError:  # pragma: no cover
     njit = None
 
-__all__ = [
-    "PROB_SCALE",
-    "K_LADDER",
-    "normalize_freqs",
-    "histograms",
-    "ModelSet",
-    "build_models",
-    "serialize_models",
-    "deserialize_models",
-    "entropy_bits_of_counts",
-]
+__all__ = ["K_LADDER", "histograms", "build_models"]
 
-from .rans_spec import PROB_SCALE  # noqa: E402  (M, defined once: codec/entropy/rans_spec.py)
 # The integer table arithmetic and the codebook (ModelSet, serialisation) live in
-# codec.entropy.codebook_codes and codec.entropy.codebook (modules stay under 600 lines); re-exported here.
-from .codebook_codes import (MAX_K, MAX_MODELS, RICE_MAX_K, TABLE_Q, TABLE_QMAX,  # noqa: E402,F401
-                          _bits_read, _fixed_write, _normalize_rows, _normalize_rows_py,
-                          _range_bits, _ranged_deltas, _ranged_read, _ranged_write, _rice_one,
-                          _rice_read, _rice_read_plain, _rice_write, _rice_write_plain,
-                          _zigzag_deltas, entropy_bits_of_counts, freqs_from_codes, index_cost,
-                          normalize_freqs, ranged_cost, rice_cost, table_codes)
-from .codebook import (ModelSet, _assemble, _cum_from_freqs, _deserialize_models_v2,  # noqa: E402,F401
-                            _layer_nbins, _ms_nb_layer, deserialize_models, serialize_models)
+# codec.entropy.codebook_codes and codec.entropy.codebook (modules stay under 600 lines).
+from .codebook_codes import (MAX_K, MAX_MODELS, entropy_bits_of_counts,  # noqa: E402
+                             freqs_from_codes, index_cost, normalize_freqs, normalize_rows,
+                             ranged_cost, table_codes)
+from .codebook import ModelSet, assemble_models, layer_nbins  # noqa: E402
 
 K_LADDER = (1, 4, 16, 64, 256, 512, 768, 1024, 1536, 2048)  # candidate codebook sizes per nbins group
 SPARSE_SEED_DENSITY = 0.15  # nonzero share below which _seed_kernel sums sparsely (same results, faster)
@@ -215,7 +200,7 @@ def _seed_kernel(Hi, Ht, indptr, idx, val, sparse, own_bits, best, seed_nlq, n_h
         # the chosen model's own normalised histogram becomes the new seed
         for s in range(nb):
             row[0, s] = Hi[gi, s]
-        _normalize_rows(row, f)
+        normalize_rows(row, f)
         for s in range(nb):
             seed_nlq[k, s] = 16.0 - np.log2(np.float64(f[0, s]))
         if sparse:
@@ -354,7 +339,7 @@ def build_models(hist_k: np.ndarray, hist_v: np.ndarray, nbins_k: Sequence[int],
     L, C, _ = hist_k.shape
     if hist_k.shape != (L, C, 256) or hist_v.shape != (L, C, 256):
         raise ValueError("hist_k and hist_v must both be [L, C, 256]")
-    nb_layer = _layer_nbins(nbins_k, nbins_v, L)
+    nb_layer = layer_nbins(nbins_k, nbins_v, L)
     hists = (hist_k, hist_v)
     for kv in range(2):
         for layer in range(L):
@@ -378,6 +363,6 @@ def build_models(hist_k: np.ndarray, hist_v: np.ndarray, nbins_k: Sequence[int],
         trials.append((int(nb), tr))
         coded += bits
         ideal += entropy_bits_of_counts(H)
-    cum, model_index = _assemble(list(zip([g[0] for g in groups], freqs_list)), nb_layer, local, C)
+    cum, model_index = assemble_models(list(zip([g[0] for g in groups], freqs_list)), nb_layer, local, C)
     return ModelSet(cum=cum, model_index=model_index, groups=groups, local_index=local.astype(np.uint16),
                     freqs=freqs_list, codes=codes_list, coded_bits=coded, ideal_bits=ideal, trials=trials)

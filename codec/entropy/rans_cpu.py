@@ -24,7 +24,7 @@ slowed by other work does not hold the others back; small chunks use a serial bu
 reference (`rans_encode_ref`, `rans_decode_ref`, `encode_streams_ref`,
 `decode_streams_ref`), which the Triton kernels (codec/triton/ops.py) also match.
 The kernels themselves are in codec/entropy/rans_kernels.py and the reference in
-codec/entropy/rans_ref.py (both re-exported here).
+codec/entropy/rans_ref.py.
 
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_entropy*.py -q
 Run the benchmark: nice -n 5 .venv/bin/python -m bench.coder rans   (Msym/s encode/decode)

@@ -33,7 +33,7 @@ the codecs (``flush_tiny_scales``) so that ``M / s`` cannot overflow float32 (bf
 subnormal groups decode as zeros: absolute error < 2^-100).
 
 Outlier detection lives in ``codec.quant.outliers``, the KIVI and FP8 quantizers of the baselines
-in ``codec.quant.lowbit`` (both re-exported here, their former home).
+in ``codec.quant.lowbit``.
 
 Scales: ``row_scales`` = max |x| over the grouped channels, computed in float32 (exact:
 the max of dtype values is a dtype value). ``log8`` scales replace it by the smallest
@@ -50,18 +50,9 @@ import torch
 
 from .. import scratch
 
-from .lowbit import (FP8_MAX, fp8_dequantize, fp8_quantize,  # noqa: E402,F401  (re-exports)
-                     kivi_dequantize, kivi_quantize)
-from .outliers import (CHANNEL_GAP, CHANNEL_MAX, CHANNEL_MAX_EXP,  # noqa: E402,F401  (re-exports)
-                       CHANNEL_MEDIAN_GAP, OUTLIER_RATIO, OUTLIER_SAMPLE, outlier_channels,
-                       outlier_thresholds)
-
 __all__ = ["LOG8_MANTISSA", "max_levels", "row_scales", "quantize", "dequantize", "encode_log8",
-           "decode_log8", "anchor_delta_quantize", "kivi_quantize", "kivi_dequantize",
-           "fp8_quantize", "fp8_dequantize", "empirical_entropy_bits", "TINY_SCALE",
-           "OUTLIER_RATIO", "OUTLIER_SAMPLE", "to_dtype_clamped", "flush_tiny_scales",
-           "outlier_thresholds", "CHANNEL_GAP", "CHANNEL_MAX", "CHANNEL_MEDIAN_GAP",
-           "CHANNEL_MAX_EXP", "outlier_channels", "scale_channels"]
+           "decode_log8", "anchor_delta_quantize", "empirical_entropy_bits", "TINY_SCALE",
+           "to_dtype_clamped", "flush_tiny_scales", "scale_channels"]
 
 TINY_SCALE = 2.0 ** -100   # smaller group scales are flushed to 0 (M / s would overflow)
 

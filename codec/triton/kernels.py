@@ -4,8 +4,8 @@ Purpose: the GPU kernels themselves - quantization / dequantization, per-(layer,
 channel) histograms, the two-pass rANS encoder and the rANS decoder (docs/gpu.md, and
 the design notes of codec/triton/ops.py) - as plain functions jitted on first use by
 `_jit` (so TRITON_INTERPRET is read at call time and importing this module never needs
-Triton), the launch helpers (`_on`, `_launch_opts`), the checks of where the kernels can
-run (`interpreting`, `available`, `resolve_backend`, `_require`), and
+Triton), the launch helpers (`on_device`, `launch_opts`), the checks of where the kernels can
+run (`interpreting`, `available`, `resolve_backend`, `require_device`), and
 `compile_for_target`, the ahead-of-time compile check that needs no GPU. Kernels read
 only constexpr globals of this module (`K_*`, `tl`). Moved out of
 codec/triton/ops.py unchanged (modules stay under 600 lines); codec.triton.ops, whose
@@ -90,7 +90,7 @@ def resolve_backend(device, backend: str = "auto") -> str:
     return "triton" if dev.type == "cuda" and available() else "cpu"
 
 
-def _require(*tensors: torch.Tensor) -> torch.device:
+def require_device(*tensors: torch.Tensor) -> torch.device:
     """Check that the kernels can run on these tensors; return their device."""
     if not HAVE_TRITON:
         raise RuntimeError("Triton is not installed; use the CPU backend (backend='cpu')")
@@ -368,17 +368,17 @@ def _jit(name: str, interp: bool):
     return triton.jit(_with_device_functions(name, interp))
 
 
-def _kernel(name: str):
+def kernel(name: str):
     return _jit(name, interpreting())
 
 
-def _on(dev: torch.device):
+def on_device(dev: torch.device):
     """Launch context: Triton launches on the CURRENT CUDA device, so make it `dev`
     (tensors on cuda:1 must not be processed by a kernel running on cuda:0)."""
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch_opts(num_warps: int = 4) -> dict:
+def launch_opts(num_warps: int = 4) -> dict:
     # fp fusion off everywhere: the quantizer needs x * inv rounded before rint, and the
     # integer kernels do not care (it also silences Triton 3.9's default-change warning)
     return {} if interpreting() else {"num_warps": num_warps, "enable_fp_fusion": False}

@@ -68,9 +68,6 @@ from .. import scratch
 from ..errors import CodecError
 
 __all__ = [
-    "available",
-    "resolve_backend",
-    "interpreting",
     "quantize_triton",
     "dequantize_triton",
     "histogram_triton",
@@ -84,20 +81,14 @@ __all__ = [
 
 # The coder's constants, error codes and stream layout: codec.entropy.rans_spec (specified once,
 # shared with the numba backend codec.entropy.rans_cpu; docs/bitstream.md sections 2-4).
-from ..entropy.rans_spec import (ERR_FINAL, ERR_INTERNAL, ERR_LEFTOVER, ERR_MESSAGES as _ERR_MESSAGES,  # noqa: E402,F401
-                        ERR_OK, ERR_STATE, ERR_SYMBOL, ERR_TRUNCATED, PROB_BITS, PROB_SCALE,
-                        RANS_L, bad_stream_lengths, stream_layout)
+from ..entropy.rans_spec import (ERR_MESSAGES as _ERR_MESSAGES, PROB_SCALE,  # noqa: E402
+                                 bad_stream_lengths, stream_layout)
 
 # The kernels, their JIT / AOT compilation, the launch helpers, the import guard and the
-# checks of where Triton can run live in codec.triton.kernels (modules stay under 600 lines);
-# re-exported here.
-from .kernels import (HAVE_TRITON, K_ERR_FINAL, K_ERR_INTERNAL, K_ERR_LEFTOVER,  # noqa: E402,F401
-                         K_ERR_OK, K_ERR_STATE, K_ERR_SYMBOL, K_ERR_TRUNCATED, K_PROB_SCALE,
-                         K_RANS_L, RANS_BLOCK_GPU, RANS_BLOCK_INTERP, RANS_WARPS_GPU,
-                         _constexpr, _dequantize_kernel, _histogram_kernel, _jit, _kernel,
-                         _launch_opts, _on, _quantize_kernel, _rans_decode_kernel,
-                         _rans_encode_kernel, _require, available, compile_for_target,
-                         interpreting, resolve_backend, tl, triton)
+# checks of where Triton can run (``available``, ``resolve_backend``) live in
+# codec.triton.kernels (modules stay under 600 lines).
+from .kernels import (RANS_BLOCK_GPU, RANS_BLOCK_INTERP, interpreting, kernel,  # noqa: E402
+                      launch_opts, on_device, require_device, triton)
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,7 +140,7 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tenso
         raise ValueError(f"x [L, ...] with L = len(max_level) required, got {tuple(x.shape)} "
                          f"and {tuple(max_level.shape)}")
     scale = scale.to(device=x.device)
-    dev = _require(x, scale)
+    dev = require_device(x, scale)
     L = x.shape[0]
     m = max_level.to(device=dev, dtype=torch.float32).contiguous()
     mb = m.reshape((-1,) + (1,) * (x.dim() - 1))              # [L, 1, ..., 1]
@@ -165,9 +156,9 @@ def quantize_triton(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tenso
     out = scratch.empty((L, N), dtype=torch.uint8, device=dev)
     if N:
         BLOCK = 1024
-        opts = _launch_opts(4)
-        with _on(dev):
-            _kernel("_quantize_kernel")[(triton.cdiv(N, BLOCK), L)](
+        opts = launch_opts(4)
+        with on_device(dev):
+            kernel("_quantize_kernel")[(triton.cdiv(N, BLOCK), L)](
                 xf, table.to(torch.float32).contiguous(), m, out, N, S, DIV, MOD, BLOCK=BLOCK,
                 **opts)
     return out.reshape(x.shape)
@@ -188,7 +179,7 @@ def dequantize_triton(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.T
     if sym.dim() < 2 or sym.shape[0] != max_level.shape[0]:
         raise ValueError("sym [L, ...] with L = len(max_level) required")
     scale = scale.to(device=sym.device)
-    dev = _require(sym, scale)
+    dev = require_device(sym, scale)
     L = sym.shape[0]
     m = max_level.to(device=dev, dtype=torch.float32).contiguous()
     step = scale.to(torch.float32) / m.reshape((-1,) + (1,) * (sym.dim() - 1))  # reference
@@ -200,10 +191,10 @@ def dequantize_triton(sym: torch.Tensor, scale: torch.Tensor, max_level: torch.T
     out = scratch.empty((L, N), dtype=out_dtype, device=dev)
     if N:
         BLOCK = 1024
-        opts = _launch_opts(4)
+        opts = launch_opts(4)
         bf16 = out_dtype == torch.bfloat16
-        with _on(dev):
-            _kernel("_dequantize_kernel")[(triton.cdiv(N, BLOCK), L)](
+        with on_device(dev):
+            kernel("_dequantize_kernel")[(triton.cdiv(N, BLOCK), L)](
                 sf, table.contiguous(), m, out.view(torch.int16) if bf16 else out, N, S, DIV,
                 MOD, OUT_BF16=bf16, BLOCK=BLOCK, **opts)
     return out.reshape(sym.shape)
@@ -232,7 +223,7 @@ def histogram_triton(sym: torch.Tensor, nbins_max: int = 256) -> torch.Tensor:
         raise ValueError(f"sym must be uint8 [L, T, C], got {sym.dtype} {tuple(sym.shape)}")
     if not (1 <= nbins_max <= 256):
         raise ValueError("nbins_max must be in [1, 256]")
-    dev = _require(sym)
+    dev = require_device(sym)
     L, T, C = sym.shape
     NB = 1 << max(0, (nbins_max - 1).bit_length())
     if nbins_max < 256 and sym.numel() and int(sym.max()) >= nbins_max:
@@ -242,9 +233,9 @@ def histogram_triton(sym: torch.Tensor, nbins_max: int = 256) -> torch.Tensor:
     BT = 64 if interpreting() else max(16, 4096 // BC)
     counts = torch.zeros((L, C, NB), dtype=torch.int32, device=dev)
     if sym.numel():
-        with _on(dev):
-            _kernel("_histogram_kernel")[(triton.cdiv(C, BC), L)](
-                sym.contiguous(), counts, T, C, BT=BT, BC=BC, NB=NB, **_launch_opts(4))
+        with on_device(dev):
+            kernel("_histogram_kernel")[(triton.cdiv(C, BC), L)](
+                sym.contiguous(), counts, T, C, BT=BT, BC=BC, NB=NB, **launch_opts(4))
     out = torch.zeros((L, C, 256), dtype=torch.int64, device=dev)
     out[:, :, :NB] = counts
     return out
@@ -312,7 +303,7 @@ def _rans_block(block: int | None) -> tuple[int, dict]:
         block = RANS_BLOCK_INTERP if interpreting() else RANS_BLOCK_GPU
     if block < 1 or block & (block - 1):
         raise ValueError("block must be a power of two")
-    return block, _launch_opts(max(1, min(8, block // 32)) if not interpreting() else 1)
+    return block, launch_opts(max(1, min(8, block // 32)) if not interpreting() else 1)
 
 
 def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_index,
@@ -340,7 +331,7 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     if sym_k.dim() != 3 or sym_k.shape != sym_v.shape:
         raise ValueError(f"sym_k and sym_v must both be [L, T, C], got {tuple(sym_k.shape)} "
                          f"and {tuple(sym_v.shape)}")
-    dev = _require(sym_k, sym_v)
+    dev = require_device(sym_k, sym_v)
     L, T, C = sym_k.shape
     n_groups, n_blocks, n_streams = _layout(L, T, C, G, B)
     cum_t, mi = _tables(cum, model_index, L, C, dev)
@@ -349,8 +340,8 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     grid = _grid(n_groups, n_blocks, L, block)
     nwords = torch.zeros(n_streams, dtype=torch.int32, device=dev)
     err = torch.zeros(n_streams, dtype=torch.int32, device=dev)
-    kern = _kernel("_rans_encode_kernel")
-    with _on(dev):
+    kern = kernel("_rans_encode_kernel")
+    with on_device(dev):
         kern[grid](sk, sv, mi, cum_t, nwords, nwords, nwords, err, L, T, C, G, B,
                    n_groups, n_blocks, WRITE=False, BLOCK=block, **opts)
     if bool((err != 0).any()):
@@ -360,7 +351,7 @@ def rans_encode_triton(sym_k: torch.Tensor, sym_v: torch.Tensor, cum, model_inde
     torch.cumsum(nwords.to(torch.int64), 0, out=woff[1:])
     total = int(woff[-1])
     words = scratch.empty(total, dtype=torch.int16, device=dev)
-    with _on(dev):
+    with on_device(dev):
         kern[grid](sk, sv, mi, cum_t, woff, words, nwords, err, L, T, C, G, B,
                    n_groups, n_blocks, WRITE=True, BLOCK=block, **opts)
     if bool((err != 0).any()):  # pragma: no cover - would be a kernel bug
@@ -430,7 +421,7 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
         arr = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) \
             else payload.reshape(-1).view(np.uint8)
         buf = torch.from_numpy(arr.copy()).to(device)
-    dev = _require(buf)
+    dev = require_device(buf)
     cum_t, mi = _tables(cum, model_index, L, C, dev, exc=CodecError)
     lens = _as_tensor(lengths, dev)
     if tuple(lens.shape) != (n_streams,) or lens.dtype.is_floating_point or lens.dtype == torch.bool:
@@ -458,14 +449,14 @@ def rans_decode_triton(payload, lengths, cum, model_index, L: int, T: int, C: in
         raise ValueError(f"lookup must be 'auto', 'search' or 'scan', got {lookup!r}")
     scan_max = {"auto": 5, "scan": 6, "search": 0}[lookup]
     steps = _steps_per_kvl(cum_t, mi)
-    kern = _kernel("_rans_decode_kernel")
+    kern = kernel("_rans_decode_kernel")
     for st in sorted(set(steps)):               # one launch per alphabet size class
         kvls = torch.tensor([i for i, v in enumerate(steps) if v == st], dtype=torch.int32,
                             device=dev)
         grid = (triton.cdiv(n_groups, block), n_blocks, kvls.numel())
         args = (words, woff, mi, cum_t, out_k, out_v, err, kvls, L, T, C, G, B, n_groups,
                 n_blocks)
-        with _on(dev):
+        with on_device(dev):
             if st <= scan_max and not _SCAN_BROKEN:
                 try:
                     kern[grid](*args, SEARCH_STEPS=st, BLOCK=block, SCAN=True, **opts)

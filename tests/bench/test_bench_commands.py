@@ -45,7 +45,7 @@ def test_coder_rans_small_chunk(capsys):
 
 def test_schedules_prints_every_level(capsys):
     from bench import schedules
-    from codec.config import HARNESS_LEVELS, LEVELS
+    from codec.schedules import HARNESS_LEVELS, LEVELS
 
     assert schedules.main(["30"]) == 0
     lines = capsys.readouterr().out.splitlines()

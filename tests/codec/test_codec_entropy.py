@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from codec import bitstream as bs
+from codec.entropy import codebook as cb
+from codec.entropy import codebook_codes as cc
 from codec.entropy import models as prob
 from codec.entropy import rans_cpu as rc
 from codec.entropy import rans_ref as rref
@@ -34,24 +36,24 @@ def test_normalize_invariants():
         cases.append(rng.integers(0, 3, nb) * rng.integers(0, 10**6, nb))
         cases.append(np.bincount(rng.geometric(0.5, 5000).clip(max=nb) - 1 + 0, minlength=nb)[:nb])
     for c in cases:
-        f = prob.normalize_freqs(np.asarray(c))
+        f = cc.normalize_freqs(np.asarray(c))
         assert f.shape == np.shape(c)
         assert f.min() >= 1
         assert int(f.sum()) == 65536
-        assert np.array_equal(f, prob.normalize_freqs(np.asarray(c)))  # deterministic
+        assert np.array_equal(f, cc.normalize_freqs(np.asarray(c)))  # deterministic
     # batch == row-by-row
     batch = rng.integers(0, 50, (20, 16))
-    fb = prob.normalize_freqs(batch)
+    fb = cc.normalize_freqs(batch)
     for i in range(20):
-        assert np.array_equal(fb[i], prob.normalize_freqs(batch[i]))
+        assert np.array_equal(fb[i], cc.normalize_freqs(batch[i]))
     # close to proportional
     c = np.array([6000, 3000, 1000, 0])
-    f = prob.normalize_freqs(c)
+    f = cc.normalize_freqs(c)
     assert np.allclose(f / 65536, c / c.sum(), atol=1e-3)
     with pytest.raises(ValueError):
-        prob.normalize_freqs(np.array([1]))
+        cc.normalize_freqs(np.array([1]))
     with pytest.raises(ValueError):
-        prob.normalize_freqs(np.array([1, -1]))
+        cc.normalize_freqs(np.array([1, -1]))
 
 
 def test_models_are_valid_tables_and_codebook_beats_budget():
@@ -75,8 +77,8 @@ def test_models_are_valid_tables_and_codebook_beats_budget():
     # coded cross-entropy >= ideal, and not far above it
     assert ms.coded_bits >= ms.ideal_bits - 1e-6
     assert ms.coded_bits <= ms.ideal_bits * 1.05
-    hdr, arrays = prob.serialize_models(ms)
-    cum2, mi2 = prob.deserialize_models(hdr, arrays, nbk, nbv, L, C)
+    hdr, arrays = cb.serialize_models(ms)
+    cum2, mi2 = cb.deserialize_models(hdr, arrays, nbk, nbv, L, C)
     assert np.array_equal(cum2, ms.cum) and np.array_equal(mi2, ms.model_index)
 
 
@@ -377,8 +379,8 @@ def test_normalize_matches_documented_formula():
     for nb in (2, 3, 15, 31, 256):
         for _ in range(5):
             c = rng.integers(0, 50, nb) * (rng.random(nb) < 0.6)
-            assert prob.normalize_freqs(c).tolist() == _normalize_spec(c)
-    assert prob.normalize_freqs(np.zeros(7, np.int64)).tolist() == _normalize_spec([0] * 7)
+            assert cc.normalize_freqs(c).tolist() == _normalize_spec(c)
+    assert cc.normalize_freqs(np.zeros(7, np.int64)).tolist() == _normalize_spec([0] * 7)
 
 
 def test_encoding_is_deterministic_and_stats_consistent():
@@ -391,7 +393,7 @@ def test_encoding_is_deterministic_and_stats_consistent():
     assert enc.length_table_bytes == enc.arrays["ent_stream_lengths"].nbytes
     assert enc.model_bytes == enc.arrays["ent_codebook"].nbytes + enc.arrays["ent_model_index"].nbytes
     # entropy_bits is exactly the code length of the symbols under the transmitted models
-    cum, mi = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
+    cum, mi = cb.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
     f = np.diff(cum.astype(np.int64), axis=1)
     bits = 0.0
     for kv, s in enumerate((sk, sv)):
@@ -461,9 +463,10 @@ def test_entropy_stage_composes_any_backend():
     assert set(ref.header) <= set(rans_spec.HEADER_FIELDS)
     assert set(ref.arrays) <= set(rans_spec.ARRAY_NAMES)
     # one definition of the constants and layout, shared by both backends
+    from codec.triton import kernels as tj
     from codec.triton import ops as tk
 
-    assert tk.RANS_L == rans_spec.RANS_L
+    assert tj.RANS_L == rans_spec.RANS_L
     assert rans_cpu.stream_layout is rans_spec.stream_layout
     assert tk._layout(2, 33, 6, 2, 33) == rans_spec.stream_layout(2, 33, 6, 2, 33)
 

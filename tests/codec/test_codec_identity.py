@@ -132,7 +132,7 @@ def test_config_hash_follows_codec_and_format_versions(monkeypatch):
 def test_config_hash_changes_when_a_schedule_table_changes(monkeypatch):
     """A reused store after a schedule change must miss: editing the level table changes
     the preset hash even when the caller does not pass num_layers."""
-    from codec import config as C
+    from codec import schedules as C
 
     before = codec.config_hash("cachegen", 1)
     monkeypatch.setitem(C.HARNESS_LEVELS, 1, (4, 4))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from codec import bitstream
-from codec.api import _encode_one, decode_kv, encode_kv
+from codec.api import encode_one, decode_kv, encode_kv
 from codec.base import KIVI_GROUP, KIVI_RESIDUAL
 from codec.errors import CodecError
 
@@ -27,7 +27,7 @@ def _chunked(k, v, name, sizes):
     b = [0]
     for s in sizes:
         b.append(b[-1] + s)
-    datas = [_encode_one(k[:, b[i]:b[i + 1]], v[:, b[i]:b[i + 1]], name, None, None, b[i], T,
+    datas = [encode_one(k[:, b[i]:b[i + 1]], v[:, b[i]:b[i + 1]], name, None, None, b[i], T,
                          i, len(sizes), backend="cpu")[0] for i in range(len(sizes))]
     outs = [decode_kv(d) for d in datas]
     return datas, torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
@@ -112,8 +112,8 @@ def test_short_group_fused_equals_reference_and_format_version():
     # containers: every chunk is written as version 6 (xxh3-64 trailer); the oldest
     # reader that can read it (EncodedChunk.format_version, above) is 5 only when a short
     # group is used; resealed as version 5 such a chunk decodes the same
-    d5 = _encode_one(k[:, :17], v[:, :17], "kivi2", None, None, 0, T, 0, 2, backend="cpu")[0]
-    d4 = _encode_one(k[:, :32], v[:, :32], "kivi2", None, None, 0, T, 0, 2, backend="cpu")[0]
+    d5 = encode_one(k[:, :17], v[:, :17], "kivi2", None, None, 0, T, 0, 2, backend="cpu")[0]
+    d4 = encode_one(k[:, :32], v[:, :32], "kivi2", None, None, 0, T, 0, 2, backend="cpu")[0]
     assert d5[4:6] == d4[4:6] == (6).to_bytes(2, "little")
     assert 5 in bitstream.READ_VERSIONS and 6 in bitstream.READ_VERSIONS
     a, b = decode_kv(d5), decode_kv(bitstream.reseal(d5, 5))

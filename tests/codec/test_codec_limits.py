@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import codec
+from codec.quant import lowbit
 from codec.quant import reference as Q
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -80,7 +81,7 @@ def check_bound(name: str, x: torch.Tensor, y: torch.Tensor, header: dict, is_ke
     if name == "raw":
         assert torch.equal(y, x)
     elif name == "fp8":                 # saturating e4m3 cast: 3 mantissa bits
-        c = xd.clamp(-Q.FP8_MAX, Q.FP8_MAX)
+        c = xd.clamp(-lowbit.FP8_MAX, lowbit.FP8_MAX)
         assert bool(((y.double() - c).abs() <= c.abs() * 2 ** -4 + 2 ** -10
                      + EPS[x.dtype] * c.abs()).all())
     elif name.startswith("kivi"):
@@ -220,9 +221,9 @@ def test_kivi_quantizer_range_at_limit(dtype, bits):
     """max - min of +-max overflows float32 for fp32/bf16: KIVI uses float64."""
     big = torch.finfo(dtype).max
     x = torch.tensor([[-big, big, 0.0, big / 3]] * 8, dtype=torch.float64).to(dtype)
-    q, lo, step = Q.kivi_quantize(x, bits, dim=0, group=8)
+    q, lo, step = lowbit.kivi_quantize(x, bits, dim=0, group=8)
     assert bool(torch.isfinite(step.float()).all())
-    xh = Q.kivi_dequantize(q, lo, step, dim=0, group=8)
+    xh = lowbit.kivi_dequantize(q, lo, step, dim=0, group=8)
     assert bool(torch.isfinite(xh).all()) and bool(torch.isfinite(xh.to(dtype)).all())
     assert float(xh.to(dtype).double().max()) == big and float(xh.double().min()) == -big
 

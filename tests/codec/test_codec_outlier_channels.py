@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import codec
+from codec.quant import outliers
 from codec.quant import reference as Q
 from codec.api import decode_kv, encode_kv
 from codec.errors import CodecError
@@ -117,9 +118,9 @@ def test_seeds_and_chunks():
 
 def test_detection_rule():
     k, _ = normal_kv()
-    assert Q.outlier_channels(k) is None                   # normal KV: nothing
+    assert outliers.outlier_channels(k) is None                   # normal KV: nothing
     k[2, :, 0, 3] = (k[2, :, 0, 3].float() * 1000).to(k.dtype)
-    idx, ex = Q.outlier_channels(k)
+    idx, ex = outliers.outlier_channels(k)
     L, T, H, D = k.shape
     assert idx.tolist() == [2 * H * D + 0 * D + 3]
     c = k.float().abs().amax(1)
@@ -129,7 +130,7 @@ def test_detection_rule():
     # an all-zero rest (only one live channel) is not an outlier channel (nothing to save)
     z = torch.zeros(1, 8, 1, 4, dtype=torch.bfloat16)
     z[0, :, 0, 1] = 5
-    assert Q.outlier_channels(z) is None
+    assert outliers.outlier_channels(z) is None
 
 
 def _container_parts(case="k1", f=100):
@@ -151,7 +152,7 @@ def test_corrupt_channel_list_is_refused(mutate):
     elif mutate == "bad_exp0":
         arrays["chx_k_exp"] = np.zeros_like(arrays["chx_k_exp"])
     elif mutate == "bad_exp_big":
-        arrays["chx_k_exp"] = np.full_like(arrays["chx_k_exp"], Q.CHANNEL_MAX_EXP + 1)
+        arrays["chx_k_exp"] = np.full_like(arrays["chx_k_exp"], outliers.CHANNEL_MAX_EXP + 1)
     elif mutate == "idx_range":
         a = arrays["chx_k_idx"].copy()
         a[-1] = np.prod(SHAPE) // SHAPE[1]

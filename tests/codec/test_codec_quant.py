@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from codec.quant import lowbit
 from codec.quant import reference as Q
 from codec.config import CodecConfig, QuantizationSpec, reference_schedule
 
@@ -206,9 +207,9 @@ def test_kivi_error_bound(bits, dtype):
     x = (torch.randn(2, 64, 3, 40) * 3).to(dtype)
     x[:, 5] = 0
     for dim, group in ((1, 32), (3, 8)):
-        q, lo, step = Q.kivi_quantize(x, bits, dim=dim, group=group)
+        q, lo, step = lowbit.kivi_quantize(x, bits, dim=dim, group=group)
         assert int(q.max()) <= (1 << bits) - 1 and lo.dtype == dtype and step.dtype == dtype
-        xh = Q.kivi_dequantize(q, lo, step, dim=dim, group=group)
+        xh = lowbit.kivi_dequantize(q, lo, step, dim=dim, group=group)
         stepb = step.float().repeat_interleave(group, dim=dim)
         err = (xh - x.float()).abs()
         assert bool((err <= stepb / 2 * (1 + 1e-3) + 1e-6 * x.float().abs()).all())
@@ -216,7 +217,7 @@ def test_kivi_error_bound(bits, dtype):
 
 def test_fp8_cast_saturates():
     x = torch.tensor([0.0, 1.0, -3.5, 1000.0, -1e6, 0.1])
-    y = Q.fp8_dequantize(Q.fp8_quantize(x))
+    y = lowbit.fp8_dequantize(lowbit.fp8_quantize(x))
     assert y.tolist()[:3] == [0.0, 1.0, -3.5]
     assert y[3] == 448 and y[4] == -448
     assert abs(float(y[5]) - 0.1) <= 0.1 * 2 ** -3

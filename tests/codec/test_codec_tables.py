@@ -9,6 +9,8 @@ import numpy as np
 import torch
 import pytest
 
+from codec.entropy import codebook as cb
+from codec.entropy import codebook_codes as cc
 from codec.entropy import models as prob
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
@@ -103,7 +105,7 @@ def test_round_trip_and_documented_layout(big):
     dk, dv = decode_symbols(enc.header, enc.arrays, enc.payload, L, T, C, nbk, nbv)
     assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
     # the tables the decoder rebuilds are exactly the documented formula's
-    cum, mi = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
+    cum, mi = cb.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
     spec = _spec_read_tables(enc.arrays["ent_codebook"].tobytes(), groups)
     f = np.diff(cum.astype(np.int64), axis=1)
     row = 0
@@ -133,15 +135,15 @@ def test_tables_are_compact_and_near_lossless(big):
     # the range fields cost at most 2 * bit_length(nbins - 1) bits a table over the
     # version-3 layout (every code Rice-coded) ...
     groups = enc.header["model_groups"]
-    v3_bits = sum(prob.rice_cost(np.array(q))[0] for q in
+    v3_bits = sum(cc.rice_cost(np.array(q))[0] for q in
                   _spec_read_tables(enc.arrays["ent_codebook"].tobytes(), groups, codes=True).values())
     assert enc.arrays["ent_codebook"].nbytes * 8 <= v3_bits + sum(
         2 * K * (nb - 1).bit_length() for nb, K, _, _ in groups) + 7
     # ... and save the zero tails of peaked tables (KV's: most of a 127-symbol alphabet)
     x = np.arange(127) - 63
     p = np.exp(-np.abs(x[None, :] - np.arange(-8, 8)[:, None]) / np.linspace(1, 4, 16)[:, None])
-    q = prob.table_codes(np.rint(p * 1e6).astype(np.int64))
-    assert prob.ranged_cost(q)[0] < 0.7 * prob.rice_cost(q)[0]
+    q = cc.table_codes(np.rint(p * 1e6).astype(np.int64))
+    assert cc.ranged_cost(q)[0] < 0.7 * cc.rice_cost(q)[0]
     # square-root-domain codes cost < 0.05% against exact 16-bit tables of the same clusters
     hk = prob.histograms(sk)
     H = np.concatenate([hk[layer, :, :31] for layer in range(L)])
@@ -149,15 +151,15 @@ def test_tables_are_compact_and_near_lossless(big):
     assert codes.shape[0] == 64
     cent = np.zeros((64, 31), np.int64)
     np.add.at(cent, assign, H)
-    coded = prob.freqs_from_codes(prob.table_codes(cent))
-    exact = prob.normalize_freqs(cent)
+    coded = cc.freqs_from_codes(cc.table_codes(cent))
+    exact = cc.normalize_freqs(cent)
 
     def xent(f):
         return float((H * (16 - np.log2(f[assign]))).sum())
 
     assert xent(exact) <= xent(coded) <= xent(exact) * 1.0005
     assert bits == pytest.approx(xent(freqs), rel=1e-12)   # coded_bits: the tables as sent
-    assert np.array_equal(freqs, prob.freqs_from_codes(codes))
+    assert np.array_equal(freqs, cc.freqs_from_codes(codes))
 
 
 def test_version2_codebook_still_decodes(big):
@@ -165,7 +167,7 @@ def test_version2_codebook_still_decodes(big):
     sk, sv = sk[:, :, :100], sv[:, :, :100]      # K <= 256 as version 2 required
     C = 100
     enc = encode_symbols(sk, sv, nbk, nbv)
-    cum, mi = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
+    cum, mi = cb.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
     assert all(K <= 256 for _, K, _, _ in enc.header["model_groups"])
     f = np.diff(cum.astype(np.int64), axis=1)
     groups = [[nb, K] for nb, K, _, _ in enc.header["model_groups"]]
@@ -196,14 +198,14 @@ def _to_version3(enc):
     parts, g3, total = [], [], 0
     for nb, K, _, ik in groups:
         q = np.array(codes[nb], np.int64)
-        bits, k = prob.rice_cost(q)
-        parts.append((prob._zigzag_deltas(q), k))
+        bits, k = cc.rice_cost(q)
+        parts.append((cc._zigzag_deltas(q), k))
         g3.append([nb, K, k, ik])
         total += bits
     buf = np.zeros((total + 7) // 8, np.uint8)
     pos = 0
     for zz, k in parts:
-        pos = prob._rice_write(np.ascontiguousarray(zz), k, buf, pos)
+        pos = cc._rice_write(np.ascontiguousarray(zz), k, buf, pos)
     arrays = {n: a for n, a in enc.arrays.items() if n != "ent_codebook"}
     return {**enc.header, "model_groups": g3}, {**arrays, "ent_tables": buf}
 
@@ -213,8 +215,8 @@ def test_version3_codebook_still_decodes(big):
     hdr, arrays = _to_version3(enc)
     dk, dv = decode_symbols(hdr, arrays, enc.payload, L, T, C, nbk, nbv)
     assert np.array_equal(dk, sk) and np.array_equal(dv, sv)
-    cum3, mi3 = prob.deserialize_models(hdr, arrays, nbk, nbv, L, C)
-    cum4, mi4 = prob.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
+    cum3, mi3 = cb.deserialize_models(hdr, arrays, nbk, nbv, L, C)
+    cum4, mi4 = cb.deserialize_models(enc.header, enc.arrays, nbk, nbv, L, C)
     assert np.array_equal(cum3, cum4) and np.array_equal(mi3, mi4)
     with pytest.raises(CodecError, match="two format versions"):
         decode_symbols(hdr, {**arrays, "ent_codebook": enc.arrays["ent_codebook"]}, enc.payload,
@@ -269,39 +271,39 @@ def test_crafted_tables_raise_codec_error(big):
 def test_rice_cost_is_the_serialised_size():
     rng = np.random.default_rng(1)
     for nb in (2, 7, 31, 127, 255):
-        q = rng.integers(0, prob.TABLE_QMAX + 1, size=(5, nb))
-        bits, k = prob.rice_cost(q)
+        q = rng.integers(0, cc.TABLE_QMAX + 1, size=(5, nb))
+        bits, k = cc.rice_cost(q)
         buf = np.zeros((bits + 7) // 8, np.uint8)
-        end = prob._rice_write(prob._zigzag_deltas(q), k, buf, 0)
+        end = cc._rice_write(cc._zigzag_deltas(q), k, buf, 0)
         assert end == bits
         out = np.empty(q.size, np.int64)
-        assert prob._rice_read(buf, 0, q.size, nb, k, prob.TABLE_QMAX, out) == bits
+        assert cc.rice_read(buf, 0, q.size, nb, k, cc.TABLE_QMAX, out) == bits
         assert np.array_equal(out.reshape(q.shape), q)
 
 
 def test_ranged_cost_is_the_serialised_size():
     rng = np.random.default_rng(2)
     for nb in (2, 7, 31, 127, 255):
-        q = rng.integers(0, prob.TABLE_QMAX + 1, size=(6, nb))
+        q = rng.integers(0, cc.TABLE_QMAX + 1, size=(6, nb))
         q[0] = 0                                  # an all-zero table: lo = span = 0
         q[1, :nb // 2] = 0                        # a zero head
         q[2, nb // 3:] = 0                        # a zero tail
         q[2, 0] = max(q[2, 0], 1)
-        bits, k = prob.ranged_cost(q)
+        bits, k = cc.ranged_cost(q)
         w = max(1, (nb - 1).bit_length())
         buf = np.zeros((bits + 7) // 8, np.uint8)
-        lo, span, zz = prob._ranged_deltas(q)
-        assert prob._ranged_write(lo, span, zz, w, k, buf, 0) == bits
+        lo, span, zz = cc.ranged_deltas(q)
+        assert cc.ranged_write(lo, span, zz, w, k, buf, 0) == bits
         out = np.zeros(q.shape, np.int64)
-        assert prob._ranged_read(buf, 0, q.shape[0], nb, w, k, prob.TABLE_QMAX, out) == bits
+        assert cc.ranged_read(buf, 0, q.shape[0], nb, w, k, cc.TABLE_QMAX, out) == bits
         assert np.array_equal(out, q)
         groups = [[nb, q.shape[0], k, 0]]
         assert _spec_read_tables(buf.tobytes(), groups, codes=True)[nb] == q.tolist()
         # lo + span past the alphabet is refused
         bad = np.zeros((2 * w + 8 + 7) // 8 + 1, np.uint8)
-        pos = prob._fixed_write(nb - 1, w, bad, 0)
-        prob._fixed_write(1, w, bad, pos)
-        assert prob._ranged_read(bad, 0, 1, nb, w, 0, prob.TABLE_QMAX, np.zeros((1, nb), np.int64)) == -1
+        pos = cc._fixed_write(nb - 1, w, bad, 0)
+        cc._fixed_write(1, w, bad, pos)
+        assert cc.ranged_read(bad, 0, 1, nb, w, 0, cc.TABLE_QMAX, np.zeros((1, nb), np.int64)) == -1
 
 
 # Containers written by the version-3 writer (codec version 3, git 52df50c), KV of
@@ -360,7 +362,7 @@ def test_normalize_freqs_matches_a_stable_sort_of_remainders():
              rng.integers(0, 2, size=(8, nb)) * 7,                                   # zero runs
              rng.integers(0, 256, size=(8, nb)) ** 2][trial % 4]
         c[0] = 0                                                                     # all zero
-        assert np.array_equal(prob.normalize_freqs(c), _normalize_by_stable_sort(c))
+        assert np.array_equal(cc.normalize_freqs(c), _normalize_by_stable_sort(c))
 
 
 @pytest.mark.parametrize("density", [0.03, 0.1, 0.4, 0.9])

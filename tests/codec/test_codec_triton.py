@@ -15,15 +15,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from codec.entropy import codebook_codes as cc  # noqa: E402
 from codec.entropy import models as prob  # noqa: E402
+from codec.entropy import rans_spec  # noqa: E402
 from codec.quant import reference as Q  # noqa: E402
 from codec.entropy import rans_cpu  # noqa: E402
 from codec.entropy import rans_ref  # noqa: E402
+from codec.triton import kernels as tj  # noqa: E402
 from codec.triton import ops as tk  # noqa: E402
 from codec.errors import CodecError  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not tk.available(), reason="Triton not usable here")
-DEV = "cpu" if tk.interpreting() else "cuda"
+pytestmark = pytest.mark.skipif(not tj.available(), reason="Triton not usable here")
+DEV = "cpu" if tj.interpreting() else "cuda"
 
 
 def _laplace_symbols(rng, L, T, C, nbins, scale=1.5):
@@ -87,7 +90,7 @@ def test_rans_long_stream_of_rare_symbols_no_fixed_buffer():
     L, T, C, G, B = 1, 160, 2, 1, 160
     nb = 256
     freq = np.ones(nb, np.int64)
-    freq[0] = prob.PROB_SCALE - (nb - 1)                  # symbol 0 common, the rest rare
+    freq[0] = rans_spec.PROB_SCALE - (nb - 1)                  # symbol 0 common, the rest rare
     cum = np.zeros((1, 257), np.uint32)
     cum[0, 1:] = np.cumsum(freq)
     mi = np.zeros((2, L, C), np.uint16)
@@ -108,7 +111,7 @@ def test_rans_256_bins_and_degenerate_model():
     """nbins = 256 (8 search steps) next to a 2-symbol model with freq 65535 / 1."""
     L, T, C, G, B = 1, 10, 4, 2, 10
     rng = np.random.default_rng(5)
-    f256 = prob.normalize_freqs(rng.integers(0, 50, size=(1, 256)))
+    f256 = cc.normalize_freqs(rng.integers(0, 50, size=(1, 256)))
     f2 = np.array([[65535, 1]])
     cum = np.full((2, 257), 65536, np.uint32)
     cum[:, 0] = 0
@@ -298,14 +301,15 @@ def test_encode_symbols_triton_identical_and_cross_decodes():
 
 
 def test_available_under_interpreter_or_cuda():
-    assert tk.available() is True
+    assert tj.available() is True
 
 
 _COMPILE_SCRIPT = r"""
 import json, sys
+from codec.triton import kernels as tj
 from codec.triton import ops as tk
 try:
-    ptx = tk.compile_for_target(90)
+    ptx = tj.compile_for_target(90)
 except (FileNotFoundError, ImportError, TypeError) as e:  # no ptxas / other Triton API
     print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
 print(json.dumps({
@@ -348,13 +352,13 @@ def test_kernels_compile_for_h100_class_gpu_without_a_gpu():
 
 
 def test_resolve_backend():
-    assert tk.resolve_backend("cpu") == "cpu"
-    assert tk.resolve_backend("cpu", "cpu") == "cpu"
+    assert tj.resolve_backend("cpu") == "cpu"
+    assert tj.resolve_backend("cpu", "cpu") == "cpu"
     with pytest.raises(ValueError):
-        tk.resolve_backend("cpu", "gpu")
+        tj.resolve_backend("cpu", "gpu")
     if DEV == "cuda":
-        assert tk.resolve_backend("cuda") == "triton"
-        assert tk.resolve_backend("cuda", "cpu") == "cpu"
+        assert tj.resolve_backend("cuda") == "triton"
+        assert tj.resolve_backend("cuda", "cpu") == "cpu"
 
 
 def test_encode_symbols_triton_rejects_like_cpu():

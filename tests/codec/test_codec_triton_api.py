@@ -18,11 +18,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import codec  # noqa: E402
+from codec.triton import kernels as tj  # noqa: E402
 from codec.triton import ops as tk  # noqa: E402
 from codec.config import CodecConfig  # noqa: E402
 
-needs_triton = pytest.mark.skipif(not tk.available(), reason="Triton not usable here")
-DEV = "cpu" if tk.interpreting() or not torch.cuda.is_available() else "cuda"
+needs_triton = pytest.mark.skipif(not tj.available(), reason="Triton not usable here")
+DEV = "cpu" if tj.interpreting() or not torch.cuda.is_available() else "cuda"
 GPU_LAYOUT = dict(channels_per_stream=1, tokens_per_stream=16)
 L, H, D = 3, 2, 8
 

@@ -139,28 +139,6 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'bench/codec_rows.py': [
         'bench.codec_metrics._median_time'
     ],
-    'codec/config.py': [
-        'codec.schedules._scaled', 'codec.schedules._specs'
-    ],
-    'codec/entropy/codebook.py': [
-        'codec.entropy.codebook_codes._range_bits', 'codec.entropy.codebook_codes._ranged_deltas',
-        'codec.entropy.codebook_codes._ranged_read', 'codec.entropy.codebook_codes._ranged_write',
-        'codec.entropy.codebook_codes._rice_read', 'codec.entropy.codebook_codes._rice_read_plain',
-        'codec.entropy.codebook_codes._rice_write_plain'
-    ],
-    'codec/entropy/models.py': [
-        'codec.entropy.codebook._assemble', 'codec.entropy.codebook._cum_from_freqs',
-        'codec.entropy.codebook._deserialize_models_v2', 'codec.entropy.codebook._layer_nbins',
-        'codec.entropy.codebook._ms_nb_layer', 'codec.entropy.codebook_codes._bits_read',
-        'codec.entropy.codebook_codes._fixed_write', 'codec.entropy.codebook_codes._normalize_rows',
-        'codec.entropy.codebook_codes._normalize_rows_py',
-        'codec.entropy.codebook_codes._range_bits', 'codec.entropy.codebook_codes._ranged_deltas',
-        'codec.entropy.codebook_codes._ranged_read', 'codec.entropy.codebook_codes._ranged_write',
-        'codec.entropy.codebook_codes._rice_one', 'codec.entropy.codebook_codes._rice_read',
-        'codec.entropy.codebook_codes._rice_read_plain', 'codec.entropy.codebook_codes._rice_write',
-        'codec.entropy.codebook_codes._rice_write_plain',
-        'codec.entropy.codebook_codes._zigzag_deltas'
-    ],
     'codec/kvtc/__init__.py': [
         'codec.kvtc.calibration._HASH_RE', 'codec.kvtc.calibration._check_calibration',
         'codec.kvtc.fit_grouped._fit_grouped', 'codec.kvtc.kept._KeptSymbols',
@@ -214,22 +192,6 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     ],
     'codec/kvtc/transfer.py': [
         'codec.kvtc.calibration._HASH_RE'
-    ],
-    'codec/triton/ops.py': [
-        'codec.triton.kernels._constexpr', 'codec.triton.kernels._dequantize_kernel',
-        'codec.triton.kernels._histogram_kernel', 'codec.triton.kernels._jit',
-        'codec.triton.kernels._kernel', 'codec.triton.kernels._launch_opts',
-        'codec.triton.kernels._on', 'codec.triton.kernels._quantize_kernel',
-        'codec.triton.kernels._rans_decode_kernel', 'codec.triton.kernels._rans_encode_kernel',
-        'codec.triton.kernels._require'
-    ],
-    'codec/window.py': [
-        'codec.api._check_kv', 'codec.api._check_level', 'codec.api._device',
-        'codec.api._encode_one', 'codec.api._resolve_backend', 'codec.api._unpack_kind',
-        'codec.window_rules._window_list'
-    ],
-    'scripts/kvtc_tune.py': [
-        'codec.api._encode_one'
     ],
     'streaming/adapt.py': [
         'streaming.adapt_oracle._pareto'
@@ -305,29 +267,6 @@ ALLOW_FORWARDED: dict[str, list[str]] = {
     ],
     'cachegen_common/header.py': [
         'atomic_write', 'atomic_write_json', 'atomic_write_text', 'json_default'
-    ],
-    'codec/config.py': [
-        'HARNESS_LEVELS', 'LEVELS', '_scaled', '_specs'
-    ],
-    'codec/entropy/models.py': [
-        'PROB_SCALE', 'RICE_MAX_K', 'TABLE_Q', 'TABLE_QMAX', '_bits_read', '_cum_from_freqs',
-        '_deserialize_models_v2', '_fixed_write', '_ms_nb_layer', '_normalize_rows_py',
-        '_range_bits', '_ranged_deltas', '_ranged_read', '_ranged_write', '_rice_one', '_rice_read',
-        '_rice_read_plain', '_rice_write', '_rice_write_plain', '_zigzag_deltas',
-        'deserialize_models', 'rice_cost', 'serialize_models'
-    ],
-    'codec/quant/reference.py': [
-        'CHANNEL_GAP', 'CHANNEL_MAX', 'CHANNEL_MAX_EXP', 'CHANNEL_MEDIAN_GAP', 'FP8_MAX',
-        'OUTLIER_RATIO', 'OUTLIER_SAMPLE', 'fp8_dequantize', 'fp8_quantize', 'kivi_dequantize',
-        'kivi_quantize', 'outlier_channels', 'outlier_thresholds'
-    ],
-    'codec/triton/ops.py': [
-        'ERR_FINAL', 'ERR_INTERNAL', 'ERR_LEFTOVER', 'ERR_OK', 'ERR_STATE', 'ERR_SYMBOL',
-        'ERR_TRUNCATED', 'HAVE_TRITON', 'K_ERR_FINAL', 'K_ERR_INTERNAL', 'K_ERR_LEFTOVER',
-        'K_ERR_OK', 'K_ERR_STATE', 'K_ERR_SYMBOL', 'K_ERR_TRUNCATED', 'K_PROB_SCALE', 'K_RANS_L',
-        'PROB_BITS', 'RANS_L', 'RANS_WARPS_GPU', '_constexpr', '_dequantize_kernel',
-        '_histogram_kernel', '_jit', '_quantize_kernel', '_rans_decode_kernel',
-        '_rans_encode_kernel', 'available', 'compile_for_target', 'resolve_backend', 'tl'
     ],
     'codec/window.py': [
         'layout_tag', 'min_load_tokens', 'parse_layout_tag', 'stored_fraction'
