@@ -3,13 +3,12 @@
 Purpose: the GPU kernels themselves - quantization / dequantization, per-(layer,
 channel) histograms, the two-pass rANS encoder and the rANS decoder (docs/gpu.md, and
 the design notes of codec/triton/ops.py) - as plain functions jitted on first use by
-`_jit` (so TRITON_INTERPRET is read at call time and importing this module never needs
+`kernel` (so TRITON_INTERPRET is read at call time and importing this module never needs
 Triton), the launch helpers (`on_device`, `launch_opts`), the checks of where the kernels can
 run (`interpreting`, `available`, `resolve_backend`, `require_device`), and
 `compile_for_target`, the ahead-of-time compile check that needs no GPU. Kernels read
-only constexpr globals of this module (`K_*`, `tl`). Moved out of
-codec/triton/ops.py unchanged (modules stay under 600 lines); codec.triton.ops, whose
-Python wrappers launch these kernels, re-exports every name here.
+only constexpr globals of this module (`K_*`, `tl`). The Python wrappers that launch
+these kernels are codec/triton/ops.py's.
 
 Run the tests (CPU, interpreter):
   TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/codec/test_codec_triton.py -q

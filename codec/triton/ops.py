@@ -48,7 +48,8 @@ Public API (mirrors the CPU functions):
   compile_for_target(arch=90) -> {variant: PTX}: AOT compile check, no GPU needed
   encode_symbols_triton / decode_symbols_triton: codec.entropy's API on the GPU path.
 Layout: the kernel sources, their compilation and the availability checks are in
-codec/triton/kernels.py (re-exported here); the Python wrappers that launch them are here.
+codec/triton/kernels.py (import `available`, `resolve_backend`, `interpreting` and
+`compile_for_target` from there); the Python wrappers that launch them are here.
 Torch/numpy references: codec.quant.reference.quantize/dequantize, histogram_ref (torch
 bincount), codec.entropy.rans_ref.encode_streams_ref / decode_streams_ref.
 
