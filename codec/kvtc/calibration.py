@@ -48,7 +48,7 @@ DEFAULT_LEVEL = KVTC_DEFAULT_LEVEL      # codec.level_table (torch-free) holds i
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
 MAX_Q = 127                      # |quantized coefficient| <= 127: symbols fit in 255 bins
-_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 # ----------------------------------------------------------------------- calibration
@@ -176,7 +176,7 @@ class KvtcCalibration:
         zero), step [2, L, 1, n] (1 where dropped), basis_ts [2, L, n, C] (the synthesis
         ``basis`` scaled by the steps, for decode), colsum [2, L, C] (its column sums),
         n (int), keep (kept components per [K/V][layer]); the decoder adds bf16 copies
-        ``basis_ts_bf16`` / ``mean_bf16`` on first use (``KvtcCodec._inverse``)."""
+        ``basis_ts_bf16`` / ``mean_bf16`` on first use (``inverse.inverse_layers``)."""
         if level not in self._torch and self.group_layers:
             self._torch[level] = self._grouped_params(level)
         if level not in self._torch:
@@ -303,7 +303,7 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
             analysis=t.get("analysis"), group_layers=int(info.get("group_layers", 0)))
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"{p}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
-    _check_calibration(cal, str(p))
+    check_calibration(cal, str(p))
     cal.hash = cal.content_hash()
     if md.get("hash") != cal.hash:
         raise CodecError(f"{p}: content hash {cal.hash[:16]}... does not match the "
@@ -311,7 +311,7 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
     return cal
 
 
-def _check_calibration(cal: KvtcCalibration, where: str) -> None:
+def check_calibration(cal: KvtcCalibration, where: str) -> None:
     L, C, NL = cal.num_layers, cal.C, len(cal.levels)
     G = cal.group_layers
     if isinstance(G, bool) or not isinstance(G, int) or G < 0 or (G and G > max(1, L)):

@@ -1,7 +1,9 @@
 """The registry of KVTC calibrations: where a DECODE finds the calibration its chunk names
 (registered in this process by hash, then ``default_calibration_dir()/<hash>.safetensors``),
-and ``_resolve_calibration``, how an ENCODE's given calibration (object, path or hash; no
-"latest of this shape") is found and registered.
+and ``resolve_calibration``, how an ENCODE's given calibration (object, path or hash; no
+"latest of this shape") is found and registered; and the artifact as bytes for the KV
+store (an entry's calibration travels with it under cal/<hash>; a reader that lacks it
+fetches it once: ``calibration_from_bytes`` verifies, registers and caches it).
 
 Separate from codec.kvtc.calibration (the artifact itself: fields, load/save, checks)
 because it holds the process-wide state (``_CALIBRATIONS`` under ``_LOCK``).
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..errors import CodecError
-from .calibration import KvtcCalibration, _HASH_RE, default_calibration_dir, load_calibration
+from .calibration import KvtcCalibration, HASH_RE, default_calibration_dir, load_calibration
 
 # content-addressed registry of loaded calibrations, keyed by hash: where a DECODE finds
 # the calibration its chunk names (then the cache folder, ``get_calibration``). An encode
@@ -51,7 +53,7 @@ def get_calibration(h: str, search_dir: Optional[Union[str, os.PathLike]] = None
     """The calibration with hash ``h``: a registered one, else
     ``<search_dir or default_calibration_dir()>/<h>.safetensors`` (then registered).
     Raises CodecError naming the hash when it cannot be found or does not verify."""
-    if not isinstance(h, str) or not _HASH_RE.match(h):
+    if not isinstance(h, str) or not HASH_RE.match(h):
         raise CodecError(f"invalid KVTC calibration hash {h!r}")
     with _LOCK:
         cal = _CALIBRATIONS.get(h)
@@ -72,7 +74,7 @@ def get_calibration(h: str, search_dir: Optional[Union[str, os.PathLike]] = None
     return cal
 
 
-def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
+def resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
     """The calibration an encode was given (``KvtcConfig.calibration``: the object, an
     artifact path, or the hash of a registered / cache-folder one). ValueError when none
     is given: there is no implicit "latest of this shape" choice."""
@@ -88,7 +90,7 @@ def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
             c.hash = c.content_hash()
         register_calibration(c)
         cal = c
-    elif isinstance(c, str) and _HASH_RE.match(c):
+    elif isinstance(c, str) and HASH_RE.match(c):
         try:
             cal = get_calibration(c)
         except CodecError as e:
@@ -104,4 +106,56 @@ def _resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
     if (cal.num_layers, cal.num_heads, cal.head_dim) != (L, H, D):
         raise ValueError(f"calibration {cal.hash[:16]} is for L={cal.num_layers}, "
                          f"H={cal.num_heads}, D={cal.head_dim}; the KV has L={L}, H={H}, D={D}")
+    return cal
+
+def has_calibration(h: str) -> bool:
+    """True when calibration ``h`` is registered in this process or its artifact is in the
+    cache folder (``default_calibration_dir()/<h>.safetensors``; verified when loaded)."""
+    if not isinstance(h, str) or not HASH_RE.match(h):
+        return False
+    with _LOCK:
+        if h in _CALIBRATIONS:
+            return True
+    return (default_calibration_dir() / f"{h}.safetensors").is_file()
+
+
+def calibration_bytes(h: str) -> bytes:
+    """The artifact file bytes (safetensors + JSON metadata, as ``KvtcCalibration.save``
+    writes them) of calibration ``h`` (registered or in the cache folder). Raises
+    CodecError when it is not available."""
+    import tempfile
+
+    cal = get_calibration(h)
+    with tempfile.TemporaryDirectory(prefix="cgh-cal-") as d:
+        return cal.save(Path(d) / f"{h}.safetensors").read_bytes()
+
+
+def calibration_from_bytes(data: bytes, expected_hash: str, cache: bool = True
+                           ) -> KvtcCalibration:
+    """Read an artifact received as bytes (e.g. from the KV store), verify it
+    (``load_calibration``: format, shapes, finiteness, content hash = recorded hash; no
+    pickle) and that its hash is ``expected_hash``, register it and (cache=True) keep it
+    in the cache folder so later processes find it. Raises CodecError."""
+    import tempfile
+
+    if not isinstance(expected_hash, str) or not HASH_RE.match(expected_hash):
+        raise CodecError(f"invalid KVTC calibration hash {expected_hash!r}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"calibration data must be bytes, got {type(data).__name__}")
+    with tempfile.TemporaryDirectory(prefix="cgh-cal-") as d:
+        p = Path(d) / f"{expected_hash}.safetensors"
+        p.write_bytes(bytes(data))
+        cal = load_calibration(p)
+    if cal.hash != expected_hash:
+        raise CodecError(f"received calibration has hash {cal.hash[:16]}..., expected "
+                         f"{expected_hash[:16]}...")
+    register_calibration(cal)
+    if cache:
+        try:
+            folder = default_calibration_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / f"{cal.hash}.safetensors").is_file():
+                cal.save(folder)
+        except OSError:
+            pass  # registered in this process; the next process fetches it again
     return cal

@@ -159,60 +159,6 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'codec/fused.py': [
         'codec.rans_cpu._num_workers', 'codec.rans_kernels._dual'
     ],
-    'codec/kvtc/__init__.py': [
-        'codec.kvtc.calibration._HASH_RE', 'codec.kvtc.calibration._check_calibration',
-        'codec.kvtc.fit_grouped._fit_grouped', 'codec.kvtc.kept._KeptSymbols',
-        'codec.kvtc.kept._decode_kept', 'codec.kvtc.kept._kept_halves', 'codec.kvtc.kept._kept_nbins',
-        'codec.kvtc.kept._n_kept', 'codec.kvtc.layout._PADDED', 'codec.kvtc.layout._SPAN_ARRAY_RE',
-        'codec.kvtc.layout._code_rows', 'codec.kvtc.layout._decode_rows', 'codec.kvtc.layout._exact_counts',
-        'codec.kvtc.layout._parse_spans', 'codec.kvtc.layout._span_array', 'codec.kvtc.layout._tail_spans',
-        'codec.kvtc.layout_grouped._code_rows_grouped', 'codec.kvtc.layout_grouped._decode_rows_grouped',
-        'codec.kvtc.layout_grouped._group_features', 'codec.kvtc.pca._metric_gain',
-        'codec.kvtc.pca._metric_sqrt', 'codec.kvtc.pca._pca', 'codec.kvtc.rate._RATE_SAMPLE_TOKENS',
-        'codec.kvtc.rate._quantize', 'codec.kvtc.rate._rate_bits', 'codec.kvtc.rate._shrink',
-        'codec.kvtc.rate._solve_levels', 'codec.kvtc.rate._steps_for', 'codec.kvtc.registry._CALIBRATIONS',
-        'codec.kvtc.registry._LOCK', 'codec.kvtc.registry._resolve_calibration',
-        'codec.kvtc.rope._ROPE_BF16_KERNEL', 'codec.kvtc.rope._ROPE_KERNEL',
-        'codec.kvtc.rope._jit_or_false', 'codec.kvtc.rope._rope_bf16_kernel',
-        'codec.kvtc.rope._rope_bf16_py', 'codec.kvtc.rope._rope_cos_sin', 'codec.kvtc.rope._rope_kernel',
-        'codec.kvtc.rope._rope_rows_py', 'codec.kvtc.rope._rope_tables', 'codec.kvtc.rope._rotate_half',
-        'codec.kvtc.workers._BF16_GEMM', 'codec.kvtc.workers._MAX_DECODE_WORKERS',
-        'codec.kvtc.workers._POOL', 'codec.kvtc.workers._POOL_LOCK', 'codec.kvtc.workers._bf16_gemm',
-        'codec.kvtc.workers._decode_pool', 'codec.kvtc.workers._decode_workers', 'codec.kvtc.workers._rows',
-        'codec.kvtc.workers._split_over_workers'
-    ],
-    'codec/kvtc/codec.py': [
-        'codec.kvtc.layout._KeptSymbols', 'codec.kvtc.layout._SPAN_ARRAY_RE',
-        'codec.kvtc.layout._code_rows', 'codec.kvtc.layout._decode_rows', 'codec.kvtc.layout._exact_counts',
-        'codec.kvtc.layout._parse_spans', 'codec.kvtc.layout._span_array', 'codec.kvtc.layout._tail_spans',
-        'codec.kvtc.registry._resolve_calibration', 'codec.kvtc.rope._rope_bf16_kernel',
-        'codec.kvtc.rope._rope_kernel', 'codec.kvtc.rope._rope_tables', 'codec.kvtc.workers._bf16_gemm',
-        'codec.kvtc.workers._rows', 'codec.kvtc.workers._split_over_workers'
-    ],
-    'codec/kvtc/fit.py': [
-        'codec.kvtc.calibration._check_calibration', 'codec.kvtc.fit_grouped._fit_grouped',
-        'codec.kvtc.pca._metric_gain', 'codec.kvtc.pca._metric_sqrt', 'codec.kvtc.pca._pca',
-        'codec.kvtc.rate._RATE_SAMPLE_TOKENS', 'codec.kvtc.rate._shrink', 'codec.kvtc.rate._solve_levels'
-    ],
-    'codec/kvtc/fit_grouped.py': [
-        'codec.kvtc.calibration._check_calibration', 'codec.kvtc.pca._metric_sqrt',
-        'codec.kvtc.rate._RATE_SAMPLE_TOKENS', 'codec.kvtc.rate._solve_levels'
-    ],
-    'codec/kvtc/layout.py': [
-        'codec.kvtc.kept._KeptSymbols', 'codec.kvtc.kept._decode_kept', 'codec.kvtc.kept._kept_halves',
-        'codec.kvtc.kept._n_kept', 'codec.kvtc.layout_grouped._code_rows_grouped',
-        'codec.kvtc.layout_grouped._decode_rows_grouped'
-    ],
-    'codec/kvtc/layout_grouped.py': [
-        'codec.kvtc.kept._KeptSymbols', 'codec.kvtc.kept._decode_kept', 'codec.kvtc.kept._kept_halves',
-        'codec.kvtc.kept._n_kept'
-    ],
-    'codec/kvtc/registry.py': [
-        'codec.kvtc.calibration._HASH_RE'
-    ],
-    'codec/kvtc/transfer.py': [
-        'codec.kvtc.calibration._HASH_RE'
-    ],
     'codec/prob_codebook.py': [
         'codec.prob_tables._range_bits', 'codec.prob_tables._ranged_deltas',
         'codec.prob_tables._ranged_read', 'codec.prob_tables._ranged_write', 'codec.prob_tables._rice_read',
@@ -411,12 +357,6 @@ ALLOW_FORWARDED: dict[str, list[str]] = {
 
 # Functions over 150 lines and classes over 400:
 ALLOW_LONG: dict[str, list[str]] = {
-    'codec/kvtc/codec.py': [
-        'KvtcCodec'
-    ],
-    'codec/kvtc/fit.py': [
-        'fit_calibration'
-    ],
 }
 
 
