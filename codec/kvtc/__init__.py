@@ -49,9 +49,11 @@ with this project's rANS coder and probability model as the entropy stage:
    ``total_tokens``); the tail rows are coded as spans of the same container, each with
    its own kept-layout fields and entropy tables, named in the header.
 
-The calibration (bases, means, variances, per-level allocation) is a versioned
-safetensors artifact named by the sha256 of its content (``KvtcCalibration.hash``). The
-bitstream header names that hash. An ENCODE is given its calibration explicitly
+The calibration (bases, means, variances, per-level allocation) has one form from the fit
+to the decode: ``KvtcCalibration``, immutable, named by the sha256 of its content
+(``.hash``); its bytes (``to_bytes`` / ``from_bytes``, a versioned safetensors artifact)
+are its file and what the KV store keeps (through ``codec.artifacts``: the store never
+imports this package). The bitstream header names that hash. An ENCODE is given its calibration explicitly
 (``KvtcConfig(calibration=...)``: the object, an artifact path or a hash; the
 documented default for a model is ``kv_extraction_hf.calibrate.default_calibration``,
 resolved once by the caller that owns the model); there is no implicit choice. A
@@ -64,6 +66,7 @@ hash otherwise.
     from codec import kvtc
     cal = kvtc.fit_calibration(k_samples, v_samples)          # [L, N, H, D] each
     path = cal.save(kvtc.default_calibration_dir())           # <dir>/<hash>.safetensors
+    same = kvtc.KvtcCalibration.from_bytes(cal.to_bytes())    # same.hash == cal.hash
     data = codec.encode_kv(k, v, codec="kvtc", level=2,
                            config=kvtc.KvtcConfig(calibration=cal))
     k2, v2 = codec.decode_kv(data)                            # finds it by its hash

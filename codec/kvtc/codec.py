@@ -21,7 +21,7 @@ from . import calibration, layout
 from .calibration import DEFAULT_LEVEL, level_tiers
 from .inverse import inverse_groups, inverse_layers
 from .options import KvtcConfig
-from .registry import get_calibration, resolve_calibration
+from .registry import CalibrationArtifacts, get_calibration, resolve_calibration
 from .layout import (SPAN_ARRAY_RE, check_tiers, code_rows, decode_rows, exact_counts,
                      parse_spans, span_array, tail_spans)
 
@@ -46,6 +46,7 @@ class KvtcCodec:
     uses_level = True
     supports_triton = False
     decodes_into = True      # decode(out=(k, v)) writes into the caller's tensors (no copy)
+    artifacts = CalibrationArtifacts()   # its calibrations as bytes, for codec.artifacts
 
     @property
     def levels(self) -> tuple:

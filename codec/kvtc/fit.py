@@ -128,9 +128,8 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
 
 
 def _finish(cal: KvtcCalibration) -> KvtcCalibration:
-    """``cal`` checked (``check_calibration``) with its content hash set."""
+    """``cal`` checked (``check_calibration``; its hash is set at construction)."""
     check_calibration(cal, "fit_calibration")
-    cal.hash = cal.content_hash()
     return cal
 
 

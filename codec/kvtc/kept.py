@@ -5,7 +5,7 @@ the halves' alphabet sizes, the split (``kept_halves``), its decode (``decode_ke
 and ``KeptSymbols``, a decoded (K/V) side read back per layer.
 
 Separate from codec.kvtc.layout (formats, spans, the row coders) because both the
-per-layer and the grouped row coders (codec.kvtc.layout_grouped) build on it.
+per-layer and the grouped row coders of codec.kvtc.layout build on it.
 """
 from __future__ import annotations
 

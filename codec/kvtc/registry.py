@@ -34,8 +34,6 @@ def register_calibration(cal: Union[KvtcCalibration, str, os.PathLike]) -> str:
     ``KvtcConfig(calibration=...)``). Raises CodecError for an unreadable artifact."""
     if not isinstance(cal, KvtcCalibration):
         cal = load_calibration(cal)
-    if not cal.hash:
-        cal.hash = cal.content_hash()
     with _LOCK:
         _CALIBRATIONS.pop(cal.hash, None)
         _CALIBRATIONS[cal.hash] = cal
@@ -86,8 +84,6 @@ def resolve_calibration(c: Any, L: int, H: int, D: int) -> KvtcCalibration:
             f"kv_extraction_hf.calibrate.default_calibration(bundle); the KV here has "
             f"L={L}, H={H}, D={D})")
     if isinstance(c, KvtcCalibration):
-        if not c.hash:
-            c.hash = c.content_hash()
         register_calibration(c)
         cal = c
     elif isinstance(c, str) and HASH_RE.match(c):
@@ -120,32 +116,21 @@ def has_calibration(h: str) -> bool:
 
 
 def calibration_bytes(h: str) -> bytes:
-    """The artifact file bytes (safetensors + JSON metadata, as ``KvtcCalibration.save``
-    writes them) of calibration ``h`` (registered or in the cache folder). Raises
-    CodecError when it is not available."""
-    import tempfile
-
-    cal = get_calibration(h)
-    with tempfile.TemporaryDirectory(prefix="cgh-cal-") as d:
-        return cal.save(Path(d) / f"{h}.safetensors").read_bytes()
+    """The artifact bytes (``KvtcCalibration.to_bytes``: safetensors + JSON metadata, the
+    bytes ``save`` writes) of calibration ``h`` (registered or in the cache folder).
+    Raises CodecError when it is not available."""
+    return get_calibration(h).to_bytes()
 
 
 def calibration_from_bytes(data: bytes, expected_hash: str, cache: bool = True
                            ) -> KvtcCalibration:
     """Read an artifact received as bytes (e.g. from the KV store), verify it
-    (``load_calibration``: format, shapes, finiteness, content hash = recorded hash; no
-    pickle) and that its hash is ``expected_hash``, register it and (cache=True) keep it
-    in the cache folder so later processes find it. Raises CodecError."""
-    import tempfile
-
+    (``KvtcCalibration.from_bytes``: format, shapes, finiteness, content hash = recorded
+    hash; no pickle) and that its hash is ``expected_hash``, register it and (cache=True)
+    keep it in the cache folder so later processes find it. Raises CodecError."""
     if not isinstance(expected_hash, str) or not HASH_RE.match(expected_hash):
         raise CodecError(f"invalid KVTC calibration hash {expected_hash!r}")
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CodecError(f"calibration data must be bytes, got {type(data).__name__}")
-    with tempfile.TemporaryDirectory(prefix="cgh-cal-") as d:
-        p = Path(d) / f"{expected_hash}.safetensors"
-        p.write_bytes(bytes(data))
-        cal = load_calibration(p)
+    cal = KvtcCalibration.from_bytes(data, f"calibration {expected_hash[:16]}")
     if cal.hash != expected_hash:
         raise CodecError(f"received calibration has hash {cal.hash[:16]}..., expected "
                          f"{expected_hash[:16]}...")
@@ -159,3 +144,24 @@ def calibration_from_bytes(data: bytes, expected_hash: str, cache: bool = True
         except OSError:
             pass  # registered in this process; the next process fetches it again
     return cal
+
+
+class CalibrationArtifacts:
+    """The kvtc codec's auxiliary artifacts (``codec.artifacts``): its calibrations, by
+    content hash, as the bytes the KV store keeps under cal/<hash>. The store uses this
+    through ``codec.artifacts`` and never imports codec.kvtc."""
+
+    kind = "kvtc-calibration"
+
+    def has(self, h: str) -> bool:
+        """``has_calibration(h)``."""
+        return has_calibration(h)
+
+    def to_bytes(self, h: str) -> bytes:
+        """``calibration_bytes(h)``. Raises CodecError."""
+        return calibration_bytes(h)
+
+    def from_bytes(self, data: bytes, h: str) -> None:
+        """``calibration_from_bytes(data, h)`` (verified, registered, cached). Raises
+        CodecError."""
+        calibration_from_bytes(data, h)
