@@ -298,7 +298,7 @@ class KVStore:
 def _cal_named(data: bytes, h: str) -> bool:
     """True when `data` is a safetensors artifact whose metadata records hash `h` (the
     codec's content hash is over the parameters, not the file bytes; the reader verifies
-    it again with codec.kvtc.calibration_from_bytes before any use)."""
+    it again with codec.artifacts.load_artifact before any use)."""
     try:
         n = int.from_bytes(bytes(data[:8]), "little")
         if not 0 < n <= min(len(data) - 8, 1 << 24):

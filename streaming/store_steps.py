@@ -139,14 +139,14 @@ def _prev_of_prev(raw: bytes | None) -> dict | None:
 
 
 def _calibration_bytes(h: str) -> bytes:
-    """The artifact bytes of calibration `h` from the codec (registry or cache folder).
-    Raises StoreError when this writer does not have it."""
+    """The artifact bytes of calibration `h` from the codec (``codec.artifacts``: its
+    registry or cache folder). Raises StoreError when this writer does not have it."""
     try:
-        from codec.kvtc import calibration_bytes
+        from codec.artifacts import artifact_bytes
     except ImportError as e:
         raise StoreError(f"calibration {h[:16]} named by the entry: codec unavailable ({e})") from None
     try:
-        return calibration_bytes(h)
+        return artifact_bytes(h)
     except ValueError as e:  # codec.CodecError is a ValueError
         raise StoreError(f"calibration {h[:16]} named by the entry is not available to the "
                          f"writer: {e}") from None

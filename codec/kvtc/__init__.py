@@ -49,9 +49,11 @@ with this project's rANS coder and probability model as the entropy stage:
    ``total_tokens``); the tail rows are coded as spans of the same container, each with
    its own kept-layout fields and entropy tables, named in the header.
 
-The calibration (bases, means, variances, per-level allocation) is a versioned
-safetensors artifact named by the sha256 of its content (``KvtcCalibration.hash``). The
-bitstream header names that hash. An ENCODE is given its calibration explicitly
+The calibration (bases, means, variances, per-level allocation) has one form from the fit
+to the decode: ``KvtcCalibration``, immutable, named by the sha256 of its content
+(``.hash``); its bytes (``to_bytes`` / ``from_bytes``, a versioned safetensors artifact)
+are its file and what the KV store keeps (through ``codec.artifacts``: the store never
+imports this package). The bitstream header names that hash. An ENCODE is given its calibration explicitly
 (``KvtcConfig(calibration=...)``: the object, an artifact path or a hash; the
 documented default for a model is ``kv_extraction_hf.calibrate.default_calibration``,
 resolved once by the caller that owns the model); there is no implicit choice. A
@@ -64,6 +66,7 @@ hash otherwise.
     from codec import kvtc
     cal = kvtc.fit_calibration(k_samples, v_samples)          # [L, N, H, D] each
     path = cal.save(kvtc.default_calibration_dir())           # <dir>/<hash>.safetensors
+    same = kvtc.KvtcCalibration.from_bytes(cal.to_bytes())    # same.hash == cal.hash
     data = codec.encode_kv(k, v, codec="kvtc", level=2,
                            config=kvtc.KvtcConfig(calibration=cal))
     k2, v2 = codec.decode_kv(data)                            # finds it by its hash
@@ -71,76 +74,44 @@ hash otherwise.
 Make a calibration for a model: python -m kv_extraction_hf.calibrate --model default --out FILE
 Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_kvtc.py -q
 
-Package layout (one job per module; this ``__init__`` re-exports every name the single
-``codec/kvtc.py`` module had, so ``from codec import kvtc; kvtc.X`` keeps working):
-``rope`` (RoPE and its decode kernels), ``calibration`` (the artifact, its registry and
-the level defaults), ``fit`` (PCA and water-filling; pure), ``workers`` (decode pool,
-bf16 product), ``layout`` (kept columns, tiers, spans, grouped rows), ``codec``
-(``KvtcConfig``, ``KvtcCodec``). Dependencies point one way: rope, calibration, workers
-<- fit, layout <- codec.
+Package layout (one job per module; this ``__init__`` forwards the public names only):
+``rope`` (RoPE and its decode kernels), ``calibration`` (the artifact and the level
+defaults), ``registry`` (where an encode and a decode find a calibration; the artifact as
+bytes for the KV store), ``pca`` and ``rate`` (the transforms and the per-level rate
+solve), ``fit`` (the calibration fit; pure), ``workers`` (decode pool, bf16 product),
+``kept`` (the kept column layout), ``layout`` (formats, tiers, spans, the row coders),
+``inverse`` (the decode's inverse transform), ``options`` (``KvtcConfig``), ``codec``
+(``KvtcCodec``). Dependencies point one way: rope, calibration, workers, kept <- registry,
+pca, rate, layout, inverse <- fit, codec.
 
-Setting a module attribute here (``monkeypatch.setattr(kvtc, "_decode_workers", f)``,
-``kvtc.DEFAULT_LEVEL_TIERS = {...}``) also sets it in each submodule that holds that
-name, so a patch reaches the code that reads it, as it did when this was one module.
+A test that patches a module attribute patches the module that owns it (e.g.
+``monkeypatch.setattr(kvtc.workers, "_decode_workers", f)``, ``kvtc.calibration.
+DEFAULT_LEVEL_TIERS``): the code reads those names through their module.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
 from ..errors import CodecError  # callers catch kvtc.CodecError
-from . import (calibration, codec, fit, fit_grouped, kept, layout, layout_grouped, options, pca,
-               rate, registry, rope, transfer, workers)
-from .rope import (_ROPE_BF16_KERNEL, _ROPE_KERNEL, _jit_or_false, _rope_bf16_kernel,
-                   _rope_bf16_py, _rope_cos_sin, _rope_kernel, _rope_rows_py, _rope_tables,
-                   _rotate_half, apply_rope, undo_rope)
+from . import (calibration, codec, fit, inverse, kept, layout, options, pca, rate, registry,
+               rope, workers)
+from .rope import apply_rope, undo_rope
 from .calibration import (CALIBRATION_FORMAT, CALIBRATION_VERSION, DEFAULT_KEY_WATER,
                           DEFAULT_LEVEL, DEFAULT_LEVEL_SINKS, DEFAULT_LEVEL_TARGETS,
-                          DEFAULT_LEVEL_TIERS, DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS,
-                          KvtcCalibration, MAX_Q, _HASH_RE, _check_calibration,
-                          default_calibration_dir, level_tiers, load_calibration)
-from .registry import (_CALIBRATIONS, _LOCK, _resolve_calibration, get_calibration,
-                       register_calibration, registered_calibrations)
-from .transfer import calibration_bytes, calibration_from_bytes, has_calibration
+                          DEFAULT_LEVEL_TIERS, KvtcCalibration, default_calibration_dir,
+                          level_tiers, load_calibration)
+from .registry import (calibration_bytes, calibration_from_bytes, get_calibration,
+                       has_calibration, register_calibration, registered_calibrations)
 from .fit import fit_calibration
-from .fit_grouped import _fit_grouped
-from .pca import _metric_gain, _metric_sqrt, _pca
-from .rate import _RATE_SAMPLE_TOKENS, _quantize, _rate_bits, _shrink, _solve_levels, _steps_for
-from .workers import (_BF16_GEMM, _POOL, _MAX_DECODE_WORKERS, _POOL_LOCK, _bf16_gemm,
-                      _decode_pool, _decode_workers, _rows, _split_over_workers)
-from .kept import _KeptSymbols, _decode_kept, _kept_halves, _kept_nbins, _n_kept
-from .layout import (KVTC_FORMAT_VERSION, KVTC_LAYOUT, KVTC_TIERED_FORMAT, MAX_TIERS, _PADDED,
-                     _SPAN_ARRAY_RE, _code_rows, _decode_rows, _exact_counts, _parse_spans,
-                     _span_array, _tail_spans, check_tiers)
-from .layout_grouped import (KVTC_GROUPED_FORMAT, KVTC_GROUPED_LAYOUT, _code_rows_grouped,
-                             _decode_rows_grouped, _group_features)
+from .layout import KVTC_FORMAT_VERSION, KVTC_TIERED_FORMAT, MAX_TIERS, check_tiers
 from .codec import KvtcCodec
 from .options import KvtcConfig
 
-__all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "fit_calibration",
+__all__ = ["KvtcCalibration", "KvtcConfig", "KvtcCodec", "CodecError", "fit_calibration",
            "register_calibration", "registered_calibrations", "get_calibration",
-           "load_calibration", "default_calibration_dir", "apply_rope", "undo_rope",
-           "CALIBRATION_FORMAT", "CALIBRATION_VERSION", "DEFAULT_LEVEL_TARGETS",
+           "load_calibration", "default_calibration_dir", "has_calibration",
+           "calibration_bytes", "calibration_from_bytes", "apply_rope", "undo_rope",
+           "CALIBRATION_FORMAT", "CALIBRATION_VERSION", "DEFAULT_LEVEL", "DEFAULT_LEVEL_TARGETS",
            "DEFAULT_LEVEL_TIERS", "DEFAULT_LEVEL_SINKS", "DEFAULT_KEY_WATER",
-           "KVTC_FORMAT_VERSION", "KVTC_TIERED_FORMAT", "check_tiers", "level_tiers"]
-
-_SUBMODULES = (rope, calibration, registry, transfer, pca, rate, fit_grouped, fit, workers, kept,
-               layout_grouped, layout, options, codec)
-
-
-class _Package(types.ModuleType):
-    """The package module: an attribute set on it is also set in the submodules that hold
-    that name (so a monkeypatch reaches the code that reads it). The lazily filled caches
-    (``_POOL``, ``_BF16_GEMM``, ``_ROPE_KERNEL``, ``_ROPE_BF16_KERNEL``: None = not yet
-    made) are re-exported as their import-time None; their live values are in
-    ``workers`` / ``rope``."""
-
-    def __setattr__(self, name: str, value) -> None:
-        for m in _SUBMODULES:
-            if name in vars(m) and getattr(m, "__name__", "") != f"{__name__}.{name}":
-                setattr(m, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+           "KVTC_FORMAT_VERSION", "KVTC_TIERED_FORMAT", "MAX_TIERS", "check_tiers",
+           "level_tiers", "calibration", "codec", "fit", "inverse", "kept", "layout", "options", "pca",
+           "rate", "registry", "rope", "workers"]

@@ -1,8 +1,8 @@
 """The KVTC calibration artifact: ``KvtcCalibration`` (bases, means, variances, per-level
-steps; content-addressed by sha256), its safetensors load/save and checks, and the level
+steps; immutable, content-addressed by sha256), its bytes (``to_bytes`` / ``from_bytes``,
+the same bytes as its file: ``save`` / ``load_calibration``) and checks, and the level
 defaults (targets, tiers, sinks, default level). The registry a DECODE finds calibrations
-in is codec/kvtc/registry.py, the artifact as bytes for the KV store
-codec/kvtc/transfer.py.
+in, and the artifacts interface the KV store uses, is codec/kvtc/registry.py.
 
 Untrusted artifacts are never unpickled (safetensors + JSON). Errors: ``CodecError``
 (bad artifact).
@@ -48,7 +48,7 @@ DEFAULT_LEVEL = KVTC_DEFAULT_LEVEL      # codec.level_table (torch-free) holds i
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 0
 MAX_Q = 127                      # |quantized coefficient| <= 127: symbols fit in 255 bins
-_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 # ----------------------------------------------------------------------- calibration
@@ -61,7 +61,11 @@ def default_calibration_dir() -> Path:
 
 @dataclass
 class KvtcCalibration:
-    """A fitted KVTC calibration. Shapes (C = H * D):
+    """A fitted KVTC calibration, the one form it has from the fit to the decode: made by
+    ``fit_calibration``, written / read as bytes (``to_bytes`` / ``from_bytes``; a file:
+    ``save`` / ``load_calibration``; the KV store keeps the same bytes under cal/<hash>),
+    found by a decode in ``codec.kvtc.registry`` by ``hash``. Immutable (the tensors are
+    never written to); ``hash`` is set at construction. Shapes (C = H * D):
 
     mean [2, L, C] float32 (index 0 = K, 1 = V); basis [2, L, C, C] float32, column j of
     basis[kv, l] is component j (orthonormal; variances descending, or with a ``metric``
@@ -110,6 +114,17 @@ class KvtcCalibration:
     group_layers: int = 0
     hash: str = ""
     _torch: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hash", self.content_hash())
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Immutable once made: the hash names the content (setting ``hash`` to the value
+        it already has is allowed, for callers written when it was set by hand)."""
+        if self.__dict__.get("_sealed") and not (name == "hash" and value == self.hash):
+            raise AttributeError(f"KvtcCalibration is immutable (setting {name!r})")
+        object.__setattr__(self, name, value)
 
     # ---- identity ------------------------------------------------------------------
     def _header_meta(self) -> dict:
@@ -176,7 +191,7 @@ class KvtcCalibration:
         zero), step [2, L, 1, n] (1 where dropped), basis_ts [2, L, n, C] (the synthesis
         ``basis`` scaled by the steps, for decode), colsum [2, L, C] (its column sums),
         n (int), keep (kept components per [K/V][layer]); the decoder adds bf16 copies
-        ``basis_ts_bf16`` / ``mean_bf16`` on first use (``KvtcCodec._inverse``)."""
+        ``basis_ts_bf16`` / ``mean_bf16`` on first use (``inverse.inverse_layers``)."""
         if level not in self._torch and self.group_layers:
             self._torch[level] = self._grouped_params(level)
         if level not in self._torch:
@@ -230,21 +245,33 @@ class KvtcCalibration:
                 "n": n, "basis_ts": bts, "colsum": bts.sum(dim=1),
                 "keep": [[int(x) for x in keep], []], "shrink": None}
 
-    # ---- file ----------------------------------------------------------------------
-    def save(self, out: Union[str, os.PathLike]) -> Path:
-        """Write the artifact. ``out``: a file path, or an existing folder (the file is
-        then ``<folder>/<hash>.safetensors``). Atomic (temp file + rename). Returns the
-        path."""
-        from safetensors.numpy import save_file
+    # ---- bytes and file ----------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The artifact: safetensors (float32 tensors) with the JSON parameters and the
+        hash as metadata; ``from_bytes`` reads it back (no pickle)."""
+        from safetensors.numpy import save
 
+        md = {"kvtc": json.dumps(self._header_meta(), sort_keys=True), "hash": self.hash}
+        return save({k: np.ascontiguousarray(v, np.float32) for k, v in self.tensors().items()},
+                    metadata=md)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "(bytes)") -> "KvtcCalibration":
+        """Read and verify an artifact (``to_bytes``' form; untrusted: format, version,
+        shapes, finiteness, recorded hash = content hash; never unpickled). ``where``
+        names the source in errors. Raises CodecError."""
+        return _from_bytes(data, where)
+
+    def save(self, out: Union[str, os.PathLike]) -> Path:
+        """Write ``to_bytes()`` to a file. ``out``: a file path, or an existing folder (the
+        file is then ``<folder>/<hash>.safetensors``). Atomic (temp file + rename).
+        Returns the path."""
         p = Path(out)
         if p.is_dir():
             p = p / f"{self.hash}.safetensors"
         p.parent.mkdir(parents=True, exist_ok=True)
-        md = {"kvtc": json.dumps(self._header_meta(), sort_keys=True), "hash": self.hash}
         tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-        save_file({k: np.ascontiguousarray(v, np.float32) for k, v in self.tensors().items()},
-                  str(tmp), metadata=md)
+        tmp.write_bytes(self.to_bytes())
         os.replace(tmp, p)
         return p
 
@@ -261,35 +288,63 @@ def _nesting(value) -> int:
 
 
 def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
-    """Read and verify a calibration artifact (safetensors; no pickle).
-    Raises CodecError if the file is missing, not a KVTC calibration, of another version,
-    inconsistent, or its content does not match its recorded hash."""
-    from safetensors import safe_open
-
+    """Read and verify a calibration artifact file (``KvtcCalibration.from_bytes`` of its
+    bytes). Raises CodecError if the file is missing, not a KVTC calibration, of another
+    version, inconsistent, or its content does not match its recorded hash."""
     p = Path(path)
     if not p.is_file():
         raise CodecError(f"KVTC calibration file not found: {p}")
     try:
-        with safe_open(str(p), framework="numpy") as f:
-            md = f.metadata() or {}
-            t = {k: f.get_tensor(k) for k in f.keys()}
+        data = p.read_bytes()
+    except OSError as e:
+        raise CodecError(f"cannot read KVTC calibration {p}: {e}") from None
+    return _from_bytes(data, str(p))
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The ``__metadata__`` dict of safetensors bytes (header: u64 little-endian length,
+    then JSON). Raises ValueError on a malformed header."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError(f"header of {n} bytes exceeds the data")
+    head = json.loads(bytes(data[8:8 + n]))
+    md = head.get("__metadata__", {}) if isinstance(head, dict) else None
+    if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
+        raise ValueError("metadata is not a string map")
+    return md
+
+
+def _from_bytes(data: bytes, where: str) -> KvtcCalibration:
+    """``KvtcCalibration.from_bytes``. Raises CodecError."""
+    from safetensors.numpy import load
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"{where}: calibration data must be bytes, got {type(data).__name__}")
+    try:
+        md = _safetensors_metadata(data)
+        t = load(bytes(data))
         raw_info = md.get("kvtc", "null")
         if len(raw_info) > MAX_INFO_CHARS:
-            raise CodecError(f"{p}: calibration metadata of {len(raw_info)} characters, over the "
-                             f"limit of {MAX_INFO_CHARS} (not an artifact this codec wrote)")
+            raise CodecError(f"{where}: calibration metadata of {len(raw_info)} characters, over "
+                             f"the limit of {MAX_INFO_CHARS} (not an artifact this codec wrote)")
         info = json.loads(raw_info)
         if _nesting(info) > MAX_INFO_DEPTH:
-            raise CodecError(f"{p}: calibration metadata nested more than {MAX_INFO_DEPTH} levels deep")
+            raise CodecError(f"{where}: calibration metadata nested more than {MAX_INFO_DEPTH} "
+                             f"levels deep")
     except CodecError:
         raise
     except RecursionError:   # JSON nested deeper than the interpreter allows: hostile bytes
-        raise CodecError(f"cannot read KVTC calibration {p}: metadata nested too deeply") from None
-    except Exception as e:   # safetensors/JSON parse errors of a damaged file
-        raise CodecError(f"cannot read KVTC calibration {p}: {type(e).__name__}: {e}") from None
+        raise CodecError(f"cannot read KVTC calibration {where}: metadata nested too deeply"
+                         ) from None
+    except Exception as e:   # safetensors/JSON parse errors of damaged bytes
+        raise CodecError(f"cannot read KVTC calibration {where}: {type(e).__name__}: {e}"
+                         ) from None
     if not isinstance(info, dict) or info.get("format") != CALIBRATION_FORMAT:
-        raise CodecError(f"{p} is not a KVTC calibration artifact")
+        raise CodecError(f"{where} is not a KVTC calibration artifact")
     if info.get("version") != CALIBRATION_VERSION:
-        raise CodecError(f"{p}: calibration version {info.get('version')!r}, this codec "
+        raise CodecError(f"{where}: calibration version {info.get('version')!r}, this codec "
                          f"reads version {CALIBRATION_VERSION}")
     try:
         L, H, D = int(info["num_layers"]), int(info["num_heads"]), int(info["head_dim"])
@@ -302,16 +357,15 @@ def load_calibration(path: Union[str, os.PathLike]) -> KvtcCalibration:
             shrink=t.get("shrink"), rounding=float(info.get("rounding", 0.5)),
             analysis=t.get("analysis"), group_layers=int(info.get("group_layers", 0)))
     except (KeyError, TypeError, ValueError) as e:
-        raise CodecError(f"{p}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
-    _check_calibration(cal, str(p))
-    cal.hash = cal.content_hash()
+        raise CodecError(f"{where}: malformed KVTC calibration ({type(e).__name__}: {e})") from None
+    check_calibration(cal, where)
     if md.get("hash") != cal.hash:
-        raise CodecError(f"{p}: content hash {cal.hash[:16]}... does not match the "
+        raise CodecError(f"{where}: content hash {cal.hash[:16]}... does not match the "
                          f"recorded {str(md.get('hash'))[:16]}... (damaged file)")
     return cal
 
 
-def _check_calibration(cal: KvtcCalibration, where: str) -> None:
+def check_calibration(cal: KvtcCalibration, where: str) -> None:
     L, C, NL = cal.num_layers, cal.C, len(cal.levels)
     G = cal.group_layers
     if isinstance(G, bool) or not isinstance(G, int) or G < 0 or (G and G > max(1, L)):

@@ -3,21 +3,21 @@ PCA per (K/V, layer) or per layer group, optional metric whitening, reverse
 water-filling (Cover & Thomas thm 10.3.3) and the per-level rate solve on the
 calibration tokens. Entry point: ``fit_calibration`` (k, v samples [L, N, H, D]); the
 transforms are codec/kvtc/pca.py's, the rate solve codec/kvtc/rate.py's, the grouped fit
-codec/kvtc/fit_grouped.py's.
+(``group_layers`` > 0: one PCA per group of layers over the whitened K and V features
+side by side, one water level for all components) is ``_fit_grouped`` here.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from .rope import undo_rope
 from .calibration import (DEFAULT_LEVEL, DEFAULT_LEVEL_TARGETS, DEFAULT_RECENT_TOKENS,
-                          DEFAULT_SINK_TOKENS, KvtcCalibration, MAX_Q, _check_calibration)
-from .fit_grouped import _fit_grouped
-from .pca import _metric_gain, _metric_sqrt, _pca
-from .rate import _RATE_SAMPLE_TOKENS, _shrink, _solve_levels
+                          DEFAULT_SINK_TOKENS, KvtcCalibration, MAX_Q, check_calibration)
+from .pca import metric_gain, metric_sqrt, pca_basis
+from .rate import RATE_SAMPLE_TOKENS, centroid_shrink, solve_levels
 
 
 def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
@@ -62,7 +62,7 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
         costs the model, e^T M e (e.g. keys: the query energy per channel, values: the
         output projection's Gram matrix W_o^T W_o over the head's query group; computed
         by ``kv_extraction_hf.calibrate``). Each component's water level is divided by
-        its gain u^T M u (normalised to mean 1 per (K/V, layer), ``_metric_gain``), i.e.
+        its gain u^T M u (normalised to mean 1 per (K/V, layer), ``metric_gain``), i.e.
         reverse water-filling of the weighted distortion sum_i m_i D_i (Cover & Thomas
         thm 10.3.3 with weighted components). None = plain MSE per (K/V, layer).
       metric_power: the gain is raised to this power (1 = the weighted distortion
@@ -87,6 +87,57 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
     Raises: ValueError on bad shapes, too few samples or bad options.
     """
     say = progress or (lambda s: None)
+    targets, kwater = _check_options(k_samples, v_samples, weighting, rounding, metric,
+                                     metric_power, level_targets, key_water, default_level,
+                                     group_layers, per_head, centroid, whiten)
+    L, N, H, D = k_samples.shape
+    k, v, key_space, theta_rope = _keys_space(k_samples, v_samples, positions, rope_theta)
+    meta = dict(meta or {}, calibration_tokens=N,
+                weighting=weighting if isinstance(weighting, str)
+                else [[float(x) for x in r] for r in weighting])
+    if group_layers:
+        return _fit_grouped(
+            k, v, group_layers, targets, default_level, weighting, metric, metric_power,
+            rounding, key_space, theta_rope, int(sink_tokens), int(recent_tokens), meta, say)
+    # statistics and bases: one PCA per (K/V, layer)
+    st = _layer_bases(k, v, per_head, metric if whiten else None, metric_power, say)
+    # bit allocation: water-level weights (and the metric's component order), then the
+    # per-level rate solve on the sampled coefficients
+    w = _water_weights(st, weighting, None if whiten else metric, metric_power, H, D)
+    levels = sorted(targets)
+    n_elem = 2 * L * st["coefs"].shape[2] * H * D
+    steps = solve_levels(w, st["var"], st["cap"], st["coefs"], n_elem, targets, kwater,
+                         rounding, say)
+    shrink = None
+    if centroid:
+        shrink = np.zeros((len(levels), 2, L, H * D), np.float64)
+        for i in range(len(levels)):
+            shrink[i] = centroid_shrink(st["coefs"], steps[i], rounding)
+    # tables: the artifact
+    if kwater:
+        meta["key_water"] = {str(k): float(f) for k, f in sorted(kwater.items())}
+    analysis = st["analysis"]
+    return _finish(KvtcCalibration(
+        L, H, D, st["mean"].astype(np.float32), st["basis"].astype(np.float32),
+        st["var"].astype(np.float32), steps.astype(np.float32), tuple(levels),
+        tuple(float(targets[x]) for x in levels), int(default_level), key_space, theta_rope,
+        bool(per_head), int(sink_tokens), int(recent_tokens), meta,
+        shrink=None if shrink is None else shrink.astype(np.float32),
+        rounding=float(rounding),
+        analysis=None if analysis is None else analysis.astype(np.float32)))
+
+
+def _finish(cal: KvtcCalibration) -> KvtcCalibration:
+    """``cal`` checked (``check_calibration``; its hash is set at construction)."""
+    check_calibration(cal, "fit_calibration")
+    return cal
+
+
+def _check_options(k_samples, v_samples, weighting, rounding, metric, metric_power,
+                   level_targets, key_water, default_level, group_layers, per_head,
+                   centroid, whiten) -> tuple[dict, dict]:
+    """(level targets, key water factors) of ``fit_calibration``'s arguments, checked.
+    Raises ValueError naming the bad argument."""
     for name, t in (("k_samples", k_samples), ("v_samples", v_samples)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a tensor [L, N, H, D]")
@@ -127,89 +178,173 @@ def fit_calibration(k_samples: torch.Tensor, v_samples: torch.Tensor, *,
                          (metric is not None and not whiten)):
         raise ValueError("group_layers does not combine with per_head, centroid, "
                          "key_water or a metric without whiten")
-    C = H * D
+    return targets, kwater
+
+
+def _keys_space(k_samples, v_samples, positions, rope_theta) -> tuple:
+    """(k, v float32 CPU [L, N, H, D], key_space, rope_theta): keys with RoPE undone at
+    ``positions`` when ``rope_theta`` is given ("pre_rope"), else as cached. Raises
+    ValueError without positions [N] or with an odd head_dim."""
+    L, N, H, D = k_samples.shape
     k = k_samples.detach().to("cpu", torch.float32)
     v = v_samples.detach().to("cpu", torch.float32)
-    key_space = "post_rope"
-    theta_rope = 0.0
-    if rope_theta:
-        if positions is None or tuple(positions.shape) != (N,):
-            raise ValueError("rope_theta needs positions, an int tensor [N]")
-        if D % 2:
-            raise ValueError("pre-RoPE decorrelation needs an even head_dim")
-        k = undo_rope(k, positions.to(torch.int64), float(rope_theta))
-        key_space, theta_rope = "pre_rope", float(rope_theta)
-    if group_layers:
-        return _fit_grouped(
-            k, v, group_layers, targets, default_level, weighting, metric, metric_power,
-            rounding, key_space, theta_rope, int(sink_tokens), int(recent_tokens),
-            dict(meta or {}, calibration_tokens=N,
-                 weighting=weighting if isinstance(weighting, str)
-                 else [[float(x) for x in r] for r in weighting]), say)
+    if not rope_theta:
+        return k, v, "post_rope", 0.0
+    if positions is None or tuple(positions.shape) != (N,):
+        raise ValueError("rope_theta needs positions, an int tensor [N]")
+    if D % 2:
+        raise ValueError("pre-RoPE decorrelation needs an even head_dim")
+    k = undo_rope(k, positions.to(torch.int64), float(rope_theta))
+    return k, v, "pre_rope", float(rope_theta)
+
+
+def _layer_bases(k: torch.Tensor, v: torch.Tensor, per_head: bool,
+                 metric: Optional[tuple], metric_power: float, say) -> dict:
+    """The per-(K/V, layer) statistics and bases (C = H * D): mean [2, L, C], basis [2, L,
+    C, C], var [2, L, C] (float64), analysis [2, L, C, C] (with a whitening ``metric``:
+    PCA of x S, basis = S^-1 U, analysis = S U) or None, cap [2, L, C] (the finest step
+    at which no calibration coefficient clips at |q| = MAX_Q) and coefs float32 [2, L,
+    n, C] (the coefficients of ``RATE_SAMPLE_TOKENS`` sampled tokens, for the rate
+    solve)."""
+    L, N, H, D = k.shape
+    C = H * D
     mean = np.zeros((2, L, C), np.float64)
     basis = np.zeros((2, L, C, C), np.float64)
     var = np.zeros((2, L, C), np.float64)
     rng = np.random.default_rng(0)
-    sub = np.sort(rng.choice(N, size=min(N, _RATE_SAMPLE_TOKENS), replace=False))
+    sub = np.sort(rng.choice(N, size=min(N, RATE_SAMPLE_TOKENS), replace=False))
     coefs = np.zeros((2, L, len(sub), C), np.float32)
     cap = np.zeros((2, L, C), np.float64)
-    analysis = np.zeros((2, L, C, C), np.float64) if (whiten and metric is not None) else None
+    analysis = np.zeros((2, L, C, C), np.float64) if metric is not None else None
     for kv, x in enumerate((k, v)):
         for layer in range(L):
             xl = x[layer].reshape(N, C).numpy()
             if analysis is not None:
-                sq, isq = _metric_sqrt(metric[kv][layer], float(metric_power), H, D)
+                sq, isq = metric_sqrt(metric[kv][layer], float(metric_power), H, D)
                 mean[kv, layer] = xl.astype(np.float64).mean(0)
-                _, u, var[kv, layer] = _pca(xl.astype(np.float64) @ sq, False, H, D)
+                _, u, var[kv, layer] = pca_basis(xl.astype(np.float64) @ sq, False, H, D)
                 analysis[kv, layer] = sq @ u
                 basis[kv, layer] = isq @ u
                 cl = (xl.astype(np.float64) - mean[kv, layer]) @ analysis[kv, layer]
             else:
-                mean[kv, layer], basis[kv, layer], var[kv, layer] = _pca(xl, per_head, H, D)
+                mean[kv, layer], basis[kv, layer], var[kv, layer] = pca_basis(xl, per_head,
+                                                                              H, D)
                 cl = (xl.astype(np.float64) - mean[kv, layer]) @ basis[kv, layer]
             # steps never so fine that calibration coefficients clip at |q| = MAX_Q
             cap[kv, layer] = np.abs(cl).max(0) * 1.05 / MAX_Q
             coefs[kv, layer] = cl[sub]
         say(f"PCA {'KV'[kv]}: {L} layers done")
+    return {"mean": mean, "basis": basis, "var": var, "analysis": analysis, "cap": cap,
+            "coefs": coefs}
+
+
+def _water_weights(st: dict, weighting, metric: Optional[tuple], metric_power: float,
+                   H: int, D: int) -> np.ndarray:
+    """The water-level weights w ([2, L], or [2, L, C] with a non-whitening ``metric``)
+    of the reverse water-filling: ``weighting``'s, each component's divided by its metric
+    gain u^T M u ^ ``metric_power``. With such a metric the components of ``st`` (basis,
+    var, cap, coefs; reordered in place) are sorted by var / w, descending, so the kept
+    ones are a prefix at every level (the codec codes the first n columns)."""
+    var = st["var"]
+    L = var.shape[1]
     if isinstance(weighting, np.ndarray):
         w = weighting.astype(np.float64)
     else:
         w = var.mean(-1) if weighting == "relative" else np.ones((2, L))
     w = np.maximum(w, 1e-30)
-    if metric is not None and metric_power and analysis is None:
-        gain = np.stack([np.stack([_metric_gain(basis[kv, layer], metric[kv][layer]
-                                                .astype(np.float64), H, D)
-                                   for layer in range(L)]) for kv in range(2)])
-        # a component the metric ignores gets a water level 1e6 x the layer's: dropped
-        w = w[..., None] / np.maximum(gain, 1e-6) ** float(metric_power)     # [2, L, C]
-        # a component is kept while the water level is below var / w: order the
-        # components by var / w, descending, so that the kept ones are a prefix at every
-        # level (the codec codes the first n columns)
-        order = np.argsort(-(var / w), axis=-1, kind="stable")               # [2, L, C]
-        basis = np.take_along_axis(basis, order[:, :, None, :], axis=-1)
-        var = np.take_along_axis(var, order, axis=-1)
-        w = np.take_along_axis(w, order, axis=-1)
-        cap = np.take_along_axis(cap, order, axis=-1)
-        coefs = np.take_along_axis(coefs, order[:, :, None, :], axis=-1)
-    n_elem = 2 * L * len(sub) * C
+    if metric is None or not metric_power:
+        return w
+    gain = np.stack([np.stack([metric_gain(st["basis"][kv, layer], metric[kv][layer]
+                                           .astype(np.float64), H, D)
+                               for layer in range(L)]) for kv in range(2)])
+    # a component the metric ignores gets a water level 1e6 x the layer's: dropped
+    w = w[..., None] / np.maximum(gain, 1e-6) ** float(metric_power)     # [2, L, C]
+    order = np.argsort(-(var / w), axis=-1, kind="stable")               # [2, L, C]
+    st["basis"] = np.take_along_axis(st["basis"], order[:, :, None, :], axis=-1)
+    st["var"] = np.take_along_axis(var, order, axis=-1)
+    st["cap"] = np.take_along_axis(st["cap"], order, axis=-1)
+    st["coefs"] = np.take_along_axis(st["coefs"], order[:, :, None, :], axis=-1)
+    return np.take_along_axis(w, order, axis=-1)
+
+
+def _fit_grouped(k: torch.Tensor, v: torch.Tensor, G: int, targets: dict,
+                 default_level: int, weighting: Any, metric: Optional[tuple],
+                 metric_power: float, rounding: float, key_space: str, theta_rope: float,
+                 sink_tokens: int, recent_tokens: int, meta: dict, say) -> KvtcCalibration:
+    """``fit_calibration`` with ``group_layers`` = G (k pre-RoPE already when asked).
+    Block b = (K/V, layer): z_b = (x_b - mean_b) S_b / sqrt(w_b), S_b the metric's square
+    root (identity without a metric), w_b the block's water-level weight; group g's
+    features are its blocks' z side by side ([K_l, V_l] per layer), and one PCA per group
+    and ONE water level for all components (the weighted distortion sum_b ||e_b S_b||^2
+    / w_b is the plain squared error of z). analysis_g = blockdiag(S_b / sqrt(w_b)) U_g,
+    basis_g = blockdiag(S_b^-1 sqrt(w_b)) U_g (basis^T analysis = I)."""
+    L, N, H, D = k.shape
+    C = H * D
+    NG = -(-L // G)
+    Cg = 2 * G * C
+    mean = np.zeros((NG, Cg))
+    var = np.zeros((NG, Cg))
+    basis = np.zeros((NG, Cg, Cg))
+    analysis = np.zeros((NG, Cg, Cg))
+    cap = np.zeros((NG, Cg))
+    rng = np.random.default_rng(0)
+    sub = np.sort(rng.choice(N, size=min(N, RATE_SAMPLE_TOKENS), replace=False))
+    coefs = np.zeros((NG, len(sub), Cg), np.float32)
+    # per-block whitening matrices and centred, whitened features
+    sq = np.zeros((2, L, C, C))
+    isq = np.zeros((2, L, C, C))
+    blk_mean = np.zeros((2, L, C))
+    zvar = np.zeros((2, L))
+    for kv, x in enumerate((k, v)):
+        for layer in range(L):
+            if metric is not None:
+                sq[kv, layer], isq[kv, layer] = metric_sqrt(metric[kv][layer],
+                                                             float(metric_power), H, D)
+            else:
+                sq[kv, layer] = isq[kv, layer] = np.eye(C)
+            xl = x[layer].reshape(N, C).numpy().astype(np.float64)
+            blk_mean[kv, layer] = xl.mean(0)
+            zvar[kv, layer] = ((xl - blk_mean[kv, layer]) @ sq[kv, layer]).var(0).mean()
+    if isinstance(weighting, np.ndarray):
+        w = weighting.astype(np.float64)
+    else:
+        w = zvar if weighting == "relative" else np.ones((2, L))
+    w = np.maximum(w, 1e-30)
+    for g in range(NG):
+        ls = range(g * G, min(L, (g + 1) * G))
+        width = 2 * len(ls) * C
+        a = np.zeros((Cg, Cg))          # blockdiag(S_b / sqrt(w_b)), padded
+        ai = np.zeros((Cg, Cg))         # its inverse
+        z = np.zeros((N, Cg))
+        for j, layer in enumerate(ls):
+            for kv, x in enumerate((k, v)):
+                sl = slice((2 * j + kv) * C, (2 * j + kv + 1) * C)
+                a[sl, sl] = sq[kv, layer] / np.sqrt(w[kv, layer])
+                ai[sl, sl] = isq[kv, layer] * np.sqrt(w[kv, layer])
+                mean[g, sl] = blk_mean[kv, layer]
+                xl = x[layer].reshape(N, C).numpy().astype(np.float64)
+                z[:, sl] = (xl - blk_mean[kv, layer]) @ a[sl, sl]
+        cov = z[:, :width].T @ z[:, :width] / N
+        lam, u = np.linalg.eigh(cov)
+        order = np.argsort(-lam, kind="stable")
+        lam, u = np.clip(lam[order], 0.0, None), u[:, order]
+        sign = np.sign(u[np.abs(u).argmax(0), np.arange(width)])
+        sign[sign == 0] = 1
+        u = u * sign
+        var[g, :width] = lam
+        analysis[g, :, :width] = a[:, :width] @ u
+        basis[g, :, :width] = ai[:, :width] @ u
+        cl = z[:, :width] @ u
+        cap[g, :width] = np.abs(cl).max(0) * 1.05 / MAX_Q
+        coefs[g, :, :width] = cl[sub]
+        say(f"PCA group {g + 1}/{NG} (layers {ls.start}-{ls.stop - 1}, {width} features)")
+    steps = solve_levels(np.ones(NG), var, cap, coefs, 2 * L * len(sub) * C, targets, {},
+                          rounding, say)
     levels = sorted(targets)
-    steps = _solve_levels(w, var, cap, coefs, n_elem, targets, kwater, rounding, say)
-    shrink = np.zeros((len(levels), 2, L, C), np.float64)
-    if centroid:
-        for i in range(len(levels)):
-            shrink[i] = _shrink(coefs, steps[i], rounding)
     cal = KvtcCalibration(
         L, H, D, mean.astype(np.float32), basis.astype(np.float32), var.astype(np.float32),
         steps.astype(np.float32), tuple(levels), tuple(float(targets[x]) for x in levels),
-        int(default_level), key_space, theta_rope, bool(per_head), int(sink_tokens),
-        int(recent_tokens), dict(meta or {}, calibration_tokens=N,
-                                 weighting=weighting if isinstance(weighting, str)
-                                 else [[float(x) for x in r] for r in weighting],
-                                 **({"key_water": {str(k): float(f) for k, f in
-                                                   sorted(kwater.items())}}
-                                    if kwater else {})),
-        shrink=shrink.astype(np.float32) if centroid else None, rounding=float(rounding),
-        analysis=None if analysis is None else analysis.astype(np.float32))
-    _check_calibration(cal, "fit_calibration")
-    cal.hash = cal.content_hash()
-    return cal
+        int(default_level), key_space, theta_rope, False, sink_tokens, recent_tokens,
+        dict(meta, group_layers=G), shrink=None, rounding=float(rounding),
+        analysis=analysis.astype(np.float32), group_layers=G)
+    return _finish(cal)

@@ -1,11 +1,11 @@
 """The "kept" column layout of KVTC symbols (formats 2-4, docs/bitstream.md 4.5): only each
 (K/V, layer)'s (or layer group's) kept coefficient columns are coded, concatenated into
 [Tq, S] and split into two equal halves (the entropy stage's K and V arrays). Here: S,
-the halves' alphabet sizes, the split (``_kept_halves``), its decode (``_decode_kept``)
-and ``_KeptSymbols``, a decoded (K/V) side read back per layer.
+the halves' alphabet sizes, the split (``kept_halves``), its decode (``decode_kept``)
+and ``KeptSymbols``, a decoded (K/V) side read back per layer.
 
 Separate from codec.kvtc.layout (formats, spans, the row coders) because both the
-per-layer and the grouped row coders (codec.kvtc.layout_grouped) build on it.
+per-layer and the grouped row coders of codec.kvtc.layout build on it.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from ..base import need_int
 from ..errors import CodecError
 
 
-def _n_kept(keep: list) -> int:
+def n_kept(keep: list) -> int:
     """S: kept columns of all (K/V, layer) together."""
     return int(sum(keep[0]) + sum(keep[1]))
 
 
-def _kept_nbins(keep: list, offs: list, half: int) -> tuple[int, int]:
+def kept_nbins(keep: list, offs: list, half: int) -> tuple[int, int]:
     """Alphabet sizes of the two halves of the kept layout: max(2, 2M + 1) with M the
     largest offset of a (K/V, layer) that has a column in that half (the pad column of an
     odd S is symbol 0)."""
@@ -36,12 +36,12 @@ def _kept_nbins(keep: list, offs: list, half: int) -> tuple[int, int]:
     return nb[0], nb[1]
 
 
-def _kept_halves(syms: list, keep: list, offs: list, Tq: int
+def kept_halves(syms: list, keep: list, offs: list, Tq: int
                  ) -> tuple[np.ndarray, np.ndarray, int, int]:
     """The kept layout of symbols ``syms`` = [K, V] uint8 [L, Tq, n]: (half_a, half_b)
     uint8 [1, Tq, ceil(S/2)] (columns (kv, layer, component) in order, a zero pad column
     at the end of an odd S) and their alphabet sizes."""
-    S = _n_kept(keep)
+    S = n_kept(keep)
     half = max(1, (S + 1) // 2)
     flat = np.zeros((Tq, 2 * half), np.uint8)
     col = 0
@@ -49,12 +49,12 @@ def _kept_halves(syms: list, keep: list, offs: list, Tq: int
         for layer, nl in enumerate(keep[kv]):
             flat[:, col:col + nl] = syms[kv][layer, :, :nl]
             col += nl
-    nba, nbb = _kept_nbins(keep, offs, half)
+    nba, nbb = kept_nbins(keep, offs, half)
     return (np.ascontiguousarray(flat[None, :, :half]),
             np.ascontiguousarray(flat[None, :, half:]), nba, nbb)
 
 
-class _KeptSymbols:
+class KeptSymbols:
     """The decoded symbols of one of K/V in the kept layout: the two halves a, b uint8
     [Tq, half] and each layer's first column in their concatenation."""
 
@@ -88,18 +88,18 @@ class _KeptSymbols:
         return out
 
 
-def _decode_kept(hdr: dict, ent: dict, ent_arrays: dict, payload, keep: list, offs: list,
+def decode_kept(hdr: dict, ent: dict, ent_arrays: dict, payload, keep: list, offs: list,
                  max_kept: int, lvl: int, Tq: int) -> tuple[np.ndarray, np.ndarray]:
     """The two halves (uint8 [Tq, ceil(S/2)] each) of Tq rows in a kept layout: header
     ``n_kept`` = S (<= ``max_kept``) must be the level's kept columns. Raises CodecError."""
     from ..entropy import decode_symbols
 
     S = need_int(hdr, "n_kept", 0, max_kept)
-    if S != _n_kept(keep):
+    if S != n_kept(keep):
         raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
-                         f"calibration keeps {_n_kept(keep)}")
+                         f"calibration keeps {n_kept(keep)}")
     half = max(1, (S + 1) // 2)
-    nba, nbb = _kept_nbins(keep, offs, half)
+    nba, nbb = kept_nbins(keep, offs, half)
     sa, sb = decode_symbols(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb])
     if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
         raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")

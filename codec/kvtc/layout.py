@@ -1,8 +1,10 @@
 """KVTC bitstream layouts: which coefficient columns are coded and how (format 1 "padded"
 decode only, format 2 "kept", format 3 tail-tier spans, format 4 "grouped"), the tier
-checks, the token spans of a chunk, and the row coders ``_code_rows`` /
-``_decode_rows`` between K/V rows and entropy-coded symbols (the kept layout's pieces are
-codec/kvtc/kept.py's, the grouped twins codec/kvtc/layout_grouped.py's).
+checks, the token spans of a chunk, and the row coders ``code_rows`` /
+``decode_rows`` between K/V rows and entropy-coded symbols (the kept layout's pieces are
+codec/kvtc/kept.py's). A grouped calibration (kvtc format 4, layout "grouped") codes
+each layer group's features [K_l, V_l, ...] transformed by the group's analysis matrix in
+the same kept layout (``_code_rows_grouped`` / ``_decode_rows_grouped``).
 docs/bitstream.md 4.5 describes the formats. Errors: ``CodecError`` on a bad header.
 """
 from __future__ import annotations
@@ -17,11 +19,10 @@ from ..errors import CodecError
 
 from .rope import undo_rope
 from .calibration import KvtcCalibration, MAX_Q
-from .kept import _KeptSymbols, _decode_kept, _kept_halves, _n_kept
-from .layout_grouped import KVTC_GROUPED_LAYOUT, _code_rows_grouped, _decode_rows_grouped
+from .kept import KeptSymbols, decode_kept, kept_halves, n_kept
 
 
-def _exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recent: int
+def exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recent: int
                   ) -> tuple[int, int]:
     """(tokens at the start of this chunk that are attention sinks, tokens at its end that
     are among the last ``recent`` of the context)."""
@@ -62,7 +63,7 @@ def check_tiers(tiers: Any) -> tuple:
     return out
 
 
-def _tail_spans(lo: int, hi: int, total: int, tiers: tuple) -> list:
+def tail_spans(lo: int, hi: int, total: int, tiers: tuple) -> list:
     """[(first absolute token, count, level)] ascending: the rows of the coded range
     [lo, hi) that fall in each tier (the last R1 tokens of ``total`` at B1, the R2 before
     them at B2, ...). Contiguous, and the last one ends at ``hi`` when any exists."""
@@ -77,15 +78,15 @@ def _tail_spans(lo: int, hi: int, total: int, tiers: tuple) -> list:
     return spans[::-1]
 
 
-_SPAN_ARRAY_RE = re.compile(r"^ent_t\d+_")
+SPAN_ARRAY_RE = re.compile(r"^ent_t\d+_")
 
 
-def _span_array(i: int, name: str) -> str:
+def span_array(i: int, name: str) -> str:
     """Container name of tail span i's entropy array ``name`` (ent_X -> ent_t<i>_X)."""
     return f"ent_t{i}_{name[4:]}"
 
 
-def _parse_spans(raw: Any, cal: KvtcCalibration, first: int, Tq: int, paylen: int
+def parse_spans(raw: Any, cal: KvtcCalibration, first: int, Tq: int, paylen: int
                  ) -> list:
     """Validated ``tiers`` header list of a format-3 chunk (None/absent = no spans).
     Each span: start, count >= 1, level (a calibration level), payload_bytes; contiguous,
@@ -121,7 +122,7 @@ def _parse_spans(raw: Any, cal: KvtcCalibration, first: int, Tq: int, paylen: in
     return spans
 
 
-def _code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
+def code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
                pos0: int) -> tuple[dict, Any, int]:
     """Transform-code the rows k, v [L, Tr, H, D] (absolute positions pos0, pos0 + 1, ...:
     keys of a pre-RoPE calibration are rotated back there) at ``lvl``, kept layout
@@ -151,16 +152,16 @@ def _code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
         offs.append([int(o) for o in off])
     # layout "kept" (format 2): only each (K/V, layer)'s own kept columns are coded,
     # concatenated (K layers 0..L-1, then V) into [Tq, S] and split in two halves
-    sym_a, sym_b, nba, nbb = _kept_halves(syms, keep, offs, Tq)
+    sym_a, sym_b, nba, nbb = kept_halves(syms, keep, offs, Tq)
     es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
-    return ({"layout": KVTC_LAYOUT, "n_kept": _n_kept(keep), "offset_k": offs[0],
+    return ({"layout": KVTC_LAYOUT, "n_kept": n_kept(keep), "offset_k": offs[0],
              "offset_v": offs[1], "entropy": es.header}, es, int(sym_a.size + sym_b.size))
 
 
-def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
+def decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
                  lvl: int, P: dict, L: int, Tq: int) -> tuple[list, list]:
     """The symbols of Tq rows coded at ``lvl`` (header fields ``hdr``: layout, n_kept or
-    n_components, offset_k/v, entropy): ([K, V] as ``_KeptSymbols`` or uint8 [L, Tq, n],
+    n_components, offset_k/v, entropy): ([K, V] as ``KeptSymbols`` or uint8 [L, Tq, n],
     [offset_k, offset_v]). Raises CodecError on any inconsistency."""
     from ..entropy import decode_symbols
 
@@ -183,8 +184,8 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     if not isinstance(ent, dict):
         raise CodecError("kvtc: missing entropy-coder header")
     if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
-        a, b = _decode_kept(hdr, ent, ent_arrays, payload, keep, offs, 2 * L * cal.C, lvl, Tq)
-        return [_KeptSymbols(a, b, keep, kv) for kv in (0, 1)], offs
+        a, b = decode_kept(hdr, ent, ent_arrays, payload, keep, offs, 2 * L * cal.C, lvl, Tq)
+        return [KeptSymbols(a, b, keep, kv) for kv in (0, 1)], offs
     if layout == _PADDED and "start" not in hdr:   # format 1: the max kept width
         n = need_int(hdr, "n_components", 1, cal.C)
         if n != P["n"]:
@@ -200,3 +201,69 @@ def _decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration
     raise CodecError(f"kvtc: unknown column layout {layout!r} (this decoder reads "
                      f"{KVTC_LAYOUT!r} and, outside tail spans, the older padded layout, "
                      f"field absent)")
+
+KVTC_GROUPED_FORMAT = 4          # chunks of a grouped calibration (layout "grouped")
+KVTC_GROUPED_LAYOUT = "grouped"
+
+
+def _group_features(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, pos0: int
+                    ) -> torch.Tensor:
+    """float32 [NG, Tr, Cg]: each layer group's features [K_l, V_l, ...] of rows k, v [L,
+    Tr, H, D] (keys rotated back by RoPE at positions pos0, ... for a pre-RoPE
+    calibration), zero-padded past a short last group."""
+    L, Tr, H, D = k.shape
+    C, G = H * D, cal.group_layers
+    kf = k.to(torch.float32)
+    if cal.key_space == "pre_rope" and Tr:
+        kf = undo_rope(kf, torch.arange(pos0, pos0 + Tr), cal.rope_theta)
+    X = torch.zeros((cal.num_groups, Tr, 2 * G * C), dtype=torch.float32)
+    for g in range(cal.num_groups):
+        for j, layer in enumerate(cal.group_layer_ids(g)):
+            X[g, :, 2 * j * C:(2 * j + 1) * C] = kf[layer].reshape(Tr, C)
+            X[g, :, (2 * j + 1) * C:(2 * j + 2) * C] = v[layer].reshape(Tr, C)
+    return X
+
+
+def _code_rows_grouped(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, P: dict,
+                       pos0: int) -> tuple[dict, Any, int]:
+    """``code_rows`` of a grouped calibration (kvtc format 4, layout "grouped"): per layer
+    group, coefficients (x - mean) @ analysis / step rounded, |q| <= MAX_Q, symbol = q +
+    the group's offset (max |q|); the kept columns of all groups concatenated [Tr, S] and
+    split into two halves for ``codec.entropy.encode_symbols``. Header fields: layout,
+    n_kept (S), offsets (per group), entropy."""
+    from ..entropy import encode_symbols
+
+    Tq = k.shape[1]
+    keep = P["keep"]
+    X = _group_features(k, v, cal, pos0)
+    coef = torch.bmm(X - P["mean"], P["basis"]) / P["step"]                 # [NG, Tq, n]
+    q = torch.round(coef) if cal.rounding == 0.5 else \
+        torch.floor(coef.abs() + cal.rounding).copysign_(coef)
+    q = q.clamp_(-MAX_Q, MAX_Q).to(torch.int16)
+    # a group's offset covers its kept columns only (dropped ones are never coded)
+    mask = torch.arange(q.shape[-1])[None, :] < torch.tensor(keep[0])[:, None]   # [NG, n]
+    off = (q.abs() * mask[:, None, :]).amax(dim=(1, 2)) if Tq else \
+        torch.zeros(len(keep[0]), dtype=torch.int16)
+    syms = (q + off[:, None, None]).to(torch.uint8).numpy()
+    offs = [int(o) for o in off]
+    sym_a, sym_b, nba, nbb = kept_halves([syms, None], keep, [offs, []], Tq)
+    es = encode_symbols(sym_a, sym_b, [nba], [nbb], channels_per_stream=4)
+    return ({"layout": KVTC_GROUPED_LAYOUT, "n_kept": n_kept(keep), "offsets": offs,
+             "entropy": es.header}, es, int(sym_a.size + sym_b.size))
+
+
+def _decode_rows_grouped(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
+                         lvl: int, keep: list, Tq: int) -> tuple[list, list]:
+    """The symbols of Tq rows of a grouped calibration (layout "grouped"):
+    ([KeptSymbols over the groups], [offsets per group]). Raises CodecError."""
+    NG = cal.num_groups
+    o = hdr.get("offsets")
+    if not isinstance(o, list) or len(o) != NG or any(
+            isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_Q for x in o):
+        raise CodecError(f"kvtc: bad offsets in header (want {NG} ints in [0, {MAX_Q}])")
+    ent = hdr.get("entropy")
+    if not isinstance(ent, dict):
+        raise CodecError("kvtc: missing entropy-coder header")
+    a, b = decode_kept(hdr, ent, ent_arrays, payload, keep, [o, []],
+                        NG * 2 * cal.group_layers * cal.C, lvl, Tq)
+    return [KeptSymbols(a, b, keep, 0)], [o]

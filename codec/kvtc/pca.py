@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def _pca(x: np.ndarray, per_head: bool, H: int, D: int) -> tuple[np.ndarray, np.ndarray,
+def pca_basis(x: np.ndarray, per_head: bool, H: int, D: int) -> tuple[np.ndarray, np.ndarray,
                                                                   np.ndarray]:
     """x float [N, C] -> (mean [C], basis [C, C] orthonormal columns, var [C]) with
     components sorted by variance, descending. per_head: block-diagonal basis."""
@@ -38,7 +38,7 @@ def _pca(x: np.ndarray, per_head: bool, H: int, D: int) -> tuple[np.ndarray, np.
     return mu, basis * sign, var
 
 
-def _metric_gain(basis: np.ndarray, metric: np.ndarray, H: int, D: int) -> np.ndarray:
+def metric_gain(basis: np.ndarray, metric: np.ndarray, H: int, D: int) -> np.ndarray:
     """Gain of each component under a per-head distortion metric, normalised to mean 1.
 
     basis [C, C] (columns = components, C = H * D); metric [H, D, D] symmetric PSD (the
@@ -53,7 +53,7 @@ def _metric_gain(basis: np.ndarray, metric: np.ndarray, H: int, D: int) -> np.nd
     return np.maximum(m / max(tr, 1e-30), 0.0)
 
 
-def _metric_sqrt(metric: np.ndarray, power: float, H: int, D: int
+def metric_sqrt(metric: np.ndarray, power: float, H: int, D: int
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(S, S^-1), float64 [C, C] block-diagonal: S_h = (M_h / mean diag M)^(power / 2)
     (symmetric; eigenvalues floored at 1e-3 of the mean so S^-1 stays bounded).

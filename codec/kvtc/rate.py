@@ -1,7 +1,7 @@
 """The rate side of a KVTC calibration fit: quantizing coefficients (``_quantize``), their
 empirical entropy (``_rate_bits``), reverse water-filling steps (``_steps_for``; Cover &
 Thomas thm 10.3.3), the per-level solve of the water scale for a target rate
-(``_solve_levels``) and the centroid offsets (``_shrink``).
+(``solve_levels``) and the centroid offsets (``centroid_shrink``).
 
 Separate from codec.kvtc.pca (the transforms) and codec.kvtc.fit (the entry point): every
 function maps coefficients [..., N, C] and steps [..., C] (float64 numpy) to rates or steps.
@@ -14,7 +14,7 @@ import numpy as np
 
 from .calibration import MAX_Q
 
-_RATE_SAMPLE_TOKENS = 1024       # calibration tokens used to solve the per-level scale
+RATE_SAMPLE_TOKENS = 1024       # calibration tokens used to solve the per-level scale
 
 
 def _quantize(u: np.ndarray, rounding: float) -> np.ndarray:
@@ -43,7 +43,7 @@ def _rate_bits(coef: np.ndarray, step: np.ndarray, rounding: float = 0.5) -> flo
     return float(-(nz * np.log2(nz / N)).sum())
 
 
-def _shrink(coef: np.ndarray, step: np.ndarray, rounding: float) -> np.ndarray:
+def centroid_shrink(coef: np.ndarray, step: np.ndarray, rounding: float) -> np.ndarray:
     """Centroid reconstruction offsets: for each component, the delta in [0, 0.5] that
     minimises the squared error of reconstructing a non-zero q at (|q| - delta) sign(q)
     step, i.e. delta = mean(|q| - |u|) over the calibration coefficients with q != 0
@@ -76,7 +76,7 @@ def _steps_for(theta: np.ndarray, var: np.ndarray, cap: np.ndarray) -> np.ndarra
     return st
 
 
-def _solve_levels(w: np.ndarray, var: np.ndarray, cap: np.ndarray, coefs: np.ndarray,
+def solve_levels(w: np.ndarray, var: np.ndarray, cap: np.ndarray, coefs: np.ndarray,
                   n_elem: int, targets: dict, kwater: dict, rounding: float, say
                   ) -> np.ndarray:
     """Per-level quantization steps [NL, *var.shape] (levels sorted): the water scale g of

@@ -51,8 +51,8 @@ def _rope_rows_py(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate-half RoPE in place (RoFormer eq. 34; HF's layout): x float32 [T, H, D]
     (C-contiguous), cos/sin float32 [T, D/2]: [x1, x2] -> [x1 cos - x2 sin,
     x2 cos + x1 sin] per head, the same two products and one sum per value as
-    ``apply_rope``. Compiled by numba (``_rope_kernel``; nogil: the decode workers run
-    it side by side); without numba ``KvtcCodec._inverse`` uses torch ops instead."""
+    ``apply_rope``. Compiled by numba (``rope_kernel``; nogil: the decode workers run
+    it side by side); without numba ``inverse.inverse_layers`` uses torch ops instead."""
     T, H, D = x.shape
     h = D // 2
     for t in range(T):
@@ -72,7 +72,7 @@ def _rope_bf16_py(src: np.ndarray, dst: np.ndarray, cos: np.ndarray, sin: np.nda
     (C-contiguous), cos/sin float32 [T, D/2]. Each value is widened to float32 exactly,
     rotated with the same two products and one sum, and rounded to the nearest bf16 (ties
     to even), i.e. the same bits as widening, ``_rope_rows_py`` and a torch cast, without
-    the two float32 copies. Compiled by numba (``_rope_bf16_kernel``)."""
+    the two float32 copies. Compiled by numba (``rope_bf16_kernel``)."""
     T, H, D = src.shape
     h = D // 2
     xb = np.empty((H, D), np.uint32)
@@ -103,7 +103,7 @@ _ROPE_BF16_KERNEL = None
 
 
 @functools.lru_cache(maxsize=32)
-def _rope_tables(start: int, T: int, D: int, theta: float) -> tuple:
+def rope_tables(start: int, T: int, D: int, theta: float) -> tuple:
     """RoPE tables of positions [start, start + T) for the decode, cached (a context's
     chunks start at the same positions every time; computing them costs little, but as
     small multi-threaded torch ops on a busy machine it cost up to ~40 ms per chunk):
@@ -129,7 +129,7 @@ def _jit_or_false(fn):
         return False
 
 
-def _rope_bf16_kernel():
+def rope_bf16_kernel():
     """The compiled ``_rope_bf16_py`` (numba, cached on disk), or None without numba."""
     global _ROPE_BF16_KERNEL
     if _ROPE_BF16_KERNEL is None:
@@ -137,7 +137,7 @@ def _rope_bf16_kernel():
     return _ROPE_BF16_KERNEL or None
 
 
-def _rope_kernel():
+def rope_kernel():
     """The compiled ``_rope_rows_py`` (numba, cached on disk; compiled on first use), or
     None without numba."""
     global _ROPE_KERNEL

@@ -1,6 +1,6 @@
 """KVTC decode workers: the thread pool the inverse transform is split over (per layer or
 per layer group), the worker count (``CACHEGEN_KVTC_THREADS``, capped), and whether this
-CPU's bf16 matmul is used for the decode product (``_bf16_gemm``). No codec logic.
+CPU's bf16 matmul is used for the decode product (``bf16_gemm``). No codec logic.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def _decode_workers() -> int:
-    """Worker threads of ``KvtcCodec._inverse``: the larger of torch's and numba's thread
+    """Worker threads of ``inverse.inverse_layers``: the larger of torch's and numba's thread
     counts (numba's is the one the rANS decoder of the same chunk uses; inside the vLLM CPU
     worker torch runs with 1 thread but the decode may use both cores while the engine
     waits on the load), at most ``_MAX_DECODE_WORKERS``."""
@@ -36,8 +36,8 @@ def _decode_workers() -> int:
 _BF16_GEMM = None
 
 
-def _bf16_gemm() -> bool:
-    """Whether ``KvtcCodec._inverse`` multiplies in bf16 (float32 accumulation) for a bf16
+def bf16_gemm() -> bool:
+    """Whether ``inverse.inverse_layers`` multiplies in bf16 (float32 accumulation) for a bf16
     destination: the CPU has native bf16 dot products (AVX512-BF16, as torch reports it).
     Without them bf16 products are emulated and slower than float32."""
     global _BF16_GEMM
@@ -50,7 +50,7 @@ def _bf16_gemm() -> bool:
 
 
 def _decode_pool():
-    """The process-wide ThreadPoolExecutor of ``KvtcCodec._inverse`` (created on first
+    """The process-wide ThreadPoolExecutor of ``inverse.inverse_layers`` (created on first
     use; ``_MAX_DECODE_WORKERS`` threads named ``kvtc-decode-*``, idle between decodes)."""
     global _POOL
     if _POOL is None:
@@ -61,14 +61,14 @@ def _decode_pool():
     return _POOL
 
 
-def _rows(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def rows_view(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The first rows * cols elements of the 1-D scratch ``flat`` as a contiguous [rows,
     cols] matrix (a GEMM operand with leading dimension = cols: no undefined element
     inside its rows, whatever the kernel reads; codec/scratch.py)."""
     return flat[:rows * cols].view(rows, cols)
 
 
-def _split_over_workers(fn, n: int) -> None:
+def split_over_workers(fn, n: int) -> None:
     """Run ``fn(idx)`` over the items 0..n-1: in the calling thread with one worker
     (``_decode_workers()``), else item w, w + W, ... on worker w of ``_decode_pool()``
     (each item's arithmetic is the same either way). Re-raises a worker's exception."""

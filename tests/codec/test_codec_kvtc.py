@@ -90,7 +90,7 @@ def test_rope_undo_redo_and_matches_transformers():
     pos = torch.arange(5, 12)
     y = kvtc.apply_rope(x, pos, 10000.0)
     assert torch.allclose(kvtc.undo_rope(y, pos, 10000.0), x, atol=1e-5)
-    cos, sin = kvtc._rope_cos_sin(pos, 8, 10000.0)
+    cos, sin = kvtc.rope._rope_cos_sin(pos, 8, 10000.0)
     # transformers' layout: [batch, heads, T, D] with cos/sin [batch, T, D]
     xt = x.permute(0, 2, 1, 3)
     ref, _ = apply_rotary_pos_emb(xt, xt, cos[None, :, 0], sin[None, :, 0])
@@ -118,10 +118,10 @@ def test_inverse_transform_matches_float64_reference(cal, threads, monkeypatch):
             qc = qc - torch.sign(qc) * P["shrink"][kv].double()
         q = qc * P["step"][kv].double()
         ref = (q @ P["basis_t"][kv].double() + P["mean"][kv].double()).reshape(L, T, H, D)
-        got = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), None, 0.0)
+        got = kvtc.inverse.inverse_layers(sym, offs, P, kv, (L, T, H, D), None, 0.0)
         assert got.dtype == torch.float32 and got.shape == (L, T, H, D)
         assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-5)
-        roped = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), 3, 10000.0)
+        roped = kvtc.inverse.inverse_layers(sym, offs, P, kv, (L, T, H, D), 3, 10000.0)
         assert torch.allclose(roped, kvtc.apply_rope(ref.float(), torch.arange(3, 3 + T), 10000.0),
                               atol=1e-4, rtol=1e-5)
 
@@ -247,7 +247,7 @@ def test_calibration_mismatch_is_codec_error(tmp_path, monkeypatch, cal):
     assert codec.peek_header(data)["config"]["calibration"] == other.hash
     codec.decode_kv(data)   # registered: fine
     # forget it: decode names the calibration it needs
-    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {cal.hash: cal})
+    monkeypatch.setattr(kvtc.registry, "_CALIBRATIONS", {cal.hash: cal})
     with pytest.raises(CodecError, match=other.hash):
         codec.decode_kv(data)
     # found again in the cache folder by its hash

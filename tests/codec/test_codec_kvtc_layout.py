@@ -40,8 +40,8 @@ def exact():
     assert h == mod.exact_calibration().hash       # the artifact is the hand-made one
     yield mod, kvtc.get_calibration(h)
     # leave the registry as found: later tests of this [3, T, 2, 8] shape pick their own
-    with kvtc._LOCK:
-        kvtc._CALIBRATIONS.pop(h, None)
+    with kvtc.registry._LOCK:
+        kvtc.registry._CALIBRATIONS.pop(h, None)
 
 
 def _digest(k, v) -> str:
@@ -78,7 +78,7 @@ def test_kept_symbols_straddle_and_pad(exact):
     _, cal = exact
     P = cal.torch_params(0)
     keep = P["keep"]
-    assert kvtc._n_kept(keep) == 55
+    assert kvtc.kept.n_kept(keep) == 55
     rng = np.random.default_rng(3)
     L, T, n = cal.num_layers, 9, P["n"]
     offs = [[int(x) for x in rng.integers(1, 6, L)] for _ in range(2)]
@@ -91,17 +91,17 @@ def test_kept_symbols_straddle_and_pad(exact):
             nl = keep[kv][layer]
             s[layer, :, :nl] = rng.integers(0, 2 * o + 1, (T, nl))
         syms.append(s)
-    a, b, nba, nbb = kvtc._kept_halves(syms, keep, offs, T)
+    a, b, nba, nbb = kvtc.kept.kept_halves(syms, keep, offs, T)
     assert a.shape == b.shape == (1, T, 28) and (b[0, :, -1] == 0).all()
     assert nba >= 2 * max(offs[0]) + 1 and nbb >= 2 * max(offs[1]) + 1
     assert a.max() < nba and b.max() < nbb
-    ks = [kvtc._KeptSymbols(a[0], b[0], keep, kv) for kv in (0, 1)]
+    ks = [kvtc.kept.KeptSymbols(a[0], b[0], keep, kv) for kv in (0, 1)]
     assert [len(ks[0].pieces(layer)) for layer in range(L)] == [1, 1, 2]
     assert [len(ks[1].pieces(layer)) for layer in range(L)] == [1, 1, 1]
     for kv in (0, 1):
         assert np.array_equal(ks[kv].padded(offs[kv], n), syms[kv])
-        got = kvtc.KvtcCodec._inverse(ks[kv], offs[kv], P, kv, (L, T, 2, 8), None, 0.0)
-        ref = kvtc.KvtcCodec._inverse(syms[kv], offs[kv], P, kv, (L, T, 2, 8), None, 0.0)
+        got = kvtc.inverse.inverse_layers(ks[kv], offs[kv], P, kv, (L, T, 2, 8), None, 0.0)
+        ref = kvtc.inverse.inverse_layers(syms[kv], offs[kv], P, kv, (L, T, 2, 8), None, 0.0)
         assert torch.equal(got, ref)
 
 
@@ -125,9 +125,9 @@ def test_store_identity_carries_the_kvtc_format(exact, monkeypatch):
     _, cal = exact
     a = codec.config_hash("kvtc", 1, num_layers=cal.num_layers)
     assert kvtc.KvtcCodec().identity() == {"kvtc_format": kvtc.KVTC_FORMAT_VERSION}
-    monkeypatch.setattr(kvtc, "KVTC_FORMAT_VERSION", 1)
+    monkeypatch.setattr(kvtc.layout, "KVTC_FORMAT_VERSION", 1)
     assert codec.config_hash("kvtc", 1, num_layers=cal.num_layers) != a
     # cachegen's identity does not depend on it
     c1 = codec.config_hash("cachegen", 1)
-    monkeypatch.setattr(kvtc, "KVTC_FORMAT_VERSION", 2)
+    monkeypatch.setattr(kvtc.layout, "KVTC_FORMAT_VERSION", 2)
     assert codec.config_hash("cachegen", 1) == c1

@@ -144,6 +144,6 @@ def test_kvtc_gemm_operand_is_contiguous():
     # the decode's coefficient operand is the front of a flat buffer viewed [rows, cols]:
     # contiguous, leading dimension = cols (never a column slice of a wider buffer)
     flat = torch.arange(24, dtype=torch.float32)
-    q = kvtc._rows(flat, 4, 5)
+    q = kvtc.workers.rows_view(flat, 4, 5)
     assert q.shape == (4, 5) and q.is_contiguous() and q.stride() == (5, 1)
     assert q.data_ptr() == flat.data_ptr()

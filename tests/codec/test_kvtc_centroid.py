@@ -97,15 +97,15 @@ def test_vectorised_rate_equals_per_layer_sum():
     step = rng.uniform(0.2, 1.5, size=(2, 3, 6))
     step[..., 4:] = 0.0
     for rounding in (0.5, 0.3):
-        total = kvtc._rate_bits(coefs, step, rounding)
-        parts = sum(kvtc._rate_bits(coefs[a, b], step[a, b], rounding)
+        total = kvtc.rate._rate_bits(coefs, step, rounding)
+        parts = sum(kvtc.rate._rate_bits(coefs[a, b], step[a, b], rounding)
                     for a in range(2) for b in range(3))
         assert total == pytest.approx(parts, rel=1e-12)
         # direct definition on one component
-        q = kvtc._quantize(coefs[0, 0, :, 0] / step[0, 0, 0], rounding)
+        q = kvtc.rate._quantize(coefs[0, 0, :, 0] / step[0, 0, 0], rounding)
         _, cnt = np.unique(q, return_counts=True)
         p = cnt / cnt.sum()
-        one = kvtc._rate_bits(coefs[0, 0, :, :1], step[0, 0, :1], rounding)
+        one = kvtc.rate._rate_bits(coefs[0, 0, :, :1], step[0, 0, :1], rounding)
         assert one == pytest.approx(-(cnt * np.log2(p)).sum())
 
 
@@ -123,5 +123,5 @@ def test_inverse_with_centroid_matches_float64_reference(cals, threads, monkeypa
         qc = torch.from_numpy(sym).double() - torch.tensor(offs).double()[:, None, None]
         r = qc - torch.sign(qc) * P["shrink"][kv].double()
         ref = (r * P["step"][kv].double()) @ P["basis_t"][kv].double() + P["mean"][kv].double()
-        got = kvtc.KvtcCodec._inverse(sym, offs, P, kv, (L, T, H, D), None, 0.0)
+        got = kvtc.inverse.inverse_layers(sym, offs, P, kv, (L, T, H, D), None, 0.0)
         assert torch.allclose(got.double(), ref.reshape(L, T, H, D), atol=1e-4, rtol=1e-5)

@@ -121,7 +121,7 @@ def test_grouped_decode_matches_float64_reference(gcal):
     k2, v2 = codec.decode_kv(data)
     hdr = bitstream.peek_header(data)["codec_header"]
     P = gcal.torch_params(lv)
-    X = kvtc._group_features(k, v, gcal, 0).double()
+    X = kvtc.layout._group_features(k, v, gcal, 0).double()
     coef = torch.bmm(X - P["mean"].double(), P["basis"].double()) / P["step"].double()
     q = torch.round(coef)
     assert [int(x) for x in q.abs().amax(dim=(1, 2))] == hdr["offsets"]
@@ -143,7 +143,7 @@ def test_grouped_decode_independent_of_threads(gcal, workers, monkeypatch):
     data = codec.encode_kv(k.bfloat16(), v.bfloat16(), codec="kvtc", level=3,
                            config=kvtc.KvtcConfig(calibration=gcal, tiers=()))
     ref = codec.decode_kv(data)
-    monkeypatch.setattr(kvtc, "_decode_workers", lambda: workers)
+    monkeypatch.setattr(kvtc.workers, "_decode_workers", lambda: workers)
     got = codec.decode_kv(data)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
@@ -153,7 +153,7 @@ def test_grouped_float32_path_agrees_with_bf16_path(gcal, monkeypatch):
     data = codec.encode_kv(k.bfloat16(), v.bfloat16(), codec="kvtc", level=4,
                            config=kvtc.KvtcConfig(calibration=gcal, tiers=()))
     a = codec.decode_kv(data)
-    monkeypatch.setattr(kvtc, "_BF16_GEMM", not kvtc._bf16_gemm())
+    monkeypatch.setattr(kvtc.workers, "_BF16_GEMM", not kvtc.workers.bf16_gemm())
     gcal._torch.clear()
     b = codec.decode_kv(data)
     for x, y in zip(a, b):
@@ -224,7 +224,7 @@ def test_grouped_calibration_save_load_hash(gcal, tmp_path):
     assert c3.content_hash() != gcal.hash
     # shapes that do not match the grouping are refused
     with pytest.raises(CodecError, match="shape"):
-        kvtc._check_calibration(c3, "test")
+        kvtc.calibration.check_calibration(c3, "test")
 
 
 def _repack(data, **fields):
@@ -326,7 +326,7 @@ def test_encode_names_its_calibration_and_decode_finds_it_by_hash(tmp_path, monk
     import time
 
     monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    monkeypatch.setattr(kvtc.registry, "_CALIBRATIONS", {})
     folder = tmp_path / "kvtc"
     dflt = _fit(G=2, meta={"which": "default"})
     mine = _fit(G=0, meta={"which": "mine"})
@@ -342,24 +342,24 @@ def test_encode_names_its_calibration_and_decode_finds_it_by_hash(tmp_path, monk
     kvtc.register_calibration(mine)                 # registered: still no implicit choice
     with pytest.raises(ValueError, match="needs its calibration"):
         codec.encode_kv(k, v, codec="kvtc")
-    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    monkeypatch.setattr(kvtc.registry, "_CALIBRATIONS", {})
     # the same bytes whether the calibration is given as the object, its hash (found in
     # the cache folder) or its artifact path
     by_hash = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=dflt.hash))
     assert codec.peek_header(by_hash)["config"]["calibration"] == dflt.hash
-    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    monkeypatch.setattr(kvtc.registry, "_CALIBRATIONS", {})
     by_obj = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=dflt))
     by_path = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=p_d))
     assert by_obj == by_hash == by_path
     other = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=mine))
     assert codec.peek_header(other)["config"]["calibration"] == mine.hash
     # decode: by the hash the chunk names, from the cache folder when not registered
-    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    monkeypatch.setattr(kvtc.registry, "_CALIBRATIONS", {})
     for data, cal in ((by_hash, dflt), (other, mine)):
         k2, _ = codec.decode_kv(data)
         assert k2.shape == k.shape
         assert cal.hash in kvtc.registered_calibrations()
-    monkeypatch.setattr(kvtc, "_CALIBRATIONS", {})
+    monkeypatch.setattr(kvtc.registry, "_CALIBRATIONS", {})
     p_m.unlink()
     with pytest.raises(CodecError, match=mine.hash):
         codec.decode_kv(other)

@@ -36,8 +36,8 @@ def fitted():
                              level_targets={0: 0.6, 1: 1.0, 2: 2.5}, default_level=1)
     kvtc.register_calibration(c)
     yield c
-    with kvtc._LOCK:
-        kvtc._CALIBRATIONS.pop(c.hash, None)
+    with kvtc.registry._LOCK:
+        kvtc.registry._CALIBRATIONS.pop(c.hash, None)
 
 
 def _spans(data):
@@ -250,16 +250,16 @@ def test_fuzzed_span_fields_give_codec_error_only(fitted):
 # ----------------------------------------------------------------------- store identity
 def test_identity_and_config_hash_follow_the_tier_table(monkeypatch):
     c = kvtc.KvtcCodec()
-    monkeypatch.setattr(kvtc, "DEFAULT_LEVEL_TIERS", {})
-    monkeypatch.setattr(kvtc, "DEFAULT_LEVEL_SINKS", {})
+    monkeypatch.setattr(kvtc.calibration, "DEFAULT_LEVEL_TIERS", {})
+    monkeypatch.setattr(kvtc.calibration, "DEFAULT_LEVEL_SINKS", {})
     plain = {lv: codec.config_hash("kvtc", lv) for lv in c.levels}
     assert all(c.identity(level=lv) == {"kvtc_format": kvtc.KVTC_FORMAT_VERSION}
                for lv in c.levels)
-    monkeypatch.setattr(kvtc, "DEFAULT_LEVEL_TIERS", {2: ((128, 5), (384, 4))})
+    monkeypatch.setattr(kvtc.calibration, "DEFAULT_LEVEL_TIERS", {2: ((128, 5), (384, 4))})
     assert c.identity(level=2) == {"kvtc_format": 3, "tiers": [[128, 5], [384, 4]]}
     assert codec.config_hash("kvtc", 2) != plain[2]
     assert all(codec.config_hash("kvtc", lv) == plain[lv] for lv in c.levels if lv != 2)
-    monkeypatch.setattr(kvtc, "DEFAULT_LEVEL_TIERS", {2: ((128, 5), (384, 3))})
+    monkeypatch.setattr(kvtc.calibration, "DEFAULT_LEVEL_TIERS", {2: ((128, 5), (384, 3))})
     assert codec.config_hash("kvtc", 2) not in (plain[2],)
     # an explicit config: tiers=() is the untiered level, other tiers another hash
     h0 = codec.config_hash("kvtc", 2, kvtc.KvtcConfig(level=2, tiers=()))
@@ -269,7 +269,7 @@ def test_identity_and_config_hash_follow_the_tier_table(monkeypatch):
     # configs without tiers hash as before the field existed
     assert "tiers" not in kvtc.KvtcConfig(level=2).to_dict()
     # a level's own sink count is part of its identity too
-    monkeypatch.setattr(kvtc, "DEFAULT_LEVEL_SINKS", {2: 1})
+    monkeypatch.setattr(kvtc.calibration, "DEFAULT_LEVEL_SINKS", {2: 1})
     assert c.identity(level=2)["sink_tokens"] == 1
     assert codec.config_hash("kvtc", 2) not in (plain[2],)
 
@@ -277,7 +277,7 @@ def test_identity_and_config_hash_follow_the_tier_table(monkeypatch):
 def test_level_sinks_apply_unless_the_config_says(exact, monkeypatch):
     mod, cal = exact                    # calibration sink_tokens = 2
     k, v = mod.exact_kv(20)
-    monkeypatch.setattr(kvtc, "DEFAULT_LEVEL_SINKS", {1: 1})
+    monkeypatch.setattr(kvtc.calibration, "DEFAULT_LEVEL_SINKS", {1: 1})
     for lv, cfg_sinks, want in ((1, None, 1), (1, 3, 3), (0, None, 2)):
         d = codec.encode_kv(k, v, codec="kvtc", level=lv, config=kvtc.KvtcConfig(
             calibration=cal, sink_tokens=cfg_sinks, tiers=()))

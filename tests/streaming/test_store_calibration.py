@@ -164,3 +164,21 @@ def test_calibration_travels_with_the_entry(tmp_path, kind):
     finally:
         if rs is not None:
             rs.__exit__(None, None, None)
+
+
+def test_streaming_never_imports_codec_kvtc():
+    """The generic store knows no codec: it moves calibration bytes by hash through
+    ``codec.artifacts`` (AST scan of every streaming/ module's imports)."""
+    import ast
+
+    bad = []
+    for p in sorted((REPO / "streaming").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            bad += [f"{p.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                    if n == "codec.kvtc" or n.startswith("codec.kvtc.")]
+    assert not bad, "streaming/ imports codec.kvtc:\n" + "\n".join(bad)
