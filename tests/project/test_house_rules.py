@@ -129,16 +129,6 @@ def violations(rule) -> dict[str, list[str]]:
 # pass that made kv_extraction_hf, harness, bench, evaluation and visualize comply.
 # Private names imported from another module of the project:
 ALLOW_PRIVATE: dict[str, list[str]] = {
-    'bench/codec.py': [
-        'bench.codec_metrics._median_cpu', 'bench.codec_metrics._median_time',
-        'bench.codec_metrics._threads'
-    ],
-    'bench/codec_peer_row.py': [
-        'bench.codec_metrics._median_time'
-    ],
-    'bench/codec_rows.py': [
-        'bench.codec_metrics._median_time'
-    ],
     'codec/codecs.py': [
         'codec.registry._build_registry'
     ],
@@ -314,10 +304,6 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
 
 # Names imported only to be forwarded (a module acting as a package face):
 ALLOW_FORWARDED: dict[str, list[str]] = {
-    'bench/codec.py': [
-        '_median_cpu', '_median_time', '_threads', 'decode_breakdown', 'quality', 'rel_l2_per_layer',
-        'run_peer_row', 'synthetic_kv'
-    ],
     'cachegen_common/flags.py': [
         'ConfigFileError', 'load_config', 'parse_with_config', 'parser_dests'
     ],
