@@ -304,12 +304,6 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
 
 # Names imported only to be forwarded (a module acting as a package face):
 ALLOW_FORWARDED: dict[str, list[str]] = {
-    'cachegen_common/flags.py': [
-        'ConfigFileError', 'load_config', 'parse_with_config', 'parser_dests'
-    ],
-    'cachegen_common/header.py': [
-        'atomic_write', 'atomic_write_json', 'atomic_write_text', 'json_default'
-    ],
     'codec/codecs.py': [
         'CODECS', 'CacheGenCodec', 'Codec', 'CodecConfig', 'CodecError', 'DTYPES', 'DTYPE_BYTES',
         'DTYPE_NAMES', 'EncodedChunk', 'Fp8Codec', 'KIVI_GROUP', 'KIVI_RESIDUAL', 'KiviCodec', 'RawCodec',
