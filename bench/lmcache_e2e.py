@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.codec_contexts import synthetic_kv
+from bench.codec.contexts import synthetic_kv
 
 from lmcache.v1.distributed.api import (GroupedObjectKeys, MemoryLayoutDesc, ObjectKey,
                                         PrefetchTaskSpec)

@@ -7,7 +7,7 @@ package): one home for what many commands would otherwise spell differently.
   ``--quick``, ``--verbose``, ``--repeats``, ``--context-tokens``, ``--config``), one
   spelling and one meaning each, with the old spellings as hidden aliases.
 - :mod:`cachegen_common.config_file`: a command's ``--config FILE`` defaults (read, then parsed
-  under the command line; re-exported by :mod:`cachegen_common.flags`).
+  under the command line).
 - :mod:`cachegen_common.header`: the result header (environment, git commit, UTC time).
 - :mod:`cachegen_common.files`: the atomic write of every result file and store object, and the
   sha256 of a list of files (a model's weights hash).

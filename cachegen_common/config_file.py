@@ -1,8 +1,8 @@
 """A command's defaults file (``--config FILE``): reading it (YAML, TOML or JSON) and
 parsing a command line over it, so that flags given on the command line win.
 
-Apart from :mod:`cachegen_common.flags` (the spellings of the shared flags), which re-exports
-every name here and documents the behaviour. Standard library only (PyYAML is imported
+Apart from :mod:`cachegen_common.flags` (the spellings of the shared flags), which documents
+the behaviour; import these names from here. Standard library only (PyYAML is imported
 only to read a ``.yaml`` file).
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ so flags given on the command line win. An unknown key or an unreadable file is 
 
 Standard library only (PyYAML is imported only to read a ``.yaml`` file). The defaults
 file's reading and its merge with the parser are in :mod:`cachegen_common.config_file`
-(re-exported here).
+(import ``load_config``, ``parse_with_config``, ``ConfigFileError`` from there).
 """
 from __future__ import annotations
 
@@ -39,18 +39,11 @@ import argparse
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from cachegen_common.config_file import (  # noqa: F401  (re-exported: documented here)
-    CONFIGS,
-    ConfigFileError,
-    load_config,
-    parse_with_config,
-    parser_dests,
-)
+from cachegen_common.config_file import CONFIGS
 
-__all__ = ["DEPRECATED", "LINK_METHODS", "ConfigFileError", "add_model", "add_data_path",
+__all__ = ["DEPRECATED", "LINK_METHODS", "add_model", "add_data_path",
            "add_out", "add_seed", "add_bandwidth", "add_link_method", "add_quick",
-           "add_verbose", "add_repeats", "add_context_tokens", "add_config", "load_config",
-           "parse_with_config", "CONFIGS"]
+           "add_verbose", "add_repeats", "add_context_tokens", "add_config"]
 
 LINK_METHODS = ("auto", "netns", "userspace")
 """How a link is shaped: auto (netns as root, else userspace), netns (veth + tc tbf in

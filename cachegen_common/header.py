@@ -23,12 +23,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from cachegen_common.files import (atomic_write, atomic_write_json,  # noqa: F401  (re-exported:
-                          atomic_write_text, json_default)   # their former home)
 from cachegen_common.machine import numerics
 
-__all__ = ["utc_now", "git_commit", "cpu_name", "package_versions", "environment",
-           "atomic_write", "atomic_write_json", "atomic_write_text", "json_default", "FIELDS"]
+__all__ = ["utc_now", "git_commit", "cpu_name", "package_versions", "environment", "FIELDS"]
 
 _REPO = Path(__file__).resolve().parent.parent
 

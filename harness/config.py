@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from codec import level_table as _level_table  # standard library only
-from cachegen_common.flags import LINK_METHODS, ConfigFileError, load_config
+from cachegen_common.config_file import ConfigFileError, load_config
+from cachegen_common.flags import LINK_METHODS
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts.user_data import check_data_flags
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
@@ -137,7 +138,7 @@ class RunConfig:
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    """Read a config file (YAML; TOML or JSON by suffix: ``cachegen_common.flags.load_config``) into
+    """Read a config file (YAML; TOML or JSON by suffix: ``cachegen_common.config_file.load_config``) into
     a dict; ConfigError on missing/malformed files or unknown keys."""
     try:
         data = load_config(path)

@@ -2,7 +2,7 @@
 writes, the console summary table.
 
 Every finished run is appended and the whole document is rewritten atomically
-(``cachegen_common.header.atomic_write_json``: temp file + ``os.replace``), so an interrupted
+(``cachegen_common.files.atomic_write_json``: temp file + ``os.replace``), so an interrupted
 benchmark keeps the records already finished; the document says ``"complete": false``
 until the run's last write. Summaries come from :func:`evaluation.summary.summarize` (one
 path for the harness, the figures, the notebook).

@@ -58,7 +58,7 @@ def converted_model_dir() -> str | None:
 
 @pytest.fixture(scope="session")
 def run_vllm_check(tmp_path_factory):
-    """Runs one of the vLLM check scripts in ``tests/`` in its own process and returns its
+    """Runs one of the vLLM check scripts in ``tests/helpers/`` in its own process and returns its
     JSON report: ``run_vllm_check(script, extra_args, drop_env=())``. Skips when no converted
     model folder exists; fails with the script's stderr tail when it exits non-zero."""
     import json
@@ -75,7 +75,7 @@ def run_vllm_check(tmp_path_factory):
         env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for k in drop_env:
             env.pop(k, None)
-        cmd = [sys.executable, str(repo / "tests" / script), "--model-dir", mdir, "--out", str(out), *extra_args]
+        cmd = [sys.executable, str(repo / "tests" / "helpers" / script), "--model-dir", mdir, "--out", str(out), *extra_args]
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             pytest.fail(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

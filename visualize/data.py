@@ -324,7 +324,7 @@ def save_formats(fig, out_dir: Path, name: str, formats: Sequence[str], dpi: int
 
 
 def save_figure(fig, path: Path, fmt: str, dpi: int = 150) -> None:
-    """Write ``fig`` to ``path`` atomically (``cachegen_common.header.atomic_write``: temp file in
+    """Write ``fig`` to ``path`` atomically (``cachegen_common.files.atomic_write``: temp file in
     the same folder, then rename)."""
     atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight",
                                               pad_inches=0.15,

@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 
 from cachegen_common import flags
+from cachegen_common.config_file import CONFIGS, parse_with_config
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
 from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.adapt", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    flags.add_config(ap, default=flags.CONFIGS / "adaptation.yaml")
+    flags.add_config(ap, default=CONFIGS / "adaptation.yaml")
     flags.add_out(ap, type=Path, default=_REPO / "benchmarks" / "adaptation.json",
                   help="result file (JSON, atomically; default benchmarks/adaptation.json)")
     ap.add_argument("--level-table", type=Path, help="reuse the level table of an earlier output (JSON)")
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    a = flags.parse_with_config(ap, argv)
+    a = parse_with_config(ap, argv)
     from streaming.errors import StreamingError
 
     t_start = time.perf_counter()

@@ -1,5 +1,5 @@
-"""bench.codec's decode split and break-even bandwidth columns (bench/codec_rows.py,
-bench/codec_metrics.py): present for every row, and derived from the measured seconds
+"""bench.codec's decode split and break-even bandwidth columns (bench/codec/rows.py,
+bench/codec/metrics.py): present for every row, and derived from the measured seconds
 by the documented formulas (values, not timings, are asserted).
 
 Run: .venv/bin/python -m pytest tests/bench/test_bench_codec_rows.py -q

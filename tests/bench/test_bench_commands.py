@@ -63,7 +63,7 @@ def test_bench_codec_reads_the_model_fields_of_a_kv_dump(tmp_path):
 
     import torch
 
-    from bench.codec_contexts import load_contexts
+    from bench.codec.contexts import load_contexts
     from kv_extraction_hf.dump import save_kv
 
     k = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)

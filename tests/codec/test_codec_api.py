@@ -336,7 +336,7 @@ def test_bench_quick_writes_rows(tmp_path, capsys, monkeypatch):
     import json
 
     from bench import codec as bench
-    from bench import codec_contexts
+    from bench.codec import contexts as codec_contexts
 
     monkeypatch.setattr(codec_contexts, "QUICK_SHAPE", (3, 512, 2, 32))  # where load_contexts reads it
     out = tmp_path / "b.json"

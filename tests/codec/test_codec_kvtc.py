@@ -382,7 +382,7 @@ def test_bench_codec_quick_has_kvtc_rows(tmp_path, monkeypatch):
     import json
 
     from bench import codec as bench
-    from bench import codec_contexts
+    from bench.codec import contexts as codec_contexts
 
     assert ("kvtc", 4) in bench.DEFAULT_ROWS
     monkeypatch.setattr(codec_contexts, "QUICK_SHAPE", (3, 512, 2, 32))  # where load_contexts reads it

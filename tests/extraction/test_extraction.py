@@ -19,13 +19,9 @@ from kv_extraction_hf.dump import kv_sha256, load_kv, save_kv, token_ids_sha256
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts import build_prompt, natural_paragraphs
 from kv_extraction_hf.prompts.base import SYNTHETIC_TASKS
+from tests.helpers.kv import make_kv
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _kv(shape=(3, 7, 2, 8), dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
 
 
 def _bits(t):
@@ -37,7 +33,7 @@ def _bits(t):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dump_round_trip_is_exact(tmp_path, dtype):
-    k, v = _kv(dtype=dtype)
+    k, v = make_kv(3, 7, 2, 8, dtype=dtype)
     k[0, 0, 0, :3] = torch.tensor([float("inf"), -0.0, float("nan")]).to(dtype)
     meta = {"model_id": "m", "token_ids": [5, 6, 7, 8, 9, 10, 11], "prompt_name": "p"}
     path = save_kv(tmp_path / "a.safetensors", k, v, meta)
@@ -54,14 +50,14 @@ def test_dump_round_trip_is_exact(tmp_path, dtype):
 @given(layers=st.integers(1, 4), tokens=st.integers(0, 9), heads=st.integers(1, 3), dim=st.integers(1, 9),
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), seed=st.integers(0, 2**16))
 def test_dump_round_trip_any_shape(tmp_path_factory, layers, tokens, heads, dim, dtype, seed):
-    k, v = _kv((layers, tokens, heads, dim), dtype, seed)
+    k, v = make_kv(layers, tokens, heads, dim, dtype=dtype, seed=seed)
     path = save_kv(tmp_path_factory.mktemp("d") / "x.safetensors", k, v)
     k2, v2, _ = load_kv(path)
     assert torch.equal(_bits(k2), _bits(k)) and torch.equal(_bits(v2), _bits(v))
 
 
 def test_save_rejects_mismatched_tensors(tmp_path):
-    k, v = _kv()
+    k, v = make_kv(3, 7, 2, 8)
     with pytest.raises(ExtractionError):
         save_kv(tmp_path / "a.safetensors", k, v[:, :3])
     with pytest.raises(ExtractionError):
@@ -74,7 +70,7 @@ def test_save_rejects_mismatched_tensors(tmp_path):
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     import safetensors.torch
 
-    k, v = _kv()
+    k, v = make_kv(3, 7, 2, 8)
     target = save_kv(tmp_path / "a.safetensors", k, v, {"prompt_name": "old"})
 
     def broken(tensors, filename, metadata=None):
@@ -94,7 +90,7 @@ def test_load_missing_dump(tmp_path):
 
 
 def test_load_corrupt_dumps(tmp_path):
-    k, v = _kv()
+    k, v = make_kv(3, 7, 2, 8)
     good = save_kv(tmp_path / "good.safetensors", k, v, {"token_ids": list(range(7))})
     data = good.read_bytes()
     cases = {
@@ -132,7 +128,7 @@ def test_load_corrupt_dumps(tmp_path):
 
 
 def test_kv_sha256_covers_both_tensors():
-    k, v = _kv()
+    k, v = make_kv(3, 7, 2, 8)
     assert kv_sha256(k, v) != kv_sha256(v, k)
     assert kv_sha256(k, v) == kv_sha256(k.clone(), v.clone())
 

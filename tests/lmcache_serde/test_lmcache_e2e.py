@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("lmcache", reason="lmcache not installed: bash scripts/setup.sh lmcache")
 
 from bench import lmcache_e2e as E  # noqa: E402
-from bench.codec_contexts import synthetic_kv  # noqa: E402
+from bench.codec.contexts import synthetic_kv  # noqa: E402
 from codec import kvtc  # noqa: E402
 from lmcache.v1.distributed.api import MemoryLayoutDesc  # noqa: E402
 from lmcache.v1.distributed.serde import SerdeConfig  # noqa: E402

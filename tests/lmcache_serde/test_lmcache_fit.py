@@ -147,7 +147,7 @@ def test_configuration_says_what_is_stored(caplog):
 def test_fused_plane_is_coded_as_its_k_and_v(kw):
     """A fused one-plane object (each head's K then V) is coded exactly as the same K and
     V in [2, L, T, H, D]: the same containers, so the same KV back (not mixed halves)."""
-    from bench.codec_contexts import synthetic_kv
+    from bench.codec.contexts import synthetic_kv
 
     with torch.random.fork_rng():
         torch.manual_seed(3)

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("lmcache", reason="lmcache not installed: bash scripts/setup.sh lmcache")
 
 import codec  # noqa: E402
-from bench.codec_contexts import synthetic_kv  # noqa: E402
+from bench.codec.contexts import synthetic_kv  # noqa: E402
 from codec import kvtc  # noqa: E402
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
 from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig  # noqa: E402

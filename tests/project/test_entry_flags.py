@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from cachegen_common import flags  # noqa: E402
+from cachegen_common import config_file, files, flags  # noqa: E402
 from cachegen_common import header  # noqa: E402
 from cachegen_common.units import BYTES_PER_S_PER_MBPS, bytes_per_s_to_mbps, goodput_mbps, mbps_to_bytes_per_s  # noqa: E402
 
@@ -199,7 +199,7 @@ def test_benchmark_yaml_equals_the_run_config_defaults():
 
     from harness.config import DEFAULT_CONFIG, RunConfig, resolve
 
-    data = flags.load_config(DEFAULT_CONFIG)
+    data = config_file.load_config(DEFAULT_CONFIG)
     fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
     assert set(data) <= set(fields)
     bad = {k: (v, fields[k]) for k, v in data.items() if _norm(v) != _norm(fields[k])}
@@ -212,8 +212,8 @@ def test_adaptation_yaml_equals_the_parser_defaults():
     from bench import adapt
 
     p = adapt.build_parser()
-    data = flags.load_config(flags.CONFIGS / "adaptation.yaml")
-    assert data and set(data) <= flags.parser_dests(p)
+    data = config_file.load_config(config_file.CONFIGS / "adaptation.yaml")
+    assert data and set(data) <= config_file.parser_dests(p)
     bad = {k: (v, p.get_default(k)) for k, v in data.items() if _norm(v) != _norm(p.get_default(k))}
     assert not bad, f"configs/adaptation.yaml disagrees with bench.adapt's defaults: {bad}"
 
@@ -223,10 +223,10 @@ def test_every_configs_file_is_checked():
     from codec.config import CodecConfig
 
     commands = {"benchmark.yaml", "adaptation.yaml"}
-    for path in sorted(flags.CONFIGS.iterdir()):
+    for path in sorted(config_file.CONFIGS.iterdir()):
         if path.name in commands:
             continue
-        data = flags.load_config(path)
+        data = config_file.load_config(path)
         assert "codec" in data, f"{path.name}: neither a command's defaults nor a codec config"
         cfg = CodecConfig.from_yaml(path, 30)   # loads (unknown keys are refused there)
         assert cfg.chunk_tokens == data.get("chunk_tokens", cfg.chunk_tokens)
@@ -243,11 +243,11 @@ def test_config_file_sets_defaults_and_flags_win(tmp_path, suffix, text, stop_af
     f = tmp_path / f"c{suffix}"
     f.write_text(text)
     with pytest.raises(_Parsed) as got:
-        flags.parse_with_config(adapt.build_parser(), ["--config", str(f)])
+        config_file.parse_with_config(adapt.build_parser(), ["--config", str(f)])
     assert got.value.ns.context_tokens == 512 and got.value.ns.slo_s == [1.0]
     assert got.value.ns.chunk_tokens == 416              # not in the file: the code's default
     with pytest.raises(_Parsed) as got:
-        flags.parse_with_config(adapt.build_parser(), ["--config", str(f), "--context-tokens", "64"])
+        config_file.parse_with_config(adapt.build_parser(), ["--config", str(f), "--context-tokens", "64"])
     assert got.value.ns.context_tokens == 64
 
 
@@ -265,7 +265,7 @@ def test_bad_config_file_is_one_line_and_exit_2(tmp_path, capsys, name, text, ms
     if text is not None:
         f.write_text(text)
     with pytest.raises(SystemExit) as ex:
-        flags.parse_with_config(adapt.build_parser(), ["--config", str(f)])
+        config_file.parse_with_config(adapt.build_parser(), ["--config", str(f)])
     assert ex.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert msg in err[-1] and "Traceback" not in "\n".join(err)
@@ -308,14 +308,14 @@ def test_result_header_fields_and_atomic_write(tmp_path):
     assert list(results_env("netns")) == ["python", "platform", "cpu", "num_cpus", "gpu", "packages",
                                           "link_method", "numerics"]
     out = tmp_path / "sub" / "r.json"
-    header.atomic_write_json(out, {"a": 1, "p": Path("x")})
+    files.atomic_write_json(out, {"a": 1, "p": Path("x")})
     assert json.loads(out.read_text()) == {"a": 1, "p": "x"}
     with pytest.raises(TypeError):
-        header.atomic_write_json(out, {"bad": object()})
+        files.atomic_write_json(out, {"bad": object()})
     assert json.loads(out.read_text()) == {"a": 1, "p": "x"}          # the old file stays whole
     assert sorted(x.name for x in out.parent.iterdir()) == ["r.json"]  # no temporary file left
     out.chmod(0o640)
-    header.atomic_write_text(out, "new\n", keep_mode=True)
+    files.atomic_write_text(out, "new\n", keep_mode=True)
     assert out.read_text() == "new\n" and out.stat().st_mode & 0o777 == 0o640
 
 

@@ -15,14 +15,9 @@ from streaming.identity_entry import EntryIdentity
 from streaming.identity_sources import codec_identity
 from third_party.vllm.source_base import window_checked, window_floor
 from third_party.vllm.source_local import LocalDirSource, save_local_context
+from tests.helpers.kv import make_kv
 
 WS = [16, None, 16, 40]           # layers 0, 2: window 16; 3: window 40; 1: full
-
-
-def _kv(T=300, L=4, H=1, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(L, T, H, D, generator=g).to(torch.bfloat16),
-            torch.randn(L, T, H, D, generator=g).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("T,extra", [(300, 0), (300, 128), (100, 128), (40, 0), (17, 0), (1000, 64)])
@@ -52,7 +47,7 @@ def test_layout_tag_round_trip_and_distinct():
 
 @pytest.mark.parametrize("extra,ct", [(0, 128), (128, 128), (64, 96), (128, 1024)])
 def test_extra_tokens_chunks_decode_dense_per_chunk(extra, ct):
-    k, v = _kv()
+    k, v = make_kv(4, 300, 1, 8)
     chunks = window.encode_windowed_chunks(k, v, WS, codec="raw", chunk_tokens=ct, extra_tokens=extra)
     wkv = window.decode_windowed_chunks(chunks)
     kd, vd = wkv.dense()
@@ -74,7 +69,7 @@ def test_a_header_that_lies_about_extra_tokens_is_a_codec_error():
 
     from codec import bitstream
 
-    k, v = _kv()
+    k, v = make_kv(4, 300, 1, 8)
     data = window.encode_windowed(k, v, WS, codec="raw", extra_tokens=32)
     header, arrays, payload = bitstream.unpack(data)
     for lie in (0, 31, 33, 10 ** 9, -1, "32", True):
@@ -123,7 +118,7 @@ def test_window_checked_refuses_short_loads():
 
 
 def test_local_source_serves_a_windowed_entry_whole_and_misses_a_short_prefix(tmp_path):
-    k, v = _kv()
+    k, v = make_kv(4, 300, 1, 8)
     T = k.shape[1]
     chunks = window.encode_windowed_chunks(k, v, WS, codec="raw", chunk_tokens=128, extra_tokens=128)
     ids = list(range(1000, 1000 + T))

@@ -2,7 +2,7 @@
 
 One engine run (a subprocess: vLLM's LLM() must be created under __main__, and the
 subprocess's exit guarantees no engine process outlives the test) executes the scenarios
-of tests/vllm_selfcheck.py on a ~600-token needle-in-a-haystack prompt of the default
+of tests/helpers/vllm_selfcheck.py on a ~600-token needle-in-a-haystack prompt of the default
 model (SmolLM2-135M-Instruct, bf16; prompt, model and HF KV from kv_extraction_hf); the
 tests assert on its JSON report.
 Slow (~1-3 minutes on 2 shared cores: engine start-up dominates) but run by default.

@@ -2,7 +2,7 @@
 
 Async mode (extra config "async_load": true): the load runs in the worker's background
 (vLLM's WAITING_FOR_REMOTE_KVS contract); the test-only chunk hook
-(tests/kv_test_hooks.py) holds the "abort_me" load after chunk 0 until vLLM cancels it,
+(tests/helpers/kv_test_hooks.py) holds the "abort_me" load after chunk 0 until vLLM cancels it,
 so "aborted mid-load" is a fixed point of the load, not a race. The engine aborts it
 (LLMEngine.abort_request), the cancel reaches the worker, the load stops before chunk 1,
 and its one record says aborted with 256 tokens placed. Normal and corrupt loads in the

@@ -86,12 +86,12 @@ def test_gemma3_kv_loads_through_vllm(tmp_path, gemma3_cached, hybrid):
 
 @pytest.mark.slow
 def test_hma_connector_loads_and_recomputes_a_failed_load(tmp_path, gemma3_cached):
-    """tests/vllm_hma_check.py with the hybrid manager on: the loaded KV gives plain
+    """tests/helpers/vllm_hma_check.py with the hybrid manager on: the loaded KV gives plain
     prefill's greedy tokens; a load that fails at chunk 2 of 4 (corrupt chunk) is reported
     per request and vLLM recomputes the whole prompt: the same tokens again."""
     mdir = gemma3_cached.load_model("gemma3-270m", log=lambda m: None).info.path
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_hma_check.py"), "--model-dir",
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "vllm_hma_check.py"), "--model-dir",
                            str(mdir), "--out", str(out), "--context-tokens", "1024"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                           text=True, timeout=900)

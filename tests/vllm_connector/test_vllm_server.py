@@ -4,7 +4,7 @@ completion request sharing the stored prefix (no context key: prefix matching), 
 both load it and give the offline engine's output, that a client's escape attempt is
 rejected, and that the server stops cleanly.
 
-One subprocess (tests/vllm_server_check.py) does it all and writes a JSON report; the
+One subprocess (tests/helpers/vllm_server_check.py) does it all and writes a JSON report; the
 server and the offline engine start one after the other (~2-3 minutes on 2 shared cores,
 engine start-up dominates). Runs in the normal test command (marked slow, like
 tests/vllm_connector/test_vllm_connector.py).

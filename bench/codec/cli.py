@@ -44,16 +44,9 @@ from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
 
-# The parts live in their own modules (one job per module): the KV sources and
-# the kvtc calibration in bench/codec_contexts.py, one measured row in bench/codec_rows.py
-# (LMCache's peer rows in bench/codec_peer_row.py), the measurements in bench/codec_metrics.py;
-# re-exported here.
-from bench.codec_contexts import QUICK_SHAPE, load_contexts, prepare_kvtc, synthetic_kv  # noqa: F401
-from bench.codec_metrics import (  # noqa: F401
-    _median_cpu, _median_time, _threads, continuation_stats, decode_breakdown, quality, rel_l2_per_layer
-)
-from bench.codec_peer_row import run_peer_row  # noqa: F401
-from bench.codec_rows import run_row
+from bench.codec.contexts import QUICK_SHAPE, load_contexts, prepare_kvtc
+from bench.codec.metrics import continuation_stats
+from bench.codec.rows import run_row
 
 # (codec, level) rows run by default. cachegen-ref level 0 = LMCache's default schedule,
 # 1-3 the CacheGen artifact's levels; cachegen = this project's quantizer.

@@ -6,7 +6,7 @@ Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5-7: a context's KV, extracte
 is loaded by the serving engine instead of re-running prefill; the load must give the
 same tokens as the prefill.
 
-Run: .venv/bin/python tests/vllm_selfcheck.py --out report.json [--model-dir DIR]
+Run: .venv/bin/python tests/helpers/vllm_selfcheck.py --out report.json [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def _generate_lp(llm, prompt: list[int], max_tokens: int, kp: dict | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tests/vllm_selfcheck.py",
+    ap = argparse.ArgumentParser(prog="tests/helpers/vllm_selfcheck.py",
                                  description="Connector self-check (used by the tests).")
     ap.add_argument("--model-dir", default=None, help="HF model folder (default: the "
                     "embedded default model, kv_extraction_hf.model.default_model_dir())")

@@ -11,7 +11,7 @@ context as raw chunks in a local folder, greedy max_tokens):
   windowed   the chunks in the window-storage layout (codec.window, a sliding layer keeps
              its last W + 128 tokens, the store path's default): the same output as text
 
-Run: .venv/bin/python tests/vllm_hma_check.py --model-dir DIR --out report.json
+Run: .venv/bin/python tests/helpers/vllm_hma_check.py --model-dir DIR --out report.json
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def check(model_dir: str, out_path: str, context_tokens: int, max_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tests/vllm_hma_check.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="tests/helpers/vllm_hma_check.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", required=True, help="HF model folder with sliding-window layers")
     ap.add_argument("--out", required=True, help="JSON report path")
     ap.add_argument("--context-tokens", type=int, default=1024)

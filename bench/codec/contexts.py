@@ -2,7 +2,7 @@
 synthetic KV with the structure of real caches (:func:`synthetic_kv`, ``--quick``), KV dumps
 (``--kv``) or prefilled prompts of the model (:func:`load_contexts`), and the calibration
 of the kvtc rows (:func:`prepare_kvtc`, never fitted on the measured contexts). Separate
-from bench/codec.py (the command) because this is the one part that loads the model.
+from bench/codec/cli.py (the command) because this is the one part that loads the model.
 """
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
 """One row of ``python -m bench.codec``: every context encoded and decoded with one (codec,
 level) chunk by chunk as ``codec.api.encode_chunks`` does (:func:`run_row`), aggregated into
 the size, entropy-overhead, speed, error and perplexity columns (docs/codec.md). Separate
-from bench/codec.py (the command, the table, the JSON file) because it is the measurement
-itself; LMCache's peer rows are bench.codec_peer_row's.
+from bench/codec/cli.py (the command, the table, the JSON file) because it is the measurement
+itself; LMCache's peer rows are bench.codec.peer_row's.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Optional
 
-from bench.codec_metrics import _median_time, continuation_stats, decode_breakdown, quality, rel_l2_per_layer
-from bench.codec_peer_row import run_peer_row
+from bench.codec.metrics import median_time, continuation_stats, decode_breakdown, quality, rel_l2_per_layer
+from bench.codec.peer_row import run_peer_row
 from codec import api
 from codec.registry import CODECS
 
@@ -64,11 +64,11 @@ def run_row(name: str, level: Optional[int], ctxs: list[dict], bundle, bases: li
             chunks.append(data)
             for key in tot:
                 tot[key] += st.get(key, 0) or 0
-        enc_s += _median_time(lambda: api.encode_chunks(k, v, codec=name, level=level,
+        enc_s += median_time(lambda: api.encode_chunks(k, v, codec=name, level=level,
                                                         config=config,
                                                         chunk_tokens=args.chunk_tokens),
                               args.repeats)
-        dec_s += _median_time(lambda: [api.decode_kv(c) for c in chunks], args.repeats)
+        dec_s += median_time(lambda: [api.decode_kv(c) for c in chunks], args.repeats)
         for key, val in decode_breakdown(name, chunks, args.repeats).items():
             dec_extra[key] = dec_extra.get(key, 0.0) + val
         k2, v2 = api.decode_chunks(chunks)

@@ -1,7 +1,7 @@
 """The LMCache peer rows of ``python -m bench.codec``: each ``--chunk-tokens``
 chunk serialised by LMCache's own serde (bench/lmcache/peers.py) and measured with the
 same size, speed, error and quality columns as our codecs' rows (coder-internal columns
-None). Separate from bench.codec_rows because LMCache is optional (its own venv) and its
+None). Separate from bench.codec.rows because LMCache is optional (its own venv) and its
 serde has no coder statistics.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 
 import torch
 
-from bench.codec_metrics import _median_time, continuation_stats, quality, rel_l2_per_layer
+from bench.codec.metrics import median_time, continuation_stats, quality, rel_l2_per_layer
 
 
 def run_peer_row(name: str, ctxs: list[dict], bundle, bases: list, args
@@ -32,9 +32,9 @@ def run_peer_row(name: str, ctxs: list[dict], bundle, bases: list, args
             blob, st = lmcache_peers.encode_with_stats(k[:, a:b], v[:, a:b], name)
             blobs.append(blob)
             by, n_el, dtype_b = by + st["bytes"], n_el + st["elements"], dtype_b + st["dtype_bytes"]
-        enc_s += _median_time(lambda: [lmcache_peers.encode_with_stats(k[:, a:b], v[:, a:b], name)
+        enc_s += median_time(lambda: [lmcache_peers.encode_with_stats(k[:, a:b], v[:, a:b], name)
                                        for a, b in spans], args.repeats)
-        dec_s += _median_time(lambda: [lmcache_peers.decode(x) for x in blobs], args.repeats)
+        dec_s += median_time(lambda: [lmcache_peers.decode(x) for x in blobs], args.repeats)
         parts = [lmcache_peers.decode(x) for x in blobs]
         k2, v2 = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
         rel_k_all.append(rel_l2_per_layer(k, k2))

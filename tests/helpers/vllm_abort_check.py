@@ -3,7 +3,7 @@ tests/vllm_connector/test_vllm_connector_abort.py in a subprocess (vLLM's LLM() 
 ``__main__``). Writes a JSON report the tests assert on.
 
 One engine with the connector in the chosen load mode (extra config "async_load") and the
-test-only chunk hook tests/kv_test_hooks.py:hold_until_cancelled (holds the "abort_me"
+test-only chunk hook tests/helpers/kv_test_hooks.py:hold_until_cancelled (holds the "abort_me"
 request's load after chunk 0 until vLLM cancels it). Scenarios, same needle prompt:
   text       plain prefill
   loaded     raw HF KV loaded from a local folder (must equal text)
@@ -11,7 +11,7 @@ request's load after chunk 0 until vLLM cancels it). Scenarios, same needle prom
   abort_me   the load is held after chunk 0, the request is aborted (LLMEngine.abort_request)
   after      a load after the abort (the engine still serves, blocks reused, = text)
   ttft       --ttft-reps loaded requests, TTFT (vLLM's first_token_latency) each
-Run: .venv/bin/python tests/vllm_abort_check.py --out r.json [--async-load] [--model-dir D]
+Run: .venv/bin/python tests/helpers/vllm_abort_check.py --out r.json [--async-load] [--model-dir D]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def check(model_dir: str | None, out_path: str, async_load: bool, context_tokens
                               "outputs": {}, "ttft_s": []}
     llm = make_llm(mdir, {"source": "local", "source_dir": str(work / "kv"),
                           "stats_path": str(stats), "async_load": async_load,
-                          "test_chunk_hook": "tests.kv_test_hooks:hold_until_cancelled"},
+                          "test_chunk_hook": "tests.helpers.kv_test_hooks:hold_until_cancelled"},
                    max_model_len=2048)
     try:
         def kp(key, tag):
@@ -128,7 +128,7 @@ def _abort_mid_load(llm, prompt, max_tokens, params, hook_dir: Path, timeout_s: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tests/vllm_abort_check.py",
+    ap = argparse.ArgumentParser(prog="tests/helpers/vllm_abort_check.py",
                                  description="Abort-during-load check (used by the tests).")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", required=True)

@@ -14,7 +14,7 @@ prompts (token ids from the tokenizer's chat template) through an offline engine
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 (a serving engine that loads a
 reused context's encoded KV); prefix matching as LMCache's chunk hash chain.
 
-Run: .venv/bin/python tests/vllm_server_check.py --out report.json [--model-dir DIR]
+Run: .venv/bin/python tests/helpers/vllm_server_check.py --out report.json [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL_ID = "SmolLM2-135M-Instruct"
 
 
@@ -82,7 +82,7 @@ def server_command(model_dir: str, port: int, extra: dict[str, Any], max_model_l
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tests/vllm_server_check.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="tests/helpers/vllm_server_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True, help="HF model folder (bf16)")
     ap.add_argument("--out", required=True, help="JSON report path")
     ap.add_argument("--context-tokens", type=int, default=1200)

@@ -1,7 +1,6 @@
 """Measurements of ``python -m bench.codec``: median wall and CPU time, the decode-time
 breakdown per stage, per-layer relative L2 error and the perplexity / KL / top-1 cost of a
-decoded KV on its continuation. Moved from ``bench/codec.py``, which re-exports
-these names."""
+decoded KV on its continuation."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from codec.registry import CODECS
 from codec.config import CodecConfig
 
 
-def _median_time(fn, repeats: int, clock=time.perf_counter) -> float:
+def median_time(fn, repeats: int, clock=time.perf_counter) -> float:
     """Median seconds of ``clock`` (wall by default) over ``repeats`` calls of ``fn`` after
     a warm-up call (JIT, allocator), which is excluded."""
     fn()
@@ -43,7 +42,7 @@ def _threads(n: Optional[int]):
 
 def _median_cpu(fn, repeats: int) -> float:
     """Median CPU seconds (all threads of this process) of ``fn`` after a warm-up."""
-    return _median_time(fn, repeats, clock=time.process_time)
+    return median_time(fn, repeats, clock=time.process_time)
 
 
 def _into_fn(chunks: list[bytes]):
@@ -72,14 +71,14 @@ def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, 
 
     into = _into_fn(chunks)
     out = {"e2e_cpu": _median_cpu(lambda: [api.decode_kv(c) for c in chunks], repeats),
-           "into": _median_time(into, repeats),
-           "parse": _median_time(lambda: [api._read(c) for c in chunks], repeats),
-           "checksum": _median_time(lambda: [bitstream.checksum(c[4], memoryview(c)[
+           "into": median_time(into, repeats),
+           "parse": median_time(lambda: [api._read(c) for c in chunks], repeats),
+           "checksum": median_time(lambda: [bitstream.checksum(c[4], memoryview(c)[
                :len(c) - bitstream.checksum_bytes(c[4])]) for c in chunks], repeats)}
     old = _threads(1)
     try:
-        out["e2e_1thread"] = _median_time(lambda: [api.decode_kv(c) for c in chunks], repeats)
-        out["into_1thread"] = _median_time(into, repeats)
+        out["e2e_1thread"] = median_time(lambda: [api.decode_kv(c) for c in chunks], repeats)
+        out["into_1thread"] = median_time(into, repeats)
     finally:
         torch.set_num_threads(old[0])
         import numba
@@ -96,7 +95,7 @@ def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, 
                 cobj.decode(h["codec_header"], arrays, payload,
                             (h["L"], h["T"], h["H"], h["D"]), h["dtype"], fused=False)
 
-        out["ref"] = _median_time(ref, repeats)
+        out["ref"] = median_time(ref, repeats)
         if getattr(CODECS[name], "entropy", False):
             def coder():
                 for h, arrays, payload, _ in parsed:
@@ -108,7 +107,7 @@ def decode_breakdown(name: str, chunks: list[bytes], repeats: int) -> dict[str, 
                                            h["H"] * h["D"], [b - 1 for b in cfg.key_bins],
                                            [b - 1 for b in cfg.value_bins])
 
-            out["coder"] = _median_time(coder, repeats)
+            out["coder"] = median_time(coder, repeats)
     return out
 
 
