@@ -44,6 +44,7 @@ from lmcache.v1.distributed.storage_manager import StorageManager
 
 import third_party.lmcache as plugin
 from third_party.lmcache import serde as S
+from third_party.lmcache.settings import parse_settings
 
 WAIT_S = 120.0          # a deadline for LMCache's background threads, never a timing
 
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
         kw = json.loads(a.serde_json)
         if not isinstance(kw, dict):
             raise ValueError("not a JSON object")
-        S.parse_settings(a.serde, kw)
+        parse_settings(a.serde, kw)
     except ValueError as e:
         print(f"error: --serde-json: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ dumps, each chunk serialised with the serde's defaults plus ``--serde-json`` (e.
 slot): written ratio (KV bytes / slot), frame bytes / slot (max, min), objects refused,
 coded coarser / finer and at which levels, encodes and serialize ms per object; and each
 level's own frame bits per element (max, median, mean) that
-``third_party.lmcache.serde.BITS_PER_ELEMENT`` is made from (max * 1.05).
+``third_party.lmcache.settings.BITS_PER_ELEMENT`` is made from (max * 1.05).
 ``--sizes``: each context's chunks stored through LMCache's ``SerdeL2AdapterWrapper`` on
 its ``FSL2Adapter`` (and ``--redis``: its RESP adapter on a redis-server started here),
 loaded back (hits counted; without a serde each chunk compared bit for bit), bytes on disk / in Redis
@@ -77,6 +77,8 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log, extra: Optional[dict
     import codec
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
     from third_party.lmcache import serde as S
+    from third_party.lmcache.layout import frame_overhead
+    from third_party.lmcache.settings import BITS_PER_ELEMENT
 
     rows = []
     names = ["cachegen"] + (["kvtc"] if cal else [])
@@ -105,7 +107,7 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log, extra: Optional[dict
                         used.append(ser.stats["bytes"] - before)
                         ratios.append(used[-1] / slot)
                     frame = big.encode_frame(memory_obj(x), key, 1 << 40, lvl)
-                    ov = S.frame_overhead(big.settings, big.ident_hash, [x.shape], [x.dtype])
+                    ov = frame_overhead(big.settings, big.ident_hash, [x.shape], [x.dtype])
                     bpe.append((len(frame) - ov) * 8 / x.numel())
             st = ser.stats
             raw = x.numel() * x.element_size()
@@ -123,7 +125,7 @@ def run_estimate(ctxs, chunk: int, cal: Optional[str], log, extra: Optional[dict
                    "bits_per_element_max": max(bpe),
                    "bits_per_element_median": statistics.median(bpe),
                    "bits_per_element_mean": statistics.fmean(bpe),
-                   "table_entry": S.BITS_PER_ELEMENT[name], "default": lvl == codec.default_level(name)}
+                   "table_entry": BITS_PER_ELEMENT[name], "default": lvl == codec.default_level(name)}
             rows.append(row)
             log(f"{name} l{lvl} chunk {chunk} (slot_ratio {ser.settings.slot_ratio}, fill "
                 f"{ser.settings.fill}): written {raw / slot:.2f}x; actual/estimate max "
@@ -270,7 +272,7 @@ def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: in
                 # the store path's container at the level the serde coded this chunk at
                 # (fixed-slot mode may code it coarser or finer than settings.level): the same
                 # bytes, so the comparison is of the two paths, not of two levels
-                from third_party.lmcache.serde_frame import parse_frame
+                from third_party.lmcache.frame import parse_frame
 
                 lvl = codec.peek_header(bytes(parse_frame(memoryview(buf.tensor.numpy()))[1][0]))["level"]
                 cfgc = ser.settings.codec_config(lvl)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from harness.contexts import Context, Variant
-from third_party.vllm.source_base import LoadStats
+from third_party.vllm.sources.base import LoadStats
 
 
 @dataclass
@@ -26,7 +26,7 @@ class LoadOutcome:
         loaded_tokens: tokens of the prompt prefix whose KV was loaded.
         lookup_s, load_s: seconds of the store lookup and wall seconds of the pipelined
             fetch + decode (<= stats.transfer_s + stats.decode_s).
-        stats: the source's ``third_party.vllm.source_base.LoadStats`` (bytes that crossed
+        stats: the source's ``third_party.vllm.sources.base.LoadStats`` (bytes that crossed
             the link, summed transfer_s / decode_s seconds, per-chunk records with the
             adaptive policy's throughput_mbps_est, decision, budget_s merged in, and
             ``error``: why the load stopped early, None if it did not); empty for no load.

@@ -219,12 +219,12 @@ def _default_src():
 
 def _engine_identity_of(mdir, dtype):
     """What the vLLM connector expects of every entry for an engine on ``mdir`` running in
-    ``dtype`` (third_party.vllm.source_base.engine_identity on a duck-typed vllm_config)."""
+    ``dtype`` (third_party.vllm.sources.base.engine_identity on a duck-typed vllm_config)."""
     import types
 
     from transformers import AutoConfig
 
-    from third_party.vllm.source_base import engine_identity
+    from third_party.vllm.sources.base import engine_identity
 
     c = AutoConfig.from_pretrained(mdir)
     mc = types.SimpleNamespace(dtype=dtype, model=str(mdir), tokenizer=str(mdir),
@@ -249,7 +249,7 @@ def test_vllm_store_identity_matches_the_engine_for_any_checkpoint_dtype(tmp_pat
     shape, weights and tokenizer hashes), whatever the checkpoint's dtype, window or layers."""
     from streaming.identity import check_entry
     from streaming.identity_sources import codec_identity, model_identity
-    from third_party.vllm.source_base import expected_identity
+    from third_party.vllm.sources.base import expected_identity
     from harness.engines.numerics import ENGINE_DTYPE, extraction_dtype
 
     mdir = _tiny_gemma3_dir(tmp_path / "g3", _default_src(), window=window, layer_types=layers, dtype=ckpt_dtype)

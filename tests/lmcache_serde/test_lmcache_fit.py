@@ -1,4 +1,4 @@
-"""Every object fits a step of the ladder (third_party/lmcache/serde_steps.py) with
+"""Every object fits a step of the ladder (third_party/lmcache/slot.py) with
 ``always_fit``, whatever its layout, size or values: the kind of LMCache objects that were
 never stored (tiny ones, incompressible ones, generic layouts, several kernel groups),
 checked with shapes and value distributions beyond the ones of the e2e flow.
@@ -23,7 +23,8 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
 from third_party.lmcache import serde as S  # noqa: E402
-from third_party.lmcache.serde_frame import is_raw  # noqa: E402
+from third_party.lmcache.frame import is_raw, parse_frame  # noqa: E402
+from third_party.lmcache.layout import kv_views  # noqa: E402
 
 KEY = ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(42), model_name="fit", kv_rank=0)
 
@@ -85,7 +86,7 @@ def test_always_fit_stores_every_object(shapes, ratio, caplog):
         assert n == slot and bool((buf[slot:] == 0xCD).all()), (kind, shapes)
         out = _obj([torch.zeros_like(t) for t in groups])
         de.deserialize(_obj([buf[:slot].clone()]), out, KEY)
-        _, views = S.parse_frame(memoryview(buf[:slot].numpy()))
+        _, views = parse_frame(memoryview(buf[:slot].numpy()))
         it = iter(views)
         for g, t in enumerate(groups):
             got = out.get_tensor(g) if len(groups) > 1 else out.tensor
@@ -94,7 +95,7 @@ def test_always_fit_stores_every_object(shapes, ratio, caplog):
                 assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), (kind, g)
                 continue
             k, v = codec.decode_kv(bytes(first))
-            gk, gv = S.kv_views(got, ser.settings)
+            gk, gv = kv_views(got, ser.settings)
             assert torch.equal(gk, k) and torch.equal(gv, v), (kind, g)
             assert bool(torch.isfinite(got.float()).all()) and got.dtype == t.dtype
     st = ser.stats
@@ -160,7 +161,7 @@ def test_fused_plane_is_coded_as_its_k_and_v(kw):
         slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
         buf = torch.zeros(slot, dtype=torch.uint8)
         ser.serialize(_obj([x]), _obj([buf]), KEY)
-        frames.append([bytes(c) for c in S.parse_frame(memoryview(buf.numpy()))[1]])
+        frames.append([bytes(c) for c in parse_frame(memoryview(buf.numpy()))[1]])
         out = _obj([torch.zeros_like(x)])
         de.deserialize(_obj([buf]), out, KEY)
         if x.dim() == 5:

@@ -38,6 +38,7 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 
 from third_party import lmcache as plugin  # noqa: E402
 from third_party.lmcache import serde as S  # noqa: E402
+from third_party.lmcache.frame import FRAME_MAGIC, parse_frame  # noqa: E402
 
 L, T, H, D = 2, 64, 2, 16
 LOOSE = 16.0        # bits/element slot for synthetic KV (the default table is for real KV)
@@ -295,7 +296,7 @@ def test_slot_too_small_falls_back_then_fails():
     assert ser2.stats["fallbacks"] == 1 and ser2.stats["bytes"] <= slot
     out = _obj(torch.zeros_like(x))
     de2.deserialize(tmp, out, _key(1))
-    assert codec.peek_header(bytes(S.parse_frame(memoryview(tmp.tensor.numpy()))[1][0]))[
+    assert codec.peek_header(bytes(parse_frame(memoryview(tmp.tensor.numpy()))[1][0]))[
         "level"] < 5
     # a bound no level fits: with always_fit off, refused (a failed task, counted)
     ser3, de3 = S.make_pair("cachegen", {"bits_per_element": 0.01, "always_fit": False})
@@ -384,7 +385,7 @@ def test_fs_adapter_through_serde_wrapper(tmp_path: Path):
     ser, _ = S.make_pair("cachegen", {"level": 1, "bits_per_element": SLOT, "num_kv_heads": H})
     assert files[0].stat().st_size == ser.estimate_serialized_size(
         MemoryLayoutDesc([x.shape], [x.dtype])) < x.numel() * 2
-    assert files[0].read_bytes()[:4] == S.FRAME_MAGIC
+    assert files[0].read_bytes()[:4] == FRAME_MAGIC
 
 
 def test_fs_corrupted_object_is_a_miss(tmp_path: Path):
@@ -433,7 +434,7 @@ def test_resp_adapter_against_real_redis(redis_srv):
     keys = r.keys("*")
     assert len(keys) == 1
     val = r.get(keys[0])
-    assert S.FRAME_MAGIC in val[:64] and len(val) < x.numel() * 2
+    assert FRAME_MAGIC in val[:64] and len(val) < x.numel() * 2
 
 
 def test_resp_corrupted_object_is_a_miss(redis_srv):
@@ -523,7 +524,7 @@ def test_lmcache_fp8_row_is_our_fp8():
     assert torch.equal(k4, k) and not torch.equal(v4, v)        # K kept, V to fp8
 
 
-# ---- exact sink tokens only in the object that starts a context (serde_sinks) ----------
+# ---- exact sink tokens only in the object that starts a context (position) ----------
 def _context_objects(k, v, n: int):
     """A context split into LMCache objects of n tokens, layout [2, L, n, H*D]."""
     return [_planes(k[:, a:a + n], v[:, a:a + n]) for a in range(0, k.shape[1], n)]
@@ -571,7 +572,7 @@ def test_auto_sinks_give_our_store_paths_chunks(level):
 
 def test_auto_sinks_kvtc_at_estimated_positions(cal_hash):
     """kvtc (pre-RoPE calibration): the objects after the first are coded without sinks at
-    the position their keys' RoPE phase gives (serde_rope), so LMCache gets back bit for
+    the position their keys' RoPE phase gives (position), so LMCache gets back bit for
     bit what our store path gives for the same 64-token chunks; with position_step 0 every
     object is coded at position 0 (more bytes); "every_object" keeps sinks everywhere."""
     k, v = synthetic_kv(L, 512, H, D, seed=99)     # the calibration's KV: its mean keys
@@ -602,7 +603,7 @@ def test_auto_sinks_kvtc_at_estimated_positions(cal_hash):
 
 
 def test_position_estimate_and_its_edges(cal_hash):
-    from third_party.lmcache.serde_rope import estimate_offset
+    from third_party.lmcache.position import estimate_offset
 
     cal = kvtc.get_calibration(cal_hash)
     k, _ = synthetic_kv(L, 512, H, D, seed=99)     # keys whose mean the calibration holds
@@ -624,7 +625,7 @@ def test_bad_position_options_are_refused(kwargs, match):
 
 
 def test_starts_context_rule_and_its_edges():
-    from third_party.lmcache.serde_sinks import MIN_TOKENS, starts_context
+    from third_party.lmcache.position import MIN_TOKENS, starts_context
 
     g = torch.Generator().manual_seed(0)
     v = torch.randn(3, 64, 2, 16, generator=g) + 0.5
@@ -645,7 +646,7 @@ def test_starts_context_rule_and_its_edges():
 def test_starts_context_on_the_default_models_kv():
     """On a real 1024-token context of the default model, only the chunk at token 0 of the
     four 256-token chunks starts a context by the rule."""
-    from third_party.lmcache.serde_sinks import starts_context
+    from third_party.lmcache.position import starts_context
 
     try:
         from kv_extraction_hf.extract import prefill_kv

@@ -1,5 +1,5 @@
 """The fixed-slot ("constant bitrate") mode of our LMCache serdes
-(third_party/lmcache/serde_slot.py): ``slot_ratio`` sizes the slot, ``fallback`` codes a
+(third_party/lmcache/slot.py): ``slot_ratio`` sizes the slot, ``fallback`` codes a
 frame too big for it at a coarser level, ``fill`` at the finest level that still fits.
 
 - the slot is never exceeded (the frame and the padding end at the slot, the bytes of
@@ -36,7 +36,9 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 
 from third_party import lmcache as plugin  # noqa: E402
 from third_party.lmcache import serde as S  # noqa: E402
-from third_party.lmcache.serde_slot import FILL_SLACK, level_step, pick_level  # noqa: E402
+from third_party.lmcache.frame import parse_frame  # noqa: E402
+from third_party.lmcache.settings import parse_settings  # noqa: E402
+from third_party.lmcache.slot import FILL_SLACK, level_step, pick_level  # noqa: E402
 
 L, T, H, D = 2, 64, 2, 16
 FILLER = 0xAB
@@ -79,8 +81,8 @@ def frame_sizes(kv):
 
 def _fill_slot(sizes: dict, start: int, lvl: int, settings=None) -> int:
     """Bytes of a slot that level ``lvl``'s frame fits and that fill from ``start`` tries
-    it for (each step's prediction fits too: serde_slot.FILL_SLACK)."""
-    s = settings or S.parse_settings("cachegen", {})
+    it for (each step's prediction fits too: slot.FILL_SLACK)."""
+    s = settings or parse_settings("cachegen", {})
     return max([sizes[lvl]] + [math.ceil(sizes[j - 1] * level_step(s, T, j - 1, j) * FILL_SLACK)
                                for j in range(start + 1, lvl + 1)])
 
@@ -101,7 +103,7 @@ def _serialize(x, kw: dict, key: int = 1, extra: int = 4096):
 
 
 def _level_of(buf: torch.Tensor, slot: int) -> int:
-    _, views = S.parse_frame(memoryview(buf[:slot].numpy()))
+    _, views = parse_frame(memoryview(buf[:slot].numpy()))
     return codec.peek_header(bytes(views[0]))["level"]
 
 
@@ -112,18 +114,18 @@ def _decoded(de, buf, slot, x, key: int = 1):
 
 
 def test_options_resolve_and_bad_ones_are_refused():
-    s = S.parse_settings("cachegen", {})
+    s = parse_settings("cachegen", {})
     assert s.pad and s.slot_ratio == 8.0 and s.fill              # the default with 0.5.6
-    s = S.parse_settings("cachegen", {"bits_per_element": 3.0})
+    s = parse_settings("cachegen", {"bits_per_element": 3.0})
     assert s.slot_ratio is None and not s.fill                   # the explicit bound wins
-    s = S.parse_settings("cachegen", {"pad": False})
+    s = parse_settings("cachegen", {"pad": False})
     assert s.slot_ratio is None and not s.fill                   # sizes reported: no slot
-    s = S.parse_settings("cachegen", {"slot_ratio": False})
+    s = parse_settings("cachegen", {"slot_ratio": False})
     assert s.slot_ratio is None and not s.fill                   # the max-bound table
-    s = S.parse_settings("cachegen", {"slot_ratio": 5, "fill": False})
+    s = parse_settings("cachegen", {"slot_ratio": 5, "fill": False})
     assert s.slot_ratio == 5.0 and not s.fill
-    assert S.parse_settings("cachegen", {"slot_ratio": 5}).identity() != \
-        S.parse_settings("cachegen", {"slot_ratio": 6}).identity()
+    assert parse_settings("cachegen", {"slot_ratio": 5}).identity() != \
+        parse_settings("cachegen", {"slot_ratio": 6}).identity()
     for kw, match in [({"slot_ratio": 0.5}, "slot_ratio"), ({"slot_ratio": "8"}, "slot_ratio"),
                       ({"slot_ratio": True}, "slot_ratio"), ({"slot_ratio": math.inf}, "slot_ratio"),
                       ({"slot_ratio": 8, "bits_per_element": 2.0}, "give one"),
@@ -194,8 +196,8 @@ def test_fallback_picks_a_coarser_level(kv, frame_sizes):
 
 def _floor_slot(ser, x) -> int:
     """The always_fit bound for ``x``'s layout: min(raw frame, frame + floor-4's worst case)."""
-    from third_party.lmcache.serde_layout import frame_overhead, raw_frame_bytes
-    from third_party.lmcache.serde_steps import worst_floor_bytes
+    from third_party.lmcache.layout import frame_overhead, raw_frame_bytes
+    from third_party.lmcache.slot import worst_floor_bytes
 
     s, h = ser.settings, ser.ident_hash
     return min(raw_frame_bytes(s, h, [x.shape], [x.dtype]),

@@ -370,7 +370,7 @@ def test_frame_metadata_over_the_bound_is_refused():
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_MANIFESTS) + ["wrong_local_types", "short_token_ids"])
 def test_local_source_reads_a_hostile_manifest_as_a_miss(tmp_path, name):
-    from third_party.vllm.source_local import MANIFEST, LocalDirSource, save_local_context
+    from third_party.vllm.sources.local import MANIFEST, LocalDirSource, save_local_context
 
     ids = list(range(8))
     save_local_context(tmp_path, "A", ids, [b"x" * 4], [8])
@@ -386,7 +386,7 @@ def test_local_source_reads_a_hostile_manifest_as_a_miss(tmp_path, name):
     try:
         lk = src.lookup({"context_key": "A"}, ids)
     except Exception as e:   # noqa: BLE001 - the documented refusal is SourceError, one line
-        from third_party.vllm.source_base import SourceError
+        from third_party.vllm.sources.base import SourceError
 
         assert isinstance(e, SourceError) and "\n" not in str(e), repr(e)
     else:
@@ -418,7 +418,7 @@ def test_lmcache_adapter_options_refuse_hostile_json(doc):
 
 
 def test_lmcache_frame_refuses_an_oversized_ident():
-    from third_party.lmcache.serde_frame import MAX_IDENT, parse_frame, pack_frame
+    from third_party.lmcache.frame import MAX_IDENT, parse_frame, pack_frame
 
     frame = pack_frame(_deep_lists(MAX_IDENT).encode(), [b"x"])
     with pytest.raises(ValueError, match="out of range"):

@@ -243,17 +243,6 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'streaming/store_steps.py': [
         'streaming.store_format._check_gen', 'streaming.store_format._parse_gen'
     ],
-    'third_party/vllm/source_local.py': [
-        'streaming.store_steps._calibration_bytes', 'third_party.vllm.source_base._identity_miss',
-        'third_party.vllm.source_base._matched_tokens'
-    ],
-    'third_party/vllm/source_store.py': [
-        'third_party.vllm.source_base._identity_miss', 'third_party.vllm.source_base._matched_tokens'
-    ],
-    'third_party/vllm/sources.py': [
-        'third_party.vllm.source_base._identity_miss', 'third_party.vllm.source_base._matched_tokens',
-        'third_party.vllm.source_base._prefix_match', 'third_party.vllm.source_base._save_config'
-    ],
 }
 
 # Names imported only to be forwarded (a module acting as a package face):
@@ -303,18 +292,6 @@ ALLOW_FORWARDED: dict[str, list[str]] = {
         'FaultHook', 'LEGACY_MANIFEST_FORMATS', 'LocalStoreClient', 'MANIFEST_FORMAT', 'Manifest',
         'StoreBackend', 'StoreClient', 'StoreServerHandle', 'build_manifest', 'context_key', 'entry_key',
         'new_generation', 'run_steps', 'save_steps', 'start_store_server'
-    ],
-    'third_party/lmcache/serde.py': [
-        'BITS_PER_ELEMENT', 'CONTAINER_SLACK', 'DEFAULT_SLOT_RATIO', 'DTYPES', 'FRAME_MAGIC',
-        'FRAME_VERSION', 'MAX_CONTAINERS', 'MAX_IDENT', 'estimate_bytes', 'frame_overhead', 'kv_views',
-        'parse_frame', 'serializer_stats'
-    ],
-    'third_party/vllm/sources.py': [
-        'CAL_DIR', 'ChunkSink', 'DecodeFn', 'LOCAL_FORMAT', 'LoadStats', 'Lookup', 'MANIFEST',
-        'SourceError', 'SourceMiss', '_identity_miss', '_matched_tokens', '_prefix_match', '_save_config',
-        'calibration_of', 'default_decode_fn', 'default_stored_level', 'encode_for_save', 'engine_identity',
-        'expected_identity', 'local_save_steps', 'logger', 'prefix_namespace', 'request_partition',
-        'save_local_context'
     ],
 }
 

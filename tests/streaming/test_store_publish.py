@@ -52,7 +52,7 @@ def _connector(tmp_path, source):
 
 
 def _load(c, tmp_path, params, lk, end, prompt_tokens):
-    from third_party.vllm.connector_support import LoadRequest
+    from third_party.vllm.metadata import LoadRequest
 
     lr = LoadRequest("r1", 0, end, list(range(end // 128 + 1)), 128, params, lk, prompt_tokens)
     c.load_one(lr)

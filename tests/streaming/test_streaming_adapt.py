@@ -115,10 +115,10 @@ def test_artifact_traces_carried_in_the_repo():
 
 
 def test_vllm_prefix_wrapper_forwards_abandon_and_timing():
-    # third_party/vllm/sources.py wraps the policy: deadlines, abandons, text and the
+    # third_party/vllm/sources/store.py wraps the policy: deadlines, abandons, text and the
     # receive clock must reach the AdaptivePolicy inside
     from streaming.adapt import AdaptivePolicy
-    from third_party.vllm.source_store import _PrefixPolicy
+    from third_party.vllm.sources.store import _PrefixPolicy
 
     class Man:
         levels = (0, 1)

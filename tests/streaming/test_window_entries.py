@@ -13,8 +13,8 @@ from codec.errors import CodecError
 from streaming.identity import check_entry
 from streaming.identity_entry import EntryIdentity
 from streaming.identity_sources import codec_identity
-from third_party.vllm.source_base import window_checked, window_floor
-from third_party.vllm.source_local import LocalDirSource, save_local_context
+from third_party.vllm.sources.base import window_checked, window_floor
+from third_party.vllm.sources.local import LocalDirSource, save_local_context
 from tests.helpers.kv import make_kv
 
 WS = [16, None, 16, 40]           # layers 0, 2: window 16; 3: window 40; 1: full

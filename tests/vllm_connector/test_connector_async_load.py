@@ -160,7 +160,7 @@ def _worker(tmp_path, source):
 
 
 def _lr(rid="r", n_blocks=4):
-    from third_party.vllm.connector_support import LoadRequest
+    from third_party.vllm.metadata import LoadRequest
 
     return LoadRequest(rid, 0, 128 * n_blocks, list(range(10, 10 + n_blocks)), 128,
                        {"source": "local", "stats_tag": "w"}, Lookup(128 * n_blocks),
@@ -193,7 +193,7 @@ def _run_steps(c, metas, finished_ids=(), max_steps=500):
     """Worker steps: start_load_kv(meta), then get_finished / get_block_ids_with_load_errors
     (the mixin's order) until the request is reported; returns (reported ids, errors seen by
     that step, steps)."""
-    from third_party.vllm.connector_support import CacheGenConnectorMetadata
+    from third_party.vllm.metadata import CacheGenConnectorMetadata
 
     errors, done = set(), set()
     for step in range(max_steps):
@@ -209,7 +209,7 @@ def _run_steps(c, metas, finished_ids=(), max_steps=500):
 
 
 def test_background_load_reports_failed_blocks_no_later_than_its_id(tmp_path):
-    from third_party.vllm.connector_support import CacheGenConnectorMetadata
+    from third_party.vllm.metadata import CacheGenConnectorMetadata
 
     c, stats, placed = _worker(tmp_path, _FakeSource(4, fail_at=2))
     done, errors, _ = _run_steps(c, [CacheGenConnectorMetadata(loads=[_lr()])])
@@ -225,7 +225,7 @@ def test_background_load_reports_failed_blocks_no_later_than_its_id(tmp_path):
 def test_abort_reaches_the_background_load(tmp_path, route):
     """Both routes across the process boundary: the cancel in the next step's metadata
     (request_finished -> build_connector_meta) and vLLM's finished_req_ids in get_finished."""
-    from third_party.vllm.connector_support import CacheGenConnectorMetadata
+    from third_party.vllm.metadata import CacheGenConnectorMetadata
 
     gate, go = threading.Event(), threading.Event()
 

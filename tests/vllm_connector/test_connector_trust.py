@@ -121,7 +121,7 @@ def test_check_key_accepts_store_keys_and_plain_names():
         check_key("a..b")
 
 
-# ----------------------------------------------------------------------------- sources.py
+# ----------------------------------------------------------------------------- sources/
 def test_local_source_ignores_a_request_root_and_stays_inside_its_own(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
     save_local_context(outside, "secret", [1, 2, 3], [b"x"], [3])

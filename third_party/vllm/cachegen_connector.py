@@ -59,8 +59,8 @@ Docs: docs/vllm-connector.md. Tests: tests/vllm_connector/test_vllm_connector*.p
 Shape (as vLLM's own large connectors): CacheGenConnector is a thin class. It builds the
 read-only ConnectorSettings once (third_party.vllm.connector_settings), then, by role, a
 CacheGenScheduler (third_party.vllm.scheduler) or a CacheGenWorker (third_party.vllm.worker),
-and forwards each KVConnectorBase_V1 method to it. Request and metadata types:
-third_party.vllm.connector_support. This module stays the kv_connector_module_path.
+and forwards each KVConnectorBase_V1 method to it. The step's messages
+scheduler -> worker: third_party.vllm.metadata. This module stays the kv_connector_module_path.
 """
 
 from __future__ import annotations

@@ -15,9 +15,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from third_party.vllm.connector_support import bool_option, decode_cpus
+from third_party.vllm.decode_cpus import decode_cpus
 from third_party.vllm.sources import engine_identity, load_callable, make_source
 from third_party.vllm.trust import allowed_stores, max_key_chars
+
+
+def bool_option(extra: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean extra-config option; raises ValueError on anything but true/false."""
+    v = extra.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"extra config {key} must be true or false, got {v!r}")
+    return v
 
 
 class StatsWriter:

@@ -16,13 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from third_party.vllm.connector_settings import ConnectorSettings
-from third_party.vllm.connector_support import (
-    CacheGenConnectorMetadata,
-    LoadRequest,
-    SaveRequest,
-    SaveTrack,
-    is_aborted,
-)
+from third_party.vllm.metadata import CacheGenConnectorMetadata, LoadRequest, SaveRequest, SaveTrack
 from third_party.vllm.sources import Lookup, SourceError, load_callable, request_partition
 from third_party.vllm.trust import RequestRejected, validate_request
 
@@ -34,6 +28,12 @@ if TYPE_CHECKING:
 # the connector's logger: under "vllm." so that vLLM's own log handler (INFO, on the
 # server's stderr) prints it
 logger = logging.getLogger("vllm.cachegen_connector")
+
+
+def is_aborted(request: Any) -> bool:
+    """Whether vLLM finished the request as aborted (RequestStatus.FINISHED_ABORTED)."""
+    st = getattr(request, "status", None)
+    return st is not None and getattr(st, "name", str(st)) == "FINISHED_ABORTED"
 
 
 def lossless(lk: Lookup) -> bool:

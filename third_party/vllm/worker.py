@@ -16,24 +16,15 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from third_party.vllm.connector_settings import ConnectorSettings
-from third_party.vllm.connector_support import (
-    AsyncJob,
-    CacheGenConnectorMetadata,
-    DecodeAffinity,
-    LoadCancelled,
-    LoadRequest,
-    chunk_failure,
-    layer_index,
-    load_miss_reason,
-    policy_preset,
-    thread_probe,
-)
+from third_party.vllm.decode_cpus import DecodeAffinity, thread_probe
 from third_party.vllm.kv_groups import describe_kv_cache, layer_groups, summary_line
+from third_party.vllm.metadata import CacheGenConnectorMetadata, LoadRequest
 from third_party.vllm.readback import probe_gather_maps, read_kv
 from third_party.vllm.sources import SourceError
 
@@ -42,6 +33,66 @@ if TYPE_CHECKING:
 
 # the connector's logger (under "vllm.", as in third_party.vllm.scheduler)
 logger = logging.getLogger("vllm.cachegen_connector")
+
+
+class LoadCancelled(Exception):
+    """Raised inside a background load's chunk sink when its request was finished."""
+
+
+@dataclass
+class AsyncJob:
+    """One background load (worker side): its request and its cancel flag."""
+
+    lr: LoadRequest
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def layer_index(name: str) -> int:
+    """Decoder-layer index from a vLLM layer name ("model.layers.12.self_attn.attn" -> 12)."""
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    if len(nums) != 1:
+        raise ValueError(f"cannot find one layer index in layer name {name!r}")
+    return nums[0]
+
+
+def policy_preset(policy: Any) -> str | None:
+    """The PolicyParams preset a request's policy object runs (its "preset", else the
+    default one), or None without a policy."""
+    if not isinstance(policy, dict):
+        return None
+    from streaming.adapt_params import DEFAULT_PRESET
+
+    return str(policy.get("preset") or DEFAULT_PRESET)
+
+
+def load_miss_reason(err: str | None, stats) -> str:
+    """Why a load placed nothing (the record says miss with the reason, never
+    kind=load loaded_tokens=0): the load's error, else the first chunk's note (a chunk
+    evicted or failing its checksum after the lookup)."""
+    if err:
+        return f"at load: {err}"
+    if stats is not None and stats.error:
+        return f"at load: {stats.error}"
+    chunks = getattr(stats, "chunks", None) or []
+    for c in chunks:
+        note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
+        if note:
+            return f"at load: chunk {c.get('index') if isinstance(c, dict) else '?'}: {note}"
+    first = chunks[0] if chunks else None
+    if isinstance(first, dict) and first.get("text_fallback"):
+        return "at load: the policy sent chunk 0 as text (recomputed by the engine)"
+    return "at load: no chunk could be loaded"
+
+
+def chunk_failure(stats) -> str | None:
+    """The first chunk failure note of a load (a chunk whose decode or refetch failed and
+    whose tokens the engine therefore recomputes), or None: a chunk sent as text by the
+    adaptation policy is a choice, not an error (the record says why)."""
+    for c in (getattr(stats, "chunks", None) or []):
+        note = c.get("note", "") if isinstance(c, dict) else getattr(c, "note", "")
+        if note and "failed" in note and not note.startswith("decode failed once, refetch decoded"):
+            return f"chunk {c.get('index') if isinstance(c, dict) else getattr(c, 'index', '?')}: {note}"
+    return None
 
 
 class CacheGenWorker:

@@ -22,9 +22,9 @@ Sources:
 
 Not runnable by itself; see `python -m bench.vllm_demo --help`.
 
-Modules (this one re-exports their names and holds make_source): source_base (Lookup,
-LoadStats, KVSource, identity helpers), source_local (LocalDirSource, save_local_context),
-source_store (StoreSource).
+Modules (this package's face forwards their public names and holds make_source): base
+(Lookup, LoadStats, KVSource, identity helpers), local (LocalDirSource,
+save_local_context), store (StoreSource).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from streaming.identity_entry import EntryIdentity
-from third_party.vllm.source_base import (  # noqa: F401  (re-exported)
+from third_party.vllm.sources.base import (  # noqa: F401  (re-exported)
     ChunkSink,
     DecodeFn,
     KVSource,
@@ -40,20 +40,15 @@ from third_party.vllm.source_base import (  # noqa: F401  (re-exported)
     Lookup,
     SourceError,
     SourceMiss,
-    _identity_miss,
-    _matched_tokens,
-    _prefix_match,
-    _save_config,
     default_decode_fn,
     encode_for_save,
     engine_identity,
     expected_identity,
     load_callable,
-    logger,
     prefix_namespace,
     request_partition,
 )
-from third_party.vllm.source_local import (  # noqa: F401  (re-exported)
+from third_party.vllm.sources.local import (  # noqa: F401  (re-exported)
     CAL_DIR,
     LOCAL_FORMAT,
     MANIFEST,
@@ -62,7 +57,7 @@ from third_party.vllm.source_local import (  # noqa: F401  (re-exported)
     local_save_steps,
     save_local_context,
 )
-from third_party.vllm.source_store import (  # noqa: F401  (re-exported)
+from third_party.vllm.sources.store import (  # noqa: F401  (re-exported)
     StoreSource,
     default_stored_level,
 )

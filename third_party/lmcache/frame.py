@@ -1,7 +1,7 @@
 """The KVLM frame around our codec containers in an LMCache object: ``KVLM`` | u16 version |
 u16 containers | u32 ident length | ident JSON | u64 length per container | u32 CRC32 of
 all of it, then the containers, zero padding to the slot after them. Bytes only: what the
-ident holds and how tensors map to containers is :mod:`.serde_layout`'s.
+ident holds and how tensors map to containers is :mod:`.layout`'s.
 
 A container is either one of our codec's (magic ``KVCG``, docs/bitstream.md) or a
 verbatim one: ``KVRW`` | u64 length | u32 CRC32 of the bytes, then a kernel group's bytes

@@ -18,8 +18,8 @@ from codec.api import MAX_DIM
 
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import MemoryObj
-from third_party.lmcache.serde_frame import RAW_HEAD, header_size
-from third_party.lmcache.serde_settings import SerdeSettings
+from third_party.lmcache.frame import RAW_HEAD, header_size
+from third_party.lmcache.settings import SerdeSettings
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _LIMITS = tuple((name, MAX_DIM[name]) for name in "LTHD")

@@ -1,6 +1,6 @@
 """StoreSource ("store"): a context's KV from our KV store server (streaming.store).
 
-Part of third_party.vllm.sources (which re-exports every name here): chunks fetched and
+Part of third_party.vllm.sources (whose face forwards the public names here): chunks fetched and
 decoded by streaming.client.stream_load through the (shaped) link, with the prefix policy.
 No vLLM import. Not runnable by itself.
 """
@@ -13,15 +13,15 @@ from typing import Any
 
 from streaming.identity_entry import EntryIdentity
 from streaming.identity_sources import codec_identity
-from third_party.vllm.source_base import (
+from third_party.vllm.sources.base import (
     ChunkSink,
     DecodeFn,
     LoadStats,
     Lookup,
     SourceError,
     SourceMiss,
-    _identity_miss,
-    _matched_tokens,
+    identity_miss_lookup,
+    matched_tokens,
     window_checked,
     default_decode_fn,
     encode_for_save,
@@ -29,7 +29,7 @@ from third_party.vllm.source_base import (
     lookup_subject,
     prefix_namespace,
 )
-from third_party.vllm.source_local import header_range, calibration_of
+from third_party.vllm.sources.local import header_range, calibration_of
 
 logger = logging.getLogger("cachegen.sources")
 
@@ -176,7 +176,7 @@ class StoreSource:
         try:
             expect = self._expect(params)
         except ValueError as e:
-            return _identity_miss("store", params, str(e), t0, prompt_token_ids)
+            return identity_miss_lookup("store", params, str(e), t0, prompt_token_ids)
         info: dict[str, Any] = {}
         try:
             if key:
@@ -193,7 +193,7 @@ class StoreSource:
                 logger.warning("store source: miss for %s: %s", lookup_subject(params, prompt_token_ids, key), why)
             return Lookup(0, lookup_s=dt, info={"miss": why, **info})
         stored = man.token_ids
-        n_match = _matched_tokens(params, prompt_token_ids, stored, len(stored))
+        n_match = matched_tokens(params, prompt_token_ids, stored, len(stored))
         if n_match <= 0:
             return Lookup(0, lookup_s=dt, info={"miss": "stored token ids differ from the prompt"})
         chunk_tokens = [b - a for a, b in man.token_ranges]

@@ -1,7 +1,7 @@
 """Types and helpers shared by the KV sources: Lookup, LoadStats, the KVSource protocol.
 
-Part of third_party.vllm.sources (which re-exports every name here; see its docstring for
-what a source is). Also: the reader's identity (engine_identity, expected_identity), the
+Part of third_party.vllm.sources (whose face forwards the public names here; see its docstring
+for what a source is). Also: the reader's identity (engine_identity, expected_identity), the
 prompt-prefix match and encode_for_save. No vLLM import. Not runnable by itself.
 """
 
@@ -212,8 +212,11 @@ def lookup_subject(params: dict[str, Any], prompt_token_ids: Sequence[int] | Non
     return "a request without a context key"
 
 
-def _identity_miss(source: str, params: dict[str, Any], why: str, t0: float,
-                   prompt_token_ids: Sequence[int] | None = None) -> "Lookup":
+def identity_miss_lookup(source: str, params: dict[str, Any], why: str, t0: float,
+                         prompt_token_ids: Sequence[int] | None = None) -> "Lookup":
+    """A miss for an entry whose identity does not match the reader's (``why``): logged
+    (WARNING) with the request's subject, returned as a ``Lookup`` of 0 tokens whose
+    ``info["miss"]`` names the reason; ``t0``: the lookup's start (``time.perf_counter``)."""
     logger.warning("%s source: miss for %s: %s", source, lookup_subject(params, prompt_token_ids), why)
     return Lookup(0, lookup_s=time.perf_counter() - t0, info={"miss": f"identity: {why}"})
 
@@ -265,8 +268,8 @@ def _prefix_match(prompt: list[int], stored: list[int] | None, n: int) -> bool:
     return stored is not None and len(stored) >= n and list(prompt[:n]) == list(stored[:n])
 
 
-def _matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int] | None,
-                    n_stored: int) -> int:
+def matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int] | None,
+                   n_stored: int) -> int:
     """Tokens of the prompt whose stored KV can be used: the whole stored prefix when the
     prompt starts with all of it (or the prompt's length if shorter); with
     params["prefix_match"] also the longest common prefix when they part (the KV of token t

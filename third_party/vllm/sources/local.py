@@ -1,6 +1,6 @@
 """LocalDirSource ("local"): a context's KV from a local folder, and save_local_context.
 
-Part of third_party.vllm.sources (which re-exports every name here): the folder layout,
+Part of third_party.vllm.sources (whose face forwards the public names here): the folder layout,
 the crash-safe save steps (local_save_steps) and the reader. No vLLM import. Not runnable
 by itself.
 """
@@ -22,15 +22,15 @@ from streaming.identity_check import check_entry
 from streaming.identity_entry import EntryIdentity
 from streaming.identity_sources import codec_identity
 from streaming.store_format import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
-from third_party.vllm.source_base import (
+from third_party.vllm.sources.base import (
     ChunkSink,
     DecodeFn,
     LoadStats,
     Lookup,
     SourceError,
     SourceMiss,
-    _identity_miss,
-    _matched_tokens,
+    identity_miss_lookup,
+    matched_tokens,
     window_checked,
     default_decode_fn,
     encode_for_save,
@@ -61,11 +61,22 @@ def _fsync_write(p: Path, data: bytes) -> None:
 
 
 def _local_calibration_bytes(h: str, calibrations: dict[str, bytes] | None) -> bytes:
+    """The artifact bytes of calibration ``h``: from ``calibrations`` (the caller's), else
+    from the codec (registry or cache folder). Raises StoreError when this writer does
+    not have it (the store path's error for the same case)."""
     if calibrations and h in calibrations:
         return calibrations[h]
-    from streaming.store_steps import _calibration_bytes
+    from streaming.errors import StoreError
 
-    return _calibration_bytes(h)
+    try:
+        from codec.kvtc import calibration_bytes
+    except ImportError as e:
+        raise StoreError(f"calibration {h[:16]} named by the entry: codec unavailable ({e})") from None
+    try:
+        return calibration_bytes(h)
+    except ValueError as e:  # codec.CodecError is a ValueError
+        raise StoreError(f"calibration {h[:16]} named by the entry is not available to the "
+                         f"writer: {e}") from None
 
 
 def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[int],
@@ -379,9 +390,9 @@ class LocalDirSource:
         except ValueError as e:
             why = str(e)
         if why:
-            return _identity_miss("local", params, why, t0)
+            return identity_miss_lookup("local", params, why, t0)
         n = int(man.get("num_tokens", 0))
-        n_match = _matched_tokens(params, prompt_token_ids, man.get("token_ids"), n)
+        n_match = matched_tokens(params, prompt_token_ids, man.get("token_ids"), n)
         if n_match <= 0:
             return Lookup(0, lookup_s=time.perf_counter() - t0,
                           info={"miss": "stored token ids differ from the prompt"})
