@@ -14,7 +14,7 @@ from codec import level_table as _level_table  # standard library only
 from cachegen_common.flags import LINK_METHODS, ConfigFileError, load_config
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.prompts.user_data import check_data_flags
-from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
+from streaming.adapt.params import DEFAULT_PRESET, POLICY_PRESETS  # standard library only
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "benchmark.yaml"

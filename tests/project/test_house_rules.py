@@ -249,58 +249,58 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'scripts/kvtc_tune.py': [
         'codec.api._encode_one'
     ],
-    'streaming/adapt.py': [
-        'streaming.adapt_oracle._pareto'
-    ],
-    'streaming/backends.py': [
-        'streaming.folder_backend._OBJ_HEAD', 'streaming.folder_backend._OBJ_MAGIC',
-        'streaming.folder_backend._check_key'
+    'streaming/adapt/__init__.py': [
+        'streaming.adapt.oracle._pareto'
     ],
     'streaming/identity_check.py': [
         'streaming.identity_entry._INT_FIELDS', 'streaming.identity_entry._STR_FIELDS'
     ],
-    'streaming/link.py': [
-        'streaming.link_cleanup._LIVE', 'streaming.link_cleanup._install_handlers',
-        'streaming.link_cleanup._kill_ns_pids', 'streaming.link_proxy._ShapingProxy',
-        'streaming.link_shaper._LOCK_PATH', 'streaming.link_shaper._METHOD_ALIASES',
-        'streaming.link_shaper._NS_RE', 'streaming.link_shaper._VETH_RE',
-        'streaming.link_shaper._check_rate', 'streaming.link_shaper._pick_subnet',
-        'streaming.link_shaper._pid_alive', 'streaming.link_shaper._run',
-        'streaming.link_shaper._used_networks'
+    'streaming/link/__init__.py': [
+        'streaming.link.cleanup._LIVE', 'streaming.link.cleanup._install_handlers',
+        'streaming.link.cleanup._kill_ns_pids', 'streaming.link.proxy._ShapingProxy',
+        'streaming.link.rules._LOCK_PATH', 'streaming.link.rules._METHOD_ALIASES',
+        'streaming.link.rules._NS_RE', 'streaming.link.rules._VETH_RE',
+        'streaming.link.rules._check_rate', 'streaming.link.rules._pick_subnet',
+        'streaming.link.rules._pid_alive', 'streaming.link.rules._run',
+        'streaming.link.rules._used_networks'
     ],
-    'streaming/link_cleanup.py': [
-        'streaming.link_shaper._NS_RE', 'streaming.link_shaper._VETH_RE',
-        'streaming.link_shaper._pid_alive', 'streaming.link_shaper._run'
+    'streaming/link/cleanup.py': [
+        'streaming.link.rules._NS_RE', 'streaming.link.rules._VETH_RE', 'streaming.link.rules._pid_alive',
+        'streaming.link.rules._run'
     ],
-    'streaming/protocol.py': [
-        'streaming.protocol_frame._VALID_TYPES'
+    'streaming/store/backend.py': [
+        'streaming.store.folder._OBJ_HEAD', 'streaming.store.folder._OBJ_MAGIC',
+        'streaming.store.folder._check_key'
     ],
-    'streaming/redis_backend.py': [
-        'streaming.redis_conn._CONNECTION_CLASSES'
+    'streaming/store/client.py': [
+        'streaming.store.format._ANY'
     ],
-    'streaming/redis_client.py': [
-        'streaming.store_format._chunk_key', 'streaming.store_format._manifest_key'
+    'streaming/store/kv.py': [
+        'streaming.store.format._ANY', 'streaming.store.format._cal_key',
+        'streaming.store.format._check_gen', 'streaming.store.format._check_hex_key',
+        'streaming.store.format._chunk_digest', 'streaming.store.format._chunk_key',
+        'streaming.store.format._manifest_key', 'streaming.store.format._parse_gen'
     ],
-    'streaming/redis_server.py': [
-        'streaming.redis_setup._DIR_PREFIX', 'streaming.redis_setup._pdeathsig_preexec'
+    'streaming/store/protocol.py': [
+        'streaming.store.protocol_frame._VALID_TYPES'
     ],
-    'streaming/store_client.py': [
-        'streaming.store_format._ANY'
+    'streaming/store/redis_backend.py': [
+        'streaming.store.redis_conn._CONNECTION_CLASSES'
     ],
-    'streaming/store_kv.py': [
-        'streaming.store_format._ANY', 'streaming.store_format._cal_key',
-        'streaming.store_format._check_gen', 'streaming.store_format._check_hex_key',
-        'streaming.store_format._chunk_digest', 'streaming.store_format._chunk_key',
-        'streaming.store_format._manifest_key', 'streaming.store_format._parse_gen'
+    'streaming/store/redis_client.py': [
+        'streaming.store.format._chunk_key', 'streaming.store.format._manifest_key'
     ],
-    'streaming/store_server.py': [
-        'streaming.store_format._ANY'
+    'streaming/store/redis_server.py': [
+        'streaming.store.redis_setup._DIR_PREFIX', 'streaming.store.redis_setup._pdeathsig_preexec'
     ],
-    'streaming/store_steps.py': [
-        'streaming.store_format._check_gen', 'streaming.store_format._parse_gen'
+    'streaming/store/server.py': [
+        'streaming.store.format._ANY'
+    ],
+    'streaming/store/steps.py': [
+        'streaming.store.format._check_gen', 'streaming.store.format._parse_gen'
     ],
     'third_party/vllm/source_local.py': [
-        'streaming.store_steps._calibration_bytes', 'third_party.vllm.source_base._identity_miss',
+        'streaming.store.steps._calibration_bytes', 'third_party.vllm.source_base._identity_miss',
         'third_party.vllm.source_base._matched_tokens'
     ],
     'third_party/vllm/source_store.py': [
@@ -362,38 +362,22 @@ ALLOW_FORWARDED: dict[str, list[str]] = {
     'codec/window.py': [
         'layout_tag', 'min_load_tokens', 'parse_layout_tag', 'stored_fraction'
     ],
-    'streaming/adapt.py': [
-        'AdaptivePolicy', 'BURST_SAMPLE_FACTOR', 'ClockModel', 'DEFAULT_PRESET', 'Decision', 'DecodeTable',
-        'FixedPolicy', 'MIN_BYTES_FOR_ESTIMATE', 'OracleResult', 'POLICY_INPUTS', 'POLICY_PRESETS',
-        'POLICY_REQUEST_KEYS', 'Policy', 'PolicyInputs', 'PolicyParams', 'SimResult', 'TEXT',
-        'ThroughputEstimator', '_pareto', 'brute_force', 'choose_level', 'oracle', 'oracle_labels',
-        'overrun_allowance_s', 'plan_mpc', 'preset', 'simulate', 'split_policy_args'
-    ],
-    'streaming/backends.py': [
-        'MAX_KEY_BYTES', '_OBJ_HEAD', '_OBJ_MAGIC', '_check_key', 'classify_os_error'
-    ],
     'streaming/identity.py': [
         'EntryIdentity', 'IDENTITY_FORMAT', 'TOKENIZER_FILES', 'check_entry', 'codec_config_hash',
-        'codec_identity', 'codec_version', 'folder_tokenizer_hash', 'folder_weights_hash', 'merge_expected',
-        'model_identity'
+        'codec_identity', 'codec_version', 'folder_tokenizer_hash', 'folder_weights_hash',
+        'merge_expected', 'model_identity'
     ],
-    'streaming/link.py': [
-        'MAX_PACING_QUANTUM', 'MTU_BYTES', 'PACING_QUANTUM', '_NS_RE', '_VETH_RE', '_pid_alive',
-        '_used_networks'
+    'streaming/store/backend.py': [
+        'MAX_KEY_BYTES', '_OBJ_HEAD', '_OBJ_MAGIC', '_check_key', 'classify_os_error'
     ],
-    'streaming/protocol.py': [
+    'streaming/store/protocol.py': [
         'FrameTooLarge', 'FrameType', 'HEADER', 'MAGIC', '_VALID_TYPES', 'decode_frame', 'encode_frame'
     ],
-    'streaming/redis_backend.py': [
+    'streaming/store/redis_backend.py': [
         'RedisTimeoutError'
     ],
-    'streaming/redis_server.py': [
+    'streaming/store/redis_server.py': [
         'redis_server_version'
-    ],
-    'streaming/store.py': [
-        'FaultHook', 'LEGACY_MANIFEST_FORMATS', 'LocalStoreClient', 'MANIFEST_FORMAT', 'Manifest',
-        'StoreBackend', 'StoreClient', 'StoreServerHandle', 'build_manifest', 'context_key', 'entry_key',
-        'new_generation', 'run_steps', 'save_steps', 'start_store_server'
     ],
     'third_party/lmcache/serde.py': [
         'BITS_PER_ELEMENT', 'CONTAINER_SLACK', 'DEFAULT_SLOT_RATIO', 'DTYPES', 'FRAME_MAGIC',
@@ -426,7 +410,7 @@ def _new(found: dict[str, list[str]], allowed: dict[str, list[str]]) -> list[str
 
 
 def test_scanner_sees_the_project():
-    assert {"codec.api", "streaming.client", "harness.run", "bench.codec",
+    assert {"codec.api", "streaming.load", "harness.run", "bench.codec",
             "visualize_results"} <= set(MODULES)
 
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import codec
-from streaming.backends import LocalFolderBackend
-from streaming.client import stream_load
+from streaming.store.backend import LocalFolderBackend
+from streaming.load import stream_load
 from streaming.errors import StoreRaceLostError
-from streaming.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.identity import EntryIdentity
 from streaming.store import KVStoreServer, LocalStoreClient, StoreClient, build_manifest, save_steps
 
@@ -133,7 +133,7 @@ class _Redis:
     atomic_publish = True  # chunks and manifest in one Lua script
 
     def __init__(self, tmp, **kw):
-        from streaming.redis_client import RedisStoreClient
+        from streaming.store.redis_client import RedisStoreClient
 
         self.rs = RedisServer(**kw).__enter__()
         self._cls, self._clients = RedisStoreClient, []
@@ -211,7 +211,7 @@ def test_server_writer_dies_mid_frame(tmp_path):
     serving; the same frame sent whole publishes (control)."""
     import socket
 
-    from streaming.protocol import FrameType, encode_frame, recv_frame
+    from streaming.store.protocol import FrameType, encode_frame, recv_frame
 
     s = _Server(tmp_path)
     try:
@@ -243,8 +243,8 @@ def test_redis_writer_dies_mid_command(tmp_path):
     wire) leaves the old entry as it was: Redis runs only complete commands."""
     import socket
 
-    from streaming.redis_backend import RedisBackend
-    from streaming.store_format import _chunk_key, _manifest_key, abort_marker_key
+    from streaming.store.redis_backend import RedisBackend
+    from streaming.store.format import _chunk_key, _manifest_key, abort_marker_key
 
     s = _Redis(tmp_path)
     try:

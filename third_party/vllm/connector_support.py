@@ -120,7 +120,7 @@ def policy_preset(policy: Any) -> str | None:
     default one), or None without a policy."""
     if not isinstance(policy, dict):
         return None
-    from streaming.adapt_params import DEFAULT_PRESET
+    from streaming.adapt.params import DEFAULT_PRESET
 
     return str(policy.get("preset") or DEFAULT_PRESET)
 

@@ -319,7 +319,7 @@ class CacheGenWorker:
             # at the next chunk; loaded_tokens = tokens placed before it stopped
             "aborted": aborted,
             "async_load": cancel is not None,
-            # the adaptive policy's preset (streaming.adapt_params) and inputs; None for a level
+            # the adaptive policy's preset (streaming.adapt.params) and inputs; None for a level
             "policy_preset": policy_preset(lr.params.get("policy")),
             "policy": lr.params.get("policy"),
             "time": time.time(),
