@@ -42,7 +42,7 @@ from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model import load_model
 from streaming.link import ShapedLink
 from streaming.link.cleanup import cleanup_stale
-from streaming.store.redis_setup import cleanup_stale_dirs
+from streaming.store.redis_server import cleanup_stale_dirs
 from streaming.store import start_store_server
 
 FILL_RATE_MBPS = 10_000.0  # link rate while filling the store: not measured, so not throttled

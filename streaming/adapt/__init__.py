@@ -63,6 +63,6 @@ from streaming.adapt.policy import (  # noqa: F401 - re-exported (old import pat
     AdaptivePolicy, FixedPolicy, Policy,
 )
 from streaming.adapt.oracle import (  # noqa: F401 - re-exported (old import path)
-    OracleResult, oracle_labels, oracle, _pareto, brute_force,
+    OracleResult, oracle_labels, oracle, pareto, brute_force,
 )
 from streaming.adapt.simulate import SimResult, simulate  # noqa: F401 - re-exported (old import path)

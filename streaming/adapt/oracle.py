@@ -33,7 +33,7 @@ def oracle_labels(model: ClockModel, rates_bytes_s: Sequence[float], max_labels:
                 st2 = model.step(st, k, o, rates_bytes_s[k])
                 kv2 = kv + (0 if o is TEXT else model.tokens[k])
                 new.append((st2, kv2, ut + model.util(k, o), path + (o,)))
-        labels = _pareto(new, model.inject_s_per_token)
+        labels = pareto(new, model.inject_s_per_token)
         if len(labels) > max_labels:
             raise ValueError(f"oracle: {len(labels)} labels exceed max_labels={max_labels}")
     return labels
@@ -66,7 +66,7 @@ def _best(candidates, slo_s: float) -> OracleResult:
     return OracleResult(list(path), fin, ut, best_fit is not None)
 
 
-def _pareto(labels, inject_s_per_token: float):
+def pareto(labels, inject_s_per_token: float):
     """Non-dominated labels. Minimize recv, decode, recompute, (kv tokens when injection
     costs time); maximize utility. Exact (no rounding)."""
     import numpy as np

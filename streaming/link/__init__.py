@@ -39,18 +39,18 @@ from cachegen_common import flags
 from cachegen_common.units import mbps_to_bytes_per_s
 from streaming.errors import LinkError
 from streaming.link.cleanup import (  # noqa: F401 - re-exported
-    _LIVE,
-    _install_handlers,
-    _kill_ns_pids,
+    LIVE_LINKS,
+    install_handlers,
+    kill_ns_pids,
     cleanup_stale,
     netns_available,
 )
-from streaming.link.proxy import TokenBucket, _ShapingProxy  # noqa: F401 - re-exported
+from streaming.link.proxy import TokenBucket, ShapingProxy  # noqa: F401 - re-exported
 from streaming.link.rules import (  # noqa: F401 - re-exported (old import path)
-    METHOD_NETNS, METHOD_USERSPACE, _METHOD_ALIASES, NS_PREFIX, _NS_RE, _VETH_RE, _LOCK_PATH,
+    METHOD_NETNS, METHOD_USERSPACE, METHOD_ALIASES, NS_PREFIX, NS_RE, VETH_RE, LOCK_PATH,
     PACING_QUANTUM, MAX_PACING_QUANTUM, pacing_quantum, TBF_LATENCY_MS, MTU_BYTES,
     TBF_BURST_MIN_BYTES, TBF_BURST_S, default_burst_bytes, USERSPACE_BURST_S,
-    userspace_burst_bytes, _check_rate, _run, _pid_alive, _used_networks, _pick_subnet,
+    userspace_burst_bytes, check_rate, run_cmd, pid_alive, used_networks, pick_subnet,
 )
 
 
@@ -75,8 +75,8 @@ class ShapedLink:
     """
 
     def __init__(self, rate_mbps: float, method: str = "auto", burst_bytes: int | None = None):
-        self.rate_mbps = _check_rate(rate_mbps)
-        if method != "auto" and method not in _METHOD_ALIASES:
+        self.rate_mbps = check_rate(rate_mbps)
+        if method != "auto" and method not in METHOD_ALIASES:
             raise ValueError(f"unknown link method {method!r}: use auto, netns or userspace")
         self.requested_method = method
         self._fixed_burst = burst_bytes
@@ -90,7 +90,7 @@ class ShapedLink:
         self.server_ip: str | None = None
         self.bind_host = "127.0.0.1"
         self._procs: list[subprocess.Popen] = []
-        self._proxies: dict[int, _ShapingProxy] = {}
+        self._proxies: dict[int, ShapingProxy] = {}
         self._down: TokenBucket | None = None
         self._up: TokenBucket | None = None
         self._closed = False
@@ -116,7 +116,7 @@ class ShapedLink:
             if not ok:
                 self.fallback_reason = reason
         else:
-            want = _METHOD_ALIASES[want]
+            want = METHOD_ALIASES[want]
         if want == METHOD_NETNS:
             ok, reason = netns_available()
             if not ok:
@@ -142,32 +142,32 @@ class ShapedLink:
         self._down = TokenBucket(rate_b, self.burst_bytes)
         self._up = TokenBucket(rate_b, self.burst_bytes)
         self.bind_host = "127.0.0.1"
-        _install_handlers()
-        _LIVE.add(self)
+        install_handlers()
+        LIVE_LINKS.add(self)
 
     def _open_netns(self) -> None:
-        _install_handlers()
+        install_handlers()
         rng = secrets.SystemRandom()
         pid = os.getpid()
-        with open(_LOCK_PATH, "a+") as lockf:
+        with open(LOCK_PATH, "a+") as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)
             try:
                 cleanup_stale()
                 tag = secrets.token_hex(2)[:3]
                 self.server_ns = f"{NS_PREFIX}{pid}-{secrets.token_hex(3)}-srv"
                 self.veth_host, self.veth_srv = f"cg{pid}-{tag}h", f"cg{pid}-{tag}s"
-                _LIVE.add(self)  # from here on, teardown removes whatever was created
-                net = _pick_subnet(rng)
+                LIVE_LINKS.add(self)  # from here on, teardown removes whatever was created
+                net = pick_subnet(rng)
                 hosts = list(net.hosts())
                 self.host_ip, self.server_ip = str(hosts[0]), str(hosts[1])
                 ns = self.server_ns
-                _run(["ip", "netns", "add", ns])
-                _run(["ip", "link", "add", self.veth_host, "type", "veth", "peer", "name", self.veth_srv, "netns", ns])
-                _run(["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.veth_host])
-                _run(["ip", "link", "set", self.veth_host, "up"])
-                _run(["ip", "-n", ns, "addr", "add", f"{self.server_ip}/30", "dev", self.veth_srv])
-                _run(["ip", "-n", ns, "link", "set", self.veth_srv, "up"])
-                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                run_cmd(["ip", "netns", "add", ns])
+                run_cmd(["ip", "link", "add", self.veth_host, "type", "veth", "peer", "name", self.veth_srv, "netns", ns])
+                run_cmd(["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.veth_host])
+                run_cmd(["ip", "link", "set", self.veth_host, "up"])
+                run_cmd(["ip", "-n", ns, "addr", "add", f"{self.server_ip}/30", "dev", self.veth_srv])
+                run_cmd(["ip", "-n", ns, "link", "set", self.veth_srv, "up"])
+                run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
         self._tc("add")
@@ -177,15 +177,15 @@ class ShapedLink:
         return ["tbf", "rate", f"{self.rate_mbps:.6g}mbit", "burst", str(self.burst_bytes), "latency", f"{TBF_LATENCY_MS}ms"]
 
     def _tc(self, verb: str) -> None:
-        _run(["ip", "netns", "exec", self.server_ns, "tc", "qdisc", verb, "dev", self.veth_srv, "root", *self._tbf_args()])
-        _run(["tc", "qdisc", verb, "dev", self.veth_host, "root", *self._tbf_args()])
+        run_cmd(["ip", "netns", "exec", self.server_ns, "tc", "qdisc", verb, "dev", self.veth_srv, "root", *self._tbf_args()])
+        run_cmd(["tc", "qdisc", verb, "dev", self.veth_host, "root", *self._tbf_args()])
 
     def _teardown_netns(self) -> None:
         if self.server_ns:
-            _kill_ns_pids(self.server_ns)
-            _run(["ip", "netns", "del", self.server_ns], check=False)
+            kill_ns_pids(self.server_ns)
+            run_cmd(["ip", "netns", "del", self.server_ns], check=False)
         if self.veth_host:
-            _run(["ip", "link", "del", self.veth_host], check=False)  # usually gone with the ns
+            run_cmd(["ip", "link", "del", self.veth_host], check=False)  # usually gone with the ns
 
     def close(self) -> None:
         """Stop processes started through the link, remove proxies, namespace and veth.
@@ -210,7 +210,7 @@ class ShapedLink:
         self._proxies.clear()
         if self.method == METHOD_NETNS or self.server_ns:
             self._teardown_netns()
-        _LIVE.discard(self)
+        LIVE_LINKS.discard(self)
 
     # -- use
     def _require_open(self) -> None:
@@ -235,7 +235,7 @@ class ShapedLink:
         with self._lock:
             px = self._proxies.get(int(port))
             if px is None:
-                px = _ShapingProxy(("127.0.0.1", int(port)), self._down, self._up)
+                px = ShapingProxy(("127.0.0.1", int(port)), self._down, self._up)
                 self._proxies[int(port)] = px
         return "127.0.0.1", px.port
 
@@ -243,7 +243,7 @@ class ShapedLink:
         """Change the shaping rate (Mbit/s) now, e.g. during a transfer (tc qdisc change /
         token-bucket rate). Burst follows default_burst_bytes unless fixed at construction."""
         self._require_open()
-        r = _check_rate(rate_mbps)
+        r = check_rate(rate_mbps)
         self.rate_mbps = r
         if self.method == METHOD_NETNS:
             self.burst_bytes = self._fixed_burst or default_burst_bytes(r)

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 
-from streaming.link.rules import _NS_RE, _VETH_RE, _pid_alive, _run
+from streaming.link.rules import NS_RE, VETH_RE, pid_alive, run_cmd
 
 
 def netns_available() -> tuple[bool, str]:
@@ -31,11 +31,11 @@ def netns_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _kill_ns_pids(ns: str) -> None:
-    cp = _run(["ip", "netns", "pids", ns], check=False)
+def kill_ns_pids(ns: str) -> None:
+    cp = run_cmd(["ip", "netns", "pids", ns], check=False)
     pids = [int(p) for p in cp.stdout.split() if p.isdigit()]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        live = [p for p in pids if _pid_alive(p)]
+        live = [p for p in pids if pid_alive(p)]
         if not live:
             return
         for p in live:
@@ -44,7 +44,7 @@ def _kill_ns_pids(ns: str) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(_pid_alive(p) for p in live):
+        while time.monotonic() < deadline and any(pid_alive(p) for p in live):
             time.sleep(0.05)
 
 
@@ -59,23 +59,23 @@ def cleanup_stale(verbose: bool = False) -> list[str]:
     if not ok:
         return []
     removed = []
-    cp = _run(["ip", "netns", "list"], check=False)
+    cp = run_cmd(["ip", "netns", "list"], check=False)
     for line in cp.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        m = _NS_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
-            _kill_ns_pids(name)
-            _run(["ip", "netns", "del", name], check=False)
+        m = NS_RE.match(name)
+        if m and not pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
+            kill_ns_pids(name)
+            run_cmd(["ip", "netns", "del", name], check=False)
             removed.append(name)
-    cp = _run(["ip", "-o", "link", "show"], check=False)
+    cp = run_cmd(["ip", "-o", "link", "show"], check=False)
     for line in cp.stdout.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
             continue
         name = parts[1].strip().split("@")[0]
-        m = _VETH_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
-            _run(["ip", "link", "del", name], check=False)
+        m = VETH_RE.match(name)
+        if m and not pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
+            run_cmd(["ip", "link", "del", name], check=False)
             removed.append(name)
     if verbose and removed:
         print(f"streaming.link: removed stale {removed}", file=sys.stderr)
@@ -83,13 +83,13 @@ def cleanup_stale(verbose: bool = False) -> list[str]:
 
 
 # --------------------------------------------------------------------------- teardown registry
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # the open ShapedLinks (streaming.link)
+LIVE_LINKS: "weakref.WeakSet" = weakref.WeakSet()  # the open ShapedLinks (streaming.link)
 _HANDLERS_INSTALLED = False
 _PREV_HANDLERS: dict[int, object] = {}
 
 
 def _close_all() -> None:
-    for link in list(_LIVE):
+    for link in list(LIVE_LINKS):
         try:
             link.close()
         except Exception as e:  # noqa: BLE001 - teardown must go on
@@ -110,7 +110,7 @@ def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _install_handlers() -> None:
+def install_handlers() -> None:
     global _HANDLERS_INSTALLED
     if _HANDLERS_INSTALLED:
         return

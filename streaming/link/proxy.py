@@ -1,5 +1,5 @@
 """The userspace shaper: a thread-safe token bucket (TokenBucket) and the loopback TCP
-proxy that passes every byte through it (_ShapingProxy), used by streaming.link when the
+proxy that passes every byte through it (ShapingProxy), used by streaming.link when the
 netns + tbf path is not available (method "userspace-tokenbucket").
 
 Apart from the rate rules and shell helpers (streaming.link.rules): this module moves
@@ -58,7 +58,7 @@ class TokenBucket:
             time.sleep(min(max(wait, 0.0), 0.05))
 
 
-class _ShapingProxy:
+class ShapingProxy:
     """Loopback TCP proxy: client <-> 127.0.0.1:listen_port <-> upstream server.
 
     Server->client bytes pass the `down` bucket, client->server bytes the `up` bucket; all

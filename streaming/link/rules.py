@@ -18,16 +18,16 @@ from streaming.errors import LinkError
 
 METHOD_NETNS = "netns-tbf"
 METHOD_USERSPACE = "userspace-tokenbucket"
-_METHOD_ALIASES = {
+METHOD_ALIASES = {
     "netns": METHOD_NETNS,
     METHOD_NETNS: METHOD_NETNS,
     "userspace": METHOD_USERSPACE,
     METHOD_USERSPACE: METHOD_USERSPACE,
 }
 NS_PREFIX = "cgh-"
-_NS_RE = re.compile(r"^cgh-(\d+)-([0-9a-f]+)-srv$")
-_VETH_RE = re.compile(r"^cg(\d+)-([0-9a-f]{3})[hs]$")
-_LOCK_PATH = "/tmp/cgh-link.lock"
+NS_RE = re.compile(r"^cgh-(\d+)-([0-9a-f]+)-srv$")
+VETH_RE = re.compile(r"^cg(\d+)-([0-9a-f]{3})[hs]$")
+LOCK_PATH = "/tmp/cgh-link.lock"
 PACING_QUANTUM = 16 * 1024  # userspace shaper releases bytes in quanta of at least 16 KiB
 MAX_PACING_QUANTUM = 128 * 1024  # ... and at most 128 KiB (1 ms at 1 Gbit/s)
 
@@ -70,7 +70,7 @@ def userspace_burst_bytes(rate_mbps: float) -> int:
     return max(2 * pacing_quantum(rate_b), int(rate_b * USERSPACE_BURST_S))
 
 
-def _check_rate(rate_mbps: float) -> float:
+def check_rate(rate_mbps: float) -> float:
     r = float(rate_mbps)
     if not (r > 0 and r < 1e6):
         raise ValueError(f"rate must be in (0, 1e6) Mbit/s, got {rate_mbps}")
@@ -78,7 +78,7 @@ def _check_rate(rate_mbps: float) -> float:
 
 
 # --------------------------------------------------------------------------- shell helpers
-def _run(argv: list[str], check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
+def run_cmd(argv: list[str], check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
     try:
         cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -88,7 +88,7 @@ def _run(argv: list[str], check: bool = True, timeout: float = 20) -> subprocess
     return cp
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -98,12 +98,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _used_networks() -> list[ipaddress.IPv4Network]:
+def used_networks() -> list[ipaddress.IPv4Network]:
     nets = []
-    cp = _run(["ip", "-o", "-4", "addr", "show"], check=False)
+    cp = run_cmd(["ip", "-o", "-4", "addr", "show"], check=False)
     for m in re.finditer(r"inet (\d+\.\d+\.\d+\.\d+/\d+)", cp.stdout):
         nets.append(ipaddress.ip_interface(m.group(1)).network)
-    cp = _run(["ip", "-4", "route", "show", "table", "all"], check=False)
+    cp = run_cmd(["ip", "-4", "route", "show", "table", "all"], check=False)
     for line in cp.stdout.splitlines():
         tok = line.split()
         for t in tok[:2]:
@@ -116,8 +116,8 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
     return nets
 
 
-def _pick_subnet(rng: secrets.SystemRandom) -> ipaddress.IPv4Network:
-    used = _used_networks()
+def pick_subnet(rng: secrets.SystemRandom) -> ipaddress.IPv4Network:
+    used = used_networks()
     for _ in range(200):
         net = ipaddress.ip_network(
             f"10.{rng.randint(200, 254)}.{rng.randint(0, 255)}.{rng.randint(0, 63) * 4}/30"

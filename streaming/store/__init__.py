@@ -28,7 +28,7 @@ of two writers that read the same state, the first to publish wins and the other
 StoreRaceLostError; an entry that lost a chunk (eviction, deletion) or whose chunk fails
 its checksum is dropped and reads as a miss with the reason; a writer that loses the reply
 to a request deletes nothing before asking the store whether its save is published
-(store_steps.settle, KVStore.resolve). Manifests of the previous
+(streaming.store.kv.settle, KVStore.resolve). Manifests of the previous
 format (cgh-manifest-v1, no per-chunk checksums) are clean misses ("store it again").
 
 Run the server: python -m streaming.store serve --backend DIR --host 127.0.0.1 --port 0
@@ -39,7 +39,7 @@ Modules (this one re-exports their public names, so `from streaming.store import
 working; private helpers are imported from their own module):
     streaming.store.format  context_key, entry_key, key layout, Manifest, build_manifest
     streaming.store.kv      KVStore (the store logic over a backend)
-    streaming.store.steps   save_steps, run_steps (the crash-safe steps of one save)
+    streaming.store.kv   save_steps, run_steps (the crash-safe steps of one save)
     streaming.store.server  KVStoreServer, start_store_server, StoreServerHandle, watch_parent
     streaming.store.client  StoreClient (TCP), LocalStoreClient (in-process)
 """
@@ -53,7 +53,7 @@ import threading
 
 from streaming.store.backend import StoreBackend, open_backend  # noqa: F401  (re-exported)
 from streaming.errors import StoreError
-from streaming.store.protocol_frame import DEFAULT_MAX_BODY
+from streaming.store.protocol import DEFAULT_MAX_BODY
 from streaming.store.client import (  # noqa: F401  (re-exported)
     LocalStoreClient,
     StoreClient,
@@ -75,7 +75,7 @@ from streaming.store.server import (  # noqa: F401  (re-exported)
     start_store_server,
     watch_parent,
 )
-from streaming.store.steps import run_steps, save_steps  # noqa: F401  (re-exported)
+from streaming.store.kv import run_steps, save_steps  # noqa: F401  (re-exported)
 
 
 def main(argv: list[str] | None = None) -> int:

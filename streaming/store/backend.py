@@ -1,4 +1,5 @@
-"""Storage backends of the KV store: the StoreBackend protocol and a local-folder backend.
+"""The one protocol every storage backend of the KV store implements (StoreBackend: atomic
+byte values under string keys) and the URL factory that opens one (open_backend).
 
 Paper: CacheGen section 5 (encoded chunks are stored remotely and fetched on reuse). The
 default backend is embedded (a local folder, nothing to install); `redis://` URLs load
@@ -8,18 +9,32 @@ streaming.store.redis_backend.RedisBackend lazily. Not runnable by itself.
 from __future__ import annotations
 
 import os
+from typing import Iterator, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from streaming.errors import StoreError
-from streaming.store.folder import (  # noqa: F401  (re-exported: the old import path)
-    _OBJ_HEAD,
-    _OBJ_MAGIC,
-    MAX_KEY_BYTES,
-    LocalFolderBackend,
-    StoreBackend,
-    _check_key,
-    classify_os_error,
-)
+from streaming.store.folder import LocalFolderBackend
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    """Byte store keyed by str. `put` must be atomic: a reader sees the old value, the new
+    value or nothing, never a partial one."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def keys(self, prefix: str = "") -> Iterator[str]: ...
+
+    # optional: compare_and_put(key, expected: bytes | None, data: bytes | None) -> bool
+    # (atomically: if the stored value equals `expected` (None = absent), store `data`
+    # (None = delete) and return True; else change nothing and return False). Backends
+    # without it get an in-process lock in streaming.store.KVStore (one process only).
 
 
 def open_backend(url: str | os.PathLike, fallback_dir: str | os.PathLike | None = None) -> StoreBackend:

@@ -19,12 +19,12 @@ from streaming.errors import (
     StreamingError,
     store_error,
 )
-from streaming.identity_entry import EntryIdentity
+from streaming.identity import EntryIdentity
 from streaming.store.protocol import ConnectionClosed, recv_frame, send_frame
-from streaming.store.protocol_frame import DEFAULT_MAX_BODY, FrameType
-from streaming.store.format import _ANY, Manifest, build_manifest
+from streaming.store.protocol import DEFAULT_MAX_BODY, FrameType
+from streaming.store.format import ANY_BASE, Manifest, build_manifest
 from streaming.store.kv import KVStore
-from streaming.store.steps import run_steps, save_steps
+from streaming.store.kv import run_steps, save_steps
 
 
 # --------------------------------------------------------------------------- client
@@ -197,10 +197,10 @@ class StoreClient:
         """Write generation of the key's stored manifest (None: none; "": another format)."""
         return self._call(FrameType.HAS, {"key": key, "gen_only": True}).meta.get("gen")
 
-    def put_manifest(self, manifest: dict, base_gen=_ANY) -> None:
+    def put_manifest(self, manifest: dict, base_gen=ANY_BASE) -> None:
         """Publish a manifest (see KVStore.put_manifest). Raises StoreRaceLostError."""
         meta = {"manifest": manifest}
-        if base_gen is not _ANY:
+        if base_gen is not ANY_BASE:
             meta.update(base_gen=base_gen, has_base=True)
         self._call(FrameType.PUT_MANIFEST, meta)
 
@@ -342,7 +342,7 @@ class LocalStoreClient:
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
         self.store.put_chunk(key, level, index, data, gen)
 
-    def put_manifest(self, manifest: dict, base_gen=_ANY):
+    def put_manifest(self, manifest: dict, base_gen=ANY_BASE):
         return self.store.put_manifest(manifest, base_gen)
 
     def put_calibration(self, h: str, data: bytes) -> None:

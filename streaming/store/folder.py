@@ -1,9 +1,11 @@
-"""The StoreBackend protocol and the local-folder backend of the KV store.
+"""The local-folder backend of the KV store (LocalFolderBackend): one file per key, written
+atomically, plus the key bound and the OSError classification it shares with the Redis
+backend (which falls back to a folder when Redis is down).
 
 Paper: CacheGen section 5 (encoded chunks are stored remotely and fetched on reuse). The
-default backend is embedded (a local folder, nothing to install). Below both backends:
-streaming.store.redis_backend imports from here, and streaming.store.backend (open_backend, the
-URL factory) re-exports these names. Not runnable by itself.
+default backend is embedded (a local folder, nothing to install). It implements the
+streaming.store.backend.StoreBackend protocol; open_backend there builds it from a path or
+`file:///` URL. Not runnable by itself.
 """
 
 from __future__ import annotations
@@ -13,35 +15,14 @@ import hashlib
 import os
 import struct
 from pathlib import Path
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Iterator
 
 from cachegen_common.files import atomic_write
 from streaming.errors import StoreError, StoreFullError, StoreReadOnlyError, StoreTooLargeError
 
-_OBJ_MAGIC = b"CGOB"  # object file: magic, u32 key length, key (UTF-8), data
-_OBJ_HEAD = struct.Struct("<4sI")
+OBJ_MAGIC = b"CGOB"  # object file: magic, u32 key length, key (UTF-8), data
+OBJ_HEAD = struct.Struct("<4sI")
 MAX_KEY_BYTES = 4096
-
-
-@runtime_checkable
-class StoreBackend(Protocol):
-    """Byte store keyed by str. `put` must be atomic: a reader sees the old value, the new
-    value or nothing, never a partial one."""
-
-    def get(self, key: str) -> bytes | None: ...
-
-    def put(self, key: str, data: bytes) -> None: ...
-
-    def exists(self, key: str) -> bool: ...
-
-    def delete(self, key: str) -> None: ...
-
-    def keys(self, prefix: str = "") -> Iterator[str]: ...
-
-    # optional: compare_and_put(key, expected: bytes | None, data: bytes | None) -> bool
-    # (atomically: if the stored value equals `expected` (None = absent), store `data`
-    # (None = delete) and return True; else change nothing and return False). Backends
-    # without it get an in-process lock in streaming.store.KVStore (one process only).
 
 
 def _check_key(key: str) -> bytes:
@@ -96,11 +77,11 @@ class LocalFolderBackend:
 
     @staticmethod
     def _read_header(f) -> str | None:
-        head = f.read(_OBJ_HEAD.size)
-        if len(head) != _OBJ_HEAD.size:
+        head = f.read(OBJ_HEAD.size)
+        if len(head) != OBJ_HEAD.size:
             return None
-        magic, klen = _OBJ_HEAD.unpack(head)
-        if magic != _OBJ_MAGIC or klen > MAX_KEY_BYTES:
+        magic, klen = OBJ_HEAD.unpack(head)
+        if magic != OBJ_MAGIC or klen > MAX_KEY_BYTES:
             return None
         kb = f.read(klen)
         if len(kb) != klen:
@@ -134,7 +115,7 @@ class LocalFolderBackend:
         kb = _check_key(key)
         p = self._path(key)
         def write(f) -> None:
-            f.write(_OBJ_HEAD.pack(_OBJ_MAGIC, len(kb)))
+            f.write(OBJ_HEAD.pack(OBJ_MAGIC, len(kb)))
             f.write(kb)
             f.write(data)
 

@@ -18,12 +18,12 @@ from typing import Sequence
 
 from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.errors import StoreError
-from streaming.identity_check import check_entry
-from streaming.identity_entry import EntryIdentity
+from streaming.identity import check_entry
+from streaming.identity import EntryIdentity
 
 MANIFEST_FORMAT = "cgh-manifest-v2"
 LEGACY_MANIFEST_FORMATS = ("cgh-manifest-v1",)
-_ANY = object()  # put_manifest without a base: no race check (last writer wins)
+ANY_BASE = object()  # put_manifest without a base: no race check (last writer wins)
 _KEY_DOMAIN = b"cgh-context-key-v1\x00"
 
 
@@ -76,19 +76,19 @@ def entry_key(identity: EntryIdentity, token_ids: Sequence[int]) -> str:
     return context_key(identity.model_id, identity.weights_hash, identity.codec_tag(), token_ids)
 
 
-def _check_gen(gen) -> str:
+def check_gen(gen) -> str:
     if not isinstance(gen, str) or not 8 <= len(gen) <= 64 or any(c not in "0123456789abcdef" for c in gen):
         raise ValueError(f"write generation must be 8-64 lowercase hex chars, got {str(gen)[:80]!r}")
     return gen
 
 
-def _chunk_key(key: str, level: int, index: int, gen: str | None = None) -> str:
+def chunk_key(key: str, level: int, index: int, gen: str | None = None) -> str:
     if gen is None:
         return f"ctx/{key}/chunk/{int(level)}/{int(index)}"
-    return f"ctx/{key}/g/{_check_gen(gen)}/{int(level)}/{int(index)}"
+    return f"ctx/{key}/g/{check_gen(gen)}/{int(level)}/{int(index)}"
 
 
-def _cal_key(h: str) -> str:
+def cal_key(h: str) -> str:
     if not isinstance(h, str) or len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
         raise ValueError(f"calibration hash must be 64 lowercase hex chars, got {str(h)[:80]!r}")
     return f"cal/{h}"
@@ -99,12 +99,12 @@ def new_generation() -> str:
     return secrets.token_hex(16)
 
 
-def _manifest_key(key: str, gen: str | None = None) -> str:
+def manifest_key(key: str, gen: str | None = None) -> str:
     """The published manifest of a key, or (gen) the immutable copy of generation gen's
     manifest that a load planned from that generation reads."""
     if gen is None:
         return f"ctx/{key}/manifest"
-    return f"ctx/{key}/g/{_check_gen(gen)}/manifest"
+    return f"ctx/{key}/g/{check_gen(gen)}/manifest"
 
 
 def abort_marker_key(key: str, gen: str) -> str:
@@ -112,10 +112,10 @@ def abort_marker_key(key: str, gen: str) -> str:
     published (set when a writer that lost its publish reply asks and finds it
     unpublished): a publish of that generation arriving late is refused. Raises ValueError
     for a malformed key or generation."""
-    return f"ctx/{_check_hex_key(key)}/g/{_check_gen(gen)}/aborted"
+    return f"ctx/{check_hex_key(key)}/g/{check_gen(gen)}/aborted"
 
 
-def _check_hex_key(key) -> str:
+def check_hex_key(key) -> str:
     if not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
         raise ValueError(f"context key must be 64 lowercase hex chars, got {str(key)[:80]!r}")
     return key
@@ -161,7 +161,7 @@ class Manifest:
 
     def chunk_keys(self) -> list[str]:
         """Backend keys of every chunk of every level (under this entry's generation)."""
-        return [_chunk_key(self.key, lv, i, self.gen) for lv in self.levels for i in range(self.chunk_count)]
+        return [chunk_key(self.key, lv, i, self.gen) for lv in self.levels for i in range(self.chunk_count)]
 
     @property
     def chunk_count(self) -> int:
@@ -216,16 +216,16 @@ class Manifest:
             crcs = {int(k): tuple(int(x) for x in v) for k, v in d["crc32"].items()}
             text = tuple(tuple(map(int, ids)) for ids in d["text"])
             shas = {int(k): tuple(str(x) for x in v) for k, v in d["sha256"].items()}
-            gen = _check_gen(d["gen"])
+            gen = check_gen(d["gen"])
             prev = d.get("prev")
             if prev is not None:
-                prev = {"gen": _check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
+                prev = {"gen": check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
                         "chunk_count": int(prev["chunk_count"])}
             cals = tuple(str(h) for h in d.get("calibrations") or ())
             for h in cals:
-                _cal_key(h)
+                cal_key(h)
             m = cls(
-                key=_check_hex_key(d["key"]), model_id=str(d["model_id"]),
+                key=check_hex_key(d["key"]), model_id=str(d["model_id"]),
                 weights_hash=str(d["weights_hash"]), codec_tag=str(d["codec_tag"]),
                 levels=levels, token_ranges=ranges, sizes=sizes, crc32=crcs, text=text,
                 meta=dict(d.get("meta") or {}),
@@ -286,7 +286,7 @@ class Manifest:
         return check_entry(identity, self.identity)
 
 
-def _parse_gen(raw: bytes | None) -> str | None:
+def parse_gen(raw: bytes | None) -> str | None:
     """The write generation of a stored manifest's bytes: None when absent, "" for a
     manifest of another format or an unreadable one (it is still a state a writer read)."""
     if raw is None:
@@ -313,7 +313,7 @@ def manifest_gens(raw: bytes | None) -> tuple[str | None, str | None]:
     return (g if isinstance(g, str) else None), (p if isinstance(p, str) else None)
 
 
-def _chunk_digest(data: bytes) -> tuple[int, int, str]:
+def chunk_digest(data: bytes) -> tuple[int, int, str]:
     return len(data), zlib.crc32(data), hashlib.sha256(data).hexdigest()
 
 

@@ -1,4 +1,7 @@
-"""KVStore: the store logic over a backend (its crash-safe write steps: streaming.store.steps).
+"""KVStore: the store logic over a backend, and the crash-safe write steps of one save
+(save_steps, run_steps) that every writer shares: KVStore (in-process), StoreClient (over
+TCP) and RedisStoreClient (one atomic publish). A save is a generator of steps so that
+tests can stop it anywhere to model a crash.
 
 Paper: CacheGen section 5. Entry format in streaming.store.format; guarantees in
 streaming.store (which re-exports these names) and docs/streaming.md. Not runnable by itself.
@@ -14,23 +17,30 @@ from typing import Sequence
 
 from cachegen_common.bounded_json import JsonBoundsError
 from cachegen_common.bounded_json import parse as parse_bounded_json
+from streaming.errors import (
+    ProtocolError,
+    StoreError,
+    StoreOutcomeUnknownError,
+    StoreRaceLostError,
+    StoreUnavailableError,
+)
+from streaming.identity import EntryIdentity
 from streaming.store.backend import StoreBackend
-from streaming.errors import StoreError, StoreRaceLostError
-from streaming.identity_entry import EntryIdentity
 from streaming.store.format import (
-    _ANY,
+    ANY_BASE,
     Manifest,
-    _cal_key,
-    _check_gen,
-    _check_hex_key,
-    _chunk_digest,
-    _chunk_key,
-    _manifest_key,
-    _parse_gen,
+    cal_key,
+    check_gen,
+    check_hex_key,
+    chunk_digest,
+    chunk_key,
+    manifest_key,
+    parse_gen,
     manifest_gens,
     manifest_json,
+    new_generation,
 )
-from streaming.store.steps import save_steps
+
 
 logger = logging.getLogger("cachegen.store")
 
@@ -73,33 +83,33 @@ class KVStore:
     def current_gen(self, key: str) -> str | None:
         """Generation of the key's stored manifest (None: none stored; "": one of another
         format or unreadable). A writer reads this first and publishes against it."""
-        _check_hex_key(key)
-        return _parse_gen(self.backend.get(_manifest_key(key)))
+        check_hex_key(key)
+        return parse_gen(self.backend.get(manifest_key(key)))
 
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
         """Store one chunk of write generation `gen` (None: the raw slot without a
         manifest, for prefix-index records)."""
-        _check_hex_key(key)
+        check_hex_key(key)
         if int(index) < 0:
             raise ValueError("chunk index must be >= 0")
-        self.backend.put(_chunk_key(key, level, index, gen), bytes(data))
+        self.backend.put(chunk_key(key, level, index, gen), bytes(data))
 
     def put_calibration(self, h: str, data: bytes) -> None:
         """Store a calibration artifact under cal/<h> unless present (content-addressed:
         the bytes must hash to h; raises ValueError otherwise)."""
-        k = _cal_key(h)
+        k = cal_key(h)
         if hashlib.sha256(bytes(data)).hexdigest() != h and not _cal_named(data, h):
             raise ValueError(f"calibration bytes do not carry hash {h[:16]}")
         if not self.backend.exists(k):
             self.backend.put(k, bytes(data))
 
     def get_calibration(self, h: str) -> bytes | None:
-        return self.backend.get(_cal_key(h))
+        return self.backend.get(cal_key(h))
 
     def has_calibration(self, h: str) -> bool:
-        return self.backend.exists(_cal_key(h))
+        return self.backend.exists(cal_key(h))
 
-    def put_manifest(self, manifest: dict, base_gen=_ANY) -> Manifest:
+    def put_manifest(self, manifest: dict, base_gen=ANY_BASE) -> Manifest:
         """Verify every chunk of the manifest's generation (present, size, CRC, sha256)
         and its calibrations, then publish the manifest atomically if the key's manifest
         is still at `base_gen` (what the writer read with current_gen before its first
@@ -109,21 +119,21 @@ class KVStore:
         m = Manifest.from_dict(manifest)
         for lv in m.levels:
             for i in range(m.chunk_count):
-                data = self.backend.get(_chunk_key(m.key, lv, i, m.gen))
+                data = self.backend.get(chunk_key(m.key, lv, i, m.gen))
                 if data is None:
                     raise StoreError(f"chunk {i} level {lv} missing: {self._loss_cause()}")
-                if _chunk_digest(data) != (m.sizes[lv][i], m.crc32[lv][i], m.sha256[lv][i]):
+                if chunk_digest(data) != (m.sizes[lv][i], m.crc32[lv][i], m.sha256[lv][i]):
                     raise StoreError(f"chunk {i} level {lv} differs from the manifest (size/CRC/sha256)")
         for h in m.calibrations:
-            if not self.backend.exists(_cal_key(h)):
+            if not self.backend.exists(cal_key(h)):
                 raise StoreError(f"calibration {h[:16]} missing: put it before the manifest")
-        mk = _manifest_key(m.key)
-        for _ in range(100):  # retried only when a no-race publish (base _ANY) sees a change
+        mk = manifest_key(m.key)
+        for _ in range(100):  # retried only when a no-race publish (base ANY_BASE) sees a change
             cur = self.backend.get(mk)
-            cur_gen = _parse_gen(cur)
+            cur_gen = parse_gen(cur)
             # a key whose manifest is gone (evicted, dropped, deleted) has no entry to keep:
             # publishing over nothing never hides another writer's complete entry
-            if base_gen is not _ANY and cur_gen != base_gen and cur is not None:
+            if base_gen is not ANY_BASE and cur_gen != base_gen and cur is not None:
                 raise StoreRaceLostError(
                     f"another writer published key {m.key[:16]} first (its generation "
                     f"{str(cur_gen)[:8] or '-'}, this writer read {str(base_gen)[:8] or '-'}): "
@@ -133,7 +143,7 @@ class KVStore:
             if cur is not None:
                 try:
                     old = manifest_json(cur)
-                    d["prev"] = {"gen": _check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
+                    d["prev"] = {"gen": check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
                                  "chunk_count": int(old["chunk_count"])}
                     prev_of_cur = old.get("prev")
                 except (StoreError, ValueError, KeyError, TypeError, AttributeError):
@@ -141,16 +151,16 @@ class KVStore:
             else:
                 d["prev"] = None
             blob = json.dumps(d).encode("utf-8")
-            self.backend.put(_manifest_key(m.key, m.gen), blob)  # the generation's own copy
+            self.backend.put(manifest_key(m.key, m.gen), blob)  # the generation's own copy
             if self._cas(mk, cur, blob):
                 break
-            if base_gen is not _ANY:
+            if base_gen is not ANY_BASE:
                 raise StoreRaceLostError(f"another writer published key {m.key[:16]} first")
         else:
             raise StoreError(f"could not publish key {m.key[:16]}: the manifest kept changing")
         if isinstance(prev_of_cur, dict):  # two generations back: no reader plans from it now
             try:
-                self.discard(m.key, _check_gen(prev_of_cur["gen"]), prev_of_cur["levels"],
+                self.discard(m.key, check_gen(prev_of_cur["gen"]), prev_of_cur["levels"],
                              int(prev_of_cur["chunk_count"]))
             except (ValueError, KeyError, TypeError, StoreError, OSError) as e:
                 logger.warning("store: could not delete old chunks of %s: %s", m.key[:16], e)
@@ -177,9 +187,9 @@ class KVStore:
         missing and is refused. Callers that serve several writers run it under the same
         lock as put_manifest (KVStoreServer does). Raises ValueError for a malformed key
         or generation."""
-        _check_hex_key(key)
-        _check_gen(gen)
-        if gen in manifest_gens(self.backend.get(_manifest_key(key))):
+        check_hex_key(key)
+        check_gen(gen)
+        if gen in manifest_gens(self.backend.get(manifest_key(key))):
             return True
         self.discard(key, gen, levels, chunk_count)
         return False
@@ -187,11 +197,11 @@ class KVStore:
     def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
         """Delete the chunks of one write generation (a loser's, a failed writer's, or an
         entry two overwrites back). Never touches a published manifest."""
-        _check_hex_key(key)
-        self.backend.delete(_manifest_key(key, gen))
+        check_hex_key(key)
+        self.backend.delete(manifest_key(key, gen))
         for lv in levels:
             for i in range(int(chunk_count)):
-                self.backend.delete(_chunk_key(key, lv, i, gen))
+                self.backend.delete(chunk_key(key, lv, i, gen))
 
     # ------------------------------------------------------------------ reads
     def get_manifest(self, key: str, model_id=None, weights_hash=None, codec_tag=None,
@@ -205,12 +215,12 @@ class KVStore:
         manifest of that write generation (what a lookup planned from), published or
         replaced since; a generation deleted since (two overwrites later) is a miss."""
         try:
-            _check_hex_key(key)
+            check_hex_key(key)
             if gen is not None:
-                _check_gen(gen)
+                check_gen(gen)
         except ValueError as e:
             return None, str(e)
-        raw = self.backend.get(_manifest_key(key, gen))
+        raw = self.backend.get(manifest_key(key, gen))
         if raw is None:
             return None, "unknown key" if gen is None else \
                 f"generation {gen[:8]} gone (the entry was replaced since it was planned)"
@@ -225,8 +235,8 @@ class KVStore:
             return None, why
         if verify:
             keys = m.chunk_keys()
-            have = self._count_existing(keys + [_manifest_key(key, m.gen)])  # + the copy a load reads
-            cal_missing = [h for h in m.calibrations if not self.backend.exists(_cal_key(h))]
+            have = self._count_existing(keys + [manifest_key(key, m.gen)])  # + the copy a load reads
+            cal_missing = [h for h in m.calibrations if not self.backend.exists(cal_key(h))]
             if have < len(keys) + 1 or cal_missing:
                 chunks_have = self._count_existing(keys) if have < len(keys) + 1 else len(keys)
                 if chunks_have < len(keys):
@@ -243,7 +253,7 @@ class KVStore:
         return m, ""
 
     def _drop(self, key: str, raw: bytes, why: str) -> bool:
-        dropped = self._cas(_manifest_key(key), raw, None)
+        dropped = self._cas(manifest_key(key), raw, None)
         if dropped:
             logger.warning("store: dropped entry %s: %s", key[:16], why)
         return dropped
@@ -252,24 +262,24 @@ class KVStore:
         """Drop the key's entry if it is still generation `gen` (a reader found one of its
         chunks missing or failing its checksum): later lookups miss instead of failing
         forever; a newer entry is never touched. Returns True if dropped."""
-        _check_hex_key(key)
-        raw = self.backend.get(_manifest_key(key))
-        if raw is None or _parse_gen(raw) != gen:
+        check_hex_key(key)
+        raw = self.backend.get(manifest_key(key))
+        if raw is None or parse_gen(raw) != gen:
             return False
         return self._drop(key, raw, reason)
 
     def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
         """Chunk bytes of generation `gen`, or None. gen None: the raw slot (index
         records), else the chunk of the key's current entry."""
-        _check_hex_key(key)
+        check_hex_key(key)
         if gen is None:
-            data = self.backend.get(_chunk_key(key, level, index))
+            data = self.backend.get(chunk_key(key, level, index))
             if data is not None:
                 return data
-            gen = _parse_gen(self.backend.get(_manifest_key(key)))
+            gen = parse_gen(self.backend.get(manifest_key(key)))
             if not gen:
                 return None
-        return self.backend.get(_chunk_key(key, level, index, gen))
+        return self.backend.get(chunk_key(key, level, index, gen))
 
     def list_contexts(self, limit: int = 10000) -> list[str]:
         out = []
@@ -282,8 +292,8 @@ class KVStore:
         return sorted(out)
 
     def delete_context(self, key: str) -> None:
-        _check_hex_key(key)
-        self.backend.delete(_manifest_key(key))  # invisible first, then the chunks
+        check_hex_key(key)
+        self.backend.delete(manifest_key(key))  # invisible first, then the chunks
         for k in list(self.backend.keys(f"ctx/{key}/")):
             self.backend.delete(k)
 
@@ -307,3 +317,146 @@ def _cal_named(data: bytes, h: str) -> bool:
         return (head.get("__metadata__") or {}).get("hash") == h
     except (JsonBoundsError, AttributeError):
         return False
+
+
+logger = logging.getLogger("cachegen.store")
+
+SETTLE_TRIES = 3  # questions a writer asks after a lost reply: one more lost reply or one
+# broken connection is survived; a store that stays silent this long is down (outcome unknown)
+OUTCOME_UNKNOWN = (StoreUnavailableError, ProtocolError, OSError)  # the request may have been
+# carried out: a lost connection, a timeout, a garbled reply (a refusal is a definite answer)
+
+
+def _prev_of(raw: bytes | None) -> dict | None:
+    """{"gen", "levels", "chunk_count"} of a stored manifest's bytes (None if unusable)."""
+    if raw is None:
+        return None
+    try:
+        old = manifest_json(raw)
+        return {"gen": check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
+                "chunk_count": int(old["chunk_count"])}
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_steps(ops, man: dict, chunks: dict[int, Sequence[bytes]],
+               calibrations: dict[str, bytes] | None = None):
+    """Generator of the write steps of one save through `ops`. Yields after each step:
+    ("base", gen read), ("cal", hash) per calibration, then either ("chunk", level, index)
+    per chunk and ("manifest", key) (a KVStore or StoreClient: current_gen,
+    put_calibration, put_chunk(..., gen), put_manifest(man, base_gen), discard), or one
+    ("manifest", key) when `ops` publishes chunks and manifest in one atomic step
+    (RedisStoreClient.publish_atomic: a Lua script). A generator stopped at any point (a
+    crash) leaves nothing visible: at most chunks of a fresh generation that no manifest
+    names. A refused write or publish (StoreRaceLostError, StoreError: a definite answer)
+    deletes this save's chunks and re-raises. A write whose outcome is unknown (a lost or
+    late reply: StoreUnavailableError, StoreTimeoutError, OSError, ProtocolError) deletes
+    nothing until the writer has asked the store (`ops.resolve`, up to SETTLE_TRIES
+    times): published - the save succeeds; not published - its chunks are gone and the
+    error is re-raised, saying so; no answer - StoreOutcomeUnknownError, nothing
+    deleted. An overwrite's previous entry is only ever replaced by a published one."""
+    key = man["key"]
+    atomic = getattr(ops, "publish_atomic", None)
+    if atomic is not None:
+        base_raw = ops.manifest_raw(key)
+        base = parse_gen(base_raw)
+    else:
+        base = ops.current_gen(key)
+    gen = new_generation()
+    man = dict(man, gen=gen)
+    yield ("base", base)
+    for h in man.get("calibrations") or ():
+        if not ops.has_calibration(h):  # content-addressed: stored once per store
+            data = (calibrations or {}).get(h)
+            if data is None:
+                data = _calibration_bytes(h)
+            ops.put_calibration(h, data)
+        yield ("cal", h)
+    if atomic is not None:
+        man["prev"] = _prev_of(base_raw)
+        Manifest.from_dict(man)
+        atomic(man, chunks, base_raw)
+        old = _prev_of_prev(base_raw)
+        if old is not None:
+            try:
+                ops.discard(key, old["gen"], old["levels"], old["chunk_count"])
+            except (StoreError, OSError, ValueError) as e:
+                logger.warning("store: could not delete old chunks of %s: %s", key[:16], e)
+        yield ("manifest", key)
+        return
+    try:
+        for lv in man["levels"]:
+            for i, data in enumerate(chunks[lv]):
+                ops.put_chunk(key, lv, i, bytes(data), gen=gen)
+                yield ("chunk", lv, i)
+        ops.put_manifest(man, base_gen=base)
+    except OUTCOME_UNKNOWN as e:
+        settle(getattr(ops, "resolve", None), key, gen, man["levels"], man["chunk_count"], e)  # if published
+    except StoreError:
+        try:
+            ops.discard(key, gen, man["levels"], man["chunk_count"])
+        except (StoreError, OSError, ValueError):
+            pass
+        raise
+    yield ("manifest", key)
+
+
+def settle(resolve, key: str, gen: str, levels, chunk_count: int, err: BaseException) -> None:
+    """After `err` (an OUTCOME_UNKNOWN failure of a write of generation `gen`), ask the
+    store whether `gen` is published: resolve(key, gen, levels, chunk_count) -> bool (e.g.
+    KVStore.resolve, StoreClient.resolve), up to SETTLE_TRIES times. Returns when it is
+    (the save succeeded after all); raises `err`'s class with the answer in the message when
+    it is not (the store kept nothing of it); raises StoreOutcomeUnknownError (nothing
+    deleted) when the store never answers or cannot answer, or `resolve` is None."""
+    last: BaseException = err
+    for _ in range(SETTLE_TRIES if resolve is not None else 0):
+        try:
+            published = resolve(key, gen, levels, chunk_count)
+        except (*OUTCOME_UNKNOWN, StoreError) as e:  # an old server refuses the question too
+            last = e
+            continue
+        if published:
+            logger.info("store: reply lost while saving %s, but generation %s is published: saved",
+                        key[:16], gen[:8])
+            return
+        msg = (f"{err}; asked the store: generation {gen[:8]} of key {key[:16]} is not published "
+               "and nothing of it is kept; the key's previous entry (if any) is unchanged")
+        raise (type(err)(msg) if isinstance(err, StoreError) else StoreUnavailableError(msg)) from None
+    raise StoreOutcomeUnknownError(
+        f"{err}; whether generation {gen[:8]} of key {key[:16]} was published is unknown (asking "
+        f"the store failed: {last}): nothing of it was deleted; look the key up or save again "
+        "once the store answers") from None
+
+
+def _prev_of_prev(raw: bytes | None) -> dict | None:
+    """The "prev" record ({"gen", "levels", "chunk_count"}) of a stored manifest's bytes:
+    the generation two saves back once a new save replaces this one (None if none)."""
+    if raw is None:
+        return None
+    try:
+        prev = manifest_json(raw).get("prev")
+        if not prev:
+            return None
+        return {"gen": check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
+                "chunk_count": int(prev["chunk_count"])}
+    except (StoreError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _calibration_bytes(h: str) -> bytes:
+    """The artifact bytes of calibration `h` from the codec (registry or cache folder).
+    Raises StoreError when this writer does not have it."""
+    try:
+        from codec.kvtc import calibration_bytes
+    except ImportError as e:
+        raise StoreError(f"calibration {h[:16]} named by the entry: codec unavailable ({e})") from None
+    try:
+        return calibration_bytes(h)
+    except ValueError as e:  # codec.CodecError is a ValueError
+        raise StoreError(f"calibration {h[:16]} named by the entry is not available to the "
+                         f"writer: {e}") from None
+
+
+def run_steps(steps) -> None:
+    for _ in steps:
+        pass

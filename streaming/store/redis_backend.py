@@ -48,9 +48,8 @@ from redis.retry import Retry
 from streaming.errors import StoreError, StoreTooLargeError
 from streaming.store.folder import MAX_KEY_BYTES, LocalFolderBackend
 from streaming.plumbing import Closing, put_until_stopped
-from streaming.store.redis_conn import (  # noqa: F401  (RedisTimeoutError re-exported)
-    _CONNECTION_CLASSES,
-    RedisTimeoutError,
+from streaming.store.redis_conn import (
+    CONNECTION_CLASSES,
     RedisUnavailableError,
     classify_redis_error,
     parse_redis_url,
@@ -145,7 +144,7 @@ class RedisBackend(Closing):
         self._bulk_limit: int | None = None  # proto-max-bulk-len, read at the first write
         self._client = redis.Redis.from_url(
             url,
-            connection_class=_CONNECTION_CLASSES[urlparse(url).scheme or "redis"],
+            connection_class=CONNECTION_CLASSES[urlparse(url).scheme or "redis"],
             socket_timeout=self.socket_timeout_s,
             socket_connect_timeout=float(connect_timeout_s),
             socket_read_size=SOCKET_READ_SIZE,

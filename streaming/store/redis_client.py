@@ -89,11 +89,11 @@ class RedisStoreClient(Closing):
         """Prefetching reads of chunks [(level, index), ...] of write generation `gen` (a
         manifest's .gen; None: the current entry's) in order: yields FetchedValue (key,
         data or None, fetch_s, wait_s); see RedisBackend.get_many_iter."""
-        from streaming.store.format import _chunk_key
+        from streaming.store.format import chunk_key
 
         if gen is None:
             gen = self.store.current_gen(key) or None
-        return self.backend.get_many_iter([_chunk_key(key, lv, i, gen) for lv, i in plan], depth,
+        return self.backend.get_many_iter([chunk_key(key, lv, i, gen) for lv, i in plan], depth,
                                           with_timing=True)
 
     # write steps and entry maintenance (streaming.store.save_steps, KVStore)
@@ -101,9 +101,9 @@ class RedisStoreClient(Closing):
         return self.store.current_gen(key)
 
     def manifest_raw(self, key: str) -> bytes | None:
-        from streaming.store.format import _manifest_key
+        from streaming.store.format import manifest_key
 
-        return self.backend.get(_manifest_key(key))
+        return self.backend.get(manifest_key(key))
 
     def publish_atomic(self, man: dict, chunks: dict, base_raw: bytes | None) -> None:
         """Chunks (under man["gen"]) and manifest in one Lua script, if the key still holds
@@ -117,14 +117,14 @@ class RedisStoreClient(Closing):
         import json
 
         from streaming.errors import StoreRaceLostError
-        from streaming.store.format import _chunk_key, _manifest_key, abort_marker_key
-        from streaming.store.steps import OUTCOME_UNKNOWN
+        from streaming.store.format import chunk_key, manifest_key, abort_marker_key
+        from streaming.store.kv import OUTCOME_UNKNOWN
 
         key, gen = man["key"], man["gen"]
         blob = json.dumps(man).encode("utf-8")
-        items = [(_chunk_key(key, lv, i, gen), bytes(c)) for lv in man["levels"]
-                 for i, c in enumerate(chunks[lv])] + [(_manifest_key(key, gen), blob)]
-        mk, abort = _manifest_key(key), abort_marker_key(key, gen)
+        items = [(chunk_key(key, lv, i, gen), bytes(c)) for lv in man["levels"]
+                 for i, c in enumerate(chunks[lv])] + [(manifest_key(key, gen), blob)]
+        mk, abort = manifest_key(key), abort_marker_key(key, gen)
         try:
             if self.backend.publish_many(mk, base_raw, blob, items, abort_key=abort):
                 return
@@ -136,12 +136,12 @@ class RedisStoreClient(Closing):
         self._settle(key, gen, race)
 
     def _settle(self, key: str, gen: str, err: BaseException) -> None:
-        """streaming.store.steps.settle over Redis: nothing to delete (an unpublished
+        """streaming.store.kv.settle over Redis: nothing to delete (an unpublished
         script wrote nothing), the question asked with RedisBackend.settle_publish."""
-        from streaming.store.format import _manifest_key, abort_marker_key
-        from streaming.store.steps import settle
+        from streaming.store.format import manifest_key, abort_marker_key
+        from streaming.store.kv import settle
 
-        mk, abort = _manifest_key(key), abort_marker_key(key, gen)
+        mk, abort = manifest_key(key), abort_marker_key(key, gen)
         settle(lambda k, g, levels, n: self.backend.settle_publish(mk, abort, g), key, gen, [], 0, err)
 
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
@@ -195,7 +195,7 @@ class RedisStoreClient(Closing):
         streaming.errors.StoreError subclass when Redis refuses or fails (then no new
         entry is visible)."""
         from streaming.store.format import build_manifest
-        from streaming.store.steps import run_steps, save_steps
+        from streaming.store.kv import run_steps, save_steps
 
         key, man = build_manifest(model_id, weights_hash, codec_tag, token_ids, chunks, token_ranges,
                                   meta, identity)

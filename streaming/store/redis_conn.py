@@ -67,7 +67,7 @@ class _ProgressSendMixin:
             raise
 
 
-_CONNECTION_CLASSES = {
+CONNECTION_CLASSES = {
     scheme: type(f"Progress{base.__name__}", (_ProgressSendMixin, base), {})
     for scheme, base in (("redis", redis.connection.Connection),
                          ("rediss", redis.connection.SSLConnection),

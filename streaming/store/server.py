@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 from streaming.store.backend import StoreBackend
 from streaming.errors import ProtocolError, StoreError, StoreTooLargeError
 from streaming.store.protocol import ConnectionClosed, recv_frame, send_frame
-from streaming.store.protocol_frame import DEFAULT_MAX_BODY, DEFAULT_MAX_META, FrameTooLarge, FrameType
+from streaming.store.protocol import DEFAULT_MAX_BODY, DEFAULT_MAX_META, FrameTooLarge, FrameType
 from streaming.store.client import StoreClient
-from streaming.store.format import _ANY
+from streaming.store.format import ANY_BASE
 from streaming.store.kv import KVStore
 
 # --------------------------------------------------------------------------- server
@@ -124,7 +124,7 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
                          meta.get("gen"))
             return FrameType.OK, {}, b""
         if ftype == FrameType.PUT_MANIFEST:
-            base = meta.get("base_gen") if meta.get("has_base") else _ANY
+            base = meta.get("base_gen") if meta.get("has_base") else ANY_BASE
             with self._publish_lock:  # the server serialises publishes
                 m = st.put_manifest(meta.get("manifest"), base)
             return FrameType.OK, {"key": m.key}, b""

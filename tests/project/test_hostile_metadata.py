@@ -349,7 +349,7 @@ def test_manifest_over_the_size_bound_is_refused(tmp_path):
 @pytest.mark.parametrize("doc", [*DEEP_DOCS.values(), _deep_objects(33), "[1]", "1", '"x"', "NaN"])
 def test_frame_metadata_refuses_hostile_json(doc):
     from streaming.errors import ProtocolError
-    from streaming.store.protocol_frame import FrameType, decode_frame, encode_header, parse_meta
+    from streaming.store.protocol import FrameType, decode_frame, encode_header, parse_meta
 
     mb = doc.encode()
     with pytest.raises(ProtocolError, match="frame metadata"):
@@ -360,7 +360,7 @@ def test_frame_metadata_refuses_hostile_json(doc):
 
 def test_frame_metadata_over_the_bound_is_refused():
     from streaming.errors import ProtocolError
-    from streaming.store.protocol_frame import parse_meta
+    from streaming.store.protocol import parse_meta
 
     with pytest.raises(ProtocolError, match="over the 10-byte limit"):
         parse_meta(b'{"a": "123456789"}', max_meta=10)

@@ -249,58 +249,8 @@ ALLOW_PRIVATE: dict[str, list[str]] = {
     'scripts/kvtc_tune.py': [
         'codec.api._encode_one'
     ],
-    'streaming/adapt/__init__.py': [
-        'streaming.adapt.oracle._pareto'
-    ],
-    'streaming/identity_check.py': [
-        'streaming.identity_entry._INT_FIELDS', 'streaming.identity_entry._STR_FIELDS'
-    ],
-    'streaming/link/__init__.py': [
-        'streaming.link.cleanup._LIVE', 'streaming.link.cleanup._install_handlers',
-        'streaming.link.cleanup._kill_ns_pids', 'streaming.link.proxy._ShapingProxy',
-        'streaming.link.rules._LOCK_PATH', 'streaming.link.rules._METHOD_ALIASES',
-        'streaming.link.rules._NS_RE', 'streaming.link.rules._VETH_RE',
-        'streaming.link.rules._check_rate', 'streaming.link.rules._pick_subnet',
-        'streaming.link.rules._pid_alive', 'streaming.link.rules._run',
-        'streaming.link.rules._used_networks'
-    ],
-    'streaming/link/cleanup.py': [
-        'streaming.link.rules._NS_RE', 'streaming.link.rules._VETH_RE', 'streaming.link.rules._pid_alive',
-        'streaming.link.rules._run'
-    ],
-    'streaming/store/backend.py': [
-        'streaming.store.folder._OBJ_HEAD', 'streaming.store.folder._OBJ_MAGIC',
-        'streaming.store.folder._check_key'
-    ],
-    'streaming/store/client.py': [
-        'streaming.store.format._ANY'
-    ],
-    'streaming/store/kv.py': [
-        'streaming.store.format._ANY', 'streaming.store.format._cal_key',
-        'streaming.store.format._check_gen', 'streaming.store.format._check_hex_key',
-        'streaming.store.format._chunk_digest', 'streaming.store.format._chunk_key',
-        'streaming.store.format._manifest_key', 'streaming.store.format._parse_gen'
-    ],
-    'streaming/store/protocol.py': [
-        'streaming.store.protocol_frame._VALID_TYPES'
-    ],
-    'streaming/store/redis_backend.py': [
-        'streaming.store.redis_conn._CONNECTION_CLASSES'
-    ],
-    'streaming/store/redis_client.py': [
-        'streaming.store.format._chunk_key', 'streaming.store.format._manifest_key'
-    ],
-    'streaming/store/redis_server.py': [
-        'streaming.store.redis_setup._DIR_PREFIX', 'streaming.store.redis_setup._pdeathsig_preexec'
-    ],
-    'streaming/store/server.py': [
-        'streaming.store.format._ANY'
-    ],
-    'streaming/store/steps.py': [
-        'streaming.store.format._check_gen', 'streaming.store.format._parse_gen'
-    ],
     'third_party/vllm/source_local.py': [
-        'streaming.store.steps._calibration_bytes', 'third_party.vllm.source_base._identity_miss',
+        'streaming.store.kv._calibration_bytes', 'third_party.vllm.source_base._identity_miss',
         'third_party.vllm.source_base._matched_tokens'
     ],
     'third_party/vllm/source_store.py': [
@@ -361,23 +311,6 @@ ALLOW_FORWARDED: dict[str, list[str]] = {
     ],
     'codec/window.py': [
         'layout_tag', 'min_load_tokens', 'parse_layout_tag', 'stored_fraction'
-    ],
-    'streaming/identity.py': [
-        'EntryIdentity', 'IDENTITY_FORMAT', 'TOKENIZER_FILES', 'check_entry', 'codec_config_hash',
-        'codec_identity', 'codec_version', 'folder_tokenizer_hash', 'folder_weights_hash',
-        'merge_expected', 'model_identity'
-    ],
-    'streaming/store/backend.py': [
-        'MAX_KEY_BYTES', '_OBJ_HEAD', '_OBJ_MAGIC', '_check_key', 'classify_os_error'
-    ],
-    'streaming/store/protocol.py': [
-        'FrameTooLarge', 'FrameType', 'HEADER', 'MAGIC', '_VALID_TYPES', 'decode_frame', 'encode_frame'
-    ],
-    'streaming/store/redis_backend.py': [
-        'RedisTimeoutError'
-    ],
-    'streaming/store/redis_server.py': [
-        'redis_server_version'
     ],
     'third_party/lmcache/serde.py': [
         'BITS_PER_ELEMENT', 'CONTAINER_SLACK', 'DEFAULT_SLOT_RATIO', 'DTYPES', 'FRAME_MAGIC',

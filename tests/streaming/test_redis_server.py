@@ -22,7 +22,7 @@ needs_redis = pytest.mark.skipif(
 )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -79,7 +79,7 @@ def test_config_and_lifecycle():
         assert c.ping()
         c.close()
         pid, folder = a.pid, a.dir
-    assert not _pid_alive(pid), "redis-server still running after the context exit"
+    assert not pid_alive(pid), "redis-server still running after the context exit"
     assert not folder.exists(), "data folder left behind"
 
 
@@ -88,7 +88,7 @@ def test_kill_and_stop():
     srv = RedisServer().start()
     pid, folder = srv.pid, srv.dir
     srv.kill()
-    assert not srv.running() and not _pid_alive(pid)
+    assert not srv.running() and not pid_alive(pid)
     assert folder.exists()  # kept for post-mortem until stop()
     srv.stop()
     assert not folder.exists()
@@ -153,7 +153,7 @@ def test_inside_link_namespace_by_argv_prefix():
                 b.put("k", b"v" * 1000)
                 assert b.get("k") == b"v" * 1000
             pid = srv.pid
-        assert not _pid_alive(pid)
+        assert not pid_alive(pid)
         # loopback of the root namespace does not reach it
         with RedisServer(link=link) as srv2:
             with pytest.raises(OSError):
@@ -185,16 +185,16 @@ def test_server_does_not_outlive_a_killed_harness(tmp_path):
                                text=True, env=env)
     try:
         pid = int(harness.stdout.readline())
-        assert _pid_alive(pid)
+        assert pid_alive(pid)
     finally:
         harness.kill()
         harness.wait()
     import time
 
     deadline = time.monotonic() + 10
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = _pid_alive(pid)
+    alive = pid_alive(pid)
     if alive:
         os.kill(pid, 9)
     assert not alive, "redis-server outlived its harness"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import standin
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.load import stream_load
 from streaming.store.redis_backend import (
     RedisUnavailableError,

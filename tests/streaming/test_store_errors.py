@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from streaming import errors  # the classes under test: errors.Store*Error
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.store.redis_server import RedisServer, find_redis_server, free_port
 from streaming.store import KVStoreServer, StoreClient
 
@@ -193,7 +193,8 @@ def test_redis_unreachable():
 
 @needs_redis
 def test_redis_stalled_server_is_timeout_without_progress(stalled_server):
-    from streaming.store.redis_backend import RedisBackend, RedisTimeoutError
+    from streaming.store.redis_backend import RedisBackend
+    from streaming.store.redis_conn import RedisTimeoutError
 
     h, p = stalled_server
     b = RedisBackend(f"redis://{h}:{p}/0", socket_timeout_s=0.5, check=False)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import codec
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.load import stream_load
 from streaming.errors import StoreRaceLostError
 from streaming.store.redis_server import RedisServer, find_redis_server
@@ -244,7 +244,7 @@ def test_redis_writer_dies_mid_command(tmp_path):
     import socket
 
     from streaming.store.redis_backend import RedisBackend
-    from streaming.store.format import _chunk_key, _manifest_key, abort_marker_key
+    from streaming.store.format import chunk_key, manifest_key, abort_marker_key
 
     s = _Redis(tmp_path)
     try:
@@ -254,9 +254,9 @@ def test_redis_writer_dies_mid_command(tmp_path):
         _, man, chunks = entry(ids, 64, 2)
         man = dict(man, gen="cd" * 16)
         blob = json.dumps(man).encode()
-        items = [(_chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
-        items.append((_manifest_key(key, man["gen"]), blob))
-        keys = [b"cg:" + _manifest_key(key).encode(), b"cg:" + abort_marker_key(key, man["gen"]).encode()] + \
+        items = [(chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
+        items.append((manifest_key(key, man["gen"]), blob))
+        keys = [b"cg:" + manifest_key(key).encode(), b"cg:" + abort_marker_key(key, man["gen"]).encode()] + \
             [b"cg:" + k.encode() for k, _ in items]
         base = c.manifest_raw(key)
         args = [b"EVAL", RedisBackend._PUBLISH_LUA.encode(), str(len(keys)).encode(), *keys,

@@ -25,7 +25,7 @@ from streaming.identity import (
     folder_weights_hash,
     merge_expected,
 )
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError
 from streaming.store import KVStoreServer, Manifest, StoreClient, entry_key
 from streaming.store.redis_server import RedisServer, find_redis_server

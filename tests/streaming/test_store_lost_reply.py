@@ -32,7 +32,7 @@ from collections import Counter
 import pytest
 
 import codec
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError, StoreOutcomeUnknownError
 from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.store import KVStoreServer, StoreClient

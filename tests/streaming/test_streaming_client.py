@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.policy import make_policy
 from bench import standin
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.load import stream_load
 from streaming.link import ShapedLink, netns_available
 from streaming.store.protocol import FrameType, send_frame

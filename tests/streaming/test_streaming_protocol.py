@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streaming.store.backend import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import ProtocolError
 from streaming.store.protocol import (
     HEADER, HEADER_SIZE, MAGIC, ConnectionClosed, FrameType, decode_frame, encode_frame,

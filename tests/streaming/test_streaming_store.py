@@ -7,7 +7,8 @@ import zlib
 import pytest
 
 from bench import standin
-from streaming.store.backend import LocalFolderBackend, StoreBackend, open_backend
+from streaming.store.backend import StoreBackend, open_backend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError
 from streaming.store import KVStore, Manifest, StoreClient, context_key
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.store.context_keys import key_file_name
-from streaming.identity_check import check_entry
-from streaming.identity_entry import EntryIdentity
-from streaming.identity_sources import codec_identity
+from streaming.identity import check_entry
+from streaming.identity import EntryIdentity
+from streaming.identity import codec_identity
 from streaming.store.format import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
 from third_party.vllm.source_base import (
     ChunkSink,
@@ -63,7 +63,7 @@ def _fsync_write(p: Path, data: bytes) -> None:
 def _local_calibration_bytes(h: str, calibrations: dict[str, bytes] | None) -> bytes:
     if calibrations and h in calibrations:
         return calibrations[h]
-    from streaming.store.steps import _calibration_bytes
+    from streaming.store.kv import _calibration_bytes
 
     return _calibration_bytes(h)
 

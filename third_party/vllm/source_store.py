@@ -11,8 +11,8 @@ import logging
 import time
 from typing import Any
 
-from streaming.identity_entry import EntryIdentity
-from streaming.identity_sources import codec_identity
+from streaming.identity import EntryIdentity
+from streaming.identity import codec_identity
 from third_party.vllm.source_base import (
     ChunkSink,
     DecodeFn,

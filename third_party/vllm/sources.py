@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streaming.identity_entry import EntryIdentity
+from streaming.identity import EntryIdentity
 from third_party.vllm.source_base import (  # noqa: F401  (re-exported)
     ChunkSink,
     DecodeFn,

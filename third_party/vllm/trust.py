@@ -186,7 +186,7 @@ def _policy(v: Any) -> dict[str, Any]:
 
 def _identity(v: Any) -> dict[str, Any]:
     # only adds checks (streaming.identity.check_entry): its fields are validated there
-    from streaming.identity_entry import EntryIdentity
+    from streaming.identity import EntryIdentity
 
     if not isinstance(v, dict):
         raise RequestRejected("identity must be an object")
