@@ -36,7 +36,7 @@ import sys
 import threading
 
 from cachegen_common import flags
-from cachegen_common.units import mbps_to_bytes_per_s
+from cachegen_common.units import check_bandwidth_mbps, mbps_to_bytes_per_s
 from streaming.errors import LinkError
 from streaming.link.cleanup import (  # noqa: F401 - re-exported
     LIVE_LINKS,
@@ -50,7 +50,7 @@ from streaming.link.rules import (  # noqa: F401 - re-exported (old import path)
     METHOD_NETNS, METHOD_USERSPACE, METHOD_ALIASES, NS_PREFIX, NS_RE, VETH_RE, LOCK_PATH,
     PACING_QUANTUM, MAX_PACING_QUANTUM, pacing_quantum, TBF_LATENCY_MS, MTU_BYTES,
     TBF_BURST_MIN_BYTES, TBF_BURST_S, default_burst_bytes, USERSPACE_BURST_S,
-    userspace_burst_bytes, check_rate, run_cmd, pid_alive, used_networks, pick_subnet,
+    userspace_burst_bytes, run_cmd, pid_alive, used_networks, pick_subnet,
 )
 
 
@@ -75,7 +75,7 @@ class ShapedLink:
     """
 
     def __init__(self, rate_mbps: float, method: str = "auto", burst_bytes: int | None = None):
-        self.rate_mbps = check_rate(rate_mbps)
+        self.rate_mbps = check_bandwidth_mbps(rate_mbps)
         if method != "auto" and method not in METHOD_ALIASES:
             raise ValueError(f"unknown link method {method!r}: use auto, netns or userspace")
         self.requested_method = method
@@ -243,7 +243,7 @@ class ShapedLink:
         """Change the shaping rate (Mbit/s) now, e.g. during a transfer (tc qdisc change /
         token-bucket rate). Burst follows default_burst_bytes unless fixed at construction."""
         self._require_open()
-        r = check_rate(rate_mbps)
+        r = check_bandwidth_mbps(rate_mbps)
         self.rate_mbps = r
         if self.method == METHOD_NETNS:
             self.burst_bytes = self._fixed_burst or default_burst_bytes(r)

@@ -70,13 +70,6 @@ def userspace_burst_bytes(rate_mbps: float) -> int:
     return max(2 * pacing_quantum(rate_b), int(rate_b * USERSPACE_BURST_S))
 
 
-def check_rate(rate_mbps: float) -> float:
-    r = float(rate_mbps)
-    if not (r > 0 and r < 1e6):
-        raise ValueError(f"rate must be in (0, 1e6) Mbit/s, got {rate_mbps}")
-    return r
-
-
 # --------------------------------------------------------------------------- shell helpers
 def run_cmd(argv: list[str], check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
     try:
