@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "--quick 1)")
     p.add_argument("--slo-s", type=float, help="SLO of the whole KV load, seconds (adaptive mode)")
     p.add_argument("--policy-preset", help="the cachegen-adaptive row's policy parameters: a "
-                   "streaming.adapt_params.PolicyParams preset (default tuned: the one benchmarks/README.md's "
+                   "streaming.adapt.params.PolicyParams preset (default tuned: the one benchmarks/README.md's "
                    "adaptation table reports; default = AdaptivePolicy's own defaults; tuned-dip)")
     p.add_argument("--chunk-tokens", type=int, help="tokens per streamed chunk")
     p.add_argument("--block-tokens", type=int,

@@ -29,13 +29,13 @@ from pathlib import Path
 from cachegen_common.cli import exit_status
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
-from streaming import standin
-from streaming.adapt_params import PolicyInputs
-from streaming.adapt_policy import AdaptivePolicy
-from streaming.client import stream_load
+from bench import standin
+from streaming.adapt.params import PolicyInputs
+from streaming.adapt.policy import AdaptivePolicy
+from streaming.load import stream_load
 from streaming.link import ShapedLink
 from streaming.store import start_store_server
-from streaming.traces import Trace, apply_trace, constant, load_artifact_traces, step
+from streaming.adapt.traces import Trace, apply_trace, constant, load_artifact_traces, step
 
 
 def _calibrate(nbytes: int, target_s: float) -> int:

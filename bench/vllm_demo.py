@@ -32,7 +32,7 @@ from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
 from kv_extraction_hf.prompts import build_prompt
-from streaming.identity_sources import codec_identity, model_identity
+from streaming.identity import codec_identity, model_identity
 from streaming.link import ShapedLink
 from streaming.store import start_store_server
 from third_party.vllm.engine import make_llm, run_one, shutdown_llm

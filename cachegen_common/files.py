@@ -4,10 +4,10 @@
   sees the old file or the new one, never half of one (temporary file in the same folder,
   fsync, ``os.replace``). Every result file is written so (``cachegen_common.header`` re-exports
   these names), and so is every object of the local-folder KV store
-  (``streaming.folder_backend``: its own temporary-name prefix, mode 0600).
+  (``streaming.store.folder``: its own temporary-name prefix, mode 0600).
 - :func:`files_sha256`: the sha256 over a list of files (name + NUL + bytes each), the
   weights hash of a model folder (``kv_extraction_hf.model.weights_hash``,
-  ``streaming.identity_sources.folder_weights_hash``).
+  ``streaming.identity.folder_weights_hash``).
 
 Kept apart from ``cachegen_common.header`` (the environment of a run): these are file mechanics,
 standard library only.

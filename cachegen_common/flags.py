@@ -99,12 +99,21 @@ def add_seed(parser, *, default: Optional[int] = 0, help: Optional[str] = None):
                 help=help or "seed of the prompt / data generators (default %(default)s)")
 
 
+def _bandwidth_arg(text: str) -> float:
+    """argparse type of ``--bandwidth-mbps``: cachegen_common.units.check_bandwidth_mbps."""
+    from cachegen_common.units import check_bandwidth_mbps
+    try:
+        return check_bandwidth_mbps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_bandwidth(parser, *, default: Any = None, nargs: Optional[str] = None,
                   help: Optional[str] = None):
     """``--bandwidth-mbps R [R ...]`` (old: ``--rate-mbps``): link rate(s) in Mbit/s
     (10**6 bits/s); ``nargs="+"`` for a list."""
     kw = {"nargs": nargs} if nargs else {}
-    return _add(parser, "--bandwidth-mbps", "bandwidth_mbps", type=float, default=default,
+    return _add(parser, "--bandwidth-mbps", "bandwidth_mbps", type=_bandwidth_arg, default=default,
                 metavar="MBPS", help=help or "link rate, Mbit/s (default %(default)s)", **kw)
 
 

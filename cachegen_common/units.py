@@ -25,3 +25,24 @@ def goodput_mbps(nbytes: float, seconds: float) -> float:
         ZeroDivisionError: ``seconds`` is 0.
     """
     return nbytes * 8 / seconds / 1e6
+
+
+MAX_BANDWIDTH_MBPS = 100_000.0
+"""The largest link rate any entry point accepts, Mbit/s (100 Gbit/s: above anything tc tbf
+or the userspace token bucket can shape here)."""
+
+
+def check_bandwidth_mbps(bandwidth_mbps: float) -> float:
+    """The one check of a link rate (``--bandwidth-mbps``, the config's ``bandwidth_mbps``,
+    ShapedLink's rate): a finite float in (0, MAX_BANDWIDTH_MBPS] Mbit/s, returned as float.
+
+    Raises:
+        ValueError: not a number, not positive, or above MAX_BANDWIDTH_MBPS.
+    """
+    try:
+        r = float(bandwidth_mbps)
+    except (TypeError, ValueError):
+        raise ValueError(f"bandwidth_mbps must be a number in Mbit/s, got {bandwidth_mbps!r}") from None
+    if not 0 < r <= MAX_BANDWIDTH_MBPS:
+        raise ValueError(f"bandwidth_mbps must be in (0, {MAX_BANDWIDTH_MBPS:g}] Mbit/s, got {bandwidth_mbps!r}")
+    return r

@@ -14,7 +14,7 @@ from harness.config import RunConfig
 from harness.contexts import BenchmarkError, Context, log
 from harness.engines.api import RequestTiming
 from harness.engines.hf import HFEngine, hf_load
-from streaming import traces as T
+from streaming.adapt import traces as T
 
 TRACES = ("constant", "step", "artifact")
 
@@ -31,10 +31,10 @@ def slo_violated(t: RequestTiming, slo_s: float, prefill_tps: float) -> bool:
 
 
 def load_traces(names: tuple[str, ...], n_chunks: int, rates: tuple[float, ...]) -> list:
-    """Bandwidth traces (streaming.traces.Trace, Mbit/s per chunk) of ``n_chunks`` chunks:
+    """Bandwidth traces (streaming.adapt.traces.Trace, Mbit/s per chunk) of ``n_chunks`` chunks:
     ``constant`` at the highest rate, ``step`` high -> low -> high (thirds), and
     ``artifact``, the CacheGen artifact's first recorded trace (scaled, see
-    streaming.traces; skipped with a warning when its file is unavailable).
+    streaming.adapt.traces; skipped with a warning when its file is unavailable).
 
     Raises:
         BenchmarkError: an unknown trace name.

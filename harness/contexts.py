@@ -25,7 +25,7 @@ from harness.config import RunConfig
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.prompts import build_prompt
-from streaming.identity_sources import codec_identity, model_identity
+from streaming.identity import codec_identity, model_identity
 
 KV_MODES = ("raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "kvtc")
 """Modes whose request loads KV from the store (``text`` prefills; the adaptive mode

@@ -41,8 +41,8 @@ from harness.results import ResultsWriter, environment, print_summary, run_recor
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.model import load_model
 from streaming.link import ShapedLink
-from streaming.link_cleanup import cleanup_stale
-from streaming.redis_setup import cleanup_stale_dirs
+from streaming.link.cleanup import cleanup_stale
+from streaming.store.redis_server import cleanup_stale_dirs
 from streaming.store import start_store_server
 
 FILL_RATE_MBPS = 10_000.0  # link rate while filling the store: not measured, so not throttled
@@ -217,7 +217,7 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     backend = cfg.store or str(tmp / "store")
     if backend == "redis":
         # a real redis-server (Debian's) started beside the store server, behind the link
-        from streaming.redis_server import RedisServer
+        from streaming.store.redis_server import RedisServer
 
         backend = stack.enter_context(RedisServer(link=link)).direct_url
     elif backend.startswith("redis://") and link.method != "userspace-tokenbucket":

@@ -6,7 +6,7 @@ Tuning requests (simulated with streaming.adapt.simulate and the level table + c
 calibration of an earlier bench.adapt output):
 * generated: the artifact's generated traces (not the recorded ones), --offsets (5) cyclic
   offsets each;
-* synthetic: streaming.traces.synthetic_uniform(n, 40, seed=1) (i.i.d. uniform 10-1000 Mbit/s
+* synthetic: streaming.adapt.traces.synthetic_uniform(n, 40, seed=1) (i.i.d. uniform 10-1000 Mbit/s
   per chunk), --offsets each;
 * markov: 40 traces of a two-state (good/bad) Markov-modulated link, seed 2 (synthetic_markov
   below): a good state uniform in [200, 1000] Mbit/s, a bad state log-uniform in [10, 100]
@@ -16,7 +16,7 @@ calibration of an earlier bench.adapt output):
 * floor: 40 traces, each with its own floor (synthetic_floor below), seed 3; --offsets each;
 * constant 10/100/1000 Mbit/s and the two steps 1000 <-> 10 Mbit/s.
 For each candidate setting (field overrides of the "tuned" PolicyParams preset,
-streaming.adapt_params) it reports, per SLO, the adaptive
+streaming.adapt.params) it reports, per SLO, the adaptive
 policy's violation rate against the oracle's and its mean KL (all loads and met loads)
 against the best fixed level (or text) at no more violations - the two goals of docs/streaming.md section 4,
 judged the way bench.adapt.goals judges the evaluation set - and picks the candidate by the
@@ -47,10 +47,10 @@ from bench import adapt as B  # noqa: E402
 from cachegen_common import flags  # noqa: E402
 from cachegen_common.files import atomic_write_json  # noqa: E402
 from cachegen_common.units import mbps_to_bytes_per_s  # noqa: E402
-from streaming.adapt_oracle import oracle, oracle_labels  # noqa: E402
-from streaming.adapt_policy import FixedPolicy  # noqa: E402
-from streaming.adapt_simulate import simulate  # noqa: E402
-from streaming.traces import Trace, artifact_generated, constant, synthetic_uniform  # noqa: E402
+from streaming.adapt.oracle import oracle, oracle_labels  # noqa: E402
+from streaming.adapt.policy import FixedPolicy  # noqa: E402
+from streaming.adapt.simulate import simulate  # noqa: E402
+from streaming.adapt.traces import Trace, artifact_generated, constant, synthetic_uniform  # noqa: E402
 
 SLOS = (0.5, 1.0, 2.0, 4.0)
 

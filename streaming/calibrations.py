@@ -2,7 +2,7 @@
 entry encoded with calibration H decodes on a machine that never fitted H, because the
 store serves H's artifact beside the entry (content-addressed, verified by its hash).
 
-Used by streaming.client.stream_load and the vLLM connector's local source. Not runnable.
+Used by streaming.load.stream_load and the vLLM connector's local source. Not runnable.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ What runs:
    on this CPU); the HF prefill speed of the same context is measured too.
 2. Real link (`--real`, default on): streaming.link.ShapedLink (netns + tc tbf as root,
    else the userspace token bucket) with the KV store server; the store holds stand-in
-   chunks (streaming.standin) of exactly the real per-level sizes, and the decoder does real
+   chunks (bench.standin) of exactly the real per-level sizes, and the decoder does real
    CPU work (SHA-256 rounds) calibrated to the measured per-level decode time. The shaper
-   follows each trace chunk by chunk (streaming.traces.apply_trace); the AdaptivePolicy
-   runs unmodified through streaming.client.stream_load (abandon on overrun included).
+   follows each trace chunk by chunk (streaming.adapt.traces.apply_trace); the AdaptivePolicy
+   runs unmodified through streaming.load.stream_load (abandon on overrun included).
    Text chunks are charged tokens / prefill speed after the load (not executed: no model).
 3. Simulation: the same policy code driven by streaming.adapt.simulate (ClockModel:
    bytes/rate + a per-request overhead and manifest time calibrated from the real runs,
@@ -57,8 +57,8 @@ from cachegen_common import flags
 from cachegen_common.config_file import CONFIGS, parse_with_config
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
-from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
-from streaming.traces import GENERATOR_SEED
+from streaming.adapt.params import DEFAULT_PRESET, POLICY_PRESETS, preset as policy_preset
+from streaming.adapt.traces import GENERATOR_SEED
 from bench.adapt.sim import (
     SLOS, ISSUE_ALL_TEXT_S, measure_level_table, load_quality, start_offsets, trace_sets,
     TUNING, simulate_all,
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "20 requests; the simulation's figures are compared on the same requests)")
     ap.add_argument("--offset-seed", type=int, default=0, help="seed of the start offsets drawn")
     ap.add_argument("--policy-preset", choices=sorted(POLICY_PRESETS), default=DEFAULT_PRESET,
-                    help="the adaptive policy's parameters: a preset of streaming.adapt_params.PolicyParams "
+                    help="the adaptive policy's parameters: a preset of streaming.adapt.params.PolicyParams "
                          f"(default {DEFAULT_PRESET}: chosen on the tuning traces; 'default': AdaptivePolicy's "
                          "own defaults); recorded as config.policy_preset")
     ap.add_argument("--dip-reserve", action="store_true",
@@ -264,7 +264,7 @@ def _main(argv: list[str] | None = None) -> int:
                        "policy_preset": preset, "policy": policy_preset(preset).as_dict(), "tuning": TUNING,
                        "held_out": {"trace_set": "artifact-generator",
                                     "traces": len(sets.get("artifact-generator", [])), "seed": a.generator_seed,
-                                    "generator": "streaming.traces.artifact_generator: iid uniform 0.1-10 Gbit/s "
+                                    "generator": "streaming.adapt.traces.artifact_generator: iid uniform 0.1-10 Gbit/s "
                                                  "per chunk (the CacheGen artifact's description of its traces) "
                                                  "x 1000 x trace_scale -> Mbit/s; one request per trace",
                                     "note": "an evaluation set: its seed is used by no tuning set (tuning seeds "

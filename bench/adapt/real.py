@@ -1,6 +1,6 @@
 """The real half of ``python -m bench.adapt``: the adaptive policy on the real shaped link
 (:func:`run_real`: streaming.link.ShapedLink, the KV store server, stand-in chunks of the
-real per-level sizes and a decoder doing calibrated CPU work, streaming.client.stream_load
+real per-level sizes and a decoder doing calibrated CPU work, streaming.load.stream_load
 unmodified) and its comparison with the simulation on the same requests
 (:func:`sim_vs_real`). Separate from bench/adapt/cli.py (the command) and bench/adapt/sim.py
 (the clock-model simulation) because it needs the link and the store.
@@ -13,10 +13,10 @@ import time
 
 from bench.adapt.sim import TableManifest, request_row, clock_model, make_adaptive
 from cachegen_common.units import mbps_to_bytes_per_s
-from streaming import standin
+from bench import standin
 from streaming.adapt import oracle
-from streaming.adapt_params import DEFAULT_PRESET
-from streaming.traces import Trace, apply_trace
+from streaming.adapt.params import DEFAULT_PRESET
+from streaming.adapt.traces import Trace, apply_trace
 
 
 def _calibrate_rounds(nbytes: int, target_s: float) -> int:
@@ -32,7 +32,7 @@ def run_real(table, traces: list[tuple[str, Trace]], slo: float, prefill_tps: fl
              method: str, log=print, extra_cases=(), preset: str = DEFAULT_PRESET) -> tuple[list, list, dict, dict]:
     """The adaptive policy on the real shaped link for each (set, trace) at `slo`.
     Returns (request rows, timelines, link description, calibration)."""
-    from streaming.client import stream_load
+    from streaming.load import stream_load
     from streaming.link import ShapedLink
     from streaming.store import start_store_server
 

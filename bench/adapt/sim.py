@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 from cachegen_common.units import mbps_to_bytes_per_s
-from streaming.adapt_model import ClockModel
-from streaming.adapt_oracle import oracle, oracle_labels
-from streaming.adapt_policy import AdaptivePolicy, FixedPolicy
-from streaming.adapt_simulate import simulate
-from streaming.adapt_params import DEFAULT_PRESET, POLICY_PRESETS, PolicyInputs, preset as policy_preset
-from streaming.traces import (
+from streaming.adapt.clock import ClockModel
+from streaming.adapt.oracle import oracle, oracle_labels
+from streaming.adapt.policy import AdaptivePolicy, FixedPolicy
+from streaming.adapt.simulate import simulate
+from streaming.adapt.params import DEFAULT_PRESET, POLICY_PRESETS, PolicyInputs, preset as policy_preset
+from streaming.adapt.traces import (
     GENERATOR_SEED, Trace, artifact_generated, artifact_generator, artifact_recorded, constant,
     synthetic_uniform,
 )
@@ -125,7 +125,7 @@ def trace_sets(n: int, scale: float, quick: bool, synthetic: int = 40, offsets: 
     """The trace sets of the sweep (Mbit/s per chunk). `offsets`: requests per recorded trace
     of the artifact (recorded and generated), each starting at another cyclic offset
     (start_offsets(len, offsets, seed)): 10 traces x 10 offsets = 100 requests per SLO.
-    `generator`: traces of the held-out set "artifact-generator" (streaming.traces.
+    `generator`: traces of the held-out set "artifact-generator" (streaming.adapt.traces.
     artifact_generator: the artifact's own generator, i.i.d. uniform 0.1-10 Gbit/s per chunk x
     scale, seed `generator_seed`, one request per trace; 0 leaves the set out; 10 with quick)."""
     rec = artifact_recorded(scale)
@@ -168,7 +168,7 @@ def clock_model(table: dict, prefill_tps: float, inject_s_per_token: float, over
 
 
 # The benchmark's adaptive policy is a preset of the ONE policy object
-# streaming.adapt_params.PolicyParams: "tuned" by default (DEFAULT_PRESET, chosen
+# streaming.adapt.params.PolicyParams: "tuned" by default (DEFAULT_PRESET, chosen
 # on the TUNING traces below), "tuned-dip" with --dip-reserve, any preset with --policy-preset.
 # The constants and comments below are the record of how "tuned" was chosen.
 SLO_MARGIN = POLICY_PRESETS["tuned"].slo_margin  # PolicyParams.slo_margin (its default)
@@ -201,12 +201,12 @@ SLO_RESERVE_S = POLICY_PRESETS["tuned"].slo_reserve_s  # 0.3
 DIP_RESERVE = {"dip_chunks": 5, "dip_min_samples": 3}  # = preset "tuned-dip" minus "tuned"
 assert POLICY_PRESETS["tuned-dip"] == POLICY_PRESETS["tuned"].with_(**DIP_RESERVE)
 # Early abandon from the bytes received (AdaptivePolicy.should_abandon, checked every
-# 64 KiB as streaming.client does) and the cut transfer's bytes/time as a provisional sample;
+# 64 KiB as streaming.load does) and the cut transfer's bytes/time as a provisional sample;
 # early_min_bytes is the estimator's sample floor max(64 KiB, 4 shaper bursts) (the burst rule
 # of the link estimator, not tuned). Compared on the same TUNING requests only (TUNING["round5"]).
 TUNING = {"evaluation_trace_set": "artifact",
           "tuning_trace_sets": ["generated", "synthetic"],
-          "synthetic": "streaming.traces.synthetic_uniform(n_chunks, 40, seed=1): iid uniform 10-1000 Mbit/s",
+          "synthetic": "streaming.adapt.traces.synthetic_uniform(n_chunks, 40, seed=1): iid uniform 10-1000 Mbit/s",
           "tuned": {"slo_reserve_s": SLO_RESERVE_S, "slo_margin": SLO_MARGIN, "robust": False, "min_plan_frac": 0.3},
           "grid": {"slo_reserve_s": [0.0, 0.25, 0.3, 0.35], "slo_margin": [0.05, 0.1, 0.2, 0.3],
                    "window": [3, 5, 8], "max_discount": [1.0, 2.0]},

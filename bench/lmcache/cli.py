@@ -212,7 +212,7 @@ def run_sizes(ctxs, chunk: int, cal: Optional[str], use_redis: bool, repeats: in
     backends = ["fs"] + (["redis"] if use_redis else [])
     srv = None
     if use_redis:
-        from streaming.redis_server import RedisServer
+        from streaming.store.redis_server import RedisServer
 
         srv = RedisServer().__enter__()
     rows = []

@@ -35,7 +35,7 @@ def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunCo
     docs/vllm-connector.md) of ``var`` on ``ctx``; None for text mode (plain prefill).
 
     The adaptive mode gets a ``policy`` (``preset``: cfg.policy_preset, a
-    streaming.adapt_params.PolicyParams preset; SLO in seconds, the engine's measured
+    streaming.adapt.params.PolicyParams preset; SLO in seconds, the engine's measured
     prefill speed in tokens/s, the link rate in Mbit/s as the first throughput estimate);
     the other modes a fixed ``level``.
     """

@@ -1,13 +1,13 @@
 """The goals' statistics in bench.adapt: the paired cluster bootstrap of
 (adaptive - reference) differences, goals() per trace set with its intervals, and the
-held-out artifact-generator traces (streaming.traces.artifact_generator)."""
+held-out artifact-generator traces (streaming.adapt.traces.artifact_generator)."""
 
 import numpy as np
 import pytest
 
 from bench import adapt as B
 from bench.adapt import stats as adapt_stats
-from streaming.traces import GENERATOR_SEED, artifact_generator, synthetic_uniform
+from streaming.adapt.traces import GENERATOR_SEED, artifact_generator, synthetic_uniform
 
 
 def _q(trace, violated, kl=None, policy="adaptive", slo=1.0, ts="artifact"):

@@ -248,7 +248,7 @@ def test_vllm_store_identity_matches_the_engine_for_any_checkpoint_dtype(tmp_pat
     the engine's dtype: the entry the harness writes is one the connector serves (dtype,
     shape, weights and tokenizer hashes), whatever the checkpoint's dtype, window or layers."""
     from streaming.identity import check_entry
-    from streaming.identity_sources import codec_identity, model_identity
+    from streaming.identity import codec_identity, model_identity
     from third_party.vllm.sources.base import expected_identity
     from harness.engines.numerics import ENGINE_DTYPE, extraction_dtype
 

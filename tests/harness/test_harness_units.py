@@ -24,7 +24,7 @@ from harness.engines import RequestTiming, merge_decisions, request_params, timi
 from harness.lifecycle import Terminated
 from harness.quality import score_output
 from harness.results import ResultsWriter, run_record, summary_table, validate
-from streaming.traces import Trace
+from streaming.adapt.traces import Trace
 
 
 def _timing(**kw) -> RequestTiming:

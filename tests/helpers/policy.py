@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from streaming.adapt_params import PolicyInputs, PolicyParams
-from streaming.adapt_policy import AdaptivePolicy
+from streaming.adapt.params import PolicyInputs, PolicyParams
+from streaming.adapt.policy import AdaptivePolicy
 
 _INPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyInputs))
 

@@ -32,7 +32,7 @@ from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
 from kv_extraction_hf.prompts import build_prompt
-from streaming.identity_sources import codec_identity, model_identity
+from streaming.identity import codec_identity, model_identity
 from third_party.vllm.engine import make_llm, shutdown_llm
 from third_party.vllm.sources import save_local_context
 

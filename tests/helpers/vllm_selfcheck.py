@@ -29,7 +29,7 @@ from kv_extraction_hf.model import load_model
 from kv_extraction_hf.prompts import build_prompt
 from streaming.store import start_store_server
 from third_party.vllm.engine import make_llm, shutdown_llm
-from streaming.identity_sources import codec_identity, model_identity
+from streaming.identity import codec_identity, model_identity
 from third_party.vllm.sources import save_local_context
 
 

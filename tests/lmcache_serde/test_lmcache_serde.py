@@ -404,7 +404,7 @@ def test_fs_corrupted_object_is_a_miss(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def redis_srv():
-    from streaming.redis_server import RedisServer, find_redis_server
+    from streaming.store.redis_server import RedisServer, find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not installed (bash scripts/setup.sh installs it)")

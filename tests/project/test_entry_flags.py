@@ -50,7 +50,7 @@ ENTRIES = [
     ("streaming.link", "main", [], {"--bandwidth-mbps", "--link-method"},
      [(["--rate-mbps", "5", "--method", "userspace"],
        ["--bandwidth-mbps", "5", "--link-method", "userspace"])]),
-    ("streaming.redis_server", "main", [], set(), []),
+    ("streaming.store.redis_server", "main", [], set(), []),
     ("streaming.store", "main", ["serve"], set(), []),
     ("kv_extraction_hf.__main__", "main", [],
      {"--model", "--context-tokens", "--seed", "--out", "--data-path"},

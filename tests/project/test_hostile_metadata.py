@@ -280,8 +280,8 @@ HOSTILE_MANIFESTS = {
 
 @pytest.fixture
 def store_server(tmp_path):
-    from streaming.folder_backend import LocalFolderBackend
-    from streaming.store_server import KVStoreServer
+    from streaming.store.folder import LocalFolderBackend
+    from streaming.store.server import KVStoreServer
 
     srv = KVStoreServer(LocalFolderBackend(tmp_path / "store"))
     srv.start_thread()
@@ -292,7 +292,7 @@ def store_server(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_MANIFESTS))
 def test_store_reads_a_hostile_manifest_as_a_miss(store_server, name):
-    from streaming import standin
+    from bench import standin
     from streaming.store import StoreClient
 
     chunks = {1: [standin.make_chunk(1000 + i, seed=i) for i in range(2)]}
@@ -317,10 +317,10 @@ def test_store_reads_a_hostile_manifest_as_a_miss(store_server, name):
     ("chunk_count", "two"), ("key", 5),
 ])
 def test_store_reads_a_manifest_with_wrong_types_as_a_miss(tmp_path, field, value):
-    from streaming import standin
-    from streaming.folder_backend import LocalFolderBackend
-    from streaming.store_format import build_manifest
-    from streaming.store_kv import KVStore
+    from bench import standin
+    from streaming.store.folder import LocalFolderBackend
+    from streaming.store.format import build_manifest
+    from streaming.store.kv import KVStore
 
     st = KVStore(LocalFolderBackend(tmp_path))
     chunks = {1: [standin.make_chunk(1000 + i, seed=i) for i in range(2)]}
@@ -337,7 +337,7 @@ def test_store_reads_a_manifest_with_wrong_types_as_a_miss(tmp_path, field, valu
 
 def test_manifest_over_the_size_bound_is_refused(tmp_path):
     from streaming.errors import StoreError
-    from streaming.store_format import MAX_MANIFEST_BYTES, manifest_json
+    from streaming.store.format import MAX_MANIFEST_BYTES, manifest_json
 
     with pytest.raises(StoreError, match="over the .*-byte limit"):
         manifest_json(b"{" + b" " * MAX_MANIFEST_BYTES + b"}")
@@ -349,7 +349,7 @@ def test_manifest_over_the_size_bound_is_refused(tmp_path):
 @pytest.mark.parametrize("doc", [*DEEP_DOCS.values(), _deep_objects(33), "[1]", "1", '"x"', "NaN"])
 def test_frame_metadata_refuses_hostile_json(doc):
     from streaming.errors import ProtocolError
-    from streaming.protocol_frame import FrameType, decode_frame, encode_header, parse_meta
+    from streaming.store.protocol import FrameType, decode_frame, encode_header, parse_meta
 
     mb = doc.encode()
     with pytest.raises(ProtocolError, match="frame metadata"):
@@ -360,7 +360,7 @@ def test_frame_metadata_refuses_hostile_json(doc):
 
 def test_frame_metadata_over_the_bound_is_refused():
     from streaming.errors import ProtocolError
-    from streaming.protocol_frame import parse_meta
+    from streaming.store.protocol import parse_meta
 
     with pytest.raises(ProtocolError, match="over the 10-byte limit"):
         parse_meta(b'{"a": "123456789"}', max_meta=10)
@@ -430,7 +430,7 @@ def test_lmcache_frame_refuses_an_oversized_ident():
 @pytest.mark.parametrize("line", [*DEEP_DOCS.values(), '{"bw": ' + _deep_lists(3) + "}", "[1]", '"bw"',
                                   '{"bw": "fast"}', '{"bw": {"a": 1}}', '{"bw": [' + "1," * 9_000_000 + "1]}"])
 def test_trace_file_refuses_hostile_lines(tmp_path, line):
-    from streaming.traces import load_artifact_traces
+    from streaming.adapt.traces import load_artifact_traces
 
     p = tmp_path / "t.jsonl"
     p.write_text('{"bw": [0.1, 0.2]}\n' + line + "\n")

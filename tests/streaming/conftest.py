@@ -1,6 +1,6 @@
 """Fixtures shared by the streaming tests.
 
-``server``: an in-process KV store server (streaming.store_server.KVStoreServer) over a
+``server``: an in-process KV store server (streaming.store.server.KVStoreServer) over a
 local-folder backend in the test's tmp_path, serving on a loopback port from a thread;
 tests reach it with ``StoreClient(*server.address)`` and may reach into
 ``server.store.backend`` to inject faults. Shut down and closed after the test.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from streaming.folder_backend import LocalFolderBackend
-from streaming.store_server import KVStoreServer
+from streaming.store.folder import LocalFolderBackend
+from streaming.store.server import KVStoreServer
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Abandon on overrun over the real shaped link: the shaper's rate drops in the middle of a
 chunk's transfer, the client cuts that transfer, re-plans the chunk and finishes the load
-(streaming.client + streaming.adapt; userspace token bucket always, netns + tbf as root)."""
+(streaming.load + streaming.adapt; userspace token bucket always, netns + tbf as root)."""
 
 import contextlib
 import threading
@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from tests.helpers.policy import make_policy
-from streaming import standin
+from bench import standin
 from streaming.adapt import AdaptivePolicy
-from streaming.client import stream_load
+from streaming.load import stream_load
 from streaming.link import ShapedLink, netns_available
 from streaming.store import start_store_server
 

@@ -9,7 +9,7 @@ import pytest
 from bench import adapt as B
 from tests.helpers.policy import make_policy
 from streaming.adapt import AdaptivePolicy, ThroughputEstimator
-from streaming.traces import Trace, artifact_generated, artifact_recorded
+from streaming.adapt.traces import Trace, artifact_generated, artifact_recorded
 
 MBPS = 1e6 / 8
 

@@ -252,7 +252,7 @@ def test_decision_records_plain_estimate_beside_planning_rate():
 
 
 def test_synthetic_uniform_traces_are_seeded_and_in_range():
-    from streaming.traces import synthetic_uniform
+    from streaming.adapt.traces import synthetic_uniform
 
     a = synthetic_uniform(10, 3, seed=1)
     b = synthetic_uniform(10, 3, seed=1)

@@ -1,5 +1,5 @@
 """One adaptive policy: the frozen parameter object
-streaming.adapt_params.PolicyParams with named presets is what the TTFT run (harness),
+streaming.adapt.params.PolicyParams with named presets is what the TTFT run (harness),
 bench.adapt and the vLLM connector build AdaptivePolicy from; the connector's trust layer
 allows exactly its fields (plus "preset" and the per-request measurements); results say
 which preset ran.
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from streaming.adapt import AdaptivePolicy
-from streaming.adapt_params import (
+from streaming.adapt.params import (
     DEFAULT_PRESET,
     POLICY_INPUTS,
     POLICY_PRESETS,

@@ -1,4 +1,4 @@
-"""streaming.redis_backend against a real redis-server started by the tests.
+"""streaming.store.redis_backend against a real redis-server started by the tests.
 
 Round trip of a multi-chunk context, prefetching reads, two processes sharing one Redis,
 concurrent identical writers, eviction under a small maxmemory, and faults: Redis down at
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from streaming.backends import StoreBackend, open_backend
+from streaming.store.backend import StoreBackend, open_backend
 from streaming.errors import StoreError
-from streaming.redis_backend import FetchedValue, RedisBackend, RedisUnavailableError, parse_redis_url
-from streaming.redis_server import RedisServer, find_redis_server, free_port
+from streaming.store.redis_backend import FetchedValue, RedisBackend, RedisUnavailableError, parse_redis_url
+from streaming.store.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = pytest.mark.skipif(
     find_redis_server() is None,
@@ -123,7 +123,7 @@ def test_prefetch_iterator_closed_early(backend):
 _WRITER = textwrap.dedent(
     """
     import hashlib, sys
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
     url, ctx, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     b = RedisBackend(url)
     chunks = []
@@ -140,7 +140,7 @@ _WRITER = textwrap.dedent(
 _READER = textwrap.dedent(
     """
     import hashlib, sys
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
     url, ctx = sys.argv[1], sys.argv[2]
     b = RedisBackend(url)
     man = b.get(f"{ctx}/manifest")

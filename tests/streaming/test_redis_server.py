@@ -1,4 +1,4 @@
-"""streaming.redis_server: a real redis-server with a unique port and folder.
+"""streaming.store.redis_server: a real redis-server with a unique port and folder.
 
 Skipped (with the reason) only when redis-server is not installed.
 Run: python -m pytest tests/streaming/test_redis_server.py -q
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from streaming import redis_server as rs
-from streaming.redis_server import RedisNotInstalledError, RedisServer, RedisServerError, parse_memory
+from streaming.store import redis_server as rs
+from streaming.store.redis_server import RedisNotInstalledError, RedisServer, RedisServerError, parse_memory
 
 needs_redis = pytest.mark.skipif(
     rs.find_redis_server() is None,
@@ -22,7 +22,7 @@ needs_redis = pytest.mark.skipif(
 )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -79,7 +79,7 @@ def test_config_and_lifecycle():
         assert c.ping()
         c.close()
         pid, folder = a.pid, a.dir
-    assert not _pid_alive(pid), "redis-server still running after the context exit"
+    assert not pid_alive(pid), "redis-server still running after the context exit"
     assert not folder.exists(), "data folder left behind"
 
 
@@ -88,7 +88,7 @@ def test_kill_and_stop():
     srv = RedisServer().start()
     pid, folder = srv.pid, srv.dir
     srv.kill()
-    assert not srv.running() and not _pid_alive(pid)
+    assert not srv.running() and not pid_alive(pid)
     assert folder.exists()  # kept for post-mortem until stop()
     srv.stop()
     assert not folder.exists()
@@ -106,7 +106,7 @@ def test_port_in_use_is_a_clear_error():
 
 @needs_redis
 def test_cli_bad_size_exits_2():
-    cp = subprocess.run([sys.executable, "-m", "streaming.redis_server", "--maxmemory", "lots"],
+    cp = subprocess.run([sys.executable, "-m", "streaming.store.redis_server", "--maxmemory", "lots"],
                         capture_output=True, text=True, timeout=60)
     assert cp.returncode == 2 and "error:" in cp.stderr and "Traceback" not in cp.stderr
 
@@ -115,7 +115,7 @@ def test_cli_bad_size_exits_2():
 def test_behind_userspace_link():
     """link= with the userspace shaper: the URL is the shaper's port, not Redis's own."""
     from streaming.link import ShapedLink
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
 
     with ShapedLink(1000, method="userspace") as link, RedisServer(link=link) as srv:
         assert srv.url != srv.direct_url
@@ -138,7 +138,7 @@ def test_inside_link_namespace_by_argv_prefix():
     """The server runs inside the link's server namespace (argv prefix `ip netns exec NS`),
     binds the namespace address with protected-mode off, and is reached through the veth."""
     from streaming.link import ShapedLink
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
 
     with ShapedLink(1000, method="netns") as link:
         runner = ["ip", "netns", "exec", link.server_ns]
@@ -153,7 +153,7 @@ def test_inside_link_namespace_by_argv_prefix():
                 b.put("k", b"v" * 1000)
                 assert b.get("k") == b"v" * 1000
             pid = srv.pid
-        assert not _pid_alive(pid)
+        assert not pid_alive(pid)
         # loopback of the root namespace does not reach it
         with RedisServer(link=link) as srv2:
             with pytest.raises(OSError):
@@ -178,23 +178,23 @@ def test_stale_folder_of_a_dead_owner_is_removed(tmp_path):
 @needs_redis
 def test_server_does_not_outlive_a_killed_harness(tmp_path):
     """SIGKILL the process that started redis-server: PR_SET_PDEATHSIG stops the server."""
-    code = ("import sys, time; from streaming.redis_server import RedisServer; "
+    code = ("import sys, time; from streaming.store.redis_server import RedisServer; "
             "s = RedisServer(tmp_root=sys.argv[1]).start(); print(s.pid, flush=True); time.sleep(60)")
     env = dict(os.environ, PYTHONPATH=str(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
     harness = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
                                text=True, env=env)
     try:
         pid = int(harness.stdout.readline())
-        assert _pid_alive(pid)
+        assert pid_alive(pid)
     finally:
         harness.kill()
         harness.wait()
     import time
 
     deadline = time.monotonic() + 10
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = _pid_alive(pid)
+    alive = pid_alive(pid)
     if alive:
         os.kill(pid, 9)
     assert not alive, "redis-server outlived its harness"

@@ -1,7 +1,7 @@
 """Redis as the shared KV store, end to end: manifests, stream_load, eviction, faults.
 
-A real redis-server is started by the tests (streaming.redis_server.RedisServer); chunks are
-streaming.standin chunks (CRC-checked, real decode work) so no model is needed. Skipped
+A real redis-server is started by the tests (streaming.store.redis_server.RedisServer); chunks are
+bench.standin chunks (CRC-checked, real decode work) so no model is needed. Skipped
 (with the reason) only when redis-server is not installed.
 Run: python -m pytest tests/streaming/test_redis_store.py -q
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from streaming import standin
-from streaming.backends import LocalFolderBackend
-from streaming.client import stream_load
-from streaming.redis_backend import (
+from bench import standin
+from streaming.store.folder import LocalFolderBackend
+from streaming.load import stream_load
+from streaming.store.redis_backend import (
     RedisUnavailableError,
     open_redis_backend,
 )
-from streaming.redis_client import RedisStoreClient
-from streaming.redis_server import RedisServer, find_redis_server, free_port
+from streaming.store.redis_client import RedisStoreClient
+from streaming.store.redis_server import RedisServer, find_redis_server, free_port
 from streaming.store import context_key, start_store_server
 
 pytestmark = pytest.mark.skipif(
@@ -108,8 +108,8 @@ _ENGINE = textwrap.dedent(
     import json, sys
     sys.path.insert(0, sys.argv[1])
     from tests.streaming.test_redis_store import _context, _load, TAG
-    from streaming import standin
-    from streaming.redis_client import RedisStoreClient
+    from bench import standin
+    from streaming.store.redis_client import RedisStoreClient
     from streaming.store import context_key
     url, role = sys.argv[2], sys.argv[3]
     ids, chunks, ranges = _context(seed=5)
@@ -332,7 +332,7 @@ def test_corrupt_value_fails_crc_and_is_reported(server):
 def test_redis_down_at_start(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     t0 = time.monotonic()
-    with pytest.raises(RedisUnavailableError, match="python -m streaming.redis_server"):
+    with pytest.raises(RedisUnavailableError, match="python -m streaming.store.redis_server"):
         RedisStoreClient(url)
     # asked to fall back: the local store is used instead
     b = open_redis_backend(url, fallback_dir=tmp_path / "local")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from streaming.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ _MACHINE = textwrap.dedent(
 
     def client():
         if kind == "redis":
-            from streaming.redis_client import RedisStoreClient
+            from streaming.store.redis_client import RedisStoreClient
             return RedisStoreClient(where)
         from streaming.store import LocalStoreClient
         return LocalStoreClient(where)
@@ -92,7 +92,7 @@ _MACHINE = textwrap.dedent(
                 break
         res["correct"] = bool(oks) and all(oks)
     else:
-        from streaming.client import stream_load
+        from streaming.load import stream_load
         c = client()
         calls = []
         real = c.get_calibration
@@ -146,7 +146,7 @@ def test_calibration_travels_with_the_entry(tmp_path, kind):
         if kind == "local":
             (Path(where) / ".cal" / f"{w['hash']}.safetensors").write_bytes(b"not a calibration")
         else:
-            from streaming.backends import open_backend
+            from streaming.store.backend import open_backend
 
             be = open_backend(str(where))
             data = bytearray(be.get(cal_key))

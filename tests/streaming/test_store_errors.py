@@ -19,8 +19,8 @@ import threading
 import pytest
 
 from streaming import errors  # the classes under test: errors.Store*Error
-from streaming.backends import LocalFolderBackend
-from streaming.redis_server import RedisServer, find_redis_server, free_port
+from streaming.store.folder import LocalFolderBackend
+from streaming.store.redis_server import RedisServer, find_redis_server, free_port
 from streaming.store import KVStoreServer, StoreClient
 
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed "
@@ -122,8 +122,8 @@ def test_store_client_stalled_server_is_timeout_without_progress(stalled_server)
 # --------------------------------------------------------------------------- Redis
 @needs_redis
 def test_redis_value_above_proto_max_bulk_len():
-    from streaming.redis_backend import RedisBackend
-    from streaming.redis_client import RedisStoreClient
+    from streaming.store.redis_backend import RedisBackend
+    from streaming.store.redis_client import RedisStoreClient
 
     with RedisServer(extra_config=["proto-max-bulk-len 1mb"]) as srv, RedisBackend(srv.url) as b:
         with pytest.raises(errors.StoreTooLargeError, match="proto-max-bulk-len.*1048576") as ei:
@@ -139,7 +139,7 @@ def test_redis_value_above_proto_max_bulk_len():
 @needs_redis
 def test_redis_value_above_the_default_limit():
     """513 MiB at Redis's default 512mb limit: refused up front (no 513 MiB sent)."""
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
 
     with RedisServer() as srv, RedisBackend(srv.url) as b:
         with pytest.raises(errors.StoreTooLargeError, match="536870912"):
@@ -149,7 +149,7 @@ def test_redis_value_above_the_default_limit():
 
 @needs_redis
 def test_redis_out_of_memory():
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
 
     with RedisServer(maxmemory="1mb", policy="noeviction") as srv, RedisBackend(srv.url) as b:
         with pytest.raises(errors.StoreFullError, match="maxmemory"):
@@ -159,7 +159,7 @@ def test_redis_out_of_memory():
 
 @needs_redis
 def test_redis_auth_required():
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
 
     with RedisServer(password="s3cret") as srv:
         bare = srv.url.replace(":s3cret@", "")
@@ -174,7 +174,7 @@ def test_redis_auth_required():
 
 @needs_redis
 def test_redis_read_only_replica():
-    from streaming.redis_backend import RedisBackend
+    from streaming.store.redis_backend import RedisBackend
 
     with RedisServer() as primary, \
             RedisServer(extra_config=[f"replicaof 127.0.0.1 {primary.port}"]) as replica, \
@@ -185,15 +185,16 @@ def test_redis_read_only_replica():
 
 @needs_redis
 def test_redis_unreachable():
-    from streaming.redis_backend import RedisBackend, RedisUnavailableError
+    from streaming.store.redis_backend import RedisBackend, RedisUnavailableError
 
-    with pytest.raises(RedisUnavailableError, match="python -m streaming.redis_server"):
+    with pytest.raises(RedisUnavailableError, match="python -m streaming.store.redis_server"):
         RedisBackend(f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=1)
 
 
 @needs_redis
 def test_redis_stalled_server_is_timeout_without_progress(stalled_server):
-    from streaming.redis_backend import RedisBackend, RedisTimeoutError
+    from streaming.store.redis_backend import RedisBackend
+    from streaming.store.redis_conn import RedisTimeoutError
 
     h, p = stalled_server
     b = RedisBackend(f"redis://{h}:{p}/0", socket_timeout_s=0.5, check=False)
@@ -209,7 +210,7 @@ def test_large_writes_over_a_slow_link_do_not_time_out(tmp_path):
     """3 MiB over a 20 Mbit/s shaped link takes ~1.3 s; with 0.5 s timeouts the writes
     succeed because the timeouts apply to lack of progress, not to the value's size."""
     from streaming.link import ShapedLink
-    from streaming.redis_client import RedisStoreClient
+    from streaming.store.redis_client import RedisStoreClient
     from streaming.store import start_store_server
 
     chunk = os.urandom(3 * MIB)

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import codec
-from streaming.backends import LocalFolderBackend
-from streaming.client import stream_load
+from streaming.store.folder import LocalFolderBackend
+from streaming.load import stream_load
 from streaming.errors import StoreRaceLostError
-from streaming.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.identity import EntryIdentity
 from streaming.store import KVStoreServer, LocalStoreClient, StoreClient, build_manifest, save_steps
 
@@ -133,7 +133,7 @@ class _Redis:
     atomic_publish = True  # chunks and manifest in one Lua script
 
     def __init__(self, tmp, **kw):
-        from streaming.redis_client import RedisStoreClient
+        from streaming.store.redis_client import RedisStoreClient
 
         self.rs = RedisServer(**kw).__enter__()
         self._cls, self._clients = RedisStoreClient, []
@@ -211,7 +211,7 @@ def test_server_writer_dies_mid_frame(tmp_path):
     serving; the same frame sent whole publishes (control)."""
     import socket
 
-    from streaming.protocol import FrameType, encode_frame, recv_frame
+    from streaming.store.protocol import FrameType, encode_frame, recv_frame
 
     s = _Server(tmp_path)
     try:
@@ -243,8 +243,8 @@ def test_redis_writer_dies_mid_command(tmp_path):
     wire) leaves the old entry as it was: Redis runs only complete commands."""
     import socket
 
-    from streaming.redis_backend import RedisBackend
-    from streaming.store_format import _chunk_key, _manifest_key, abort_marker_key
+    from streaming.store.redis_backend import RedisBackend
+    from streaming.store.format import chunk_key, manifest_key, abort_marker_key
 
     s = _Redis(tmp_path)
     try:
@@ -254,9 +254,9 @@ def test_redis_writer_dies_mid_command(tmp_path):
         _, man, chunks = entry(ids, 64, 2)
         man = dict(man, gen="cd" * 16)
         blob = json.dumps(man).encode()
-        items = [(_chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
-        items.append((_manifest_key(key, man["gen"]), blob))
-        keys = [b"cg:" + _manifest_key(key).encode(), b"cg:" + abort_marker_key(key, man["gen"]).encode()] + \
+        items = [(chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
+        items.append((manifest_key(key, man["gen"]), blob))
+        keys = [b"cg:" + manifest_key(key).encode(), b"cg:" + abort_marker_key(key, man["gen"]).encode()] + \
             [b"cg:" + k.encode() for k, _ in items]
         base = c.manifest_raw(key)
         args = [b"EVAL", RedisBackend._PUBLISH_LUA.encode(), str(len(keys)).encode(), *keys,

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from streaming.client import stream_load
+from streaming.load import stream_load
 from streaming.identity import (
     EntryIdentity,
     check_entry,
@@ -25,10 +25,10 @@ from streaming.identity import (
     folder_weights_hash,
     merge_expected,
 )
-from streaming.backends import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError
 from streaming.store import KVStoreServer, Manifest, StoreClient, entry_key
-from streaming.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server
 
 IDS = list(range(1000, 1300))
 RANGES = [(0, 128), (128, 256), (256, 300)]
@@ -184,7 +184,7 @@ def test_legacy_entry_without_identity_is_a_miss(store_server):
 @pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed "
                     "(apt-get install redis-server, or bash scripts/setup.sh)")
 def test_redis_serves_each_only_its_own():
-    from streaming.redis_client import RedisStoreClient
+    from streaming.store.redis_client import RedisStoreClient
 
     with RedisServer() as srv, RedisStoreClient(srv.url) as cl:
         _check_isolation(cl, _fill(cl))

@@ -32,9 +32,9 @@ from collections import Counter
 import pytest
 
 import codec
-from streaming.backends import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError, StoreOutcomeUnknownError
-from streaming.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.store import KVStoreServer, StoreClient
 from tests.streaming.test_store_faults import IDENTITY, classify, entry, ids_of, kv
 
@@ -150,7 +150,7 @@ class _RedisStore:
     name = "redis"
 
     def __init__(self, tmp):
-        from streaming.redis_client import RedisStoreClient
+        from streaming.store.redis_client import RedisStoreClient
 
         self.rs = RedisServer(policy="noeviction").__enter__()
         host, port = self.rs.url.split("//")[1].split("/")[0].split(":")
@@ -180,7 +180,7 @@ class _ServerOverRedisStore(_RedisStore):
     name = "server-redis"
 
     def __init__(self, tmp):
-        from streaming.redis_backend import RedisBackend
+        from streaming.store.redis_backend import RedisBackend
 
         super().__init__(tmp)
         self.srv = KVStoreServer(RedisBackend(self._url(), socket_timeout_s=TIMEOUT_S))

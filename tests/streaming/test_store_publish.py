@@ -15,7 +15,7 @@ import pytest
 
 import codec
 from streaming.errors import StoreError, StoreRaceLostError
-from streaming.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.store import StoreClient, save_steps
 from tests.streaming.test_store_faults import classify, decode, entry, ids_of, kv
 from third_party.vllm.sources import LocalDirSource, StoreSource, local_save_steps, save_local_context
@@ -318,7 +318,7 @@ def test_failure4_redis_eviction_lookup_and_load_records(tmp_path):
                 assert "unknown key" in lk.info["miss"] or "entry incomplete" in lk.info["miss"]
         assert loaded == promised and promised < 20
         # evicted after the lookup (removed by hand, as eviction would): a recorded miss
-        from streaming.redis_backend import RedisBackend
+        from streaming.store.redis_backend import RedisBackend
 
         with RedisBackend(rs.url) as rb:
             rb._client.flushdb()  # room again: the next entry is not evicted as it is written

@@ -7,7 +7,7 @@ import pytest
 from tests.helpers.policy import make_policy
 from streaming.adapt import AdaptivePolicy, FixedPolicy, choose_level, simulate
 from streaming.store import Manifest, context_key
-from streaming.traces import constant, load_artifact_traces, step
+from streaming.adapt.traces import constant, load_artifact_traces, step
 
 MB = 1_000_000
 
@@ -102,7 +102,7 @@ def test_traces(tmp_path):
 
 
 def test_artifact_traces_carried_in_the_repo():
-    from streaming.traces import ARTIFACT_DIR, artifact_generated, artifact_recorded
+    from streaming.adapt.traces import ARTIFACT_DIR, artifact_generated, artifact_recorded
 
     assert (ARTIFACT_DIR / "README.md").exists()  # source and license named
     rec = artifact_recorded()

@@ -9,11 +9,11 @@ import zlib
 import pytest
 
 from tests.helpers.policy import make_policy
-from streaming import standin
-from streaming.backends import LocalFolderBackend
-from streaming.client import stream_load
+from bench import standin
+from streaming.store.folder import LocalFolderBackend
+from streaming.load import stream_load
 from streaming.link import ShapedLink, netns_available
-from streaming.protocol import FrameType, send_frame
+from streaming.store.protocol import FrameType, send_frame
 from streaming.store import KVStoreServer, StoreClient, start_store_server
 
 NETNS_OK, NETNS_WHY = netns_available()
@@ -62,7 +62,7 @@ HEALTHY_MBPS = 50.0       # a throughput estimate below this on the 200 Mbit/s l
 
 def _rate_step(tmp_path, method, attempt):
     from streaming.adapt import AdaptivePolicy
-    from streaming.traces import apply_trace, step
+    from streaming.adapt.traces import apply_trace, step
 
     with ShapedLink(200, method=method) as link:
         with start_store_server(tmp_path / f"s{attempt}", link) as h, h.client(timeout=20) as c:
@@ -248,7 +248,7 @@ class StubClient:
     def get_chunk(self, key, level, index, gen=None):
         if index == self.drop_at and self.dropped == 0:
             self.dropped += 1
-            from streaming.protocol import ConnectionClosed
+            from streaming.store.protocol import ConnectionClosed
             raise ConnectionClosed("connection closed mid-frame after 10 of 100 bytes")
         return self.c.get_chunk(key, level, index, gen)
 

@@ -1,4 +1,4 @@
-"""Protocol round trips and fuzzed frames (streaming.protocol); server survives bad frames."""
+"""Protocol round trips and fuzzed frames (streaming.store.protocol); server survives bad frames."""
 
 import socket
 import struct
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streaming.backends import LocalFolderBackend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import ProtocolError
-from streaming.protocol import (
+from streaming.store.protocol import (
     HEADER, HEADER_SIZE, MAGIC, ConnectionClosed, FrameType, decode_frame, encode_frame,
     recv_frame, send_frame,
 )

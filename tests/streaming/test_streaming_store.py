@@ -6,8 +6,9 @@ import zlib
 
 import pytest
 
-from streaming import standin
-from streaming.backends import LocalFolderBackend, StoreBackend, open_backend
+from bench import standin
+from streaming.store.backend import StoreBackend, open_backend
+from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError
 from streaming.store import KVStore, Manifest, StoreClient, context_key
 
@@ -99,7 +100,7 @@ def test_manifest_refused_when_chunks_missing(server, tmp_path):
         ids = list(range(100))
         from streaming.store import build_manifest
         key, man = build_manifest("m", "w", "standin", ids, {1: [b"x" * 10]}, [(0, 100)])
-        from streaming.protocol import FrameType
+        from streaming.store.protocol import FrameType
         with pytest.raises(StoreError, match="missing"):
             c._call(FrameType.PUT_MANIFEST, {"manifest": man})
         assert c.get_manifest(key) is None  # never visible

@@ -11,8 +11,7 @@ import codec
 from codec import window
 from codec.errors import CodecError
 from streaming.identity import check_entry
-from streaming.identity_entry import EntryIdentity
-from streaming.identity_sources import codec_identity
+from streaming.identity import EntryIdentity, codec_identity
 from third_party.vllm.sources.base import window_checked, window_floor
 from third_party.vllm.sources.local import LocalDirSource, save_local_context
 from tests.helpers.kv import make_kv

@@ -2,7 +2,7 @@
 #4827: keys the local source saved were refused by every lookup, longer ones hit the
 filesystem's name limit as a raw OSError). For lengths around every boundary - the plain
 file-name length (128), the filesystem's 255-byte name limit, the operator's own
-max_key_chars, the shared bound (streaming.context_keys.MAX_KEY_CHARS) - a key the trust
+max_key_chars, the shared bound (streaming.store.context_keys.MAX_KEY_CHARS) - a key the trust
 check accepts is saved AND loaded, its folder name fits the filesystem, and a key beyond
 the bound is refused everywhere with the same one-line error.
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from streaming.context_keys import (
+from streaming.store.context_keys import (
     MAX_KEY_CHARS,
     PLAIN_NAME_CHARS,
     check_context_key,

@@ -24,7 +24,7 @@ the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow
         "mode": "cachegen", "level": 1,  # mode: a label; level: stored level to fetch
                                        # (omitted: the codec's default level when stored)
         "policy": {"preset": "tuned", "slo_s": 1.0, ...},  # or an adaptive policy: a
-                                       # streaming.adapt_params preset + the request's inputs
+                                       # streaming.adapt.params preset + the request's inputs
         "load_tokens": N,              # optional cap on loaded tokens
         "stats_tag": "..."}})          # copied into the stats record
 Anything else is rejected (log ERROR + stats record "rejected"; the request is a plain

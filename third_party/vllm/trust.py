@@ -14,11 +14,11 @@ Operator keys (extra config) read here:
   source: default source kind ("store" if a store is configured, else "local").
   allow_client_save: false (default) | true - may requests ask for a save.
   max_key_chars: longest context key accepted; may only lower the bound every source
-      shares (streaming.context_keys.MAX_KEY_CHARS, the default); above it the connector
+      shares (streaming.store.context_keys.MAX_KEY_CHARS, the default); above it the connector
       refuses to start (one line).
 Request keys accepted (types checked, strings bounded): see REQUEST_KEYS / SAVE_KEYS.
 Keys are plain names: [A-Za-z0-9._-], not starting with "." (no "/", no "..", no absolute
-path, no NUL), at most max_key_chars characters (streaming.context_keys.check_context_key:
+path, no NUL), at most max_key_chars characters (streaming.store.context_keys.check_context_key:
 the same rule the local source applies at save and lookup).
 
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 runs the KV store beside a serving
@@ -34,9 +34,9 @@ import math
 import re
 from typing import Any
 
-from streaming.adapt_params import POLICY_INPUTS, POLICY_PRESETS, POLICY_REQUEST_KEYS
-from streaming.adapt_params import check_value as check_policy_value
-from streaming.context_keys import check_context_key, key_limit
+from streaming.adapt.params import POLICY_INPUTS, POLICY_PRESETS, POLICY_REQUEST_KEYS
+from streaming.adapt.params import check_value as check_policy_value
+from streaming.store.context_keys import check_context_key, key_limit
 
 # request keys and the check each gets (see _check_* below)
 REQUEST_KEYS = ("source", "store", "context_key", "context_tokens", "mode", "level",
@@ -44,9 +44,9 @@ REQUEST_KEYS = ("source", "store", "context_key", "context_tokens", "mode", "lev
                 "save", "stats_tag", "prefix_match")
 SAVE_KEYS = ("source", "store", "context_key", "codec", "level", "chunk_tokens",
              "num_tokens", "model_id", "weights_hash", "codec_tag", "stats_tag")
-# a request's "policy": "preset" (a streaming.adapt_params.POLICY_PRESETS name), the
+# a request's "policy": "preset" (a streaming.adapt.params.POLICY_PRESETS name), the
 # per-request measurements (POLICY_INPUTS, numbers) and exactly the fields of the one policy
-# object streaming.adapt_params.PolicyParams (each checked by its kind): one policy object
+# object streaming.adapt.params.PolicyParams (each checked by its kind): one policy object
 POLICY_KEYS = POLICY_REQUEST_KEYS
 SOURCES = ("store", "local")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]*$")
@@ -87,9 +87,9 @@ def _check_addr(addr: Any) -> str:
 def check_key(key: Any, max_chars: int | None = None) -> str:
     """A context key as a plain name (also a folder name under the local root): returns it;
     raises RequestRejected for a non-string, an empty one, one longer than `max_chars`
-    (None: the shared bound, streaming.context_keys.MAX_KEY_CHARS), or one with a path
+    (None: the shared bound, streaming.store.context_keys.MAX_KEY_CHARS), or one with a path
     separator, a leading ".", "..", NUL or another character outside [A-Za-z0-9._-]
-    (streaming.context_keys.check_context_key)."""
+    (streaming.store.context_keys.check_context_key)."""
     try:
         return check_context_key(key, key_limit(max_chars))
     except ValueError as e:
@@ -98,7 +98,7 @@ def check_key(key: Any, max_chars: int | None = None) -> str:
 
 def max_key_chars(extra: dict[str, Any]) -> int:
     """The operator's key bound (extra "max_key_chars", default and ceiling
-    streaming.context_keys.MAX_KEY_CHARS). Raises ValueError (one line) above the ceiling
+    streaming.store.context_keys.MAX_KEY_CHARS). Raises ValueError (one line) above the ceiling
     or for a non-integer: checked when the connector starts."""
     return key_limit(extra.get("max_key_chars"))
 
@@ -186,7 +186,7 @@ def _policy(v: Any) -> dict[str, Any]:
 
 def _identity(v: Any) -> dict[str, Any]:
     # only adds checks (streaming.identity.check_entry): its fields are validated there
-    from streaming.identity_entry import EntryIdentity
+    from streaming.identity import EntryIdentity
 
     if not isinstance(v, dict):
         raise RequestRejected("identity must be an object")

@@ -60,7 +60,7 @@ def policy_preset(policy: Any) -> str | None:
     default one), or None without a policy."""
     if not isinstance(policy, dict):
         return None
-    from streaming.adapt_params import DEFAULT_PRESET
+    from streaming.adapt.params import DEFAULT_PRESET
 
     return str(policy.get("preset") or DEFAULT_PRESET)
 
@@ -370,7 +370,7 @@ class CacheGenWorker:
             # at the next chunk; loaded_tokens = tokens placed before it stopped
             "aborted": aborted,
             "async_load": cancel is not None,
-            # the adaptive policy's preset (streaming.adapt_params) and inputs; None for a level
+            # the adaptive policy's preset (streaming.adapt.params) and inputs; None for a level
             "policy_preset": policy_preset(lr.params.get("policy")),
             "policy": lr.params.get("policy"),
             "time": time.time(),

@@ -12,12 +12,12 @@ each independently decodable; decoding is pipelined with transfer.
 
 Sources:
   * LocalDirSource ("local"): a folder `<root>/<name>/` (the context key itself, or a hash
-    for a long or partitioned key: streaming.context_keys.key_file_name) with `manifest.json` (the
+    for a long or partitioned key: streaming.store.context_keys.key_file_name) with `manifest.json` (the
     published entry) and `g-<gen>/chunk_<i>.bin` files of each save's generation (encoded
     by `codec.encode_chunks`; see save_local_context for the guarantees). For tests and
     the demo; disk reads are pipelined with decoding by a reader thread.
   * StoreSource ("store"): our KV store server through `streaming.store.StoreClient`, chunks
-    fetched and decoded by `streaming.client.stream_load` (pipelined, adaptive, with text
+    fetched and decoded by `streaming.load.stream_load` (pipelined, adaptive, with text
     fallback). Imported lazily.
 
 Not runnable by itself; see `python -m bench.vllm_demo --help`.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streaming.identity_entry import EntryIdentity
+from streaming.identity import EntryIdentity
 from third_party.vllm.sources.base import (  # noqa: F401  (re-exported)
     ChunkSink,
     DecodeFn,

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from streaming.identity_check import merge_expected
-from streaming.identity_entry import EntryIdentity
+from streaming.identity import merge_expected
+from streaming.identity import EntryIdentity
 from cachegen_common.kv_config import config_json_of
-from streaming.identity_sources import folder_tokenizer_hash, folder_weights_hash
+from streaming.identity import folder_tokenizer_hash, folder_weights_hash
 
 logger = logging.getLogger("cachegen.sources")
 

@@ -17,11 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from cachegen_common.bounded_json import parse as parse_bounded_json
-from streaming.context_keys import key_file_name
-from streaming.identity_check import check_entry
-from streaming.identity_entry import EntryIdentity
-from streaming.identity_sources import codec_identity
-from streaming.store_format import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
+from streaming.store.context_keys import key_file_name
+from streaming.identity import EntryIdentity, check_entry, codec_identity
+from streaming.store.format import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
 from third_party.vllm.sources.base import (
     ChunkSink,
     DecodeFn,
@@ -91,7 +89,7 @@ def local_save_steps(root: str | os.PathLike, context_key: str, token_ids: list[
     the generation read first (else streaming.errors.StoreRaceLostError, and this save's
     folder is removed). The entry two saves back is deleted (one overwrite of grace for
     readers that planned from the previous one). <name> is
-    streaming.context_keys.key_file_name(context_key, identity.partition): the key itself
+    streaming.store.context_keys.key_file_name(context_key, identity.partition): the key itself
     when short and unpartitioned, else a hash (the manifest records the key)."""
     import fcntl
     import hashlib
@@ -235,7 +233,7 @@ def save_local_context(
     calibration it names is stored under <root>/.cal/ (bytes from `calibrations` or the
     codec). The folder is <root>/key_file_name(context_key, identity.partition). Raises
     ValueError (one line) on inconsistent lengths or a key that is not a plain name of at
-    most streaming.context_keys.MAX_KEY_CHARS characters,
+    most streaming.store.context_keys.MAX_KEY_CHARS characters,
     streaming.errors.StoreRaceLostError when another writer published the key first.
     """
     out = None
@@ -321,7 +319,7 @@ class LocalDirSource:
     identity: the reader's own model identity (the connector sets it from its model
     config); an entry whose recorded identity differs (streaming.identity.check_entry),
     or that records none while the reader knows its model, is a miss with the reason.
-    max_key_chars: the operator's key bound (None: streaming.context_keys.MAX_KEY_CHARS),
+    max_key_chars: the operator's key bound (None: streaming.store.context_keys.MAX_KEY_CHARS),
     the same the trust check applies. params "cache_partition" (set by the connector from
     the request's cache_salt / LoRA, never by a client) selects the partition's folder.
     """

@@ -1,7 +1,7 @@
 """StoreSource ("store"): a context's KV from our KV store server (streaming.store).
 
 Part of third_party.vllm.sources (whose face forwards the public names here): chunks fetched and
-decoded by streaming.client.stream_load through the (shaped) link, with the prefix policy.
+decoded by streaming.load.stream_load through the (shaped) link, with the prefix policy.
 No vLLM import. Not runnable by itself.
 """
 
@@ -11,8 +11,7 @@ import logging
 import time
 from typing import Any
 
-from streaming.identity_entry import EntryIdentity
-from streaming.identity_sources import codec_identity
+from streaming.identity import EntryIdentity, codec_identity
 from third_party.vllm.sources.base import (
     ChunkSink,
     DecodeFn,
@@ -134,7 +133,7 @@ class StoreSource:
         connector's model); any mismatch is a miss with the reason, never data.
     The scheduler-side lookup reads the manifest (one round trip over the link) and checks
     that the stored token ids equal the prompt's prefix. The worker-side load runs
-    streaming.client.stream_load (receiver thread fetching chunk k+1 while chunk k is decoded
+    streaming.load.stream_load (receiver thread fetching chunk k+1 while chunk k is decoded
     and injected in the calling thread).
     """
 
@@ -230,13 +229,13 @@ class StoreSource:
         return key, man, "", info
 
     def _policy(self, params, lookup: Lookup):
-        from streaming.adapt_policy import AdaptivePolicy, FixedPolicy
+        from streaming.adapt.policy import AdaptivePolicy, FixedPolicy
 
         pol = params.get("policy")
         if pol:
             if not isinstance(pol, dict):
                 raise SourceError("'policy' must be a dict of streaming.adapt.AdaptivePolicy args")
-            try:  # a preset of streaming.adapt_params.PolicyParams + this request's inputs
+            try:  # a preset of streaming.adapt.params.PolicyParams + this request's inputs
                 return AdaptivePolicy.from_request(pol)
             except (TypeError, ValueError) as e:
                 raise SourceError(f"bad policy: {e}") from None
@@ -283,7 +282,7 @@ class StoreSource:
              before_chunk=None) -> LoadStats:
         """See KVSource.load; before_chunk(k) (in-process callers only, e.g. a bandwidth
         trace driving the link) runs just before chunk k is requested."""
-        from streaming.client import stream_load
+        from streaming.load import stream_load
 
         inner = self._decode_fn or default_decode_fn()
 
