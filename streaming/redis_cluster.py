@@ -261,12 +261,17 @@ class RedisClusterBackend(RedisBackend):
                         lua, len(pairs), *[k for k, _ in pairs], *[d for _, d in pairs])
 
     def count_existing(self, keys: Sequence[str]) -> int:
-        """How many of `keys` are stored (one EXISTS per hash slot)."""
-        by_slot: dict[int, list[bytes]] = {}
-        for k in keys:
-            kk = self._k(k)
-            by_slot.setdefault(self._client.keyslot(kk), []).append(kk)
-        return sum(int(self._call("EXISTS", self._client.exists, *ks)) for ks in by_slot.values())
+        """How many of `keys` are stored: one EXISTS per key, pipelined (one round trip per
+        node). Not one multi-key EXISTS: while its slot is being migrated, some keys are on
+        the importing node and Redis refuses a multi-key command (TRYAGAIN); single-key
+        commands follow ASK."""
+        ks = [self._k(k) for k in keys]
+        if not ks:
+            return 0
+        pipe = self._client.pipeline()
+        for k in ks:
+            pipe.exists(k)
+        return sum(int(x) for x in self._call("EXISTS", pipe.execute))
 
     def get_many(self, keys) -> list[bytes | None]:
         """Values of keys (MGET per slot, in the order of keys); None for absent keys."""
@@ -319,3 +324,11 @@ def open_cluster_backend(url: str, fallback_dir=None, **kw):
         print(f"streaming.redis_cluster: {e}; falling back to the local store {os.fspath(fallback_dir)}",
               file=sys.stderr)
         return LocalFolderBackend(fallback_dir)
+
+
+def check_cluster_store(url: str) -> None:
+    """Open the cluster at `url` and close it: returns when every slot is served, raises
+    ValueError (malformed URL) or RedisUnavailableError (no node reachable, a plain Redis,
+    uncovered slots) with one line saying what is wrong - for entry points that must
+    refuse a bad --store before anything slow starts."""
+    RedisClusterBackend(url).close()
