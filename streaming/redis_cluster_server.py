@@ -144,7 +144,8 @@ class RedisClusterServer:
                         f"cluster-node-timeout {self.node_timeout_ms}",
                         f"cluster-port {free_port()}",
                         "cluster-replica-validity-factor 0",  # a replica always may take over
-                        "cluster-allow-reads-when-down no", "appendonly no"] + self.extra_config
+                        "cluster-allow-reads-when-down no", "appendonly no",
+                        "repl-diskless-sync-delay 0"]  # replicas in sync at once, not after 5 s + self.extra_config
                 self.nodes.append(RedisServer(port=free_port(), policy="noeviction",
                                               extra_config=conf).start())
             if cli is None:
@@ -162,7 +163,7 @@ class RedisClusterServer:
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Wait until every live node says cluster_state:ok, all slots are served and each
-        master has its replicas; raises RedisServerError after timeout_s."""
+        master has its replicas, each with its replication link up (synced); raises RedisServerError after timeout_s."""
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
@@ -170,7 +171,9 @@ class RedisClusterServer:
                 infos = [self.command(n, "CLUSTER", "INFO") for n in self._live()]
                 ok = all("cluster_state:ok" in i and f"cluster_slots_ok:{CLUSTER_SLOTS}" in i for i in infos)
                 if ok and len(self._live()) == len(self.nodes):
-                    ok = sum(1 for n in self._live() if self.command(n, "ROLE")[0] == "slave") \
+                    roles = [self.command(n, "ROLE") for n in self._live()]
+                    # a replica is in sync once its link is "connected" (ROLE's 4th field)
+                    ok = sum(1 for r in roles if r[0] == "slave" and r[3] == "connected") \
                         == self.n_masters * self.n_replicas
                 if ok:
                     return
