@@ -43,6 +43,8 @@ from kv_extraction_hf.model import load_model
 from streaming.link import ShapedLink
 from streaming.link.cleanup import cleanup_stale
 from streaming.store.redis_server import cleanup_stale_dirs
+from streaming.errors import StoreError
+from streaming.store.redis_cluster import check_cluster_store, is_cluster_url
 from streaming.store import start_store_server
 
 FILL_RATE_MBPS = 10_000.0  # link rate while filling the store: not measured, so not throttled
@@ -151,6 +153,11 @@ def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any
     # route_engine_logs changes the environment that vLLM's processes inherit: put it back
     # after the run, so processes started later by the caller (tests, a server) log as usual
     saved_env = {k: os.environ.get(k) for k in LOG_ENV_KEYS}
+    if cfg.store and is_cluster_url(cfg.store):  # a bad cluster: one line, before anything starts
+        try:
+            check_cluster_store(cfg.store)
+        except (ValueError, StoreError) as exc:
+            raise BenchmarkError(str(exc)) from None
     with lifecycle.RunRegistry() as registry, _restore_env(saved_env):
         try:
             cleanup_leftovers()
@@ -220,9 +227,9 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         from streaming.store.redis_server import RedisServer
 
         backend = stack.enter_context(RedisServer(link=link)).direct_url
-    elif backend.startswith("redis://") and link.method != "userspace-tokenbucket":
+    elif backend.startswith(("redis://", "redis+cluster://")) and link.method != "userspace-tokenbucket":
         raise BenchmarkError(
-            "an external redis:// store is reachable from the store server only with "
+            "an external redis:// or redis+cluster:// store is reachable from the store server only with "
             "--link-method userspace; use --store redis to let the harness start Redis "
             "behind the shaped link")
     log(f"link: {link.method}; store backend: {backend}")

@@ -39,7 +39,8 @@ class StoreBackend(Protocol):
 
 def open_backend(url: str | os.PathLike, fallback_dir: str | os.PathLike | None = None) -> StoreBackend:
     """Open a backend from a URL: `file:///path` or a plain path -> LocalFolderBackend;
-    `redis://host:port/db` -> streaming.store.redis_backend.RedisBackend (imported lazily); with
+    `redis://host:port/db` -> streaming.store.redis_backend.RedisBackend (imported lazily);
+    `redis+cluster://host:port[,host:port...]` -> streaming.store.redis_cluster.RedisClusterBackend; with
     `fallback_dir`, a Redis that is down at start gives a LocalFolderBackend there (warned).
 
     Raises ValueError for an unknown scheme, StoreError if the Redis backend is unavailable.
@@ -57,4 +58,9 @@ def open_backend(url: str | os.PathLike, fallback_dir: str | os.PathLike | None 
         except ImportError as e:
             raise StoreError(f"redis backend unavailable: {e}") from None
         return open_redis_backend(s, fallback_dir=fallback_dir)
-    raise ValueError(f"unknown store backend scheme {parsed.scheme!r} in {s!r}: use a path, file:///path or redis://host:port/db")
+    if parsed.scheme == "redis+cluster":  # a Redis Cluster (seed nodes); redis:// is one node
+        from streaming.store.redis_cluster import open_cluster_backend
+
+        return open_cluster_backend(s, fallback_dir=fallback_dir)
+    raise ValueError(f"unknown store backend scheme {parsed.scheme!r} in {s!r}: use a path, file:///path, redis://host:port/db or "
+                     "redis+cluster://host:port[,host:port...]")

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from streaming.plumbing import Closing
 from streaming.store.redis_backend import RedisBackend
+from streaming.store.redis_cluster import RedisClusterBackend, is_cluster_url
 
 
 class RedisStoreClient(Closing):
@@ -29,7 +30,8 @@ class RedisStoreClient(Closing):
     dropped and is a clean miss; a chunk evicted after that check, or failing its sha256
     / CRC32 / size, is recomputed from text (ChunkStat.note) and the entry is dropped.
 
-    Args: url (redis://HOST:PORT/DB) and RedisBackend keyword arguments. Raises
+    Args: url (redis://HOST:PORT/DB, or redis+cluster://HOST:PORT[,...] for a Redis
+    Cluster: streaming.store.redis_cluster) and RedisBackend keyword arguments. Raises
     RedisUnavailableError if Redis is not reachable.
     """
 
@@ -38,7 +40,10 @@ class RedisStoreClient(Closing):
 
         self.url = url
         self._kw = backend_kw
-        self.backend = RedisBackend(url, **backend_kw)
+        if is_cluster_url(url):  # redis+cluster://: the same store over a Redis Cluster
+            self.backend = RedisClusterBackend(url, **backend_kw)
+        else:
+            self.backend = RedisBackend(url, **backend_kw)
         self.store = KVStore(self.backend)
         self.last_miss_reason = ""
 

@@ -75,6 +75,12 @@ CONNECTION_CLASSES = {
 }
 
 
+def connection_class(scheme: str) -> type:
+    """The progress-timed redis-py connection class for a URL scheme ("redis", "rediss",
+    "unix"); raises KeyError for another."""
+    return CONNECTION_CLASSES[scheme]
+
+
 def parse_redis_url(url: str) -> tuple[str, int, int]:
     """(host, port, db) of redis://HOST[:PORT][/DB]; raises ValueError with the expected form."""
     p = urlparse(url)

@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-COMMANDS = ("codec", "triton", "coder", "schedules", "linkcheck", "streaming", "redis", "vllm_demo", "vllm_kv_memory",
+COMMANDS = ("codec", "triton", "coder", "schedules", "linkcheck", "streaming", "redis", "redis_cluster", "vllm_demo", "vllm_kv_memory",
             "taskcheck", "lmcache")
 
 
