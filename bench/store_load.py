@@ -52,13 +52,16 @@ QUICK = {"clients": 8, "processes": 2, "ops": 240, "contexts": 4, "context_token
 
 
 @contextmanager
-def serve(backend: str) -> Iterator[tuple[tuple, int, str]]:
-    """Start the server of `backend`; yields (client target, server pid, description)."""
+def serve(backend: str, arenas: int | None = None) -> Iterator[tuple[tuple, int, str]]:
+    """Start the server of `backend` (the store server with `--malloc-arenas arenas` when
+    given); yields (client target, server pid, description)."""
     if backend == "store":
+        extra = [] if arenas is None else ["--malloc-arenas", str(arenas)]
         with tempfile.TemporaryDirectory(prefix="cg-storeload-") as tmp:
-            h = start_store_server(tmp)
+            h = start_store_server(tmp, extra_args=extra)
             try:
-                yield ("store", h.host, h.port), h.proc.pid, "python -m streaming.store serve (local folder)"
+                yield (("store", h.host, h.port), h.proc.pid,
+                       " ".join(["python -m streaming.store serve (local folder)", *extra]))
             finally:
                 h.stop()
     else:
@@ -140,7 +143,7 @@ def run_backend(backend: str, cfg: dict) -> dict[str, Any]:
     per_proc = [cfg["clients"] // cfg["processes"] + (i < cfg["clients"] % cfg["processes"])
                 for i in range(cfg["processes"])]
     ops_each = -(-cfg["ops"] // cfg["clients"])
-    with serve(backend) as (target, pid, what):
+    with serve(backend, cfg["store_malloc_arenas"]) as (target, pid, what):
         c = make_client(target)
         try:
             keys = [save(c, i, 0, 0, cfg["tokens"], cfg["chunk_tokens"]) for i in range(cfg["contexts"])]
@@ -223,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sample-s", type=float, default=0.25, help="RSS sampling period, s (default 0.25)")
     ap.add_argument("--warmup-fraction", type=float, default=0.2,
                     help="share of the run counted as warm-up for the memory growth (default 0.2)")
+    ap.add_argument("--store-malloc-arenas", type=int, default=None, metavar="N",
+                    help="the store server's --malloc-arenas (default: the server's own, 2; 0: glibc's)")
     flags.add_seed(ap)
     flags.add_quick(ap, help="a tiny run (seconds): " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     flags.add_out(ap, default=DEFAULT_OUT, type=Path, help="result file (default %(default)s)")
@@ -243,7 +248,7 @@ def config(a: argparse.Namespace) -> dict:
     if not 0.0 <= a.write_fraction <= 1.0 or not 0.0 < a.warmup_fraction < 1.0 or a.sample_s <= 0:
         raise ValueError("--write-fraction must be in [0, 1], --warmup-fraction in (0, 1), --sample-s > 0")
     cfg.update(tokens=cfg.pop("context_tokens"), write_fraction=a.write_fraction, seed=a.seed,
-               sample_s=a.sample_s, warmup_fraction=a.warmup_fraction, timeout_s=1800.0)
+               sample_s=a.sample_s, store_malloc_arenas=a.store_malloc_arenas, warmup_fraction=a.warmup_fraction, timeout_s=1800.0)
     return cfg
 
 

@@ -12,6 +12,7 @@ by itself.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -175,6 +176,7 @@ def worker(target: tuple, first_writer: int, threads: int, ops: int, keys: list[
             parts.append(r)
 
     torch.set_num_threads(1)
+    logging.getLogger("cachegen.stream").setLevel(logging.ERROR)  # partial loads are counted, not logged
     ts = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(threads)]
     for t in ts:
         t.start()
