@@ -72,6 +72,7 @@ from streaming.store.server import (  # noqa: F401  (re-exported)
     FaultHook,
     KVStoreServer,
     StoreServerHandle,
+    limit_malloc_arenas,
     start_store_server,
     watch_parent,
 )
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=0)
     sp.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY >> 20)
+    sp.add_argument("--malloc-arenas", type=int, default=2,
+                    help="glibc malloc arenas of the server (default 2: flat memory under many "
+                         "clients; 0: glibc's default)")
     sp.add_argument("--exit-with-parent", action="store_true",
                     help="shut down when the parent process dies (no orphan servers after a crash)")
     lp = sub.add_parser("list", help="list stored context keys")
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in KVStore(backend).list_contexts():
             print(k)
         return 0
+    limit_malloc_arenas(a.malloc_arenas)
     try:
         srv = KVStoreServer(backend, a.host, a.port, max_body=a.max_body_mb << 20)
     except OSError as e:

@@ -227,6 +227,22 @@ def start_store_server(backend: str | os.PathLike, link=None, timeout: float = 3
     return StoreServerHandle(proc, host, cport, link.method if link is not None else "direct-loopback")
 
 
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas of this process at `arenas` (mallopt M_ARENA_MAX; 0 keeps
+    glibc's default of 8 per core). The server runs a thread per connection: under 64
+    clients the default arenas kept growing the RSS after warm-up, 2 kept it flat
+    (docs/notes/2026-12-06-store-load.md). A MALLOC_ARENA_MAX in the environment wins.
+    Returns True when the cap was set (False: not glibc, or left as it was)."""
+    if arenas <= 0 or os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").mallopt(-8, int(arenas)) == 1  # -8: M_ARENA_MAX
+    except (OSError, AttributeError):
+        return False
+
+
 def watch_parent(on_orphan: Callable[[], None], poll_s: float = 1.0) -> threading.Thread:
     """Call on_orphan() once the parent process is gone (getppid changes), polling every
     poll_s seconds in a daemon thread. Keeps a crashed harness from leaving servers behind."""

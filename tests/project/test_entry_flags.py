@@ -71,6 +71,7 @@ ENTRIES = [
        ["--bandwidth-mbps", "5", "7", "--link-method", "userspace", "--out", "o.json", "--repeats", "1"])]),
     ("bench.lmcache", "main", ["--kv", "x.safetensors"], {"--repeats", "--out"},
      [(["--reps", "2", "--json", "o.json"], ["--repeats", "2", "--out", "o.json"])]),
+    ("bench.store_load", "main", [], {"--context-tokens", "--seed", "--quick", "--out"}, []),
     ("bench.redis", "main", [], {"--bandwidth-mbps", "--link-method", "--repeats"},
      [(["--rate-mbps", "5", "--method", "netns", "--reps", "1"],
        ["--bandwidth-mbps", "5", "--link-method", "netns", "--repeats", "1"])]),
