@@ -46,7 +46,7 @@ import numpy as np
 
 from .errors import CodecError
 from .scratch import np_empty
-from . import threads
+from . import rans_native, threads
 from .threads import PARALLEL_MIN_SYMBOLS, run_kernel  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -355,8 +355,11 @@ def decode_streams_into(
     # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
     counter = np.zeros(1, dtype=np.int64)   # next work item (dynamic scheduling, `_decode_impl`)
     workers = _num_workers() if par else 1
-    run_kernel(_decode_par, _decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
-               items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, workers)
+    # the native C kernel (codec.rans_native) when built; the numba kernel otherwise
+    if not rans_native.decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
+                                   out_v, deq_k, deq_v, t_stride, hd, t_off, err, workers):
+        run_kernel(_decode_par, _decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
+                   items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, workers)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
         raise CodecError(f"stream {i} of {n_streams}: {ERR_MESSAGES.get(int(err[i]), 'decode error')}")
