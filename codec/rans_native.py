@@ -16,14 +16,17 @@ library is compiled to a temporary name in that folder and renamed into place (a
 concurrent process sees no half-written file). ``scripts/setup.sh`` builds it; otherwise the
 first decode does.
 
-Fallback: ``CACHEGEN_NATIVE=0``, no compiler, or a failed build or load: ``decode_into``
-returns False and the caller runs the numba kernel; one warning line per process says why.
+Opt-in: ``CACHEGEN_NATIVE=1`` selects it (read at each decode); unset or 0, ``decode_into``
+returns False and the caller runs the numba kernel, which is faster on this machine today
+(docs/notes/2026-12-06-native-rans-decode.md). No compiler, or a failed build or load:
+the numba kernel too, with one warning line per process saying why.
 
 Run it: .venv/bin/python -m codec.rans_native   (builds, prints the library's path)
 Run the tests: .venv/bin/python -m pytest tests/codec/test_rans_native.py -q
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -38,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SOURCE", "ABI", "library_path", "load", "enabled", "native_items", "decode_into",
-           "main"]
+__all__ = ["SOURCE", "ABI", "library_path", "load", "wanted", "enabled", "disabled", "native_items",
+           "decode_into", "main"]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "rans_decode.c"
 ABI = 1                       # cg_rans_abi() of the source this wrapper speaks to
@@ -113,15 +116,13 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 def load(build: bool = True) -> ctypes.CDLL | None:
-    """The loaded library, building it first if needed (and `build`); None when
-    ``CACHEGEN_NATIVE=0`` or the build or load failed (one warning line, once per process)."""
+    """The loaded library, building it first if needed (and `build`); None when the build
+    or load failed (one warning line, once per process)."""
     with _LOCK:
         if "lib" in _STATE:
             return _STATE["lib"]
         lib, why = None, None
-        if os.environ.get("CACHEGEN_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-            why = "CACHEGEN_NATIVE=0"
-        else:
+        if True:
             try:
                 cc = _compiler()
                 path = library_path(cc)
@@ -139,9 +140,27 @@ def load(build: bool = True) -> ctypes.CDLL | None:
         return lib
 
 
+def wanted() -> bool:
+    """True when ``CACHEGEN_NATIVE`` is 1/on/yes/true (read at each decode). Off by
+    default: measured slower than the numba kernel on this machine for alphabets of 16+
+    symbols (docs/notes/2026-12-06-native-rans-decode.md)."""
+    return os.environ.get("CACHEGEN_NATIVE", "0").strip().lower() in ("1", "on", "yes", "true")
+
+
 def enabled() -> bool:
-    """True when the native decoder is in use (builds it on first call)."""
-    return load() is not None
+    """True when the native decoder is in use: wanted and built (builds it if wanted)."""
+    return wanted() and load() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside this context (process-wide, not nestable across threads): `decode_into`
+    returns False, so the numba kernel decodes; for side-by-side benchmarks and tests."""
+    _STATE["off"] = _STATE.get("off", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE["off"] -= 1
 
 
 def native_items(items: np.ndarray, n_blocks: int, n_groups: int, lanes: int = 4) -> np.ndarray:
@@ -176,7 +195,7 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
       err int64 [n_streams] (written: per-stream error code, 0 = ok); workers >= 1 threads.
     """
     esize = out_k.dtype.itemsize
-    if esize not in (1, 2, 4):
+    if esize not in (1, 2, 4) or _STATE.get("off") or not wanted():
         return False
     lib = load()
     if lib is None:

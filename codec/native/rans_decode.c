@@ -46,26 +46,43 @@ typedef struct {
     const uint32_t *cu, *pk;
 } lane_t;
 
-static inline uint32_t dec_step(lane_t *ln, const uint16_t *words) {
-    uint64_t x = ln->x;
-    uint32_t slot = (uint32_t)(x & 0xFFFF);
-    uint32_t s = ln->lu[slot >> 8];
-    while (ln->cu[s + 1] <= slot) s++;
-    uint32_t pk = ln->pk[s];
-    x = (uint64_t)(pk & 0xFFFF) * (x >> 16) + slot - (pk >> 16);
-    uint64_t w = words[ln->q];
-    int small = x < 65536;
-    ln->x = small ? ((x << 16) | w) : x;
-    ln->q += small;
-    return s;
-}
-
 static inline int64_t final_err(const lane_t *ln, int64_t end) {
     if (ln->q > end) return 3;
     if (ln->x != 65536) return 4;
     if (ln->q != end) return 5;
     return 0;
 }
+
+/* The hot loop over one channel's tokens for NL lanes: the lanes' states live in local
+ * arrays that the full unroll turns into registers (no reloads after the output stores). */
+#define LANES_LOOP(TYPE, NL)                                                                \
+    {                                                                                       \
+        uint64_t x[NL];                                                                     \
+        int64_t q[NL];                                                                      \
+        const uint8_t *lu[NL];                                                              \
+        const uint32_t *cu[NL], *pk[NL];                                                    \
+        for (int k = 0; k < NL; k++) {                                                      \
+            x[k] = ln[k].x; q[k] = ln[k].q; lu[k] = ln[k].lu; cu[k] = ln[k].cu; pk[k] = ln[k].pk; \
+        }                                                                                   \
+        for (int64_t t = t0; t < t1; t++) {                                                 \
+            TYPE *o = out + (t + j->t_off) * C;                                             \
+            const int64_t ro = t * rs;                                                      \
+            _Pragma("GCC unroll 8")                                                         \
+            for (int k = 0; k < NL; k++) {                                                  \
+                uint32_t slot = (uint32_t)(x[k] & 0xFFFF);                                  \
+                uint32_t sy = lu[k][slot >> 8];                                             \
+                while (cu[k][sy + 1] <= slot) sy++;                                         \
+                uint32_t pv = pk[k][sy];                                                    \
+                uint64_t y = (uint64_t)(pv & 0xFFFF) * (x[k] >> 16) + slot - (pv >> 16);    \
+                uint64_t w = words[q[k]];                                                   \
+                int small = y < 65536;                                                      \
+                x[k] = small ? ((y << 16) | w) : y;                                         \
+                q[k] += small;                                                              \
+                o[c[k]] = row[k][ro + sy];                                                  \
+            }                                                                               \
+        }                                                                                   \
+        for (int k = 0; k < NL; k++) { ln[k].x = x[k]; ln[k].q = q[k]; }                    \
+    }
 
 #define DEFINE_DECODE(TYPE, NAME)                                                           \
 static void NAME(job_t *j, int64_t it) {                                            \
@@ -107,34 +124,9 @@ static void NAME(job_t *j, int64_t it) {                                        
             row[k] = dq + (c[k] / j->hd) * NS;                                              \
         }                                                                                   \
         const int64_t rs = j->t_stride * NS;                                                \
-        if (nl == 8) {                                                                      \
-            for (int64_t t = t0; t < t1; t++) {                                             \
-                uint32_t s0 = dec_step(&ln[0], words), s1 = dec_step(&ln[1], words);        \
-                uint32_t s2 = dec_step(&ln[2], words), s3 = dec_step(&ln[3], words);        \
-                uint32_t s4 = dec_step(&ln[4], words), s5 = dec_step(&ln[5], words);        \
-                uint32_t s6 = dec_step(&ln[6], words), s7 = dec_step(&ln[7], words);        \
-                TYPE *o = out + (t + j->t_off) * C;                                         \
-                const int64_t ro = t * rs;                                                  \
-                o[c[0]] = row[0][ro + s0]; o[c[1]] = row[1][ro + s1];                       \
-                o[c[2]] = row[2][ro + s2]; o[c[3]] = row[3][ro + s3];                       \
-                o[c[4]] = row[4][ro + s4]; o[c[5]] = row[5][ro + s5];                       \
-                o[c[6]] = row[6][ro + s6]; o[c[7]] = row[7][ro + s7];                       \
-            }                                                                               \
-        } else if (nl == 4) {                                                               \
-            for (int64_t t = t0; t < t1; t++) {                                             \
-                uint32_t s0 = dec_step(&ln[0], words), s1 = dec_step(&ln[1], words);        \
-                uint32_t s2 = dec_step(&ln[2], words), s3 = dec_step(&ln[3], words);        \
-                TYPE *o = out + (t + j->t_off) * C;                                         \
-                const int64_t ro = t * rs;                                                  \
-                o[c[0]] = row[0][ro + s0]; o[c[1]] = row[1][ro + s1];                       \
-                o[c[2]] = row[2][ro + s2]; o[c[3]] = row[3][ro + s3];                       \
-            }                                                                               \
-        } else {                                                                            \
-            for (int64_t t = t0; t < t1; t++) {                                             \
-                uint32_t s0 = dec_step(&ln[0], words);                                      \
-                out[(t + j->t_off) * C + c[0]] = row[0][t * rs + s0];                       \
-            }                                                                               \
-        }                                                                                   \
+        if (nl == 8) LANES_LOOP(TYPE, 8)                                                    \
+        else if (nl == 4) LANES_LOOP(TYPE, 4)                                               \
+        else LANES_LOOP(TYPE, 1)                                                            \
     }                                                                                       \
     for (int64_t k = 0; k < nl; k++) j->err[sid[k]] = final_err(&ln[k], j->w_off[sid[k] + 1]); \
 }

@@ -18,8 +18,14 @@ import codec
 from codec import bitstream, rans_cpu, rans_native
 from codec import probability as prob
 
-if not rans_native.enabled():  # pragma: no cover - a machine without a C compiler
+if rans_native.load() is None:  # pragma: no cover - a machine without a C compiler
     pytest.skip("native rANS decoder not built on this machine", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    """The native decoder is opt-in (CACHEGEN_NATIVE=1): on for every test here."""
+    monkeypatch.setenv("CACHEGEN_NATIVE", "1")
 
 
 def _both(fn, monkeypatch):
@@ -31,8 +37,7 @@ def _both(fn, monkeypatch):
         except codec.CodecError:
             return "CodecError"
     nat = run()
-    with monkeypatch.context() as m:
-        m.setattr(rans_native, "load", lambda build=True: None)
+    with rans_native.disabled():
         ref = run()
     return nat, ref
 
@@ -211,7 +216,10 @@ def test_build_cache_atomic_and_fallback(tmp_path, monkeypatch):
     assert rans_native.load() is not None and path.exists()
     assert [p.name for p in path.parent.iterdir()] == ["rans_decode.so"]
 
-    for env, cc in (({"CACHEGEN_NATIVE": "0"}, None), ({}, "/bin/false")):
+    monkeypatch.setenv("CACHEGEN_NATIVE", "0")
+    assert rans_native.load() is not None and not rans_native.enabled()
+    monkeypatch.setenv("CACHEGEN_NATIVE", "1")
+    for env, cc in (({}, "/bin/false"),):
         monkeypatch.setattr(rans_native, "_STATE", {})
         monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path / f"other{len(env)}"))
         for key, val in env.items():
