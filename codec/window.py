@@ -62,16 +62,15 @@ from .registry import CODECS, get_codec
 
 __all__ = ["WINDOW_KIND", "WINDOW_VERSION", "WindowGroup", "WindowedKV", "layer_groups", "kept_tokens",
            "encode_windowed", "encode_windowed_with_stats", "encode_windowed_chunks", "decode_windowed",
-           "decode_windowed_chunks", "decode_chunk_dense", "peek_window_header", "is_windowed", "stored_fraction",
-           "min_load_tokens", "layout_tag", "parse_layout_tag",
+           "decode_windowed_chunks", "decode_chunk_dense", "peek_window_header", "is_windowed",
            "encode_with_stats", "decode_dense"]
 
 WINDOW_KIND = "kvwindow"      # header["kind"] of a windowed container
 
 
-from .window_rules import (  # noqa: E402,F401 - the layout rules, re-exported
-    WINDOW_VERSION, window_list, kept_tokens, layer_groups, layout_tag, min_load_tokens, parse_layout_tag,
-    stored_fraction)
+# The layout rules (which tokens each layer keeps, the layout tag, the shortest servable
+# prefix) are codec.window_rules'; this module uses them to build and read containers.
+from .window_rules import WINDOW_VERSION, window_list, kept_tokens, layer_groups  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -294,7 +293,7 @@ def encode_windowed(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional
         window W (tokens, int >= 1): that layer keeps its last ``min(T, W)`` tokens.
       codec, level, backend: as ``codec.encode_kv`` (any registered codec).
       extra_tokens: a sliding layer keeps ``min(T, W + extra_tokens)`` tokens, so that a
-        prefix down to ``T - extra_tokens`` tokens stays servable (:func:`min_load_tokens`;
+        prefix down to ``T - extra_tokens`` tokens stays servable (:func:`codec.window_rules.min_load_tokens`;
         the store keeps one KV block: a consumer's loads are block-aligned).
       config: as ``codec.encode_kv`` for the whole model (a cachegen ``CodecConfig`` of L
         layers is restricted to each group's layers), or a dict ``{layers tuple: config}``

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream, window
+from codec import bitstream, window, window_rules
 from codec.errors import CodecError
 
 CODECS = ["raw", "fp8", "quant8", "kivi2", "kivi4", "cachegen", "cachegen-ref"]
@@ -103,8 +103,8 @@ def test_gemma3_layout_fraction_at_8k():
     (<= 0.22); measured from the encode (H, D shrunk: the fraction does not
     depend on them)."""
     ws = ([512] * 5 + [None]) * 3
-    assert window.stored_fraction(ws, 8192) == (3 + 15 * 512 / 8192) / 18 == 0.21875
-    assert window.stored_fraction(ws, 2048) == 0.375
+    assert window_rules.stored_fraction(ws, 8192) == (3 + 15 * 512 / 8192) / 18 == 0.21875
+    assert window_rules.stored_fraction(ws, 2048) == 0.375
     k, v = make_kv(L=18, T=8192, H=1, D=2)
     _, stats = window.encode_windowed_with_stats(k, v, ws, codec="raw")
     assert stats["stored_elements"] / stats["elements"] == 0.21875
