@@ -4,7 +4,7 @@ store server over Redis, and the engine reading Redis directly (RedisStoreClient
 
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5: encoded KV chunks live in a remote
 store and are streamed to the engine on reuse, decoding chunk k while chunk k+1 arrives.
-The chunks are stand-ins of the real size with real decode work (bench.standin).
+The chunks are stand-ins of the real size with real decode work (bench.standin_codec).
 Not a test: prints one JSON line per (rate, setup); medians over --repeats, warm-up excluded.
 
 Run: python -m bench.redis --bandwidth-mbps 100 1000 --repeats 3     (docs/redis.md)
@@ -21,7 +21,7 @@ from typing import Sequence
 from cachegen_common.cli import exit_status
 from cachegen_common import flags
 from cachegen_common.units import goodput_mbps
-from bench import standin
+from bench import standin_codec as standin
 from streaming.load import stream_load
 from streaming.errors import StoreError
 from streaming.link import ShapedLink

@@ -29,7 +29,7 @@ from pathlib import Path
 from cachegen_common.cli import exit_status
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
-from bench import standin
+from bench import standin_codec as standin
 from streaming.adapt.params import PolicyInputs
 from streaming.adapt.policy import AdaptivePolicy
 from streaming.load import stream_load

@@ -50,7 +50,7 @@ from streaming.calibrations import ensure_calibrations
 from streaming.load_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn
 from streaming.wire import timed_get_chunk
 from streaming.errors import StreamingError
-from streaming.plumbing import put_until_stopped
+from streaming.shutdown import put_until_stopped
 
 logger = logging.getLogger("cachegen.stream")
 

@@ -8,7 +8,7 @@ What runs:
    on this CPU); the HF prefill speed of the same context is measured too.
 2. Real link (`--real`, default on): streaming.link.ShapedLink (netns + tc tbf as root,
    else the userspace token bucket) with the KV store server; the store holds stand-in
-   chunks (bench.standin) of exactly the real per-level sizes, and the decoder does real
+   chunks (bench.standin_codec) of exactly the real per-level sizes, and the decoder does real
    CPU work (SHA-256 rounds) calibrated to the measured per-level decode time. The shaper
    follows each trace chunk by chunk (streaming.adapt.traces.apply_trace); the AdaptivePolicy
    runs unmodified through streaming.load.stream_load (abandon on overrun included).

@@ -13,7 +13,7 @@ import time
 
 from bench.adapt.sim import TableManifest, request_row, clock_model, make_adaptive
 from cachegen_common.units import mbps_to_bytes_per_s
-from bench import standin
+from bench import standin_codec as standin
 from streaming.adapt import oracle
 from streaming.adapt.params import DEFAULT_PRESET
 from streaming.adapt.traces import Trace, apply_trace

@@ -47,7 +47,7 @@ from redis.retry import Retry
 
 from streaming.errors import StoreError, StoreTooLargeError
 from streaming.store.folder import MAX_KEY_BYTES, LocalFolderBackend
-from streaming.plumbing import Closing, put_until_stopped
+from streaming.shutdown import Closing, put_until_stopped
 from streaming.store.redis_conn import (
     CONNECTION_CLASSES,
     RedisUnavailableError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from streaming.plumbing import Closing
+from streaming.shutdown import Closing
 from streaming.store.redis_backend import RedisBackend
 from streaming.store.redis_cluster import RedisClusterBackend, is_cluster_url
 

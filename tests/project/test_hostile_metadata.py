@@ -292,7 +292,7 @@ def store_server(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_MANIFESTS))
 def test_store_reads_a_hostile_manifest_as_a_miss(store_server, name):
-    from bench import standin
+    from bench import standin_codec as standin
     from streaming.store import StoreClient
 
     chunks = {1: [standin.make_chunk(1000 + i, seed=i) for i in range(2)]}
@@ -317,7 +317,7 @@ def test_store_reads_a_hostile_manifest_as_a_miss(store_server, name):
     ("chunk_count", "two"), ("key", 5),
 ])
 def test_store_reads_a_manifest_with_wrong_types_as_a_miss(tmp_path, field, value):
-    from bench import standin
+    from bench import standin_codec as standin
     from streaming.store.folder import LocalFolderBackend
     from streaming.store.format import build_manifest
     from streaming.store.kv import KVStore

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tests.helpers.policy import make_policy
-from bench import standin
+from bench import standin_codec as standin
 from streaming.adapt import AdaptivePolicy
 from streaming.load import stream_load
 from streaming.link import ShapedLink, netns_available

@@ -1,7 +1,7 @@
 """Redis as the shared KV store, end to end: manifests, stream_load, eviction, faults.
 
 A real redis-server is started by the tests (streaming.store.redis_server.RedisServer); chunks are
-bench.standin chunks (CRC-checked, real decode work) so no model is needed. Skipped
+bench.standin_codec chunks (CRC-checked, real decode work) so no model is needed. Skipped
 (with the reason) only when redis-server is not installed.
 Run: python -m pytest tests/streaming/test_redis_store.py -q
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import standin
+from bench import standin_codec as standin
 from streaming.store.folder import LocalFolderBackend
 from streaming.load import stream_load
 from streaming.store.redis_backend import (
@@ -108,7 +108,7 @@ _ENGINE = textwrap.dedent(
     import json, sys
     sys.path.insert(0, sys.argv[1])
     from tests.streaming.test_redis_store import _context, _load, TAG
-    from bench import standin
+    from bench import standin_codec as standin
     from streaming.store.redis_client import RedisStoreClient
     from streaming.store import context_key
     url, role = sys.argv[2], sys.argv[3]

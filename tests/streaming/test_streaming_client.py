@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from tests.helpers.policy import make_policy
-from bench import standin
+from bench import standin_codec as standin
 from streaming.store.folder import LocalFolderBackend
 from streaming.load import stream_load
 from streaming.link import ShapedLink, netns_available

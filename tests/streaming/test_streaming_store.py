@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from bench import standin
+from bench import standin_codec as standin
 from streaming.store.backend import StoreBackend, open_backend
 from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError

@@ -1,4 +1,4 @@
-"""Two small mechanics shared by the streaming clients and backends, written once here:
+"""Clean shutdown, written once for the streaming clients and backends:
 
 - `Closing`: a context-manager mixin (`with obj:` returns obj, `close()` on exit) for an
   object whose only setup is its constructor (RedisBackend, RedisStoreClient);
