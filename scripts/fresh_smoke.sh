@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fresh-machine smoke (issue 25.7): the README's main job as a new user's first run.
+# Fresh-machine smoke: the README's main job as a new user's first run.
 #   bash scripts/fresh_smoke.sh               clone + set-up + run_benchmarks.py --quick
 #   bash scripts/fresh_smoke.sh --fresh-venv  ... with a new .venv in the clone (what a user
 #                                             makes; installs the pinned stack: minutes more)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check of the Triton codec (issue 7): kernel tests on CUDA, correctness
+# One prepared GPU check of the Triton codec: kernel tests on CUDA, correctness
 # against the CPU backend (same bytes, decoding both ways), then encode/decode speed on a
 # 7B-shaped KV, with the results table printed LAST. Budget: under 5 minutes on one GPU.
 #

@@ -2,9 +2,9 @@
 
 A comment, docstring or reference page says what a thing does and why; "issue 27.3",
 "round 6" or "(#12)" tell a newcomer nothing (the tracker is not part of the repository).
-Checked: every tracked Python file, the reference docs (docs/*.md; dated research notes
-under docs/notes/ keep their history), README.md, CONTRIBUTING.md and
-benchmarks/README.md. Allowed: public upstream references ("vLLM #56311", "LMCache
+Checked: every tracked Python file and shell script, the CI entry point (.ci/run), the
+reference docs (docs/*.md; dated research notes under docs/notes/ keep their history),
+README.md, CONTRIBUTING.md and benchmarks/README.md. Allowed: public upstream references ("vLLM #56311", "LMCache
 #4972 / #4744"), named by their project within the same phrase, and data keys such as
 "round3" (a tuning set's recorded name, no separator).
 """
@@ -28,12 +28,13 @@ EXTERNAL = re.compile(r"(vllm|lmcache|sglang|redis|safetensors|microcore|transfo
 
 
 def _files() -> list[Path]:
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "*.py", "docs/*.md", *DOCS],
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "*.py", "*.sh", ".ci/run", "docs/*.md", *DOCS],
                             capture_output=True, text=True, timeout=60)
     if listed.returncode == 0 and listed.stdout.strip():
         names = listed.stdout.split()
     else:   # not a git checkout: the same set from the folder
-        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".venv" not in p.parts] + \
+        names = [str(p.relative_to(ROOT)) for p in (*ROOT.rglob("*.py"), *ROOT.rglob("*.sh"))
+                 if ".venv" not in p.parts] + [".ci/run"] + \
             [str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")] + list(DOCS)
     out = []
     for name in names:
