@@ -37,7 +37,8 @@ def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunCo
     The adaptive mode gets a ``policy`` (``preset``: cfg.policy_preset, a
     streaming.adapt.params.PolicyParams preset; SLO in seconds, the engine's measured
     prefill speed in tokens/s, the link rate in Mbit/s as the first throughput estimate);
-    the other modes a fixed ``level``.
+    the other modes a fixed ``level`` (the variant's; None for a codec without levels: the
+    reader then fetches the entry's only stored level).
     """
     if var.mode == "text":
         return None
@@ -52,7 +53,7 @@ def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunCo
                             "prefill_tokens_per_s": prefill_tps,
                             "initial_throughput_mbps": link_mbps}
     else:
-        params["level"] = var.level if var.level is not None else 0
+        params["level"] = var.level  # None: a codec without levels (never 0, a real level)
     return params
 
 
