@@ -172,6 +172,16 @@ def test_no_level_stays_none_and_level_zero_stays_zero():
     assert json.loads(json.dumps(rec))["level"] is None  # null in the result file
 
 
+def test_request_params_bandwidth_has_the_one_bound():
+    info = SimpleNamespace(model_id="m", weights_hash="w")
+    cfg, ctx = RunConfig(slo_s=2.0), _ctx()
+    for bad in (0.0, -1.0, 1e6, float("nan")):
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, bad)
+    p = request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, bandwidth_mbps=100)
+    assert p["policy"]["initial_throughput_mbps"] == 100.0
+
+
 def test_decisions_reach_chunks_under_both_engines():
     decisions = [{"chunk": 0, "reason": "fits", "throughput_mbps_est": 90.0, "budget_s": 0.5},
                  {"chunk": 1, "reason": "text", "throughput_mbps_est": 5.0, "budget_s": 0.1}]
