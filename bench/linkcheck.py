@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
-from cachegen_common.units import goodput_mbps, mbps_to_bytes_per_s
+from cachegen_common.units import check_bandwidth_mbps, goodput_mbps, mbps_to_bytes_per_s
 
 _REQ = struct.Struct("<Q")
 _BLOCK = bytes(256 * 1024)
@@ -111,9 +111,10 @@ SHORT_SIZES = (96 * 1024, 256 * 1024, 1024 * 1024)
 IDLE_GAP_S = 0.05  # idle before a short transfer: the shaper's bucket refills (as between chunks)
 
 
-def short_goodput(addr: tuple[str, int], rate_mbps: float, sizes=SHORT_SIZES, repeats: int = 3) -> list[dict]:
+def short_goodput(addr: tuple[str, int], bandwidth_mbps: float, sizes=SHORT_SIZES, repeats: int = 3) -> list[dict]:
     """Goodput of short transfers started after an idle gap (the shaper's burst inflates
-    them) -> rows {bytes, mbps_median, ratio_vs_target, repeats_mbps}."""
+    them) over a link shaped to `bandwidth_mbps` Mbit/s -> rows {bytes, mbps_median,
+    ratio_vs_target, repeats_mbps}."""
     out = []
     for n in sizes:
         runs = []
@@ -123,32 +124,34 @@ def short_goodput(addr: tuple[str, int], rate_mbps: float, sizes=SHORT_SIZES, re
             time.sleep(IDLE_GAP_S)
             runs.append(measure_goodput(addr, n)[1])
         med = statistics.median(runs)
-        out.append({"bytes": n, "mbps_median": round(med, 2), "ratio_vs_target": round(med / rate_mbps, 3),
+        out.append({"bytes": n, "mbps_median": round(med, 2), "ratio_vs_target": round(med / bandwidth_mbps, 3),
                     "repeats_mbps": [round(x, 2) for x in runs]})
     return out
 
 
-def check_rate(rate_mbps: float, method: str = "auto", seconds: float = 3.0, repeats: int = 3) -> dict:
-    """Set up a link at rate_mbps, measure goodput `repeats` times -> one JSON row."""
+def check_rate(bandwidth_mbps: float, method: str = "auto", seconds: float = 3.0, repeats: int = 3) -> dict:
+    """Set up a link at `bandwidth_mbps` Mbit/s (check_bandwidth_mbps: ValueError outside
+    its bound), measure goodput `repeats` times -> one JSON row."""
     from streaming.link import ShapedLink
 
-    nbytes = max(2 << 20, int(mbps_to_bytes_per_s(rate_mbps) * seconds))
-    with ShapedLink(rate_mbps, method=method) as link:
+    bandwidth_mbps = check_bandwidth_mbps(bandwidth_mbps)
+    nbytes = max(2 << 20, int(mbps_to_bytes_per_s(bandwidth_mbps) * seconds))
+    with ShapedLink(bandwidth_mbps, method=method) as link:
         proc, addr = start_source(link)
         measure_goodput(addr, min(nbytes, 1 << 20))  # warm-up (TCP slow start, ARP), excluded
         runs = [measure_goodput(addr, nbytes) for _ in range(repeats)]
-        short = short_goodput(addr, rate_mbps)
+        short = short_goodput(addr, bandwidth_mbps)
         desc = link.describe()
     mbps = [r[1] for r in runs]
     med = statistics.median(mbps)
     return {
-        "target_mbps": rate_mbps,
+        "target_mbps": bandwidth_mbps,
         "measured_mbps": round(med, 2),
         "method": desc["method"],
         "bytes": nbytes,
         "seconds": round(statistics.median(r[0] for r in runs), 4),
         "repeats_mbps": [round(x, 2) for x in mbps],
-        "within_10pct": abs(med - rate_mbps) <= 0.1 * rate_mbps,
+        "within_10pct": abs(med - bandwidth_mbps) <= 0.1 * bandwidth_mbps,
         "burst_bytes": desc["burst_bytes"],
         "burst_rule": desc.get("burst_rule"),
         "short_transfers": short,

@@ -30,20 +30,20 @@ from streaming.store.redis_server import RedisServer
 from streaming.store import start_store_server
 
 
-def bench(rates_mbps: Sequence[float], chunks: int, chunk_mb: float, repeats: int, method: str,
+def bench(bandwidth_mbps: Sequence[float], chunks: int, chunk_mb: float, repeats: int, method: str,
           rounds: int = 1) -> list[dict]:
     """Load time of one stored context (stand-in chunks, real decode work) through a shaped
-    link, three ways side by side per rate: the TCP store server over a local folder (the
-    default), the store server over Redis, and the engine reading Redis directly
-    (RedisStoreClient). Redis and the store server run on the server side of the link.
+    link at each rate of `bandwidth_mbps` (Mbit/s), three ways side by side per rate: the TCP
+    store server over a local folder (the default), the store server over Redis, and the
+    engine reading Redis directly (RedisStoreClient). Redis and the store server run on the server side of the link.
     Returns one row per (rate, setup): medians over `repeats` (warm-up excluded)."""
     size = int(chunk_mb * 1e6)
     ids = list(range(chunks * 1024))
     ranges = [(i * 1024, (i + 1) * 1024) for i in range(chunks)]
     data = {1: [standin.make_chunk(size + 17 * i, seed=i) for i in range(chunks)]}
     rows = []
-    for rate in rates_mbps:
-        with ShapedLink(rate, method=method) as link, tempfile.TemporaryDirectory(prefix="cg-bench-") as tmp, \
+    for bw in bandwidth_mbps:
+        with ShapedLink(bw, method=method) as link, tempfile.TemporaryDirectory(prefix="cg-bench-") as tmp, \
                 RedisServer(link=link) as srv:
             setups = {}
             local = start_store_server(tmp, link=link)
@@ -63,7 +63,7 @@ def bench(rates_mbps: Sequence[float], chunks: int, chunk_mb: float, repeats: in
                         if r:
                             times.append(res.total_s)
                     med = statistics.median(times)
-                    rows.append({"rate_mbps": rate, "link": link.method, "setup": name, "bytes": res.bytes,
+                    rows.append({"rate_mbps": bw, "link": link.method, "setup": name, "bytes": res.bytes,
                                  "load_s_median": med, "load_s_min": min(times), "load_s_max": max(times),
                                  "goodput_mbps": goodput_mbps(res.bytes, med), "repeats": repeats})
             finally:

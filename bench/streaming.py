@@ -53,11 +53,12 @@ def _put(client, n: int, level_bytes: dict[int, int], tokens: int):
     return client.put_context("bench-model", "bench-weights", "standin-v1", ids, chunks, ranges)
 
 
-def run_pipeline(rate_mbps: float, chunks: int, chunk_bytes: int, decode_s: float, method: str, repeats: int) -> dict:
+def run_pipeline(bandwidth_mbps: float, chunks: int, chunk_bytes: int, decode_s: float, method: str,
+                 repeats: int) -> dict:
     rounds = _calibrate(chunk_bytes, decode_s)
     dec = standin.decoder(rounds)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="cgh-bench-") as d, ShapedLink(rate_mbps, method=method) as link:
+    with tempfile.TemporaryDirectory(prefix="cgh-bench-") as d, ShapedLink(bandwidth_mbps, method=method) as link:
         with start_store_server(d, link) as h, h.client(timeout=60) as c:
             key = _put(c, chunks, {1: chunk_bytes}, 100)
             stream_load(c, key, 1, dec)  # warm-up (connections, page cache), excluded
@@ -79,7 +80,7 @@ def run_pipeline(rate_mbps: float, chunks: int, chunk_bytes: int, decode_s: floa
         desc = link.describe()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     med.update({
-        "method": desc["method"], "rate_mbps": rate_mbps, "chunks": chunks, "chunk_bytes": chunk_bytes,
+        "method": desc["method"], "rate_mbps": bandwidth_mbps, "chunks": chunks, "chunk_bytes": chunk_bytes,
         "decode_rounds": rounds, "repeats": repeats,
         "sum_transfer_decode_s": med["transfer_s"] + med["decode_s"],
         "max_transfer_decode_s": max(med["transfer_s"], med["decode_s"]),

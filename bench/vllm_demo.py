@@ -32,7 +32,7 @@ from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.model import load_model
 from kv_extraction_hf.prompts import build_prompt
-from streaming.identity import codec_identity, model_identity
+from streaming.identity import codec_identity, level_slot, model_identity
 from streaming.link import ShapedLink
 from streaming.store import start_store_server
 from third_party.vllm.engine import make_llm, run_one, shutdown_llm
@@ -66,7 +66,8 @@ def run_demo(args) -> int:
     del bundle  # the HF model is not needed any more; vLLM loads its own copy
     bf16_bytes = 2 * k.numel() * k.element_size()
     print(f"context {len(ctx)} tokens + question {len(q)}; bf16 KV {bf16_bytes / 1e6:.1f} MB")
-    codecs = [(c, args.level if c == "cachegen" else None) for c in args.codecs]
+    # each codec's level, resolved once here (None: a codec without levels; 0 is a real level)
+    codecs = [(c, codec.resolve_level(c, args.level if c == "cachegen" else None)) for c in args.codecs]
     enc = {}
     for name, level in codecs:
         chunks = codec.encode_chunks(k, v, codec=name, level=level, config=configs.get(name),
@@ -88,8 +89,8 @@ def run_demo(args) -> int:
         keys = {}
         with srv.client(timeout=300) as cl:
             for name, level in codecs:
-                keys[name] = cl.put_entry(codec_identity(base, name, {0: level}), ctx,
-                                          {0: enc[name]}, ranges)
+                keys[name] = cl.put_entry(codec_identity(base, name, [level]), ctx,
+                                          {level_slot(name, level): enc[name]}, ranges)
         store = f"{srv.host}:{srv.port}"
         link_desc = f"{link.method} {args.bandwidth_mbps} Mbit/s" if link else "loopback, unshaped"
         print(f"store at {store} ({link_desc})")
@@ -101,8 +102,8 @@ def run_demo(args) -> int:
             modes: dict[str, Any] = {"text": None,
                                      "raw-local": {"source": "local", "context_key": "raw",
                                                    "mode": "raw", "stats_tag": "raw-local"}}
-            for name, _ in codecs:
-                modes[f"{name}-store"] = {"source": "store", "store": store, "level": 0,
+            for name, level in codecs:
+                modes[f"{name}-store"] = {"source": "store", "store": store, "level": level,
                                           "context_key": keys[name], "mode": name,
                                           "stats_tag": f"{name}-store"}
             # vLLM's OWN KV of the context, saved by the connector from a plain prefill:

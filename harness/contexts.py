@@ -25,7 +25,7 @@ from harness.config import RunConfig
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
 from kv_extraction_hf.prompts import build_prompt
-from streaming.identity import codec_identity, model_identity
+from streaming.identity import codec_identity, level_slot, model_identity
 
 KV_MODES = ("raw", "quant8", "kivi2", "kivi4", "fp8", "cachegen", "kvtc")
 """Modes whose request loads KV from the store (``text`` prefills; the adaptive mode
@@ -233,7 +233,7 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
                     data = codec_pkg.encode_chunks(ctx.k, ctx.v, codec=name, level=lv,
                                                    config=configs.get(name),
                                                    chunk_tokens=cfg.chunk_tokens)
-                chunks[0 if lv is None else lv] = data
+                chunks[level_slot(name, lv)] = data
                 ctx.sizes[(name, lv)] = sum(len(d) for d in data)
         except ValueError as exc:
             reason = one_line(exc)

@@ -19,6 +19,7 @@ from typing import Any
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import utc_now
 from cachegen_common.header import environment as header_environment
+from cachegen_common.units import MAX_BANDWIDTH_MBPS, check_bandwidth_mbps
 from evaluation.summary import plot_label, summarize
 
 SCHEMA_VERSION = 1
@@ -196,8 +197,13 @@ def validate(doc: Any) -> list[str]:
             if missing:
                 problems.append(f"{section}[{i}] lacks {missing}")
             bw = row.get("bandwidth_mbps")
-            if not isinstance(bw, (int, float)) or bw <= 0:
-                problems.append(f"{section}[{i}].bandwidth_mbps is not a positive number")
+            try:  # the one bound of a link rate (Mbit/s)
+                ok = isinstance(bw, (int, float)) and not isinstance(bw, bool) and check_bandwidth_mbps(bw) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                problems.append(f"{section}[{i}].bandwidth_mbps is not a link rate in "
+                                f"(0, {MAX_BANDWIDTH_MBPS:g}] Mbit/s")
     if "complete" in doc and not isinstance(doc["complete"], bool):
         problems.append("complete is not a boolean")
     for key in ("environment", "config", "model"):

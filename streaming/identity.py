@@ -336,17 +336,36 @@ def codec_version() -> str:
     return str(codec_pkg.CODEC_VERSION)
 
 
+LEVELLESS_SLOT = 0
+"""The store's chunk-level number of a codec without levels (raw, kivi, ...): a storage
+slot, not a codec level. Such a codec's level stays None everywhere else (requests,
+identities' config hashes, result files)."""
+
+
+def level_slot(codec: str, level: int | None) -> int:
+    """The store's chunk-level number for `level` of `codec`: the codec level resolved once
+    (codec.resolve_level: None -> the codec's default; 0 stays 0), or LEVELLESS_SLOT for a
+    codec without levels. Imports the codec lazily. Raises ValueError for an unknown codec
+    or level."""
+    import codec as codec_pkg
+
+    lv = codec_pkg.resolve_level(codec, level)
+    return LEVELLESS_SLOT if lv is None else lv
+
+
 def codec_identity(base: EntryIdentity, codec: str,
                    levels: Iterable[int | None] | Mapping[int, int | None], config: Any = None,
                    calibration_hash: str = "") -> EntryIdentity:
     """`base` (a model identity) plus the codec fields for `codec`.
 
-    levels: the codec levels stored (None = the codec's default level, stored under level
-    number 0 as the harness's chunk keys do), or a mapping {stored level number: codec
-    level} when the store numbers them otherwise. Each level's full config is hashed for
-    base.num_layers (codec.config_hash). Raises ValueError for an unknown codec or level."""
+    levels: the codec levels stored (None = the codec's default level, or no level for a
+    codec without levels), each stored under its chunk-level number `level_slot` (the
+    resolved level; LEVELLESS_SLOT for a codec without levels), or a mapping {stored level
+    number: codec level} when the store numbers them otherwise. Each level's full config is
+    hashed for base.num_layers (codec.config_hash). Raises ValueError for an unknown codec
+    or level."""
     pairs = levels.items() if isinstance(levels, Mapping) else \
-        [(0 if lv is None else int(lv), lv) for lv in levels]
+        [(level_slot(codec, lv), lv) for lv in levels]
     lc = tuple((int(slv), codec_config_hash(codec, lv, config, base.num_layers)) for slv, lv in pairs)
     return base.replace(codec=codec, codec_version=codec_version(), level_configs=lc,
                         calibration_hash=calibration_hash or "")

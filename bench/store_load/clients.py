@@ -23,11 +23,11 @@ import torch
 import codec
 from streaming.load import stream_load
 from streaming.errors import StoreError, StoreRaceLostError
-from streaming.identity import EntryIdentity
+from streaming.identity import LEVELLESS_SLOT, EntryIdentity
 
 L, H, D = 2, 2, 4  # D = 4 features: token position, context, writer, save number
 IDENTITY = EntryIdentity(model_id="load-m", weights_hash="load-w", dtype="float32", num_layers=L,
-                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={0: "raw-load"})
+                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={LEVELLESS_SLOT: "raw-load"})
 
 
 def context_ids(context: int, tokens: int) -> list[int]:
@@ -52,7 +52,7 @@ def save(client, context: int, writer: int, seq: int, tokens: int, chunk_tokens:
     k, v = token_kv(tokens, context, writer, seq)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=chunk_tokens)
     ranges = codec.chunk_bounds(tokens, chunk_tokens)
-    return client.put_entry(IDENTITY, context_ids(context, tokens), {0: chunks}, ranges,
+    return client.put_entry(IDENTITY, context_ids(context, tokens), {LEVELLESS_SLOT: chunks}, ranges,
                             meta={"context": context, "writer": writer, "seq": seq})
 
 

@@ -23,6 +23,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from cachegen_common.units import check_bandwidth_mbps
 from harness.config import RunConfig
 from harness.contexts import Context, Variant
 from harness.engines.api import Engine
@@ -30,15 +31,18 @@ from harness.engines.api import Engine
 
 # ----------------------------------------------------------------------------- protocol
 def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunConfig,
-                   prefill_tps: float, link_mbps: float) -> dict | None:
+                   prefill_tps: float, bandwidth_mbps: float) -> dict | None:
     """The per-request KV transfer parameters (the vLLM connector's ``kv_transfer_params``,
     docs/vllm-connector.md) of ``var`` on ``ctx``; None for text mode (plain prefill).
 
     The adaptive mode gets a ``policy`` (``preset``: cfg.policy_preset, a
     streaming.adapt.params.PolicyParams preset; SLO in seconds, the engine's measured
-    prefill speed in tokens/s, the link rate in Mbit/s as the first throughput estimate);
-    the other modes a fixed ``level``.
+    prefill speed in tokens/s, the link rate `bandwidth_mbps` in Mbit/s as the first
+    throughput estimate, checked by check_bandwidth_mbps: ValueError outside its bound); the
+    other modes a fixed ``level`` (the variant's; None for a codec without levels: the
+    reader then fetches the entry's only stored level).
     """
+    bandwidth_mbps = check_bandwidth_mbps(bandwidth_mbps)
     if var.mode == "text":
         return None
     params = {"source": "store", "store": store_addr, "context_key": ctx.keys[var.codec],
@@ -50,9 +54,9 @@ def request_params(var: Variant, ctx: Context, store_addr: str, info, cfg: RunCo
     if var.mode == "cachegen-adaptive":
         params["policy"] = {"preset": cfg.policy_preset, "slo_s": cfg.slo_s,
                             "prefill_tokens_per_s": prefill_tps,
-                            "initial_throughput_mbps": link_mbps}
+                            "initial_throughput_mbps": bandwidth_mbps}
     else:
-        params["level"] = var.level if var.level is not None else 0
+        params["level"] = var.level  # None: a codec without levels (never 0, a real level)
     return params
 
 

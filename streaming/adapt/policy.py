@@ -9,7 +9,7 @@ import math
 import threading
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from cachegen_common.units import bytes_per_s_to_mbps, mbps_to_bytes_per_s
+from cachegen_common.units import bytes_per_s_to_mbps, check_bandwidth_mbps, mbps_to_bytes_per_s
 from streaming.adapt.params import PolicyInputs, PolicyParams, preset, split_policy_args
 from streaming.adapt.estimate import BURST_SAMPLE_FACTOR, DecodeTable, TEXT, ThroughputEstimator
 from streaming.adapt.clock import ClockModel, Decision
@@ -66,11 +66,19 @@ class AdaptivePolicy:
     time x (1 + abandon_margin) + abandon_slack_s (extended by the plan's slack, and for the
     smallest level to the chunk's recompute time), or earlier when should_abandon projects an
     overrun from the bytes already received.
-    Thread-safe. Raises ValueError on non-positive SLO or speeds or a bad parameter.
+    Thread-safe. Raises ValueError on non-positive SLO or speeds, a link rate
+    (initial_throughput_mbps, probe_rate_mbps; Mbit/s) outside check_bandwidth_mbps's bound,
+    or a bad parameter.
     """
 
     def __init__(self, inputs: PolicyInputs, params: PolicyParams | str = "default"):
         self.inputs = inputs.checked()
+        for name in ("initial_throughput_mbps", "probe_rate_mbps"):  # link rates, Mbit/s
+            if getattr(inputs, name) is not None:
+                try:
+                    check_bandwidth_mbps(getattr(inputs, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
         self.params = preset(params) if isinstance(params, str) else params.checked()
         self.preset: str | None = params if isinstance(params, str) else None
         i, p = self.inputs, self.params

@@ -59,28 +59,29 @@ class ShapedLink:
     """A shaped TCP path from a server to this process, as a context manager.
 
     Args:
-        rate_mbps: shaping rate in Mbit/s (10^6 bit/s), both directions.
+        bandwidth_mbps: the link's shaping rate in Mbit/s (10^6 bit/s), both directions,
+            in (0, MAX_BANDWIDTH_MBPS] (cachegen_common.units.check_bandwidth_mbps).
         method: "auto" (netns-tbf when root with iproute2, else userspace-tokenbucket),
             "netns"/"netns-tbf" or "userspace"/"userspace-tokenbucket".
-        burst_bytes: shaper burst in bytes (default: default_burst_bytes(rate) for tbf,
-            userspace_burst_bytes(rate) for the token bucket).
+        burst_bytes: shaper burst in bytes (default: default_burst_bytes(bandwidth_mbps) for tbf,
+            userspace_burst_bytes(bandwidth_mbps) for the token bucket).
 
     Attributes after __enter__: `method` (recorded in results), `bind_host` (address the
-    server must listen on), `server_ns` (namespace name or None), `rate_mbps`.
+    server must listen on), `server_ns` (namespace name or None), `bandwidth_mbps` (Mbit/s).
     Use `expose(port)` to get the (host, port) a client connects to, `run_in_server_ns(argv)`
-    to start the server, `set_rate(mbps)` to change the rate during a transfer.
+    to start the server, `set_rate(bandwidth_mbps)` to change the rate during a transfer.
 
     Raises LinkError if the requested method cannot be set up (auto falls back to
     userspace with a warning on stderr; the reason is kept in `fallback_reason`).
     """
 
-    def __init__(self, rate_mbps: float, method: str = "auto", burst_bytes: int | None = None):
-        self.rate_mbps = check_bandwidth_mbps(rate_mbps)
+    def __init__(self, bandwidth_mbps: float, method: str = "auto", burst_bytes: int | None = None):
+        self.bandwidth_mbps = check_bandwidth_mbps(bandwidth_mbps)
         if method != "auto" and method not in METHOD_ALIASES:
             raise ValueError(f"unknown link method {method!r}: use auto, netns or userspace")
         self.requested_method = method
         self._fixed_burst = burst_bytes
-        self.burst_bytes = burst_bytes or default_burst_bytes(self.rate_mbps)
+        self.burst_bytes = burst_bytes or default_burst_bytes(self.bandwidth_mbps)
         self.method: str | None = None
         self.fallback_reason = ""
         self.server_ns: str | None = None
@@ -137,8 +138,8 @@ class ShapedLink:
         return self
 
     def _open_userspace(self) -> None:
-        rate_b = mbps_to_bytes_per_s(self.rate_mbps)
-        self.burst_bytes = self._fixed_burst or userspace_burst_bytes(self.rate_mbps)
+        rate_b = mbps_to_bytes_per_s(self.bandwidth_mbps)
+        self.burst_bytes = self._fixed_burst or userspace_burst_bytes(self.bandwidth_mbps)
         self._down = TokenBucket(rate_b, self.burst_bytes)
         self._up = TokenBucket(rate_b, self.burst_bytes)
         self.bind_host = "127.0.0.1"
@@ -174,7 +175,8 @@ class ShapedLink:
         self.bind_host = self.server_ip
 
     def _tbf_args(self) -> list[str]:
-        return ["tbf", "rate", f"{self.rate_mbps:.6g}mbit", "burst", str(self.burst_bytes), "latency", f"{TBF_LATENCY_MS}ms"]
+        return ["tbf", "rate", f"{self.bandwidth_mbps:.6g}mbit", "burst", str(self.burst_bytes),
+                "latency", f"{TBF_LATENCY_MS}ms"]
 
     def _tc(self, verb: str) -> None:
         run_cmd(["ip", "netns", "exec", self.server_ns, "tc", "qdisc", verb, "dev", self.veth_srv, "root", *self._tbf_args()])
@@ -239,12 +241,13 @@ class ShapedLink:
                 self._proxies[int(port)] = px
         return "127.0.0.1", px.port
 
-    def set_rate(self, rate_mbps: float) -> None:
-        """Change the shaping rate (Mbit/s) now, e.g. during a transfer (tc qdisc change /
-        token-bucket rate). Burst follows default_burst_bytes unless fixed at construction."""
+    def set_rate(self, bandwidth_mbps: float) -> None:
+        """Change the shaping rate to `bandwidth_mbps` Mbit/s now, e.g. during a transfer (tc
+        qdisc change / token-bucket rate); checked by check_bandwidth_mbps (ValueError). Burst
+        follows default_burst_bytes unless fixed at construction."""
         self._require_open()
-        r = check_bandwidth_mbps(rate_mbps)
-        self.rate_mbps = r
+        r = check_bandwidth_mbps(bandwidth_mbps)
+        self.bandwidth_mbps = r
         if self.method == METHOD_NETNS:
             self.burst_bytes = self._fixed_burst or default_burst_bytes(r)
             self._tc("change")
@@ -263,12 +266,13 @@ class ShapedLink:
                 f"max(2 pacing quanta, {USERSPACE_BURST_S * 1e3:g} ms at the rate)")
         return {
             "method": self.method,
-            "rate_mbps": self.rate_mbps,
+            "rate_mbps": self.bandwidth_mbps,  # the committed result files' key (benchmarks/*.json)
             "burst_bytes": self.burst_bytes,
-            "burst_s": round(self.burst_bytes / mbps_to_bytes_per_s(self.rate_mbps), 6),
+            "burst_s": round(self.burst_bytes / mbps_to_bytes_per_s(self.bandwidth_mbps), 6),
             "burst_rule": rule,
             "burst_min_bytes": None if self._fixed_burst else (
-                TBF_BURST_MIN_BYTES if self.method == METHOD_NETNS else 2 * pacing_quantum(mbps_to_bytes_per_s(self.rate_mbps))),
+                TBF_BURST_MIN_BYTES if self.method == METHOD_NETNS
+                else 2 * pacing_quantum(mbps_to_bytes_per_s(self.bandwidth_mbps))),
             "burst_rate_s": 0.0 if self._fixed_burst else (
                 TBF_BURST_S if self.method == METHOD_NETNS else USERSPACE_BURST_S),
             "added_latency_ms": 0,

@@ -44,8 +44,8 @@ TBF_BURST_MIN_BYTES = 10 * MTU_BYTES  # a few frames: tbf must hold whole frames
 TBF_BURST_S = 0.001  # tbf burst = 1 ms at the rate (above the minimum)
 
 
-def default_burst_bytes(rate_mbps: float) -> int:
-    """tbf burst: max(10 MTU-sized frames, 1 ms at the rate), bytes.
+def default_burst_bytes(bandwidth_mbps: float) -> int:
+    """tbf burst: max(10 MTU-sized frames, 1 ms at the rate `bandwidth_mbps` Mbit/s), bytes.
 
     The burst lets a transfer that starts on a full bucket run faster than the rate: a
     transfer of N bytes after idle takes (N - burst)/rate. Sized to the rate (1 ms) it
@@ -53,20 +53,21 @@ def default_burst_bytes(rate_mbps: float) -> int:
     2 ms: 1.33-1.40x measured). The burst is recorded in ShapedLink.describe() so that a
     goodput estimator can correct for it (streaming.adapt.ThroughputEstimator).
     """
-    return max(TBF_BURST_MIN_BYTES, int(mbps_to_bytes_per_s(rate_mbps) * TBF_BURST_S))
+    return max(TBF_BURST_MIN_BYTES, int(mbps_to_bytes_per_s(bandwidth_mbps) * TBF_BURST_S))
 
 
 USERSPACE_BURST_S = 0.005  # userspace token bucket: 5 ms at the rate
 
 
-def userspace_burst_bytes(rate_mbps: float) -> int:
-    """Token-bucket burst for the userspace shaper: max(2 pacing quanta, 5 ms at the rate).
+def userspace_burst_bytes(bandwidth_mbps: float) -> int:
+    """Token-bucket burst for the userspace shaper: max(2 pacing quanta, 5 ms at the rate
+    `bandwidth_mbps` Mbit/s), bytes.
 
     Two quanta let the pacing thread release one quantum while the next accrues; 5 ms covers
     a late wake-up on a busy machine. (Was max(64 KiB, 10 ms): short transfers after idle
     measured 2.9-9x the rate.)
     """
-    rate_b = mbps_to_bytes_per_s(rate_mbps)
+    rate_b = mbps_to_bytes_per_s(bandwidth_mbps)
     return max(2 * pacing_quantum(rate_b), int(rate_b * USERSPACE_BURST_S))
 
 

@@ -155,6 +155,33 @@ def test_request_params_protocol():
     assert d["policy"]["preset"] == "default"
 
 
+def test_no_level_stays_none_and_level_zero_stays_zero():
+    """A codec without levels is requested and recorded with level None (not 0: 0 is
+    cachegen's highest-quality level), and level 0 stays 0 all the way."""
+    info = SimpleNamespace(model_id="m", weights_hash="w")
+    cfg, ctx = RunConfig(slo_s=2.0), _ctx()
+    ctx.sizes[("cachegen", 0)] = 1200
+    raw = request_params(Variant("raw"), ctx, "h:1", info, cfg, 100.0, 50.0)
+    assert "level" in raw and raw["level"] is None
+    assert request_params(Variant("cachegen", 0), ctx, "h:1", info, cfg, 100.0, 50.0)["level"] == 0
+    t = _timing(bytes=256 * 1000, loaded_tokens=256)
+    rec = run_record(Variant("raw"), 100.0, "hf", ctx, 0, t, {}, "x", None, None)
+    assert rec["level"] is None and rec["label"] == "raw"
+    zero = run_record(Variant("cachegen", 0), 100.0, "hf", ctx, 0, t, {}, "x", None, None)
+    assert zero["level"] == 0 and zero["label"] == "cachegen-l0"
+    assert json.loads(json.dumps(rec))["level"] is None  # null in the result file
+
+
+def test_request_params_bandwidth_has_the_one_bound():
+    info = SimpleNamespace(model_id="m", weights_hash="w")
+    cfg, ctx = RunConfig(slo_s=2.0), _ctx()
+    for bad in (0.0, -1.0, 1e6, float("nan")):
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, bad)
+    p = request_params(Variant("cachegen-adaptive"), ctx, "h:1", info, cfg, 100.0, bandwidth_mbps=100)
+    assert p["policy"]["initial_throughput_mbps"] == 100.0
+
+
 def test_decisions_reach_chunks_under_both_engines():
     decisions = [{"chunk": 0, "reason": "fits", "throughput_mbps_est": 90.0, "budget_s": 0.5},
                  {"chunk": 1, "reason": "text", "throughput_mbps_est": 5.0, "budget_s": 0.1}]

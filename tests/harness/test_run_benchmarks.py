@@ -163,6 +163,10 @@ def test_results_writer_is_atomic_and_summarises(tmp_path):
     assert not list(tmp_path.glob(".r.json.*"))  # no temp file left behind
     assert summarize([]) == []
     assert validate([]) == ["top level is not a JSON object"]
+    for bad in (0, 1e6, True, "100"):  # the one bound of a link rate (check_bandwidth_mbps)
+        wrong = json.loads(json.dumps(doc))
+        wrong["runs"][0]["bandwidth_mbps"] = bad
+        assert validate(wrong) == ["runs[0].bandwidth_mbps is not a link rate in (0, 100000] Mbit/s"]
 
 
 @pytest.mark.parametrize("sig,when,code", [

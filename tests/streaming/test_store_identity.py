@@ -18,11 +18,13 @@ import pytest
 
 from streaming.load import stream_load
 from streaming.identity import (
+    LEVELLESS_SLOT,
     EntryIdentity,
     check_entry,
     codec_identity,
     folder_tokenizer_hash,
     folder_weights_hash,
+    level_slot,
     merge_expected,
 )
 from streaming.store.folder import LocalFolderBackend
@@ -136,6 +138,28 @@ def test_real_codec_schedule_change_changes_the_key():
     assert preset.level_configs != coarse.level_configs
     assert entry_key(preset, IDS) != entry_key(coarse, IDS)
     assert preset.codec_version == str(getattr(codec, "CODEC_VERSION", preset.codec_version))
+
+
+def test_stored_level_numbers_resolve_once():
+    """A codec without levels sits in the store's LEVELLESS_SLOT with its level None in the
+    config hash; level 0 is cachegen's own level 0; None means the codec's default level
+    (codec.resolve_level), stored under that level's own number."""
+    codec = pytest.importorskip("codec")
+
+    assert level_slot("raw", None) == LEVELLESS_SLOT
+    with pytest.raises(ValueError):
+        level_slot("raw", 0)
+    assert level_slot("cachegen", 0) == 0
+    default = codec.resolve_level("cachegen", None)
+    assert default is not None and level_slot("cachegen", None) == default
+    raw = codec_identity(MODEL_A, "raw", [None])
+    assert raw.levels == (LEVELLESS_SLOT,)
+    assert dict(raw.level_configs)[LEVELLESS_SLOT] == codec.config_hash("raw", None, num_layers=MODEL_A.num_layers)
+    zero = codec_identity(MODEL_A, "cachegen", [0])
+    assert zero.levels == (0,)
+    assert codec_identity(MODEL_A, "cachegen", [None]).level_configs == \
+        codec_identity(MODEL_A, "cachegen", [default]).level_configs
+    assert dict(zero.level_configs)[0] != dict(codec_identity(MODEL_A, "cachegen", [default]).level_configs)[default]
 
 
 def test_manifest_identity_must_match_its_key():

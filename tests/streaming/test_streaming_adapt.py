@@ -41,6 +41,20 @@ def test_choose_level_pure():
         choose_level(sizes, [1, 2, 3], 1500, 1.0, 0.0, 0.0, 5000)
 
 
+def test_policy_link_rates_have_the_one_bound():
+    """initial_throughput_mbps and probe_rate_mbps are link rates in Mbit/s: the same bound
+    as every other (cachegen_common.units.check_bandwidth_mbps)."""
+    from cachegen_common.units import MAX_BANDWIDTH_MBPS
+
+    for kw in ({"initial_throughput_mbps": MAX_BANDWIDTH_MBPS * 2},
+               {"initial_throughput_mbps": float("inf")},
+               {"initial_throughput_mbps": 100, "probe_rate_mbps": MAX_BANDWIDTH_MBPS * 2},
+               {"initial_throughput_mbps": 100, "probe_rate_mbps": -5.0}):
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            make_policy(slo_s=2.0, prefill_tokens_per_s=500, **kw)
+    make_policy(slo_s=2.0, prefill_tokens_per_s=500, initial_throughput_mbps=MAX_BANDWIDTH_MBPS)
+
+
 def test_high_constant_bandwidth_takes_top_level_when_text_is_slow():
     m = make_manifest()
     # text: 1500 tokens at 500 tokens/s = 3 s a chunk (> SLO); level 3 at 1000 Mbit/s = 0.032 s

@@ -81,6 +81,24 @@ def test_token_bucket_rate_change():
         ShapedLink(10, method="carrier-pigeon")
 
 
+def test_link_rate_is_bandwidth_mbps_with_the_one_bound(monkeypatch):
+    """The link's rate is named bandwidth_mbps (Mbit/s) and bounded by check_bandwidth_mbps
+    at construction and in set_rate; describe() keeps the result files' "rate_mbps" key."""
+    from cachegen_common.units import MAX_BANDWIDTH_MBPS
+
+    for bad in (0, -1, float("nan"), MAX_BANDWIDTH_MBPS * 2, "fast"):
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            ShapedLink(bandwidth_mbps=bad)
+    monkeypatch.setattr(linkmod, "netns_available", lambda: (False, "not running as root"))
+    with ShapedLink(bandwidth_mbps=40) as link:
+        assert link.bandwidth_mbps == 40.0 and link.describe()["rate_mbps"] == 40.0
+        link.set_rate(bandwidth_mbps=80)
+        assert link.bandwidth_mbps == 80.0
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            link.set_rate(MAX_BANDWIDTH_MBPS * 2)
+        assert link.bandwidth_mbps == 80.0
+
+
 def test_auto_falls_back_to_userspace_without_root(monkeypatch):
     monkeypatch.setattr(linkmod, "netns_available", lambda: (False, "not running as root"))
     with ShapedLink(50) as link:

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from streaming.identity import EntryIdentity, codec_identity
+from streaming.identity import LEVELLESS_SLOT, EntryIdentity, codec_identity
 from third_party.vllm.sources.base import (
     ChunkSink,
     DecodeFn,
@@ -104,12 +104,13 @@ class _PrefixPolicy:
 
 
 def default_stored_level(codec_name: str | None, levels) -> int:
-    """The level a request without "level" fetches: the codec's own default
+    """The stored level number a request without "level" fetches: the codec's own default
     (codec.default_level, the same default as codec and harness) when the entry stores it,
-    else the highest stored level (codecs without levels are stored under level 0)."""
+    else the highest stored level (codecs without levels are stored under
+    streaming.identity.LEVELLESS_SLOT)."""
     import codec
 
-    levels = [int(x) for x in levels] or [0]
+    levels = [int(x) for x in levels] or [LEVELLESS_SLOT]
     if codec_name in codec.CODECS:
         d = codec.default_level(codec_name)
         if d is not None and d in levels:
@@ -243,13 +244,15 @@ class StoreSource:
         if isinstance(level, (list, tuple)):  # per-chunk levels, None = text (experiments)
             return FixedPolicy([None if x is None else int(x) for x in level])
         if level is None:
-            level = default_stored_level(lookup.info.get("codec"), lookup.info.get("levels") or [0])
+            level = default_stored_level(lookup.info.get("codec"),
+                                         lookup.info.get("levels") or [LEVELLESS_SLOT])
         return FixedPolicy(int(level))
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
         """Encode and put one context into the store (params: store, model_id,
-        weights_hash, codec_tag (default: the codec name), codec, level (stored level,
-        default 0), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
+        weights_hash, codec_tag (default: the codec name), codec, level (the codec level;
+        default the codec's, codec.resolve_level; None for a codec without levels; stored
+        under streaming.identity.level_slot), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
         chunks, sizes, enc_s = encode_for_save(params, k, v, self.identity)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         ranges = [(a, a + t) for a, t in zip(starts, sizes)]
@@ -266,7 +269,7 @@ class StoreSource:
             key = client.put_context(
                 str(params.get("model_id") or "unknown-model"),
                 str(params.get("weights_hash") or "unknown-weights"), tag, token_ids,
-                {int(params.get("level") or 0): chunks}, ranges)
+                {ident.levels[0]: chunks}, ranges)
         put_s = time.perf_counter() - t0
         indexed = 0
         if ident.weights_hash:  # findable by prefix (third_party.vllm.prefix)
