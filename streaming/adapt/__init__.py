@@ -52,17 +52,17 @@ from streaming.adapt.params import (  # noqa: F401 - re-exported: one policy obj
     preset,
     split_policy_args,
 )
-from streaming.adapt.estimate import (  # noqa: F401 - re-exported (old import path)
+from streaming.adapt.estimate import (  # noqa: F401 - the package's face
     MIN_BYTES_FOR_ESTIMATE, BURST_SAMPLE_FACTOR, TEXT, ThroughputEstimator, DecodeTable,
 )
-from streaming.adapt.clock import ClockModel, Decision  # noqa: F401 - re-exported (old import path)
-from streaming.adapt.plan import (  # noqa: F401 - re-exported (old import path)
+from streaming.adapt.clock import ClockModel, Decision  # noqa: F401 - the package's face
+from streaming.adapt.plan import (  # noqa: F401 - the package's face
     choose_level, plan_mpc, overrun_allowance_s,
 )
-from streaming.adapt.policy import (  # noqa: F401 - re-exported (old import path)
+from streaming.adapt.policy import (  # noqa: F401 - the package's face
     AdaptivePolicy, FixedPolicy, Policy,
 )
-from streaming.adapt.oracle import (  # noqa: F401 - re-exported (old import path)
+from streaming.adapt.oracle import (  # noqa: F401 - the package's face
     OracleResult, oracle_labels, oracle, pareto, brute_force,
 )
-from streaming.adapt.simulate import SimResult, simulate  # noqa: F401 - re-exported (old import path)
+from streaming.adapt.simulate import SimResult, simulate  # noqa: F401 - the package's face

@@ -1,6 +1,5 @@
 """The clock model of a load (ClockModel) and the per-chunk Decision (the planning arithmetic
-over them: streaming.adapt.plan). Split out of streaming.adapt, which re-exports
-every name; the design is described there.
+over them: streaming.adapt.plan). The design is described in streaming.adapt (the package's face names these too).
 """
 
 from __future__ import annotations

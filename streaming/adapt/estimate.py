@@ -1,6 +1,5 @@
 """Link goodput and decode-cost estimators of the adaptation policy (ThroughputEstimator,
-DecodeTable), and the option constant TEXT. Split out of streaming.adapt, which
-re-exports every name; the design is described there.
+DecodeTable), and the option constant TEXT. The design is described in streaming.adapt (the package's face names these too).
 """
 
 from __future__ import annotations

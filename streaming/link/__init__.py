@@ -46,7 +46,7 @@ from streaming.link.cleanup import (  # noqa: F401 - re-exported
     netns_available,
 )
 from streaming.link.proxy import TokenBucket, ShapingProxy  # noqa: F401 - re-exported
-from streaming.link.rules import (  # noqa: F401 - re-exported (old import path)
+from streaming.link.rules import (  # noqa: F401 - the package's face
     METHOD_NETNS, METHOD_USERSPACE, METHOD_ALIASES, NS_PREFIX, NS_RE, VETH_RE, LOCK_PATH,
     PACING_QUANTUM, MAX_PACING_QUANTUM, pacing_quantum, TBF_LATENCY_MS, MTU_BYTES,
     TBF_BURST_MIN_BYTES, TBF_BURST_S, default_burst_bytes, USERSPACE_BURST_S,
