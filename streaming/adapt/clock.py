@@ -1,5 +1,6 @@
 """The clock model of a load (ClockModel) and the per-chunk Decision (the planning arithmetic
-over them: streaming.adapt.plan). The design is described in streaming.adapt (the package's face names these too).
+over them: streaming.adapt.plan). The design is described in streaming.adapt (the package's
+face names these too).
 """
 
 from __future__ import annotations

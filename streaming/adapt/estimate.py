@@ -1,5 +1,6 @@
 """Link goodput and decode-cost estimators of the adaptation policy (ThroughputEstimator,
-DecodeTable), and the option constant TEXT. The design is described in streaming.adapt (the package's face names these too).
+DecodeTable), and the option constant TEXT. The design is described in streaming.adapt (the
+package's face names these too).
 """
 
 from __future__ import annotations

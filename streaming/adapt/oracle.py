@@ -1,6 +1,6 @@
-"""The offline oracle: the exact label-setting DP over a whole known rate trace, and the
-brute force that checks it (the simulator that drives a policy: streaming.adapt.simulate).
-The design is described in streaming.adapt (the package's face names these too).
+"""The offline oracle: the exact label-setting DP over a whole known rate trace, and the brute
+force that checks it (the simulator that drives a policy: streaming.adapt.simulate). The
+design is described in streaming.adapt (the package's face names these too).
 """
 
 from __future__ import annotations

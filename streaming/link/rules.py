@@ -1,6 +1,6 @@
 """The shaped link's rate rules (methods, tbf and token-bucket burst sizes, pacing quanta), its
-shell helpers and subnet choice (the userspace shaper itself: streaming.link.proxy).
-The design is described in streaming.link (the package's face names these too).
+shell helpers and subnet choice (the userspace shaper itself: streaming.link.proxy). The
+design is described in streaming.link (the package's face names these too).
 """
 
 from __future__ import annotations
