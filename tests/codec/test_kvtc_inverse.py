@@ -3,7 +3,7 @@ kept-width products split over worker threads, RoPE on the two halves cast strai
 the destination) against the textbook ``kvtc.inverse.inverse_ref``, and the independence of
 the decoded bytes from the thread count.
 
-Run: .venv/bin/python -m pytest tests/codec/test_kvtc_decode_fast.py -q
+Run: .venv/bin/python -m pytest tests/codec/test_kvtc_inverse.py -q
 """
 from __future__ import annotations
 
