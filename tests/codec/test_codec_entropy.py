@@ -20,6 +20,7 @@ from codec.entropy import rans_cpu as rc
 from codec.entropy import rans_ref as rref
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
+from tests.helpers.entropy import normalize_spec
 
 HYP = settings(derandomize=True, database=None, deadline=None, max_examples=60, suppress_health_check=list(HealthCheck))
 
