@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.vllm import converted_model_dir
+from tests.helpers.vllm_connector import converted_model_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

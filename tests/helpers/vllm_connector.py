@@ -1,4 +1,5 @@
-"""Pieces the vLLM connector tests share: the converted model folder the vLLM check
+"""Pieces the vLLM connector tests share (not named vllm.py: the check scripts run from
+tests/helpers/ would import it as vLLM): the converted model folder the vLLM check
 scripts run on, and the connector's scheduler side built without an engine."""
 from __future__ import annotations
 
