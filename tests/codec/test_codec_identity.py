@@ -13,12 +13,7 @@ import torch
 
 import codec
 from codec import api
-
-
-def small_kv(T=300, L=2, H=2, D=16, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(L, T, H, D, generator=g).to(dtype),
-            torch.randn(L, T, H, D, generator=g).to(dtype))
+from tests.helpers.kv import make_kv
 
 
 # ------------------------------------------------------------------------------ level
@@ -51,7 +46,7 @@ def test_resolve_level_rejects_sentinels_and_unknown_levels():
 
 
 def test_level_none_encodes_as_the_default_and_header_says_so():
-    k, v = small_kv()
+    k, v = make_kv(2, 300)
     for name in ("cachegen", "cachegen-ref"):
         a = codec.encode_kv(k, v, codec=name)
         b = codec.encode_kv(k, v, codec=name, level=codec.default_level(name))
@@ -76,7 +71,7 @@ def test_chunk_bounds():
 
 @pytest.mark.parametrize("name", ["raw", "kivi2", "cachegen", "cachegen-ref"])
 def test_chunk_headers_record_real_length_and_split(name):
-    k, v = small_kv(T=300)
+    k, v = make_kv(2, 300)
     chunks = codec.encode_chunks(k, v, codec=name, chunk_tokens=128)
     hs = [codec.peek_header(c) for c in chunks]
     assert [(h["token_offset"], h["token_offset"] + h["T"]) for h in hs] == \
@@ -140,7 +135,7 @@ def test_config_hash_changes_when_a_schedule_table_changes(monkeypatch):
 
 
 def test_codec_version_is_in_every_header():
-    k, v = small_kv(T=20)
+    k, v = make_kv(2, 20)
     for name in ("raw", "cachegen"):
         assert codec.peek_header(codec.encode_kv(k, v, codec=name))["codec_version"] == \
             codec.CODEC_VERSION
@@ -154,7 +149,7 @@ def _no_work(*a, **kw):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without usable CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
 def test_decode_validates_cuda_device_before_any_work(device, monkeypatch):
-    k, v = small_kv(T=20)
+    k, v = make_kv(2, 20)
     data = codec.encode_kv(k, v)
     monkeypatch.setattr(api, "_read", _no_work)
     monkeypatch.setattr(api, "peek_header", _no_work)
@@ -174,7 +169,7 @@ def test_decode_rejects_bad_devices_with_one_line(device, monkeypatch):
 
 
 def test_cpu_device_forms_work():
-    k, v = small_kv(T=20)
+    k, v = make_kv(2, 20)
     data = codec.encode_kv(k, v, codec="raw")
     for dev in ("cpu", torch.device("cpu"), "cpu:0"):
         k2, _ = codec.decode_kv(data, device=dev)

@@ -8,19 +8,13 @@ from codec import bitstream
 from codec.api import encode_one, decode_kv, encode_kv
 from codec.base import KIVI_GROUP, KIVI_RESIDUAL
 from codec.errors import CodecError
+from tests.helpers.kv import make_kv
 
 L, T, H, D = 2, 420, 2, 64
 # per chunk: container header/array directory (< 1 KiB measured: ~470 B) and, per key
 # group more than the one-shot has, its lo + step (2 x 2 bytes per (layer, head, channel))
 CHUNK_OVERHEAD = 1024
 GROUP_META = 2 * 2 * L * H * D
-
-
-def _kv(dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, T, H, D, generator=g) * 2 + 0.5
-    v = torch.randn(L, T, H, D, generator=g)
-    return k.to(dtype), v.to(dtype)
 
 
 def _chunked(k, v, name, sizes):
@@ -64,7 +58,7 @@ CHUNKINGS = {
 def test_short_chunks_are_quantized_like_one_shot(name, chunking):
     sizes = [s for s in CHUNKINGS[chunking] if s]
     assert sum(sizes) == T
-    k, v = _kv()
+    k, v = make_kv(L, T, H, D, k_scale=2.0, k_shift=0.5)
     one = encode_kv(k, v, name)
     k1, v1 = decode_kv(one)
     datas, kc, vc = _chunked(k, v, name, sizes)
@@ -87,7 +81,7 @@ def test_short_chunks_are_quantized_like_one_shot(name, chunking):
 
 def test_sixteen_token_chunks_near_one_shot_size():
     """The issue's case: 16-token chunks were 1.74x the one-shot bytes (not quantized)."""
-    k, v = _kv()
+    k, v = make_kv(L, T, H, D, k_scale=2.0, k_shift=0.5)
     sizes = CHUNKINGS["16"]
     one = encode_kv(k, v, "kivi2")
     datas, _, _ = _chunked(k, v, "kivi2", sizes)
@@ -97,7 +91,7 @@ def test_sixteen_token_chunks_near_one_shot_size():
 def test_short_group_fused_equals_reference_and_format_version():
     from codec import get_codec
 
-    k, v = _kv(torch.float16, seed=3)
+    k, v = make_kv(L, T, H, D, dtype=torch.float16, seed=3, k_scale=2.0, k_shift=0.5)
     c = get_codec("kivi4")
     for off, t in ((0, 17), (32, 15), (280, 20), (0, 292)):
         enc = c.encode(k[:, off:off + t], v[:, off:off + t], level=None, config=None,
@@ -124,7 +118,7 @@ def test_short_group_fused_equals_reference_and_format_version():
 def test_bad_tail_count_is_refused(bad):
     from codec import get_codec
 
-    k, v = _kv()
+    k, v = make_kv(L, T, H, D, k_scale=2.0, k_shift=0.5)
     c = get_codec("kivi2")
     enc = c.encode(k[:, :17], v[:, :17], level=None, config=None, token_offset=0,
                    total_tokens=T)

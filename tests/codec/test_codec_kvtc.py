@@ -12,15 +12,7 @@ import torch
 import codec
 from codec import bitstream, kvtc
 from codec.errors import CodecError
-
-
-def _correlated(L, T, H, D, seed, decay=-2.0):
-    """Random KV whose H*D channels are correlated (a fixed mixing per layer): float32."""
-    g = torch.Generator().manual_seed(1000)
-    mix = torch.randn(L, H * D, H * D, generator=g)
-    g2 = torch.Generator().manual_seed(seed)
-    z = torch.randn(L, T, H * D, generator=g2) * torch.logspace(0, decay, H * D)
-    return (torch.bmm(z, mix) + 0.5).reshape(L, T, H, D)
+from tests.helpers.kvtc import correlated_kv, relerr, round_trip_levels, undetected
 
 
 # an earlier, finer level table: these tests check the mechanics on random data, whose error
@@ -29,8 +21,8 @@ TEST_TARGETS = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
 
 
 def _cal(L=3, H=2, D=8, N=384, rope=True, **kw):
-    k = _correlated(L, N, H, D, 1)
-    v = _correlated(L, N, H, D, 2)
+    k = correlated_kv(L, N, H, D, 1)
+    v = correlated_kv(L, N, H, D, 2)
     if rope:
         kw.update(positions=torch.arange(N), rope_theta=10000.0)
     kw.setdefault("level_targets", TEST_TARGETS)
@@ -42,10 +34,6 @@ def cal():
     c = _cal()
     kvtc.register_calibration(c)
     return c
-
-
-def _relerr(a, b):
-    return float(((a.float() - b.float()) ** 2).mean() / (b.float() ** 2).mean())
 
 
 # ------------------------------------------------------------------------------- bases
@@ -127,31 +115,10 @@ def test_inverse_transform_matches_float64_reference(cal, threads, monkeypatch):
 
 
 # --------------------------------------------------------------------------- round trip
-def round_trip_levels(cal, k, v, config, sinks=4):
-    """Encode + decode k, v [L, T, H, D] with kvtc at every level of ``cal``: checks the
-    dtype and shapes, the exact sink tokens and the size bounds (below the raw dtype size,
-    above the exact sinks alone) and that sizes grow with the level. Returns (containers,
-    relative errors K + V) per level."""
-    datas, errs = [], []
-    L, _, H, D = k.shape
-    for lv in cal.levels:
-        data = codec.encode_kv(k, v, codec="kvtc", level=lv, config=config)
-        k2, v2 = codec.decode_kv(data)
-        assert k2.dtype == k.dtype and k2.shape == k.shape and v2.shape == v.shape
-        assert torch.equal(k2[:, :sinks], k[:, :sinks]) and torch.equal(v2[:, :sinks], v[:, :sinks])
-        errs.append(_relerr(k2, k) + _relerr(v2, v))
-        raw = 2 * k.numel() * k.element_size()
-        assert 2 * L * sinks * H * D * k.element_size() < len(data) < raw
-        datas.append(data)
-    sizes = [len(d) for d in datas]
-    assert sizes == sorted(sizes)                 # more bits at higher levels
-    return datas, errs
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_trip_random(cal, dtype):
-    k = _correlated(3, 200, 2, 8, 11).to(dtype)
-    v = _correlated(3, 200, 2, 8, 12).to(dtype)
+    k = correlated_kv(3, 200, 2, 8, 11).to(dtype)
+    v = correlated_kv(3, 200, 2, 8, 12).to(dtype)
     # the plain levels (a tiered level's tail spans and own sink count: test_kvtc_tiers.py)
     plain = kvtc.KvtcConfig(calibration=cal, tiers=(), sink_tokens=4)
     datas, errs = round_trip_levels(cal, k, v, plain)
@@ -164,8 +131,8 @@ def test_round_trip_random(cal, dtype):
 
 
 def test_chunks_round_trip_and_recent_window(cal):
-    k = _correlated(3, 100, 2, 8, 21).bfloat16()
-    v = _correlated(3, 100, 2, 8, 22).bfloat16()
+    k = correlated_kv(3, 100, 2, 8, 21).bfloat16()
+    v = correlated_kv(3, 100, 2, 8, 22).bfloat16()
     cfg = kvtc.KvtcConfig(calibration=cal, recent_tokens=20)
     chunks = codec.encode_chunks(k, v, codec="kvtc", level=cal.levels[-1], config=cfg,
                                  chunk_tokens=32)
@@ -174,15 +141,15 @@ def test_chunks_round_trip_and_recent_window(cal):
     assert k2.shape == k.shape
     assert torch.equal(k2[:, -20:], k[:, -20:]) and torch.equal(v2[:, -20:], v[:, -20:])
     assert torch.equal(k2[:, :4], k[:, :4])
-    assert _relerr(k2[:, 4:80], k[:, 4:80]) < 0.05
+    assert relerr(k2[:, 4:80], k[:, 4:80]) < 0.05
     # the recent window spans the last two chunks: 16 tokens of chunk 2, all 4 of chunk 3
     assert [codec.peek_header(c)["T"] for c in chunks] == [32, 32, 32, 4]
 
 
 def test_T1_and_context_shorter_than_recent_window(cal):
     for T in (1, 3, 5, 12):
-        k = _correlated(3, T, 2, 8, 30 + T).bfloat16()
-        v = _correlated(3, T, 2, 8, 40 + T).bfloat16()
+        k = correlated_kv(3, T, 2, 8, 30 + T).bfloat16()
+        v = correlated_kv(3, T, 2, 8, 40 + T).bfloat16()
         data = codec.encode_kv(k, v, codec="kvtc",
                                config=kvtc.KvtcConfig(calibration=cal, recent_tokens=64))
         k2, v2 = codec.decode_kv(data)
@@ -190,7 +157,7 @@ def test_T1_and_context_shorter_than_recent_window(cal):
         data = codec.encode_kv(k, v, codec="kvtc",
                                config=kvtc.KvtcConfig(calibration=cal, sink_tokens=0))
         k2, v2 = codec.decode_kv(data)
-        assert k2.shape == k.shape and _relerr(k2, k) < 0.5
+        assert k2.shape == k.shape and relerr(k2, k) < 0.5
 
 
 def test_shape_28_layers_5_heads_head_dim_80():
@@ -209,10 +176,10 @@ def test_shape_28_layers_5_heads_head_dim_80():
     h = codec.peek_header(data)
     assert (h["L"], h["H"], h["D"], h["level"]) == (L, H, D, 1)
     k2, v2 = codec.decode_kv(data)
-    assert k2.shape == (L, 32, H, D) and _relerr(k2, kt) < 0.3
+    assert k2.shape == (L, 32, H, D) and relerr(k2, kt) < 0.3
     k2, v2 = codec.decode_kv(codec.encode_kv(kt, vt, codec="kvtc", level=2,
                                              config=kvtc.KvtcConfig(calibration=c)))
-    assert _relerr(k2, kt) < 0.05 and _relerr(v2, vt) < 0.05
+    assert relerr(k2, kt) < 0.05 and relerr(v2, vt) < 0.05
 
 
 # --------------------------------------------------------------------- calibration file
@@ -242,7 +209,7 @@ def test_calibration_mismatch_is_codec_error(tmp_path, monkeypatch, cal):
     monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path))
     other = _cal(N=300)
     assert other.hash != cal.hash
-    k = _correlated(3, 40, 2, 8, 50).bfloat16()
+    k = correlated_kv(3, 40, 2, 8, 50).bfloat16()
     data = codec.encode_kv(k, k, codec="kvtc", config=kvtc.KvtcConfig(calibration=other))
     assert codec.peek_header(data)["config"]["calibration"] == other.hash
     codec.decode_kv(data)   # registered: fine
@@ -263,7 +230,7 @@ def test_bad_hash_never_builds_a_path():
 
 
 def test_encode_errors(cal):
-    k = _correlated(3, 10, 2, 8, 60)
+    k = correlated_kv(3, 10, 2, 8, 60)
     with pytest.raises(ValueError, match="level"):
         codec.encode_kv(k, k, codec="kvtc", level=99, config=kvtc.KvtcConfig(calibration=cal))
     # an encode names its calibration: none given is refused, even with one registered of
@@ -310,25 +277,11 @@ def _mutations(data):
 
 
 def test_fuzzed_bytes_raise_codec_error_only(cal):
-    k = _correlated(3, 64, 2, 8, 70).bfloat16()
-    v = _correlated(3, 64, 2, 8, 71).bfloat16()
+    k = correlated_kv(3, 64, 2, 8, 70).bfloat16()
+    v = correlated_kv(3, 64, 2, 8, 71).bfloat16()
     data = codec.encode_kv(k, v, codec="kvtc", level=cal.levels[2],
                            config=kvtc.KvtcConfig(calibration=cal))
-    assert _undetected(_mutations(data), k.shape) < 20   # nearly every mutation is detected
-
-
-def _undetected(mutations, shape) -> int:
-    """Decode every mutated container: each raises CodecError or decodes to finite KV of
-    ``shape``; returns how many decoded (mutations the checks did not catch)."""
-    ok = 0
-    for bad in mutations:
-        try:
-            k2, v2 = codec.decode_kv(bad)
-        except CodecError:
-            continue
-        assert k2.shape == v2.shape == shape and bool(torch.isfinite(k2.float()).all())
-        ok += 1
-    return ok
+    assert undetected(_mutations(data), k.shape) < 20   # nearly every mutation is detected
 
 
 # ----------------------------------------------------------------------------- real KV
@@ -352,7 +305,7 @@ def test_real_kv_pre_rope_round_trip(default_bundle, fixtures_dir):
         assert len(data) < 2 * kt.numel() * 2 / 3
         k2, v2 = codec.decode_kv(data)
         assert k2.dtype == torch.bfloat16
-        errs.append(_relerr(k2, kt))
+        errs.append(relerr(k2, kt))
     assert errs[-1] < 0.05 and errs == sorted(errs, reverse=True)
 
 

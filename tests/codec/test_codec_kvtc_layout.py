@@ -6,47 +6,14 @@ Run: .venv/bin/python -m pytest tests/codec/test_codec_kvtc_layout.py -q
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 import codec
 from codec import CodecError, bitstream, kvtc
+from tests.helpers.kvtc_padded import FIX, PADDED_FIXTURES, bits_digest
 
-FIX = Path(__file__).parents[1] / "fixtures" / "kvtc_padded"
-# sha256 of the decoded K and V bits of tests/fixtures/kvtc_padded/kvtc_l{level}.kvcg, as
-# the padded-layout writer's decoder (git 644ee2c) gave them
-PADDED_FIXTURES = {
-    0: "cc32991adf904abbaa7088d99709b36659559702047abc3d08f615d8599c9e27",
-    1: "471d4bd7f665728aa7ee129f48c6e6a93a4367d7b0d2ad523d98daa892e3de6a",
-}
-
-
-def _maker():
-    spec = importlib.util.spec_from_file_location("kvtc_padded_make", FIX / "make_fixture.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def exact():
-    mod = _maker()
-    h = kvtc.register_calibration(FIX / "calibration.safetensors")
-    assert h == mod.exact_calibration().hash       # the artifact is the hand-made one
-    yield mod, kvtc.get_calibration(h)
-    # leave the registry as found: later tests of this [3, T, 2, 8] shape pick their own
-    with kvtc.registry._LOCK:
-        kvtc.registry._CALIBRATIONS.pop(h, None)
-
-
-def _digest(k, v) -> str:
-    return hashlib.sha256(k.view(torch.uint16).numpy().tobytes()
-                          + v.view(torch.uint16).numpy().tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("level", sorted(PADDED_FIXTURES))
@@ -56,7 +23,7 @@ def test_padded_containers_decode_bit_exactly_and_match_the_kept_layout(exact, l
     ch = bitstream.unpack(data)[0]["codec_header"]
     assert "layout" not in ch and ch["n_components"] == cal.torch_params(level)["n"]
     k, v = codec.decode_kv(data)
-    assert _digest(k, v) == PADDED_FIXTURES[level]
+    assert bits_digest(k, v) == PADDED_FIXTURES[level]
     # the current writer codes the same KV in the kept layout: fewer symbols, the very
     # same decoded bits (the arithmetic is exact for this calibration, any BLAS)
     k0, v0 = mod.exact_kv()
@@ -68,7 +35,7 @@ def test_padded_containers_decode_bit_exactly_and_match_the_kept_layout(exact, l
     assert ch2["n_kept"] == int(keep.sum()) < 2 * cal.num_layers * int(keep.max())
     assert ch2["offset_k"] == ch["offset_k"] and ch2["offset_v"] == ch["offset_v"]
     k2, v2 = codec.decode_kv(new)
-    assert _digest(k2, v2) == PADDED_FIXTURES[level]
+    assert bits_digest(k2, v2) == PADDED_FIXTURES[level]
     assert len(new) < len(data)
 
 

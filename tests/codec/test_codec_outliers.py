@@ -19,18 +19,9 @@ import codec
 from codec import bitstream
 from codec.quant import outliers
 from codec.quant import reference as Q
+from tests.helpers.outliers import SHAPE, normal_kv
 
-SHAPE = (3, 256, 2, 64)      # L, T, H, D
 LAYER, HEAD = 1, 1           # the slice the outliers go into
-
-
-def normal_kv(dtype=torch.bfloat16, seed=0):
-    """Gaussian KV with mild channel structure (max/median of a head ~6-10, like real KV)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = 0.5 + torch.rand(1, 1, 1, SHAPE[3], generator=g) * 2
-    k = torch.randn(SHAPE, generator=g) * scale
-    v = torch.randn(SHAPE, generator=g) * 0.7
-    return k.to(dtype), v.to(dtype)
 
 
 def put_outliers(x: torch.Tensor, kind: str, mag: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kv(T_, seed):
-    """float32 [L, T_, H, D] with correlated channels (as tests/codec/test_codec_kvtc.py)."""
+    """float32 [L, T_, H, D] with correlated channels (like tests.helpers.kvtc.correlated_kv)."""
     g = torch.Generator().manual_seed(seed)
     mix = torch.randn(L, H * D, H * D, generator=g)
     z = torch.randn(L, T_, H * D, generator=g) * torch.logspace(0, -2, H * D)

@@ -14,7 +14,7 @@ from codec.entropy import codebook_codes as cc
 from codec.entropy import models as prob
 from codec.entropy import decode_symbols, encode_symbols
 from codec.errors import CodecError
-from tests.codec.test_codec_entropy import _normalize_spec  # docs/bitstream.md 4.3, literally
+from tests.helpers.entropy import normalize_spec  # docs/bitstream.md 4.3, literally
 
 
 def _laplace_syms(rng, L, T, C, nb, spread=(0.4, 3.0)):
@@ -51,7 +51,7 @@ def _spec_read_tables(buf: bytes, groups, codes=False):
                 d = zz // 2 if zz % 2 == 0 else -(zz + 1) // 2
                 prev += d
                 q[s] = prev
-            tabs.append(q if codes else _normalize_spec([v * v for v in q]))
+            tabs.append(q if codes else normalize_spec([v * v for v in q]))
         out[nb] = tabs
     assert set(bits[pos:]) <= {"0"} and len(bits) - pos < 8
     return out

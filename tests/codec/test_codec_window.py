@@ -14,19 +14,13 @@ import torch
 import codec
 from codec import bitstream, window, window_rules
 from codec.errors import CodecError
+from tests.helpers.kv import make_kv
 
 CODECS = ["raw", "fp8", "quant8", "kivi2", "kivi4", "cachegen", "cachegen-ref"]
 # relative RMS error bound of a lossy round trip on this data (a wrong layout is ~1)
 REL_ERR = {"raw": 0.0, "fp8": 0.1, "quant8": 0.05, "kivi2": 0.6, "kivi4": 0.2, "cachegen": 0.3,
            "cachegen-ref": 0.3}
 WINDOWS = [24, 24, None, 24, 40, None]          # two windows, full layers 2 and 5
-
-
-def make_kv(L=6, T=100, H=2, D=16, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, T, H, D, generator=g)
-    v = torch.randn(L, T, H, D, generator=g) * 0.5
-    return k.to(dtype), v.to(dtype)
 
 
 def kept_mask(windows, T):
@@ -54,7 +48,7 @@ def _check(wkv, k, v, windows, name):
 
 @pytest.mark.parametrize("name", CODECS)
 def test_round_trip_whole_and_chunked(name):
-    k, v = make_kv(T=100)
+    k, v = make_kv(6, 100, v_scale=0.5)
     data, stats = window.encode_windowed_with_stats(k, v, WINDOWS, codec=name)
     assert window.is_windowed(data) and not window.is_windowed(codec.encode_kv(k, v, codec="raw"))
     assert stats["bytes"] == len(data) and stats["elements"] == 2 * k.numel()
@@ -73,7 +67,7 @@ def test_round_trip_whole_and_chunked(name):
 
 
 def test_short_context_and_all_full_layers():
-    k, v = make_kv(T=20)                     # every window covers the whole context
+    k, v = make_kv(6, 20, v_scale=0.5)      # every window covers the whole context
     wkv = window.decode_windowed(window.encode_windowed(k, v, WINDOWS, codec="raw"))
     assert all(torch.equal(a, b) for a, b in zip(wkv.dense(), (k, v)))
     # no window at all: the ordinary container, the same bytes
@@ -85,7 +79,7 @@ def test_short_context_and_all_full_layers():
 
 
 def test_prefix_keeps_positions():
-    k, v = make_kv(T=50)
+    k, v = make_kv(6, 50, v_scale=0.5)
     wkv = window.decode_windowed(window.encode_windowed(k, v, WINDOWS, codec="raw"))
     p = wkv.prefix(49)
     assert p.total_tokens == 49
@@ -105,14 +99,14 @@ def test_gemma3_layout_fraction_at_8k():
     ws = ([512] * 5 + [None]) * 3
     assert window_rules.stored_fraction(ws, 8192) == (3 + 15 * 512 / 8192) / 18 == 0.21875
     assert window_rules.stored_fraction(ws, 2048) == 0.375
-    k, v = make_kv(L=18, T=8192, H=1, D=2)
+    k, v = make_kv(18, 8192, 1, 2, v_scale=0.5)
     _, stats = window.encode_windowed_with_stats(k, v, ws, codec="raw")
     assert stats["stored_elements"] / stats["elements"] == 0.21875
 
 
 def test_schedule_restricted_to_the_group():
     """cachegen-ref level 1 has layer-dependent bins: each group keeps its layers' own."""
-    k, v = make_kv(L=12, T=40)
+    k, v = make_kv(12, 40, v_scale=0.5)
     ws = [8] * 11 + [None]
     full = codec.CodecConfig.for_model(12, 1, variant="reference")
     data = window.encode_windowed(k, v, ws, codec="cachegen-ref", level=1)
@@ -130,7 +124,7 @@ def test_schedule_restricted_to_the_group():
 def test_kvtc_needs_a_calibration_per_group():
     from codec import kvtc
 
-    k, v = make_kv(L=4, T=96, H=2, D=8, dtype=torch.float32)
+    k, v = make_kv(4, 96, 2, 8, dtype=torch.float32, v_scale=0.5)
     ws = [16, 16, None, 16]
     cal = kvtc.fit_calibration(k, v)
     with pytest.raises(ValueError, match="layer group") as e:
@@ -143,7 +137,7 @@ def test_kvtc_needs_a_calibration_per_group():
 
 
 def test_bad_arguments():
-    k, v = make_kv(T=30)
+    k, v = make_kv(6, 30, v_scale=0.5)
     for bad in ([None] * 5, [0] + [None] * 5, [True] + [None] * 5, ["8"] + [None] * 5):
         with pytest.raises(ValueError):
             window.encode_windowed(k, v, bad, codec="raw")
@@ -186,7 +180,7 @@ EDITS = [
 
 @pytest.mark.parametrize("i", range(len(EDITS)))
 def test_bad_header_is_a_codec_error(i):
-    k, v = make_kv(T=100)
+    k, v = make_kv(6, 100, v_scale=0.5)
     data = window.encode_windowed(k, v, WINDOWS, codec="cachegen")
     bad = _repack(data, EDITS[i])
     with pytest.raises(CodecError):
@@ -194,7 +188,7 @@ def test_bad_header_is_a_codec_error(i):
 
 
 def test_random_corruption_is_a_codec_error():
-    k, v = make_kv(T=64)
+    k, v = make_kv(6, 64, v_scale=0.5)
     data = window.encode_windowed(k, v, WINDOWS, codec="cachegen")
     rng = random.Random(0)
     for _ in range(60):
@@ -214,7 +208,7 @@ def test_random_corruption_is_a_codec_error():
 
 def test_sub_container_swapped_is_a_codec_error():
     """A valid outer header whose group bytes are another KV's container of other shape."""
-    k, v = make_kv(T=100)
+    k, v = make_kv(6, 100, v_scale=0.5)
     data = window.encode_windowed(k, v, WINDOWS, codec="raw")
     h, arrays, payload = bitstream.unpack(data)
     n0 = h["groups"][0]["bytes"]
@@ -225,7 +219,7 @@ def test_sub_container_swapped_is_a_codec_error():
 
 
 def test_chunks_missing_or_out_of_order():
-    k, v = make_kv(T=100)
+    k, v = make_kv(6, 100, v_scale=0.5)
     chunks = window.encode_windowed_chunks(k, v, WINDOWS, codec="raw", chunk_tokens=32)
     for bad in (chunks[:-1], chunks[1:], [chunks[1], chunks[0]] + chunks[2:], []):
         with pytest.raises(CodecError):

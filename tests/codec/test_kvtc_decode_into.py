@@ -8,14 +8,13 @@ import torch
 
 import codec
 from codec import kvtc
-
-from test_codec_kvtc import _correlated  # the same correlated random KV
+from tests.helpers.kvtc import correlated_kv
 
 
 @pytest.fixture(scope="module", params=[0, 2])
 def cal(request):
     L, H, D, N = 4, 2, 16, 512
-    k, v = _correlated(L, N, H, D, 1), _correlated(L, N, H, D, 2)
+    k, v = correlated_kv(L, N, H, D, 1), correlated_kv(L, N, H, D, 2)
     c = kvtc.fit_calibration(k, v, positions=torch.arange(N), rope_theta=10000.0, group_layers=request.param)
     kvtc.register_calibration(c)
     return c
@@ -24,8 +23,8 @@ def cal(request):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("offset,total", [(0, 96), (256, 512)])
 def test_decode_into_equals_decode_and_writes_the_given_tensors(cal, dtype, offset, total):
-    k = _correlated(4, 96, 2, 16, 7).to(dtype)
-    v = _correlated(4, 96, 2, 16, 8).to(dtype)
+    k = correlated_kv(4, 96, 2, 16, 7).to(dtype)
+    v = correlated_kv(4, 96, 2, 16, 8).to(dtype)
     cfg = kvtc.KvtcConfig(calibration=cal.hash)
     chunks = codec.encode_chunks(torch.cat([k] * (total // 96 + 1), 1)[:, :total],
                                  torch.cat([v] * (total // 96 + 1), 1)[:, :total],
@@ -42,7 +41,7 @@ def test_decode_into_equals_decode_and_writes_the_given_tensors(cal, dtype, offs
 
 
 def test_a_corrupt_chunk_decoded_into_tensors_is_a_codec_error(cal):
-    k = _correlated(4, 96, 2, 16, 7).to(torch.bfloat16)
+    k = correlated_kv(4, 96, 2, 16, 7).to(torch.bfloat16)
     data = bytearray(codec.encode_kv(k, k.clone(), codec="kvtc", config=kvtc.KvtcConfig(calibration=cal.hash)))
     data[len(data) // 2] ^= 0xFF
     ko, vo = torch.empty(4, 96, 2, 16, dtype=torch.bfloat16), torch.empty(4, 96, 2, 16, dtype=torch.bfloat16)

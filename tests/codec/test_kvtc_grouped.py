@@ -16,8 +16,7 @@ import torch
 import codec
 from codec import bitstream, kvtc
 from codec.errors import CodecError
-
-from test_codec_kvtc import round_trip_levels
+from tests.helpers.kvtc import relerr, round_trip_levels
 
 TARGETS = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
 
@@ -59,10 +58,6 @@ def _kv(L, T, H, D, seed, rope=True, start=0):
     return k, v
 
 
-def _relerr(a, b):
-    return float(((a.float() - b.float()) ** 2).mean() / (b.float() ** 2).mean())
-
-
 def test_grouped_tensors_and_biorthogonal_bases(gcal):
     L, C, G = gcal.num_layers, gcal.C, gcal.group_layers
     assert gcal.num_groups == 2 and list(gcal.group_layer_ids(1)) == [2, 3]
@@ -95,7 +90,7 @@ def test_grouped_beats_per_layer_bases_on_shared_signal():
         cfg = kvtc.KvtcConfig(calibration=c, tiers=())
         data = codec.encode_kv(k.bfloat16(), v.bfloat16(), codec="kvtc", level=2, config=cfg)
         k2, v2 = codec.decode_kv(data)
-        errs[G] = (len(data), _relerr(k2[:, 4:], k[:, 4:]) + _relerr(v2[:, 4:], v[:, 4:]))
+        errs[G] = (len(data), relerr(k2[:, 4:], k[:, 4:]) + relerr(v2[:, 4:], v[:, 4:]))
     assert errs[2][1] < 0.5 * errs[0][1]
     assert errs[2][0] <= 1.1 * errs[0][0]
 
@@ -173,8 +168,8 @@ def test_grouped_28_layers_5_heads_head_dim_80_ragged_last_group():
         data = codec.encode_kv(k.bfloat16(), v.bfloat16(), codec="kvtc", level=lv,
                                config=kvtc.KvtcConfig(calibration=c, tiers=()))
         k2, v2 = codec.decode_kv(data)
-        assert k2.shape == (L, 70, H, D) and _relerr(v2, v) < 0.5 and _relerr(k2, k) < 0.5
-        assert _relerr(v2[27], v[27]) < 0.5
+        assert k2.shape == (L, 70, H, D) and relerr(v2, v) < 0.5 and relerr(k2, k) < 0.5
+        assert relerr(v2[27], v[27]) < 0.5
 
 
 def test_grouped_T1_short_context_recent_and_chunks(gcal):
@@ -186,14 +181,14 @@ def test_grouped_T1_short_context_recent_and_chunks(gcal):
         assert torch.equal(k2, k) and torch.equal(v2, v)
         cfg = kvtc.KvtcConfig(calibration=gcal, sink_tokens=0)
         k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="kvtc", config=cfg))
-        assert k2.shape == k.shape and _relerr(k2, k) < 0.5
+        assert k2.shape == k.shape and relerr(k2, k) < 0.5
     k, v = _kv(4, 100, 2, 8, 21)
     k, v = k.bfloat16(), v.bfloat16()
     cfg = kvtc.KvtcConfig(calibration=gcal, recent_tokens=20)
     chunks = codec.encode_chunks(k, v, codec="kvtc", level=5, config=cfg, chunk_tokens=32)
     k2, v2 = codec.decode_chunks(chunks)
     assert torch.equal(k2[:, -20:], k[:, -20:]) and torch.equal(k2[:, :4], k[:, :4])
-    assert _relerr(k2[:, 4:80], k[:, 4:80]) < 0.02
+    assert relerr(k2[:, 4:80], k[:, 4:80]) < 0.02
 
 
 def test_grouped_with_tail_tiers(gcal):
@@ -208,7 +203,7 @@ def test_grouped_with_tail_tiers(gcal):
     k2, v2 = codec.decode_chunks(chunks)
     plain = codec.decode_kv(codec.encode_kv(k, v, codec="kvtc", level=0, config=kvtc.KvtcConfig(
         calibration=gcal, tiers=())))
-    assert _relerr(v2[:, 80:], v[:, 80:]) < _relerr(plain[1][:, 80:], v[:, 80:])
+    assert relerr(v2[:, 80:], v[:, 80:]) < relerr(plain[1][:, 80:], v[:, 80:])
 
 
 def test_grouped_calibration_save_load_hash(gcal, tmp_path):

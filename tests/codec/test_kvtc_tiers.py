@@ -17,11 +17,11 @@ import torch
 
 import codec
 from codec import CodecError, bitstream, kvtc
-# the correlated random KV, the fuzz loop, the hand-made exact calibration of
-# tests/fixtures/kvtc_padded (fixture ``exact``) and the decoded-bit digests of its level
-# 0/1 containers (the format-2 kvtc_kept containers decode to the same bits)
-from test_codec_kvtc import _correlated, _undetected
-from test_codec_kvtc_layout import PADDED_FIXTURES as FIXTURE_DIGESTS, _digest, exact  # noqa: F401
+from tests.helpers.kvtc import correlated_kv
+# the decoded-bit digests of the level 0/1 containers of tests/fixtures/kvtc_padded (the
+# fixture ``exact`` registers its calibration); the format-2 kvtc_kept containers decode
+# to the same bits
+from tests.helpers.kvtc_padded import PADDED_FIXTURES as FIXTURE_DIGESTS, bits_digest
 
 FIX = Path(__file__).parents[1] / "fixtures"
 
@@ -31,7 +31,7 @@ def fitted():
     """A pre-RoPE calibration of L=4, H=3, D=16 (the default model's KV heads) with levels
     0 (coarse), 1, 2 (fine)."""
     L, H, D, N = 4, 3, 16, 512
-    c = kvtc.fit_calibration(_correlated(L, N, H, D, 1), _correlated(L, N, H, D, 2),
+    c = kvtc.fit_calibration(correlated_kv(L, N, H, D, 1), correlated_kv(L, N, H, D, 2),
                              positions=torch.arange(N), rope_theta=10000.0,
                              level_targets={0: 0.6, 1: 1.0, 2: 2.5}, default_level=1)
     kvtc.register_calibration(c)
@@ -53,7 +53,7 @@ def test_format_1_and_2_fixtures_decode_bit_for_bit(exact, folder, level):
     ch = bitstream.unpack(data)[0]["codec_header"]
     assert "tiers" not in ch and ("layout" in ch) == (folder == "kvtc_kept")
     k, v = codec.decode_kv(data)
-    assert _digest(k, v) == FIXTURE_DIGESTS[level]
+    assert bits_digest(k, v) == FIXTURE_DIGESTS[level]
 
 
 def test_untiered_level_writes_format_2_fields(exact):
@@ -68,7 +68,7 @@ def test_untiered_level_writes_format_2_fields(exact):
         # clustering, the fields describing the symbols do not)
         strip = lambda ch: {a: b for a, b in ch.items() if a != "entropy"}  # noqa: E731
         assert strip(h["codec_header"]) == strip(old["codec_header"])
-        assert _digest(*codec.decode_kv(new)) == FIXTURE_DIGESTS[1]
+        assert bits_digest(*codec.decode_kv(new)) == FIXTURE_DIGESTS[1]
 
 
 # ------------------------------------------------------------------------ round trips
@@ -132,8 +132,8 @@ def test_context_shorter_than_the_tail(exact):
 def test_round_trip_fitted_tail_error_smaller(fitted, dtype):
     L, H, D = fitted.num_layers, fitted.num_heads, fitted.head_dim
     T, R = 300, 64
-    k = _correlated(L, T, H, D, 11).to(dtype)
-    v = _correlated(L, T, H, D, 12).to(dtype)
+    k = correlated_kv(L, T, H, D, 11).to(dtype)
+    v = correlated_kv(L, T, H, D, 12).to(dtype)
     cfg = kvtc.KvtcConfig(calibration=fitted, level=0, tiers=((R, 2),))
     data = codec.encode_kv(k, v, codec="kvtc", config=cfg)
     assert _spans(data) == [(T - R, R, 2)]
@@ -158,8 +158,8 @@ def test_round_trip_fitted_tail_error_smaller(fitted, dtype):
 
 def test_stats_count_every_span(fitted):
     L, H, D = fitted.num_layers, fitted.num_heads, fitted.head_dim
-    k = _correlated(L, 100, H, D, 21).bfloat16()
-    v = _correlated(L, 100, H, D, 22).bfloat16()
+    k = correlated_kv(L, 100, H, D, 21).bfloat16()
+    v = correlated_kv(L, 100, H, D, 22).bfloat16()
     data, st = codec.encode_with_stats(
         k, v, codec="kvtc", config=kvtc.KvtcConfig(calibration=fitted, level=0,
                                                    tiers=((16, 2), (16, 1))))
@@ -231,8 +231,8 @@ def _span_mutations(data):
 
 def test_fuzzed_span_fields_give_codec_error_only(fitted):
     L, H, D = fitted.num_layers, fitted.num_heads, fitted.head_dim
-    k = _correlated(L, 80, H, D, 31).bfloat16()
-    v = _correlated(L, 80, H, D, 32).bfloat16()
+    k = correlated_kv(L, 80, H, D, 31).bfloat16()
+    v = correlated_kv(L, 80, H, D, 32).bfloat16()
     data = codec.encode_kv(k, v, codec="kvtc", config=kvtc.KvtcConfig(
         calibration=fitted, level=0, tiers=((10, 2), (20, 1))))
     assert len(_spans(data)) == 2
@@ -289,7 +289,7 @@ def test_level_sinks_apply_unless_the_config_says(exact, monkeypatch):
 
 def test_key_water_changes_only_the_named_levels():
     L, H, D, N = 3, 2, 8, 384
-    k, v = _correlated(L, N, H, D, 1), _correlated(L, N, H, D, 2)
+    k, v = correlated_kv(L, N, H, D, 1), correlated_kv(L, N, H, D, 2)
     tg = {0: 0.8, 1: 0.8, 2: 2.0}
     a = kvtc.fit_calibration(k, v, level_targets=tg, default_level=1)
     b = kvtc.fit_calibration(k, v, level_targets=tg, default_level=1, key_water={1: 2.0})

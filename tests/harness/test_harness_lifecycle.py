@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import default_sigint
+from tests.helpers.signals import default_sigint
 
 from harness import lifecycle
 

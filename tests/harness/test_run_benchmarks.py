@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import default_sigint
+from tests.helpers.signals import default_sigint
 
 from harness.config import ConfigError, RunConfig, resolve
 from harness.results import ResultsWriter, summarize, validate

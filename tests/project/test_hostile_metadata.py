@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from cachegen_common.bounded_json import JsonBoundsError, int_list, nesting_depth, parse
+from tests.helpers.kv import make_kv
 
 DEEP = 200_000
 
@@ -108,8 +109,7 @@ def test_int_list_refuses_wrong_types(value, why):
 def dump(tmp_path):
     from kv_extraction_hf.dump import save_kv
 
-    k = torch.randn(2, 6, 1, 4).to(torch.bfloat16)
-    v = torch.randn(2, 6, 1, 4).to(torch.bfloat16)
+    k, v = make_kv(2, 6, 1, 4)
     path = save_kv(tmp_path / "good.safetensors", k, v, {"token_ids": [1, 2, 3, 4, 5, 6], "question_ids": [7, 8],
                                                           "answers": ["x"]})
     return path, k, v

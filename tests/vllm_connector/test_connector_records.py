@@ -23,7 +23,7 @@ from third_party.vllm.sources import save_local_context  # noqa: E402
 
 
 def _connector(extra: dict):
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     return scheduler_connector(extra)
 

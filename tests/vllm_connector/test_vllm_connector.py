@@ -29,7 +29,7 @@ def test_plain_prefill_answers_the_needle(report):
     assert len(report["outputs"]["text"]) == MAX_TOKENS
     from transformers import AutoTokenizer
 
-    from tests.conftest import converted_model_dir
+    from tests.helpers.vllm_connector import converted_model_dir
 
     tok = AutoTokenizer.from_pretrained(converted_model_dir())
     assert report["answer"] in tok.decode(report["outputs"]["text"])

@@ -3,7 +3,7 @@ kept-width products split over worker threads, RoPE on the two halves cast strai
 the destination) against the textbook ``kvtc.inverse.inverse_ref``, and the independence of
 the decoded bytes from the thread count.
 
-Run: .venv/bin/python -m pytest tests/codec/test_kvtc_decode_fast.py -q
+Run: .venv/bin/python -m pytest tests/codec/test_kvtc_inverse.py -q
 """
 from __future__ import annotations
 
@@ -13,15 +13,13 @@ import torch
 
 import codec
 from codec import kvtc
-
-
-from test_codec_kvtc import _correlated  # the same correlated random KV
+from tests.helpers.kvtc import correlated_kv
 
 
 @pytest.fixture(scope="module", params=["plain", "centroid"])
 def cal(request):
     L, H, D, N = 5, 2, 16, 512
-    k, v = _correlated(L, N, H, D, 1), _correlated(L, N, H, D, 2)
+    k, v = correlated_kv(L, N, H, D, 1), correlated_kv(L, N, H, D, 2)
     kw = {"centroid": True, "rounding": 0.3} if request.param == "centroid" else {}
     c = kvtc.fit_calibration(k, v, positions=torch.arange(N), rope_theta=10000.0, **kw)
     assert (c.shrink is not None) == (request.param == "centroid")
@@ -117,8 +115,8 @@ def test_bf16_products_within_the_rounding_bound(cal, rope_from, monkeypatch):
 def test_threads_do_not_change_the_decoded_bytes(cal, monkeypatch):
     # each layer is the same ops in the same order whichever worker runs it
     L, H, D = cal.num_layers, cal.num_heads, cal.head_dim
-    k = _correlated(L, 300, H, D, 5).to(torch.bfloat16)
-    v = _correlated(L, 300, H, D, 6).to(torch.bfloat16)
+    k = correlated_kv(L, 300, H, D, 5).to(torch.bfloat16)
+    v = correlated_kv(L, 300, H, D, 6).to(torch.bfloat16)
     data = codec.encode_kv(k, v, codec="kvtc", level=cal.levels[-1],
                            config=kvtc.KvtcConfig(calibration=cal))
     outs = []
