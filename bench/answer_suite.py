@@ -51,7 +51,7 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
     calibration). Each record: kind, context_tokens, index, depth, key, answers, seconds
     (prefill per context, split over its questions), ``lossless`` {text, ids, correct} and
     ``codecs`` {label: {text, ids, correct, agrees, token_agrees, path}}; ``agrees``: the
-    numbers stated equal the lossless answer's (``evaluation.stated_values``). Raises
+    numbers stated equal the lossless answer's (``evaluation.metrics.answer.stated_values``). Raises
     ExtractionError (a context that does not fit) and the codec's errors."""
     import codec as codec_api
     from codec.level_table import label as codec_label
@@ -258,8 +258,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "kinds": kinds, "lengths": lengths, "contexts": contexts, "seed": args.seed, "codecs": spec,
                     "haystack": hname, "kvtc_calibration": cal, "ci": "Wilson 95%",
                     "paired_test": "McNemar exact (binomial), two-sided, vs lossless",
-                    "agreement": "the numbers stated equal the lossless answer's (evaluation.stated_values)",
-                    "scorer": "evaluation.all_values_match (RULER string_match_all)"},
+                    "agreement": "the numbers stated equal the lossless answer's "
+                                 "(evaluation.metrics.answer.stated_values)",
+                    "scorer": "evaluation.metrics.answer.all_values_match (RULER string_match_all)"},
                 "rows": rows, "records": records, "wall_s": wall})
             print(f"wrote {args.out}")
 

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: python -m bench.vllm_demo --context-tokens 2000 --codecs raw quant8 "
         "cachegen --bandwidth-mbps 1000",
     )
-    flags.add_model(p, help="model spec for kv_extraction_hf.load_model: a HF folder, a .gguf "
+    flags.add_model(p, help="model spec for kv_extraction_hf.model.load_model: a HF folder, a .gguf "
                     "file or a hub id (default: the embedded SmolLM2-135M-Instruct, converted "
                     "bf16 folder)")
     flags.add_context_tokens(p, default=2000, aliases=("--tokens",))

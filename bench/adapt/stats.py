@@ -91,7 +91,7 @@ def cluster_bootstrap_diff(reqs_a: list[dict], reqs_b: list[dict], value: str = 
     3.8: resample the independent units, keep what is correlated inside them together) of
     mean(value over a's requests) - mean(value over b's requests).
 
-    reqs_a, reqs_b: request dicts (bench.adapt.request_row: "trace", "violated", "quality_kl") of two
+    reqs_a, reqs_b: request dicts (bench.adapt.sim.request_row: "trace", "violated", "quality_kl") of two
     policies on the SAME requests (the same multiset of trace names, else ValueError). A
     cluster is the recorded trace a request replays (cluster_of): its start offsets share
     every rate, so they are resampled together. `value`: "violated" (0/1, the statistic is

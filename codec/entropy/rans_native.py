@@ -3,7 +3,7 @@
 Purpose: the hot loop of CacheGen's decode (Liu et al., SIGCOMM 2024, section 5.2,
 arithmetic decoding with a model per (layer, channel); section 5.3, decoding that keeps up
 with the stream) as a small C kernel, codec/entropy/native/rans_decode.c, a port of the numba
-kernel ``codec.rans_kernels._decode_impl`` with the same inputs, outputs and per-stream
+kernel ``codec.entropy.rans_kernels._decode_impl`` with the same inputs, outputs and per-stream
 error codes (docs/bitstream.md sections 2-3). Two quads of one (kv, layer, token block)
 are merged into one work item of 8 lanes (8 rANS dependency chains in flight); workers are
 pthreads taking items from one atomic counter; ctypes releases the GIL for the call.
@@ -185,7 +185,7 @@ def native_items(items: np.ndarray, n_blocks: int, n_groups: int, lanes: int = 4
 def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k, out_v, deq_k,
                 deq_v, t_stride, hd, t_off, err, workers: int) -> bool:
     """Run the native kernel with the (already validated) arguments of
-    ``codec.rans_cpu.decode_streams_into``; returns False (nothing written) when the
+    ``codec.entropy.rans_cpu.decode_streams_into``; returns False (nothing written) when the
     native decoder is off or the element size is not 1, 2 or 4 bytes.
 
     Args: words uint16 [n_words + pad] (zero padded); w_off int64 [n_streams + 1];
