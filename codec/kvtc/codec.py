@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import level_table
-from .. import scratch as _scratch
+from .. import scratch
 from ..base import DTYPES, EncodedChunk, from_bits, need_int, to_bits
 from ..errors import CodecError
 
@@ -172,7 +172,7 @@ class KvtcCodec:
         L, T, H, D = shape
         cal, ns, nr, jobs = self._read(header, arrays, payload, shape)
         res = list(out) if out is not None else \
-            [_scratch.empty((L, T, H, D), dtype=DTYPES[dtype_name]) for _ in range(2)]
+            [scratch.empty((L, T, H, D), dtype=DTYPES[dtype_name]) for _ in range(2)]
         with torch.inference_mode():
             for kv, tag in enumerate(("k", "v")):
                 if ns:

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import scratch as _scratch
+from .. import scratch
 from . import rope, workers
 from .calibration import KvtcCalibration
 from .kept import KeptSymbols
@@ -63,7 +63,7 @@ def inverse_layers(sym, offs: list, P: dict, kv: int, shape: tuple,
     C = H * D
     roped = rope_from is not None
     if out is None:
-        out = _scratch.empty((L, Tq, H, D), dtype=torch.float32)
+        out = scratch.empty((L, Tq, H, D), dtype=torch.float32)
     if L == 0 or Tq == 0:
         return out
     basis = P["basis_ts"][kv]                                         # [L, n, C]
@@ -104,13 +104,13 @@ def inverse_layers(sym, offs: list, P: dict, kv: int, shape: tuple,
             _layers(idx)
 
     def _layers(idx) -> None:
-        x = _scratch.empty((Tq, C), dtype=torch.float32)
+        x = scratch.empty((Tq, C), dtype=torch.float32)
         # the coefficient operands are flat buffers whose first Tq * nl elements are
         # viewed as a CONTIGUOUS [Tq, nl] matrix (never a column slice of [Tq, n]: on
         # AMX oneDNN's bf16 GEMM reads a row up to its stride, codec/scratch.py)
-        qb = _scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
-        xh = _scratch.empty((Tq, C), dtype=torch.bfloat16) if bf16 else None
-        q16 = _scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
+        qb = scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
+        xh = scratch.empty((Tq, C), dtype=torch.bfloat16) if bf16 else None
+        q16 = scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
         for layer in idx:
             nl = keep[layer]
             if bf16:
@@ -201,12 +201,12 @@ def inverse_groups(sym: KeptSymbols, offs: list, P: dict, cal: KvtcCalibration,
             _groups(idx)
 
     def _groups(idx) -> None:
-        xb = _scratch.empty((Tq, Cg), dtype=torch.bfloat16 if bf16 else torch.float32)
+        xb = scratch.empty((Tq, Cg), dtype=torch.bfloat16 if bf16 else torch.float32)
         # flat operands viewed as contiguous [Tq, nl] (as in ``inverse_layers``)
-        qb = _scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
-        q16 = _scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
-        kb = _scratch.empty((Tq, C), dtype=xb.dtype) if roped else None
-        kf = _scratch.empty((Tq, C), dtype=torch.float32) if roped else None
+        qb = scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
+        q16 = scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
+        kb = scratch.empty((Tq, C), dtype=xb.dtype) if roped else None
+        kf = scratch.empty((Tq, C), dtype=torch.float32) if roped else None
         for g in idx:
             nl = keep[g]
             if nl:

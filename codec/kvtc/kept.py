@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import scratch as _scratch
+from .. import scratch
 from ..base import need_int
 from ..errors import CodecError
 
@@ -80,7 +80,7 @@ class KeptSymbols:
         """The same symbols in the padded layout, uint8 [L, Tq, n] (dropped columns = the
         layer's offset symbol): for tests and the reference decode."""
         L, Tq = len(self.keep), self.a.shape[0]
-        out = _scratch.np_empty((L, Tq, n), np.uint8)
+        out = scratch.np_empty((L, Tq, n), np.uint8)
         for layer in range(L):
             out[layer] = offs[layer]
             for lo, hi, src in self.pieces(layer):

@@ -455,13 +455,20 @@ def open_redis_backend(url: str, fallback_dir: str | os.PathLike | None = None, 
     RedisUnavailableError (a StoreError) when unreachable and no fallback_dir is given;
     ValueError for a malformed URL (never falls back on a typo).
     """
+    return with_folder_fallback(lambda: RedisBackend(url, **kw), fallback_dir, "streaming.store.redis_backend")
+
+
+def with_folder_fallback(open_backend, fallback_dir: str | os.PathLike | None, who: str):
+    """``open_backend()``; when it raises RedisUnavailableError and ``fallback_dir`` is given,
+    a LocalFolderBackend(fallback_dir) instead, with one warning line on stderr naming
+    ``who`` and the reason. Without ``fallback_dir`` the error propagates; other errors
+    (ValueError for a malformed URL) always do."""
     try:
-        return RedisBackend(url, **kw)
+        return open_backend()
     except RedisUnavailableError as e:
         if fallback_dir is None:
             raise
-        print(f"streaming.store.redis_backend: {e}; falling back to the local store {os.fspath(fallback_dir)}",
-              file=sys.stderr)
+        print(f"{who}: {e}; falling back to the local store {os.fspath(fallback_dir)}", file=sys.stderr)
         return LocalFolderBackend(fallback_dir)
 
 

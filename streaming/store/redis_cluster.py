@@ -42,6 +42,7 @@ from streaming.store.redis_backend import (
     REDIS_DEFAULT_BULK_LIMIT,
     SOCKET_READ_SIZE,
     RedisBackend,
+    with_folder_fallback,
 )
 from streaming.store.redis_conn import (
     RedisUnavailableError,
@@ -311,19 +312,8 @@ def open_cluster_backend(url: str, fallback_dir=None, **kw):
     given, a local-folder backend there instead, with a one-line warning on stderr (as
     streaming.store.redis_backend.open_redis_backend). Raises ValueError for a malformed URL,
     RedisUnavailableError when unreachable and no fallback_dir is given."""
-    try:
-        return RedisClusterBackend(url, **kw)
-    except RedisUnavailableError as e:
-        if fallback_dir is None:
-            raise
-        import os
-        import sys
-
-        from streaming.store.folder import LocalFolderBackend
-
-        print(f"streaming.store.redis_cluster: {e}; falling back to the local store {os.fspath(fallback_dir)}",
-              file=sys.stderr)
-        return LocalFolderBackend(fallback_dir)
+    return with_folder_fallback(lambda: RedisClusterBackend(url, **kw), fallback_dir,
+                                "streaming.store.redis_cluster")
 
 
 def check_cluster_store(url: str) -> None:

@@ -198,3 +198,22 @@ def test_acknowledged_save_lost_at_failover_is_a_miss(fresh_cluster):
         assert time.monotonic() - t0 < 10
         save(c, case, 2)
         assert check_load(c, key) == ("load", 2)
+
+
+def test_cluster_unreachable_falls_back_only_when_asked(tmp_path, capsys):
+    """No node answers: RedisUnavailableError; with a fallback folder, the local store and one
+    warning line naming the cluster module; a malformed URL never falls back."""
+    from streaming.store.folder import LocalFolderBackend
+    from streaming.store.redis_cluster import open_cluster_backend
+    from streaming.store.redis_conn import RedisUnavailableError
+    from streaming.store.redis_server import free_port
+
+    url = f"redis+cluster://127.0.0.1:{free_port()}"
+    with pytest.raises(RedisUnavailableError):
+        open_cluster_backend(url, connect_timeout_s=0.5)
+    b = open_cluster_backend(url, fallback_dir=tmp_path / "local", connect_timeout_s=0.5)
+    assert isinstance(b, LocalFolderBackend)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("streaming.store.redis_cluster: ") and "local store" in err[0]
+    with pytest.raises(ValueError):
+        open_cluster_backend("redis+cluster://host:port", fallback_dir=tmp_path / "local")
