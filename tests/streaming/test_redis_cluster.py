@@ -34,7 +34,7 @@ from streaming.store.redis_cluster import (
     untag_key,
 )
 from streaming.store.redis_cluster_server import RedisClusterServer, find_redis_cli
-from streaming.store.redis_server import RedisServer, find_redis_server
+from streaming.store.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = pytest.mark.skipif(find_redis_server() is None or find_redis_cli() is None,
                                 reason="redis-server / redis-cli not installed (apt-get install redis-server)")
@@ -114,7 +114,9 @@ def test_bad_cluster_is_one_line_exit_2(cluster, tmp_path, capsys):
     assert "bad node" in _one_line_exit_2("redis+cluster://127.0.0.1")
     with RedisServer() as plain:
         assert "plain Redis" in _one_line_exit_2(f"redis+cluster://127.0.0.1:{plain.port}")
-    with RedisServer(extra_config=["cluster-enabled yes", "cluster-config-file nodes.conf"]) as half:
+    # an explicit cluster bus port: without one Redis takes port + 10000 and refuses ports > 55535
+    with RedisServer(extra_config=["cluster-enabled yes", "cluster-config-file nodes.conf",
+                                   f"cluster-port {free_port()}"]) as half:
         redis.Redis(port=half.port).execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 8000)
         assert "does not serve every hash slot" in _one_line_exit_2(f"redis+cluster://127.0.0.1:{half.port}")
     rc = run_benchmarks.main(["--store", "redis+cluster://127.0.0.1:1", "--link-method", "userspace",
@@ -206,7 +208,6 @@ def test_cluster_unreachable_falls_back_only_when_asked(tmp_path, capsys):
     from streaming.store.folder import LocalFolderBackend
     from streaming.store.redis_cluster import open_cluster_backend
     from streaming.store.redis_conn import RedisUnavailableError
-    from streaming.store.redis_server import free_port
 
     url = f"redis+cluster://127.0.0.1:{free_port()}"
     with pytest.raises(RedisUnavailableError):

@@ -223,8 +223,9 @@ def test_eviction_under_small_maxmemory():
         assert "hit" in kinds and ("miss" in kinds or "partial" in kinds), kinds
 
 
-def _saves_behind(policy: str, n: int = 24) -> tuple[list[Exception | None], str]:
-    """n saves (4 chunks of ~150 kB) through a store server over a 2 MB Redis with
+def _saves_behind(policy: str, n: int = 24, size: int = 150_000,
+                  n_chunks: int = 4) -> tuple[list[Exception | None], str]:
+    """n saves (`n_chunks` chunks of ~`size` bytes) through a store server over a 2 MB Redis with
     `policy`: the error of each (None when saved), and the Redis address as messages name it."""
     from streaming.errors import StoreError
 
@@ -232,7 +233,7 @@ def _saves_behind(policy: str, n: int = 24) -> tuple[list[Exception | None], str
     with RedisServer(maxmemory="2mb", policy=policy) as srv, start_store_server(srv.url) as h, \
             h.client(timeout=10) as c:
         for s in range(n):
-            ids, chunks, ranges = _context(n_chunks=4, size=150_000, levels=(1,), seed=100 + s)
+            ids, chunks, ranges = _context(n_chunks=n_chunks, size=size, levels=(1,), seed=100 + s)
             try:
                 c.put_context("m", "w", TAG, ids, chunks, ranges)
                 out.append(None)
@@ -246,9 +247,13 @@ def test_save_refused_because_redis_evicted_says_so(policy):
     """Behind an evicting Redis the store server refuses saves whose chunks Redis evicted
     before the manifest: the message names the eviction, the policy and the fix, and never
     blames the caller's order of steps."""
-    results, where = _saves_behind(policy)
+    # each save (8 chunks of 250 kB) is as large as the whole Redis, so writing its last chunks
+    # must evict some of its own earlier ones before the manifest: every save is refused,
+    # whichever keys the policy samples (smaller saves leave that to chance); each chunk alone
+    # fits, so Redis evicts rather than refusing the write
+    results, where = _saves_behind(policy, n=4, size=250_000, n_chunks=8)
     errors = [e for e in results if e is not None]
-    assert errors, "a 2 MB Redis must have evicted chunks of some of 24 saves of 0.6 MB"
+    assert len(errors) == 4, ("a save larger than a 2 MB evicting Redis was stored", results)
     for e in errors:
         msg = str(e)
         assert f"missing: evicted: Redis at {where} evicts keys (maxmemory-policy {policy}, " in msg, msg
