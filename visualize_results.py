@@ -23,6 +23,7 @@ Run:
     python visualize_results.py --results runs/r.json --out figs/ --formats png
     python visualize_results.py --only ttft_vs_bandwidth kv_size
     python visualize_results.py --context-sweep benchmarks/context-sweep-gemma3-270m.json
+    python visualize_results.py --serve-load        # benchmarks/serve_load*.json -> goodput_vs_rate
 
 Exit status: 0 when at least one figure was written, 1 when none could be drawn,
 2 for a missing, unreadable or malformed results file or bad arguments.
@@ -43,6 +44,7 @@ from visualize.results_figures import FIGURES
 from visualize.adapt_figures import DEFAULT_ADAPTATION
 from visualize.file_figures import DEFAULT_QUALITY, render_adaptation, render_quality
 from visualize.sweep_figures import render_context_sweep
+from visualize.serve_figures import DEFAULT_SERVE_LOAD_GLOB, render_serve_load
 from visualize.loading import ResultsError, SkipFigure, load_results, schema_warnings
 
 INCOMPLETE_MARK = "INCOMPLETE RUN"
@@ -126,10 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default file: {DEFAULT_ADAPTATION})")
     parser.add_argument("--context-sweep", type=Path, default=None, metavar="FILE",
                         help="draw only ttft_vs_context from a context-sweep file of python -m bench.context_sweep")
+    parser.add_argument("--serve-load", type=Path, nargs="*", default=None, metavar="FILE",
+                        help="draw only goodput_vs_rate from serve-load files of python -m bench.serve_load "
+                             f"(none named: {DEFAULT_OUT}/{DEFAULT_SERVE_LOAD_GLOB})")
     return parser
 
 
-def _render_one_file(render, path: Path, args) -> int:
+def _render_one_file(render, path, args) -> int:
     """Run one file's renderer (render_adaptation / render_quality) for the CLI: prints
     each written path; returns 0, 1 (nothing drawn) or 2 (bad input)."""
     try:
@@ -152,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     matplotlib.use("Agg")  # no display needed; set here, not at import time
     if args.adaptation is not None:
         return _render_one_file(render_adaptation, args.adaptation, args)
+    if args.serve_load is not None:
+        paths = args.serve_load or sorted(DEFAULT_OUT.glob(DEFAULT_SERVE_LOAD_GLOB))
+        return _render_one_file(render_serve_load, paths, args)
     if args.context_sweep is not None:
         return _render_one_file(render_context_sweep, args.context_sweep, args)
     if args.quality is not None:

@@ -7,7 +7,9 @@
 - :mod:`visualize.results_figures`: the figures of a results.json (:data:`FIGURES`);
 - :mod:`visualize.file_figures`: the figure of a quality.json (``bench.quality``) and the
   rendering of both other files;
-- :mod:`visualize.adapt_figures`: the figures of an adaptation.json (``bench.adapt``).
+- :mod:`visualize.adapt_figures`: the figures of an adaptation.json (``bench.adapt``);
+- :mod:`visualize.serve_figures`: goodput vs offered rate from serve-load files
+  (``bench.serve_load``).
 
 Like the script, it reads result files only: it imports no codec, streaming, engine or
 model code (only ``cachegen_common`` and ``evaluation.summary``), and never selects a matplotlib

@@ -9,7 +9,10 @@ The command's modules:
 - ``bench.serve_load.server``: vLLM's OpenAI server with our KV connector (start, health,
   stop) and the pre-fill (save requests);
 - ``bench.serve_load.client``: ``vllm.benchmarks.serve`` in a subprocess, its result file;
-- ``bench.serve_load.stats``: TTFT percentiles, throughput and goodput of one run.
+- ``bench.serve_load.level_merge``: the adaptive mode's store entries (the connector's
+  single-level saves of a context joined into one entry of every level);
+- ``bench.serve_load.stats``: TTFT percentiles, throughput and goodput of one run, and the
+  tail check (p99 <= 2 x p50 TTFT at half the saturation rate).
 
 This package's face: ``main``.
 """

@@ -20,9 +20,16 @@ output tokens) at that rate. Modes are per-request ``kv_transfer_params`` on one
               is streamed and decoded, the rest prefilled; a new context misses and is
               prefilled (the lookup's round trips over the link included)
     kvtc      the same with kvtc entries (default level and calibration)
+    adaptive  the same cachegen entries, stored at every --adaptive-levels level (the
+              pre-fill saves each level, bench.serve_load.level_merge joins them into one
+              entry); the connector's adaptive policy (streaming.adapt, a ``policy`` in
+              kv_transfer_params: --policy-preset, the SLO, the engine's measured prefill
+              speed and the link rate as the first throughput estimate) picks a level or
+              text per chunk from the throughput it measures on the shared link
 Reported per (mode, rate): n, TTFT p50/p90/p99 (all requests, and reused / new apart),
-throughput, goodput at ``--slo``, the connector's loads and misses, and the load average
-before and after; the machine (cachegen_common.machine.cpu_info and the environment
+throughput, goodput at ``--slo``, the connector's loads and misses (adaptive: the levels
+its chunks were loaded at), and the load average before and after; per mode the tail check
+(p99 TTFT <= 2 x p50 at half the saturation rate: bench.serve_load.stats.tail_check); the machine (cachegen_common.machine.cpu_info and the environment
 header). Timings depend on the machine and its load: 2 shared cores here.
 
 Run: python -m bench.serve_load [--rates 0.25 0.5 1 --num-requests 20 --modes text cachegen]
@@ -44,18 +51,26 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve_load.client import client_args, run_client, save_command
+from bench.serve_load.level_merge import merge_levels
 from bench.serve_load.dataset import (PREFILL_QUESTION, build_contexts, plan_requests, prefill_prompt,
                                       resolve_task, reused_count, write_dataset)
 from bench.serve_load.server import (VllmServer, chat_prompt, connector_extra, post, prefill_store,
                                      read_stats)
-from bench.serve_load.stats import summarize
+from bench.serve_load.stats import summarize, tail_check
 from cachegen_common import flags, header
 from cachegen_common.files import atomic_write_json
 from cachegen_common.machine import cpu_info
+from streaming.adapt.params import DEFAULT_PRESET, POLICY_PRESETS
 
-MODES = ("text", "cachegen", "kvtc")
-KV_MODES = ("cachegen", "kvtc")
+MODES = ("text", "cachegen", "kvtc", "adaptive")
+KV_MODES = ("cachegen", "kvtc", "adaptive")
+CODEC_OF = {"cachegen": "cachegen", "kvtc": "kvtc", "adaptive": "cachegen"}  # the entries a mode loads
 DEFAULT_OUT = Path("benchmarks/serve_load.json")
+TAIL_CHECK_DEFINITION = (
+    "per mode: saturation = the lowest offered rate whose goodput (requests/s meeting the TTFT SLO) "
+    "is below 90% of the offered rate (none: above every rate measured, and the target below is half "
+    "the highest rate); the check is p99 TTFT <= 2 x p50 TTFT at the measured rate nearest half the "
+    "saturation rate (bench.serve_load.stats.tail_check)")
 QUICK = {"rates": [1.0], "num_requests": 4, "contexts": 4, "context_tokens": 512}
 
 
@@ -73,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.serve_load",
         description="Benchmark: TTFT percentiles, throughput and goodput (TTFT SLO) of vLLM's OpenAI "
                     "server with our KV connector under open-loop Poisson load from vLLM's own "
-                    "benchmark client, per mode (text, cachegen, kvtc) and request rate (writes JSON).",
+                    "benchmark client, per mode (text, cachegen, kvtc, adaptive) and request rate (writes JSON).",
         epilog="example: python -m bench.serve_load --rates 0.25 0.5 1 --num-requests 20 "
                "--modes text cachegen --bandwidth-mbps 1000")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=["text", "cachegen"],
-                    help="modes, each a client run per rate on the same engine (default text cachegen)")
+                    help="modes, each a client run per rate on the same engine (default text cachegen; "
+                         "adaptive: cachegen entries of every --adaptive-levels level, a level per chunk)")
     ap.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.5, 1.0], metavar="RPS",
                     help="request rates, requests/s, Poisson arrivals (default 0.25 0.5 1)")
     ap.add_argument("--num-requests", type=int, default=20, metavar="N",
@@ -91,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output tokens per request, uniform in [MIN, MAX] (default 1 8)")
     ap.add_argument("--slo", type=float, default=2.0, metavar="SECONDS",
                     help="TTFT SLO of the goodput, s (default 2)")
+    ap.add_argument("--adaptive-levels", nargs="+", type=int, default=None, metavar="LEVEL",
+                    help="cachegen levels stored for the adaptive mode (default: every cachegen level)")
+    ap.add_argument("--policy-preset", default=DEFAULT_PRESET, choices=list(POLICY_PRESETS),
+                    help="the adaptive mode's policy parameters, a streaming.adapt.params preset "
+                         "(default %(default)s)")
     flags.add_bandwidth(ap, default=1000.0, help="the store's link rate, Mbit/s (default %(default)s)")
     flags.add_link_method(ap)
     ap.add_argument("--task", default="auto",
@@ -117,7 +138,8 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
            "reused_fraction": a.reused_fraction, "output_tokens": list(a.output_tokens),
            "slo_s": a.slo, "bandwidth_mbps": a.bandwidth_mbps, "link_method": a.link_method,
            "task": a.task, "data_path": a.data_path, "chunk_tokens": a.chunk_tokens,
-           "kv_cache_gib": a.kv_cache_gib, "seed": a.seed, "quick": a.quick}
+           "kv_cache_gib": a.kv_cache_gib, "seed": a.seed, "quick": a.quick,
+           "adaptive_levels": a.adaptive_levels, "policy_preset": a.policy_preset}
     if a.quick:
         cfg.update(QUICK)
     if any(not (math.isfinite(r) and r > 0) for r in cfg["rates"]):
@@ -139,21 +161,48 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--kv-cache-gib must be >= 1")
     if any(m in KV_MODES for m in cfg["modes"]) and reused_count(cfg["contexts"], cfg["reused_fraction"]) == 0:
         raise UsageError("a KV mode needs at least one reused context (--contexts, --reused-fraction)")
+    lv = cfg["adaptive_levels"]
+    if lv is not None and (len(set(lv)) < 2 or min(lv) < 0):
+        raise UsageError("--adaptive-levels needs at least two distinct levels >= 0")
     return cfg
 
 
-def extra_body(mode: str, tag: str) -> dict[str, Any] | None:
+def extra_body(mode: str, tag: str, policy: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The body fields every request of ``mode`` carries (vLLM client's ``--extra-body``):
     None for text; for a KV mode the connector's ``kv_transfer_params``: prefix lookup,
-    only entries of that codec (``identity.codec``), the stats tag."""
+    only entries of the mode's codec (``identity.codec``, :data:`CODEC_OF`), the stats tag;
+    the adaptive mode adds ``policy`` (required for it: a streaming.adapt.params preset and
+    the request's inputs, see :func:`adaptive_policy`). Raises ValueError for adaptive
+    without a policy."""
     if mode == "text":
         return None
-    return {"kv_transfer_params": {"mode": mode, "identity": {"codec": mode}, "stats_tag": tag}}
+    kv: dict[str, Any] = {"mode": mode, "identity": {"codec": CODEC_OF[mode]}, "stats_tag": tag}
+    if mode == "adaptive":
+        if not policy:
+            raise ValueError("the adaptive mode needs a policy")
+        kv["policy"] = dict(policy)
+    return {"kv_transfer_params": kv}
+
+
+def adaptive_policy(preset: str, slo_s: float, prefill_tokens_per_s: float, bandwidth_mbps: float) -> dict:
+    """The adaptive mode's ``policy`` (the connector's kv_transfer_params; the inputs the
+    harness's cachegen-adaptive mode gives it, harness.engines.protocol.request_params):
+    ``preset`` (streaming.adapt.params.POLICY_PRESETS), ``slo_s`` (the TTFT SLO, s),
+    ``prefill_tokens_per_s`` (this engine's measured prefill speed, tokens/s: the cost of
+    text fallback) and ``initial_throughput_mbps`` (the link's rate, Mbit/s: the first
+    throughput estimate, replaced by what the load measures). Raises ValueError for a
+    speed or rate that is not a positive number."""
+    for name, x in (("prefill speed", prefill_tokens_per_s), ("link rate", bandwidth_mbps)):
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"the adaptive policy needs a positive {name}, got {x}")
+    return {"preset": preset, "slo_s": float(slo_s), "prefill_tokens_per_s": float(prefill_tokens_per_s),
+            "initial_throughput_mbps": float(bandwidth_mbps)}
 
 
 def connector_counts(records: list[dict], tag: str) -> dict[str, Any]:
     """Loads and misses the connector recorded for requests tagged ``tag``, with the
-    median loaded tokens, bytes and load seconds of the loads."""
+    median loaded tokens, bytes and load seconds of the loads, and ``chunk_levels``: how
+    many loaded chunks came at each stored level ("text": the policy's text fallback)."""
     mine = [r for r in records if r.get("stats_tag") == tag]
     loads = [r for r in mine if r.get("kind") == "load"]
     out: dict[str, Any] = {"loads": len(loads), "misses": sum(r.get("kind") == "miss" for r in mine),
@@ -161,16 +210,24 @@ def connector_counts(records: list[dict], tag: str) -> dict[str, Any]:
     for k in ("loaded_tokens", "bytes", "load_s", "transfer_s", "decode_s"):
         xs = [r[k] for r in loads if r.get(k) is not None]
         out[f"median_{k}"] = statistics.median(xs) if xs else None
+    levels: dict[str, int] = {}
+    for r in loads:
+        for c in r.get("chunks") or []:
+            name = "text" if c.get("text_fallback") or c.get("level") is None else str(c["level"])
+            levels[name] = levels.get(name, 0) + 1
+    out["chunk_levels"] = dict(sorted(levels.items()))
     return out
 
 
 def one_run(srv: VllmServer, cfg: dict, model_dir: str, served: str, mode: str, rate: float,
-            dataset: Path, plan: list, work: Path, stats_path: Path) -> dict[str, Any]:
-    """One client run (``mode`` at ``rate``); its row of the result file."""
+            dataset: Path, plan: list, work: Path, stats_path: Path,
+            policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One client run (``mode`` at ``rate``; ``policy``: the adaptive mode's); its row of
+    the result file."""
     tag = f"{mode}@{rate:g}"
     name = f"client-{mode}-{rate:g}.json"
     args = client_args(srv.base_url, served, model_dir, dataset, len(plan), rate, cfg["seed"], work, name,
-                       extra_body(mode, tag))
+                       extra_body(mode, tag, policy))
     save_command(work / f"client-{mode}-{rate:g}.sh", args)
     load_before = os.getloadavg()
     timeout = 3 * len(plan) / rate + 900
@@ -198,17 +255,76 @@ def one_run(srv: VllmServer, cfg: dict, model_dir: str, served: str, mode: str, 
     return row
 
 
-def warm_up(srv: VllmServer, tokenizer, served: str, modes: list[str], prompts: list, n_reused: int) -> None:
+def warm_up(srv: VllmServer, tokenizer, served: str, modes: list[str], prompts: list, n_reused: int,
+            policy: dict[str, Any] | None = None) -> None:
     """One 1-token request per mode (a reused context when there is one) before the measured
     runs: the first request of a fresh engine and each codec's first load pay one-time costs."""
     for mode in modes:
         p = prompts[0] if n_reused or mode == "text" else prompts[-1]
         body = {"model": served, "prompt": chat_prompt(tokenizer, p.context_text + p.question_text),
                 "max_tokens": 1, "temperature": 0.0}
-        eb = extra_body(mode, f"warmup/{mode}")
+        eb = extra_body(mode, f"warmup/{mode}", policy)
         if eb:
             body.update(eb)
         post(f"{srv.base_url}/v1/completions", body)
+
+
+def measure_prefill_speed(srv: VllmServer, tokenizer, served: str, prompt, prompt_tokens: int,
+                          repeats: int = 2) -> dict[str, Any]:
+    """This engine's prefill speed, tokens/s: ``prompt_tokens`` over the fastest of
+    ``repeats`` plain (text) 1-token requests on ``prompt`` (wall time of the request, so
+    HTTP and one decode step included; the first request also pays the engine's first-call
+    costs, hence the fastest). The adaptive policy's cost of text fallback. Raises OSError
+    when a request fails."""
+    body = {"model": served, "prompt": chat_prompt(tokenizer, prompt.context_text + prompt.question_text),
+            "max_tokens": 1, "temperature": 0.0}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        post(f"{srv.base_url}/v1/completions", body)
+        times.append(time.perf_counter() - t0)
+    return {"prompt_tokens": prompt_tokens, "seconds": times, "tokens_per_s": prompt_tokens / min(times)}
+
+
+def prefill_saves(modes: list[str], adaptive_levels: list[int]) -> list[tuple[str, int | None]]:
+    """The (codec, level) saves the pre-fill makes per reused context: kvtc at its default
+    level (None); cachegen at every ``adaptive_levels`` level with the adaptive mode (then
+    merged into one entry; the cachegen mode loads its default level from it), else at its
+    default level."""
+    out: list[tuple[str, int | None]] = []
+    if "adaptive" in modes:
+        out += [("cachegen", lv) for lv in sorted(set(adaptive_levels))]
+    elif "cachegen" in modes:
+        out.append(("cachegen", None))
+    if "kvtc" in modes:
+        out.append(("kvtc", None))
+    return out
+
+
+def merge_adaptive_entries(store, saves: list[dict], n_reused: int) -> list[dict[str, Any]]:
+    """Join each reused context's single-level cachegen saves (stats records tagged
+    ``prefill/cachegen/<i>/<level>``) into one multi-level entry (level_merge.merge_levels).
+    Raises ValueError / OSError when an entry cannot be merged."""
+    from streaming.store import StoreClient
+
+    out = []
+    with StoreClient(store.host, store.port, timeout=120.0) as client:
+        for i in range(n_reused):
+            keys = [r["context_key"] for r in saves if str(r.get("stats_tag", "")).startswith(f"prefill/cachegen/{i}/")]
+            m = merge_levels(client, keys, "cachegen")
+            out.append({"context": i, **m, "bytes": {str(k): v for k, v in m["bytes"].items()}})
+    return out
+
+
+def print_tail_checks(checks: dict[str, dict]) -> None:
+    """One line per mode: the tail check (stats.tail_check)."""
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    for mode, c in checks.items():
+        sat = f"{c['saturation_rps']:g} req/s" if c["saturated"] else "not reached (above every rate)"
+        verdict = "no TTFTs" if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
+        print(f"tail check {mode}: saturation {sat}; at {c['rate_rps']:g} req/s (target {c['target_rps']:g}) "
+              f"p99/p50 = {f(c['p99_s'])}/{f(c['p50_s'])} = {f(c['ratio'])} (<= {c['max_ratio']:g}: {verdict})")
 
 
 def print_table(rows: list[dict], slo_s: float) -> None:
@@ -229,11 +345,18 @@ def print_table(rows: list[dict], slo_s: float) -> None:
 def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
     from transformers import AutoTokenizer
 
+    import codec
+
     from kv_extraction_hf.model import resolve_model
     from streaming.link import ShapedLink
     from streaming.store import start_store_server
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if "adaptive" in cfg["modes"]:
+        known = codec.levels("cachegen")
+        cfg["adaptive_levels"] = sorted(set(cfg["adaptive_levels"] or known))
+        if not set(cfg["adaptive_levels"]) <= set(known):
+            raise ValueError(f"--adaptive-levels must be cachegen levels {list(known)}")
     model_id, model_dir = resolve_model(a.model, log=log)
     tok = AutoTokenizer.from_pretrained(model_dir)
     task, data_path = resolve_task(cfg["task"], cfg["data_path"])
@@ -257,7 +380,7 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
                                         tuple(cfg["output_tokens"]), seed=cfg["seed"] + i)
             write_dataset(work / f"dataset-{rate:g}.jsonl", plans[rate])
         stats_path = work / "connector.jsonl"
-        codecs = [m for m in cfg["modes"] if m in KV_MODES]
+        save_plan = prefill_saves(cfg["modes"], cfg["adaptive_levels"] or [])
         with ShapedLink(cfg["bandwidth_mbps"], method=cfg["link_method"]) as link, \
                 start_store_server(work / "store", link=link) as store:
             doc["link"] = {"method": link.method, "rate_mbps": cfg["bandwidth_mbps"]}
@@ -267,24 +390,34 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
             with VllmServer(str(model_dir), model_id, extra, max_len, work / "server.log",
                             kv_cache_gib=cfg["kv_cache_gib"], start_timeout_s=a.start_timeout) as srv:
                 doc["server"] = {"start_s": srv.start_s, "command": srv.cmd, "max_model_len": max_len}
-                print(f"server up in {srv.start_s:.1f} s; pre-filling {n_reused} contexts x {codecs}",
+                print(f"server up in {srv.start_s:.1f} s; pre-filling {n_reused} contexts x {save_plan}",
                       flush=True)
                 pre = prefill_store(srv, model_id, tok, [prefill_prompt(p) for p in prompts[:n_reused]],
-                                    codecs, cfg["chunk_tokens"])
+                                    save_plan, cfg["chunk_tokens"])
                 saves = [r for r in read_stats(stats_path) if r.get("kind") == "save"]
                 bad = [r["error"] for r in saves if r.get("error")]
-                if codecs and (bad or len(saves) != pre["requests"]):
+                if save_plan and (bad or len(saves) != pre["requests"]):
                     raise RuntimeError(f"pre-fill: {len(saves)} saves of {pre['requests']} recorded; "
                                        f"errors: {bad[:2]}")
                 doc["prefill"] = {**pre, "bytes": {c: sum(r.get("bytes") or 0 for r in saves
                                                           if str(r.get("stats_tag", "")).startswith(f"prefill/{c}/"))
-                                                   for c in codecs}}
-                warm_up(srv, tok, model_id, cfg["modes"], prompts, n_reused)
+                                                   for c in {c for c, _ in save_plan}}}
+                policy = None
+                if "adaptive" in cfg["modes"]:
+                    doc["prefill"]["merged"] = merge_adaptive_entries(store, saves, n_reused)
+                    i = n_reused if n_reused < len(prompts) else 0   # a new context when there is one
+                    speed = measure_prefill_speed(srv, tok, model_id, prompts[i], doc["prompts"]["prompt_tokens"][i])
+                    policy = adaptive_policy(cfg["policy_preset"], cfg["slo_s"], speed["tokens_per_s"],
+                                             cfg["bandwidth_mbps"])
+                    doc["adaptive"] = {"prefill_speed": speed, "policy": policy}
+                    print(f"adaptive: {len(doc['prefill']['merged'])} entries of levels "
+                          f"{cfg['adaptive_levels']}; prefill {speed['tokens_per_s']:.0f} tokens/s", flush=True)
+                warm_up(srv, tok, model_id, cfg["modes"], prompts, n_reused, policy)
                 for rate in cfg["rates"]:
                     for mode in cfg["modes"]:
                         print(f"{mode} at {rate:g} req/s: {len(plans[rate])} requests ...", flush=True)
                         row = one_run(srv, cfg, str(model_dir), model_id, mode, rate,
-                                      work / f"dataset-{rate:g}.jsonl", plans[rate], work, stats_path)
+                                      work / f"dataset-{rate:g}.jsonl", plans[rate], work, stats_path, policy)
                         doc["rows"].append(row)
                         print_table([row], cfg["slo_s"])
         doc["server"]["exit_code"] = srv.exit_code
@@ -318,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     doc["load_avg_after"] = list(os.getloadavg())
     doc["wall_s"] = time.perf_counter() - t0
     print_table(doc["rows"], cfg["slo_s"])
+    doc["tail_check"] = {"definition": TAIL_CHECK_DEFINITION,
+                         "modes": {m: tail_check([r for r in doc["rows"] if r["mode"] == m])
+                                   for m in cfg["modes"] if any(r["mode"] == m for r in doc["rows"])}}
+    print_tail_checks(doc["tail_check"]["modes"])
     atomic_write_json(a.out, doc)
     print(f"wrote {a.out} ({len(doc['rows'])} runs; load average {doc['load_avg_before'][0]:.2f} before, "
           f"{doc['load_avg_after'][0]:.2f} after; 2-core machine shared with other jobs: timings are noisy)")

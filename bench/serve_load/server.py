@@ -155,21 +155,24 @@ def chat_prompt(tokenizer, user_text: str) -> str:
 
 
 def prefill_store(srv: VllmServer, served_name: str, tokenizer, user_texts: Sequence[str],
-                  codecs: Sequence[str], chunk_tokens: int) -> dict[str, Any]:
+                  saves: Sequence[tuple[str, int | None]], chunk_tokens: int) -> dict[str, Any]:
     """Save the KV of each text (vLLM's own KV of its chat-templated prompt, encoded by each
-    codec in ``codecs`` at its default level, ``chunk_tokens`` per chunk) into the store
-    through the connector: one 1-token completion request per (text, codec) with
-    ``kv_transfer_params.save``; each entry is indexed by its prefix chain. Returns
+    (codec, level) of ``saves``, level None = the codec's default, ``chunk_tokens`` per
+    chunk) into the store through the connector: one 1-token completion request per (text,
+    save) with ``kv_transfer_params.save``, stats tag ``prefill/<codec>/<text index>`` (with
+    ``/<level>`` when a level is given); each entry is indexed by its prefix chain. Returns
     {requests, seconds}. Raises OSError when a request fails."""
     t0 = time.perf_counter()
     n = 0
     for i, text in enumerate(user_texts):
-        for c in codecs:
+        for c, level in saves:
+            save = {"source": "store", "store": STORE_NAME, "codec": c, "chunk_tokens": chunk_tokens}
+            tag = f"prefill/{c}/{i}"
+            if level is not None:
+                save["level"], tag = int(level), f"{tag}/{level}"
             post(f"{srv.base_url}/v1/completions", {
                 "model": served_name, "prompt": chat_prompt(tokenizer, text), "max_tokens": 1,
-                "temperature": 0.0, "kv_transfer_params": {
-                    "save": {"source": "store", "store": STORE_NAME, "codec": c,
-                             "chunk_tokens": chunk_tokens}, "stats_tag": f"prefill/{c}/{i}"}})
+                "temperature": 0.0, "kv_transfer_params": {"save": save, "stats_tag": tag}})
             n += 1
     return {"requests": n, "seconds": time.perf_counter() - t0}
 

@@ -6,11 +6,16 @@ benchmark client.
   output tokens in range, deterministic);
 - the statistics on hand-made TTFT lists: p50 / p90 / p99, throughput, goodput at the SLO,
   failed requests, reused / new apart;
+- the tail check (p99 <= 2 x p50 at half the saturation rate) on fixed numbers;
+- the adaptive mode's request body and policy, the pre-fill's saves, and the merge of
+  single-level store entries into one multi-level entry (a local store: bytes unchanged,
+  the prefix index names the merged entry, the single-level ones are gone);
+- the goodput_vs_rate figure on a synthetic result dict;
 - bad flags: one ``error:`` line each, exit 2;
 - one tiny end-to-end run (``--quick``: vLLM's OpenAI server with the connector, the store
-  behind the shaped link, text and cachegen at one rate; ~3-4 minutes on 2 shared cores,
-  engine start-up dominates), marked slow like the other vLLM server tests; skipped without
-  vLLM or the converted default model.
+  behind the shaped link, text, cachegen and adaptive at one rate; ~5-8 minutes on 2 shared
+  cores, engine start-up dominates), marked slow like the other vLLM server tests; skipped
+  without vLLM or the converted default model.
 
 Run: .venv/bin/python -m pytest tests/bench/test_serve_load.py -q
 """
@@ -27,9 +32,10 @@ from types import SimpleNamespace
 import pytest
 
 from bench import serve_load
-from bench.serve_load.cli import connector_counts, extra_body
+from bench.serve_load.cli import adaptive_policy, connector_counts, extra_body, prefill_saves
 from bench.serve_load.dataset import PlannedRequest, plan_requests, reused_count, write_dataset
-from bench.serve_load.stats import percentiles, summarize
+from bench.serve_load.level_merge import merge_levels
+from bench.serve_load.stats import percentiles, saturation_rate, summarize, tail_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,13 +111,154 @@ def test_mode_bodies_and_connector_counts():
     c = connector_counts(recs, "x")
     assert (c["loads"], c["misses"], c["load_errors"]) == (2, 1, 0)
     assert c["median_loaded_tokens"] == 384 and c["median_bytes"] == 20 and c["median_transfer_s"] is None
+    assert c["chunk_levels"] == {}
+    recs[0]["chunks"] = [{"level": 0}, {"level": 2}, {"level": None, "text_fallback": True}]
+    recs[1]["chunks"] = [{"level": 2}]
+    assert connector_counts(recs, "x")["chunk_levels"] == {"0": 1, "2": 2, "text": 1}
+
+
+def test_adaptive_body_and_policy():
+    pol = adaptive_policy("tuned", 2.0, 512.5, 1000)
+    assert pol == {"preset": "tuned", "slo_s": 2.0, "prefill_tokens_per_s": 512.5, "initial_throughput_mbps": 1000.0}
+    kv = extra_body("adaptive", "adaptive@1", pol)["kv_transfer_params"]
+    # the adaptive mode loads cachegen entries, its policy in every request
+    assert kv == {"mode": "adaptive", "identity": {"codec": "cachegen"}, "stats_tag": "adaptive@1", "policy": pol}
+    with pytest.raises(ValueError):
+        extra_body("adaptive", "t")
+    for bad in ((0.0, 1000), (500.0, float("nan")), (-1.0, 10)):
+        with pytest.raises(ValueError):
+            adaptive_policy("tuned", 2.0, *bad)
+    # the trust check of the connector accepts exactly this policy object
+    from third_party.vllm.trust import _policy
+    assert _policy(pol) == pol
+
+
+def test_prefill_saves():
+    assert prefill_saves(["text", "cachegen"], []) == [("cachegen", None)]
+    assert prefill_saves(["cachegen", "kvtc", "adaptive"], [2, 0, 1]) == \
+        [("cachegen", 0), ("cachegen", 1), ("cachegen", 2), ("kvtc", None)]
+    assert prefill_saves(["text"], [0, 1]) == []
+
+
+def _single_level_entry(client, tokens, level, fill):
+    from streaming.identity import EntryIdentity, codec_identity
+
+    base = EntryIdentity(model_id="m", weights_hash="ab" * 32, dtype="bfloat16", num_layers=2,
+                         num_kv_heads=1, head_dim=4)
+    ident = codec_identity(base, "cachegen", [level])
+    chunks = {level: [bytes([fill]) * (10 + level), bytes([fill + 1]) * (5 + level)]}
+    return client.put_entry(ident, tokens, chunks, [(0, 128), (128, 256)]), chunks[level]
+
+
+def test_merge_levels_into_one_entry(tmp_path):
+    from streaming.identity import EntryIdentity
+    from streaming.store import LocalStoreClient
+    from third_party.vllm.prefix import find_loadable
+    from third_party.vllm.sources.base import prefix_namespace
+
+    client = LocalStoreClient(tmp_path / "store")
+    tokens = list(range(1000, 1256))
+    made = [_single_level_entry(client, tokens, lv, 10 * lv) for lv in (0, 1, 3)]
+    keys = [k for k, _ in made]
+    m = merge_levels(client, keys, "cachegen")
+    assert m["levels"] == [0, 1, 3] and sorted(m["deleted"]) == sorted(keys)
+    assert m["bytes"] == {0: 15, 1: 17, 3: 21}
+    man = client.get_manifest(m["key"])
+    assert list(man.levels) == [0, 1, 3] and man.token_ids == tokens
+    ident = EntryIdentity.from_dict(man.identity)
+    assert [lv for lv, _ in ident.level_configs] == [0, 1, 3] and ident.codec == "cachegen"
+    for (_, chunks), lv in zip(made, (0, 1, 3)):   # the bytes are copied unchanged
+        assert [client.get_chunk(m["key"], lv, i, gen=man.gen) for i in range(2)] == chunks
+    assert all(client.get_manifest(k) is None for k in keys)
+    # a prefix lookup (the connector's) finds the merged entry
+    ns = prefix_namespace("ab" * 32)
+    _, key, found, _ = find_loadable(client, ns, tokens + [7, 8], lambda k: (client.get_manifest(k), "unknown key"))
+    assert key == m["key"] and list(found.levels) == [0, 1, 3]
+    # refused: one entry, two entries of the same level, other tokens
+    with pytest.raises(ValueError):
+        merge_levels(client, [m["key"]], "cachegen")
+    a, _ = _single_level_entry(client, tokens, 2, 1)
+    b, _ = _single_level_entry(client, tokens[:128] + [5] * 128, 4, 1)
+    with pytest.raises(ValueError, match="other tokens"):
+        merge_levels(client, [a, b], "cachegen")
+    with pytest.raises(ValueError, match="levels, not one"):
+        merge_levels(client, [a, m["key"]], "cachegen")
+
+
+def _row(mode, rate, good, p50, p99):
+    return {"mode": mode, "rate_rps": rate, "goodput_rps": good, "throughput_rps": min(rate, 0.5),
+            "n": 20, "slo_s": 2.0, "ttft_s": {"p50": p50, "p90": p99, "p99": p99},
+            "load_avg_before": [3.0, 2, 1], "load_avg_after": [5.0, 2, 1]}
+
+
+def test_tail_check_on_fixed_numbers():
+    rows = [_row("cachegen", 0.1, 0.099, 0.5, 0.8), _row("cachegen", 0.2, 0.19, 0.6, 1.5),
+            _row("cachegen", 0.5, 0.30, 2.0, 9.0), _row("cachegen", 1.0, 0.2, 9.0, 20.0)]
+    # 0.5 is the lowest rate with goodput < 90% of offered (0.30 < 0.45); 0.2: 0.19 >= 0.18
+    assert saturation_rate(rows) == 0.5
+    c = tail_check(rows)
+    # half of 0.5 = 0.25: nearest measured rate 0.2; p99/p50 = 1.5/0.6 = 2.5 > 2
+    assert (c["saturation_rps"], c["saturated"], c["target_rps"], c["rate_rps"]) == (0.5, True, 0.25, 0.2)
+    assert c["ratio"] == pytest.approx(2.5) and c["passed"] is False and c["max_ratio"] == 2.0
+    # a tie between two rates takes the lower one; a ratio of exactly 2 passes
+    rows2 = [_row("x", 0.1, 0.1, 1.0, 2.0), _row("x", 0.3, 0.3, 1.0, 5.0), _row("x", 0.4, 0.1, 1.0, 9.0)]
+    c2 = tail_check(rows2)
+    assert (c2["target_rps"], c2["rate_rps"], c2["passed"]) == (0.2, 0.1, True)
+    # no rate saturates: half the highest rate measured, marked not saturated
+    c3 = tail_check([_row("x", 0.1, 0.1, 1.0, 1.2), _row("x", 0.2, 0.2, 1.0, 1.9)])
+    assert (c3["saturated"], c3["saturation_rps"], c3["rate_rps"], c3["passed"]) == (False, None, 0.1, True)
+    # every request failed at that rate: no ratio, no verdict
+    c4 = tail_check([{"rate_rps": 1.0, "goodput_rps": 0.0, "ttft_s": {"p50": None, "p99": None}}])
+    assert c4["ratio"] is None and c4["passed"] is None and c4["saturation_rps"] == 1.0
+    for bad in ([],):
+        with pytest.raises(ValueError):
+            tail_check(bad)
+    with pytest.raises(ValueError):
+        saturation_rate(rows, fraction=0.0)
+
+
+def test_goodput_figure_from_a_synthetic_result(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from visualize.data import SkipFigure
+    from visualize.loading import ResultsError
+    from visualize.serve_figures import fig_goodput_vs_rate, render_serve_load
+
+    doc = {"config": {"bandwidth_mbps": 1000.0}, "model": {"model_id": "M"},
+           "rows": [_row("text", 0.25, 0.0, 4, 9), _row("cachegen", 0.25, 0.1, 1, 3),
+                    _row("text", 0.5, 0.0, 9, 20), _row("cachegen", 0.5, 0.07, 4, 8)]}
+    other = {"rows": [_row("cachegen", 0.5, 0.09, 3, 8), _row("adaptive", 0.1, 0.05, 1, 2), {"mode": "x"}]}
+    fig = fig_goodput_vs_rate([doc, other])
+    ax = fig.axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(lines["offered (all within SLO)"].get_xdata()) == [0.1, 0.25, 0.5]
+    # a (mode, rate) in two files: the line goes through their mean
+    assert list(lines["cachegen goodput"].get_ydata()) == pytest.approx([0.1, 0.08])
+    assert list(lines["text goodput"].get_ydata()) == [0.0, 0.0]
+    assert list(lines["cachegen throughput"].get_ydata()) == pytest.approx([0.25, 0.5])
+    assert "adaptive goodput" in lines and "2 s TTFT SLO" in fig._suptitle.get_text()
+    assert "load average 3.0-5.0" in fig._suptitle.get_text()
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    written = render_serve_load([tmp_path / "a.json"], tmp_path, ["png", "svg"])
+    assert [p.name for p in written] == ["goodput_vs_rate.png", "goodput_vs_rate.svg"]
+    assert all(p.stat().st_size > 1000 for p in written)
+    with pytest.raises(SkipFigure):
+        fig_goodput_vs_rate([{"rows": []}])
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(ResultsError):
+        render_serve_load([tmp_path / "bad.json"], tmp_path, ["png"])
+    with pytest.raises(ResultsError):
+        render_serve_load([], tmp_path, ["png"])
 
 
 @pytest.mark.parametrize("argv", [
     ["--rates", "0"], ["--rates", "nan"], ["--num-requests", "0"], ["--contexts", "0"],
     ["--reused-fraction", "1.5"], ["--output-tokens", "3", "2"], ["--output-tokens", "0", "4"],
     ["--slo", "0"], ["--context-tokens", "100"], ["--chunk-tokens", "200"], ["--kv-cache-gib", "0"],
-    ["--modes", "cachegen", "--reused-fraction", "0"], ["--modes", "adaptive"], ["--bogus"],
+    ["--modes", "cachegen", "--reused-fraction", "0"], ["--modes", "adaptive", "--reused-fraction", "0"],
+    ["--modes", "adaptive", "--adaptive-levels", "1"], ["--modes", "adaptive", "--adaptive-levels", "1", "1"],
+    ["--adaptive-levels", "-1", "2"], ["--policy-preset", "nope"], ["--modes", "bogus"], ["--bogus"],
     ["--rates", "x"], ["--bandwidth-mbps", "-5"],
 ])
 def test_bad_flags_one_line_exit_2(argv, capsys):
@@ -145,19 +292,30 @@ def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "serve_load.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "bench.serve_load", "--quick", "--modes", "text", "cachegen",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+                           "adaptive", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["cpu_model"] and len(doc["load_avg_before"]) == 3 and len(doc["load_avg_after"]) == 3
     assert doc["link"]["rate_mbps"] == 1000.0 and doc["prompts"]["reused"] == 2
-    assert [(r["mode"], r["rate_rps"]) for r in doc["rows"]] == [("text", 1.0), ("cachegen", 1.0)]
+    assert [(r["mode"], r["rate_rps"]) for r in doc["rows"]] == [("text", 1.0), ("cachegen", 1.0), ("adaptive", 1.0)]
     for r in doc["rows"]:
         assert r["n"] == r["completed"] == 4 and r["failed"] == 0, r["errors"]
         assert all(t > 0 for t in r["ttfts_s"]) and r["ttft_s"]["p50"] <= r["ttft_s"]["p99"]
         assert 0 <= r["goodput_rps"] <= r["throughput_rps"]
         assert r["reused"]["n"] + r["new"]["n"] == 4
-    text, cg = doc["rows"]
+    text, cg, ad = doc["rows"]
     assert text["connector"]["loads"] == 0 and text["connector"]["misses"] == 0
     assert cg["connector"]["loads"] == cg["reused"]["n"] and cg["connector"]["misses"] == cg["new"]["n"]
     assert cg["connector"]["load_errors"] == 0 and cg["connector"]["median_loaded_tokens"] >= 256
-    assert "goodput/s" in proc.stdout
+    # cachegen loads its default level (1) from the merged entry
+    assert set(cg["connector"]["chunk_levels"]) == {"1"}
+    # adaptive: one merged entry of every cachegen level per reused context; the policy chose
+    # a level (or text) for every chunk of every reused request
+    assert [m["levels"] for m in doc["prefill"]["merged"]] == [[0, 1, 2, 3, 4, 5]] * 2
+    assert doc["adaptive"]["policy"]["prefill_tokens_per_s"] > 0
+    assert ad["connector"]["misses"] == ad["new"]["n"] and ad["connector"]["load_errors"] == 0
+    assert sum(ad["connector"]["chunk_levels"].values()) >= ad["reused"]["n"]
+    assert set(doc["tail_check"]["modes"]) == {"text", "cachegen", "adaptive"}
+    assert all(c["rate_rps"] == 1.0 for c in doc["tail_check"]["modes"].values())
+    assert "goodput/s" in proc.stdout and "tail check adaptive" in proc.stdout
