@@ -202,7 +202,10 @@ def adaptive_policy(preset: str, slo_s: float, prefill_tokens_per_s: float, band
 def connector_counts(records: list[dict], tag: str) -> dict[str, Any]:
     """Loads and misses the connector recorded for requests tagged ``tag``, with the
     median loaded tokens, bytes and load seconds of the loads, and ``chunk_levels``: how
-    many loaded chunks came at each stored level ("text": the policy's text fallback)."""
+    many chunks the load's policy decided at each stored level ("text": text fallback; a
+    fixed level is a decision too), over loads and misses (a policy that sends chunk 0 as
+    text makes the request a miss: vLLM takes only a KV prefix), and ``decided``: how many
+    requests had a policy decision."""
     mine = [r for r in records if r.get("stats_tag") == tag]
     loads = [r for r in mine if r.get("kind") == "load"]
     out: dict[str, Any] = {"loads": len(loads), "misses": sum(r.get("kind") == "miss" for r in mine),
@@ -211,11 +214,13 @@ def connector_counts(records: list[dict], tag: str) -> dict[str, Any]:
         xs = [r[k] for r in loads if r.get(k) is not None]
         out[f"median_{k}"] = statistics.median(xs) if xs else None
     levels: dict[str, int] = {}
-    for r in loads:
-        for c in r.get("chunks") or []:
-            name = "text" if c.get("text_fallback") or c.get("level") is None else str(c["level"])
+    decided = [r for r in mine if r.get("decisions")]
+    for r in decided:
+        for d in r["decisions"]:
+            name = "text" if d.get("level") is None else str(d["level"])
             levels[name] = levels.get(name, 0) + 1
     out["chunk_levels"] = dict(sorted(levels.items()))
+    out["decided"] = len(decided)
     return out
 
 
