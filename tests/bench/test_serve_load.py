@@ -217,6 +217,10 @@ def test_tail_check_on_fixed_numbers():
             tail_check(bad)
     with pytest.raises(ValueError):
         saturation_rate(rows, fraction=0.0)
+    # throughput basis: _row's throughput is min(rate, 0.5): 0.45 >= 0.9 x 0.5, 0.5 < 0.9 x 1
+    c5 = tail_check(rows, basis="throughput_rps")
+    assert (c5["basis"], c5["saturation_rps"], c5["rate_rps"]) == ("throughput_rps", 1.0, 0.5)
+    assert c5["ratio"] == pytest.approx(4.5) and c5["passed"] is False
 
 
 def test_goodput_figure_from_a_synthetic_result(tmp_path):
@@ -321,4 +325,5 @@ def test_quick_run_end_to_end(tmp_path):
     assert ad["connector"]["loads"] + ad["connector"]["misses"] == 4
     assert set(doc["tail_check"]["modes"]) == {"text", "cachegen", "adaptive"}
     assert all(c["rate_rps"] == 1.0 for c in doc["tail_check"]["modes"].values())
-    assert "goodput/s" in proc.stdout and "tail check adaptive" in proc.stdout
+    assert set(doc["tail_check"]["by_throughput"]) == {"text", "cachegen", "adaptive"}
+    assert "goodput/s" in proc.stdout and "tail check adaptive (goodput saturation)" in proc.stdout
