@@ -27,10 +27,11 @@ output tokens) at that rate. Modes are per-request ``kv_transfer_params`` on one
               speed and the link rate as the first throughput estimate) picks a level or
               text per chunk from the throughput it measures on the shared link
 Reported per (mode, rate): n, TTFT p50/p90/p99 (all requests, and reused / new apart),
-throughput, goodput at ``--slo``, the connector's loads and misses (adaptive: the levels
-its chunks were loaded at), and the load average before and after; per mode the tail check
-(p99 TTFT <= 2 x p50 at half the saturation rate: bench.serve_load.stats.tail_check); the machine (cachegen_common.machine.cpu_info and the environment
-header). Timings depend on the machine and its load: 2 shared cores here.
+throughput, goodput at ``--slo``, the connector's loads and misses (``chunk_levels``: the
+level or text the policy chose per chunk), and the load average before and after; per mode
+the tail check (p99 TTFT <= 2 x p50 at half the saturation rate:
+bench.serve_load.stats.tail_check); the machine (cachegen_common.machine.cpu_info and the
+environment header). Timings depend on the machine and its load: 2 shared cores here.
 
 Run: python -m bench.serve_load [--rates 0.25 0.5 1 --num-requests 20 --modes text cachegen]
      python -m bench.serve_load --quick          (a few requests at one rate; minutes)
@@ -51,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve_load.client import client_args, run_client, save_command
-from bench.serve_load.level_merge import merge_levels
 from bench.serve_load.dataset import (PREFILL_QUESTION, build_contexts, plan_requests, prefill_prompt,
                                       resolve_task, reused_count, write_dataset)
+from bench.serve_load.level_merge import merge_levels
 from bench.serve_load.server import (VllmServer, chat_prompt, connector_extra, post, prefill_store,
                                      read_stats)
 from bench.serve_load.stats import summarize, tail_check
