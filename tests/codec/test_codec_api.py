@@ -10,23 +10,17 @@ from hypothesis import given, settings, strategies as st
 import codec
 from codec.quant import reference as Q
 from codec.codecs import CacheGenCodec
+from tests.helpers import kv
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 LOSSY_TOL = {"fp8": 2 ** -3, "quant8": None, "kivi2": None, "kivi4": None}
 
 
 def make_kv(L=3, T=40, H=2, D=16, dtype=torch.bfloat16, seed=0, zero_token=None):
-    """Synthetic KV with LLM-like structure: a few outlier channels in K, a large first
-    (attention-sink) token, smooth per-token magnitudes."""
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, T, H, D, generator=g)
-    k[..., : max(1, D // 8)] *= 8                      # outlier channels
-    v = torch.randn(L, T, H, D, generator=g) * (0.5 + torch.rand(L, T, 1, 1, generator=g))
-    k[:, 0] *= 4
-    if zero_token is not None:
-        k[:, zero_token] = 0
-        v[:, zero_token] = 0
-    return k.to(dtype), v.to(dtype)
+    """Synthetic KV with LLM-like structure (``tests.helpers.kv.make_kv``): a few outlier
+    channels in K, a large first (attention-sink) token, smooth per-token magnitudes of V."""
+    return kv.make_kv(L, T, H, D, dtype=dtype, seed=seed, outlier_channels=(max(1, D // 8), 8.0),
+                      v_token_scales=(0.5, 1.0), sink_gain=4.0, zero_token=zero_token)
 
 
 def encode_or_skip(k, v, name, **kw) -> bytes:

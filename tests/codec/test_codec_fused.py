@@ -11,14 +11,14 @@ from codec import api, base as CC, threads
 from codec.entropy import rans_cpu, rans_ref
 from codec.api import _read
 from codec.errors import CodecError
+from tests.helpers.kv import make_kv
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def _kv(shape, dtype, seed=0, outlier=False):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(shape, generator=g) * torch.linspace(0.2, 3.0, shape[-1])
-    v = torch.randn(shape, generator=g) * 0.5
+    k, v = make_kv(*shape, dtype=torch.float32, seed=seed,
+                   channel_scales=torch.linspace(0.2, 3.0, shape[-1]), v_scale=0.5)
     if outlier:   # a value far above its (layer, head) group's typical magnitude
         k[1, shape[1] - 3, 0, 1] = 900.0
         v[0, shape[1] // 2, shape[2] - 1, 0] = -700.0

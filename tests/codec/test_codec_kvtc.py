@@ -12,7 +12,8 @@ import torch
 import codec
 from codec import bitstream, kvtc
 from codec.errors import CodecError
-from tests.helpers.kvtc import correlated_kv, relerr, round_trip_levels, undetected
+from tests.helpers.kv import correlated_kv, make_kv, mixed_kv
+from tests.helpers.kvtc import relerr, round_trip_levels, undetected
 
 
 # an earlier, finer level table: these tests check the mechanics on random data, whose error
@@ -74,7 +75,7 @@ def test_allocation_drops_a_suffix_and_is_monotone_in_level(cal):
 def test_rope_undo_redo_and_matches_transformers():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    x = torch.randn(2, 7, 3, 8)
+    x = make_kv(2, 7, 3, 8, dtype=torch.float32)[0]         # K of 2 layers, 7 tokens
     pos = torch.arange(5, 12)
     y = kvtc.apply_rope(x, pos, 10000.0)
     assert torch.allclose(kvtc.undo_rope(y, pos, 10000.0), x, atol=1e-5)
@@ -162,11 +163,7 @@ def test_T1_and_context_shorter_than_recent_window(cal):
 
 def test_shape_28_layers_5_heads_head_dim_80():
     L, H, D = 28, 5, 80
-    g = torch.Generator().manual_seed(3)
-    basis = torch.randn(H * D, H * D, generator=g)
-    k = (torch.randn(L, 544, H * D, generator=g) * torch.logspace(0, -2, H * D)) @ basis
-    v = (torch.randn(L, 544, H * D, generator=g) * torch.logspace(0, -1, H * D)) @ basis
-    k, v = k.reshape(L, 544, H, D), v.reshape(L, 544, H, D)
+    k, v = mixed_kv(L, 544, H, D, seed=3, k_decay=-2.0, v_decay=-1.0)
     c = kvtc.fit_calibration(k[:, :512], v[:, :512], positions=torch.arange(512),
                              rope_theta=10000.0, level_targets={0: 0.5, 1: 1.0, 2: 3.0},
                              default_level=1)

@@ -15,7 +15,7 @@ from codec.quant import outliers
 from codec.quant import reference as Q
 from codec.api import decode_kv, encode_kv
 from codec.errors import CodecError
-from tests.helpers.outliers import SHAPE, normal_kv  # the same KV as the outlier tests
+from tests.helpers.kv import NORMAL_KV_SHAPE as SHAPE, normal_kv  # the same KV as the outlier tests
 
 FACTORS = (20, 100, 1000, 3000)
 

@@ -19,7 +19,7 @@ import codec
 from codec import bitstream
 from codec.quant import outliers
 from codec.quant import reference as Q
-from tests.helpers.outliers import SHAPE, normal_kv
+from tests.helpers.kv import NORMAL_KV_SHAPE as SHAPE, normal_kv
 
 LAYER, HEAD = 1, 1           # the slice the outliers go into
 

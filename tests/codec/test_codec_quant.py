@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from codec.quant import lowbit
 from codec.quant import reference as Q
 from codec.config import CodecConfig, QuantizationSpec, reference_schedule
+from tests.helpers.kv import make_kv
 
 
 # ------------------------------------------------------------------------------ config
@@ -146,10 +147,9 @@ def test_all_zero_rows_no_nan():
 @given(L=st.integers(1, 4), T=st.integers(1, 20), H=st.integers(1, 4), D=st.integers(1, 33),
        bins=st.sampled_from([4, 6, 8, 12, 16, 32, 64, 256]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-       per_head=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_quantize_error_bound_property(L, T, H, D, bins, dtype, per_head, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(L, T, H, D, generator=g) * torch.rand(1, generator=g) * 50).to(dtype)
+       per_head=st.booleans(), seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-3, 50.0))
+def test_quantize_error_bound_property(L, T, H, D, bins, dtype, per_head, seed, scale):
+    x = make_kv(L, T, H, D, dtype=torch.float32, seed=seed, k_scale=scale)[0].to(dtype)
     if seed % 3 == 0:
         x[:, 0] = 0  # a zero token
     dims = (-1,) if per_head else (-2, -1)
@@ -157,7 +157,7 @@ def test_quantize_error_bound_property(L, T, H, D, bins, dtype, per_head, seed):
 
 
 def test_per_layer_bins_respected():
-    x = torch.randn(3, 64, 2, 16)
+    x = make_kv(3, 64, 2, 16, dtype=torch.float32)[0]
     bins = [32, 16, 8]
     sym, _ = _bound_check(x, bins, (-1,))
     for layer, b in enumerate(bins):
@@ -204,7 +204,7 @@ def test_log8_mantissa_constants():
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_kivi_error_bound(bits, dtype):
-    x = (torch.randn(2, 64, 3, 40) * 3).to(dtype)
+    x = make_kv(2, 64, 3, 40, dtype=torch.float32, k_scale=3.0)[0].to(dtype)
     x[:, 5] = 0
     for dim, group in ((1, 32), (3, 8)):
         q, lo, step = lowbit.kivi_quantize(x, bits, dim=dim, group=group)

@@ -19,6 +19,7 @@ import torch
 
 import codec
 from codec import kvtc, scratch
+from tests.helpers.kv import correlated_kv
 
 L, H, D, T = 4, 2, 8, 40
 TARGETS = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
@@ -26,11 +27,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kv(T_, seed):
-    """float32 [L, T_, H, D] with correlated channels (like tests.helpers.kvtc.correlated_kv)."""
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(L, H * D, H * D, generator=g)
-    z = torch.randn(L, T_, H * D, generator=g) * torch.logspace(0, -2, H * D)
-    return (torch.bmm(z, mix) + 0.5).reshape(L, T_, H, D)
+    """float32 [L, T_, H, D] with correlated channels, the mixing drawn from ``seed`` too."""
+    return correlated_kv(L, T_, H, D, seed, mix_seed=None)
 
 
 @pytest.fixture(scope="module")

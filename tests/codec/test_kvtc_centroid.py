@@ -11,15 +11,12 @@ import torch
 import codec
 from codec import kvtc
 from codec.errors import CodecError
+from tests.helpers.kv import correlated_kv
 
 
 def _correlated(L, T, H, D, seed, decay=-2.0):
-    g = torch.Generator().manual_seed(1000)
-    mix = torch.randn(L, H * D, H * D, generator=g)
-    g2 = torch.Generator().manual_seed(seed)
     # heavy tails, as KV coefficients have (the centroid of a bin lies below its middle)
-    z = torch.randn(L, T, H * D, generator=g2) ** 3 * torch.logspace(0, decay, H * D)
-    return (torch.bmm(z, mix) + 0.5).reshape(L, T, H, D)
+    return correlated_kv(L, T, H, D, seed, decay, tail_power=3)
 
 
 def _fit(**kw):

@@ -8,7 +8,7 @@ import torch
 
 import codec
 from codec import kvtc
-from tests.helpers.kvtc import correlated_kv
+from tests.helpers.kv import correlated_kv
 
 
 @pytest.fixture(scope="module", params=[0, 2])

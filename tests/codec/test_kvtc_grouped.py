@@ -16,27 +16,14 @@ import torch
 import codec
 from codec import bitstream, kvtc
 from codec.errors import CodecError
+from tests.helpers.kv import low_rank_kv
 from tests.helpers.kvtc import relerr, round_trip_levels
 
 TARGETS = {0: 0.55, 1: 0.7, 2: 0.85, 3: 0.95, 4: 1.1, 5: 1.85}
 
 
-def _shared_kv(L, T, H, D, seed, rank=6):
-    """K and V [L, T, H, D] float32 that are linear maps of one low-rank hidden signal per
-    token (shared by all layers) plus a little noise of their own."""
-    g = torch.Generator().manual_seed(500)
-    C = H * D
-    wk = torch.randn(L, rank, C, generator=g)
-    wv = torch.randn(L, rank, C, generator=g)
-    g2 = torch.Generator().manual_seed(seed)
-    h = torch.randn(T, rank, generator=g2) * torch.logspace(0, -1, rank)
-    k = torch.einsum("tr,lrc->ltc", h, wk) + 0.05 * torch.randn(L, T, C, generator=g2) + 0.3
-    v = torch.einsum("tr,lrc->ltc", h, wv) + 0.05 * torch.randn(L, T, C, generator=g2)
-    return k.reshape(L, T, H, D), v.reshape(L, T, H, D)
-
-
 def _fit(L=4, H=2, D=8, N=512, G=2, rope=True, **kw):
-    k, v = _shared_kv(L, N, H, D, 1)
+    k, v = low_rank_kv(L, N, H, D, 1)
     if rope:
         kw.update(positions=torch.arange(N), rope_theta=10000.0)
         k = kvtc.apply_rope(k, torch.arange(N), 10000.0)
@@ -52,7 +39,7 @@ def gcal():
 
 
 def _kv(L, T, H, D, seed, rope=True, start=0):
-    k, v = _shared_kv(L, T, H, D, seed)
+    k, v = low_rank_kv(L, T, H, D, seed)
     if rope:
         k = kvtc.apply_rope(k, torch.arange(start, start + T), 10000.0)
     return k, v
@@ -278,7 +265,7 @@ def test_grouped_header_fuzz_gives_codec_error_only(gcal):
 
 
 def test_grouped_fit_option_checks():
-    k, v = _shared_kv(3, 64, 2, 8, 1)
+    k, v = low_rank_kv(3, 64, 2, 8, 1)
     for kw in ({"group_layers": 4}, {"group_layers": -1}, {"group_layers": True},
                {"group_layers": 2, "per_head": True}, {"group_layers": 2, "centroid": True},
                {"group_layers": 2, "key_water": {4: 2.0}}):

@@ -13,7 +13,7 @@ import torch
 
 import codec
 from codec import kvtc
-from tests.helpers.kvtc import correlated_kv
+from tests.helpers.kv import correlated_kv, make_kv
 
 
 @pytest.fixture(scope="module", params=["plain", "centroid"])
@@ -173,7 +173,7 @@ def test_rope_kernel_is_apply_rope():
     if kvtc.rope.rope_kernel() is None:
         pytest.skip("no numba")
     T, H, D = 17, 3, 8
-    x = torch.randn(T, H, D, generator=torch.Generator().manual_seed(2))
+    x = make_kv(1, T, H, D, dtype=torch.float32, seed=2)[0][0]       # one layer's K
     pos = torch.arange(50, 50 + T)
     cos, sin = kvtc.rope._rope_cos_sin(pos, D, 10000.0)
     y = x.clone()
@@ -189,7 +189,7 @@ def test_rope_bf16_kernel_is_widen_rotate_round(cal, monkeypatch):
     if kvtc.rope.rope_bf16_kernel() is None:
         pytest.skip("no numba")
     T, H, D = 19, 3, 8
-    x = (torch.randn(T, H, D, generator=torch.Generator().manual_seed(5)) * 30).bfloat16()
+    x = make_kv(1, T, H, D, seed=5, k_scale=30.0)[0][0]              # one layer's K, bf16
     cos, sin = kvtc.rope._rope_cos_sin(torch.arange(900, 900 + T), D, 10000.0)
     c, s = cos[:, 0, :D // 2].contiguous().numpy(), sin[:, 0, :D // 2].contiguous().numpy()
     ref = x.float().contiguous()

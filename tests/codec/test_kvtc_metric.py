@@ -13,16 +13,14 @@ import torch
 
 import codec
 from codec import kvtc
+from tests.helpers.kv import mixed_kv
 
 L, N, H, D = 2, 600, 2, 8
 C = H * D
 
 
 def _data(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(C, C, generator=g)
-    k = (torch.randn(L, N, C, generator=g) @ mix).reshape(L, N, H, D)
-    v = (torch.randn(L, N, C, generator=g) @ mix).reshape(L, N, H, D)
+    k, v, mix = mixed_kv(L, N, H, D, seed=seed, return_mix=True)
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((2, L, H, D, D))
     met = a @ np.swapaxes(a, -1, -2)
@@ -45,8 +43,7 @@ def test_whitened_basis_inverts_and_lowers_the_weighted_distortion():
     eye = np.einsum("klci,klcj->klij", white.basis.astype(np.float64),
                     white.analysis.astype(np.float64))
     np.testing.assert_allclose(eye, np.broadcast_to(np.eye(C), eye.shape), atol=1e-4)
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(L, 200, C, generator=g) @ mix).reshape(L, 200, H, D).to(torch.bfloat16)
+    x = mixed_kv(L, 200, H, D, seed=5, mix=mix)[0].to(torch.bfloat16)
     out = {}
     for name, cal in (("plain", plain), ("white", white)):
         data = codec.encode_kv(x, x, codec="kvtc", level=1,

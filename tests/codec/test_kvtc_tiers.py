@@ -17,7 +17,7 @@ import torch
 
 import codec
 from codec import CodecError, bitstream, kvtc
-from tests.helpers.kvtc import correlated_kv
+from tests.helpers.kv import correlated_kv
 # the decoded-bit digests of the level 0/1 containers of tests/fixtures/kvtc_padded (the
 # fixture ``exact`` registers its calibration); the format-2 kvtc_kept containers decode
 # to the same bits

@@ -18,6 +18,7 @@ import codec
 from codec import bitstream, threads
 from codec.entropy import rans_cpu, rans_native
 from codec.entropy import models as prob
+from tests.helpers.kv import make_kv
 
 if rans_native.load() is None:  # pragma: no cover - a machine without a C compiler
     pytest.skip("native rANS decoder not built on this machine", allow_module_level=True)
@@ -134,12 +135,8 @@ def test_corrupt_streams_same_error_as_numba(monkeypatch):
 def _real_shaped_kv(dtype, T=48, seed=0):
     """KV of the default model's shape (30 layers, 3 KV heads, head_dim 64): per-channel
     scales and a few large outlier channels, as a real K has."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.rand(30, 1, 3, 64, generator=g) * 2 + 0.1
-    scale[:, :, :, :4] *= 20
-    k = (torch.randn(30, T, 3, 64, generator=g) * scale).to(dtype)
-    v = torch.randn(30, T, 3, 64, generator=g).to(dtype)
-    return k, v
+    return make_kv(30, T, 3, 64, dtype=dtype, seed=seed, channel_scales=(0.1, 2.0),
+                   scales_per_head=True, outlier_channels=(4, 20.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -14,6 +14,7 @@ from kv_extraction_hf.calibrate import groups as cg
 from kv_extraction_hf.inject import continuation_logits
 from kv_extraction_hf.inject_window import model_windows
 from kv_extraction_hf.extract import prefill_kv
+from tests.helpers.kv import make_kv
 
 
 class _CharTokenizer:
@@ -106,7 +107,7 @@ def test_windowed_kvtc_round_trip_with_group_configs(bundle, tmp_path):
 def test_whole_model_calibration_is_refused_by_window_storage(bundle, tmp_path):
     ws = model_windows(bundle)
     (h,) = cg.group_calibrations(bundle, [None] * 6, str(_text(tmp_path)), log=lambda m: None).values()
-    k = torch.randn(6, 20, 1, 32)
+    k, _ = make_kv(6, 20, 1, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="layer group"):
         window.encode_windowed(k, k.clone(), ws, codec="kvtc", config=kvtc.KvtcConfig(calibration=h))
 

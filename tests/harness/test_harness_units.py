@@ -87,10 +87,10 @@ def test_populate_store_identity_carries_kvtc_calibration_hash():
     from codec import kvtc
     from harness.contexts import populate_store
 
-    g = torch.Generator().manual_seed(0)
+    from tests.helpers.kv import mixed_kv
+
     L, N, H, D = 2, 256, 2, 8
-    mix = torch.randn(H * D, H * D, generator=g)
-    k, v = ((torch.randn(L, N, H * D, generator=g) @ mix).reshape(L, N, H, D) for _ in range(2))
+    k, v = mixed_kv(L, N, H, D, seed=0)
     cal = kvtc.fit_calibration(k, v, sink_tokens=0, recent_tokens=0)
     puts = []
     client = SimpleNamespace(put_entry=lambda ident, ids, chunks, ranges, meta: puts.append(ident) or "key")

@@ -1,7 +1,7 @@
 """The fixed inputs of the codec digests (tests/codec/test_codec_digests.py, and the
 version-4 digests of tests/codec/test_codec_bitstream_versions.py): a KV of small integers
-times powers of two (numpy PCG64 integers, no float generator: exact in float16 and
-bfloat16 on every CPU), kvtc calibrations from fixed numbers (no fit) and the list of
+times powers of two (``tests.helpers.kv.integer_kv``: numpy PCG64 integers, exact in
+float16 and bfloat16 on every CPU), kvtc calibrations from fixed numbers (no fit) and the list of
 (codec, level, dtype) cases. Changing any of it moves every digest at once."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 import codec
 from codec import kvtc
+from tests.helpers.kv import integer_kv
 
 L, T, H, D = 2, 192, 2, 64      # T = 192: KIVI quantizes the tokens before its last 128
 CHUNK = 64                      # three chunks: offsets, sinks and the last chunk's tail
@@ -17,18 +18,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def fixed_kv(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [L, T, H, D] of ``dtype``: integers in [-127, 127] times 2^e per channel (e in
-    -6..0, a few channels 2^2: outliers) plus a slow per-channel drift; exact in bf16."""
-    rng = np.random.default_rng(20261202)
-    q = rng.integers(-127, 128, size=(L, 2, T, H, D)).astype(np.float32)
-    e = rng.integers(-6, 1, size=(L, 2, 1, H, D)).astype(np.float32)
-    e[:, :, :, :, ::29] = 2.0
-    drift = np.cumsum(rng.integers(-1, 2, size=(L, 2, T, H, D)), axis=2).astype(np.float32)
-    x = np.clip(q + 4 * drift, -255, 255) * np.exp2(e - 7)     # |x| <= 255 * 2^-5 ... 2^-5
-    x = np.round(x * 2**12) / 2**12                             # keep 8 significant bits
-    t = torch.from_numpy(np.ascontiguousarray(x))
-    assert torch.equal(t.to(dtype).to(torch.float32), t), "fixed KV is not exact"
-    return t[:, 0].to(dtype).contiguous(), t[:, 1].to(dtype).contiguous()
+    """k, v [L, T, H, D] of ``dtype``: ``tests.helpers.kv.integer_kv`` with its default seed
+    (integers times powers of two per channel, a few outlier channels; exact in bf16)."""
+    return integer_kv(L, T, H, D, dtype)
 
 
 def fixed_calibration(group_layers: int = 0, rounding: float = 0.5) -> "kvtc.KvtcCalibration":

@@ -1,20 +1,11 @@
-"""Pieces the kvtc tests share: correlated random KV to fit calibrations on, the relative
-error, a round trip at every level of a calibration and the fuzz loop's counter."""
+"""Pieces the kvtc tests share (their KV comes from ``tests.helpers.kv.correlated_kv``): the
+relative error, a round trip at every level of a calibration and the fuzz loop's counter."""
 from __future__ import annotations
 
 import torch
 
 import codec
 from codec.errors import CodecError
-
-
-def correlated_kv(L, T, H, D, seed, decay=-2.0):
-    """Random KV whose H*D channels are correlated (a fixed mixing per layer): float32."""
-    g = torch.Generator().manual_seed(1000)
-    mix = torch.randn(L, H * D, H * D, generator=g)
-    g2 = torch.Generator().manual_seed(seed)
-    z = torch.randn(L, T, H * D, generator=g2) * torch.logspace(0, decay, H * D)
-    return (torch.bmm(z, mix) + 0.5).reshape(L, T, H, D)
 
 
 def relerr(a, b):

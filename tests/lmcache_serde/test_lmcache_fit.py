@@ -25,6 +25,7 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 from third_party.lmcache import serde as S  # noqa: E402
 from third_party.lmcache.frame import is_raw, parse_frame  # noqa: E402
 from third_party.lmcache.layout import kv_views  # noqa: E402
+from tests.helpers.kv import lmcache_planes, make_kv  # noqa: E402
 
 KEY = ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(42), model_name="fit", kv_rank=0)
 
@@ -106,7 +107,7 @@ def test_always_fit_stores_every_object(shapes, ratio, caplog):
 
 def test_non_finite_kv_is_refused_with_its_reason():
     ser, _ = S.make_pair("cachegen", {})
-    x = torch.randn(2, 2, 32, 64).bfloat16()
+    x = lmcache_planes(*make_kv(2, 32, 1, 64))
     x[1, 0, 3, 5] = float("nan")
     slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
     with pytest.raises(ValueError, match="NaN or inf") as e:
@@ -119,7 +120,7 @@ def test_without_always_fit_refuses_what_fits_no_step(caplog):
     """always_fit off (kvtc's default): an object no step fits is refused, counted, and
     logged in one line naming its layout."""
     ser, _ = S.make_pair("cachegen", {"slot_ratio": 1e6, "always_fit": False})
-    x = torch.randn(2, 2, 64, 64).bfloat16()
+    x = lmcache_planes(*make_kv(2, 64, 1, 64))
     slot = ser.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
     with caplog.at_level(logging.WARNING, logger="third_party.lmcache.serde"):
         with pytest.raises(ValueError, match="does not fit the slot"):

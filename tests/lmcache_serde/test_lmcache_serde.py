@@ -39,6 +39,7 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 from third_party import lmcache as plugin  # noqa: E402
 from third_party.lmcache import serde as S  # noqa: E402
 from third_party.lmcache.frame import FRAME_MAGIC, parse_frame  # noqa: E402
+from tests.helpers.kv import lmcache_planes, make_kv  # noqa: E402
 
 L, T, H, D = 2, 64, 2, 16
 LOOSE = 16.0        # bits/element slot for synthetic KV (the default table is for real KV)
@@ -242,7 +243,7 @@ def test_kvtc_round_trip_is_our_codec(cal_hash):
         k2, v2 = codec.decode_kv(codec.encode_kv(k, v, codec="kvtc", config=cfg))
         assert torch.equal(out.tensor, _planes(k2, v2))
         # a layout the calibration does not describe: stored verbatim (its exact size)
-        y = torch.randn(2, L + 1, T, H * D).bfloat16()
+        y = lmcache_planes(*make_kv(L + 1, T, H, D))
         slot = proc.estimate_serialized_size(MemoryLayoutDesc([y.shape], [y.dtype]))
         assert y.numel() * 2 < slot < y.numel() * 2 + 1024
         tmp, out = _buf(slot), _obj(torch.zeros_like(y))
@@ -490,7 +491,7 @@ def test_processor_contract_as_lmcache_tests_it():
 
 def test_duck_typed_round_trip_and_estimates():
     shape = torch.Size([2, 4, 64, 128])
-    x = torch.randn(shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    x = lmcache_planes(*make_kv(4, 64, 2, 64))
     ser, de = S.make_pair("cachegen", {"level": 5, "bits_per_element": LOOSE})
     one = ser.estimate_serialized_size(MemoryLayoutDesc([shape], [torch.bfloat16]))
     two = ser.estimate_serialized_size(MemoryLayoutDesc([shape, torch.Size([2, 4, 16, 128])],
@@ -627,8 +628,7 @@ def test_bad_position_options_are_refused(kwargs, match):
 def test_starts_context_rule_and_its_edges():
     from third_party.lmcache.position import MIN_TOKENS, starts_context
 
-    g = torch.Generator().manual_seed(0)
-    v = torch.randn(3, 64, 2, 16, generator=g) + 0.5
+    v = make_kv(3, 64, 2, 16, dtype=torch.float32, k_shift=0.5)[0]      # one V-like tensor
     assert starts_context(v) is False
     v0 = v.clone()
     v0[:, 0] *= 0.3
