@@ -214,9 +214,9 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
     ``layout``: ``store_layout``'s (windows, extra_tokens); with windows the chunks are
     ``codec.window.encode_windowed_chunks`` containers and the entry identity's
     ``kv_layout`` names the layout (a reader of the full layout never gets them; a load
-    shorter than ``codec.window_rules.min_load_tokens`` is a miss).
+    shorter than ``codec.window.layout.min_load_tokens`` is a miss).
     """
-    from codec import window, window_rules
+    from codec import window
 
     configs = configs or {}
     ws, extra = layout
@@ -249,7 +249,7 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
                                calibration_hash=_calibration_tag(configs.get(name)) if ws is not None
                                else calibration_of(chunks))
         if ws is not None:
-            ident = ident.replace(kv_layout=window_rules.layout_tag(ws, extra))
+            ident = ident.replace(kv_layout=window.layout.layout_tag(ws, extra))
         ctx.identities[name] = ident.to_dict()
         ctx.keys[name] = client.put_entry(ident, ctx.prompt.context_ids[:ctx.load_tokens], chunks,
                                           chunk_ranges(ctx.load_tokens, cfg.chunk_tokens),

@@ -63,7 +63,7 @@ class EntryIdentity:
     several joined by "+" when each layer group has its own (sliding-window storage:
     ``calibration_hashes``).
     kv_layout: "" = the full layout (every layer every token); else the sliding-window
-    layout's tag (``codec.window_rules.layout_tag``: which tokens each layer keeps). Left out
+    layout's tag (``codec.window.layout.layout_tag``: which tokens each layer keeps). Left out
     of the JSON form when "" (so full-layout identities and their keys are unchanged).
     kv_config: canonical JSON of the model config's K/V-shaping fields
     (cachegen_common.kv_config.kv_config: RoPE theta and scaling, windows, attention

@@ -1,4 +1,4 @@
-"""Sliding-window storage (codec/window.py): random KV round trips of every codec with
+"""Sliding-window storage (codec/window/): random KV round trips of every codec with
 per-layer windows, whole and chunked; the stored fraction at Gemma 3's 8K layout; a
 header that does not parse or does not agree is a CodecError; kvtc's per-group rule.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream, window, window_rules
+from codec import bitstream, window
 from codec.errors import CodecError
 from tests.helpers.kv import make_kv
 
@@ -97,8 +97,8 @@ def test_gemma3_layout_fraction_at_8k():
     (<= 0.22); measured from the encode (H, D shrunk: the fraction does not
     depend on them)."""
     ws = ([512] * 5 + [None]) * 3
-    assert window_rules.stored_fraction(ws, 8192) == (3 + 15 * 512 / 8192) / 18 == 0.21875
-    assert window_rules.stored_fraction(ws, 2048) == 0.375
+    assert window.layout.stored_fraction(ws, 8192) == (3 + 15 * 512 / 8192) / 18 == 0.21875
+    assert window.layout.stored_fraction(ws, 2048) == 0.375
     k, v = make_kv(18, 8192, 1, 2, v_scale=0.5)
     _, stats = window.encode_windowed_with_stats(k, v, ws, codec="raw")
     assert stats["stored_elements"] / stats["elements"] == 0.21875

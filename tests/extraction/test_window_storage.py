@@ -1,4 +1,4 @@
-"""Sliding-window storage end to end (codec/window.py -> kv_extraction_hf/inject.py): a
+"""Sliding-window storage end to end (codec/window/ -> kv_extraction_hf/inject.py): a
 windowed KV injected into the model's own cache gives the full layout's logits bit for
 bit; one token fewer per sliding layer does not.
 

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import codec
-from codec import window as cwindow, window_rules
+from codec import window as cwindow
 from cachegen_common.cli import exit_status
 from kv_extraction_hf.errors import ExtractionError
 from kv_extraction_hf.extract import prefill_kv
@@ -64,7 +64,7 @@ def check(model_dir: str, out_path: str, context_tokens: int, max_tokens: int,
     wchunks = cwindow.encode_windowed_chunks(k, v, ws, codec="raw", chunk_tokens=chunk_tokens,
                                              extra_tokens=128)
     save_local_context(work / "kv", "ctx_win", ctx, wchunks, sizes, info={"codec": "raw"},
-                       identity=ident.replace(kv_layout=window_rules.layout_tag(ws, 128)))
+                       identity=ident.replace(kv_layout=cwindow.layout.layout_tag(ws, 128)))
     report["windowed_bytes"] = sum(map(len, wchunks))
     report["full_bytes"] = sum(map(len, chunks))
     stats = work / "stats.jsonl"

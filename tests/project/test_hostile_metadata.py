@@ -227,7 +227,7 @@ def test_container_header_over_its_size_bound_is_refused_before_reading():
                                   '{"windows": 1, "extra_tokens": 0}', '{"windows": [], "extra_tokens": "0"}',
                                   "[]", '{"windows": [' + "16," * 40_000 + '16], "extra_tokens": 0}'])
 def test_window_layout_tag_refuses_hostile_json(body):
-    from codec.window_rules import WINDOW_VERSION, parse_layout_tag
+    from codec.window.layout import WINDOW_VERSION, parse_layout_tag
 
     with pytest.raises(ValueError, match="window layout tag"):
         parse_layout_tag(f"window/{WINDOW_VERSION}:{body}")

@@ -1,4 +1,4 @@
-"""Sliding-window store entries: the layout rules (codec.window_rules), the
+"""Sliding-window store entries: the layout rules (codec.window.layout), the
 extra tokens a store entry keeps, chunk-by-chunk dense decode, the identity's kv_layout
 and the load rule a source applies (a load too short for what the entry kept is a miss,
 never KV with a hole in a sliding layer's window)."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import codec
-from codec import window, window_rules
+from codec import window
 from codec.errors import CodecError
 from streaming.identity import check_entry
 from streaming.identity import EntryIdentity, codec_identity
@@ -21,7 +21,7 @@ WS = [16, None, 16, 40]           # layers 0, 2: window 16; 3: window 40; 1: ful
 
 @pytest.mark.parametrize("T,extra", [(300, 0), (300, 128), (100, 128), (40, 0), (17, 0), (1000, 64)])
 def test_min_load_tokens_is_the_shortest_prefix_whose_windows_are_kept(T, extra):
-    n = window_rules.min_load_tokens(WS, T, extra)
+    n = window.layout.min_load_tokens(WS, T, extra)
     for w in (16, 40):
         start = T - window.kept_tokens(T, w, extra)
         if start > 0:
@@ -35,13 +35,13 @@ def test_min_load_tokens_is_the_shortest_prefix_whose_windows_are_kept(T, extra)
 
 
 def test_layout_tag_round_trip_and_distinct():
-    tag = window_rules.layout_tag(WS, 128)
-    assert window_rules.parse_layout_tag(tag) == (WS, 128)
-    assert tag != window_rules.layout_tag(WS, 0) and tag != window_rules.layout_tag([16, None, 16, 41], 128)
+    tag = window.layout.layout_tag(WS, 128)
+    assert window.layout.parse_layout_tag(tag) == (WS, 128)
+    assert tag != window.layout.layout_tag(WS, 0) and tag != window.layout.layout_tag([16, None, 16, 41], 128)
     for bad in ("", "window/1:{", "window/9:{}", 'window/1:{"windows":[0],"extra_tokens":0}',
                 'window/1:{"windows":[4],"extra_tokens":-1}', 'window/1:{"windows":[4]}'):
         with pytest.raises(ValueError):
-            window_rules.parse_layout_tag(bad)
+            window.layout.parse_layout_tag(bad)
 
 
 @pytest.mark.parametrize("extra,ct", [(0, 128), (128, 128), (64, 96), (128, 1024)])
@@ -86,7 +86,7 @@ def _ident(layout=""):
 
 
 def test_identity_kv_layout_keys_and_checks():
-    full, win = _ident(), _ident(window_rules.layout_tag(WS, 128))
+    full, win = _ident(), _ident(window.layout.layout_tag(WS, 128))
     assert "kv_layout" not in full.to_dict()              # full-layout identities unchanged
     assert EntryIdentity.from_dict(win.to_dict()) == win
     assert full.codec_tag() != win.codec_tag()             # another store key
@@ -95,7 +95,7 @@ def test_identity_kv_layout_keys_and_checks():
     assert check_entry(win, win.to_dict()) is None
     assert "kv_layout mismatch" in check_entry(win, full.to_dict()) or \
         "no kv_layout" in check_entry(win, full.to_dict())
-    other = _ident(window_rules.layout_tag(WS, 0))
+    other = _ident(window.layout.layout_tag(WS, 0))
     assert check_entry(other, win.to_dict()) is not None
     # a model-only reader (what an engine knows by itself) may get it: the load rule guards
     assert check_entry(full.model_part(), win.to_dict()) is None
@@ -105,7 +105,7 @@ def test_identity_kv_layout_keys_and_checks():
 
 
 def test_window_checked_refuses_short_loads():
-    ident = _ident(window_rules.layout_tag(WS, 128)).to_dict()
+    ident = _ident(window.layout.layout_tag(WS, 128)).to_dict()
     floor = window_floor(ident, 300)
     assert floor == 300 - 128
     assert window_checked(ident, 300, 300, {}) == (300, {"min_load_tokens": floor})
@@ -121,7 +121,7 @@ def test_local_source_serves_a_windowed_entry_whole_and_misses_a_short_prefix(tm
     T = k.shape[1]
     chunks = window.encode_windowed_chunks(k, v, WS, codec="raw", chunk_tokens=128, extra_tokens=128)
     ids = list(range(1000, 1000 + T))
-    ident = _ident(window_rules.layout_tag(WS, 128))
+    ident = _ident(window.layout.layout_tag(WS, 128))
     save_local_context(tmp_path, "A", ids, chunks, [b - a for a, b in codec.chunk_bounds(T, 128)],
                        identity=ident)
     src = LocalDirSource(tmp_path, identity=ident.model_part())

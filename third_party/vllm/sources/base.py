@@ -103,15 +103,15 @@ def default_decode_fn() -> DecodeFn:
 def window_floor(identity: dict[str, Any] | None, n_stored: int) -> int:
     """The shortest prefix of an entry of ``n_stored`` tokens that may be loaded: 0 for
     the full layout; for a sliding-window entry (identity ``kv_layout``,
-    codec.window_rules.layout_tag) codec.window_rules.min_load_tokens - a shorter load would leave a
+    codec.window.layout.layout_tag) codec.window.layout.min_load_tokens - a shorter load would leave a
     sliding layer's window partly in what the entry dropped. ValueError on a bad tag."""
     tag = (identity or {}).get("kv_layout") if isinstance(identity, dict) else None
     if not tag:
         return 0
-    from codec import window_rules
+    from codec.window.layout import min_load_tokens, parse_layout_tag
 
-    ws, extra = window_rules.parse_layout_tag(tag)
-    return window_rules.min_load_tokens(ws, int(n_stored), extra)
+    ws, extra = parse_layout_tag(tag)
+    return min_load_tokens(ws, int(n_stored), extra)
 
 
 def window_checked(identity: dict[str, Any] | None, n_match: int, n_stored: int,

@@ -1,8 +1,9 @@
-"""Sliding-window storage's layout rules, apart from the container (``codec.window``):
+"""Sliding-window storage's layout rules, apart from the container (``codec.window.container``):
 which tokens a layer of window W keeps (``kept_tokens``), the shortest prefix a consumer
 may load from a windowed entry (``min_load_tokens``), the layer groups and the layout's
 canonical name (``layout_tag``, the store's entry identity ``kv_layout``). Plain ints
-only: the codec knows no model. Imported by ``codec.window``, which re-exports them.
+only: the codec knows no model. Used by ``codec.window.container``; ``codec.window``
+forwards the names it offered before the split.
 """
 from __future__ import annotations
 

@@ -52,13 +52,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import bitstream
-from .api import (DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, check_kv, check_level, as_device, encode_one,
+from .. import bitstream
+from ..api import (DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, check_kv, check_level, as_device, encode_one,
                   backend_for, unpack_kind, chunk_bounds, decode_kv, peek_header)
-from .base import DTYPE_BYTES, DTYPE_NAMES, DTYPES
-from .config import CodecConfig, QuantizationSpec
-from .errors import CodecError
-from .registry import CODECS, get_codec
+from ..base import DTYPE_BYTES, DTYPE_NAMES, DTYPES
+from ..config import CodecConfig, QuantizationSpec
+from ..errors import CodecError
+from ..registry import CODECS, get_codec
 
 __all__ = ["WINDOW_KIND", "WINDOW_VERSION", "WindowGroup", "WindowedKV", "layer_groups", "kept_tokens",
            "encode_windowed", "encode_windowed_with_stats", "encode_windowed_chunks", "decode_windowed",
@@ -69,8 +69,8 @@ WINDOW_KIND = "kvwindow"      # header["kind"] of a windowed container
 
 
 # The layout rules (which tokens each layer keeps, the layout tag, the shortest servable
-# prefix) are codec.window_rules'; this module uses them to build and read containers.
-from .window_rules import WINDOW_VERSION, window_list, kept_tokens, layer_groups  # noqa: E402
+# prefix) are codec.window.layout's; this module uses them to build and read containers.
+from .layout import WINDOW_VERSION, window_list, kept_tokens, layer_groups  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ def encode_windowed(k: torch.Tensor, v: torch.Tensor, windows: Sequence[Optional
         window W (tokens, int >= 1): that layer keeps its last ``min(T, W)`` tokens.
       codec, level, backend: as ``codec.encode_kv`` (any registered codec).
       extra_tokens: a sliding layer keeps ``min(T, W + extra_tokens)`` tokens, so that a
-        prefix down to ``T - extra_tokens`` tokens stays servable (:func:`codec.window_rules.min_load_tokens`;
+        prefix down to ``T - extra_tokens`` tokens stays servable (:func:`codec.window.layout.min_load_tokens`;
         the store keeps one KV block: a consumer's loads are block-aligned).
       config: as ``codec.encode_kv`` for the whole model (a cachegen ``CodecConfig`` of L
         layers is restricted to each group's layers), or a dict ``{layers tuple: config}``
@@ -516,7 +516,7 @@ def encode_with_stats(k: torch.Tensor, v: torch.Tensor, windows: Optional[Sequen
     None or all None) ``codec.encode_with_stats`` itself (the ordinary container, the
     same bytes). Arguments and errors as :func:`encode_windowed`."""
     if windows is None or all(w is None for w in windows):
-        from .api import encode_with_stats as plain
+        from ..api import encode_with_stats as plain
 
         return plain(k, v, codec, level, config, backend=backend)
     return encode_windowed_with_stats(k, v, windows, codec, level, config, backend)
