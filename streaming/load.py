@@ -30,7 +30,7 @@ clean cut; the rate is the wire clock's (kernel receive timestamps, first to las
 observe_abandon gets the bytes received by the cut.
 
 Not runnable by itself; see `python -m bench.streaming`. The result types are in
-streaming.load_result, the wire clock and timed chunk get in streaming.wire.
+streaming.load_result, the wire clock and timed chunk get in streaming.wire_clock.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 from streaming.adapt.policy import FixedPolicy, Policy
 from streaming.calibrations import ensure_calibrations
 from streaming.load_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn
-from streaming.wire import timed_get_chunk
+from streaming.wire_clock import timed_get_chunk
 from streaming.errors import StreamingError
 from streaming.shutdown import put_until_stopped
 

@@ -1,7 +1,7 @@
 """What stream_load returns: the per-chunk record (ChunkStat) and the load's outcome
 (LoadResult), plus the decode function type and its default (codec.decode_kv on CPU).
 
-Pure data, apart from the receiving machinery (streaming.wire) and the fetch
+Pure data, apart from the receiving machinery (streaming.wire_clock) and the fetch
 helpers (streaming.load), so a caller reading results needs only this module.
 Not runnable.
 """

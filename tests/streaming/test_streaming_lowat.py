@@ -1,4 +1,4 @@
-"""The receiver's low-water mark (streaming.wire._WireClock): reads of a frame
+"""The receiver's low-water mark (streaming.wire_clock._WireClock): reads of a frame
 wake once per ~128 KiB, never wait for bytes that are not coming, and leave the socket's
 mark at 1 byte afterwards."""
 import socket
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from streaming.wire import _WireClock
+from streaming.wire_clock import _WireClock
 from streaming.store.protocol import recv_exact
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_RCVLOWAT: Linux")
