@@ -25,7 +25,7 @@ from tqdm import tqdm
 import codec as codec_pkg
 from codec.schedules import HARNESS_LEVELS
 from evaluation.summary import higher_is_better
-from harness import faults, lifecycle
+from harness import fault_injection, lifecycle
 from harness.adaptation import adaptation_experiment, slo_violated
 from harness.config import ROOT, RunConfig
 from harness.contexts import (BenchmarkError, build_contexts, failure_record, log,
@@ -167,7 +167,7 @@ def run(cfg: RunConfig, argv: list[str], verbose: bool = False) -> dict[str, Any
             if cfg.engine == "vllm":
                 check_vllm()
             with ExitStack() as stack:
-                stack.enter_context(faults.install(log=log))   # off unless $CACHEGEN_FAULT
+                stack.enter_context(fault_injection.install(log=log))   # off unless $CACHEGEN_FAULT
                 _run_stages(cfg, argv, out_path, stack, registry, state, verbose)
         except (KeyboardInterrupt, SystemExit) as exc:
             writer = state.get("writer")
