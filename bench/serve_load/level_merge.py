@@ -8,7 +8,7 @@ the connector at that level), and :func:`merge_levels` copies those entries' chu
 unchanged into one entry whose identity lists every level (the identity the connector
 would write for a multi-level save: same model, dtype, shape, partition, codec and
 version), indexes it for prefix matching in the same namespace as the connector
-(``third_party.vllm.prefix.index_entry``) and deletes the single-level entries (the prefix
+(``third_party.vllm.prefix_chain.index_entry``) and deletes the single-level entries (the prefix
 index drops their records at the first lookup that meets them).
 
 Paper: CacheGen (Liu et al., SIGCOMM 2024) section 5.2: each chunk is encoded at several
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from streaming.identity import EntryIdentity
-from third_party.vllm.prefix import index_entry
+from third_party.vllm.prefix_chain import index_entry
 from third_party.vllm.sources.base import prefix_namespace
 
 

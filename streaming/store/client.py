@@ -186,7 +186,7 @@ class StoreClient:
     def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
         """Write one chunk (low level: put_context commits contexts). gen None: a raw slot
         without a manifest, used for small index records keyed by their own 64-hex key
-        (third_party.vllm.prefix's chunk hash chain). Raises StoreError if refused."""
+        (third_party.vllm.prefix_chain's chunk hash chain). Raises StoreError if refused."""
         self._check_size(len(data))
         meta = {"key": key, "level": int(level), "index": int(index)}
         if gen is not None:

@@ -155,7 +155,7 @@ def _single_level_entry(client, tokens, level, fill):
 def test_merge_levels_into_one_entry(tmp_path):
     from streaming.identity import EntryIdentity
     from streaming.store import LocalStoreClient
-    from third_party.vllm.prefix import find_loadable
+    from third_party.vllm.prefix_chain import find_loadable
     from third_party.vllm.sources.base import prefix_namespace
 
     client = LocalStoreClient(tmp_path / "store")

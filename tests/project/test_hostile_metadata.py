@@ -398,7 +398,7 @@ def test_local_source_reads_a_hostile_manifest_as_a_miss(tmp_path, name):
                                  '{"format": "cgh-prefix-index-v1", "entries": [' + '{"key": "k", "tokens": 1},'
                                  * 5000 + "1]}"])
 def test_prefix_index_reads_a_hostile_record_as_no_record(doc):
-    from third_party.vllm.prefix import _read_record
+    from third_party.vllm.prefix_chain import _read_record
 
     class Client:
         def get_chunk(self, key, level, index):

@@ -340,7 +340,7 @@ def test_failure6_prefix_falls_back_to_an_entry_that_loads(server):
     """Two entries share their first 512 tokens; the longer is deleted (its
     index records remain): the lookup falls back to the shorter chain levels and loads
     512 tokens of the other entry; the stale records are dropped."""
-    from third_party.vllm.prefix import _read_record, chain_keys, index_entry
+    from third_party.vllm.prefix_chain import _read_record, chain_keys, index_entry
 
     shared = ids_of(61, 512)
     long_ids = shared + ids_of(62, 512)
@@ -372,7 +372,7 @@ def test_failure6_prefix_falls_back_to_an_entry_that_loads(server):
 def test_failure6_variant_evicted_entry_is_dropped_from_the_index(server):
     """Variant: the longer entry lost a chunk (eviction) instead of being deleted: the
     lookup drops it (store side) and falls back the same way."""
-    from third_party.vllm.prefix import index_entry
+    from third_party.vllm.prefix_chain import index_entry
 
     shared = ids_of(64, 768)
     long_ids, short_ids = shared + ids_of(65, 256), shared[:512] + ids_of(66, 300)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from streaming.identity import EntryIdentity
-from third_party.vllm.prefix import CHAIN_TOKENS, chain_keys, common_prefix, find_longest, index_entry
+from third_party.vllm.prefix_chain import CHAIN_TOKENS, chain_keys, common_prefix, find_longest, index_entry
 
 store_mod = pytest.importorskip("streaming.store")
 

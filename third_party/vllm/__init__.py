@@ -4,7 +4,7 @@ scheduler side, scheduler.py, or a worker side, worker.py; what the scheduler se
 worker each step, metadata.py; where a load's decode runs, decode_cpus.py), its KV sources
 (sources/), the trust boundary between the
 operator's configuration and a client's kv_transfer_params (trust.py), prefix matching by
-a chunk hash chain (prefix.py), the codec JIT warm-up (warmup.py) and the engine launcher
+a chunk hash chain (prefix_chain.py), the codec JIT warm-up (warmup.py) and the engine launcher
 (engine.py: make_llm, run_one, shutdown_llm).
 
 This package is `third_party.vllm`; inside it `import vllm` still resolves to the installed

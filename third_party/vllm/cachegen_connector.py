@@ -29,7 +29,7 @@ the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow
         "stats_tag": "..."}})          # copied into the stats record
 Anything else is rejected (log ERROR + stats record "rejected"; the request is a plain
 prefill). Without a context key, and with the operator's "prefix_match", the prompt's
-longest stored prefix is found by a chunk hash chain (third_party/vllm/prefix.py).
+longest stored prefix is found by a chunk hash chain (third_party/vllm/prefix_chain.py).
 A request without kv_transfer_params (mode "text") loads nothing unless prefix_match="all".
 
 Design (facts of this vLLM build, see docs/vllm-connector.md):

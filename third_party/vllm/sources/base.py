@@ -192,7 +192,7 @@ def request_partition(request: Any) -> dict[str, str]:
 
 
 def prefix_namespace(weights_hash: str, partition: str = "") -> str:
-    """The prefix index's namespace (third_party.vllm.prefix.chain_keys) of a model and a
+    """The prefix index's namespace (third_party.vllm.prefix_chain.chain_keys) of a model and a
     cache partition: the weights hash alone for the shared partition (existing indexes
     stay valid), else weights hash + "#" + partition: chains of two partitions never meet."""
     return f"{weights_hash}#{partition}" if partition and weights_hash else weights_hash
@@ -274,7 +274,7 @@ def matched_tokens(params: dict[str, Any], prompt: list[int], stored: list[int] 
     prompt starts with all of it (or the prompt's length if shorter); with
     params["prefix_match"] also the longest common prefix when they part (the KV of token t
     depends only on tokens <= t); else 0 (a different prompt is a miss, never a wrong load)."""
-    from third_party.vllm.prefix import common_prefix
+    from third_party.vllm.prefix_chain import common_prefix
 
     n = min(n_stored, len(prompt))
     if _prefix_match(prompt, stored, n):

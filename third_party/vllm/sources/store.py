@@ -208,9 +208,9 @@ class StoreSource:
 
     def _prefix_lookup(self, client, params, prompt: list[int], expect: dict):
         """(key, manifest, miss reason, info) of the longest indexed prefix of the prompt
-        whose entry really loads (third_party.vllm.prefix.find_loadable: falls back to
+        whose entry really loads (third_party.vllm.prefix_chain.find_loadable: falls back to
         shorter chain levels, drops index records of deleted / evicted entries)."""
-        from third_party.vllm.prefix import find_loadable
+        from third_party.vllm.prefix_chain import find_loadable
 
         ns = prefix_namespace((self.identity.weights_hash if self.identity else "")
                               or params.get("weights_hash") or "", str(params.get("cache_partition") or ""))
@@ -272,8 +272,8 @@ class StoreSource:
                 {ident.levels[0]: chunks}, ranges)
         put_s = time.perf_counter() - t0
         indexed = 0
-        if ident.weights_hash:  # findable by prefix (third_party.vllm.prefix)
-            from third_party.vllm.prefix import index_entry
+        if ident.weights_hash:  # findable by prefix (third_party.vllm.prefix_chain)
+            from third_party.vllm.prefix_chain import index_entry
 
             indexed = index_entry(client, prefix_namespace(ident.weights_hash, ident.partition),
                                   token_ids, key, params.get("codec", "raw"))
