@@ -248,7 +248,8 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
     differs: entry has ..., reader expects ..."). The partition is compared always ("" is
     the shared partition, not unknown): an entry of another partition is a miss. Expected
     level_configs must appear with the same config hash in the entry; `levels`, when
-    given, are levels the reader will fetch and must be in the entry's level_configs.
+    given, are stored levels the reader will fetch (None: the no-level slot of a codec
+    without levels) and must be in the entry's level_configs.
     Raises nothing: a malformed `found` is a mismatch.
     """
     if expected is None:
@@ -282,14 +283,18 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
     have_lc = dict(got.level_configs)
     for lv, h in exp.level_configs:
         if lv not in have_lc:
-            return f"level {lv} not in the entry (it has levels {sorted(have_lc)})"
+            return f"level {level_key(lv)} not in the entry (it has levels {sorted(have_lc, key=level_order)})"
         if have_lc[lv] != h:
-            return (f"level {lv} config mismatch: entry encoded with config {have_lc[lv][:16]}, "
+            return (f"level {level_key(lv)} config mismatch: entry encoded with config {have_lc[lv][:16]}, "
                     f"reader expects {h[:16]} (codec schedule changed?)")
     if levels is not None and exp.codec:
         for lv in levels:
-            if lv is not None and int(lv) not in have_lc:  # None: text (a load policy's choice)
-                return f"level {lv} not in the entry (it has levels {sorted(have_lc)})"
+            try:
+                lv = parse_level(lv)
+            except ValueError as e:
+                return f"reader level unusable: {e}"
+            if lv not in have_lc:
+                return f"level {level_key(lv)} not in the entry (it has levels {sorted(have_lc, key=level_order)})"
     return None
 
 

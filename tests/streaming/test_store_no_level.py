@@ -18,6 +18,7 @@ from streaming.errors import StoreError
 from streaming.identity import (
     NO_LEVEL_KEY,
     EntryIdentity,
+    check_entry,
     codec_identity,
     level_key,
     parse_level_key,
@@ -69,6 +70,11 @@ def test_no_level_and_level_zero_are_distinct_slots():
     assert EntryIdentity.from_dict(raw.to_dict()) == raw
     with pytest.raises(ValueError, match="mixes"):
         EntryIdentity(codec="x", level_configs={None: "a", 0: "b"})
+    # an identity written the old way (raw under "0") is not the no-level slot
+    old = dict(raw.to_dict(), level_configs={"0": raw.to_dict()["level_configs"]["none"]})
+    assert "level none not in the entry" in check_entry(raw, old)
+    assert check_entry(raw, raw.to_dict(), levels=[None]) is None
+    assert "level 0 not in the entry" in check_entry(raw, raw.to_dict(), levels=[0])
 
 
 # --------------------------------------------------------------------------- manifests
