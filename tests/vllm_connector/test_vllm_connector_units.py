@@ -234,13 +234,14 @@ def test_slot_mapping_and_layer_index():
 
 def test_default_stored_level_is_the_codecs_default():
     """One meaning of "default level": the connector fetches the codec's own
-    default level when the entry stores it, else the highest stored level."""
+    default level when the entry stores it, else the highest stored level; an entry of a
+    codec without levels: its no-level slot (None, never level 0)."""
     import codec
     from third_party.vllm.sources import default_stored_level
 
     d = codec.default_level("cachegen")
     assert default_stored_level("cachegen", [0, d, 5]) == d
     assert default_stored_level("cachegen", [0, 5]) == 5
-    assert default_stored_level("quant8", [0]) == 0
+    assert default_stored_level("quant8", [None]) is None
     assert default_stored_level(None, [2, 3]) == 3
-    assert default_stored_level("no-such-codec", []) == 0
+    assert default_stored_level("no-such-codec", []) is None
