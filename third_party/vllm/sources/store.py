@@ -250,6 +250,9 @@ class StoreSource:
             level = default_stored_level(lookup.info.get("codec"), lookup.info.get("levels"))
             # an entry of a codec without levels: its slot, as streaming.load's policies name it
             return FixedPolicy(NO_LEVEL_KEY if level is None else level)
+        if list(lookup.info.get("levels") or []) == [None]:
+            raise SourceError(f"level {level} requested, but the entry's codec has no levels "
+                              "(leave 'level' out)")
         return FixedPolicy(int(level))
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
