@@ -35,7 +35,7 @@ from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment
 from streaming.load import stream_load
 from streaming.errors import StoreError, StreamingError
-from streaming.identity import LEVELLESS_SLOT, EntryIdentity
+from streaming.identity import NO_LEVEL_KEY, EntryIdentity
 from streaming.store.redis_client import RedisStoreClient
 from streaming.store.redis_cluster_server import RedisClusterServer
 from streaming.store.format import build_manifest
@@ -44,7 +44,7 @@ from streaming.store.kv import run_steps, save_steps
 L, H, D = 2, 1, 2
 TOKENS, CHUNK_TOKENS = 384, 64
 IDENTITY = EntryIdentity(model_id="m", weights_hash="w", dtype="float32", num_layers=L,
-                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={LEVELLESS_SLOT: "raw-test"})
+                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={None: "raw-test"})
 SOCKET_TIMEOUT_S = 2.0   # per socket operation of the store client
 FAILOVER_WAIT_S = 4.0    # how long an operation retries while its slot has no master
 FAULTS = ("kill-master", "migrate-slots", "pause-master")
@@ -67,7 +67,7 @@ def ids_of(case: int) -> list[int]:
 def entry(case: int, version: int):
     """(key, manifest, chunks) of context `case` holding version `version` of its KV."""
     k, v = token_kv(TOKENS, version)
-    chunks = {LEVELLESS_SLOT: codec.encode_chunks(k, v, codec="raw", chunk_tokens=CHUNK_TOKENS)}
+    chunks = {None: codec.encode_chunks(k, v, codec="raw", chunk_tokens=CHUNK_TOKENS)}
     key, man = build_manifest("m", "w", "raw", ids_of(case), chunks, codec.chunk_bounds(TOKENS, CHUNK_TOKENS),
                               meta={"version": version}, identity=IDENTITY)
     return key, man, chunks
@@ -83,7 +83,7 @@ def save(client, case: int, version: int) -> str:
 def check_load(client, key: str) -> tuple[str, object]:
     """Load `key` and check every decoded chunk. Returns ("load" | "partial", version),
     ("miss", reason) or ("wrong", detail) - a chunk of other tokens or another save."""
-    res = stream_load(client, key, 0, lambda b: codec.decode_kv(b, device="cpu"), model_id="m",
+    res = stream_load(client, key, NO_LEVEL_KEY, lambda b: codec.decode_kv(b, device="cpu"), model_id="m",
                       weights_hash="w", codec_tag="raw")
     if not res.hit:
         return "miss", res.reason or "(no reason given)"

@@ -222,7 +222,7 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
     ws, extra = layout
     jobs = [(c, name) for c in contexts for name in codec_levels]
     for ctx, name in tqdm(jobs, desc="encode + store", unit="entry", file=sys.stderr):
-        chunks: dict[int, list[bytes]] = {}
+        chunks: dict[int | None, list[bytes]] = {}
         try:
             for lv in codec_levels[name]:
                 if ws is not None:
@@ -272,7 +272,7 @@ def failure_record(stage: str, mode: str, level: int | None, reason: str,
             "reason": reason, **extra}
 
 
-def calibration_of(chunks: dict[int, list[bytes]]) -> str:
+def calibration_of(chunks: dict[int | None, list[bytes]]) -> str:
     """The calibration hash the encoded chunks name in their headers (kvtc's
     ``config.calibration``), "" when the codec uses none. Raises BenchmarkError when the
     levels of one entry name different calibrations."""

@@ -46,6 +46,40 @@ _OMIT_EMPTY = ("kv_layout", "kv_config", "config_hash", "partition")
 _INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
 # fields that do not enter codec_tag(): model_id and weights_hash enter the key directly
 _KEYED_APART = ("model_id", "weights_hash")
+NO_LEVEL_KEY = "none"  # the JSON / store-key form of level None (a codec without levels)
+
+
+def parse_level(value: Any) -> int | None:
+    """A stored level from its JSON value: an int >= 0 (a codec level), or None (the one
+    slot of a codec without levels). Raises ValueError for anything else (bool, str,
+    float, negative)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a stored level is an int >= 0 or null (no level), got {str(value)[:40]!r}")
+    return int(value)
+
+
+def level_key(level: int | None) -> str:
+    """The text form of a stored level in JSON object keys and store keys: its decimal
+    number, or NO_LEVEL_KEY ("none") for level None. Raises ValueError for a bad level."""
+    lv = parse_level(level)
+    return NO_LEVEL_KEY if lv is None else str(lv)
+
+
+def parse_level_key(text: Any) -> int | None:
+    """The level of a level_key() text ("none" -> None, "3" -> 3). Raises ValueError for
+    anything else (e.g. "-1", " 3", "03", "None")."""
+    if text == NO_LEVEL_KEY:
+        return None
+    if not isinstance(text, str) or not text.isascii() or not text.isdigit() or str(int(text)) != text:
+        raise ValueError(f"a stored level key is a decimal level or {NO_LEVEL_KEY!r}, got {str(text)[:40]!r}")
+    return int(text)
+
+
+def level_order(level: int | None) -> int:
+    """Sort key of stored levels: None (no level) first, then ascending levels."""
+    return -1 if level is None else int(level)
 
 
 @dataclass(frozen=True)
@@ -59,6 +93,7 @@ class EntryIdentity:
     codec: codec name ("cachegen", "kivi2", ...); codec_version: the codec package's
     bitstream/algorithm version (`codec.CODEC_VERSION`); level_configs: ((level, full
     config hash), ...) for every stored level (`codec.config_hash(codec, level, config)`);
+    level None = the one slot of a codec without levels (JSON key "none", `level_key`);
     calibration_hash: hash of a calibration artifact the codec used (e.g. kvtc), or "";
     several joined by "+" when each layer group has its own (sliding-window storage:
     ``calibration_hashes``).
@@ -86,7 +121,7 @@ class EntryIdentity:
     head_dim: int = 0
     codec: str = ""
     codec_version: str = ""
-    level_configs: tuple[tuple[int, str], ...] = field(default=())
+    level_configs: tuple[tuple[int | None, str], ...] = field(default=())
     calibration_hash: str = ""
     kv_layout: str = ""
     kv_config: str = ""
@@ -111,11 +146,14 @@ class EntryIdentity:
         if isinstance(lc, Mapping):
             lc = lc.items()
         try:
-            pairs = tuple(sorted((int(lv), str(h)) for lv, h in (lc or ())))
+            pairs = tuple(sorted(((parse_level(lv), str(h)) for lv, h in (lc or ())),
+                                 key=lambda p: level_order(p[0])))
         except (TypeError, ValueError) as e:
             raise ValueError(f"level_configs must be (level, config hash) pairs: {e}") from None
         if len({lv for lv, _ in pairs}) != len(pairs):
             raise ValueError("level_configs lists a level twice")
+        if None in {lv for lv, _ in pairs} and len(pairs) > 1:
+            raise ValueError("level_configs mixes the no-level slot with numbered levels")
         object.__setattr__(self, "level_configs", pairs)
         if self.kv_config:
             from cachegen_common.kv_config import kv_config_hash
@@ -127,9 +165,9 @@ class EntryIdentity:
 
     # ----------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict:
-        """JSON-able dict (level_configs as {"level": hash}), with the format tag."""
+        """JSON-able dict (level_configs as {level_key(level): hash}), with the format tag."""
         d = asdict(self)
-        d["level_configs"] = {str(lv): h for lv, h in self.level_configs}
+        d["level_configs"] = {level_key(lv): h for lv, h in self.level_configs}
         for n in _OMIT_EMPTY:
             if not d[n]:
                 del d[n]
@@ -144,7 +182,11 @@ class EntryIdentity:
         if not isinstance(d, Mapping):
             raise ValueError(f"identity must be a JSON object, got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kw = {k: v for k, v in d.items() if k in names}
+        lc = kw.get("level_configs")
+        if isinstance(lc, Mapping):
+            kw["level_configs"] = {parse_level_key(k): h for k, h in lc.items()}
+        return cls(**kw)
 
     def replace(self, **kw) -> "EntryIdentity":
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -156,7 +198,8 @@ class EntryIdentity:
         return tuple(h for h in self.calibration_hash.split("+") if h)
 
     @property
-    def levels(self) -> tuple[int, ...]:
+    def levels(self) -> tuple[int | None, ...]:
+        """The stored levels in order ((None,) for a codec without levels)."""
         return tuple(lv for lv, _ in self.level_configs)
 
     def model_part(self) -> "EntryIdentity":
@@ -205,7 +248,8 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
     differs: entry has ..., reader expects ..."). The partition is compared always ("" is
     the shared partition, not unknown): an entry of another partition is a miss. Expected
     level_configs must appear with the same config hash in the entry; `levels`, when
-    given, are levels the reader will fetch and must be in the entry's level_configs.
+    given, are stored levels the reader will fetch (None: the no-level slot of a codec
+    without levels) and must be in the entry's level_configs.
     Raises nothing: a malformed `found` is a mismatch.
     """
     if expected is None:
@@ -239,14 +283,18 @@ def check_entry(expected: EntryIdentity | Mapping | None, found: Mapping | Entry
     have_lc = dict(got.level_configs)
     for lv, h in exp.level_configs:
         if lv not in have_lc:
-            return f"level {lv} not in the entry (it has levels {sorted(have_lc)})"
+            return f"level {level_key(lv)} not in the entry (it has levels {sorted(have_lc, key=level_order)})"
         if have_lc[lv] != h:
-            return (f"level {lv} config mismatch: entry encoded with config {have_lc[lv][:16]}, "
+            return (f"level {level_key(lv)} config mismatch: entry encoded with config {have_lc[lv][:16]}, "
                     f"reader expects {h[:16]} (codec schedule changed?)")
     if levels is not None and exp.codec:
         for lv in levels:
-            if lv is not None and int(lv) not in have_lc:
-                return f"level {lv} not in the entry (it has levels {sorted(have_lc)})"
+            try:
+                lv = parse_level(lv)
+            except ValueError as e:
+                return f"reader level unusable: {e}"
+            if lv not in have_lc:
+                return f"level {level_key(lv)} not in the entry (it has levels {sorted(have_lc, key=level_order)})"
     return None
 
 
@@ -336,21 +384,14 @@ def codec_version() -> str:
     return str(codec_pkg.CODEC_VERSION)
 
 
-LEVELLESS_SLOT = 0
-"""The store's chunk-level number of a codec without levels (raw, kivi, ...): a storage
-slot, not a codec level. Such a codec's level stays None everywhere else (requests,
-identities' config hashes, result files)."""
-
-
-def level_slot(codec: str, level: int | None) -> int:
-    """The store's chunk-level number for `level` of `codec`: the codec level resolved once
-    (codec.resolve_level: None -> the codec's default; 0 stays 0), or LEVELLESS_SLOT for a
-    codec without levels. Imports the codec lazily. Raises ValueError for an unknown codec
-    or level."""
+def level_slot(codec: str, level: int | None) -> int | None:
+    """The store's level of `level` of `codec`: the codec level resolved once
+    (codec.resolve_level: None -> the codec's default; 0 stays 0), or None for a codec
+    without levels (stored in its own slot, "none" in keys and manifests: never level 0).
+    Imports the codec lazily. Raises ValueError for an unknown codec or level."""
     import codec as codec_pkg
 
-    lv = codec_pkg.resolve_level(codec, level)
-    return LEVELLESS_SLOT if lv is None else lv
+    return codec_pkg.resolve_level(codec, level)
 
 
 def codec_identity(base: EntryIdentity, codec: str,
@@ -359,13 +400,13 @@ def codec_identity(base: EntryIdentity, codec: str,
     """`base` (a model identity) plus the codec fields for `codec`.
 
     levels: the codec levels stored (None = the codec's default level, or no level for a
-    codec without levels), each stored under its chunk-level number `level_slot` (the
-    resolved level; LEVELLESS_SLOT for a codec without levels), or a mapping {stored level
-    number: codec level} when the store numbers them otherwise. Each level's full config is
+    codec without levels), each stored under `level_slot` (the resolved level; None for a
+    codec without levels), or a mapping {stored level: codec level} when the store numbers
+    them otherwise. Each level's full config is
     hashed for base.num_layers (codec.config_hash). Raises ValueError for an unknown codec
     or level."""
     pairs = levels.items() if isinstance(levels, Mapping) else \
         [(level_slot(codec, lv), lv) for lv in levels]
-    lc = tuple((int(slv), codec_config_hash(codec, lv, config, base.num_layers)) for slv, lv in pairs)
+    lc = tuple((parse_level(slv), codec_config_hash(codec, lv, config, base.num_layers)) for slv, lv in pairs)
     return base.replace(codec=codec, codec_version=codec_version(), level_configs=lc,
                         calibration_hash=calibration_hash or "")

@@ -42,11 +42,12 @@ import socket
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from streaming.adapt.policy import FixedPolicy, Policy
 from streaming.calibrations import ensure_calibrations
+from streaming.identity import NO_LEVEL_KEY
 from streaming.load_result import ChunkStat, DecodeFn, LoadResult, default_decode_fn
 from streaming.wire_clock import timed_get_chunk
 from streaming.errors import StreamingError
@@ -79,8 +80,11 @@ def stream_load(
 
     Args:
         key: context key (streaming.store.context_key).
-        levels_or_policy: an int level, a per-chunk list of levels (None = text), or a
-            :class:`streaming.adapt.policy.Policy` (AdaptivePolicy, FixedPolicy).
+        levels_or_policy: an int level, NO_LEVEL_KEY ("none": the one slot of an entry of
+            a codec without levels), a per-chunk list of these (None = text), or a
+            :class:`streaming.adapt.policy.Policy` (AdaptivePolicy, FixedPolicy). A policy
+            sees such an entry's slot as the option "none" (policy_manifest): its None
+            stays text.
         decode_fn: bytes -> decoded chunk (default codec.decode_kv, CPU, returning (k, v)
             [L, T, H, D] tensors). ValueError (incl. codec.CodecError) counts as corruption.
         identity: a streaming.identity.EntryIdentity (or its dict) the entry must match
@@ -116,8 +120,9 @@ def stream_load(
     if isinstance(opened, LoadResult):
         return opened
     manifest, t_man = opened
-    policy.start(manifest)
-    rx = _Receiver(client, key, manifest, policy, clock, t0, before_chunk, queue_depth)
+    view = policy_manifest(manifest)
+    policy.start(view)
+    rx = _Receiver(client, key, view, policy, clock, t0, before_chunk, queue_depth)
     dec = _Decoder(rx, decode_fn or default_decode_fn())
     res = LoadResult(True, key, manifest=manifest, manifest_s=t_man)
     res.decoded = [None] * manifest.chunk_count
@@ -152,14 +157,33 @@ def stream_load(
 
 
 def as_policy(levels_or_policy) -> Policy:
-    """A Policy as it is, an int level or a per-chunk list of levels (None = text) as a
-    FixedPolicy. Raises TypeError otherwise."""
+    """A Policy as it is, an int level, NO_LEVEL_KEY or a per-chunk list of these (None =
+    text) as a FixedPolicy. Raises TypeError otherwise."""
     p = levels_or_policy
     if isinstance(p, Policy):
         return p
-    if isinstance(p, int) or (isinstance(p, Sequence) and not isinstance(p, (str, bytes))):
+    if isinstance(p, int) or p == NO_LEVEL_KEY or (isinstance(p, Sequence) and not isinstance(p, (str, bytes))):
         return FixedPolicy(p)
-    raise TypeError("levels_or_policy must be an int level, a per-chunk list of levels, or a policy")
+    raise TypeError('levels_or_policy must be an int level, "none" (no level), a per-chunk list of '
+                    'levels, or a policy')
+
+
+def policy_manifest(manifest):
+    """The manifest as a policy sees it: the same, except that an entry of a codec without
+    levels (stored level None, which a policy's choice would read as text) names its slot
+    NO_LEVEL_KEY ("none") in levels, sizes, crc32 and sha256. store_level maps a choice
+    back."""
+    if tuple(manifest.levels) != (None,):
+        return manifest
+    return replace(manifest, levels=(NO_LEVEL_KEY,),
+                   sizes={NO_LEVEL_KEY: manifest.sizes[None]}, crc32={NO_LEVEL_KEY: manifest.crc32[None]},
+                   sha256={NO_LEVEL_KEY: manifest.sha256[None]} if None in manifest.sha256 else {})
+
+
+def store_level(option):
+    """The stored level of a policy's option (policy_manifest): NO_LEVEL_KEY -> None (a
+    codec without levels), a level -> itself."""
+    return None if option == NO_LEVEL_KEY else option
 
 
 def open_entry(client, key: str, clock: Callable[[], float], t0: float, *, identity=None,
@@ -385,7 +409,7 @@ class _Receiver:
         """Chunk k's transfer was cut by us: record it, reconnect, tell the policy."""
         wire = cut.early_s if cut.early_s is not None else self.clock() - t_req
         early = cut.early_s is not None
-        self.abandoned.append({"chunk": k, "level": lv, "deadline_s": dl, "wire_s": wire, "start_s": start,
+        self.abandoned.append({"chunk": k, "level": store_level(lv), "deadline_s": dl, "wire_s": wire, "start_s": start,
                                "early": early, "rule": "projection" if early else "deadline",
                                "received_bytes": cut.received, "wire_clock_bytes": cut.wire_bytes,
                                "wire_clock_s": cut.wire_s})
@@ -425,20 +449,20 @@ class _Receiver:
         total_dt, refetched = 0.0, False
         for attempt in range(2):
             t = self.clock()
-            data, wire, wire_bytes = timed_get_chunk(cl, self.key, lv, k, on_progress if attempt == 0 else None,
+            data, wire, wire_bytes = timed_get_chunk(cl, self.key, store_level(lv), k, on_progress if attempt == 0 else None,
                                                      self.gen)
             total_dt += self.clock() - t
             self.wire_of[k] = (wire, wire_bytes)
             if data is None:
                 note = f"chunk missing: {cl.last_miss_reason}"
-                logger.warning("stream: %s chunk %d level %d: %s; entry dropped", self.key[:16], k, lv, note)
+                logger.warning("stream: %s chunk %d level %s: %s; entry dropped", self.key[:16], k, lv, note)
                 _invalidate(cl, self.key, self.gen, note)
                 return None, total_dt, False, refetched, note
             if len(data) == want_len and _content_ok(data, want_crc, want_sha):
                 return data, total_dt, True, refetched, ""
             refetched = attempt == 0
         note = "CRC/sha256 mismatch after refetch"
-        logger.warning("stream: %s chunk %d level %d: %s; entry dropped", self.key[:16], k, lv, note)
+        logger.warning("stream: %s chunk %d level %s: %s; entry dropped", self.key[:16], k, lv, note)
         _invalidate(cl, self.key, self.gen, note)
         return None, total_dt, False, True, note
 
@@ -467,7 +491,7 @@ class _Decoder:
     def chunk(self, it: _Item) -> tuple[ChunkStat, bool, Any]:
         """-> (its ChunkStat, decoded?, the decoded chunk or None)."""
         a, b = self.rx.manifest.token_ranges[it.index]
-        st = ChunkStat(it.index, it.level, True, 0, it.transfer_s, 0.0, it.crc_ok, it.refetched,
+        st = ChunkStat(it.index, store_level(it.level), True, 0, it.transfer_s, 0.0, it.crc_ok, it.refetched,
                        a, b, it.fetch_start_s, it.fetch_end_s, 0.0, it.note)
         if it.data is None:
             st.level = None

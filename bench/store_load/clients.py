@@ -23,11 +23,11 @@ import torch
 import codec
 from streaming.load import stream_load
 from streaming.errors import StoreError, StoreRaceLostError
-from streaming.identity import LEVELLESS_SLOT, EntryIdentity
+from streaming.identity import NO_LEVEL_KEY, EntryIdentity
 
 L, H, D = 2, 2, 4  # D = 4 features: token position, context, writer, save number
 IDENTITY = EntryIdentity(model_id="load-m", weights_hash="load-w", dtype="float32", num_layers=L,
-                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={LEVELLESS_SLOT: "raw-load"})
+                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={None: "raw-load"})
 
 
 def context_ids(context: int, tokens: int) -> list[int]:
@@ -52,7 +52,7 @@ def save(client, context: int, writer: int, seq: int, tokens: int, chunk_tokens:
     k, v = token_kv(tokens, context, writer, seq)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=chunk_tokens)
     ranges = codec.chunk_bounds(tokens, chunk_tokens)
-    return client.put_entry(IDENTITY, context_ids(context, tokens), {LEVELLESS_SLOT: chunks}, ranges,
+    return client.put_entry(IDENTITY, context_ids(context, tokens), {None: chunks}, ranges,
                             meta={"context": context, "writer": writer, "seq": seq})
 
 
@@ -87,7 +87,7 @@ def check_load(res, context: int, tokens: int) -> tuple[str, tuple[int, int] | N
 
 def load(client, key: str, context: int, tokens: int):
     """stream_load of `key` checked with check_load."""
-    res = stream_load(client, key, 0, _decode, identity=IDENTITY)
+    res = stream_load(client, key, NO_LEVEL_KEY, _decode, identity=IDENTITY)
     return check_load(res, context, tokens)
 
 

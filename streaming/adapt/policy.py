@@ -431,7 +431,8 @@ class AdaptivePolicy:
 
 
 class FixedPolicy:
-    """Always the same level (or a per-chunk list of levels; None entries = text)."""
+    """Always the same level (or a per-chunk list of levels; None entries = text; "none":
+    the slot of a codec without levels, streaming.load.policy_manifest)."""
 
     def __init__(self, level: int | Sequence[int | None] | None):
         self.level = level
@@ -440,12 +441,12 @@ class FixedPolicy:
 
     def start(self, manifest) -> None:
         self.manifest = manifest
-        if isinstance(self.level, int) and self.level not in manifest.levels:
+        if isinstance(self.level, (int, str)) and self.level not in manifest.levels:
             raise ValueError(f"level {self.level} is not stored (stored: {list(manifest.levels)})")
         self.decisions = []
 
     def choose(self, k: int, elapsed_s: float) -> int | None:
-        lv = self.level if (self.level is None or isinstance(self.level, int)) else self.level[k]
+        lv = self.level if (self.level is None or isinstance(self.level, (int, str))) else self.level[k]
         self.decisions.append(Decision(k, lv, "fixed", None, None, None, elapsed_s))
         return lv
 

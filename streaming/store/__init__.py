@@ -15,21 +15,24 @@ Layout in a backend (keys):
                                       JSON), content-addressed, written before any chunk
     ctx/<key>/g/<gen>/<level>/<index> encoded chunk bytes of write generation <gen> (a
                                       random id per save: two saves never share a chunk key)
-    ctx/<key>/manifest                JSON manifest (cgh-manifest-v2), published last with a
+    ctx/<key>/manifest                JSON manifest (cgh-manifest-v3), published last with a
                                       compare-and-swap: it names its generation and binds
                                       every chunk (token range, size, CRC-32, sha256), the
                                       chunking, the identity and the calibrations
     ctx/<key>/chunk/<level>/<index>   raw slots without a manifest (prefix-index records)
     ctx/<key>/g/<gen>/aborted         Redis: generation <gen> settled as never published
                                       (a writer lost its publish reply; expires in an hour)
+<level> is a codec level's decimal number (0 included), or "none" for a codec without levels
+(raw, quant8, kivi, ...; level None in Python, null in manifest level lists and on the wire).
 Guarantees (docs/streaming.md, "Store guarantees"): entries are immutable; a reader sees
 the old complete entry, the new complete entry or a miss, whatever a writer's crash point;
 of two writers that read the same state, the first to publish wins and the other gets
 StoreRaceLostError; an entry that lost a chunk (eviction, deletion) or whose chunk fails
 its checksum is dropped and reads as a miss with the reason; a writer that loses the reply
 to a request deletes nothing before asking the store whether its save is published
-(streaming.store.kv.settle, KVStore.resolve). Manifests of the previous
-format (cgh-manifest-v1, no per-chunk checksums) are clean misses ("store it again").
+(streaming.store.kv.settle, KVStore.resolve). Manifests of previous formats
+(cgh-manifest-v1, no per-chunk checksums; cgh-manifest-v2, a codec without levels stored
+under level 0) are clean misses ("store it again").
 
 Run the server: python -m streaming.store serve --backend DIR --host 127.0.0.1 --port 0
 (prints "READY host:port" on stdout when listening; SIGTERM/SIGINT stop it).

@@ -19,7 +19,7 @@ from streaming.errors import (
     StreamingError,
     store_error,
 )
-from streaming.identity import EntryIdentity
+from streaming.identity import EntryIdentity, level_key, parse_level
 from streaming.store.protocol import ConnectionClosed, recv_frame, send_frame
 from streaming.store.protocol import DEFAULT_MAX_BODY, FrameType
 from streaming.store.format import ANY_BASE, Manifest, build_manifest
@@ -175,20 +175,23 @@ class StoreClient:
             return None
         return m
 
-    def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
-        """Bytes of chunk `index` at `level` of write generation `gen` (a manifest's
-        .gen; None: the current entry's, or a raw slot), or None if absent."""
-        f = self._lookup(FrameType.GET_CHUNK, {"key": key, "level": int(level), "index": int(index)}, gen)
+    def get_chunk(self, key: str, level: int | None, index: int, gen: str | None = None) -> bytes | None:
+        """Bytes of chunk `index` at `level` (None: a codec without levels, sent as JSON
+        null) of write generation `gen` (a manifest's .gen; None: the current entry's, or a
+        raw slot), or None if absent. Raises ValueError for a level that is neither an int
+        >= 0 nor None."""
+        f = self._lookup(FrameType.GET_CHUNK, {"key": key, "level": parse_level(level), "index": int(index)}, gen)
         if f is None:
             return None
         return bytes(f.body) if isinstance(f.body, bytearray) else f.body
 
-    def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
-        """Write one chunk (low level: put_context commits contexts). gen None: a raw slot
+    def put_chunk(self, key: str, level: int | None, index: int, data: bytes, gen: str | None = None) -> None:
+        """Write one chunk at `level` (None: a codec without levels) (low level:
+        put_context commits contexts). gen None: a raw slot
         without a manifest, used for small index records keyed by their own 64-hex key
         (third_party.vllm.prefix_chain's chunk hash chain). Raises StoreError if refused."""
         self._check_size(len(data))
-        meta = {"key": key, "level": int(level), "index": int(index)}
+        meta = {"key": key, "level": parse_level(level), "index": int(index)}
         if gen is not None:
             meta["gen"] = gen
         self._call(FrameType.PUT_CHUNK, meta, bytes(data))
@@ -205,7 +208,7 @@ class StoreClient:
         self._call(FrameType.PUT_MANIFEST, meta)
 
     def discard(self, key: str, gen: str, levels, chunk_count: int) -> None:
-        self._call(FrameType.DELETE, {"key": key, "gen": gen, "levels": list(levels),
+        self._call(FrameType.DELETE, {"key": key, "gen": gen, "levels": [parse_level(x) for x in levels],
                                       "chunk_count": int(chunk_count)})
 
     def resolve(self, key: str, gen: str, levels, chunk_count: int) -> bool:
@@ -213,7 +216,7 @@ class StoreClient:
         KVStore.resolve: if not, the server deletes its chunks and a late publish of it is
         refused). Raises StoreError when the server refuses or answers without the field
         (a server that predates the request), StoreUnavailableError when unreachable."""
-        f = self._call(FrameType.RESOLVE, {"key": key, "gen": gen, "levels": [int(x) for x in levels],
+        f = self._call(FrameType.RESOLVE, {"key": key, "gen": gen, "levels": [parse_level(x) for x in levels],
                                            "chunk_count": int(chunk_count)})
         published = f.meta.get("published")
         if not isinstance(published, bool):
@@ -247,7 +250,7 @@ class StoreClient:
         self._call(FrameType.DELETE, {"key": key})
 
     def put_context(self, model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
-                    chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                    chunks: dict[int | None, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
                     meta: dict | None = None, identity: EntryIdentity | None = None,
                     calibrations: dict[str, bytes] | None = None) -> str:
         """Store a context: chunks[level][i] = encoded bytes of chunk i at that level (levels
@@ -265,7 +268,7 @@ class StoreClient:
         return key
 
     def put_entry(self, identity: EntryIdentity, token_ids: Sequence[int],
-                  chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                  chunks: dict[int | None, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
                   meta: dict | None = None, calibrations: dict[str, bytes] | None = None) -> str:
         """put_context keyed by a full identity (streaming.store.entry_key): the manifest
         records it, readers check it. Raises ValueError for an incomplete identity or
@@ -312,10 +315,10 @@ class LocalStoreClient:
             self.last_miss_reason = why
         return m
 
-    def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
+    def get_chunk(self, key: str, level: int | None, index: int, gen: str | None = None) -> bytes | None:
         data = self.store.get_chunk(key, level, index, gen)
         if data is None:
-            self.last_miss_reason = f"no chunk {int(index)} at level {int(level)}"
+            self.last_miss_reason = f"no chunk {int(index)} at level {level_key(level)}"
         return data
 
     def get_calibration(self, h: str) -> bytes | None:
@@ -339,7 +342,7 @@ class LocalStoreClient:
     def current_gen(self, key: str):
         return self.store.current_gen(key)
 
-    def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
+    def put_chunk(self, key: str, level: int | None, index: int, data: bytes, gen: str | None = None) -> None:
         self.store.put_chunk(key, level, index, data, gen)
 
     def put_manifest(self, manifest: dict, base_gen=ANY_BASE):

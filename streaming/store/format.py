@@ -1,9 +1,12 @@
-"""KV store entry format: context keys, backend key layout, the manifest (cgh-manifest-v2).
+"""KV store entry format: context keys, backend key layout, the manifest (cgh-manifest-v3).
 
 Paper: CacheGen section 5 (each context's KV is stored as chunks at several levels). The
 layout and guarantees are described in streaming.store (which re-exports these names);
 every client builds a manifest with build_manifest and every reader parses it with
-Manifest.from_dict. Not runnable by itself.
+Manifest.from_dict. A stored level is an int (a codec level, 0 included) or None: the one
+slot of a codec without levels (raw, quant8, kivi, ...), written "none" in chunk keys and
+manifest object keys and null in the manifest's level lists (streaming.identity.level_key).
+Not runnable by itself.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from typing import Sequence
 
 from cachegen_common.bounded_json import parse as parse_bounded_json
 from streaming.errors import StoreError
-from streaming.identity import check_entry
+from streaming.identity import check_entry, level_key, level_order, parse_level, parse_level_key
 from streaming.identity import EntryIdentity
 
-MANIFEST_FORMAT = "cgh-manifest-v2"
-LEGACY_MANIFEST_FORMATS = ("cgh-manifest-v1",)
+MANIFEST_FORMAT = "cgh-manifest-v3"
+# v1: no per-chunk checksums, chunks written in place; v2: a codec without levels stored
+# under level 0 (v3: level None, "none")
+LEGACY_MANIFEST_FORMATS = ("cgh-manifest-v1", "cgh-manifest-v2")
 ANY_BASE = object()  # put_manifest without a base: no race check (last writer wins)
 _KEY_DOMAIN = b"cgh-context-key-v1\x00"
 
@@ -82,10 +87,43 @@ def check_gen(gen) -> str:
     return gen
 
 
-def chunk_key(key: str, level: int, index: int, gen: str | None = None) -> str:
+def chunk_key(key: str, level: int | None, index: int, gen: str | None = None) -> str:
+    """Backend key of chunk `index` at `level` (None: a codec without levels, "none" in
+    the key) of write generation `gen` (None: a raw slot without a manifest). Raises
+    ValueError for a level that is neither an int >= 0 nor None."""
+    lv = level_key(level)
     if gen is None:
-        return f"ctx/{key}/chunk/{int(level)}/{int(index)}"
-    return f"ctx/{key}/g/{check_gen(gen)}/{int(level)}/{int(index)}"
+        return f"ctx/{key}/chunk/{lv}/{int(index)}"
+    return f"ctx/{key}/g/{check_gen(gen)}/{lv}/{int(index)}"
+
+
+def manifest_levels(values, what: str = "levels") -> list[int | None]:
+    """The stored levels of a manifest's JSON list (ints >= 0, or [null] for a codec without
+    levels), in level_order. Raises StoreError (one line) for a malformed level, a level
+    listed twice, or the no-level slot mixed with numbered levels."""
+    if not isinstance(values, list):
+        raise StoreError(f"malformed manifest: {what} is not a JSON array")
+    try:
+        levels = [parse_level(x) for x in values]
+    except ValueError as e:
+        raise StoreError(f"malformed manifest: {what}: {e}") from None
+    if len(set(levels)) != len(levels):
+        raise StoreError(f"malformed manifest: {what} lists a level twice")
+    if None in levels and len(levels) > 1:
+        raise StoreError(f"malformed manifest: {what} mixes the no-level slot with numbered levels")
+    return sorted(levels, key=level_order)
+
+
+def _per_level(d: dict, name: str, conv) -> dict:
+    """{level: tuple(conv(x))} of a manifest's per-level object (keys level_key form)."""
+    out = {}
+    for k, v in d[name].items():
+        try:
+            lv = parse_level_key(k)
+        except ValueError as e:
+            raise StoreError(f"malformed manifest: {name}: {e}") from None
+        out[lv] = tuple(conv(x) for x in v)
+    return out
 
 
 def cal_key(h: str) -> str:
@@ -125,7 +163,8 @@ def check_hex_key(key) -> str:
 class Manifest:
     """Everything the streamer needs about one stored context.
 
-    levels: quality levels stored, ascending quality (and size); sizes[level][i],
+    levels: quality levels stored, ascending quality (and size), or (None,) for a codec
+    without levels (JSON: levels [null], per-level keys "none"); sizes[level][i],
     crc32[level][i] and sha256[level][i] are the byte size, CRC-32 and sha256 (hex) of
     chunk i at that level; token_ranges[i] = (start, end) token positions of chunk i
     (chunk_tokens: the split size, the first range's length); text[i] = its token ids (the
@@ -142,14 +181,14 @@ class Manifest:
     model_id: str
     weights_hash: str
     codec_tag: str
-    levels: tuple[int, ...]
+    levels: tuple[int | None, ...]
     token_ranges: tuple[tuple[int, int], ...]
-    sizes: dict[int, tuple[int, ...]]
-    crc32: dict[int, tuple[int, ...]]
+    sizes: dict[int | None, tuple[int, ...]]
+    crc32: dict[int | None, tuple[int, ...]]
     text: tuple[tuple[int, ...], ...]
     meta: dict = field(default_factory=dict)
     identity: dict | None = None  # EntryIdentity.to_dict() of what made the entry (None: legacy)
-    sha256: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    sha256: dict[int | None, tuple[str, ...]] = field(default_factory=dict)
     gen: str = ""
     prev: dict | None = None
     calibrations: tuple[str, ...] = ()
@@ -181,9 +220,9 @@ class Manifest:
             "levels": list(self.levels),
             "chunk_count": self.chunk_count,
             "token_ranges": [list(r) for r in self.token_ranges],
-            "sizes": {str(lv): list(v) for lv, v in self.sizes.items()},
-            "crc32": {str(lv): list(v) for lv, v in self.crc32.items()},
-            "sha256": {str(lv): list(v) for lv, v in self.sha256.items()},
+            "sizes": {level_key(lv): list(v) for lv, v in self.sizes.items()},
+            "crc32": {level_key(lv): list(v) for lv, v in self.crc32.items()},
+            "sha256": {level_key(lv): list(v) for lv, v in self.sha256.items()},
             "chunk_tokens": self.chunk_tokens,
             "gen": self.gen,
             "prev": self.prev,
@@ -198,8 +237,8 @@ class Manifest:
         """Validate and build. Raises StoreError for any inconsistency."""
         try:
             if d.get("format") in LEGACY_MANIFEST_FORMATS:
-                raise StoreError(f"entry in the previous format {d.get('format')} (no per-chunk "
-                                 "checksums, chunks written in place): not served; store it again")
+                raise StoreError(f"entry in a previous format {d.get('format')} (now {MANIFEST_FORMAT}: "
+                                 "levels of codecs without levels stored apart): not served; store it again")
             if d.get("format") != MANIFEST_FORMAT:
                 raise StoreError(f"unknown manifest format {d.get('format')!r}")
             for name, kind in (("levels", list), ("token_ranges", list), ("text", list), ("sizes", dict),
@@ -209,17 +248,17 @@ class Manifest:
                     raise StoreError(f"malformed manifest: {name} is not a JSON {what}")
             if not all(isinstance(ids, list) for ids in d["text"]):
                 raise StoreError("malformed manifest: text is not a list of token id arrays")
-            levels = tuple(int(x) for x in d["levels"])
+            levels = tuple(manifest_levels(d["levels"]))
             n = int(d["chunk_count"])
             ranges = tuple((int(a), int(b)) for a, b in d["token_ranges"])
-            sizes = {int(k): tuple(int(x) for x in v) for k, v in d["sizes"].items()}
-            crcs = {int(k): tuple(int(x) for x in v) for k, v in d["crc32"].items()}
+            sizes = _per_level(d, "sizes", int)
+            crcs = _per_level(d, "crc32", int)
             text = tuple(tuple(map(int, ids)) for ids in d["text"])
-            shas = {int(k): tuple(str(x) for x in v) for k, v in d["sha256"].items()}
+            shas = _per_level(d, "sha256", str)
             gen = check_gen(d["gen"])
             prev = d.get("prev")
             if prev is not None:
-                prev = {"gen": check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
+                prev = {"gen": check_gen(prev["gen"]), "levels": manifest_levels(prev["levels"], "prev levels"),
                         "chunk_count": int(prev["chunk_count"])}
             cals = tuple(str(h) for h in d.get("calibrations") or ())
             for h in cals:
@@ -262,8 +301,8 @@ class Manifest:
                 raise StoreError("manifest identity does not match its model id, weights hash "
                                  "and codec tag (the key would not commit to it)")
             if set(ident.levels) != set(levels):
-                raise StoreError(f"manifest levels {sorted(levels)} differ from its identity's "
-                                 f"level configs {sorted(ident.levels)}")
+                raise StoreError(f"manifest levels {list(levels)} differ from its identity's "
+                                 f"level configs {list(ident.levels)}")
             if any(h not in cals for h in ident.calibration_hashes()):
                 raise StoreError("manifest identity names a calibration its manifest does not list")
         return m
@@ -319,10 +358,11 @@ def chunk_digest(data: bytes) -> tuple[int, int, str]:
 
 
 def build_manifest(model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
-                   chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                   chunks: dict[int | None, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
                    meta: dict | None = None, identity: EntryIdentity | None = None) -> tuple[str, dict]:
     """(context key, manifest dict) of a context to store (every client builds it here).
 
+    chunks: {level: [chunk bytes, ...]}, level None for a codec without levels (alone).
     With `identity`, model_id / weights_hash / codec_tag must equal the identity's (or
     codec_tag be its bare codec name) and chunks' levels must equal its level_configs.
     Raises ValueError on inconsistent arguments, StoreError when ranges do not tile the ids.
@@ -334,11 +374,11 @@ def build_manifest(model_id: str, weights_hash: str, codec_tag: str, token_ids: 
                 codec_tag not in (identity.codec_tag(), identity.codec):
             raise ValueError("model_id/weights_hash/codec_tag differ from the entry identity")
         codec_tag = identity.codec_tag()
-        if set(int(lv) for lv in chunks) != set(identity.levels):
-            raise ValueError(f"chunk levels {sorted(chunks)} differ from the identity's level "
-                             f"configs {list(identity.levels)}")
+        if set(parse_level(lv) for lv in chunks) != set(identity.levels):
+            raise ValueError(f"chunk levels {sorted(chunks, key=level_order)} differ from the identity's "
+                             f"level configs {list(identity.levels)}")
     key = context_key(model_id, weights_hash, codec_tag, ids)
-    levels = sorted(int(lv) for lv in chunks)
+    levels = sorted((parse_level(lv) for lv in chunks), key=level_order)
     n = len(token_ranges)
     for lv in levels:
         if len(chunks[lv]) != n:
@@ -347,9 +387,9 @@ def build_manifest(model_id: str, weights_hash: str, codec_tag: str, token_ids: 
         "format": MANIFEST_FORMAT, "key": key, "model_id": model_id, "weights_hash": weights_hash,
         "codec_tag": codec_tag, "levels": levels, "chunk_count": n,
         "token_ranges": [[int(a), int(b)] for a, b in token_ranges],
-        "sizes": {str(lv): [len(c) for c in chunks[lv]] for lv in levels},
-        "crc32": {str(lv): [zlib.crc32(bytes(c)) for c in chunks[lv]] for lv in levels},
-        "sha256": {str(lv): [hashlib.sha256(bytes(c)).hexdigest() for c in chunks[lv]] for lv in levels},
+        "sizes": {level_key(lv): [len(c) for c in chunks[lv]] for lv in levels},
+        "crc32": {level_key(lv): [zlib.crc32(bytes(c)) for c in chunks[lv]] for lv in levels},
+        "sha256": {level_key(lv): [hashlib.sha256(bytes(c)).hexdigest() for c in chunks[lv]] for lv in levels},
         "chunk_tokens": int(token_ranges[0][1]) - int(token_ranges[0][0]) if n else 0,
         "gen": "0" * 32,  # replaced by the writer's fresh generation (save_steps)
         "prev": None,

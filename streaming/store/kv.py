@@ -38,6 +38,7 @@ from streaming.store.format import (
     parse_gen,
     manifest_gens,
     manifest_json,
+    manifest_levels,
     new_generation,
 )
 
@@ -86,7 +87,7 @@ class KVStore:
         check_hex_key(key)
         return parse_gen(self.backend.get(manifest_key(key)))
 
-    def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
+    def put_chunk(self, key: str, level: int | None, index: int, data: bytes, gen: str | None = None) -> None:
         """Store one chunk of write generation `gen` (None: the raw slot without a
         manifest, for prefix-index records)."""
         check_hex_key(key)
@@ -143,7 +144,7 @@ class KVStore:
             if cur is not None:
                 try:
                     old = manifest_json(cur)
-                    d["prev"] = {"gen": check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
+                    d["prev"] = {"gen": check_gen(old["gen"]), "levels": manifest_levels(old["levels"]),
                                  "chunk_count": int(old["chunk_count"])}
                     prev_of_cur = old.get("prev")
                 except (StoreError, ValueError, KeyError, TypeError, AttributeError):
@@ -268,8 +269,8 @@ class KVStore:
             return False
         return self._drop(key, raw, reason)
 
-    def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
-        """Chunk bytes of generation `gen`, or None. gen None: the raw slot (index
+    def get_chunk(self, key: str, level: int | None, index: int, gen: str | None = None) -> bytes | None:
+        """Chunk bytes of generation `gen` at `level` (None: a codec without levels), or None. gen None: the raw slot (index
         records), else the chunk of the key's current entry."""
         check_hex_key(key)
         if gen is None:
@@ -298,7 +299,7 @@ class KVStore:
             self.backend.delete(k)
 
     # ------------------------------------------------------------------ whole saves
-    def save_steps(self, man: dict, chunks: dict[int, Sequence[bytes]],
+    def save_steps(self, man: dict, chunks: dict[int | None, Sequence[bytes]],
                    calibrations: dict[str, bytes] | None = None):
         """The steps of one save, as a generator (tests stop it anywhere to model a
         crash): see save_steps()."""
@@ -333,13 +334,13 @@ def _prev_of(raw: bytes | None) -> dict | None:
         return None
     try:
         old = manifest_json(raw)
-        return {"gen": check_gen(old["gen"]), "levels": [int(x) for x in old["levels"]],
+        return {"gen": check_gen(old["gen"]), "levels": manifest_levels(old["levels"]),
                 "chunk_count": int(old["chunk_count"])}
     except (StoreError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def save_steps(ops, man: dict, chunks: dict[int, Sequence[bytes]],
+def save_steps(ops, man: dict, chunks: dict[int | None, Sequence[bytes]],
                calibrations: dict[str, bytes] | None = None):
     """Generator of the write steps of one save through `ops`. Yields after each step:
     ("base", gen read), ("cal", hash) per calibration, then either ("chunk", level, index)
@@ -437,7 +438,7 @@ def _prev_of_prev(raw: bytes | None) -> dict | None:
         prev = manifest_json(raw).get("prev")
         if not prev:
             return None
-        return {"gen": check_gen(prev["gen"]), "levels": [int(x) for x in prev["levels"]],
+        return {"gen": check_gen(prev["gen"]), "levels": manifest_levels(prev["levels"]),
                 "chunk_count": int(prev["chunk_count"])}
     except (StoreError, ValueError, KeyError, TypeError, AttributeError):
         return None

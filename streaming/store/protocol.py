@@ -49,8 +49,8 @@ class FrameType(IntEnum):
 
     PING = 1
     GET_MANIFEST = 2  # meta {key, expect?: {model_id, weights_hash, codec_tag}}
-    GET_CHUNK = 3  # meta {key, level, index} -> body = chunk bytes
-    PUT_CHUNK = 4  # meta {key, level, index}, body = chunk bytes
+    GET_CHUNK = 3  # meta {key, level, index} -> body = chunk bytes (level: int, or null = no level)
+    PUT_CHUNK = 4  # meta {key, level, index}, body = chunk bytes (level as in GET_CHUNK)
     PUT_MANIFEST = 5  # meta {key, manifest}: commits a context (checked against its chunks)
     LIST = 6  # meta {prefix?, limit?} -> meta {keys}
     HAS = 7  # meta {key} -> meta {exists}

@@ -13,6 +13,7 @@ from typing import Sequence
 from streaming.shutdown import Closing
 from streaming.store.redis_backend import RedisBackend
 from streaming.store.redis_cluster import RedisClusterBackend, is_cluster_url
+from streaming.identity import level_key
 
 
 class RedisStoreClient(Closing):
@@ -81,12 +82,12 @@ class RedisStoreClient(Closing):
             self.last_miss_reason = why
         return m
 
-    def get_chunk(self, key: str, level: int, index: int, gen: str | None = None) -> bytes | None:
+    def get_chunk(self, key: str, level: int | None, index: int, gen: str | None = None) -> bytes | None:
         """Bytes of chunk `index` at `level` of write generation `gen` (None: the current
         entry's, or a raw slot), or None if absent (evicted or never stored)."""
         data = self.store.get_chunk(key, level, index, gen)
         if data is None:
-            self.last_miss_reason = f"no chunk {int(index)} at level {int(level)} (evicted or never stored)"
+            self.last_miss_reason = f"no chunk {int(index)} at level {level_key(level)} (evicted or never stored)"
         return data
 
     def iter_chunks(self, key: str, plan: Sequence[tuple[int, int]], depth: int | None = None,
@@ -149,7 +150,7 @@ class RedisStoreClient(Closing):
         mk, abort = manifest_key(key), abort_marker_key(key, gen)
         settle(lambda k, g, levels, n: self.backend.settle_publish(mk, abort, g), key, gen, [], 0, err)
 
-    def put_chunk(self, key: str, level: int, index: int, data: bytes, gen: str | None = None) -> None:
+    def put_chunk(self, key: str, level: int | None, index: int, data: bytes, gen: str | None = None) -> None:
         self.store.put_chunk(key, level, index, data, gen)
 
     def put_manifest(self, manifest: dict, **base_gen):
@@ -185,7 +186,7 @@ class RedisStoreClient(Closing):
 
     # writes
     def put_context(self, model_id: str, weights_hash: str, codec_tag: str, token_ids: Sequence[int],
-                    chunks: dict[int, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
+                    chunks: dict[int | None, Sequence[bytes]], token_ranges: Sequence[tuple[int, int]],
                     meta: dict | None = None, identity=None,
                     calibrations: dict[str, bytes] | None = None) -> str:
         """Store a context (same arguments as streaming.store.StoreClient.put_context):
@@ -207,7 +208,7 @@ class RedisStoreClient(Closing):
         run_steps(save_steps(self, man, chunks, calibrations))
         return key
 
-    def put_entry(self, identity, token_ids: Sequence[int], chunks: dict[int, Sequence[bytes]],
+    def put_entry(self, identity, token_ids: Sequence[int], chunks: dict[int | None, Sequence[bytes]],
                   token_ranges: Sequence[tuple[int, int]], meta: dict | None = None,
                   calibrations: dict[str, bytes] | None = None) -> str:
         """put_context keyed by a full streaming.identity.EntryIdentity (see

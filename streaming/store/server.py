@@ -22,11 +22,27 @@ from streaming.errors import ProtocolError, StoreError, StoreTooLargeError
 from streaming.store.protocol import ConnectionClosed, recv_frame, send_frame
 from streaming.store.protocol import DEFAULT_MAX_BODY, DEFAULT_MAX_META, FrameTooLarge, FrameType
 from streaming.store.client import StoreClient
+from streaming.identity import parse_level
 from streaming.store.format import ANY_BASE
 from streaming.store.kv import KVStore
 
 # --------------------------------------------------------------------------- server
-FaultHook = Callable[[str, int, int, bytes], bytes]
+FaultHook = Callable[[str, "int | None", int, bytes], bytes]
+
+
+def request_level(meta: dict) -> int | None:
+    """The level a chunk request names: its "level" field, required, an int >= 0 or null
+    (a codec without levels; a typed JSON null, never a number). Raises ValueError (the
+    server's ERR reply) when the field is absent or malformed."""
+    if "level" not in meta:
+        raise ValueError("chunk request names no level (null for a codec without levels)")
+    return parse_level(meta["level"])
+
+
+def request_levels(meta: dict) -> list[int | None]:
+    """The levels of a RESOLVE / DELETE request (a JSON array of request_level values).
+    Raises ValueError / TypeError when absent or malformed."""
+    return [parse_level(x) for x in meta["levels"]]
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -72,7 +88,8 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
     """Threaded TCP server of a KVStore. One thread per connection; a client that
     disconnects (even mid-chunk) ends only its own thread.
 
-    fault_hook(kind, level, index, data) -> data lets tests corrupt bytes in transit.
+    fault_hook(key, level, index, data) -> data lets tests corrupt bytes in transit (level
+    None: a codec without levels).
     """
 
     daemon_threads = True
@@ -109,10 +126,11 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
                 if data is None:
                     return FrameType.MISS, {"reason": f"no calibration {str(meta.get('cal'))[:16]}"}, b""
                 return FrameType.OK, {"bytes": len(data)}, data
-            key, lv, idx = meta.get("key"), int(meta.get("level")), int(meta.get("index"))
+            key, lv, idx = meta.get("key"), request_level(meta), int(meta.get("index"))
             data = st.get_chunk(key, lv, idx, meta.get("gen"))
             if data is None:
-                return FrameType.MISS, {"reason": f"no chunk {idx} at level {lv}"}, b""
+                where = "without a level" if lv is None else f"at level {lv}"
+                return FrameType.MISS, {"reason": f"no chunk {idx} {where}"}, b""
             if self.fault_hook is not None:
                 data = self.fault_hook(key, lv, idx, data)
             return FrameType.OK, {"bytes": len(data)}, data
@@ -120,7 +138,7 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
             if meta.get("cal") is not None:
                 st.put_calibration(meta.get("cal"), body)
                 return FrameType.OK, {}, b""
-            st.put_chunk(meta.get("key"), int(meta.get("level")), int(meta.get("index")), body,
+            st.put_chunk(meta.get("key"), request_level(meta), int(meta.get("index")), body,
                          meta.get("gen"))
             return FrameType.OK, {}, b""
         if ftype == FrameType.PUT_MANIFEST:
@@ -130,7 +148,7 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
             return FrameType.OK, {"key": m.key}, b""
         if ftype == FrameType.RESOLVE:
             with self._publish_lock:  # never between a publish's chunk check and its swap
-                published = st.resolve(meta.get("key"), meta.get("gen"), [int(x) for x in meta["levels"]],
+                published = st.resolve(meta.get("key"), meta.get("gen"), request_levels(meta),
                                        int(meta["chunk_count"]))
             return FrameType.OK, {"published": published}, b""
         if ftype == FrameType.LIST:
@@ -145,7 +163,7 @@ class KVStoreServer(socketserver.ThreadingTCPServer):
         if ftype == FrameType.DELETE:
             if meta.get("gen") is not None:
                 if meta.get("levels") is not None:  # a writer's own unpublished chunks
-                    st.discard(meta.get("key"), meta.get("gen"), [int(x) for x in meta["levels"]],
+                    st.discard(meta.get("key"), meta.get("gen"), request_levels(meta),
                                int(meta.get("chunk_count", 0)))
                     return FrameType.OK, {}, b""
                 return FrameType.OK, {"dropped": st.invalidate(meta.get("key"), meta.get("gen"),

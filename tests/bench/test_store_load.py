@@ -26,6 +26,7 @@ from bench import store_load
 from bench.store_load.clients import IDENTITY, check_load, load, save, token_kv
 from streaming.store.folder import LocalFolderBackend
 from streaming.load import stream_load
+from streaming.identity import NO_LEVEL_KEY
 from streaming.store.redis_server import RedisServer, find_redis_server
 from streaming.store import KVStoreServer, StoreClient
 
@@ -134,7 +135,7 @@ def _load_with_overwrites(reader, writer, key, overwrites: int, at_chunk: int = 
             for s in range(overwrites):
                 save(writer, 0, 2, 2 + s, TOKENS, CT)
 
-    res = stream_load(reader, key, 0, lambda b: codec.decode_kv(b, device="cpu"), identity=IDENTITY,
+    res = stream_load(reader, key, NO_LEVEL_KEY, lambda b: codec.decode_kv(b, device="cpu"), identity=IDENTITY,
                       before_chunk=hook)
     assert done, "the overwrite did not run during the load"
     return res

@@ -91,7 +91,7 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
     with start_store_server(work / "store") as srv:
         with srv.client() as cl:
             ranges = [(i, i + t) for i, t in zip(range(0, len(ctx), chunk_tokens), sizes)]
-            skey = cl.put_entry(ident.replace(model_id="selfcheck-model"), ctx, {0: chunks}, ranges)
+            skey = cl.put_entry(ident.replace(model_id="selfcheck-model"), ctx, {None: chunks}, ranges)
         store = f"{srv.host}:{srv.port}"
         # prefix caching ON here (reset before every case) so that vLLM's own partial
         # prefill from its local prefix cache can be compared with the connector's load
@@ -110,7 +110,7 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
                 "local_raw": {"source": "local", "context_key": "ctx", "mode": "raw",
                               "stats_tag": "local_raw"},
                 "store_raw": {"source": "store", "store": store, "context_key": skey,
-                              "mode": "raw", "level": 0, "stats_tag": "store_raw"},
+                              "mode": "raw", "stats_tag": "store_raw"},  # raw: no level
                 "corrupt": {"source": "local", "context_key": "ctx_bad", "mode": "raw",
                             "stats_tag": "corrupt"},
                 "miss": {"source": "local", "context_key": "nothing_here", "mode": "raw",

@@ -93,7 +93,7 @@ def test_round_trip_one_slot_per_entry_and_misses(cluster):
         assert not res.hit and "model_id" in res.reason
         # a torn entry (a chunk lost): a recorded miss or chunks recomputed with a note
         gen = c.current_gen(keys[2])
-        c.backend.delete(f"ctx/{keys[2]}/g/{gen}/0/1")
+        c.backend.delete(f"ctx/{keys[2]}/g/{gen}/none/1")  # raw: the no-level slot
         kind, what = check_load(c, keys[2])
         assert kind in ("miss", "partial"), (kind, what)
         c.delete_context(keys[3])

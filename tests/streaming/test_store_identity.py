@@ -18,7 +18,6 @@ import pytest
 
 from streaming.load import stream_load
 from streaming.identity import (
-    LEVELLESS_SLOT,
     EntryIdentity,
     check_entry,
     codec_identity,
@@ -141,20 +140,23 @@ def test_real_codec_schedule_change_changes_the_key():
 
 
 def test_stored_level_numbers_resolve_once():
-    """A codec without levels sits in the store's LEVELLESS_SLOT with its level None in the
-    config hash; level 0 is cachegen's own level 0; None means the codec's default level
-    (codec.resolve_level), stored under that level's own number."""
+    """A codec without levels is stored under level None (its own slot, "none" in the
+    identity's JSON), with its level None in the config hash; level 0 is cachegen's own
+    level 0; None means the codec's default level (codec.resolve_level), stored under that
+    level's own number."""
     codec = pytest.importorskip("codec")
 
-    assert level_slot("raw", None) == LEVELLESS_SLOT
+    assert level_slot("raw", None) is None
     with pytest.raises(ValueError):
         level_slot("raw", 0)
     assert level_slot("cachegen", 0) == 0
     default = codec.resolve_level("cachegen", None)
     assert default is not None and level_slot("cachegen", None) == default
     raw = codec_identity(MODEL_A, "raw", [None])
-    assert raw.levels == (LEVELLESS_SLOT,)
-    assert dict(raw.level_configs)[LEVELLESS_SLOT] == codec.config_hash("raw", None, num_layers=MODEL_A.num_layers)
+    assert raw.levels == (None,)
+    assert dict(raw.level_configs)[None] == codec.config_hash("raw", None, num_layers=MODEL_A.num_layers)
+    assert list(raw.to_dict()["level_configs"]) == ["none"]
+    assert EntryIdentity.from_dict(raw.to_dict()) == raw
     zero = codec_identity(MODEL_A, "cachegen", [0])
     assert zero.levels == (0,)
     assert codec_identity(MODEL_A, "cachegen", [None]).level_configs == \

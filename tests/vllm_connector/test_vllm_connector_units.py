@@ -234,13 +234,30 @@ def test_slot_mapping_and_layer_index():
 
 def test_default_stored_level_is_the_codecs_default():
     """One meaning of "default level": the connector fetches the codec's own
-    default level when the entry stores it, else the highest stored level."""
+    default level when the entry stores it, else the highest stored level; an entry of a
+    codec without levels: its no-level slot (None, never level 0)."""
     import codec
     from third_party.vllm.sources import default_stored_level
 
     d = codec.default_level("cachegen")
     assert default_stored_level("cachegen", [0, d, 5]) == d
     assert default_stored_level("cachegen", [0, 5]) == 5
-    assert default_stored_level("quant8", [0]) == 0
+    assert default_stored_level("quant8", [None]) is None
     assert default_stored_level(None, [2, 3]) == 3
-    assert default_stored_level("no-such-codec", []) == 0
+    assert default_stored_level("no-such-codec", []) is None
+
+
+def test_store_source_fetches_the_no_level_slot_of_a_levelless_entry():
+    """An entry of a codec without levels (levels [None]) is fetched from its no-level
+    slot ("none"); asking it for a numbered level is a one-line SourceError, never level 0
+    of another codec."""
+    from third_party.vllm.sources import SourceError, StoreSource
+    from streaming.identity import NO_LEVEL_KEY
+
+    src = StoreSource()
+    lk = Lookup(384, [128] * 3, 0.0, {"codec": "raw", "levels": [None]})
+    assert src._policy({}, lk).level == NO_LEVEL_KEY
+    assert src._policy({"level": None}, lk).level == NO_LEVEL_KEY
+    with pytest.raises(SourceError, match="has no levels"):
+        src._policy({"level": 0}, lk)
+    assert src._policy({"level": 0}, Lookup(384, [128] * 3, 0.0, {"codec": "cachegen", "levels": [0, 1]})).level == 0

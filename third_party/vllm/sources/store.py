@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from streaming.identity import LEVELLESS_SLOT, EntryIdentity, codec_identity
+from streaming.identity import NO_LEVEL_KEY, EntryIdentity, codec_identity, parse_level
 from third_party.vllm.sources.base import (
     ChunkSink,
     DecodeFn,
@@ -103,14 +103,16 @@ class _PrefixPolicy:
         self.inner.observe_decode(k, decode_s)
 
 
-def default_stored_level(codec_name: str | None, levels) -> int:
-    """The stored level number a request without "level" fetches: the codec's own default
+def default_stored_level(codec_name: str | None, levels) -> int | None:
+    """The stored level a request without "level" fetches: None for an entry of a codec
+    without levels (levels [None], or none listed), else the codec's own default
     (codec.default_level, the same default as codec and harness) when the entry stores it,
-    else the highest stored level (codecs without levels are stored under
-    streaming.identity.LEVELLESS_SLOT)."""
+    else the highest stored level. Raises ValueError for a malformed level."""
     import codec
 
-    levels = [int(x) for x in levels] or [LEVELLESS_SLOT]
+    levels = [parse_level(x) for x in levels or [None]]
+    if None in levels:
+        return None
     if codec_name in codec.CODECS:
         d = codec.default_level(codec_name)
         if d is not None and d in levels:
@@ -124,8 +126,9 @@ class StoreSource:
     params (per request, from kv_transfer_params; engine defaults fill the gaps):
       store: "host:port"; context_key: 64-hex key (streaming.store.context_key);
       level: stored quality level to fetch (default: the codec's default level,
-        codec.default_level, when stored, else the highest stored), or a per-chunk
-        list of levels with None = text fallback (experiments, tests);
+        codec.default_level, when stored, else the highest stored; an entry of a codec
+        without levels: its one slot, "none"), or a per-chunk list of levels with
+        None = text fallback (experiments, tests);
       policy: {"slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", ...} -> an
         streaming.adapt.AdaptivePolicy (per-chunk level or text fallback) instead of `level`;
       model_id / weights_hash / codec_tag: optional expectation checked against the manifest;
@@ -242,17 +245,21 @@ class StoreSource:
                 raise SourceError(f"bad policy: {e}") from None
         level = params.get("level")
         if isinstance(level, (list, tuple)):  # per-chunk levels, None = text (experiments)
-            return FixedPolicy([None if x is None else int(x) for x in level])
-        if level is None:
-            level = default_stored_level(lookup.info.get("codec"),
-                                         lookup.info.get("levels") or [LEVELLESS_SLOT])
+            return FixedPolicy([x if x is None or x == NO_LEVEL_KEY else int(x) for x in level])
+        if level is None or level == NO_LEVEL_KEY:
+            level = default_stored_level(lookup.info.get("codec"), lookup.info.get("levels"))
+            # an entry of a codec without levels: its slot, as streaming.load's policies name it
+            return FixedPolicy(NO_LEVEL_KEY if level is None else level)
+        if list(lookup.info.get("levels") or []) == [None]:
+            raise SourceError(f"level {level} requested, but the entry's codec has no levels "
+                              "(leave 'level' out)")
         return FixedPolicy(int(level))
 
     def save(self, params: dict[str, Any], token_ids: list[int], k, v) -> dict[str, Any]:
         """Encode and put one context into the store (params: store, model_id,
         weights_hash, codec_tag (default: the codec name), codec, level (the codec level;
-        default the codec's, codec.resolve_level; None for a codec without levels; stored
-        under streaming.identity.level_slot), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
+        default the codec's, codec.resolve_level; None for a codec without levels, stored
+        in its own slot, streaming.identity.level_slot), chunk_tokens). Returns {"encode_s", "put_s", "bytes", "context_key"}."""
         chunks, sizes, enc_s = encode_for_save(params, k, v, self.identity)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         ranges = [(a, a + t) for a, t in zip(starts, sizes)]
