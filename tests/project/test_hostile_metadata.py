@@ -393,9 +393,9 @@ def test_local_source_reads_a_hostile_manifest_as_a_miss(tmp_path, name):
         assert lk.num_tokens == 0 and lk.info.get("miss")
 
 
-@pytest.mark.parametrize("doc", [*DEEP_DOCS.values(), "[1]", '{"format": "cgh-prefix-index-v1", "entries": 7}',
-                                 '{"format": "cgh-prefix-index-v1", "entries": {"a": 1}}',
-                                 '{"format": "cgh-prefix-index-v1", "entries": [' + '{"key": "k", "tokens": 1},'
+@pytest.mark.parametrize("doc", [*DEEP_DOCS.values(), "[1]", '{"format": "cgh-prefix-index-v2", "entries": 7}',
+                                 '{"format": "cgh-prefix-index-v2", "entries": {"a": 1}}',
+                                 '{"format": "cgh-prefix-index-v2", "entries": [' + '{"key": "k", "tokens": 1},'
                                  * 5000 + "1]}"])
 def test_prefix_index_reads_a_hostile_record_as_no_record(doc):
     from third_party.vllm.prefix_chain import _read_record

@@ -18,7 +18,7 @@ then read with the usual identity check (streaming.identity.check_entry) and its
 compared with the prompt: the longest common prefix is what can be loaded (KV of token t
 depends only on tokens <= t, so the first tokens of a longer context are exact).
 
-Records live in the KV store as chunks (level 0, index 0) under key_i (64 hex, domain
+Records live in the KV store as chunks (no level, index 0: they are not KV) under key_i (64 hex, domain
 separated from context keys): JSON {"format", "entries": [{"key", "tokens", "codec"}]}.
 Stale records (a deleted or evicted entry) are dropped by `find_loadable`, which falls
 back from the longest indexed prefix to shorter chain levels until an entry really loads
@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from cachegen_common.bounded_json import parse as parse_bounded_json
 
 CHAIN_TOKENS = 256   # tokens per chain link (LMCache's default chunk size); multiple of 128
-INDEX_FORMAT = "cgh-prefix-index-v1"
+INDEX_FORMAT = "cgh-prefix-index-v2"
 MAX_ENTRIES = 16     # entries listed per record (most recent kept)
 # A record lists MAX_ENTRIES entries of ~150 bytes; a stored record over 64 KiB is not ours
 # and is read as no record, like any malformed one.
@@ -71,7 +71,7 @@ def chain_keys(namespace: str, token_ids: Sequence[int], chunk: int = CHAIN_TOKE
 
 
 def _read_record(client, key: str) -> list[dict[str, Any]]:
-    data = client.get_chunk(key, 0, 0)
+    data = client.get_chunk(key, None, 0)
     if not data:
         return []
     try:
@@ -95,7 +95,7 @@ def index_entry(client, namespace: str, token_ids: Sequence[int], entry_key: str
         entries = [e for e in _read_record(client, key) if e["key"] != entry_key]
         entries.append({"key": entry_key, "tokens": len(token_ids), "codec": codec})
         rec = {"format": INDEX_FORMAT, "entries": entries[-MAX_ENTRIES:]}
-        client.put_chunk(key, 0, 0, json.dumps(rec).encode())
+        client.put_chunk(key, None, 0, json.dumps(rec).encode())
         n += 1
     return n
 
@@ -130,7 +130,7 @@ def _drop_from_record(client, key: str, dead: set[str]) -> None:
     entries = _read_record(client, key)
     keep = [e for e in entries if e["key"] not in dead]
     if len(keep) != len(entries):
-        client.put_chunk(key, 0, 0, json.dumps({"format": INDEX_FORMAT, "entries": keep}).encode()
+        client.put_chunk(key, None, 0, json.dumps({"format": INDEX_FORMAT, "entries": keep}).encode()
                          if keep else b"")
 
 
