@@ -144,3 +144,11 @@ def test_kvtc_with_anchors():
     assert stats["exact_tokens"] >= 36
     plain, pstats = anchors.encode_with_stats(k, v, "kvtc", config=cfg)
     assert plain == codec.encode_kv(k, v, "kvtc", config=cfg) and pstats["exact_tokens"] == 4   # kvtc's own sinks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_anchor_bits_in_every_dtype(dtype):
+    k, v = make_kv(2, 80, 2, 8, dtype=dtype, v_scale=0.5)
+    k2, v2 = anchors.decode(anchors.encode(k, v, "raw", sink=3, recent=20))
+    ints = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert k2.dtype == dtype and torch.equal(k2.view(ints), k.view(ints)) and torch.equal(v2.view(ints), v.view(ints))
