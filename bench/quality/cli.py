@@ -93,7 +93,7 @@ def choose_default_level(doc: dict, family: str = FAMILY_DEFAULT, reference: tup
     ref = ref[0]
     cands = []
     for r in rows:
-        if r.get("codec") != family or "per_window" not in r:
+        if r.get("codec") != family or "per_window" not in r or any((r.get("anchors") or {}).values()):
             continue
         if len(r["per_window"]["kl"]) != len(ref["per_window"]["kl"]):
             raise QualityError(f"{family} {r['level']} and the reference were measured on different windows")
@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text the kvtc calibration(s) are fitted on (raw text or WikiText-2 validation; "
                         "fitted once, cached by the text's sha256); default: the default calibration text. "
                         "Excludes --kvtc-calibration")
+    p.add_argument("--anchors", default="off", metavar="SINK,RECENT[;SINK,RECENT]",
+                   help="also measure every codec/level with exact anchor tokens (codec.anchors): the first SINK "
+                        "and last RECENT context tokens stored bit for bit, the rest coded; ';' separates "
+                        "settings, each measured beside the rows without anchors on the same windows (e.g. "
+                        "'4,128', KVTC's); rows then state anchors and exact_tokens. Full layout only. "
+                        "Default off")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -340,6 +346,7 @@ def _main(args, argv: list[str]) -> int:
     batch = _positive("--batch", args.batch)
     codec_workers = _positive("--codec-workers", args.codec_workers)
     pairs = parse_codec_spec(args.codecs)
+    anchor_list = _anchor_settings(args.anchors)
     user_cal = None
     if args.kvtc_calibration is not None:      # checked before the model loads
         from codec import kvtc as _kvtc
@@ -399,6 +406,8 @@ def _main(args, argv: list[str]) -> int:
     from kv_extraction_hf.inject_window import model_windows
 
     ws = model_windows(bundle) if args.window_storage != "off" and bundle.info.hybrid else None
+    if len(anchor_list) > 1 and ws is not None:
+        raise QualityError("--anchors needs the full layout: add --window-storage off")
     if args.window_storage == "on" and not bundle.info.hybrid:
         raise QualityError("--window-storage on: the model has no sliding-window layers")
     if ws is not None and user_cal is not None:
@@ -429,7 +438,7 @@ def _main(args, argv: list[str]) -> int:
                 print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
     if wt is not None:
         _text_part(args, bundle, wt, pairs, (windows, context, continuation), batch, codec_workers,
-                   configs, ws, wstore, doc)
+                   configs, ws, wstore, doc, anchor_list)
     if do_tasks:
         _task_part(args, bundle, task_pairs, n_req, (lengths, topic_lengths), longchat,
                    codec_workers, configs, ws, wstore, doc)
@@ -444,8 +453,25 @@ def _main(args, argv: list[str]) -> int:
 
 
 
+def _anchor_settings(spec: str) -> list[tuple[int, int]]:
+    """``--anchors`` -> the settings measured: (0, 0) first, then each distinct other one.
+    QualityError (one line) on a bad value."""
+    from codec.anchors import parse_anchors
+
+    out = [(0, 0)]
+    for part in [p for p in str(spec).split(";") if p.strip()]:
+        try:
+            a = parse_anchors(part)
+        except ValueError as exc:
+            raise QualityError(f"--anchors: {exc}") from None
+        if a not in out:
+            out.append(a)
+    return out
+
+
 def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch: int,
-               codec_workers: int, configs: dict, ws, wstore: dict, doc: dict) -> None:
+               codec_workers: int, configs: dict, ws, wstore: dict, doc: dict,
+               anchor_list: Sequence[tuple[int, int]] = ((0, 0),)) -> None:
     """The text-fidelity part: every codec/level against the lossless KV on WikiText-2
     windows; sizes is (windows, context tokens, continuation tokens). Fills doc's "rows",
     "data", "config" and "text_info" and prints the table."""
@@ -458,13 +484,14 @@ def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch
              if windows < 32 else ""))
     rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
                                    log=_log, batch=batch, codec_workers=codec_workers,
-                                   configs=configs, windows=ws)
+                                   configs=configs, windows=ws, anchors=anchor_list)
     doc["rows"] = rows
     doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
     doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
                      "seed": args.seed, "codecs": args.codecs, "quick": bool(args.quick),
                      "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
-                     "10000 resamples, seed 0 (exact enumeration for n <= 7)", "window_storage": wstore}
+                     "10000 resamples, seed 0 (exact enumeration for n <= 7)", "window_storage": wstore,
+                     "anchors": [list(a) for a in anchor_list]}
     doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
                                              "prefill_s", "scores_s", "batch", "batch_exact",
                                              "codec_workers", "total_s")}

@@ -20,16 +20,27 @@ def _print_rows(header: str, lines, note: str, out=None) -> None:
 
 def print_table(rows: list[dict], out=None) -> None:
     """The text-fidelity table (ppl change labelled as not monotone in distortion)."""
-    rows = sorted(rows, key=lambda r: (r["codec"], -1 if r["level"] is None else r["level"]))
+    rows = sorted(rows, key=lambda r: (r["codec"], -1 if r["level"] is None else r["level"], _anchors(r)))
     _print_rows(
-        f"{'codec / level':<18} {'ratio':>7} {'bits/el':>7}  {'n':>3}  {'KL nats/token [95% CI]':<28} "
+        f"{'codec / level':<24} {'ratio':>7} {'bits/el':>7}  {'n':>3}  {'exact':>5}  {'KL nats/token [95% CI]':<28} "
         f"{'top-1 agreement [95% CI]':<26} {'ppl change % [95% CI] (not monotone)':<30}",
-        (f"{level_label(r['codec'], r['level']) + (' *' if r.get('default') else ''):<18} "
-         f"{r['ratio_vs_dtype']:>6.2f}x {r['bits_per_element']:>7.3f}  {r['n_windows']:>3}  "
+        (f"{level_label(r['codec'], r['level'], _anchors(r)) + (' *' if r.get('default') else ''):<24} "
+         f"{r['ratio_vs_dtype']:>6.2f}x {r['bits_per_element']:>7.3f}  {r['n_windows']:>3}  {_exact(r):>5}  "
          f"{_fmt_ci(r['kl'], r['kl_ci']):<28} {_fmt_ci(r['top1_agreement'], r['top1_agreement_ci'], 3):<26} "
          f"{_fmt_ci(r['ppl_change_pct'], r['ppl_change_pct_ci'], 1):<30}" for r in rows),
-        "* = default codec/level. KL and top-1 agreement are against the lossless KV on the same windows; "
-        "rank by them, not by ppl change.", out)
+        "* = default codec/level. +S/R = S sink and R recent tokens stored exactly (codec.anchors); exact = "
+        "tokens per context stored exactly (anchors plus the codec's own sinks/recent; - = unknown). KL and "
+        "top-1 agreement are against the lossless KV on the same windows; rank by them, not by ppl change.", out)
+
+
+def _anchors(r: dict) -> tuple[int, int]:
+    a = r.get("anchors") or {}
+    return int(a.get("sink", 0)), int(a.get("recent", 0))
+
+
+def _exact(r: dict) -> str:
+    x = r.get("exact_tokens")
+    return "-" if x is None else f"{x:g}"
 
 
 def print_task_table(rows: list[dict], out=None) -> None:

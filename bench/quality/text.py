@@ -80,10 +80,13 @@ def parse_codec_spec(spec: Optional[str]) -> list[tuple[str, Optional[int]]]:
     return out
 
 
-def level_label(name: str, level: Optional[int]) -> str:
+def level_label(name: str, level: Optional[int], anchors: tuple = (0, 0)) -> str:
+    """The row label: ``codec.level_table.label``, plus `` +S/R`` for exact anchors
+    (``codec.anchors``: S sink and R recent tokens stored exactly; none when (0, 0))."""
     from codec import level_table
 
-    return level_table.label(name, level)
+    base = level_table.label(name, level)
+    return base if not any(anchors) else f"{base} +{anchors[0]}/{anchors[1]}"
 
 
 # ----------------------------------------------------------------------------- scores
@@ -139,15 +142,23 @@ def summarize_rows(acc: dict, n_resamples: int = 10000, seed: int = 0) -> list[d
     from evaluation.stats import mean_ci
 
     rows = []
-    for (name, level), a in acc.items():
+    for key, a in acc.items():
+        name, level = key[:2]
+        anc = tuple(key[2]) if len(key) > 2 else (0, 0)
         if not a["kl"]:
             continue
+        ex = a.get("exact_tokens") or []
         kl = mean_ci(a["kl"], n_resamples=n_resamples, seed=seed)
         top1 = mean_ci(a["top1"], n_resamples=n_resamples, seed=seed)
         ppl = mean_ci(a["ppl_change_pct"], n_resamples=n_resamples, seed=seed)
         rows.append({
             "codec": name, "level": level,
-            "default": name == FAMILY_DEFAULT and level == default_level(name),
+            "default": name == FAMILY_DEFAULT and level == default_level(name) and not any(anc),
+            # exact anchors (codec.anchors) and every token the stored KV keeps exactly (the
+            # anchors plus the codec's own sinks / recent tokens), per window; None = unknown
+            "anchors": {"sink": anc[0], "recent": anc[1]},
+            "exact_tokens": (ex[0] if len(set(ex)) == 1 else float(np.mean(ex)))
+            if ex and None not in ex else None,
             "ratio_vs_dtype": a["dtype_bytes"] / a["bytes"],
             "bits_per_element": 8.0 * a["bytes"] / a["elements"],
             # window storage: the codec's own ratio, against the KV elements it was given
@@ -190,11 +201,50 @@ def encode_decode_all(jobs: list, one: Callable, workers: int) -> list:
         torch.set_num_threads(threads)
 
 
+def code_one(k: torch.Tensor, v: torch.Tensor, pair: tuple, configs: dict, windows=None):
+    """One codec row of a window: ``(k2, v2, stats, encode s, decode s)`` from the real
+    bitstream of ``pair`` = (codec, level, (sink, recent)) on ``k``, ``v`` ``[L, T, H, D]``,
+    or the exception it raised (the caller skips that codec). ``stats`` carries
+    ``exact_tokens`` (None where the container does not say: LMCache serdes, windows)."""
+    from bench.lmcache import peers as lmcache_peers
+    from bench.lmcache import rows as lmcache_rows
+    from codec import anchors as exact
+    from codec import window
+
+    peer = lmcache_peers.is_peer(pair[0])
+    ours = lmcache_rows.is_row(pair[0])
+    try:
+        t1 = time.perf_counter()
+        if any(pair[2]):   # exact anchors around our codec's ordinary container
+            if peer or ours:
+                raise ValueError("exact anchors apply to the codecs of codec.CODECS only")
+            data, stats = exact.encode_with_stats(k, v, pair[0], pair[1], configs.get(pair[0]),
+                                                  sink=pair[2][0], recent=pair[2][1])
+        elif peer:       # LMCache's own serde code (bench/lmcache/peers.py)
+            data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
+        elif ours:     # our serdes inside LMCache, object by object (bench/lmcache/rows.py)
+            data, stats = lmcache_rows.encode_with_stats(k, v, pair[0], configs)
+        else:
+            data, stats = window.encode_with_stats(k, v, windows, codec=pair[0], level=pair[1],
+                                                   config=configs.get(pair[0]))
+        t2 = time.perf_counter()
+        k2, v2 = lmcache_peers.decode(data) if peer else lmcache_rows.decode(data) if ours \
+            else exact.decode(data) if any(pair[2]) else window.decode_dense(data)
+        t3 = time.perf_counter()
+        if "exact_tokens" not in stats:   # an ordinary container counts its codec's own
+            stats = dict(stats, exact_tokens=None if peer or ours or window.is_windowed(data)
+                         else exact.exact_tokens(data))
+    except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
+        return exc
+    return k2.to(k.dtype), v2.to(v.dtype), stats, t2 - t1, t3 - t2
+
+
 def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Optional[int]]],
                      n_windows: int, context: int, continuation: int, seed: int = 0,
                      log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH,
                      codec_workers: int = DEFAULT_CODEC_WORKERS,
-                     configs: Optional[dict] = None, windows=None) -> tuple[list[dict], dict]:
+                     configs: Optional[dict] = None, windows=None,
+                     anchors: Sequence[tuple[int, int]] = ((0, 0),)) -> tuple[list[dict], dict]:
     """Paired text-fidelity measurement on ``n_windows`` windows of ``token_ids``.
 
     ``token_ids``: the tokenized corpus; windows of ``context + continuation`` tokens at
@@ -213,9 +263,11 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     ValueError when ``batch`` < 1. ``configs``: codec name -> the config its encodes get
     (kvtc: a ``codec.kvtc.KvtcConfig`` naming its calibration; ``prepare_kvtc``).
     ``windows``: per-layer sliding windows for sliding-window storage (``codec.window``;
-    sizes then against the full layout), None = the full layout.
+    sizes then against the full layout), None = the full layout. ``anchors``: the exact
+    anchor settings ``(sink, recent)`` each codec/level is measured at (``codec.anchors``;
+    (0, 0) = none, the ordinary container); rows carry ``anchors`` and ``exact_tokens``.
+    Anchors other than (0, 0) need the full layout and our own codecs (ValueError).
     """
-    from codec import window
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import batch_is_exact, continuation_logits, continuation_logits_batch
 
@@ -224,9 +276,13 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
 
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    anchors = [tuple(a) for a in anchors]
+    if any(any(a) for a in anchors) and windows is not None:
+        raise ValueError("exact anchors need the full layout (window storage off)")
+    pairs = [(name, level, a) for name, level in pairs for a in anchors]
     offsets = token_windows(len(token_ids), context + continuation, n_windows, seed)
     acc: dict = {p: {"kl": [], "top1": [], "ppl_change_pct": [], "bytes": 0, "dtype_bytes": 0,
-                     "elements": 0, "stored_elements": 0, "encode_s": 0.0, "decode_s": 0.0, "forward_s": 0.0} for p in pairs}
+                     "elements": 0, "stored_elements": 0, "exact_tokens": [], "encode_s": 0.0, "decode_s": 0.0, "forward_s": 0.0} for p in pairs}
     skipped: dict[str, str] = {}
     ref_ppl: list[float] = []
     exact_shapes: list[bool] = []        # per batched forward: ran batched (True) or at batch 1
@@ -244,33 +300,13 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
         del ref_logits
         t_scores += time.perf_counter() - t
         todo = [p for p in pairs if level_label(*p) not in skipped]
-        def code_one(pair):
-            """(k2, v2, stats, encode s, decode s) from the real bitstream, or the exception."""
-            from bench.lmcache import peers as lmcache_peers
-            from bench.lmcache import rows as lmcache_rows
+        def one(pair):
+            return code_one(k, v, pair, configs, windows)
 
-            peer = lmcache_peers.is_peer(pair[0])
-            ours = lmcache_rows.is_row(pair[0])
-            try:
-                t1 = time.perf_counter()
-                if peer:       # LMCache's own serde code (bench/lmcache/peers.py)
-                    data, stats = lmcache_peers.encode_with_stats(k, v, pair[0])
-                elif ours:     # our serdes inside LMCache, object by object (bench/lmcache/rows.py)
-                    data, stats = lmcache_rows.encode_with_stats(k, v, pair[0], configs)
-                else:
-                    data, stats = window.encode_with_stats(k, v, windows, codec=pair[0], level=pair[1],
-                                                           config=configs.get(pair[0]))
-                t2 = time.perf_counter()
-                k2, v2 = lmcache_peers.decode(data) if peer else lmcache_rows.decode(data) if ours \
-                    else window.decode_dense(data)
-                t3 = time.perf_counter()
-            except Exception as exc:  # noqa: BLE001 - a codec that cannot run here is skipped
-                return exc
-            return k2.to(k.dtype), v2.to(v.dtype), stats, t2 - t1, t3 - t2
 
         for i in range(0, len(todo), batch):
             group = []                       # (pair, k2, v2, stats) decoded from the real bitstream
-            for pair, got in zip(todo[i:i + batch], encode_decode_all(todo[i:i + batch], code_one, codec_workers)):
+            for pair, got in zip(todo[i:i + batch], encode_decode_all(todo[i:i + batch], one, codec_workers)):
                 if isinstance(got, Exception):
                     label = level_label(*pair)
                     skipped[label] = f"{type(got).__name__}: {' '.join(str(got).split())[:200]}"
@@ -297,6 +333,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                 a["dtype_bytes"] += stats["dtype_bytes"]
                 a["elements"] += stats["elements"]
                 a["stored_elements"] += stats.get("stored_elements", stats["elements"])
+                a["exact_tokens"].append(stats.get("exact_tokens"))
                 if "levels" in stats:        # a serde row: the levels its objects were coded at
                     sd = a.setdefault("serde", {"levels": {}, "frame_bytes": 0, "coarser": 0, "finer": 0,
                                                 "encodes": 0, "objects": 0})
