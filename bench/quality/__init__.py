@@ -4,6 +4,7 @@ The command's modules:
 - ``bench.quality.cli``: the command: flags, the run in order, quality.json, --choose-default;
 - ``bench.quality.config``: defaults and the input error (QualityError);
 - ``bench.quality.text``: text fidelity on WikiText-2 windows: KL, top-1 agreement, perplexity change;
+- ``bench.quality.targets``: --targets: operating points fitted on calibration text, measured on held-out text;
 - ``bench.quality.tasks``: task answers of each codec and level against the lossless answers;
 - ``bench.quality.report``: the console tables.
 

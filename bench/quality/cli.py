@@ -67,6 +67,7 @@ from bench.quality.config import (
 )
 from bench.quality.text import parse_codec_spec, run_text_quality
 from bench.quality.tasks import run_tasks
+from bench.quality.targets import DEFAULT_TARGETS_OUT, parse_targets, print_targets, run_targets
 from bench.quality.report import print_table, print_task_paths, print_task_splits, print_task_table
 
 
@@ -272,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text the kvtc calibration(s) are fitted on (raw text or WikiText-2 validation; "
                         "fitted once, cached by the text's sha256); default: the default calibration text. "
                         "Excludes --kvtc-calibration")
+    p.add_argument("--targets", nargs="+", default=None, metavar="NAME",
+                   help="measure operating points instead of every level: near-lossless, lmcache, kl:X (nats/token); "
+                        "fitted per model on the calibration text (cached), then measured on the WikiText-2 "
+                        "windows; writes benchmarks/quality-targets.json unless --out is given")
+    p.add_argument("--target-kl", type=float, default=None, metavar="X",
+                   help="also the target KL <= X nats/token (same as --targets kl:X)")
+    p.add_argument("--fit-windows", type=int, default=16,
+                   help="calibration windows the operating points are fitted on (default %(default)s)")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -354,6 +363,12 @@ def _main(args, argv: list[str]) -> int:
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
     do_tasks = not args.no_tasks
+    targets = parse_targets(args.targets, args.target_kl) if (args.targets or args.target_kl is not None) else []
+    if targets:
+        _positive("--fit-windows", args.fit_windows)
+        if args.tasks_only:
+            raise QualityError("--targets measures text fidelity: it excludes --tasks-only")
+        do_tasks = False
     task_pairs = parse_codec_spec(args.task_codecs) if do_tasks else []
     n_req = _positive("--task-requests", args.task_requests if args.task_requests is not None
                       else (QUICK_TASK_REQUESTS if args.quick else 60))
@@ -427,6 +442,10 @@ def _main(args, argv: list[str]) -> int:
 
                 configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
                 print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
+    if targets:
+        _targets_part(args, argv, bundle, wt, targets, (windows, context, continuation), batch, codec_workers,
+                      configs, ws, doc, t_start)
+        return 0
     if wt is not None:
         _text_part(args, bundle, wt, pairs, (windows, context, continuation), batch, codec_workers,
                    configs, ws, wstore, doc)
@@ -442,6 +461,38 @@ def _main(args, argv: list[str]) -> int:
         _print_choice(choose_default_level(doc))
     return 0
 
+
+
+def _targets_part(args, argv, bundle, wt, targets, sizes, batch, codec_workers, configs, ws, doc, t_start) -> None:
+    """--targets: operating points fitted on the calibration text, measured on WikiText-2
+    (bench.quality.targets); writes quality-targets.json (or --out)."""
+    from codec import level_table
+
+    names = {c for c, _ in parse_codec_spec(args.codecs)}
+    codecs = [c for c in ("cachegen", "cachegen-ref", "kvtc") if c in names and level_table.levels(c)
+              and (c != "kvtc" or "kvtc" in configs)]
+
+    def measure(b, ids, pairs, n, ctx, cont, seed, cfgs):
+        return run_text_quality(b, ids, pairs, n, ctx, cont, seed, log=_log, batch=batch,
+                                codec_workers=codec_workers, configs=cfgs, windows=ws)[0]
+
+    ids = bundle.tokenizer(wt.text)["input_ids"]
+    part = run_targets(bundle, ids, targets, codecs, (*sizes, args.seed), args.fit_windows, measure, configs,
+                       ws, log=_log)
+    for k in ("rows", "tasks"):
+        doc.pop(k, None)
+    doc.update({"kind": "quality-targets", "targets": part,
+                "data": dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0"),
+                "config": {"n_windows": sizes[0], "context_tokens": sizes[1], "continuation_tokens": sizes[2],
+                           "seed": args.seed, "fit_windows": args.fit_windows, "codecs": codecs,
+                           "ci": "95% percentile bootstrap over windows, 10000 resamples, seed 0"},
+                "wall_s": time.perf_counter() - t_start})
+    out = args.out if any(a == "--out" or a.startswith("--out=") for a in argv) else \
+        DEFAULT_OUT.with_name(DEFAULT_TARGETS_OUT)
+    print()
+    print_targets(part)
+    _write_json(out, doc)
+    print(f"\nwrote {out} ({doc['wall_s']:.0f} s)")
 
 
 def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch: int,

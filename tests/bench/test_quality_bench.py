@@ -236,3 +236,13 @@ def test_quick_context_exercises_window_storage(context, windows, want):
     assert got == want
     sliding = [w for w in windows if w is not None]
     assert not sliding or got > max(sliding)     # something is dropped on every sliding layer
+
+
+def test_cli_bad_target_one_line_before_the_model(tmp_path, capsys):
+    from bench.quality.cli import main
+
+    for argv in (["--targets", "lossy-ish"], ["--target-kl", "-1"], ["--targets", "lmcache", "--fit-windows", "0"]):
+        assert main(argv + ["--out", str(tmp_path / "q.json"), "--data-path", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "\n" not in err, err
+    assert not (tmp_path / "q.json").exists()
