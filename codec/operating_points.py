@@ -17,8 +17,11 @@ Targets (``parse_target``):
 - ``kl:X`` (or a bare number): KL <= X nats/token.
 
 The margin (``meets``): a level meets a target when the 95% bootstrap CI UPPER bound of
-its mean calibration KL is <= the target's KL (and, with a top-1 floor, the CI LOWER bound
-of its top-1 agreement is >= the floor). The CI bound rather than ``mean <= target / 1.25``
+its mean calibration KL is <= the target's KL (and, with a top-1 floor, its mean top-1
+agreement is >= the floor). The KL bound carries the margin; top-1 is compared by its mean
+because it is a coarse share (a 32-token continuation moves it in steps of 1/32: its CI
+lower bound stayed under 0.95 for every level of every codec on 8 calibration windows of
+SmolLM2, cachegen 5's mean 0.953 included). The KL's CI bound rather than ``mean <= target / 1.25``
 because the margin then scales with what the calibration windows actually show: a level
 whose KL varies a lot between windows, or one measured on few windows, needs more room,
 and a near-constant one is not pushed a level up for nothing. The held-out check of the
@@ -116,13 +119,13 @@ def parse_target(spec: str) -> Target:
 
 def meets(row: dict, target: Target) -> bool:
     """True when a table row meets ``target`` (resolved) with the margin of this module:
-    ``row["kl_ci"][1] <= target.kl`` and, with a top-1 floor, ``row["top1_ci"][0] >=
+    ``row["kl_ci"][1] <= target.kl`` and, with a top-1 floor, ``row["top1"] >=
     target.min_top1``."""
     if target.kl is None:
         raise ValueError(f"target {target.name} is not resolved on a table")
     ok = row["kl_ci"][1] <= target.kl
     if target.min_top1 is not None:
-        ok = ok and row["top1_ci"][0] >= target.min_top1
+        ok = ok and row["top1"] >= target.min_top1
     return bool(ok)
 
 

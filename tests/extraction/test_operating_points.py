@@ -46,7 +46,7 @@ def test_chooser_picks_the_smallest_meeting_level():
     # lmcache: KL <= LMCache's mean calibration KL (0.04): level 1's upper bound 0.041 is above
     assert op.choose_level(TABLE, "cachegen", op.parse_target("lmcache"))["level"] == 3
     assert op.choose_level(TABLE, "kvtc", op.parse_target("kl:0.05"))["level"] == 4
-    # near-lossless needs top-1 too: kvtc 5 has KL 0.0095 upper but top-1 lower bound 0.938
+    # near-lossless needs top-1 too: kvtc 5 has KL 0.0095 upper but a mean top-1 of 0.948
     assert op.choose_level(TABLE, "cachegen", op.parse_target("near-lossless"))["level"] == 5
 
 
