@@ -139,7 +139,7 @@ def fit_table(bundle, measure: Callable, codecs: Sequence[str] = FIT_CODECS,
     -> rows as ``bench.quality.run_text_quality``'s first result (``kl``, ``kl_ci``,
     ``top1_agreement``, ``top1_agreement_ci``, ``ratio_vs_dtype``, ``n_windows`` per
     (codec, level)). ``codecs``: codec names whose every level is measured (those without
-    levels are refused: ValueError). ``settings``: overrides of ``FIT_SETTINGS``.
+    levels are refused: ValueError); LMCache's schedule (``cachegen-ref`` 0) always is. ``settings``: overrides of ``FIT_SETTINGS``.
     ``configs``: codec -> config (kvtc: ``KvtcConfig`` naming its calibration). ``text``:
     calibration text (default: the default calibration text). ``folder``: default
     ``codec.operating_points.default_dir()``. Returns the table (``rows``, ``model``,
@@ -170,6 +170,8 @@ def fit_table(bundle, measure: Callable, codecs: Sequence[str] = FIT_CODECS,
         fit_ids, _ = split_ids(ids, s["skip_tokens"])
         token_windows(len(fit_ids), win, s["windows"], s["seed"])   # too short: ExtractionError now
         pairs = [(c, lv) for c in codecs for lv in level_table.levels(c)]
+        if op.REFERENCE not in pairs:      # the lmcache target reads LMCache's schedule off the table
+            pairs.append(op.REFERENCE)
         log(f"[operating points] fitting on {s['windows']} windows x ({s['context_tokens']} + "
             f"{s['continuation_tokens']}) tokens of {trec['source']} (sha256 {trec['sha256'][:12]}), "
             f"{len(pairs)} codec levels (key {key})")
