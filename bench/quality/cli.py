@@ -54,66 +54,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
 from cachegen_common.header import environment as header_environment
 
 from bench.quality.config import (
     ANSWER_PATHS, DEFAULT_BATCH, DEFAULT_CODEC_WORKERS, DEFAULT_OUT, DEFAULT_TASK_CODECS,
-    FAMILY_DEFAULT, QUICK_CONTINUATION, QUICK_TASK_REQUESTS, QualityError, REFERENCE, TASKS,
+    FAMILY_DEFAULT, QUICK_CONTINUATION, QUICK_TASK_REQUESTS, QualityError, TASKS,
     TASK_LENGTHS, TOPIC_LENGTHS,
 )
+from bench.quality.default_level import choose_default_level, print_choice
+from codec.operating_points import REFERENCE
 from bench.quality.text import parse_codec_spec, run_text_quality
 from bench.quality.tasks import run_tasks
+from bench.quality.targets import DEFAULT_TARGETS_OUT, parse_targets, print_targets, run_targets
 from bench.quality.report import print_table, print_task_paths, print_task_splits, print_task_table
-
-
-# ----------------------------------------------------------------------------- default rule
-def choose_default_level(doc: dict, family: str = FAMILY_DEFAULT, reference: tuple = REFERENCE,
-                         n_resamples: int = 10000, seed: int = 0) -> dict:
-    """The default-level rule on a quality.json document.
-
-    Among ``family``'s rows measured on the same windows as ``reference`` (LMCache's
-    schedule), a level qualifies when it is no worse than the reference within the 95%
-    paired bootstrap CI: CI of per-window (KL_level - KL_ref) has lower end <= 0, and CI of
-    per-window (top1_level - top1_ref) has upper end >= 0. The choice is the qualifying
-    level with the largest ratio_vs_dtype (smallest size). Returns ``{"level", "ratio_vs_dtype",
-    "candidates": [...], "rule"}`` (level None when none qualifies). Raises QualityError
-    when the reference row or per-window values are missing or the windows differ.
-    """
-    from evaluation.stats import bootstrap_ci
-
-    rows = doc.get("rows") or []
-    ref = [r for r in rows if r.get("codec") == reference[0] and r.get("level") == reference[1]]
-    if not ref or "per_window" not in ref[0]:
-        raise QualityError(f"quality results lack the reference row {reference[0]} level {reference[1]} "
-                           "with per-window values")
-    ref = ref[0]
-    cands = []
-    for r in rows:
-        if r.get("codec") != family or "per_window" not in r or any((r.get("anchors") or {}).values()):
-            continue
-        if len(r["per_window"]["kl"]) != len(ref["per_window"]["kl"]):
-            raise QualityError(f"{family} {r['level']} and the reference were measured on different windows")
-        dkl = np.asarray(r["per_window"]["kl"]) - np.asarray(ref["per_window"]["kl"])
-        dtop = np.asarray(r["per_window"]["top1"]) - np.asarray(ref["per_window"]["top1"])
-        kl_ci = bootstrap_ci(dkl, n_resamples=n_resamples, seed=seed)
-        top_ci = bootstrap_ci(dtop, n_resamples=n_resamples, seed=seed)
-        ok = kl_ci[0] <= 0.0 and top_ci[1] >= 0.0
-        cands.append({"level": r["level"], "ratio_vs_dtype": r["ratio_vs_dtype"], "kl": r["kl"],
-                      "top1_agreement": r["top1_agreement"], "kl_diff_ci": list(kl_ci),
-                      "top1_diff_ci": list(top_ci), "qualifies": ok})
-    cands.sort(key=lambda c: -c["ratio_vs_dtype"])
-    best = next((c for c in cands if c["qualifies"]), None)
-    return {"level": best["level"] if best else None,
-            "ratio_vs_dtype": best["ratio_vs_dtype"] if best else None,
-            "reference": {"codec": reference[0], "level": reference[1], "ratio_vs_dtype": ref["ratio_vs_dtype"],
-                          "kl": ref["kl"], "top1_agreement": ref["top1_agreement"]},
-            "candidates": cands,
-            "rule": "smallest size whose 95% paired bootstrap CI of (KL - KL_ref) reaches <= 0 and of "
-                    "(top1 - top1_ref) reaches >= 0, on the same windows"}
 
 
 def environment() -> dict:
@@ -278,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "settings, each measured beside the rows without anchors on the same windows (e.g. "
                         "'4,128', KVTC's); rows then state anchors and exact_tokens. Full layout only. "
                         "Default off")
+
+
+    p.add_argument("--targets", nargs="+", default=None, metavar="NAME",
+                   help="measure operating points instead of every level: near-lossless, lmcache, kl:X (nats/token); "
+                        "fitted per model on the calibration text (cached), then measured on the WikiText-2 "
+                        "windows; writes benchmarks/quality-targets.json unless --out is given")
+    p.add_argument("--target-kl", type=float, default=None, metavar="X",
+                   help="also the target KL <= X nats/token (same as --targets kl:X)")
+    p.add_argument("--fit-windows", type=int, default=16,
+                   help="calibration windows the operating points are fitted on (default %(default)s)")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -291,22 +256,6 @@ def _positive(name: str, v: int) -> int:
     if v is None or v <= 0:
         raise QualityError(f"{name} must be a positive integer, got {v}")
     return v
-
-
-def _print_choice(choice: dict) -> None:
-    ref = choice["reference"]
-    print(f"reference {ref['codec']} {ref['level']}: {ref['ratio_vs_dtype']:.2f}x, KL {ref['kl']:.4f}, "
-          f"top-1 {ref['top1_agreement']:.3f}")
-    for c in choice["candidates"]:
-        print(f"  {FAMILY_DEFAULT} {c['level']}: {c['ratio_vs_dtype']:.2f}x  KL {c['kl']:.4f} "
-              f"(diff CI [{c['kl_diff_ci'][0]:+.4f}, {c['kl_diff_ci'][1]:+.4f}])  top-1 {c['top1_agreement']:.3f} "
-              f"(diff CI [{c['top1_diff_ci'][0]:+.3f}, {c['top1_diff_ci'][1]:+.3f}])  "
-              f"{'qualifies' if c['qualifies'] else 'worse'}")
-    print(f"rule: {choice['rule']}")
-    if choice["level"] is None:
-        print("chosen default level: none qualifies")
-    else:
-        print(f"chosen default level: {FAMILY_DEFAULT} {choice['level']} ({choice['ratio_vs_dtype']:.2f}x)")
 
 
 def quick_hybrid_context(context: int, windows: list) -> int:
@@ -334,7 +283,7 @@ def _main(args, argv: list[str]) -> int:
             doc = json.loads(args.out.read_text())
         except json.JSONDecodeError as exc:
             raise QualityError(f"{args.out} is not valid JSON: {exc}") from None
-        _print_choice(choose_default_level(doc))
+        print_choice(choose_default_level(doc))
         return 0
     from kv_extraction_hf.model import load_model
     from kv_extraction_hf.wikitext import load_wikitext2_split
@@ -361,6 +310,12 @@ def _main(args, argv: list[str]) -> int:
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
     do_tasks = not args.no_tasks
+    targets = parse_targets(args.targets, args.target_kl) if (args.targets or args.target_kl is not None) else []
+    if targets:
+        _positive("--fit-windows", args.fit_windows)
+        if args.tasks_only:
+            raise QualityError("--targets measures text fidelity: it excludes --tasks-only")
+        do_tasks = False
     task_pairs = parse_codec_spec(args.task_codecs) if do_tasks else []
     n_req = _positive("--task-requests", args.task_requests if args.task_requests is not None
                       else (QUICK_TASK_REQUESTS if args.quick else 60))
@@ -436,6 +391,10 @@ def _main(args, argv: list[str]) -> int:
 
                 configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
                 print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
+    if targets:
+        _targets_part(args, argv, bundle, wt, targets, (windows, context, continuation), batch, codec_workers,
+                      configs, ws, doc, t_start)
+        return 0
     if wt is not None:
         _text_part(args, bundle, wt, pairs, (windows, context, continuation), batch, codec_workers,
                    configs, ws, wstore, doc, anchor_list)
@@ -448,7 +407,7 @@ def _main(args, argv: list[str]) -> int:
     if doc.get("rows") and any(r["codec"] == REFERENCE[0] and r["level"] == REFERENCE[1] for r in doc["rows"]) \
             and any(r["codec"] == FAMILY_DEFAULT for r in doc["rows"]):
         print()
-        _print_choice(choose_default_level(doc))
+        print_choice(choose_default_level(doc))
     return 0
 
 
@@ -467,6 +426,38 @@ def _anchor_settings(spec: str) -> list[tuple[int, int]]:
         if a not in out:
             out.append(a)
     return out
+
+
+def _targets_part(args, argv, bundle, wt, targets, sizes, batch, codec_workers, configs, ws, doc, t_start) -> None:
+    """--targets: operating points fitted on the calibration text, measured on WikiText-2
+    (bench.quality.targets); writes quality-targets.json (or --out)."""
+    from codec import level_table
+
+    names = {c for c, _ in parse_codec_spec(args.codecs)}
+    codecs = [c for c in ("cachegen", "cachegen-ref", "kvtc") if c in names and level_table.levels(c)
+              and (c != "kvtc" or "kvtc" in configs)]
+
+    def measure(b, ids, pairs, n, ctx, cont, seed, cfgs):
+        return run_text_quality(b, ids, pairs, n, ctx, cont, seed, log=_log, batch=batch,
+                                codec_workers=codec_workers, configs=cfgs, windows=ws)[0]
+
+    ids = bundle.tokenizer(wt.text)["input_ids"]
+    part = run_targets(bundle, ids, targets, codecs, (*sizes, args.seed), args.fit_windows, measure, configs,
+                       ws, log=_log)
+    for k in ("rows", "tasks"):
+        doc.pop(k, None)
+    doc.update({"kind": "quality-targets", "targets": part,
+                "data": dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0"),
+                "config": {"n_windows": sizes[0], "context_tokens": sizes[1], "continuation_tokens": sizes[2],
+                           "seed": args.seed, "fit_windows": args.fit_windows, "codecs": codecs,
+                           "ci": "95% percentile bootstrap over windows, 10000 resamples, seed 0"},
+                "wall_s": time.perf_counter() - t_start})
+    out = args.out if any(a == "--out" or a.startswith("--out=") for a in argv) else \
+        DEFAULT_OUT.with_name(DEFAULT_TARGETS_OUT)
+    print()
+    print_targets(part)
+    _write_json(out, doc)
+    print(f"\nwrote {out} ({doc['wall_s']:.0f} s)")
 
 
 def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch: int,

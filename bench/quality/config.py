@@ -9,7 +9,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "benchmarks" / "quality.json"
-REFERENCE = ("cachegen-ref", 0)          # LMCache's default schedule
 FAMILY_DEFAULT = "cachegen"
 TASKS = ("needle", "topic_retrieval")
 TASK_LENGTHS = (1024, 2048, 3072, 4096)      # needle context lengths (tokens)

@@ -236,3 +236,49 @@ def test_quick_context_exercises_window_storage(context, windows, want):
     assert got == want
     sliding = [w for w in windows if w is not None]
     assert not sliding or got > max(sliding)     # something is dropped on every sliding layer
+
+
+def test_cli_bad_target_one_line_before_the_model(tmp_path, capsys):
+    from bench.quality.cli import main
+
+    for argv in (["--targets", "lossy-ish"], ["--target-kl", "-1"], ["--targets", "lmcache", "--fit-windows", "0"]):
+        assert main(argv + ["--out", str(tmp_path / "q.json"), "--data-path", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "\n" not in err, err
+    assert not (tmp_path / "q.json").exists()
+
+
+def test_run_targets_rows_on_a_fake_measurement(tmp_path, monkeypatch):
+    """bench.quality.targets.run_targets with a measurement made up here: the fitted point of
+    each codec, its hash, the held-out check (CI upper <= 1.25x target) and the unmet row."""
+    import types
+
+    from bench.quality.targets import parse_targets, run_targets
+
+    monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path))
+    kl = {("cachegen", 0): 0.08, ("cachegen", 1): 0.04, ("cachegen", 5): 0.003, ("cachegen-ref", 0): 0.05}
+    calls = []
+
+    def measure(bundle, ids, pairs, n, ctx, cont, seed, configs):
+        calls.append(len(pairs))
+        scale = 1.0 if len(calls) == 1 else 1.3      # held-out text: 1.3x the calibration KL
+        return [{"codec": c, "level": lv, "kl": kl[c, lv] * scale, "kl_ci": [kl[c, lv] * scale * 0.9, kl[c, lv] * scale * 1.1],
+                 "top1_agreement": 0.97, "top1_agreement_ci": [0.96, 0.98], "ratio_vs_dtype": 10.0 / (1 + lv),
+                 "n_windows": n} for c, lv in pairs]
+
+    bundle = types.SimpleNamespace(
+        tokenizer=lambda text, **kw: {"input_ids": [ord(ch) % 97 for ch in text]},
+        info=types.SimpleNamespace(model_id="fake", weights_hash="0" * 64))
+    import kv_extraction_hf.calibrate.operating_points as fit
+    import codec.level_table as LT
+
+    monkeypatch.setattr(LT, "CODEC_LEVELS", dict(LT.CODEC_LEVELS, cachegen=(0, 1, 5), **{"cachegen-ref": (0,)}))
+    part = run_targets(bundle, list(range(5000)), parse_targets(["lmcache"], 0.001), ["cachegen"], (4, 48, 8, 0),
+                       4, measure, {}, None, log=lambda m: None)
+    assert calls[0] == 4 and fit.FIT_SETTINGS["windows"] == 16
+    (lm, unmet) = part["rows"]
+    assert (lm["target"], lm["codec"], lm["level"]) == ("lmcache", "cachegen", 1)   # 0.044 <= 0.05 < 0.088
+    assert len(lm["operating_point"]) == 64 and lm["table"] == part["table"]["hash"]
+    assert lm["heldout"]["kl"] == pytest.approx(0.052) and lm["heldout_met"] is True     # 0.0572 <= 0.0625
+    assert lm["vs_lmcache"]["kl_within_or_below_ci"] is True
+    assert "error" in unmet and "cachegen 5" in unmet["error"]
