@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 
 import codec
-from streaming.identity import EntryIdentity
+from streaming.identity import NO_LEVEL_KEY, EntryIdentity
 from streaming.load import stream_load
 from streaming.store import build_manifest
 
@@ -29,7 +29,7 @@ def ids_of(case: int, n: int = T) -> list[int]:
 
 
 IDENTITY = EntryIdentity(model_id="m", weights_hash="w", dtype="float32", num_layers=L,
-                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={0: "raw-test"})
+                         num_kv_heads=H, head_dim=D, codec="raw", level_configs={None: "raw-test"})
 
 
 def entry(ids: list[int], ct: int, version: int):
@@ -38,9 +38,9 @@ def entry(ids: list[int], ct: int, version: int):
     k, v = kv(len(ids), version)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=ct)
     ranges = codec.chunk_bounds(len(ids), ct)
-    key, man = build_manifest("m", "w", "raw", ids, {0: chunks}, ranges, meta={"version": version},
+    key, man = build_manifest("m", "w", "raw", ids, {None: chunks}, ranges, meta={"version": version},
                               identity=IDENTITY)
-    return key, man, {0: chunks}
+    return key, man, {None: chunks}
 
 
 def decode(data: bytes):
@@ -55,7 +55,7 @@ def classify(client, key: str, n: int = T, counts: Counter | None = None,
     None) (with a reason); asserts there is no wrong KV. Adds the outcome ("miss", "load",
     "partial", "wrong") to ``counts`` when given."""
     counts = Counter() if counts is None else counts
-    res = stream_load(client, key, 0, decode, model_id="m", weights_hash="w", codec_tag="raw", **kw)
+    res = stream_load(client, key, NO_LEVEL_KEY, decode, model_id="m", weights_hash="w", codec_tag="raw", **kw)
     if not res.hit:
         assert res.reason, "a miss must say why"
         counts["miss"] += 1

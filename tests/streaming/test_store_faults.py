@@ -165,8 +165,8 @@ def test_server_writer_dies_mid_frame(tmp_path):
         base = c.current_gen(key)
         _, man, chunks = entry(ids, 64, 2)
         man = dict(man, gen="ab" * 16)
-        for i, ch in enumerate(chunks[0]):
-            c.put_chunk(key, 0, i, ch, gen=man["gen"])
+        for i, ch in enumerate(chunks[None]):
+            c.put_chunk(key, None, i, ch, gen=man["gen"])
         frame = encode_frame(FrameType.PUT_MANIFEST, {"manifest": man, "base_gen": base, "has_base": True})
         raw = socket.create_connection(s.srv.address)
         raw.sendall(frame[: len(frame) // 2])
@@ -198,7 +198,7 @@ def test_redis_writer_dies_mid_command(tmp_path):
         _, man, chunks = entry(ids, 64, 2)
         man = dict(man, gen="cd" * 16)
         blob = json.dumps(man).encode()
-        items = [(chunk_key(key, 0, i, man["gen"]), ch) for i, ch in enumerate(chunks[0])]
+        items = [(chunk_key(key, None, i, man["gen"]), ch) for i, ch in enumerate(chunks[None])]
         items.append((manifest_key(key, man["gen"]), blob))
         keys = [b"cg:" + manifest_key(key).encode(), b"cg:" + abort_marker_key(key, man["gen"]).encode()] + \
             [b"cg:" + k.encode() for k, _ in items]

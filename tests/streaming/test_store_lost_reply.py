@@ -210,7 +210,7 @@ def save(client, ids, ct: int, version: int) -> str:
     """put_context of raw chunks whose K is (token, version) (tests.helpers.store_faults)."""
     k, v = kv(len(ids), version)
     chunks = codec.encode_chunks(k, v, codec="raw", chunk_tokens=ct)
-    return client.put_context("m", "w", "raw", ids, {0: chunks}, codec.chunk_bounds(len(ids), ct),
+    return client.put_context("m", "w", "raw", ids, {None: chunks}, codec.chunk_bounds(len(ids), ct),
                               meta={"version": version}, identity=IDENTITY)
 
 

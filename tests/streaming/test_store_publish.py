@@ -62,7 +62,7 @@ def _load(c, tmp_path, params, lk, end, prompt_tokens):
 
 def _store_params(srv, key):
     return {"source": "store", "store": f"{srv.address[0]}:{srv.address[1]}", "context_key": key,
-            "level": 0, "model_id": "m", "weights_hash": "w", "codec_tag": "raw"}
+            "model_id": "m", "weights_hash": "w", "codec_tag": "raw"}
 
 
 def _stored_lookup(cl, srv, ids, source):
@@ -304,7 +304,7 @@ def test_failure4_redis_eviction_lookup_and_load_records(tmp_path):
         src = StoreSource(decode)
         promised = loaded = 0
         for key, ids in stored:
-            params = {"source": "store", "store": f"{h.host}:{h.port}", "context_key": key, "level": 0}
+            params = {"source": "store", "store": f"{h.host}:{h.port}", "context_key": key}
             lk = src.lookup(params, ids + [1])
             assert (lk.num_tokens > 0) == cl.has(key)
             if lk.num_tokens:
@@ -324,10 +324,10 @@ def test_failure4_redis_eviction_lookup_and_load_records(tmp_path):
             rb._client.flushdb()  # room again: the next entry is not evicted as it is written
             ids = stored[-1][1][:1024]
             key = put(cl, ids, 256, 3)
-            params = {"source": "store", "store": f"{h.host}:{h.port}", "context_key": key, "level": 0}
+            params = {"source": "store", "store": f"{h.host}:{h.port}", "context_key": key}
             lk = src.lookup(params, ids + [1])
             assert lk.num_tokens == 1024
-            rb.delete(f"ctx/{key}/g/{lk.info['gen']}/0/0")
+            rb.delete(f"ctx/{key}/g/{lk.info['gen']}/none/0")
         c, placed = _connector(tmp_path, src)
         rec = _load(c, tmp_path, params, lk, 1024, 1025)
         assert rec["kind"] == "miss" and rec["loaded_tokens"] == 0 and not placed
@@ -381,7 +381,7 @@ def test_failure6_variant_evicted_entry_is_dropped_from_the_index(server):
         index_entry(cl, "w", long_ids, k_long, "raw")
         index_entry(cl, "w", short_ids, k_short, "raw")
         gen = cl.get_manifest(k_long).gen
-        server.store.backend.delete(f"ctx/{k_long}/g/{gen}/0/2")
+        server.store.backend.delete(f"ctx/{k_long}/g/{gen}/none/2")
         lk = StoreSource(decode).lookup({"store": f"{server.address[0]}:{server.address[1]}",
                                          "prefix_match": True, "weights_hash": "w"}, long_ids)
         assert lk.num_tokens == 512 and lk.info["key"] == k_short
@@ -397,7 +397,7 @@ def test_chunk_whose_header_names_other_tokens_is_never_placed(server, tmp_path)
     from tests.helpers.store_faults import IDENTITY
 
     with StoreClient(*server.address) as cl:
-        key = cl.put_entry(IDENTITY, ids, {0: chunks}, [(0, 256), (256, 512)])
+        key = cl.put_entry(IDENTITY, ids, {None: chunks}, [(0, 256), (256, 512)])
         src = StoreSource(decode)
         params = _store_params(server, key)
         lk = src.lookup(params, ids + [1])
