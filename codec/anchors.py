@@ -50,8 +50,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import bitstream
-from .api import (DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, as_device, backend_for, check_kv, check_level,
-                  chunk_bounds, decode_kv, encode_one, peek_header, unpack_kind)
+from .api import (CHUNK_FIELDS, DEFAULT_CHUNK_TOKENS, MAX_DIM, MAX_ELEMENTS, as_device, backend_for, check_kv,
+                  check_level, chunk_bounds, decode_kv, encode_one, join_chunks, peek_header, unpack_kind)
 from .api import config_hash as plain_config_hash
 from .base import DTYPE_BYTES, DTYPE_NAMES, DTYPES, from_bits, to_bits
 from .errors import CodecError
@@ -282,23 +282,8 @@ def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "
         from .api import decode_chunks as plain
 
         return plain(chunks, device, backend)
-    ks, vs, first, pos = [], [], None, 0
-    for i, data in enumerate(chunks):
-        h = peek_anchor_header(data)
-        if first is None:
-            first, pos = h, h["token_offset"]
-        if h["token_offset"] != pos or h["chunk_index"] != i:
-            raise CodecError(f"chunk {i} starts at token {h['token_offset']}, expected {pos}")
-        for key in ("codec", "L", "H", "D", "dtype", "total_tokens", "num_chunks", "sink", "recent"):
-            if h[key] != first[key]:
-                raise CodecError(f"chunk {i} has {key}={h[key]!r}, chunk 0 has {first[key]!r}")
-        k, v = decode(data, device, backend)
-        ks.append(k)
-        vs.append(v)
-        pos += h["T"]
-    if pos != first["total_tokens"] or len(chunks) != first["num_chunks"]:
-        raise CodecError(f"chunks cover {pos} of {first['total_tokens']} tokens")
-    return torch.cat(ks, 1), torch.cat(vs, 1)
+    return join_chunks(chunks, peek_anchor_header, lambda data: decode(data, device, backend),
+                       CHUNK_FIELDS + ("sink", "recent"))
 
 
 def is_anchored(data: Any) -> bool:

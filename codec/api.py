@@ -21,7 +21,7 @@ Run the tests: .venv/bin/python -m pytest tests/codec/test_codec_api*.py -q
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -527,6 +527,37 @@ def decode_chunk(data: bytes, device: Any = "cpu", backend: str = "auto"
     return decode_kv(data, device, backend=backend)
 
 
+CHUNK_FIELDS = ("codec", "L", "H", "D", "dtype", "total_tokens", "num_chunks")  # shared by one call's chunks
+
+
+def join_chunks(chunks: Sequence[bytes], peek: Callable[[bytes], dict],
+                decode: Callable[[bytes], tuple[torch.Tensor, torch.Tensor]],
+                same: Sequence[str] = CHUNK_FIELDS) -> tuple[torch.Tensor, torch.Tensor]:
+    """One encode call's chunks checked against chunk 0 and their places (``peek``: a header
+    with token_offset, chunk_index, T and the ``same`` fields), decoded (``decode``) and
+    joined along tokens: (k, v) [L, T, H, D]. Raises CodecError if chunks are missing,
+    out of order or from different KVs."""
+    if not chunks:
+        raise CodecError("no chunks")
+    ks, vs, first, pos = [], [], None, 0
+    for i, data in enumerate(chunks):
+        h = peek(data)
+        if first is None:
+            first, pos = h, h["token_offset"]   # an encode_chunks(token_offset=...) call's start
+        if h["token_offset"] != pos or h["chunk_index"] != i:
+            raise CodecError(f"chunk {i} starts at token {h['token_offset']}, expected {pos}")
+        for key in same:
+            if h[key] != first[key]:
+                raise CodecError(f"chunk {i} has {key}={h[key]!r}, chunk 0 has {first[key]!r}")
+        k, v = decode(data)
+        ks.append(k)
+        vs.append(v)
+        pos += h["T"]
+    if pos != first["total_tokens"] or len(chunks) != first["num_chunks"]:
+        raise CodecError(f"chunks cover {pos} of {first['total_tokens']} tokens")
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
 def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "auto"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode all chunks of one ``encode_chunks`` call and concatenate along tokens
@@ -534,28 +565,7 @@ def decode_chunks(chunks: Sequence[bytes], device: Any = "cpu", backend: str = "
     Raises CodecError if chunks are missing, out of order or from different KVs;
     ValueError on a bad ``device`` or ``backend``."""
     backend_for(as_device(device), backend)   # argument errors before any decoding
-    if not chunks:
-        raise CodecError("no chunks")
-    ks, vs = [], []
-    pos = 0
-    first = None
-    for i, data in enumerate(chunks):
-        h = peek_header(data)
-        if first is None:
-            first = h
-            pos = h["token_offset"]        # an encode_chunks(token_offset=...) call's start
-        if h["token_offset"] != pos or h["chunk_index"] != i:
-            raise CodecError(f"chunk {i} starts at token {h['token_offset']}, expected {pos}")
-        for key in ("codec", "L", "H", "D", "dtype", "total_tokens", "num_chunks"):
-            if h[key] != first[key]:
-                raise CodecError(f"chunk {i} has {key}={h[key]!r}, chunk 0 has {first[key]!r}")
-        k, v = decode_kv(data, device, backend=backend)
-        ks.append(k)
-        vs.append(v)
-        pos += h["T"]
-    if pos != first["total_tokens"] or len(chunks) != first["num_chunks"]:
-        raise CodecError(f"chunks cover {pos} of {first['total_tokens']} tokens")
-    return torch.cat(ks, 1), torch.cat(vs, 1)
+    return join_chunks(chunks, peek_header, lambda data: decode_kv(data, device, backend=backend))
 
 
 def peek_header(data: bytes) -> dict:
