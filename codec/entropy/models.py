@@ -117,16 +117,34 @@ def _numba_or_py(fn):
 def _assign_py(H, W, assign, best):
     """assign[i] = argmin_k sum_s H[i, s] * W[s, k] (lowest k on ties), best[i] = the min.
     H float64 [n, nb] counts; W float64 [nb, K] = -log2(freq / M) of each table.
-    (prange: rows are independent; the parallel build is used for big problems.)"""
+    (prange: rows are independent; the parallel build is used for big problems.)
+    Each sum runs over the row's nonzero symbols in ascending order, one rounding per
+    product and per addition; four symbols are added per pass over ``acc`` (written as
+    one left-to-right expression: the same operations in the same order, so the same
+    float64 results) so that ``acc`` is loaded and stored once per four products."""
     n, nb = H.shape
     K = W.shape[1]
     for i in prange(n):
         acc = np.zeros(K, np.float64)
+        nz = np.empty(nb, np.int64)
+        m = 0
         for s in range(nb):
-            h = H[i, s]
-            if h != 0.0:
-                for k in range(K):
-                    acc[k] += h * W[s, k]
+            if H[i, s] != 0.0:
+                nz[m] = s
+                m += 1
+        j = 0
+        while j + 4 <= m:
+            s0, s1, s2, s3 = nz[j], nz[j + 1], nz[j + 2], nz[j + 3]
+            h0, h1, h2, h3 = H[i, s0], H[i, s1], H[i, s2], H[i, s3]
+            for k in range(K):
+                acc[k] = acc[k] + h0 * W[s0, k] + h1 * W[s1, k] + h2 * W[s2, k] + h3 * W[s3, k]
+            j += 4
+        while j < m:
+            s0 = nz[j]
+            h0 = H[i, s0]
+            for k in range(K):
+                acc[k] = acc[k] + h0 * W[s0, k]
+            j += 1
         b = 0
         bv = acc[0]
         for k in range(1, K):
@@ -212,10 +230,17 @@ def _seed_kernel(Hi, Ht, indptr, idx, val, sparse, own_bits, best, seed_nlq, n_h
         else:
             for i in range(n):
                 cost[i] = 0.0
-            for s in range(nb):  # vectorises over i
-                w = seed_nlq[k, s]
+            s = 0
+            while s + 4 <= nb:  # vectorises over i; four symbols per pass over cost
+                w0, w1, w2, w3 = seed_nlq[k, s], seed_nlq[k, s + 1], seed_nlq[k, s + 2], seed_nlq[k, s + 3]
+                for i in range(n):   # the same additions in the same order as one by one
+                    cost[i] = cost[i] + Ht[s, i] * w0 + Ht[s + 1, i] * w1 + Ht[s + 2, i] * w2 + Ht[s + 3, i] * w3
+                s += 4
+            while s < nb:
+                w0 = seed_nlq[k, s]
                 for i in range(n):
-                    cost[i] += Ht[s, i] * w
+                    cost[i] = cost[i] + Ht[s, i] * w0
+                s += 1
         for i in range(n):
             if cost[i] < best[i]:
                 best[i] = cost[i]
