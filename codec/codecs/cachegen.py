@@ -47,6 +47,31 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor, max_level: torch.Tensor) -> 
     return Q.quantize(x, scale, max_level)
 
 
+def _outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
+    """``codec.quant.outliers.outlier_thresholds(x, dims)``: a CPU bf16/fp32 x [L, T, G, D]
+    with dims (1, 3) takes its sample medians from the fused numba selection
+    ``codec.quant.fused.sample_median_abs_fast`` (the same values, no sample copy), anything
+    else the torch reference."""
+    med = None
+    if x.dim() == 4 and x.device.type == "cpu" and tuple(sorted(d % 4 for d in dims)) == (1, 3):
+        from ..quant.fused import sample_median_abs_fast
+
+        med = sample_median_abs_fast(x, outliers.sample_step(x, (1, 3)))
+    return outliers.outlier_thresholds(x, dims, med=med)
+
+
+def _outlier_channels(x: torch.Tensor, x_orig: torch.Tensor):
+    """``codec.quant.outliers.outlier_channels(x, x_orig)`` with the channel maxima of a
+    CPU bf16/fp32 x from the fused numba pass ``codec.quant.fused.channel_absmax_fast``
+    (bit-identical, no full-size abs copy) where it applies."""
+    c = None
+    if x.dim() == 4 and x.device.type == "cpu" and x.shape[1]:
+        from ..quant.fused import channel_absmax_fast
+
+        c = channel_absmax_fast(x)
+    return outliers.outlier_channels(x, x_orig, c=c)
+
+
 def _side_index(hdr: dict, arrays: dict, tag: str, prefix: str, other: str, what: str,
                 limit: int) -> Optional[tuple[int, np.ndarray]]:
     """The count and index array of a side list of ``tag`` (outliers: prefix "out", channels:
@@ -144,7 +169,7 @@ class CacheGenCodec(Codec):
             # outliers (|x| > OUTLIER_RATIO * median |x| of the group) are stored exactly in
             # a sparse side list and set to 0 before the scale is taken (one outlier must not set its group's step;
             # docs/bitstream.md section 4.4); normal KV stops at the group maxima
-            thr = outliers.outlier_thresholds(xg, dims)
+            thr = _outlier_thresholds(xg, dims)
             x_orig = xg
             if bool((s > thr).any()):
                 mask = xg.to(torch.float32).abs() > thr
@@ -161,7 +186,7 @@ class CacheGenCodec(Codec):
             # list took its values out, a channel far above the rest of its (layer, KV
             # head) is divided by 2^e (e stored) before the scale is taken, so that it no
             # longer sets the step of the others
-            ch = outliers.outlier_channels(xg, x_orig)
+            ch = _outlier_channels(xg, x_orig)
             if ch is not None:
                 cidx, cexp = ch
                 arrays[f"chx_{tag}_idx"] = cidx.astype(np.uint32 if L * H * D <= 1 << 32

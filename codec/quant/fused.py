@@ -39,7 +39,8 @@ from ..threads import run_kernel
 
 __all__ = ["all_finite", "dequant_table", "bits_view", "decode_cachegen_cpu", "decode_fp8_cpu",
            "decode_raw_cpu",
-           "decode_kivi_cpu", "check_out", "row_absmax_fast", "quantize_fast"]
+           "decode_kivi_cpu", "check_out", "row_absmax_fast", "quantize_fast",
+           "channel_absmax_fast", "sample_median_abs_fast"]
 
 
 def bits_view(t: torch.Tensor) -> np.ndarray:
@@ -404,10 +405,50 @@ def _quant_impl(bits, shift, inv, m, out, nchunks):
     return bad
 
 
+def _chanmax_impl(bits, shift, out):
+    """max over tokens of |x| per (layer, head, channel) of a bit-pattern array ``bits``
+    [L, T, G, D] (as ``_absmax_impl``), float32 bits in ``out`` uint32 [L, G, D]."""
+    L, T, G, D = bits.shape
+    mag = np.uint32(0x7FFFFFFF)
+    for r in prange(L * G):
+        layer = r // G
+        g = r - layer * G
+        for d in range(D):
+            out[layer, g, d] = 0
+        for t in range(T):
+            for d in range(D):
+                b = (np.uint32(bits[layer, t, g, d]) << np.uint32(shift)) & mag
+                if b > out[layer, g, d]:
+                    out[layer, g, d] = b
+
+
+def _sample_median_impl(bits, shift, step, out):
+    """Lower median of |x| per (layer, head) over the tokens 0, step, 2 * step, ... and
+    every channel (``bits`` as ``_absmax_impl``): the element of rank (n - 1) // 2 of the
+    n sampled magnitudes, as float32 bits in ``out`` uint32 [L, G]. Magnitudes of finite
+    floats order like their bits without the sign, so the selection is exact."""
+    L, T, G, D = bits.shape
+    nt = (T + step - 1) // step
+    n = nt * D
+    mag = np.uint32(0x7FFFFFFF)
+    for r in prange(L * G):
+        layer = r // G
+        g = r - layer * G
+        buf = np.empty(n, dtype=np.uint32)
+        j = 0
+        for t in range(0, T, step):
+            for d in range(D):
+                buf[j] = (np.uint32(bits[layer, t, g, d]) << np.uint32(shift)) & mag
+                j += 1
+        out[layer, g] = np.partition(buf, (n - 1) // 2)[(n - 1) // 2]
+
+
 if threads.HAVE_NUMBA:
     from numba import prange  # noqa: F811 - the kernels above use prange inside numba
     _absmax_par, _absmax_ser = threads.dual_build(_absmax_impl)
     _quant_par, _quant_ser = threads.dual_build(_quant_impl)
+    _chanmax_par, _chanmax_ser = threads.dual_build(_chanmax_impl)
+    _median_par, _median_ser = threads.dual_build(_sample_median_impl)
 else:  # pragma: no cover
     prange = range
 
@@ -472,3 +513,37 @@ def quantize_fast(x: torch.Tensor, scale: torch.Tensor, m: torch.Tensor) -> Opti
     bad = run_kernel(_quant_par, _quant_ser, par, bits, shift, inv_np,
                      np.ascontiguousarray(m.to(torch.float32).reshape(L).numpy()), out, nchunks)
     return None if bad else torch.from_numpy(out)
+
+
+def channel_absmax_fast(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x.abs().amax(dim=1).to(float32)`` for a CPU bf16/fp32 ``x`` [L, T, G, D]
+    (T >= 1): float32 [L, G, D], bit-identical, one pass without the full-size abs
+    copy; None when not applicable (other dtype/layout, or a non-finite maximum)."""
+    fb = _fast_bits(x)
+    if fb is None or x.numel() == 0:
+        return None
+    bits, shift = fb
+    L, T, G, D = x.shape
+    out = np.empty((L, G, D), dtype=np.uint32)
+    run_kernel(_chanmax_par, _chanmax_ser, x.numel() >= threads.PARALLEL_MIN_SYMBOLS, bits, shift, out)
+    if bool((out >= np.uint32(0x7F800000)).any()):
+        return None
+    return torch.from_numpy(out.view(np.float32))
+
+
+def sample_median_abs_fast(x: torch.Tensor, step: int) -> Optional[torch.Tensor]:
+    """Per (layer, head) lower median of |x| over tokens 0, step, 2 * step, ... and all
+    channels of a CPU bf16/fp32 ``x`` [L, T, G, D]: float32 [L, G], equal to torch's
+    ``median`` of that sample (the element of rank (n - 1) // 2) converted to float32;
+    None when not applicable (other dtype/layout, empty, or a non-finite median)."""
+    fb = _fast_bits(x)
+    if fb is None or x.numel() == 0 or step < 1:
+        return None
+    bits, shift = fb
+    L, T, G, D = x.shape
+    out = np.empty((L, G), dtype=np.uint32)
+    run_kernel(_median_par, _median_ser, x.numel() >= threads.PARALLEL_MIN_SYMBOLS, bits, shift,
+               int(step), out)
+    if bool((out >= np.uint32(0x7F800000)).any()):
+        return None
+    return torch.from_numpy(out.view(np.float32))

@@ -44,7 +44,7 @@ CHANNEL_MAX = 8            # at most this many outlier channels per (layer, KV h
 CHANNEL_MAX_EXP = 64       # exponents 1..64 (a channel is divided by 2^e before quantization)
 
 
-def _sample_step(x: torch.Tensor, dims: tuple) -> int:
+def sample_step(x: torch.Tensor, dims: tuple) -> int:
     """Step along the first reduced dim (tokens) so that at most ~OUTLIER_SAMPLE elements
     of each group enter the median: every channel of every step-th token."""
     per = math.prod(x.shape[d] for d in dims[1:])      # elements per token of a group
@@ -52,9 +52,13 @@ def _sample_step(x: torch.Tensor, dims: tuple) -> int:
     return max(1, -(-x.shape[dims[0]] // rows))
 
 
-def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
+def outlier_thresholds(x: torch.Tensor, dims: tuple, med: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """Per-group outlier thresholds ``OUTLIER_RATIO * median(|x|)`` (float32, keepdim over
-    ``dims``, e.g. x [L, T, H, D] with dims (1, 3) -> [L, 1, H, 1]).
+    ``dims``, e.g. x [L, T, H, D] with dims (1, 3) -> [L, 1, H, 1]). ``med``: the sample
+    medians already computed (float32, one per group, e.g. [L, H]; the caller's fused
+    pass ``codec.quant.fused.sample_median_abs_fast`` over ``sample_step(x, dims)``), else
+    computed here by torch.
 
     The median is torch's lower median over a sample of each group: every ``step``-th
     index of the first reduced dim (tokens: 0, step, 2*step, ...) with ALL indices of the
@@ -65,7 +69,10 @@ def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
     outlier)."""
     dims = tuple(sorted(d % x.dim() for d in dims))
     keep = [d for d in range(x.dim()) if d not in dims]
-    step = _sample_step(x, dims)
+    out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
+    if med is not None:
+        return (med.to(torch.float32) * OUTLIER_RATIO).reshape(out_shape)
+    step = sample_step(x, dims)
     sl = [slice(None)] * x.dim()
     sl[dims[0]] = slice(None, None, step)
     sample = x[tuple(sl)].permute(*keep, *dims)
@@ -74,11 +81,11 @@ def outlier_thresholds(x: torch.Tensor, dims: tuple) -> torch.Tensor:
     # abs and the median are exact in the KV dtype (a selection): convert only the result
     med = sample.median(dim=1).values.to(torch.float32)
     thr = med * OUTLIER_RATIO
-    out_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
     return thr.reshape(out_shape)
 
 
-def outlier_channels(x: torch.Tensor, x_orig: torch.Tensor | None = None):
+def outlier_channels(x: torch.Tensor, x_orig: torch.Tensor | None = None,
+                     c: torch.Tensor | None = None):
     """Outlier channels of x [L, T, H, D] (one chunk's tokens, after the outlier side list
     took its values out; groups = (layer, KV head)); ``x_orig``: the same tokens before
     the side list (default x), whose medians confirm the candidates.
@@ -91,14 +98,16 @@ def outlier_channels(x: torch.Tensor, x_orig: torch.Tensor | None = None):
     channels (so a channel is wide, not a few spikes). Exponent ``e = smallest integer
     >= 1 with c / 2^e <= r`` (from the exact binary exponents), capped at CHANNEL_MAX_EXP.
     Depends only on values (not on sort tie order), so every backend finds the same.
+    ``c``: the channel maxima ``x.abs().amax(dim=1)`` as float32 [L, H, D] when the caller
+    has them (``codec.quant.fused.channel_absmax_fast``: one pass, no abs copy).
     Returns ``(flat indices int64 [n] into [L, H, D], C order, increasing; exponents uint8
     [n] in 1..CHANNEL_MAX_EXP)`` as numpy arrays, or None when no group has one."""
     L, T, H, D = x.shape
     kmax = min(CHANNEL_MAX, D - 1)
     if kmax < 1 or T == 0:
         return None
-    ax = x.abs()
-    c = ax.amax(dim=1).to(torch.float32)                         # [L, H, D]
+    if c is None:
+        c = x.abs().amax(dim=1).to(torch.float32)                # [L, H, D]
     top = c.sort(dim=2, descending=True).values[..., :kmax + 1]  # [L, H, kmax + 1]
     hi, lo = top[..., :kmax], top[..., 1:]
     ok = (lo > 0) & (hi > CHANNEL_GAP * lo)
