@@ -291,6 +291,9 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     best = Hf @ seed_nlq[0]
     n_seeds = 1
     assign = np.zeros(n, np.int64)
+    # the assignment to the first k_done seeds (argmin, lowest index on ties) and its cost:
+    # a larger K only adds seeds, so only the new seeds' columns are summed (`_seed_assign`)
+    seed_state = [0, np.zeros(n, np.int64), np.zeros(n, np.float64)]
     cost = np.empty(n, np.float64)
     ideal = entropy_bits_of_counts(Hi)
     choices = []   # (codes, freqs, assign, bits, est) per K tried
@@ -304,7 +307,7 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
         else:
             # Lloyd: start from the seeds' assignment, then alternate update / assign,
             # always against the tables as transmitted (codes -> 16-bit)
-            _assign_kernel(Hf, np.ascontiguousarray(seed_nlq[:k_eff].T), assign, cost)
+            _seed_assign(Hf, seed_nlq, k_eff, seed_state, assign, cost)
             for _ in range(LLOYD_ITERS):
                 cent = _centroid_kernel(Hi, assign, k_eff)
                 used = np.flatnonzero(cent.sum(axis=1) > 0)  # drop empty clusters
@@ -341,6 +344,31 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
         codes, freqs, assign = codes[used], freqs[used], remap[assign]
     order, assign = _by_use(assign, freqs.shape[0])   # tables numbered by decreasing use
     return codes[order], freqs[order], assign, bits, trials
+
+
+def _seed_assign(Hf: np.ndarray, seed_nlq: np.ndarray, k: int, state: list,
+                 assign: np.ndarray, cost: np.ndarray) -> None:
+    """``_assign_kernel(Hf, seed_nlq[:k].T, assign, cost)`` computed incrementally: state
+    = [k_done, assign int64 [n], cost float64 [n]] over the first k_done seeds (updated to
+    k). Only the columns k_done..k-1 are summed; a model moves to a new seed when its cost
+    is strictly lower (the lowest index wins ties, as in the full argmin). Each column's
+    sum is the kernel's own, so the result is identical to the full assignment."""
+    k_done, sa, sc = state
+    if k < k_done:   # never with an ascending ladder; kept correct anyway
+        _assign_kernel(Hf, np.ascontiguousarray(seed_nlq[:k].T), assign, cost)
+        return
+    if k > k_done:
+        na, nc = np.empty_like(sa), np.empty_like(sc)
+        _assign_kernel(Hf, np.ascontiguousarray(seed_nlq[k_done:k].T), na, nc)
+        if k_done == 0:
+            sa[:], sc[:] = na, nc
+        else:
+            better = nc < sc
+            sa[better] = na[better] + k_done
+            sc[better] = nc[better]
+        state[0] = k
+    assign[:] = sa
+    cost[:] = sc
 
 
 def _by_use(assign: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
