@@ -104,3 +104,72 @@ def decode_kept(hdr: dict, ent: dict, ent_arrays: dict, payload, keep: list, off
     if sa.shape != (1, Tq, half) or sb.shape != (1, Tq, half):
         raise CodecError(f"kvtc: decoded symbols have shape {sa.shape}")
     return sa[0], sb[0]
+
+
+def kept_tables(keep: list, offs: list, half: int, centred: bool, dtype: torch.dtype
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Symbol -> value tables of the two halves of the kept layout, for the fused rANS
+    decode (``codec.entropy.decode_symbols_into``): [1, half, 256] each, the bit pattern
+    (uint16 for bf16, float32 itself for float32) of symbol s of column c as ``dtype``:
+    s - M (M = the offset of the (K/V, layer) or group owning c) when ``centred``, else s.
+    Both are exact integers in bf16 / float32 (|s - M| <= 255), so the values equal the
+    symbols cast the way ``KeptSymbols`` readers cast them. The pad column of an odd S
+    maps to 0 (never read)."""
+    s = torch.arange(256, dtype=torch.float32)
+    vals = torch.zeros((2 * half, 256), dtype=torch.float32)
+    col = 0
+    for kv in (0, 1):
+        for nl, o in zip(keep[kv], offs[kv]):
+            vals[col:col + nl] = s - float(o) if centred else s
+            col += nl
+    vals = vals.to(dtype)
+    if dtype == torch.bfloat16:
+        arr = vals.view(torch.int16).numpy().view(np.uint16)
+    elif dtype == torch.float32:
+        arr = vals.numpy()
+    else:
+        raise ValueError(f"kept value tables are bf16 or float32, not {dtype}")
+    return (np.ascontiguousarray(arr[None, :half]), np.ascontiguousarray(arr[None, half:]))
+
+
+class KeptValues(KeptSymbols):
+    """The decoded coefficients of one of K/V (or of the layer groups) in the kept layout,
+    already as the product's operand dtype: halves a, b [Tq, half] of bf16 (integer
+    q = symbol - offset) or float32 (the symbol itself); ``centred`` says which.
+    ``pieces`` as ``KeptSymbols``."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, keep: list, kv: int,
+                 centred: bool):
+        self.a, self.b, self.centred = a, b, centred
+        self.half = a.shape[1]
+        self.keep = keep[kv]
+        start = sum(keep[0]) if kv == 1 else 0
+        self.start = [start + sum(self.keep[:i]) for i in range(len(self.keep))]
+
+
+def decode_kept_values(hdr: dict, ent: dict, ent_arrays: dict, payload, keep: list,
+                       offs: list, max_kept: int, lvl: int, Tq: int, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_kept`` fused with the symbols' conversion to the product operand: the
+    two halves [Tq, ceil(S/2)] in ``dtype`` (bf16: q = symbol - offset of the column's
+    owner; float32: the symbol), written by one rANS pass
+    (``codec.entropy.decode_symbols_into``, both cores) through ``kept_tables``; no
+    uint8 intermediate. Every element is written. Raises CodecError as ``decode_kept``."""
+    from ..entropy import decode_symbols_into
+
+    S = need_int(hdr, "n_kept", 0, max_kept)
+    if S != n_kept(keep):
+        raise CodecError(f"kvtc: header has {S} kept columns, level {lvl} of the "
+                         f"calibration keeps {n_kept(keep)}")
+    half = max(1, (S + 1) // 2)
+    nba, nbb = kept_nbins(keep, offs, half)
+    centred = dtype == torch.bfloat16
+    ta, tb = kept_tables(keep, offs, half, centred, dtype)
+    va, vb = (scratch.empty((Tq, half), dtype=dtype) for _ in range(2))
+    if dtype == torch.bfloat16:
+        oa, ob = (x.view(torch.int16).numpy().view(np.uint16)[None] for x in (va, vb))
+    else:
+        oa, ob = va.numpy()[None], vb.numpy()[None]
+    decode_symbols_into(ent, ent_arrays, payload, 1, Tq, half, [nba], [nbb], oa, ob, ta, tb,
+                        0, 1)
+    return va, vb
