@@ -19,7 +19,7 @@ from ..errors import CodecError
 
 from . import calibration, layout
 from .calibration import DEFAULT_LEVEL, level_tiers
-from .inverse import inverse_groups, inverse_layers, operand_dtype
+from .inverse import inverse_groups, inverse_layers
 from .options import KvtcConfig
 from .registry import CalibrationArtifacts, get_calibration, resolve_calibration
 from .layout import (SPAN_ARRAY_RE, check_tiers, code_rows, decode_rows, exact_counts,
@@ -183,8 +183,7 @@ class KvtcCodec:
                                                     (L, nr, H, D), f"recent_{tag}")
             for lv, start, count, row, hdr, ent_arrays, pl in jobs:
                 P = cal.torch_params(lv)
-                srcs, offs = decode_rows(hdr, ent_arrays, pl, cal, lv, P, L, count,
-                                         operand_dtype(P, cal, res[0].dtype))
+                srcs, offs = decode_rows(hdr, ent_arrays, pl, cal, lv, P, L, count)
                 if not count:
                     continue
                 if cal.group_layers:

@@ -17,34 +17,9 @@ import torch
 from .. import scratch
 from . import rope, workers
 from .calibration import KvtcCalibration
-from .kept import KeptSymbols, KeptValues
+from .kept import KeptSymbols
 from .rope import apply_rope, rope_tables
 from .workers import rows_view, split_over_workers
-
-
-def operand_dtype(P: dict, cal: KvtcCalibration, out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the coefficient operand ``inverse_layers`` / ``inverse_groups``
-    multiply with for a destination of ``out_dtype``: torch.bfloat16 (integer q = symbol -
-    offset) when the product runs in bf16 (a bf16 destination on a CPU with bf16 dot
-    products, ``workers.bf16_gemm``, and, per-layer bases, no centroid offsets), else
-    torch.float32 (the symbol itself). ``layout.decode_rows(values=...)`` decodes straight
-    into it (``kept.KeptValues``)."""
-    if out_dtype != torch.bfloat16 or not workers.bf16_gemm():
-        return torch.float32
-    if not cal.group_layers and P.get("shrink") is not None:
-        return torch.float32
-    return torch.bfloat16
-
-
-def _check_values(sym, bf16: bool) -> bool:
-    """Whether ``sym`` is a ``KeptValues`` (raises ValueError when its values are not the
-    ones the product of this call multiplies: centred bf16 for a bf16 product)."""
-    if not isinstance(sym, KeptValues):
-        return False
-    if sym.centred != bf16:
-        raise ValueError("kvtc: decoded values do not match the product dtype "
-                         "(decode_rows(values=operand_dtype(...)))")
-    return True
 
 
 def inverse_layers(sym, offs: list, P: dict, kv: int, shape: tuple,
@@ -114,7 +89,6 @@ def inverse_layers(sym, offs: list, P: dict, kv: int, shape: tuple,
     # dot products: the product runs in bf16 with float32 accumulation (2-4x faster
     # than float32 here; the basis and mean are rounded to bf16 once, docs/codec.md 8.4b)
     bf16 = out.dtype == torch.bfloat16 and shrink is None and workers.bf16_gemm()
-    values = _check_values(sym, bf16)
     if bf16:
         if "basis_ts_bf16" not in P:     # cached beside the float32 tensors
             P["basis_ts_bf16"] = P["basis_ts"].to(torch.bfloat16)
@@ -136,19 +110,14 @@ def inverse_layers(sym, offs: list, P: dict, kv: int, shape: tuple,
         # AMX oneDNN's bf16 GEMM reads a row up to its stride, codec/scratch.py)
         qb = scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
         xh = scratch.empty((Tq, C), dtype=torch.bfloat16) if bf16 else None
-        q16 = scratch.empty((Tq * n,), dtype=torch.int16) if bf16 and not values else None
+        q16 = scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
         for layer in idx:
             nl = keep[layer]
             if bf16:
                 # straight into the destination unless RoPE follows (then via float32)
                 dst = out[layer].view(Tq, C) if not roped and out[layer].is_contiguous() \
                     else xh
-                if nl and values:            # q = symbol - M, decoded as bf16
-                    q = rows_view(qb, Tq, nl)
-                    for lo, hi, src in pieces(layer):
-                        q[:, lo:hi].copy_(src)
-                    torch.addmm(mean_h[layer], q, basis_h[layer, :nl], out=dst)
-                elif nl:
+                if nl:
                     q, qi = rows_view(qb, Tq, nl), rows_view(q16, Tq, nl)
                     for lo, hi, src in pieces(layer):
                         qi[:, lo:hi].copy_(src)
@@ -220,7 +189,6 @@ def inverse_groups(sym: KeptSymbols, offs: list, P: dict, cal: KvtcCalibration,
     else:
         offt = torch.tensor(offs, dtype=torch.float32)
         bias = P["mean"][:, 0] - offt[:, None] * P["colsum"]              # [NG, Cg]
-    values = _check_values(sym, bf16)
     kern = rope.rope_kernel() if roped else None
     kern16 = rope.rope_bf16_kernel() if (bf16 and roped and kern is not None) else None
     if roped:
@@ -236,18 +204,13 @@ def inverse_groups(sym: KeptSymbols, offs: list, P: dict, cal: KvtcCalibration,
         xb = scratch.empty((Tq, Cg), dtype=torch.bfloat16 if bf16 else torch.float32)
         # flat operands viewed as contiguous [Tq, nl] (as in ``inverse_layers``)
         qb = scratch.empty((Tq * n,), dtype=torch.bfloat16 if bf16 else torch.float32)
-        q16 = scratch.empty((Tq * n,), dtype=torch.int16) if bf16 and not values else None
+        q16 = scratch.empty((Tq * n,), dtype=torch.int16) if bf16 else None
         kb = scratch.empty((Tq, C), dtype=xb.dtype) if roped else None
         kf = scratch.empty((Tq, C), dtype=torch.float32) if roped else None
         for g in idx:
             nl = keep[g]
             if nl:
-                if bf16 and values:          # q = symbol - M, decoded as bf16
-                    q = rows_view(qb, Tq, nl)
-                    for lo, hi, src in sym.pieces(g):
-                        q[:, lo:hi].copy_(src)
-                    torch.addmm(mean_h[g], q, basis_h[g, :nl], out=xb)
-                elif bf16:
+                if bf16:
                     q, qi = rows_view(qb, Tq, nl), rows_view(q16, Tq, nl)
                     for lo, hi, src in sym.pieces(g):
                         qi[:, lo:hi].copy_(src)

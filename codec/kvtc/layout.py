@@ -10,7 +10,7 @@ docs/bitstream.md 4.5 describes the formats. Errors: ``CodecError`` on a bad hea
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -19,8 +19,7 @@ from ..errors import CodecError
 
 from .rope import undo_rope
 from .calibration import KvtcCalibration, MAX_Q
-from .kept import (KeptSymbols, KeptValues, decode_kept, decode_kept_values, kept_halves,
-                   n_kept)
+from .kept import KeptSymbols, decode_kept, kept_halves, n_kept
 
 
 def exact_counts(T: int, token_offset: int, total_tokens: int, sink: int, recent: int
@@ -160,14 +159,10 @@ def code_rows(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, lvl: int,
 
 
 def decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
-                 lvl: int, P: dict, L: int, Tq: int, values: Optional[torch.dtype] = None
-                 ) -> tuple[list, list]:
+                 lvl: int, P: dict, L: int, Tq: int) -> tuple[list, list]:
     """The symbols of Tq rows coded at ``lvl`` (header fields ``hdr``: layout, n_kept or
     n_components, offset_k/v, entropy): ([K, V] as ``KeptSymbols`` or uint8 [L, Tq, n],
-    [offset_k, offset_v]). ``values``: the product's operand dtype
-    (``inverse.operand_dtype``): kept layouts then decode straight into it
-    (``KeptValues``, one fused rANS pass, no uint8 symbols); the padded layout ignores
-    it. Raises CodecError on any inconsistency."""
+    [offset_k, offset_v]). Raises CodecError on any inconsistency."""
     from ..entropy import decode_symbols
 
     keep = P["keep"]
@@ -176,7 +171,7 @@ def decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
         raise CodecError(f"kvtc: column layout {layout!r} does not match calibration "
                          f"{cal.hash[:16]} (group_layers {cal.group_layers})")
     if cal.group_layers:
-        return _decode_rows_grouped(hdr, ent_arrays, payload, cal, lvl, keep, Tq, values)
+        return _decode_rows_grouped(hdr, ent_arrays, payload, cal, lvl, keep, Tq)
     offs = []
     for tag in ("k", "v"):
         o = hdr.get(f"offset_{tag}")
@@ -189,11 +184,6 @@ def decode_rows(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
     if not isinstance(ent, dict):
         raise CodecError("kvtc: missing entropy-coder header")
     if layout == KVTC_LAYOUT:            # format 2: each layer's kept columns only
-        if values is not None:
-            a, b = decode_kept_values(hdr, ent, ent_arrays, payload, keep, offs,
-                                      2 * L * cal.C, lvl, Tq, values)
-            return [KeptValues(a, b, keep, kv, values == torch.bfloat16)
-                    for kv in (0, 1)], offs
         a, b = decode_kept(hdr, ent, ent_arrays, payload, keep, offs, 2 * L * cal.C, lvl, Tq)
         return [KeptSymbols(a, b, keep, kv) for kv in (0, 1)], offs
     if layout == _PADDED and "start" not in hdr:   # format 1: the max kept width
@@ -263,11 +253,9 @@ def _code_rows_grouped(k: torch.Tensor, v: torch.Tensor, cal: KvtcCalibration, P
 
 
 def _decode_rows_grouped(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCalibration,
-                         lvl: int, keep: list, Tq: int, values: Optional[torch.dtype] = None
-                         ) -> tuple[list, list]:
+                         lvl: int, keep: list, Tq: int) -> tuple[list, list]:
     """The symbols of Tq rows of a grouped calibration (layout "grouped"):
-    ([KeptSymbols over the groups], [offsets per group]); with ``values`` (an operand
-    dtype) a ``KeptValues`` as in ``decode_rows``. Raises CodecError."""
+    ([KeptSymbols over the groups], [offsets per group]). Raises CodecError."""
     NG = cal.num_groups
     o = hdr.get("offsets")
     if not isinstance(o, list) or len(o) != NG or any(
@@ -276,10 +264,6 @@ def _decode_rows_grouped(hdr: dict, ent_arrays: dict, payload: Any, cal: KvtcCal
     ent = hdr.get("entropy")
     if not isinstance(ent, dict):
         raise CodecError("kvtc: missing entropy-coder header")
-    if values is not None:
-        a, b = decode_kept_values(hdr, ent, ent_arrays, payload, keep, [o, []],
-                                  NG * 2 * cal.group_layers * cal.C, lvl, Tq, values)
-        return [KeptValues(a, b, keep, 0, values == torch.bfloat16)], [o]
     a, b = decode_kept(hdr, ent, ent_arrays, payload, keep, [o, []],
                         NG * 2 * cal.group_layers * cal.C, lvl, Tq)
     return [KeptSymbols(a, b, keep, 0)], [o]
