@@ -23,9 +23,12 @@ def converted_model_dir() -> str | None:
 def scheduler_connector(extra: dict, prefix_caching: bool = False):
     """The connector's scheduler side (third_party.vllm.scheduler.CacheGenScheduler) without
     an engine: extra = the operator's kv_connector_extra_config, block size 128, no model
-    identity. Used by the connector unit tests (needs vLLM importable)."""
+    identity. Used by the connector unit tests (needs vLLM importable). Unless extra says
+    otherwise, loads stop at whole blocks ("load_partial_block": false) so the figures of
+    those tests stay whole blocks; test_connector_partial_block.py covers the default."""
     from third_party.vllm.connector_settings import ConnectorSettings
     from third_party.vllm.scheduler import CacheGenScheduler
 
+    extra = {"load_partial_block": False, **extra}
     return CacheGenScheduler(ConnectorSettings.from_extra(extra, block_size=128,
                                                           prefix_caching=prefix_caching))

@@ -44,17 +44,20 @@ def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
               max_tokens: int = 16, chunk_tokens: int = 256, prompt_kind: str = "needle",
-              keep_workdir: bool = False) -> dict[str, Any]:
+              keep_workdir: bool = False, block_size: int = 128) -> dict[str, Any]:
     """One engine, several scenarios; writes a JSON report to out_path (used by
     tests/vllm_connector/test_vllm_connector.py). Must be called under `if __name__ == "__main__":`.
     The model, the prompt (kv_extraction_hf.prompts.build_prompt, seed 1) and HF
     transformers' KV of the context (kv_extraction_hf.extract.prefill_kv) come from the
-    extraction package, as in the harness.
+    extraction package, as in the harness. block_size: vLLM's KV cache block size, tokens
+    (the CPU backend's default 128; its kernels take multiples of 32, vec16 also 16).
 
     Scenarios (same prompt = context + question, greedy max_tokens):
       text        plain prefill (no kv_transfer_params)
       text_save   plain prefill that also saves vLLM's own KV of the context (local folder)
-      load_vllm_kv  loads that saved KV back
+      load_vllm_kv  loads that saved KV back (every context token: the load ends inside
+                  a block)
+      load_vllm_kv_blocks  the same, capped at the last whole block
       local_raw   HF-transformers KV, raw codec chunks in a local folder, loaded
       store_raw   the same chunks through the KV store server on loopback
       corrupt     local chunks with chunk 1 corrupted: load stops there, vLLM recomputes
@@ -86,7 +89,8 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
     stats = work / "stats.jsonl"
     report: dict[str, Any] = {"prompt_kind": prompt_kind, "answer": answer,
                               "prompt_tokens": len(prompt), "context_tokens": len(ctx),
-                              "chunk_tokens": chunk_tokens, "hf": hf_out, "outputs": {},
+                              "chunk_tokens": chunk_tokens, "block_size": block_size,
+                              "hf": hf_out, "outputs": {},
                               "ttft_s": {}, "workdir": str(work)}
     with start_store_server(work / "store") as srv:
         with srv.client() as cl:
@@ -98,7 +102,7 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
         llm = make_llm(mdir, {"source": "local", "source_dir": str(work / "kv"),
                               "stats_path": str(stats), "stores": {"selfcheck": store},
                               "allow_client_save": True}, max_model_len=4096,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, block_size=block_size)
         try:
             cases = {
                 "text": None,
@@ -107,6 +111,12 @@ def selfcheck(model_dir: str | None, out_path: str, context_tokens: int = 600,
                                        "chunk_tokens": chunk_tokens}, "stats_tag": "save"},
                 "load_vllm_kv": {"source": "local", "context_key": "vllm_ctx", "mode": "raw",
                                  "stats_tag": "load_vllm_kv"},
+                # the same load stopped at the last whole block: what vLLM's own prefix
+                # cache holds (it keeps whole blocks only), so the two compare bit for bit
+                "load_vllm_kv_blocks": {"source": "local", "context_key": "vllm_ctx",
+                                        "mode": "raw",
+                                        "load_tokens": len(ctx) // block_size * block_size,
+                                        "stats_tag": "load_vllm_kv_blocks"},
                 "local_raw": {"source": "local", "context_key": "ctx", "mode": "raw",
                               "stats_tag": "local_raw"},
                 "store_raw": {"source": "store", "store": store, "context_key": skey,
@@ -197,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-tokens", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt", choices=["needle", "lines"], default="needle")
+    ap.add_argument("--block-size", type=int, default=128,
+                    help="vLLM KV cache block size, tokens (default 128)")
     a = ap.parse_args(argv)
-    return exit_status(lambda: selfcheck(a.model_dir, a.out, a.context_tokens, a.max_tokens, prompt_kind=a.prompt),
+    return exit_status(lambda: selfcheck(a.model_dir, a.out, a.context_tokens, a.max_tokens, prompt_kind=a.prompt,
+                                         block_size=a.block_size),
                        (ExtractionError, ValueError, OSError, RuntimeError))
 
 

@@ -16,7 +16,8 @@ goes to --kv-transfer-config, docs/vllm-connector.md "Running it in vLLM's OpenA
 Trust boundary (third_party/vllm/trust.py): paths, hosts/ports and saving come ONLY from
 the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow_client_save",
 "prefix_match", "allow_lossy_prefix_cache", "stats_path", "model_id", "weights_hash",
-"warmup", "async_load"); a request's kv_transfer_params only choose among them:
+"warmup", "async_load", "load_partial_block"); a request's kv_transfer_params only choose
+among them:
     SamplingParams(extra_args={"kv_transfer_params": {
         "source": "store" | "local",   # default: extra config "source"
         "store": "main",               # a configured store's NAME
@@ -34,9 +35,10 @@ A request without kv_transfer_params (mode "text") loads nothing unless prefix_m
 
 Design (facts of this vLLM build, see docs/vllm-connector.md):
 * Scheduler side (EngineCore process): `get_num_new_matched_tokens` asks the source for the
-  stored prefix (a manifest read, no side effects) and returns a multiple of the block size,
-  strictly fewer than the prompt's tokens (the last token is always recomputed for logits),
-  minus local hits; the load is synchronous (False), so it completes before the forward.
+  stored prefix (a manifest read, no side effects) and returns it cut to strictly fewer
+  than the prompt's tokens (the last token is always recomputed for logits), minus local
+  hits; it may end inside a block (extra config "load_partial_block", default true: vLLM
+  prefills the question into the rest of that block; false: whole blocks only); the load is synchronous (False), so it completes before the forward.
   With extra config "async_load": true it is asynchronous (True): the request waits in
   WAITING_FOR_REMOTE_KVS while a worker background thread loads it (reported through
   get_finished), and an abort stops the load at the next chunk (its record says aborted).
@@ -44,7 +46,8 @@ Design (facts of this vLLM build, see docs/vllm-connector.md):
   paged cache through the attention backend's own cache-write op
   (`impl.do_kv_cache_update` -> `torch.ops._C.cpu_attn_reshape_and_cache`) with a slot
   mapping: the block interior packing is ISA-specific, so nothing assumes a layout. Only
-  whole blocks are loaded, so every block touched is fully overwritten.
+  the slots of loaded tokens are written; the rest of a partly loaded last block is
+  written by vLLM's own forward (the question's tokens).
 * Tokens that could not be loaded (text fallback of a chunk, lost connection, corrupt
   chunk) are reported through `get_block_ids_with_load_errors`; with
   kv_load_failure_policy="recompute" vLLM recomputes from the first failed block.

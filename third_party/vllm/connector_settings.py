@@ -60,6 +60,8 @@ class ConnectorSettings:
     prefix_caching: vLLM's prefix caching is on.
     allow_lossy_cache: extra config "allow_lossy_prefix_cache".
     async_load: loads run in a worker background thread (extra config "async_load").
+    partial_block: extra config "load_partial_block": the load may end inside a block (the
+        stored prefix up to the prompt's last token) instead of at the last whole block.
     key_fn: extra config "key_fn" loaded, or None (streaming.store:context_key).
     chunk_hook: test-only extra config "test_chunk_hook" loaded, or None.
     stats: the stats writer of extra config "stats_path".
@@ -72,6 +74,7 @@ class ConnectorSettings:
     prefix_caching: bool = False
     allow_lossy_cache: bool = False
     async_load: bool = False
+    partial_block: bool = True
     key_fn: Callable | None = None
     chunk_hook: Callable | None = None
     stats: StatsWriter = field(default_factory=lambda: StatsWriter(None))
@@ -80,7 +83,8 @@ class ConnectorSettings:
     def from_extra(cls, extra: dict[str, Any] | None, block_size: int = 128, identity: Any = None,
                    prefix_caching: bool = False) -> "ConnectorSettings":
         """Settings from the operator's extra config. Raises ValueError (one line) on a
-        malformed store list, key bound, "decode_cpus", "async_load" or hook."""
+        malformed store list, key bound, "decode_cpus", "async_load",
+        "load_partial_block" or hook."""
         extra = dict(extra or {})
         allowed_stores(extra)  # a malformed operator store list fails at start, clearly
         max_key_chars(extra)   # so does a key bound above the one every source shares
@@ -97,6 +101,9 @@ class ConnectorSettings:
             # load in a worker background thread (vLLM's async load contract), so that an
             # abort stops the load at the next chunk; default false (before the forward)
             async_load=bool_option(extra, "async_load", False),
+            # vLLM's scheduler takes a hit that ends inside a block (it only keeps the last
+            # prompt token for the forward); false: stop at the last whole block
+            partial_block=bool_option(extra, "load_partial_block", True),
             key_fn=load_callable(extra["key_fn"]) if extra.get("key_fn") else None,
             chunk_hook=load_callable(extra["test_chunk_hook"])
             if extra.get("test_chunk_hook") else None,

@@ -77,14 +77,16 @@ def check_hma_groups(kv_cache_config: Any) -> None:
 
 def hma_settings(settings: ConnectorSettings) -> ConnectorSettings:
     """The hybrid-manager connector's settings: loads forced asynchronous (a failed load is
-    reported per request). Raises ValueError (one line) when the operator allows saves."""
+    reported per request) and stopped at whole blocks (a load ending inside a block is
+    checked with one KV cache group only). Raises ValueError (one line) when the operator
+    allows saves."""
     if not settings.async_load:
         logger.info("CacheGenHMAConnector: loads are asynchronous (a failed load is "
                     "reported per request, vLLM then recomputes it)")
     if settings.extra.get("allow_client_save"):
         raise ValueError("CacheGenHMAConnector does not save KV (the read-back reads one "
                          "block table); set allow_client_save false or use CacheGenConnector")
-    return dataclasses.replace(settings, async_load=True)
+    return dataclasses.replace(settings, async_load=True, partial_block=False)
 
 
 class HMAScheduler(CacheGenScheduler):

@@ -19,7 +19,8 @@ class LoadRequest:
     """One request's load, sent scheduler -> worker (pickled: kept small).
 
     start, end: token range [start, end) to write (start = tokens vLLM already holds,
-        end = multiple of block_size, < prompt length).
+        end < prompt length; a multiple of block_size unless extra config
+        "load_partial_block" lets the load end inside a block).
     block_ids: the request's block ids (first KV cache group) covering at least [0, end).
     block_size: tokens per block of the scheduler's block table.
     params: the request's kv_transfer_params plus engine defaults.

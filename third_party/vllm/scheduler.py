@@ -3,10 +3,11 @@
 CacheGenConnector (third_party.vllm.cachegen_connector) builds a CacheGenScheduler when vLLM
 creates it with role SCHEDULER and forwards vLLM's scheduler-side calls to it. It decides
 what a request loads: the trust check of its kv_transfer_params (third_party.vllm.trust),
-the lookup of the stored prefix (a manifest read, no side effects), the block-aligned
-number of tokens offered to vLLM, the LoadRequest / SaveRequest sent to the worker in the
-step's metadata, and the one stats record of every request whose outcome is not a load
-(rejected, miss, local_hit). The worker side is third_party.vllm.worker.
+the lookup of the stored prefix (a manifest read, no side effects), the number of tokens
+offered to vLLM (up to the prompt's last token, or whole blocks only), the LoadRequest /
+SaveRequest sent to the worker in the step's metadata, and the one stats record of every
+request whose outcome is not a load (rejected, miss, local_hit). The worker side is
+third_party.vllm.worker.
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ class CacheGenScheduler:
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens to load beyond num_computed_tokens (vLLM's local prefix-cache hits): the
-        stored prefix of the prompt, cut to a multiple of the block size and to at most
-        len(prompt) - 1. Side-effect free on the source (a manifest read; the answer is
+        stored prefix of the prompt, cut to at most len(prompt) - 1 (vLLM's forward needs
+        the last prompt token for the first logits) and, with extra config
+        "load_partial_block": false, down to a multiple of the block size. Side-effect free on the source (a manifest read; the answer is
         memoised per request id). Writes one scheduler-side stats record per request whose
         outcome is not a load: "rejected" (trust check), "miss" (nothing stored to load),
         "local_hit" (vLLM's own prefix cache already holds what is stored, or a plain
@@ -240,9 +242,10 @@ class CacheGenScheduler:
         n = min(lk.num_tokens, len(prompt) - 1)
         if params.get("load_tokens") is not None:
             n = min(n, int(params["load_tokens"]))
-        n = n // self.settings.block_size * self.settings.block_size
+        if not self.settings.partial_block:
+            n = n // self.settings.block_size * self.settings.block_size
         if 0 < n < int(lk.info.get("min_load_tokens") or 0):   # a windowed entry: too short
-            lk.info["miss"], n = f"window: {n} block-aligned tokens < the entry's min_load_tokens", 0
+            lk.info["miss"], n = f"window: {n} loadable tokens < the entry's min_load_tokens", 0
         if first and n <= num_computed_tokens:
             # a KV mode that loads nothing runs as a plain prefill (or from vLLM's own prefix
             # cache): say which, a benchmark must not report it as a KV load
@@ -251,8 +254,10 @@ class CacheGenScheduler:
                                              "stored prefix")
             else:
                 kind = "miss"
-                reason = lk.info.get("miss", f"fewer than one block ({self.settings.block_size} "
-                                             "tokens) stored for this prompt")
+                reason = lk.info.get("miss", (
+                    "no stored token before the prompt's last one" if self.settings.partial_block
+                    else f"fewer than one block ({self.settings.block_size} tokens) stored "
+                    "for this prompt"))
             logger.info("KV %s %s [%s]: %s (stored %d, local hits %d, prefill %d tokens)",
                         kind, rid, params.get("stats_tag") or "-", reason, lk.num_tokens,
                         num_computed_tokens, len(prompt) - num_computed_tokens)
