@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "adaptation table reports; default = AdaptivePolicy's own defaults; tuned-dip)")
     p.add_argument("--chunk-tokens", type=int, help="tokens per streamed chunk")
     p.add_argument("--block-tokens", type=int,
-                   help="engine KV block size; loaded prefixes are whole blocks (128 on vLLM CPU)")
+                   help="engine KV block size (128 on vLLM CPU)")
+    p.add_argument("--whole-blocks", dest="whole_blocks", action="store_const", const=True,
+                   help="load only whole KV blocks of the context (the engine prefills the partial "
+                        "last block; default: the whole context, the connector loads a partial block)")
     p.add_argument("--store", help="KV store backend: a folder (default: temporary), redis (a redis-server "
                    "the run starts behind the link) or redis://HOST:PORT/DB")
     flags.add_link_method(p, default=None, help="link shaping: auto (netns as root, else "

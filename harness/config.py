@@ -69,6 +69,10 @@ class RunConfig:
     policy_preset: str = DEFAULT_PRESET  # the cachegen-adaptive row's PolicyParams preset
     chunk_tokens: int = 1024
     block_tokens: int = 128
+    # true = load only whole KV blocks (the engine prefills the context's partial last block
+    # with the question); false = load the whole context (the vLLM connector loads a partial
+    # last block). vllm_hybrid_kv always loads whole blocks (CacheGenHMAConnector).
+    whole_blocks: bool = False
     store: str | None = None
     link_method: str = "auto"
     quality: bool = True
@@ -111,6 +115,8 @@ class RunConfig:
         if self.policy_preset not in POLICY_PRESETS:
             raise ConfigError(f"unknown policy_preset {self.policy_preset!r}; available: "
                               f"{', '.join(POLICY_PRESETS)}")
+        if not isinstance(self.whole_blocks, bool):
+            raise ConfigError(f"whole_blocks must be true or false, got {self.whole_blocks!r}")
         if not isinstance(self.vllm_hybrid_kv, bool):
             raise ConfigError(f"vllm_hybrid_kv must be true or false, got {self.vllm_hybrid_kv!r}")
         if self.vllm_hybrid_kv and self.engine != "vllm":

@@ -124,10 +124,14 @@ def store_levels(vlist: list[Variant], cfg: RunConfig,
     return out
 
 
-def load_prefix(context_tokens: int, prompt_tokens: int, block_tokens: int) -> int:
-    """Tokens of the context whose KV is loaded: whole KV blocks, strictly fewer than the
-    prompt (the engine must prefill at least one token to produce logits)."""
-    return min(context_tokens, prompt_tokens - 1) // block_tokens * block_tokens
+def load_prefix(context_tokens: int, prompt_tokens: int, block_tokens: int,
+                whole_blocks: bool = True) -> int:
+    """Tokens of the context whose KV is loaded, strictly fewer than the prompt (the engine
+    must prefill at least one token to produce logits): rounded down to whole KV blocks of
+    ``block_tokens`` when ``whole_blocks``, else every such token (the vLLM connector loads
+    a partial last block; docs/vllm-connector.md, "The last partial block")."""
+    n = min(context_tokens, prompt_tokens - 1)
+    return n // block_tokens * block_tokens if whole_blocks else n
 
 
 def build_contexts(cfg: RunConfig, bundle) -> list[Context]:
@@ -145,7 +149,8 @@ def build_contexts(cfg: RunConfig, bundle) -> list[Context]:
                              max_prompt_tokens=bundle.info.max_context, **prompt_data_kwargs(cfg))
         except ExtractionError as exc:
             raise BenchmarkError(f"task {task!r}: {exc}") from None
-        load = load_prefix(len(p.context_ids), len(p.input_ids), cfg.block_tokens)
+        load = load_prefix(len(p.context_ids), len(p.input_ids), cfg.block_tokens,
+                           whole_blocks=cfg.whole_blocks or cfg.vllm_hybrid_kv)
         if load < cfg.block_tokens:
             raise BenchmarkError(f"context of {task} has {len(p.context_ids)} tokens, fewer "
                                  f"than one KV block ({cfg.block_tokens}); raise --context-tokens")

@@ -17,7 +17,7 @@ import run_benchmarks
 from evaluation import metrics as M
 from evaluation.summary import aggregate_metric, higher_is_better, plot_label, summarize
 from harness.adaptation import adaptation_rows, load_traces, slo_violated
-from harness.config import RunConfig
+from harness.config import ConfigError, RunConfig
 from harness.contexts import (BenchmarkError, Context, Variant, chunk_ranges, load_prefix,
                               store_levels, variants)
 from harness.engines import RequestTiming, merge_decisions, request_params, timing_from_connector
@@ -130,6 +130,17 @@ def test_populate_store_identity_carries_kvtc_calibration_hash():
     (1000, 1010, 128, 896), (1024, 1025, 128, 1024), (1024, 1024, 128, 896), (100, 120, 128, 0)])
 def test_load_prefix_whole_blocks_shorter_than_prompt(ctx_tokens, prompt_tokens, block, want):
     assert load_prefix(ctx_tokens, prompt_tokens, block) == want
+
+
+@pytest.mark.parametrize("ctx_tokens,prompt_tokens,want", [
+    (1000, 1010, 1000), (1024, 1025, 1024), (1024, 1024, 1023), (100, 120, 100), (4093, 4117, 4093)])
+def test_load_prefix_partial_block_loads_the_context_but_one_prompt_token(ctx_tokens, prompt_tokens, want):
+    assert load_prefix(ctx_tokens, prompt_tokens, 128, whole_blocks=False) == want
+
+
+def test_whole_blocks_must_be_a_bool():
+    with pytest.raises(ConfigError, match="whole_blocks"):
+        RunConfig(whole_blocks="yes")
 
 
 def test_chunk_ranges_cover_prefix():

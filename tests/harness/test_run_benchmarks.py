@@ -49,11 +49,12 @@ def _check_doc(doc: dict, engine: str) -> None:
     for r in doc["runs"]:
         assert r["engine"] == engine
         assert r["ttft_s"] > 0 and r["bandwidth_mbps"] == 200
-    # every KV mode really moved bytes through the link and loaded a block-aligned prefix
+    # every KV mode really moved bytes through the link and loaded the whole context (a
+    # partial last block included), all but at least one prompt token
     for mode in ("raw", "cachegen"):
-        assert by_mode[mode]["bytes"] > 0
-        assert by_mode[mode]["loaded_tokens"] > 0 and by_mode[mode]["loaded_tokens"] % 128 == 0
-        assert by_mode[mode]["loaded_tokens"] < by_mode[mode]["prompt_tokens"]
+        r = by_mode[mode]
+        assert r["bytes"] > 0
+        assert r["loaded_tokens"] == min(r["context_tokens"], r["prompt_tokens"] - 1) > 0
     assert by_mode["text"]["bytes"] == 0
     # compression: cachegen moves fewer bytes than raw for the same tokens, ratio vs bf16
     assert by_mode["cachegen"]["bytes"] < by_mode["raw"]["bytes"] / 3
