@@ -42,10 +42,10 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["SOURCE", "ABI", "library_path", "load", "wanted", "enabled", "disabled", "native_items",
-           "decode_into", "main"]
+           "decode_into", "simd", "simd_wanted", "main"]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "rans_decode.c"
-ABI = 1                       # cg_rans_abi() of the source this wrapper speaks to
+ABI = 2                       # cg_rans_abi() of the source this wrapper speaks to
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=c99")
 _LOCK = threading.Lock()
 _STATE: dict = {}             # "lib": CDLL | None, "why": str (set once per process)
@@ -110,7 +110,8 @@ def _open(path: Path) -> ctypes.CDLL:
     if lib.cg_rans_abi() != ABI:
         raise RuntimeError(f"{path} speaks interface {lib.cg_rans_abi()}, expected {ABI}")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32]
+    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32, i32]
+    lib.cg_rans_simd.restype = i32
     lib.cg_rans_decode.restype = i32
     return lib
 
@@ -147,6 +148,25 @@ def wanted() -> bool:
     return os.environ.get("CACHEGEN_NATIVE", "0").strip().lower() in ("1", "on", "yes", "true")
 
 
+def simd_wanted() -> bool:
+    """False when ``CACHEGEN_NATIVE_SIMD`` is 0/off/no/false (read at each decode): the
+    native kernel then runs its scalar loop (for side-by-side checks); on by default."""
+    return os.environ.get("CACHEGEN_NATIVE_SIMD", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def simd(lib: ctypes.CDLL | None = None) -> bool:
+    """True when the loaded library has the AVX2 lanes compiled in (the CPU has AVX2)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and bool(lib.cg_rans_simd())
+
+
+def _fits_int32(words, n_models: int, deq_k, deq_v) -> bool:
+    """The vector lanes index with int32: word indices, table indices and the tables'
+    byte offsets must all stay below 2^31."""
+    lim = 2 ** 31 - 8
+    return words.size < lim and n_models * 257 < lim and max(deq_k.nbytes, deq_v.nbytes) < lim
+
+
 def enabled() -> bool:
     """True when the native decoder is in use: wanted and built (builds it if wanted)."""
     return wanted() and load() is not None
@@ -163,22 +183,31 @@ def disabled():
         _STATE["off"] -= 1
 
 
-def native_items(items: np.ndarray, n_blocks: int, n_groups: int, lanes: int = 4) -> np.ndarray:
-    """Merge the 4-lane items of codec.entropy.rans_cpu._work_items (int64 [n, 2]: first stream,
-    lanes) pairwise into 8-lane items: quads number 0-1, 2-3, ... of one (kv, layer, token
-    block) become one item whose streams are i0 + k * n_blocks, k < 8. Returns int64 [m, 2]
-    sorted by first stream."""
+def native_items(items: np.ndarray, L: int, T: int, B: int, n_blocks: int, n_groups: int,
+                 lanes: int = 4) -> np.ndarray:
+    """Group the quads of codec.entropy.rans_cpu._work_items (int64 [n, 2]: first stream,
+    lanes) into native items of up to 4 quads of one kv and one token-block length (16
+    lanes: the kernel's two 8-lane vectors). Returns int64 [m, 5]: (number of quads, first
+    stream of each quad, unused = 0); a single-lane stream is (0, stream, 0, 0, 0). Quads
+    of one item stay in stream order, so consecutive groups of one row stay neighbours
+    (the scalar loop merges those into 8 lanes)."""
     quad = items[:, 1] == lanes
-    g = (items[:, 0] // n_blocks) % n_groups
-    qi = g // lanes
-    first = quad & (qi % 2 == 0)
-    partner = items[:, 0] + lanes * n_blocks
-    same_row = (partner // n_blocks) // n_groups == (items[:, 0] // n_blocks) // n_groups
-    have = np.isin(partner, items[quad, 0]) & same_row
-    merge = first & have
-    drop = np.isin(items[:, 0], partner[merge])
-    out = items[~drop].copy()
-    out[merge[~drop], 1] = 2 * lanes
+    qs = items[quad, 0]
+    singles = items[~quad, 0]
+    kv = (qs // n_blocks) // n_groups // L
+    b = qs % n_blocks
+    blen = np.minimum(B, T - b * B)
+    order = np.lexsort((qs, blen, kv))
+    qs, kv, blen = qs[order], kv[order], blen[order]
+    key = kv * (B + 1) + blen
+    start = np.r_[0, np.flatnonzero(np.diff(key)) + 1] if qs.size else np.zeros(0, np.int64)
+    rank = np.arange(qs.size) - np.repeat(start, np.diff(np.r_[start, qs.size]))
+    item_of = np.cumsum((rank % 4 == 0)) - 1 if qs.size else np.zeros(0, np.int64)
+    n_vec = int(item_of[-1]) + 1 if qs.size else 0
+    out = np.zeros((n_vec + singles.size, 5), dtype=np.int64)
+    np.add.at(out[:, 0], item_of, 1)
+    out[item_of, 1 + rank % 4] = qs
+    out[n_vec:, 1] = singles
     return out
 
 
@@ -201,7 +230,7 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
     if lib is None:
         return False
     n_groups, n_blocks = -(-C // G), -(-T // B)
-    it = np.ascontiguousarray(native_items(items, n_blocks, n_groups), dtype=np.int64)
+    it = np.ascontiguousarray(native_items(items, L, T, B, n_blocks, n_groups), dtype=np.int64)
     pk32 = np.ascontiguousarray(packed, dtype=np.int64).astype(np.uint32)  # reachable rows fit
     cu32 = np.ascontiguousarray(cum, dtype=np.uint32)
     args = (words, w_off, pk32, cu32, np.ascontiguousarray(lut, np.uint8),
@@ -210,7 +239,8 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
     rc = lib.cg_rans_decode(*ptr, it.shape[0], L, T, C, G, B, out_k.ctypes.data, out_v.ctypes.data,
                             deq_k.ctypes.data, deq_v.ctypes.data, out_k.shape[1], deq_k.shape[1],
                             deq_k.shape[2], deq_v.shape[1], deq_v.shape[2], t_stride, hd, t_off, esize, err.ctypes.data,
-                            max(1, int(workers)))
+                            max(1, int(workers)),
+                            int(simd_wanted() and _fits_int32(words, cu32.shape[0], deq_k, deq_v)))
     if rc < 0:
         return False
     return True
