@@ -112,6 +112,7 @@ def _open(path: Path) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32, i32]
     lib.cg_rans_simd.restype = i32
+    lib.cg_rans_quads.restype = i32
     lib.cg_rans_decode.restype = i32
     return lib
 
@@ -184,11 +185,12 @@ def disabled():
 
 
 def native_items(items: np.ndarray, L: int, T: int, B: int, n_blocks: int, n_groups: int,
-                 lanes: int = 4) -> np.ndarray:
+                 nq: int = 8, lanes: int = 4) -> np.ndarray:
     """Group the quads of codec.entropy.rans_cpu._work_items (int64 [n, 2]: first stream,
-    lanes) into native items of up to 4 quads of one kv and one token-block length (16
-    lanes: the kernel's two 8-lane vectors). Returns int64 [m, 5]: (number of quads, first
-    stream of each quad, unused = 0); a single-lane stream is (0, stream, 0, 0, 0). Quads
+    lanes) into native items of up to `nq` quads of one kv and one token-block length (the
+    kernel's 8-lane vectors: ``cg_rans_quads()``). Returns int64 [m, nq + 1]: (number of
+    quads, first stream of each quad, unused = 0); a single-lane stream is (0, stream, 0,
+    ...). Quads
     of one item stay in stream order, so consecutive groups of one row stay neighbours
     (the scalar loop merges those into 8 lanes)."""
     quad = items[:, 1] == lanes
@@ -202,11 +204,11 @@ def native_items(items: np.ndarray, L: int, T: int, B: int, n_blocks: int, n_gro
     key = kv * (B + 1) + blen
     start = np.r_[0, np.flatnonzero(np.diff(key)) + 1] if qs.size else np.zeros(0, np.int64)
     rank = np.arange(qs.size) - np.repeat(start, np.diff(np.r_[start, qs.size]))
-    item_of = np.cumsum((rank % 4 == 0)) - 1 if qs.size else np.zeros(0, np.int64)
+    item_of = np.cumsum((rank % nq == 0)) - 1 if qs.size else np.zeros(0, np.int64)
     n_vec = int(item_of[-1]) + 1 if qs.size else 0
-    out = np.zeros((n_vec + singles.size, 5), dtype=np.int64)
+    out = np.zeros((n_vec + singles.size, nq + 1), dtype=np.int64)
     np.add.at(out[:, 0], item_of, 1)
-    out[item_of, 1 + rank % 4] = qs
+    out[item_of, 1 + rank % nq] = qs
     out[n_vec:, 1] = singles
     return out
 
@@ -230,7 +232,7 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
     if lib is None:
         return False
     n_groups, n_blocks = -(-C // G), -(-T // B)
-    it = np.ascontiguousarray(native_items(items, L, T, B, n_blocks, n_groups), dtype=np.int64)
+    it = np.ascontiguousarray(native_items(items, L, T, B, n_blocks, n_groups, int(lib.cg_rans_quads())), dtype=np.int64)
     pk32 = np.ascontiguousarray(packed, dtype=np.int64).astype(np.uint32)  # reachable rows fit
     cu32 = np.ascontiguousarray(cum, dtype=np.uint32)
     args = (words, w_off, pk32, cu32, np.ascontiguousarray(lut, np.uint8),

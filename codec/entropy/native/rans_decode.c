@@ -26,6 +26,12 @@
 #include <immintrin.h>
 #endif
 
+#ifndef NV
+#define NV 2            /* vectors of 8 lanes in flight */
+#endif
+#define NL (8 * NV)     /* lanes (rANS states) of an item */
+#define NQ (2 * NV)     /* quads of an item */
+
 typedef struct {
     const uint16_t *words;   /* payload as u16, zero padded */
     const int64_t *w_off;    /* [n_streams + 1] word offsets */
@@ -141,9 +147,9 @@ DEFINE_DECODE(uint32_t, decode_item_u32)
 
 
 #ifdef __AVX2__
-/* The hot loop in AVX2 lanes: NQ (up to 4) quads of one kv and one token-block length,
- * lane 4u + k = stream qs[u] + k * n_blocks, in NV = 2 vectors of 8 lanes (16 rANS
- * states: two independent chains of gathers in flight). 32 bits per lane are exact:
+/* The hot loop in AVX2 lanes: up to NQ quads of one kv and one token-block length (any
+ * layers, groups and blocks), lane 4u + k = stream qs[u] + k * n_blocks, in NV vectors of
+ * 8 lanes (NL rANS states: NV independent chains of gathers in flight). 32 bits per lane are exact:
  * x < 2^32, freq < 2^16, and the slot's symbol has cum <= slot, so freq * (x >> 16) +
  * slot - cum < 2^32. Per token: the coarse LUT (a gather of the aligned 4 bytes holding
  * the slot's byte), the forward scan as a loop of cum gathers until no lane advances, the
@@ -169,10 +175,10 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
     const uint8_t *dq4 = (const uint8_t *)((uintptr_t)dq & ~(uintptr_t)3);                  \
     const int64_t lmis = (int64_t)((uintptr_t)j->lut & 3), dmis = (int64_t)((uintptr_t)dq & 3); \
     const uint16_t *words = j->words;                                                       \
-    int64_t sid[16], g0[16], lay[16], tb[16];                                               \
-    int32_t xs[16], qv[16];                                                                 \
-    int dead[4] = {0, 0, 0, 0};                                                             \
-    for (int u = 0; u < 4; u++) {                                                           \
+    int64_t sid[NL], g0[NL], lay[NL], tb[NL];                                                 \
+    int32_t xs[NL], qv[NL];                                                                 \
+    int dead[NQ] = {0};                                                                    \
+    for (int u = 0; u < NQ; u++) {                                                           \
         const int64_t uu = u < nq ? u : 0;                                                  \
         for (int k = 0; k < 4; k++) {                                                       \
             const int64_t s = qs[uu] + k * n_blocks, r = s / n_blocks, n = 4 * u + k;       \
@@ -194,15 +200,15 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
     const __m256i m8 = _mm256_set1_epi32(0xFF), zero = _mm256_setzero_si256();              \
     const __m256i emask = _mm256_set1_epi32(sizeof(TYPE) == 4 ? -1 :                        \
                                             (int32_t)((1u << (8 * sizeof(TYPE))) - 1));     \
-    __m256i vx[2], vq[2];                                                                   \
-    for (int v = 0; v < 2; v++) {                                                           \
+    __m256i vx[NV], vq[NV];                                                                   \
+    for (int v = 0; v < NV; v++) {                                                           \
         vx[v] = _mm256_loadu_si256((const __m256i *)(xs + 8 * v));                          \
         vq[v] = _mm256_loadu_si256((const __m256i *)(qv + 8 * v));                          \
     }                                                                                       \
     for (int64_t kc = 0; kc < G; kc++) {                                                    \
-        int32_t lo[16], co[16], po[16], ro[16];                                             \
-        TYPE *ov[16];                                                                       \
-        for (int n = 0; n < 16; n++) {                                                      \
+        int32_t lo[NL], co[NL], po[NL], ro[NL];                                             \
+        TYPE *ov[NL];                                                                       \
+        for (int n = 0; n < NL; n++) {                                                      \
             const int64_t c = g0[n] + kc, m = j->mi[(kv * L + lay[n]) * C + c];             \
             lo[n] = (int32_t)(lmis + m * 256); co[n] = (int32_t)(m * 257 + 1);              \
             po[n] = (int32_t)(m * 256);                                                     \
@@ -210,8 +216,8 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
                               * (int64_t)sizeof(TYPE));                                     \
             ov[n] = outb + (lay[n] * j->T_out + j->t_off + tb[n]) * C + c;                  \
         }                                                                                   \
-        __m256i vlo[2], vco[2], vpo[2], vro[2];                                             \
-        for (int v = 0; v < 2; v++) {                                                       \
+        __m256i vlo[NV], vco[NV], vpo[NV], vro[NV];                                             \
+        for (int v = 0; v < NV; v++) {                                                       \
             vlo[v] = _mm256_loadu_si256((const __m256i *)(lo + 8 * v));                     \
             vco[v] = _mm256_loadu_si256((const __m256i *)(co + 8 * v));                     \
             vpo[v] = _mm256_loadu_si256((const __m256i *)(po + 8 * v));                     \
@@ -220,9 +226,9 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
         for (int64_t t = 0; t < nt; t++) {                                                  \
             const int64_t orow = t * C;                                                     \
             const __m256i trs = _mm256_set1_epi32((int32_t)(t * rs));                       \
-            __m256i slot[2], slot1[2], sy[2];                                               \
-            _Pragma("GCC unroll 2")                                                         \
-            for (int v = 0; v < 2; v++) {                                                   \
+            __m256i slot[NV], slot1[NV], sy[NV];                                               \
+            _Pragma("GCC unroll 4")                                                         \
+            for (int v = 0; v < NV; v++) {                                                   \
                 slot[v] = _mm256_and_si256(vx[v], m16);                                     \
                 slot1[v] = _mm256_add_epi32(slot[v], one);                                  \
                 const __m256i hb = _mm256_add_epi32(vlo[v], _mm256_srli_epi32(slot[v], 8)); \
@@ -232,21 +238,21 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
                     lw, _mm256_slli_epi32(_mm256_and_si256(hb, m3), 3)), m8);               \
             }                                                                               \
             for (;;) {                                                                      \
-                __m256i adv[2];                                                             \
-                _Pragma("GCC unroll 2")                                                     \
-                for (int v = 0; v < 2; v++) {                                               \
+                __m256i adv[NV];                                                            \
+                _Pragma("GCC unroll 4")                                                     \
+                for (int v = 0; v < NV; v++) {                                              \
                     const __m256i nx = _mm256_i32gather_epi32(                              \
                         (const int *)j->cum, _mm256_add_epi32(vco[v], sy[v]), 4);           \
                     adv[v] = _mm256_cmpgt_epi32(slot1[v], nx);                              \
                 }                                                                           \
-                const __m256i any = _mm256_or_si256(adv[0], adv[1]);                        \
+                __m256i any = adv[0];                                                       \
+                for (int v = 1; v < NV; v++) any = _mm256_or_si256(any, adv[v]);            \
                 if (_mm256_testz_si256(any, any)) break;                                    \
-                sy[0] = _mm256_sub_epi32(sy[0], adv[0]);                                    \
-                sy[1] = _mm256_sub_epi32(sy[1], adv[1]);                                    \
+                for (int v = 0; v < NV; v++) sy[v] = _mm256_sub_epi32(sy[v], adv[v]);      \
             }                                                                               \
-            uint32_t st[16];                                                                \
-            _Pragma("GCC unroll 2")                                                         \
-            for (int v = 0; v < 2; v++) {                                                   \
+            uint32_t st[NL];                                                                \
+            _Pragma("GCC unroll 4")                                                         \
+            for (int v = 0; v < NV; v++) {                                                   \
                 const __m256i pv = _mm256_i32gather_epi32((const int *)j->packed,           \
                                                           _mm256_add_epi32(vpo[v], sy[v]), 4); \
                 __m256i y = _mm256_mullo_epi32(_mm256_and_si256(pv, m16),                   \
@@ -265,11 +271,11 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
                     dv, _mm256_slli_epi32(_mm256_and_si256(eb, m3), 3)), emask);            \
                 _mm256_storeu_si256((__m256i *)(st + 8 * v), dv);                           \
             }                                                                               \
-            _Pragma("GCC unroll 16")                                                        \
-            for (int n = 0; n < 16; n++) ov[n][orow] = (TYPE)st[n];                         \
+            _Pragma("GCC unroll 32")                                                        \
+            for (int n = 0; n < NL; n++) ov[n][orow] = (TYPE)st[n];                         \
         }                                                                                   \
     }                                                                                       \
-    for (int v = 0; v < 2; v++) {                                                           \
+    for (int v = 0; v < NV; v++) {                                                           \
         _mm256_storeu_si256((__m256i *)(xs + 8 * v), vx[v]);                                \
         _mm256_storeu_si256((__m256i *)(qv + 8 * v), vq[v]);                                \
     }                                                                                       \
@@ -292,7 +298,7 @@ DEFINE_VEC(uint32_t, decode_vec_u32)
  * first streams of its quads (or the single stream). Vector lanes when j->vec, else each
  * quad (merged in pairs where they are consecutive groups of one row) in the scalar loop. */
 static void run_item(job_t *j, int64_t it) {
-    const int64_t *e = j->items + 5 * it, nq = e[0];
+    const int64_t *e = j->items + (NQ + 1) * it, nq = e[0];
 #ifdef __AVX2__
     if (j->vec && nq > 0) {
         if (j->esize == 1) decode_vec_u8(j, e + 1, nq);
@@ -361,6 +367,9 @@ int cg_rans_decode(const uint16_t *words, const int64_t *w_off, const uint32_t *
 
 /* The source's interface version (checked by the loader). */
 int cg_rans_abi(void) { return 2; }
+
+/* Quads per item (the items array has NQ + 1 columns). */
+int cg_rans_quads(void) { return NQ; }
 
 /* 1 when the AVX2 lanes are compiled in. */
 int cg_rans_simd(void) {
