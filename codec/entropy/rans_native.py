@@ -45,7 +45,7 @@ __all__ = ["SOURCE", "ABI", "library_path", "load", "wanted", "enabled", "disabl
            "decode_into", "simd", "simd_wanted", "main"]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "rans_decode.c"
-ABI = 2                       # cg_rans_abi() of the source this wrapper speaks to
+ABI = 3                       # cg_rans_abi() of the source this wrapper speaks to
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=c99")
 _LOCK = threading.Lock()
 _STATE: dict = {}             # "lib": CDLL | None, "why": str (set once per process)
@@ -110,7 +110,7 @@ def _open(path: Path) -> ctypes.CDLL:
     if lib.cg_rans_abi() != ABI:
         raise RuntimeError(f"{path} speaks interface {lib.cg_rans_abi()}, expected {ABI}")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32, i32]
+    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32, i32, i64]
     lib.cg_rans_simd.restype = i32
     lib.cg_rans_quads.restype = i32
     lib.cg_rans_decode.restype = i32
@@ -242,7 +242,8 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
                             deq_k.ctypes.data, deq_v.ctypes.data, out_k.shape[1], deq_k.shape[1],
                             deq_k.shape[2], deq_v.shape[1], deq_v.shape[2], t_stride, hd, t_off, esize, err.ctypes.data,
                             max(1, int(workers)),
-                            int(simd_wanted() and _fits_int32(words, cu32.shape[0], deq_k, deq_v)))
+                            int(simd_wanted() and _fits_int32(words, cu32.shape[0], deq_k, deq_v)),
+                            cu32.shape[0])
     if rc < 0:
         return False
     return True

@@ -178,6 +178,21 @@ def test_vector_lane_edge_cases(L, T, C, G, B, monkeypatch):
     assert _same(vec, ref) and _same(scal, ref)
 
 
+def test_many_models_coarse_lut(monkeypatch):
+    """More models than the kernel builds its fine (16-slot) LUT for: the vector lanes use
+    the caller's 256-slot LUT and still match the scalar loop and numba."""
+    rng = np.random.default_rng(11)
+    L, T, C, G, B = 3, 32, 192, 16, 32
+    sk = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
+    sv = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
+    ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), [40] * L, [40] * L)
+    assert ms.cum.shape[0] > 1024
+    pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
+    vec, scal, ref = _three_ways(lambda: _decode_or_message(pay.tobytes(), lens, ms, L, T, C, G, B),
+                                 monkeypatch)
+    assert np.array_equal(ref[0], sk) and _same(vec, ref) and _same(scal, ref)
+
+
 @pytest.mark.parametrize("lane", [0, 5, 15])
 def test_one_lane_truncated_or_bad_state(lane, monkeypatch):
     """A stream cut short, or with a bad initial state, in one lane of a full vector item

@@ -8,12 +8,15 @@
  * the payload comes zero-padded so that no read leaves the buffer (a stream reads at most
  * one 16-bit word per symbol).
  *
- * Work items: (first stream, lanes) rows as codec.entropy.rans_cpu._work_items: 4 streams of one
- * (kv, layer, token block) and 4 consecutive full channel groups, decoded in lockstep, or
- * one stream. Workers (the calling thread plus n_workers - 1 pthreads) take items from
- * one atomic counter (dynamic scheduling: a thread slowed by other work holds no share).
- * The Python side merges two quads of one (kv, layer, token block) into one item of 8
- * lanes (streams i0 + k * n_blocks, k < 8: 8 independent dependency chains in flight).
+ * Work items (built by codec.entropy.rans_native.native_items, NQ + 1 int64 each): up to
+ * NQ quads (4 streams of one (kv, layer, token block) and 4 consecutive full channel
+ * groups) of one kv and one token-block length, or one single-lane stream. With AVX2 a
+ * quad item is decoded in NV vectors of 8 lanes (DEFINE_VEC: gathers over 8 * NV
+ * independent rANS states, as htscodecs does); without it (or when the caller says the
+ * offsets do not fit int32) each quad runs in the scalar loop (LANES_LOOP), two
+ * neighbouring quads of one row merged into 8 lanes. Workers (the calling thread plus
+ * n_workers - 1 pthreads) take items from one atomic counter (dynamic scheduling: a
+ * thread slowed by other work holds no share).
  *
  * Symbol s of (kv, layer, t, c) is written as
  *   out[layer, t_off + t, c] = deq[layer, t * t_stride + c / hd, s]
@@ -31,6 +34,7 @@
 #endif
 #define NL (8 * NV)     /* lanes (rANS states) of an item */
 #define NQ (2 * NV)     /* quads of an item */
+#define FINE_LUT_MODELS 1024
 
 typedef struct {
     const uint16_t *words;   /* payload as u16, zero padded */
@@ -46,7 +50,9 @@ typedef struct {
     int64_t *err;            /* [n_streams] */
     int64_t counter;         /* next item (atomic) */
     int esize;               /* 1, 2 or 4 bytes per element */
-    int vec;                 /* 1: the AVX2 lanes for 4- and 8-lane items (offsets fit int32) */
+    int vec;                 /* 1: the AVX2 lanes for quad items (offsets fit int32) */
+    const uint8_t *vlut;     /* the vector lanes' LUT: [n_models, 65536 >> vshift] */
+    int vshift;              /* 4 (fine LUT built here) or 8 (the caller's coarse LUT) */
 } job_t;
 
 typedef struct {
@@ -171,9 +177,11 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
     const int64_t NS = j->NS[kv], R = j->R[kv], rs = j->t_stride * NS;                      \
     TYPE *outb = (TYPE *)(kv == 0 ? j->out_k : j->out_v);                                   \
     const TYPE *dq = (const TYPE *)(kv == 0 ? j->deq_k : j->deq_v);                         \
-    const uint8_t *lut4 = (const uint8_t *)((uintptr_t)j->lut & ~(uintptr_t)3);             \
+    const uint8_t *lut4 = (const uint8_t *)((uintptr_t)j->vlut & ~(uintptr_t)3);            \
     const uint8_t *dq4 = (const uint8_t *)((uintptr_t)dq & ~(uintptr_t)3);                  \
-    const int64_t lmis = (int64_t)((uintptr_t)j->lut & 3), dmis = (int64_t)((uintptr_t)dq & 3); \
+    const int64_t lmis = (int64_t)((uintptr_t)j->vlut & 3), dmis = (int64_t)((uintptr_t)dq & 3); \
+    const int vsh = j->vshift;                                                              \
+    const int64_t lrow = (int64_t)65536 >> vsh;                                             \
     const uint16_t *words = j->words;                                                       \
     int64_t sid[NL], g0[NL], lay[NL], tb[NL];                                                 \
     int32_t xs[NL], qv[NL];                                                                 \
@@ -195,6 +203,7 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
             for (int k = 0; k < 4; k++)                                                     \
                 j->err[sid[4 * u + k]] = (uint32_t)xs[4 * u + k] < 65536 ? 2 : 0;           \
     const int esh = sizeof(TYPE) == 1 ? 0 : (sizeof(TYPE) == 2 ? 1 : 2);                    \
+    const __m128i vshc = _mm_cvtsi32_si128(vsh);                                            \
     const __m256i m16 = _mm256_set1_epi32(0xFFFF), m3 = _mm256_set1_epi32(3);               \
     const __m256i n3 = _mm256_set1_epi32(~3), one = _mm256_set1_epi32(1);                   \
     const __m256i m8 = _mm256_set1_epi32(0xFF), zero = _mm256_setzero_si256();              \
@@ -210,7 +219,7 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
         TYPE *ov[NL];                                                                       \
         for (int n = 0; n < NL; n++) {                                                      \
             const int64_t c = g0[n] + kc, m = j->mi[(kv * L + lay[n]) * C + c];             \
-            lo[n] = (int32_t)(lmis + m * 256); co[n] = (int32_t)(m * 257 + 1);              \
+            lo[n] = (int32_t)(lmis + m * lrow); co[n] = (int32_t)(m * 257 + 1);             \
             po[n] = (int32_t)(m * 256);                                                     \
             ro[n] = (int32_t)(dmis + (lay[n] * R * NS + (c / j->hd) * NS + tb[n] * rs)      \
                               * (int64_t)sizeof(TYPE));                                     \
@@ -231,7 +240,7 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
             for (int v = 0; v < NV; v++) {                                                   \
                 slot[v] = _mm256_and_si256(vx[v], m16);                                     \
                 slot1[v] = _mm256_add_epi32(slot[v], one);                                  \
-                const __m256i hb = _mm256_add_epi32(vlo[v], _mm256_srli_epi32(slot[v], 8)); \
+                const __m256i hb = _mm256_add_epi32(vlo[v], _mm256_srl_epi32(slot[v], vshc)); \
                 const __m256i lw = _mm256_i32gather_epi32((const int *)lut4,                \
                                                           _mm256_and_si256(hb, n3), 1);     \
                 sy[v] = _mm256_and_si256(_mm256_srlv_epi32(                                 \
@@ -343,16 +352,36 @@ int cg_rans_decode(const uint16_t *words, const int64_t *w_off, const uint32_t *
                    int64_t G, int64_t B, void *out_k, void *out_v, const void *deq_k,
                    const void *deq_v, int64_t T_out, int64_t R_k, int64_t NS_k, int64_t R_v,
                    int64_t NS_v, int64_t t_stride,
-                   int64_t hd, int64_t t_off, int esize, int64_t *err, int n_workers, int vec) {
+                   int64_t hd, int64_t t_off, int esize, int64_t *err, int n_workers, int vec,
+                   int64_t n_models) {
     if (esize != 1 && esize != 2 && esize != 4) return -1;
     if (n_workers < 1) n_workers = 1;
     if (n_workers > 64) n_workers = 64;
     job_t j = {words, w_off, packed, cum, lut, mi, items, n_items, L, T, C, G, B, T_out,
-               {R_k, R_v}, {NS_k, NS_v}, t_stride, hd, t_off, out_k, out_v, deq_k, deq_v, err, 0, esize, 0};
+               {R_k, R_v}, {NS_k, NS_v}, t_stride, hd, t_off, out_k, out_v, deq_k, deq_v, err, 0, esize, 0,
+               lut, 8};
+    uint8_t *fine = NULL;
 #ifdef __AVX2__
     j.vec = vec != 0;
+    /* The vector lanes' LUT at 16-slot resolution (first candidate s with cum[s] <= 16 i
+     * for bucket i; the forward scan then rarely runs): 4 KiB per model, built here when
+     * the models are few (at most FINE_LUT_MODELS); else the caller's 256-slot LUT. */
+    if (j.vec && n_models >= 1 && n_models <= FINE_LUT_MODELS
+        && (fine = (uint8_t *)calloc((size_t)n_models, 4096)) != NULL) {
+        for (int64_t m = 0; m < n_models; m++) {
+            const uint32_t *cm = cum + m * 257;
+            uint8_t *row = fine + m * 4096;
+            for (int sy = 0; sy < 256; sy++) {
+                uint32_t a = (cm[sy] + 15) >> 4, b = (cm[sy + 1] + 15) >> 4;
+                if (b > 4096) b = 4096;
+                for (uint32_t i = a; i < b; i++) row[i] = (uint8_t)sy;
+            }
+        }
+        j.vlut = fine;
+        j.vshift = 4;
+    }
 #else
-    (void)vec;
+    (void)vec; (void)n_models;
 #endif
     pthread_t th[64];
     int started = 0, failed = 0;
@@ -362,11 +391,12 @@ int cg_rans_decode(const uint16_t *words, const int64_t *w_off, const uint32_t *
     }
     worker(&j);
     for (int k = 0; k < started; k++) pthread_join(th[k], NULL);
+    free(fine);
     return failed;
 }
 
 /* The source's interface version (checked by the loader). */
-int cg_rans_abi(void) { return 2; }
+int cg_rans_abi(void) { return 3; }
 
 /* Quads per item (the items array has NQ + 1 columns). */
 int cg_rans_quads(void) { return NQ; }
