@@ -8,6 +8,7 @@ is switched off or the compiler fails.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 import warnings
 
 import numpy as np
@@ -185,8 +186,14 @@ def test_many_models_coarse_lut(monkeypatch):
     L, T, C, G, B = 3, 32, 192, 16, 32
     sk = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
     sv = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
-    ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), [40] * L, [40] * L)
-    assert ms.cum.shape[0] > 1024
+    n_models = 2 * L * C                                 # one random model per (kv, layer, channel)
+    freq = rng.integers(1, 3000, (n_models, 40)).astype(np.float64)
+    freq = np.maximum(1, np.floor(freq / freq.sum(1, keepdims=True) * (65536 - 40))).astype(np.int64)
+    freq[:, 0] += 65536 - freq.sum(1)
+    cum = np.full((n_models, 257), 65536, dtype=np.uint32)
+    cum[:, :41] = np.concatenate([np.zeros((n_models, 1), np.int64), np.cumsum(freq, 1)], 1)
+    rans_cpu.validate_cum_table(cum, np.full(n_models, 40))
+    ms = SimpleNamespace(cum=cum, model_index=np.arange(n_models, dtype=np.uint16).reshape(2, L, C))
     pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
     vec, scal, ref = _three_ways(lambda: _decode_or_message(pay.tobytes(), lens, ms, L, T, C, G, B),
                                  monkeypatch)
