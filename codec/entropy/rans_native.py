@@ -4,8 +4,9 @@ Purpose: the hot loop of CacheGen's decode (Liu et al., SIGCOMM 2024, section 5.
 arithmetic decoding with a model per (layer, channel); section 5.3, decoding that keeps up
 with the stream) as a small C kernel, codec/entropy/native/rans_decode.c, a port of the numba
 kernel ``codec.entropy.rans_kernels._decode_impl`` with the same inputs, outputs and per-stream
-error codes (docs/bitstream.md sections 2-3). Two quads of one (kv, layer, token block)
-are merged into one work item of 8 lanes (8 rANS dependency chains in flight); workers are
+error codes (docs/bitstream.md sections 2-3). With AVX2, work items of up to 4 quads of one
+kv run in two 8-lane vectors (16 rANS states; gathers for the LUT, the model rows, the
+next words and the dequantization table); else the scalar loop over 8 lanes. Workers are
 pthreads taking items from one atomic counter; ctypes releases the GIL for the call.
 
 Build: ``gcc -O3 -march=native -shared -fPIC -pthread`` (``$CC`` if set) into
@@ -16,10 +17,12 @@ library is compiled to a temporary name in that folder and renamed into place (a
 concurrent process sees no half-written file). ``scripts/setup.sh`` builds it; otherwise the
 first decode does.
 
-Opt-in: ``CACHEGEN_NATIVE=1`` selects it (read at each decode); unset or 0, ``decode_into``
-returns False and the caller runs the numba kernel, which is faster on this machine today
-(docs/notes/2026-12-06-native-rans-decode.md). No compiler, or a failed build or load:
-the numba kernel too, with one warning line per process saying why.
+Default where it builds with AVX2 (``CACHEGEN_NATIVE`` read at each decode): unset, the
+native kernel decodes when the library builds and has its AVX2 lanes (measured faster than
+numba, docs/notes/2026-12-07-simd-rans-decode.md); ``CACHEGEN_NATIVE=0`` forces the numba
+kernel; ``CACHEGEN_NATIVE=1`` takes the native kernel even without AVX2 (its scalar loop).
+``CACHEGEN_NATIVE_SIMD=0`` runs the native scalar loop (side-by-side checks). No compiler,
+or a failed build or load: the numba kernel, with one warning line per process saying why.
 
 Run it: .venv/bin/python -m codec.entropy.rans_native   (builds, prints the library's path)
 Run the tests: .venv/bin/python -m pytest tests/codec/test_rans_native.py -q
@@ -42,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["SOURCE", "ABI", "library_path", "load", "wanted", "enabled", "disabled", "native_items",
-           "decode_into", "simd", "simd_wanted", "main"]
+           "decode_into", "simd", "simd_wanted", "use_native", "main"]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "rans_decode.c"
 ABI = 3                       # cg_rans_abi() of the source this wrapper speaks to
@@ -143,10 +146,31 @@ def load(build: bool = True) -> ctypes.CDLL | None:
 
 
 def wanted() -> bool:
-    """True when ``CACHEGEN_NATIVE`` is 1/on/yes/true (read at each decode). Off by
-    default: measured slower than the numba kernel on this machine for alphabets of 16+
-    symbols (docs/notes/2026-12-06-native-rans-decode.md)."""
-    return os.environ.get("CACHEGEN_NATIVE", "0").strip().lower() in ("1", "on", "yes", "true")
+    """False when ``CACHEGEN_NATIVE`` is 0/off/no/false (read at each decode): the numba
+    kernel decodes. Unset (or anything else) the native decoder is wanted; `use_native`
+    then takes it when it builds, with its AVX2 lanes unless ``CACHEGEN_NATIVE=1`` asks
+    for it even without them (the scalar C loop is slower than numba:
+    docs/notes/2026-12-06-native-rans-decode.md, docs/notes/2026-12-07-simd-rans-decode.md)."""
+    return _env_native() not in ("0", "off", "no", "false")
+
+
+def _env_native() -> str:
+    return os.environ.get("CACHEGEN_NATIVE", "").strip().lower()
+
+
+def use_native() -> ctypes.CDLL | None:
+    """The library to decode with now, or None for the numba kernel: None when
+    `wanted` is False, inside `disabled`, when the build or load failed (one warning per
+    process), or when the library lacks the AVX2 lanes and ``CACHEGEN_NATIVE`` is not
+    1/on/yes/true."""
+    if _STATE.get("off") or not wanted():
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    if not lib.cg_rans_simd() and _env_native() not in ("1", "on", "yes", "true"):
+        return None
+    return lib
 
 
 def simd_wanted() -> bool:
@@ -169,8 +193,8 @@ def _fits_int32(words, n_models: int, deq_k, deq_v) -> bool:
 
 
 def enabled() -> bool:
-    """True when the native decoder is in use: wanted and built (builds it if wanted)."""
-    return wanted() and load() is not None
+    """True when the native decoder is in use (`use_native`; builds it if wanted)."""
+    return use_native() is not None
 
 
 @contextlib.contextmanager
@@ -226,9 +250,9 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
       err int64 [n_streams] (written: per-stream error code, 0 = ok); workers >= 1 threads.
     """
     esize = out_k.dtype.itemsize
-    if esize not in (1, 2, 4) or _STATE.get("off") or not wanted():
+    if esize not in (1, 2, 4):
         return False
-    lib = load()
+    lib = use_native()
     if lib is None:
         return False
     n_groups, n_blocks = -(-C // G), -(-T // B)

@@ -27,7 +27,7 @@ if rans_native.load() is None:  # pragma: no cover - a machine without a C compi
 
 @pytest.fixture(autouse=True)
 def _native_on(monkeypatch):
-    """The native decoder is opt-in (CACHEGEN_NATIVE=1): on for every test here."""
+    """CACHEGEN_NATIVE=1: the native decoder for every test here (even without AVX2)."""
     monkeypatch.setenv("CACHEGEN_NATIVE", "1")
 
 
@@ -334,3 +334,16 @@ def test_build_cache_atomic_and_fallback(tmp_path, monkeypatch):
         pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, 4, 20)
         dk, _ = rans_cpu.decode_streams(pay.tobytes(), lens, ms.cum, ms.model_index, 1, 20, 8, 4, 20)
         assert np.array_equal(dk, sk)
+
+
+def test_default_selection(monkeypatch):
+    """Unset CACHEGEN_NATIVE: the native decoder where it has its AVX2 lanes; 0: numba;
+    1: native even without them; `disabled()` wins over all."""
+    monkeypatch.delenv("CACHEGEN_NATIVE", raising=False)
+    assert rans_native.enabled() == rans_native.simd()
+    monkeypatch.setenv("CACHEGEN_NATIVE", "0")
+    assert not rans_native.enabled()
+    monkeypatch.setenv("CACHEGEN_NATIVE", "1")
+    assert rans_native.enabled()
+    with rans_native.disabled():
+        assert not rans_native.enabled()
