@@ -246,27 +246,41 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
                 sy[v] = _mm256_and_si256(_mm256_srlv_epi32(                                 \
                     lw, _mm256_slli_epi32(_mm256_and_si256(hb, m3), 3)), m8);               \
             }                                                                               \
-            for (;;) {                                                                      \
-                __m256i adv[NV];                                                            \
-                _Pragma("GCC unroll 4")                                                     \
-                for (int v = 0; v < NV; v++) {                                              \
-                    const __m256i nx = _mm256_i32gather_epi32(                              \
-                        (const int *)j->cum, _mm256_add_epi32(vco[v], sy[v]), 4);           \
-                    adv[v] = _mm256_cmpgt_epi32(slot1[v], nx);                              \
+            /* packed first: cum[sy] + freq[sy] = cum[sy + 1] (exact for reachable rows), so   \
+             * when no lane's slot reaches it the LUT's symbol is the scan's result */       \
+            __m256i pv[NV], over = _mm256_setzero_si256();                                  \
+            _Pragma("GCC unroll 4")                                                         \
+            for (int v = 0; v < NV; v++) {                                                  \
+                pv[v] = _mm256_i32gather_epi32((const int *)j->packed,                      \
+                                               _mm256_add_epi32(vpo[v], sy[v]), 4);         \
+                const __m256i hi = _mm256_add_epi32(_mm256_srli_epi32(pv[v], 16),           \
+                                                    _mm256_and_si256(pv[v], m16));          \
+                over = _mm256_or_si256(over, _mm256_cmpgt_epi32(slot1[v], hi));             \
+            }                                                                               \
+            if (!_mm256_testz_si256(over, over)) {                                          \
+                for (;;) {                                                                  \
+                    __m256i adv[NV];                                                        \
+                    _Pragma("GCC unroll 4")                                                 \
+                    for (int v = 0; v < NV; v++) {                                          \
+                        const __m256i nx = _mm256_i32gather_epi32(                          \
+                            (const int *)j->cum, _mm256_add_epi32(vco[v], sy[v]), 4);       \
+                        adv[v] = _mm256_cmpgt_epi32(slot1[v], nx);                          \
+                    }                                                                       \
+                    __m256i any = adv[0];                                                   \
+                    for (int v = 1; v < NV; v++) any = _mm256_or_si256(any, adv[v]);        \
+                    if (_mm256_testz_si256(any, any)) break;                                \
+                    for (int v = 0; v < NV; v++) sy[v] = _mm256_sub_epi32(sy[v], adv[v]);  \
                 }                                                                           \
-                __m256i any = adv[0];                                                       \
-                for (int v = 1; v < NV; v++) any = _mm256_or_si256(any, adv[v]);            \
-                if (_mm256_testz_si256(any, any)) break;                                    \
-                for (int v = 0; v < NV; v++) sy[v] = _mm256_sub_epi32(sy[v], adv[v]);      \
+                for (int v = 0; v < NV; v++)                                                \
+                    pv[v] = _mm256_i32gather_epi32((const int *)j->packed,                  \
+                                                   _mm256_add_epi32(vpo[v], sy[v]), 4);     \
             }                                                                               \
             uint32_t st[NL];                                                                \
             _Pragma("GCC unroll 4")                                                         \
             for (int v = 0; v < NV; v++) {                                                   \
-                const __m256i pv = _mm256_i32gather_epi32((const int *)j->packed,           \
-                                                          _mm256_add_epi32(vpo[v], sy[v]), 4); \
-                __m256i y = _mm256_mullo_epi32(_mm256_and_si256(pv, m16),                   \
+                __m256i y = _mm256_mullo_epi32(_mm256_and_si256(pv[v], m16),                \
                                                _mm256_srli_epi32(vx[v], 16));               \
-                y = _mm256_sub_epi32(_mm256_add_epi32(y, slot[v]), _mm256_srli_epi32(pv, 16)); \
+                y = _mm256_sub_epi32(_mm256_add_epi32(y, slot[v]), _mm256_srli_epi32(pv[v], 16)); \
                 const __m256i small = _mm256_cmpeq_epi32(_mm256_srli_epi32(y, 16), zero);   \
                 const __m256i w = _mm256_and_si256(                                         \
                     _mm256_i32gather_epi32((const int *)words, vq[v], 2), m16);             \
