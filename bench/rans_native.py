@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from codec.entropy import rans_native
 
-    os.environ["CACHEGEN_NATIVE"] = "1"       # opt-in: on here, `disabled()` for the numba rows
+    os.environ["CACHEGEN_NATIVE"] = "1"       # on here (even without AVX2), `disabled()` for the numba rows
     if not rans_native.enabled():
         print("native decoder unavailable: only the numba figures would print", file=sys.stderr)
         return 1

@@ -320,7 +320,7 @@ def decode_streams_into(
     # run_kernel: thread-safe parallel/serial dispatch (codec.threads)
     counter = np.zeros(1, dtype=np.int64)   # next work item (dynamic scheduling, `_decode_impl`)
     workers = threads.num_workers() if par else 1
-    # the native C kernel (codec.entropy.rans_native, opt-in) when built; the numba kernel
+    # the native C kernel (codec.entropy.rans_native: default with AVX2) when built; the numba kernel
     # otherwise (imported here so that `python -m codec.entropy.rans_native` runs it fresh)
     from . import rans_native
 

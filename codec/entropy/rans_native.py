@@ -4,8 +4,9 @@ Purpose: the hot loop of CacheGen's decode (Liu et al., SIGCOMM 2024, section 5.
 arithmetic decoding with a model per (layer, channel); section 5.3, decoding that keeps up
 with the stream) as a small C kernel, codec/entropy/native/rans_decode.c, a port of the numba
 kernel ``codec.entropy.rans_kernels._decode_impl`` with the same inputs, outputs and per-stream
-error codes (docs/bitstream.md sections 2-3). Two quads of one (kv, layer, token block)
-are merged into one work item of 8 lanes (8 rANS dependency chains in flight); workers are
+error codes (docs/bitstream.md sections 2-3). With AVX2, work items of up to 4 quads of one
+kv run in two 8-lane vectors (16 rANS states; gathers for the LUT, the model rows, the
+next words and the dequantization table); else the scalar loop over 8 lanes. Workers are
 pthreads taking items from one atomic counter; ctypes releases the GIL for the call.
 
 Build: ``gcc -O3 -march=native -shared -fPIC -pthread`` (``$CC`` if set) into
@@ -16,10 +17,12 @@ library is compiled to a temporary name in that folder and renamed into place (a
 concurrent process sees no half-written file). ``scripts/setup.sh`` builds it; otherwise the
 first decode does.
 
-Opt-in: ``CACHEGEN_NATIVE=1`` selects it (read at each decode); unset or 0, ``decode_into``
-returns False and the caller runs the numba kernel, which is faster on this machine today
-(docs/notes/2026-12-06-native-rans-decode.md). No compiler, or a failed build or load:
-the numba kernel too, with one warning line per process saying why.
+Default where it builds with AVX2 (``CACHEGEN_NATIVE`` read at each decode): unset, the
+native kernel decodes when the library builds and has its AVX2 lanes (measured faster than
+numba, docs/notes/2026-12-07-simd-rans-decode.md); ``CACHEGEN_NATIVE=0`` forces the numba
+kernel; ``CACHEGEN_NATIVE=1`` takes the native kernel even without AVX2 (its scalar loop).
+``CACHEGEN_NATIVE_SIMD=0`` runs the native scalar loop (side-by-side checks). No compiler,
+or a failed build or load: the numba kernel, with one warning line per process saying why.
 
 Run it: .venv/bin/python -m codec.entropy.rans_native   (builds, prints the library's path)
 Run the tests: .venv/bin/python -m pytest tests/codec/test_rans_native.py -q
@@ -42,10 +45,10 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["SOURCE", "ABI", "library_path", "load", "wanted", "enabled", "disabled", "native_items",
-           "decode_into", "main"]
+           "decode_into", "simd", "simd_wanted", "use_native", "main"]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "rans_decode.c"
-ABI = 1                       # cg_rans_abi() of the source this wrapper speaks to
+ABI = 3                       # cg_rans_abi() of the source this wrapper speaks to
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=c99")
 _LOCK = threading.Lock()
 _STATE: dict = {}             # "lib": CDLL | None, "why": str (set once per process)
@@ -110,7 +113,9 @@ def _open(path: Path) -> ctypes.CDLL:
     if lib.cg_rans_abi() != ABI:
         raise RuntimeError(f"{path} speaks interface {lib.cg_rans_abi()}, expected {ABI}")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32]
+    lib.cg_rans_decode.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i64] * 8 + [i32, p, i32, i32, i64]
+    lib.cg_rans_simd.restype = i32
+    lib.cg_rans_quads.restype = i32
     lib.cg_rans_decode.restype = i32
     return lib
 
@@ -141,15 +146,55 @@ def load(build: bool = True) -> ctypes.CDLL | None:
 
 
 def wanted() -> bool:
-    """True when ``CACHEGEN_NATIVE`` is 1/on/yes/true (read at each decode). Off by
-    default: measured slower than the numba kernel on this machine for alphabets of 16+
-    symbols (docs/notes/2026-12-06-native-rans-decode.md)."""
-    return os.environ.get("CACHEGEN_NATIVE", "0").strip().lower() in ("1", "on", "yes", "true")
+    """False when ``CACHEGEN_NATIVE`` is 0/off/no/false (read at each decode): the numba
+    kernel decodes. Unset (or anything else) the native decoder is wanted; `use_native`
+    then takes it when it builds, with its AVX2 lanes unless ``CACHEGEN_NATIVE=1`` asks
+    for it even without them (the scalar C loop is slower than numba:
+    docs/notes/2026-12-06-native-rans-decode.md, docs/notes/2026-12-07-simd-rans-decode.md)."""
+    return _env_native() not in ("0", "off", "no", "false")
+
+
+def _env_native() -> str:
+    return os.environ.get("CACHEGEN_NATIVE", "").strip().lower()
+
+
+def use_native() -> ctypes.CDLL | None:
+    """The library to decode with now, or None for the numba kernel: None when
+    `wanted` is False, inside `disabled`, when the build or load failed (one warning per
+    process), or when the library lacks the AVX2 lanes and ``CACHEGEN_NATIVE`` is not
+    1/on/yes/true."""
+    if _STATE.get("off") or not wanted():
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    if not lib.cg_rans_simd() and _env_native() not in ("1", "on", "yes", "true"):
+        return None
+    return lib
+
+
+def simd_wanted() -> bool:
+    """False when ``CACHEGEN_NATIVE_SIMD`` is 0/off/no/false (read at each decode): the
+    native kernel then runs its scalar loop (for side-by-side checks); on by default."""
+    return os.environ.get("CACHEGEN_NATIVE_SIMD", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def simd(lib: ctypes.CDLL | None = None) -> bool:
+    """True when the loaded library has the AVX2 lanes compiled in (the CPU has AVX2)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and bool(lib.cg_rans_simd())
+
+
+def _fits_int32(words, n_models: int, deq_k, deq_v) -> bool:
+    """The vector lanes index with int32: word indices, table indices and the tables'
+    byte offsets must all stay below 2^31."""
+    lim = 2 ** 31 - 8
+    return words.size < lim and n_models * 257 < lim and max(deq_k.nbytes, deq_v.nbytes) < lim
 
 
 def enabled() -> bool:
-    """True when the native decoder is in use: wanted and built (builds it if wanted)."""
-    return wanted() and load() is not None
+    """True when the native decoder is in use (`use_native`; builds it if wanted)."""
+    return use_native() is not None
 
 
 @contextlib.contextmanager
@@ -163,22 +208,32 @@ def disabled():
         _STATE["off"] -= 1
 
 
-def native_items(items: np.ndarray, n_blocks: int, n_groups: int, lanes: int = 4) -> np.ndarray:
-    """Merge the 4-lane items of codec.entropy.rans_cpu._work_items (int64 [n, 2]: first stream,
-    lanes) pairwise into 8-lane items: quads number 0-1, 2-3, ... of one (kv, layer, token
-    block) become one item whose streams are i0 + k * n_blocks, k < 8. Returns int64 [m, 2]
-    sorted by first stream."""
+def native_items(items: np.ndarray, L: int, T: int, B: int, n_blocks: int, n_groups: int,
+                 nq: int = 8, lanes: int = 4) -> np.ndarray:
+    """Group the quads of codec.entropy.rans_cpu._work_items (int64 [n, 2]: first stream,
+    lanes) into native items of up to `nq` quads of one kv and one token-block length (the
+    kernel's 8-lane vectors: ``cg_rans_quads()``). Returns int64 [m, nq + 1]: (number of
+    quads, first stream of each quad, unused = 0); a single-lane stream is (0, stream, 0,
+    ...). Quads
+    of one item stay in stream order, so consecutive groups of one row stay neighbours
+    (the scalar loop merges those into 8 lanes)."""
     quad = items[:, 1] == lanes
-    g = (items[:, 0] // n_blocks) % n_groups
-    qi = g // lanes
-    first = quad & (qi % 2 == 0)
-    partner = items[:, 0] + lanes * n_blocks
-    same_row = (partner // n_blocks) // n_groups == (items[:, 0] // n_blocks) // n_groups
-    have = np.isin(partner, items[quad, 0]) & same_row
-    merge = first & have
-    drop = np.isin(items[:, 0], partner[merge])
-    out = items[~drop].copy()
-    out[merge[~drop], 1] = 2 * lanes
+    qs = items[quad, 0]
+    singles = items[~quad, 0]
+    kv = (qs // n_blocks) // n_groups // L
+    b = qs % n_blocks
+    blen = np.minimum(B, T - b * B)
+    order = np.lexsort((qs, blen, kv))
+    qs, kv, blen = qs[order], kv[order], blen[order]
+    key = kv * (B + 1) + blen
+    start = np.r_[0, np.flatnonzero(np.diff(key)) + 1] if qs.size else np.zeros(0, np.int64)
+    rank = np.arange(qs.size) - np.repeat(start, np.diff(np.r_[start, qs.size]))
+    item_of = np.cumsum((rank % nq == 0)) - 1 if qs.size else np.zeros(0, np.int64)
+    n_vec = int(item_of[-1]) + 1 if qs.size else 0
+    out = np.zeros((n_vec + singles.size, nq + 1), dtype=np.int64)
+    np.add.at(out[:, 0], item_of, 1)
+    out[item_of, 1 + rank % nq] = qs
+    out[n_vec:, 1] = singles
     return out
 
 
@@ -195,13 +250,13 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
       err int64 [n_streams] (written: per-stream error code, 0 = ok); workers >= 1 threads.
     """
     esize = out_k.dtype.itemsize
-    if esize not in (1, 2, 4) or _STATE.get("off") or not wanted():
+    if esize not in (1, 2, 4):
         return False
-    lib = load()
+    lib = use_native()
     if lib is None:
         return False
     n_groups, n_blocks = -(-C // G), -(-T // B)
-    it = np.ascontiguousarray(native_items(items, n_blocks, n_groups), dtype=np.int64)
+    it = np.ascontiguousarray(native_items(items, L, T, B, n_blocks, n_groups, int(lib.cg_rans_quads())), dtype=np.int64)
     pk32 = np.ascontiguousarray(packed, dtype=np.int64).astype(np.uint32)  # reachable rows fit
     cu32 = np.ascontiguousarray(cum, dtype=np.uint32)
     args = (words, w_off, pk32, cu32, np.ascontiguousarray(lut, np.uint8),
@@ -210,7 +265,9 @@ def decode_into(words, w_off, packed, cum, lut, mi, items, L, T, C, G, B, out_k,
     rc = lib.cg_rans_decode(*ptr, it.shape[0], L, T, C, G, B, out_k.ctypes.data, out_v.ctypes.data,
                             deq_k.ctypes.data, deq_v.ctypes.data, out_k.shape[1], deq_k.shape[1],
                             deq_k.shape[2], deq_v.shape[1], deq_v.shape[2], t_stride, hd, t_off, esize, err.ctypes.data,
-                            max(1, int(workers)))
+                            max(1, int(workers)),
+                            int(simd_wanted() and _fits_int32(words, cu32.shape[0], deq_k, deq_v)),
+                            cu32.shape[0])
     if rc < 0:
         return False
     return True

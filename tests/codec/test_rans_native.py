@@ -8,6 +8,7 @@ is switched off or the compiler fails.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 import warnings
 
 import numpy as np
@@ -26,7 +27,7 @@ if rans_native.load() is None:  # pragma: no cover - a machine without a C compi
 
 @pytest.fixture(autouse=True)
 def _native_on(monkeypatch):
-    """The native decoder is opt-in (CACHEGEN_NATIVE=1): on for every test here."""
+    """CACHEGEN_NATIVE=1: the native decoder for every test here (even without AVX2)."""
     monkeypatch.setenv("CACHEGEN_NATIVE", "1")
 
 
@@ -130,6 +131,102 @@ def test_corrupt_streams_same_error_as_numba(monkeypatch):
         else:
             assert np.array_equal(nat[0], ref[0]) and np.array_equal(nat[1], ref[1])
     assert n_err > 20
+
+
+def _three_ways(run, monkeypatch):
+    """run() with the native vector lanes, the native scalar loop and the numba kernel."""
+    monkeypatch.setenv("CACHEGEN_NATIVE_SIMD", "1")
+    vec = run()
+    monkeypatch.setenv("CACHEGEN_NATIVE_SIMD", "0")
+    scal = run()
+    monkeypatch.setenv("CACHEGEN_NATIVE_SIMD", "1")
+    with rans_native.disabled():
+        ref = run()
+    return vec, scal, ref
+
+
+def _decode_or_message(pay, ln, ms, L, T, C, G, B):
+    try:
+        return rans_cpu.decode_streams(bytes(pay), ln, ms.cum, ms.model_index, L, T, C, G, B)
+    except codec.CodecError as e:
+        return str(e)
+
+
+def _same(a, b):
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("L,T,C,G,B", [
+    (1, 9, 8, 2, 9),         # one quad per kv: an item with 1 quad (lanes repeat quad 0)
+    (1, 5, 12, 1, 5),        # 3 quads per kv: an item of 3 quads
+    (3, 1, 4, 1, 1),         # streams of 1 symbol
+    (2, 3, 5, 1, 1),         # 1-symbol streams, a quad plus a single lane per row
+    (2, 17, 16, 1, 4),       # blocks of 4 and a last block of 1: items grouped by length
+    (5, 8, 8, 1, 8),         # 10 quads per kv: a full item plus a 2-quad item
+    (2, 40, 192, 16, 16),    # the default model's channels, 3 blocks
+])
+def test_vector_lane_edge_cases(L, T, C, G, B, monkeypatch):
+    """Items with fewer quads than the kernel's lanes, 1-symbol streams, short last
+    blocks: the vector lanes, the scalar loop and numba give the same symbols."""
+    rng = np.random.default_rng(L * 100 + T + C)
+    sk, sv, ms = _models(rng, L, T, C)
+    pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
+    vec, scal, ref = _three_ways(lambda: _decode_or_message(pay.tobytes(), lens, ms, L, T, C, G, B),
+                                 monkeypatch)
+    assert not isinstance(ref, str) and np.array_equal(ref[0], sk) and np.array_equal(ref[1], sv)
+    assert _same(vec, ref) and _same(scal, ref)
+
+
+def test_many_models_coarse_lut(monkeypatch):
+    """More models than the kernel builds its fine (16-slot) LUT for: the vector lanes use
+    the caller's 256-slot LUT and still match the scalar loop and numba."""
+    rng = np.random.default_rng(11)
+    L, T, C, G, B = 3, 32, 192, 16, 32
+    sk = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
+    sv = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
+    n_models = 2 * L * C                                 # one random model per (kv, layer, channel)
+    freq = rng.integers(1, 3000, (n_models, 40)).astype(np.float64)
+    freq = np.maximum(1, np.floor(freq / freq.sum(1, keepdims=True) * (65536 - 40))).astype(np.int64)
+    freq[:, 0] += 65536 - freq.sum(1)
+    cum = np.full((n_models, 257), 65536, dtype=np.uint32)
+    cum[:, :41] = np.concatenate([np.zeros((n_models, 1), np.int64), np.cumsum(freq, 1)], 1)
+    rans_cpu.validate_cum_table(cum, np.full(n_models, 40))
+    ms = SimpleNamespace(cum=cum, model_index=np.arange(n_models, dtype=np.uint16).reshape(2, L, C))
+    pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
+    vec, scal, ref = _three_ways(lambda: _decode_or_message(pay.tobytes(), lens, ms, L, T, C, G, B),
+                                 monkeypatch)
+    assert np.array_equal(ref[0], sk) and _same(vec, ref) and _same(scal, ref)
+
+
+@pytest.mark.parametrize("lane", [0, 5, 15])
+def test_one_lane_truncated_or_bad_state(lane, monkeypatch):
+    """A stream cut short, or with a bad initial state, in one lane of a full vector item
+    (every other lane valid): the same CodecError message (stream index and kind) from
+    the vector lanes, the scalar loop and numba."""
+    rng = np.random.default_rng(lane)
+    L, T, C, G, B = 4, 24, 16, 1, 24                     # 4 quads per layer and kv
+    sk = rng.integers(0, 6, (L, T, C)).astype(np.uint8)  # no skewed channel: no 4-byte stream
+    sv = rng.integers(0, 4, (L, T, C)).astype(np.uint8)
+    ms = prob.build_models(prob.histograms(sk), prob.histograms(sv), [6] * L, [4] * L)
+    pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)
+    n_blocks = 1
+    quad0 = [0, 4, 8, 12]                                # first streams of layer 0's quads
+    s = quad0[lane // 4] + (lane % 4) * n_blocks
+    start = int(lens[:s].sum())
+    cut = bytearray(pay.tobytes())
+    ln = np.array(lens)
+    assert ln[s] > 4
+    del cut[start + int(ln[s]) - 2: start + int(ln[s])]
+    ln[s] -= 2
+    bad = bytearray(pay.tobytes())
+    bad[start: start + 4] = b"\x00\x00\x00\x00"          # initial state 0 < 2^16
+    for payload, lengths in ((cut, ln), (bad, lens)):
+        vec, scal, ref = _three_ways(lambda: _decode_or_message(payload, lengths, ms, L, T, C, G, B),
+                                     monkeypatch)
+        assert isinstance(ref, str) and f"stream {s} " in ref
+        assert vec == ref and scal == ref
 
 
 def _real_shaped_kv(dtype, T=48, seed=0):
@@ -237,3 +334,16 @@ def test_build_cache_atomic_and_fallback(tmp_path, monkeypatch):
         pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, 4, 20)
         dk, _ = rans_cpu.decode_streams(pay.tobytes(), lens, ms.cum, ms.model_index, 1, 20, 8, 4, 20)
         assert np.array_equal(dk, sk)
+
+
+def test_default_selection(monkeypatch):
+    """Unset CACHEGEN_NATIVE: the native decoder where it has its AVX2 lanes; 0: numba;
+    1: native even without them; `disabled()` wins over all."""
+    monkeypatch.delenv("CACHEGEN_NATIVE", raising=False)
+    assert rans_native.enabled() == rans_native.simd()
+    monkeypatch.setenv("CACHEGEN_NATIVE", "0")
+    assert not rans_native.enabled()
+    monkeypatch.setenv("CACHEGEN_NATIVE", "1")
+    assert rans_native.enabled()
+    with rans_native.disabled():
+        assert not rans_native.enabled()
