@@ -189,11 +189,12 @@ class CacheGenScheduler:
         """Tokens to load beyond num_computed_tokens (vLLM's local prefix-cache hits): the
         stored prefix of the prompt, cut to at most len(prompt) - 1 (vLLM's forward needs
         the last prompt token for the first logits) and, with extra config
-        "load_partial_block": false, down to a multiple of the block size. Side-effect free on the source (a manifest read; the answer is
-        memoised per request id). Writes one scheduler-side stats record per request whose
-        outcome is not a load: "rejected" (trust check), "miss" (nothing stored to load),
-        "local_hit" (vLLM's own prefix cache already holds what is stored, or a plain
-        request hit it) - so a local hit never reads as a miss."""
+        "load_partial_block": false, down to a multiple of the block size. Side-effect free
+        on the source (a manifest read; the answer is memoised per request id). Writes one
+        scheduler-side stats record per request whose outcome is not a load: "rejected"
+        (trust check), "miss" (nothing stored to load), "local_hit" (vLLM's own prefix
+        cache already holds what is stored, or a plain request hit it) - so a local hit
+        never reads as a miss."""
         rid = request.request_id
         first = rid not in self._local_hits
         if self.settings.async_load and not first and rid in self._async_gen and \
