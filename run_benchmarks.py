@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvtc-levels", type=int, nargs="+",
                    help="kvtc levels (default: configs/benchmark.yaml's, 4; --quick: at most "
                         "two of them)")
+    p.add_argument("--target", help="a quality target instead of levels: near-lossless (KL <= 0.01 "
+                   "nats/token, top-1 >= 0.95), lmcache (KL no worse than LMCache's schedule) or kl:X; "
+                   "cachegen and kvtc run at the model's operating point (fitted on first use on the "
+                   "calibration text, then cached; excludes --levels / --kvtc-levels; docs/usage.md)")
     p.add_argument("--engine", choices=["vllm", "hf"], help="serving engine (default vllm)")
     p.add_argument("--vllm-hybrid-kv", dest="vllm_hybrid_kv", action="store_const", const=True,
                    help="vLLM: keep its hybrid KV cache manager on (sliding-window layers keep only "

@@ -39,6 +39,25 @@ from third_party.vllm.engine import make_llm, run_one, shutdown_llm
 from third_party.vllm.sources import save_local_context
 
 
+def target_points(bundle, target: str, codecs, configs: dict) -> dict:
+    """codec -> ``{"target", "codec", "level", "hash", "table"}`` of ``--target`` for the
+    codecs of ``codecs`` with levels (cachegen, kvtc) on ``bundle``'s model: the operating
+    points of ``bench.quality.targets.resolve_target`` (the table fitted on first use, one
+    progress line, cached). Raises ValueError (``TargetUnmet``: one line naming the closest
+    level) or ExtractionError."""
+    from bench.quality.targets import resolve_target
+    from kv_extraction_hf.calibrate.operating_points import point_summary
+
+    mine = [c for c in ("cachegen", "kvtc") if c in codecs]
+    if not mine:
+        return {}
+    _, points = resolve_target(bundle, target, mine, configs, log=lambda m: print(m, file=sys.stderr))
+    for c, p in points.items():
+        print(f"target {p.target}: {c} level {p.level} (calibration KL {p.kl:.4g}, n = {p.n}; "
+              f"operating point {p.hash[:12]}, table {p.table[:12]})")
+    return {c: point_summary(p) for c, p in points.items()}
+
+
 def run_demo(args) -> int:
     """TTFT of plain prefill vs. KV loads through the connector on one engine (see
     ``--help``). Modes are interleaved repeat by repeat; repeat 0 is a warm-up, not counted.
@@ -58,16 +77,19 @@ def run_demo(args) -> int:
     k, v = prefill_kv(bundle, ctx)
     configs = {}     # codec -> the config its encodes get (kvtc: the model's default calibration)
     if "kvtc" in args.codecs:
-        from codec.kvtc import KvtcConfig
+        from codec.kvtc import KvtcConfig, load_calibration
         from kv_extraction_hf.calibrate import default_calibration
 
-        configs["kvtc"] = KvtcConfig(calibration=str(default_calibration(
-            bundle, log=lambda m: print(m, file=sys.stderr))))
+        configs["kvtc"] = KvtcConfig(calibration=load_calibration(default_calibration(
+            bundle, log=lambda m: print(m, file=sys.stderr))).hash)
+    points = target_points(bundle, args.target, args.codecs, configs) if args.target else {}
     del bundle  # the HF model is not needed any more; vLLM loads its own copy
     bf16_bytes = 2 * k.numel() * k.element_size()
     print(f"context {len(ctx)} tokens + question {len(q)}; bf16 KV {bf16_bytes / 1e6:.1f} MB")
-    # each codec's level, resolved once here (None: a codec without levels; 0 is a real level)
-    codecs = [(c, codec.resolve_level(c, args.level if c == "cachegen" else None)) for c in args.codecs]
+    # each codec's level, resolved once here (None: a codec without levels; 0 is a real level);
+    # with --target the codec's operating point on this model
+    codecs = [(c, points[c]["level"] if c in points else
+               codec.resolve_level(c, args.level if c == "cachegen" else None)) for c in args.codecs]
     enc = {}
     for name, level in codecs:
         chunks = codec.encode_chunks(k, v, codec=name, level=level, config=configs.get(name),
@@ -90,7 +112,8 @@ def run_demo(args) -> int:
         with srv.client(timeout=300) as cl:
             for name, level in codecs:
                 keys[name] = cl.put_entry(codec_identity(base, name, [level]), ctx,
-                                          {level_slot(name, level): enc[name]}, ranges)
+                                          {level_slot(name, level): enc[name]}, ranges,
+                                          meta={"operating_point": points[name]} if name in points else None)
         store = f"{srv.host}:{srv.port}"
         link_desc = f"{link.method} {args.bandwidth_mbps} Mbit/s" if link else "loopback, unshaped"
         print(f"store at {store} ({link_desc})")
@@ -140,7 +163,7 @@ def run_demo(args) -> int:
             line += f"  (loaded {rs[-1]['loaded_tokens']} tok)"
         print(line + f"  | {outs[m] == outs['text']}")
     print(f"answer {answer!r}; text output {tok.decode(outs['text'])!r}")
-    (work / "ttft.json").write_text(json.dumps({"ttft_s": ttft, "outputs": outs,
+    (work / "ttft.json").write_text(json.dumps({"ttft_s": ttft, "outputs": outs, "operating_points": points,
                                                 "prompt_tokens": len(prompt)}, indent=1))
     print(f"wrote {work / 'ttft.json'}")
     return 0
@@ -159,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     flags.add_context_tokens(p, default=2000, aliases=("--tokens",))
     p.add_argument("--codecs", nargs="+", default=["raw"], help="codecs stored (default raw)")
     p.add_argument("--level", type=int, default=None, help="cachegen level")
+    p.add_argument("--target", default=None, metavar="NAME",
+                   help="store cachegen / kvtc at the model's operating point of a quality target instead "
+                        "of a level: near-lossless, lmcache or kl:X (nats/token); excludes --level")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     flags.add_bandwidth(p, help="serve the store through streaming.link.ShapedLink at this "
                         "rate, Mbit/s (default: loopback, unshaped)")
@@ -169,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.context_tokens < 130 or args.repeats < 1:
         p.error("--context-tokens must be >= 130 and --repeats >= 1")
+    if args.target is not None and args.level is not None:
+        p.error("--target picks the level from the model's operating point: leave out --level")
     unknown = [c for c in args.codecs if c not in codec.CODECS]
     if unknown:
         p.error(f"unknown codec(s) {unknown}; available: {sorted(codec.CODECS)}")

@@ -52,6 +52,9 @@ class RunConfig:
     # every field against the file); None = every level of the codec
     levels: tuple[int, ...] | None = (0, 1, 3, 5)
     kvtc_levels: tuple[int, ...] | None = (4,)
+    # a quality target instead of levels (codec.operating_points: near-lossless, lmcache, kl:X):
+    # cachegen and kvtc then run at the model's operating point (harness.targets); None = the levels
+    target: str | None = None
     engine: str = "vllm"
     # vLLM only: keep its hybrid KV cache manager on (third_party/vllm/hma_connector.py,
     # asynchronous loads); false = off, every layer keeps every token (kv_groups.py)
@@ -110,6 +113,13 @@ class RunConfig:
             bad = [x for x in (getattr(self, name) or ()) if x not in known]
             if bad:
                 raise ConfigError(f"unknown {name} {bad}; available: {', '.join(map(str, known))}")
+        if self.target is not None:
+            from codec.operating_points import parse_target  # standard library only
+
+            try:
+                parse_target(self.target)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.slo_s <= 0:
             raise ConfigError("slo_s must be > 0 seconds")
         if self.policy_preset not in POLICY_PRESETS:
@@ -165,6 +175,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
 def resolve(yaml_path: Path | None, overrides: dict[str, Any]) -> RunConfig:
     """Merge YAML defaults with CLI overrides (None = not given) into a validated RunConfig."""
     data = load_yaml(yaml_path or DEFAULT_CONFIG)
+    if overrides.get("target") is not None and any(overrides.get(k) is not None for k in ("levels", "kvtc_levels")):
+        raise ConfigError("--target picks the levels from the model's operating points: leave out "
+                          "--levels / --kvtc-levels")
     data.update({k: v for k, v in overrides.items() if v is not None})
     for key in ("bandwidth_mbps", "modes", "levels", "kvtc_levels", "tasks", "traces"):
         if data.get(key) is not None:

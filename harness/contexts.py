@@ -205,7 +205,8 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
                    codec_levels: dict[str, list[int | None]],
                    configs: dict[str, Any] | None = None,
                    failures: list[dict] | None = None,
-                   layout: tuple[list[int | None] | None, int] = (None, 0)) -> None:
+                   layout: tuple[list[int | None] | None, int] = (None, 0),
+                   points: dict[str, dict] | None = None) -> None:
     """Encode every context with every codec (all levels) and put it into the store.
 
     Fills ``ctx.keys`` (codec -> store key) and ``ctx.sizes`` ((codec, level) -> bytes).
@@ -220,6 +221,9 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
     ``codec.window.encode_windowed_chunks`` containers and the entry identity's
     ``kv_layout`` names the layout (a reader of the full layout never gets them; a load
     shorter than ``codec.window.layout.min_load_tokens`` is a miss).
+    ``points``: codec -> its operating point's summary (``harness.targets.point_summaries``:
+    target, codec, level, hash, table), named in the manifest ``meta`` of that codec's
+    entries as ``operating_point`` (not part of the identity: a reader needs only the chunks).
     """
     from codec import window
 
@@ -258,7 +262,8 @@ def populate_store(cfg: RunConfig, client, info, contexts: list[Context],
         ctx.identities[name] = ident.to_dict()
         ctx.keys[name] = client.put_entry(ident, ctx.prompt.context_ids[:ctx.load_tokens], chunks,
                                           chunk_ranges(ctx.load_tokens, cfg.chunk_tokens),
-                                          meta={"context": ctx.cid})
+                                          meta={"context": ctx.cid, **({"operating_point": points[name]}
+                                                                       if name in (points or {}) else {})})
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

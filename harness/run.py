@@ -36,6 +36,7 @@ from harness.engines.vllm import VLLMEngine, check_vllm, vllm_model_check
 from harness.engines.numerics import extraction_dtype
 from harness.engines.protocol import measure_prefill_speed, request_params, warm_up_variants
 from harness.quality import perplexity_pass, score_output
+from harness.targets import apply_target, point_summaries
 from cachegen_common.header import git_commit
 from harness.results import ResultsWriter, environment, print_summary, run_record
 from kv_extraction_hf.errors import ExtractionError
@@ -197,23 +198,26 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     info = bundle.info
     if cfg.engine == "vllm":
         log(vllm_model_check(info, cfg.vllm_hybrid_kv))   # one-line refusal of a layer kind
-    codec_levels_all = tuple(sorted(HARNESS_LEVELS))
-    vlist = variants(cfg, codec_levels_all, tuple(codec_pkg.levels("kvtc")))
-    levels = store_levels(vlist, cfg, codec_levels_all)
     # a codec that fails (its calibration, an encode, a decode) is recorded in "failures"
     # with its reason and the run goes on without it
     failures: list[dict[str, Any]] = []
     configs: dict[str, Any] = {}     # codec -> the config its encodes get
     layout = store_layout(cfg, info)  # (windows, extra tokens): sliding-window storage, or (None, 0)
-    kvtc_record = None
-    if "kvtc" in levels:
+    kvtc_record, kvtc_error = None, None
+    if "kvtc" in cfg.modes:
         try:
             kvtc_record, configs["kvtc"] = prepare_kvtc(bundle, layout[0])
         except BenchmarkError as exc:
             log(f"kvtc: {exc} (the kvtc rows are recorded as failed, the run goes on)")
-            failures.extend(failure_record("calibration", "kvtc", lv, str(exc))
-                            for lv in levels["kvtc"])
-            levels.pop("kvtc")
+            kvtc_error = str(exc)
+    # --target: each codec's levels become its operating point on this model (fitted on first use)
+    cfg, points_record = apply_target(cfg, bundle, configs, layout[0])
+    points = point_summaries(points_record)
+    codec_levels_all = tuple(sorted(HARNESS_LEVELS))
+    vlist = variants(cfg, codec_levels_all, tuple(codec_pkg.levels("kvtc")))
+    levels = store_levels(vlist, cfg, codec_levels_all)
+    if kvtc_error is not None and "kvtc" in levels:
+        failures.extend(failure_record("calibration", "kvtc", lv, kvtc_error) for lv in levels.pop("kvtc"))
     contexts = build_contexts(cfg, bundle)
     max_new = max(c.prompt.max_new_tokens for c in contexts)
     max_len = max(len(c.prompt.input_ids) for c in contexts) + max_new + MAX_LEN_MARGIN_TOKENS
@@ -241,7 +245,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
     link.set_rate(FILL_RATE_MBPS)
     if layout[0] is not None:
         log(f"window storage: sliding layers keep their last {info.sliding_window} + {layout[1]} tokens")
-    populate_store(cfg, client, info, contexts, levels, configs=configs, failures=failures, layout=layout)
+    populate_store(cfg, client, info, contexts, levels, configs=configs, failures=failures, layout=layout,
+                   points=points)
 
     header = {"command": " ".join(argv), "git_commit": git_commit(Path(ROOT)),
               "environment": environment(link.method),
@@ -250,6 +255,8 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
               "config": cfg.to_dict(), "higher_is_better": higher_is_better()}
     if kvtc_record is not None:
         header["kvtc_calibration"] = kvtc_record
+    if points_record is not None:
+        header["operating_points"] = points_record
     header["store_layout"] = {"window_storage": cfg.window_storage, "applied": layout[0] is not None,
                               "windows": layout[0], "extra_tokens": layout[1]}
     writer = state["writer"] = ResultsWriter(out_path, header)
@@ -288,16 +295,17 @@ def _run_stages(cfg: RunConfig, argv: list[str], out_path: Path, stack: ExitStac
         log(f"warm-up (untimed, one request per KV variant): {warm}")
 
     _ttft_requests(cfg, engine, bundle, vlist, contexts, link, store_addr, prefill_tps, ppl,
-                   writer)
+                   writer, points)
     _adaptation_stage(cfg, engine, bundle, levels, contexts, link, store_addr, writer)
 
 
 def _ttft_requests(cfg: RunConfig, engine: Engine, bundle, vlist: list, contexts: list, link,
                    store_addr: str, prefill_tps: float, ppl: dict[str, dict],
-                   writer: ResultsWriter) -> None:
+                   writer: ResultsWriter, points: dict[str, dict] | None = None) -> None:
     """The timed requests: every (bandwidth, variant, context, repeat) request served and recorded, each
     scored against the text mode's output on the same context; a failed request is recorded
-    in "failures" and the run goes on."""
+    in "failures" and the run goes on. ``points``: codec -> its operating point's summary
+    (``harness.targets.point_summaries``), named on the rows of that codec at that level."""
     info = bundle.info
     refs: dict[str, tuple[str, list[int]]] = {}
     jobs = [(bw, var, ctx, rep) for bw in cfg.bandwidth_mbps for var in vlist
@@ -333,9 +341,12 @@ def _ttft_requests(cfg: RunConfig, engine: Engine, bundle, vlist: list, contexts
             writer.add_failures([failure_record("load", var.mode, var.level, t.miss_reason,
                                                 context_id=ctx.cid, bandwidth_mbps=bw,
                                                 repeat=rep)])
-        writer.add_run(run_record(var, bw, engine.name, ctx, rep, t, q, text,
-                                  cfg.slo_s if adaptive else None,
-                                  slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None))
+        rec = run_record(var, bw, engine.name, ctx, rep, t, q, text, cfg.slo_s if adaptive else None,
+                         slo_violated(t, cfg.slo_s, prefill_tps) if adaptive else None)
+        point = (points or {}).get(var.mode)
+        if point is not None and point["level"] == var.level:
+            rec["operating_point"] = point
+        writer.add_run(rec)
 
 
 def _adaptation_stage(cfg: RunConfig, engine: Engine, bundle, levels: dict, contexts: list, link,

@@ -110,6 +110,37 @@ def run_targets(bundle, wt_ids: Sequence[int], targets: list, codecs: Sequence[s
             "windows": {"heldout": windows, "other_domain": n_other, "fit": fit_windows}}
 
 
+def calibration_measure(windows=None) -> Callable:
+    """The ``measure`` of ``kv_extraction_hf.calibrate.operating_points.fit_table``: the
+    text-fidelity measurement (``run_text_quality``: rows of KL, top-1 and ratio per codec
+    level) with its default batch and codec workers, quiet (the fit prints its own line).
+    ``windows``: per-layer sliding windows (sliding-window storage) or None."""
+    from bench.quality.config import DEFAULT_BATCH, DEFAULT_CODEC_WORKERS
+    from bench.quality.text import run_text_quality
+
+    def measure(bundle, ids, pairs, n, context, continuation, seed, configs):
+        return run_text_quality(bundle, ids, pairs, n, context, continuation, seed, log=lambda m: None,
+                                batch=DEFAULT_BATCH, codec_workers=DEFAULT_CODEC_WORKERS, configs=configs,
+                                windows=windows)[0]
+
+    return measure
+
+
+def resolve_target(bundle, target, codecs: Sequence[str], configs: Optional[dict] = None, windows=None,
+                   settings: Optional[dict] = None, text: Optional[str] = None, log=print) -> tuple[dict, dict]:
+    """(table, {codec: OperatingPoint}) of a quality target on ``bundle``'s model, the
+    table fitted on first use with ``calibration_measure`` and cached
+    (``kv_extraction_hf.calibrate.operating_points.resolve_points``, its arguments and
+    errors: ValueError, ``codec.operating_points.TargetUnmet``, ExtractionError). With
+    ``windows`` (sliding-window storage) the table's settings name the layout."""
+    from kv_extraction_hf.calibrate import operating_points as fit
+
+    s = dict(settings or fit.TARGET_FIT_SETTINGS)
+    if windows is not None:
+        s["window_storage"] = list(windows)
+    return fit.resolve_points(bundle, target, codecs, calibration_measure(windows), configs, s, text, log=log)
+
+
 def print_targets(part: dict, out=None) -> None:
     """The console table of ``run_targets``' result."""
     def ci(s, k, d=4):

@@ -37,14 +37,19 @@ from typing import Callable, Optional, Sequence
 
 from kv_extraction_hf.errors import ExtractionError
 
-__all__ = ["FIT_SETTINGS", "FIT_CODECS", "fit_table", "fit_operating_points", "split_ids",
-           "heldout_ids", "table_key"]
+__all__ = ["FIT_SETTINGS", "FIT_CODECS", "TARGET_FIT_SETTINGS", "fit_table", "fit_operating_points",
+           "resolve_points", "find_table", "point_summary", "split_ids", "heldout_ids", "table_key"]
 
 # 16 windows x (1024 + 128) tokens: ~18K calibration tokens per level; with the default
 # model's ~50K-token text both halves hold them
 FIT_SETTINGS = {"windows": 16, "context_tokens": 1024, "continuation_tokens": 128, "seed": 0,
                 "skip_tokens": 4 * 1024}
 FIT_CODECS = ("cachegen", "cachegen-ref", "kvtc")    # the codecs with levels (codec.level_table)
+# what a quality target of a run or a store write is fitted on (resolve_points): 8 windows x
+# (256 + 32) tokens, the sizes of the benchmarked table of docs/notes (cachegen's points held on
+# WikiText-2 test there); cheaper than FIT_SETTINGS, its wider CIs are the chooser's margin
+TARGET_FIT_SETTINGS = {"windows": 8, "context_tokens": 256, "continuation_tokens": 32, "seed": 0,
+                       "skip_tokens": 4 * 1024}
 
 
 def _tokens(bundle, text: str, need: int) -> list[int]:
@@ -205,3 +210,61 @@ def fit_operating_points(table: dict, targets: Sequence, codecs: Sequence[str]) 
             except op.TargetUnmet as exc:
                 out.append({"target": t.name, "codec": c, "error": str(exc)})
     return out
+
+
+def resolve_points(bundle, target, codecs: Sequence[str], measure: Callable, configs: Optional[dict] = None,
+                   settings: Optional[dict] = None, text: Optional[str] = None,
+                   folder: Optional[Path] = None, log=print) -> tuple[dict, dict]:
+    """(table, {codec: OperatingPoint}) of ``target`` for each codec of ``codecs`` that has
+    levels on ``bundle``'s model: the table fitted on first use (``fit_table`` with
+    ``TARGET_FIT_SETTINGS`` unless ``settings``; one progress line), loaded by its key after.
+    The table always holds cachegen's levels and LMCache's schedule (``cachegen-ref`` 0, the
+    ``lmcache`` target's reference), plus kvtc's when it is asked for (``configs["kvtc"]``
+    then names its calibration). ``target``: a
+    ``codec.operating_points.Target`` or its spelling. Raises ValueError (bad spelling, a
+    codec without levels), ``codec.operating_points.TargetUnmet`` (no level meets it: one
+    line naming the closest level), ExtractionError (text too short)."""
+    from codec import level_table, operating_points as op
+
+    t = target if isinstance(target, op.Target) else op.parse_target(target)
+    bad = [c for c in codecs if not level_table.levels(c)]
+    if bad:
+        raise ValueError(f"codec {bad[0]!r} has no levels to choose from")
+    fit_codecs = tuple(c for c in FIT_CODECS if c == "cachegen" or c in codecs)
+    table = fit_table(bundle, measure, fit_codecs, dict(settings or TARGET_FIT_SETTINGS), configs, text=text,
+                      folder=folder, log=log)
+    return table, {c: op.operating_point(table, c, t) for c in codecs}
+
+
+def point_summary(point) -> dict:
+    """What results rows and store manifests name of an ``OperatingPoint``: ``{"target",
+    "codec", "level", "hash", "table"}`` (both hashes sha256 hex)."""
+    return {"target": point.target, "codec": point.codec, "level": point.level, "hash": point.hash,
+            "table": point.table}
+
+
+def find_table(weights_hash: str, codec: str, folder: Optional[Path] = None) -> Optional[dict]:
+    """A stored table of the model ``weights_hash`` that has rows of ``codec``, without
+    fitting: the indexes ``index-*.json`` of ``folder`` (default
+    ``codec.operating_points.default_dir()``) that name the model, a table fitted with
+    ``TARGET_FIT_SETTINGS`` first, then the most codecs, the most windows, the smallest hash (the choice
+    does not depend on the order files were written). None when there is none; a table file
+    that does not verify is skipped."""
+    from codec import operating_points as op
+    from codec.errors import CodecError
+
+    folder = Path(folder) if folder is not None else op.default_dir()
+    found = []
+    for index in sorted(folder.glob("index-*.json")) if folder.is_dir() else []:
+        try:
+            raw = json.loads(index.read_bytes()[:4096])
+            if raw.get("weights_hash") != weights_hash:
+                continue
+            table = op.load_table(raw["hash"], folder)
+        except (ValueError, OSError, KeyError, TypeError, AttributeError, CodecError):
+            continue
+        if any(r["codec"] == codec for r in table["rows"]):
+            s = table.get("settings") or {}
+            found.append((s != TARGET_FIT_SETTINGS, -len({r["codec"] for r in table["rows"]}),
+                          -int(s.get("windows", 0) or 0), table["hash"], table))
+    return min(found, key=lambda f: f[:4])[4] if found else None

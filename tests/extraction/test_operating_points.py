@@ -81,23 +81,11 @@ def test_table_round_trip_by_hash(tmp_path):
         op.load_table("../x", tmp_path)
 
 
-VOCAB = 97
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from kv_extraction_hf.model import ModelBundle, ModelInfo
+    from tests.helpers.tiny_llama import tiny_llama_bundle
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      initializer_range=0.2)
-    model = LlamaForCausalLM(cfg).eval().to(torch.float32)
-    tok = lambda text, **kw: {"input_ids": [ord(ch) % VOCAB for ch in text]}  # noqa: E731
-    info = ModelInfo(model_id="tiny-llama", weights_hash="0" * 64, dtype="float32", num_layers=2,
-                     num_kv_heads=2, head_dim=16, max_context=512, path="")
-    return ModelBundle(model=model, tokenizer=tok, info=info)
+    return tiny_llama_bundle()
 
 
 def _measure(bundle, ids, pairs, n, ctx, cont, seed, configs):
@@ -134,3 +122,37 @@ def test_fit_is_deterministic_and_thread_count_independent(tiny, tmp_path):
     assert "error" in pts[1] and "closest" in pts[1]["error"]
     with pytest.raises(ValueError, match="no levels"):
         fit.fit_table(tiny, _measure, ("raw",), SETTINGS, text=text, folder=tmp_path, log=lambda m: None)
+
+
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 12
+
+
+def test_a_target_resolves_to_the_tables_choice_and_the_same_hash_in_a_fresh_folder(tiny, tmp_path):
+    table, points = fit.resolve_points(tiny, "kl:0.5", ("cachegen",), _measure, settings=SETTINGS, text=TEXT,
+                                       folder=tmp_path / "a", log=lambda m: None)
+    want = op.choose_level(table["rows"], "cachegen", op.parse_target("kl:0.5"))
+    p = points["cachegen"]
+    assert (p.level, p.table, p.kl) == (want["level"], table["hash"], want["kl"])
+    # the table holds cachegen and LMCache's schedule only (cachegen-ref 0, the lmcache reference)
+    assert {r["codec"] for r in table["rows"]} == {"cachegen", "cachegen-ref"}
+    assert [r["level"] for r in table["rows"] if r["codec"] == "cachegen-ref"] == [0]
+    # a fresh cache folder fits again and gets the same bytes, so the same hash and point
+    again, pts2 = fit.resolve_points(tiny, "kl:0.5", ("cachegen",), _measure, settings=SETTINGS, text=TEXT,
+                                     folder=tmp_path / "b", log=lambda m: None)
+    assert again["hash"] == table["hash"] and pts2["cachegen"].hash == p.hash
+    assert fit.point_summary(p) == {"target": "kl:0.5", "codec": "cachegen", "level": p.level, "hash": p.hash,
+                                    "table": table["hash"]}
+    # later uses load the table by its key: no measurement
+    fit.resolve_points(tiny, "lmcache", ("cachegen",), lambda *a: pytest.fail("measured again"),
+                       settings=SETTINGS, text=TEXT, folder=tmp_path / "a", log=lambda m: None)
+    # found without fitting by the model's weights hash; none for another model or folder
+    assert fit.find_table("0" * 64, "cachegen", tmp_path / "a")["hash"] == table["hash"]
+    assert fit.find_table("1" * 64, "cachegen", tmp_path / "a") is None
+    assert fit.find_table("0" * 64, "kvtc", tmp_path / "a") is None
+    assert fit.find_table("0" * 64, "cachegen", tmp_path / "empty") is None
+    with pytest.raises(op.TargetUnmet, match="closest: cachegen"):
+        fit.resolve_points(tiny, "kl:1e-9", ("cachegen",), _measure, settings=SETTINGS, text=TEXT,
+                           folder=tmp_path / "a", log=lambda m: None)
+    with pytest.raises(ValueError, match="no levels"):
+        fit.resolve_points(tiny, "lmcache", ("raw",), _measure, settings=SETTINGS, text=TEXT,
+                           folder=tmp_path / "a", log=lambda m: None)

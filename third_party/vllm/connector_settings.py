@@ -48,6 +48,44 @@ class StatsWriter:
                 f.flush()
 
 
+TARGET_CODECS = ("cachegen", "kvtc")   # the codecs a target picks a level of
+
+
+def target_points(extra: dict[str, Any], weights_hash: str | None, folder=None) -> dict[str, dict[str, Any]]:
+    """codec -> ``{"target", "codec", "level", "hash", "table"}`` of extra config "target"
+    on the model ``weights_hash``, read off the model's operating-point table in the cache
+    (``kv_extraction_hf.calibrate.operating_points.find_table``; extra config
+    "operating_point_table": a table's sha256 to use that one). The connector never fits a
+    table (that needs the measurement code, outside the connector): ``python -m
+    bench.operating_points --target T`` or ``run_benchmarks.py --target T`` fits it once per
+    model. A codec without a table row is left out (it keeps its own default level).
+    Raises ValueError (one line) on a bad target, no table of the model, or a target that no
+    level meets (``codec.operating_points.TargetUnmet``)."""
+    from codec import operating_points as op
+    from codec.errors import CodecError
+    from kv_extraction_hf.calibrate.operating_points import find_table, point_summary
+
+    target = op.parse_target(extra["target"])
+    if not weights_hash:
+        raise ValueError("extra config target needs the engine's model identity (weights hash)")
+    try:
+        if extra.get("operating_point_table"):
+            table = op.load_table(str(extra["operating_point_table"]), folder)
+        else:
+            table = find_table(weights_hash, "cachegen", folder)
+    except CodecError as exc:
+        raise ValueError(f"extra config operating_point_table: {exc}") from None
+    if table is None or table["model"].get("weights_hash") != weights_hash:
+        raise ValueError(f"no operating-point table of this model (weights {weights_hash[:12]}) in "
+                         f"{folder or op.default_dir()}; fit it once: python -m bench.operating_points "
+                         f"--model MODEL --target {target.name}")
+    out = {}
+    for c in TARGET_CODECS:
+        if any(r["codec"] == c for r in table["rows"]):
+            out[c] = point_summary(op.operating_point(table, c, target))  # TargetUnmet is a ValueError
+    return out
+
+
 @dataclass
 class ConnectorSettings:
     """Read-only settings of one connector (either role).
@@ -65,6 +103,10 @@ class ConnectorSettings:
     key_fn: extra config "key_fn" loaded, or None (streaming.store:context_key).
     chunk_hook: test-only extra config "test_chunk_hook" loaded, or None.
     stats: the stats writer of extra config "stats_path".
+    operating_points: codec -> its operating point for extra config "target" (near-lossless,
+        lmcache, kl:X) on this engine's model (``target_points``: target, codec, level,
+        hash, table); empty without a target. A request that names no "level" saves and
+        loads at it.
     """
 
     extra: dict[str, Any]
@@ -78,6 +120,7 @@ class ConnectorSettings:
     key_fn: Callable | None = None
     chunk_hook: Callable | None = None
     stats: StatsWriter = field(default_factory=lambda: StatsWriter(None))
+    operating_points: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, block_size: int = 128, identity: Any = None,
@@ -88,6 +131,10 @@ class ConnectorSettings:
         extra = dict(extra or {})
         allowed_stores(extra)  # a malformed operator store list fails at start, clearly
         max_key_chars(extra)   # so does a key bound above the one every source shares
+        if extra.get("target") is not None:  # a misspelt quality target, too
+            from codec.operating_points import parse_target
+
+            parse_target(extra["target"])
         # test-only hook (off by default): "module:function" called as
         # hook(params, chunk_start_token, cancelled) before each chunk is placed
         # (params: the request's kv_transfer_params; cancelled() -> bool)
@@ -118,6 +165,8 @@ class ConnectorSettings:
         out = cls.from_extra(extra, block_size=cc.block_size,
                              prefix_caching=bool(getattr(cc, "enable_prefix_caching", False)))
         out.identity = engine_identity(vllm_config, extra)  # after the options' checks
+        if extra.get("target") is not None:
+            out.operating_points = target_points(extra, getattr(out.identity, "weights_hash", None))
         return out
 
     def prefix_mode(self) -> str:

@@ -165,6 +165,8 @@ class CacheGenScheduler:
             return None
         params = {k: self.settings.extra[k] for k in ("model_id", "weights_hash") if k in self.settings.extra}
         params.update(p, **request_partition(request))  # cache_salt / LoRA: its own partition
+        if self.settings.operating_points and params.get("level") is None:  # extra config "target"
+            params["operating_levels"] = {c: pt["level"] for c, pt in self.settings.operating_points.items()}
         if not p.get("context_key") and not p.get("context_tokens"):
             if p.get("save") and raw and set(raw) <= {"save", "stats_tag"}:
                 return None  # a save-only request
@@ -320,6 +322,9 @@ class CacheGenScheduler:
                     if key not in save and key in self.settings.extra:
                         save[key] = self.settings.extra[key]
                 save.setdefault("stats_tag", p.get("stats_tag"))
+                point = self.settings.operating_points.get(save.get("codec", "raw"))
+                if point is not None and save.get("level") is None:  # extra config "target"
+                    save["level"], save["operating_point"] = point["level"], point
                 save.update(request_partition(request))  # saved into the request's partition
                 self._saves[request.request_id] = SaveTrack(prompt[:n], save)
 

@@ -410,7 +410,9 @@ class LocalDirSource:
                                [params.get("level")], calibration_hash=calibration_of(chunks))
         t0 = time.perf_counter()
         save_local_context(d.parent, params["context_key"], token_ids, chunks, sizes,
-                           info={"codec": params.get("codec", "raw"), "level": params.get("level")},
+                           info={"codec": params.get("codec", "raw"), "level": params.get("level"),
+                                 **({"operating_point": params["operating_point"]}
+                                    if params.get("operating_point") else {})},
                            identity=ident)
         return {"encode_s": enc_s, "put_s": time.perf_counter() - t0,
                 "bytes": sum(len(c) for c in chunks), "context_key": params["context_key"]}

@@ -103,18 +103,20 @@ class _PrefixPolicy:
         self.inner.observe_decode(k, decode_s)
 
 
-def default_stored_level(codec_name: str | None, levels) -> int | None:
+def default_stored_level(codec_name: str | None, levels, points: dict | None = None) -> int | None:
     """The stored level a request without "level" fetches: None for an entry of a codec
-    without levels (levels [None], or none listed), else the codec's own default
-    (codec.default_level, the same default as codec and harness) when the entry stores it,
-    else the highest stored level. Raises ValueError for a malformed level."""
+    without levels (levels [None], or none listed), else the connector's operating point
+    of the codec (``points``: codec -> level, extra config "target") or, without one, the
+    codec's own default (codec.default_level, the same default as codec and harness) when
+    the entry stores it, else the highest stored level. Raises ValueError for a malformed
+    level."""
     import codec
 
     levels = [parse_level(x) for x in levels or [None]]
     if None in levels:
         return None
     if codec_name in codec.CODECS:
-        d = codec.default_level(codec_name)
+        d = (points or {}).get(codec_name, codec.default_level(codec_name))
         if d is not None and d in levels:
             return d
     return max(levels)
@@ -247,7 +249,8 @@ class StoreSource:
         if isinstance(level, (list, tuple)):  # per-chunk levels, None = text (experiments)
             return FixedPolicy([x if x is None or x == NO_LEVEL_KEY else int(x) for x in level])
         if level is None or level == NO_LEVEL_KEY:
-            level = default_stored_level(lookup.info.get("codec"), lookup.info.get("levels"))
+            level = default_stored_level(lookup.info.get("codec"), lookup.info.get("levels"),
+                                         params.get("operating_levels"))
             # an entry of a codec without levels: its slot, as streaming.load's policies name it
             return FixedPolicy(NO_LEVEL_KEY if level is None else level)
         if list(lookup.info.get("levels") or []) == [None]:
@@ -267,8 +270,10 @@ class StoreSource:
                                [params.get("level")], calibration_hash=calibration_of(chunks))
         t0 = time.perf_counter()
         client = self._client(params)
+        # the operating point a save of the connector's "target" was encoded at (not identity)
+        meta = {"operating_point": params["operating_point"]} if params.get("operating_point") else None
         if ident.model_id and ident.weights_hash:  # full identity: the key commits to it
-            key = client.put_entry(ident, token_ids, {ident.levels[0]: chunks}, ranges)
+            key = client.put_entry(ident, token_ids, {ident.levels[0]: chunks}, ranges, meta=meta)
         else:
             tag = str(params.get("codec_tag") or params.get("codec", "raw"))
             if ident.partition:  # no identity recorded: the partition keys the entry apart
@@ -276,7 +281,7 @@ class StoreSource:
             key = client.put_context(
                 str(params.get("model_id") or "unknown-model"),
                 str(params.get("weights_hash") or "unknown-weights"), tag, token_ids,
-                {ident.levels[0]: chunks}, ranges)
+                {ident.levels[0]: chunks}, ranges, meta)
         put_s = time.perf_counter() - t0
         indexed = 0
         if ident.weights_hash:  # findable by prefix (third_party.vllm.prefix_chain)

@@ -1,0 +1,104 @@
+"""run_benchmarks.py --target (harness.targets): the flag's checks before any work, a target
+resolved on a tiny random model to the table's choice (levels replaced, the record), an
+unmeetable target as one ``error:`` line and exit 2 from the CLI, and a store entry made at
+an operating point that names it in its manifest and decodes in a fresh cache folder.
+
+Run: .venv/bin/python -m pytest tests/harness/test_run_target.py -q
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import run_benchmarks
+from codec import operating_points as op
+from harness.config import ConfigError, RunConfig, resolve
+from kv_extraction_hf.calibrate import operating_points as fit
+
+SETTINGS = {"windows": 4, "context_tokens": 48, "continuation_tokens": 8, "seed": 0, "skip_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests.helpers.tiny_llama import tiny_llama_bundle
+
+    return tiny_llama_bundle()
+
+
+@pytest.fixture
+def small_fit(monkeypatch, tmp_path):
+    """Fits of this test: tiny windows, a fresh cache folder."""
+    monkeypatch.setattr(fit, "TARGET_FIT_SETTINGS", SETTINGS)
+    monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_target_flag_is_checked_before_any_work(capsys):
+    assert resolve(None, {"target": "lmcache"}).target == "lmcache"
+    with pytest.raises(ConfigError, match="unknown quality target"):
+        resolve(None, {"target": "best"})
+    with pytest.raises(ConfigError, match="leave out --levels"):
+        resolve(None, {"target": "lmcache", "levels": (1,)})
+    with pytest.raises(ConfigError, match="leave out --levels"):
+        resolve(None, {"target": "kl:0.02", "kvtc_levels": (4,)})
+    assert run_benchmarks.main(["--target", "kl:-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: target KL must be a positive") and "\n" not in err
+
+
+def test_apply_target_sets_each_codec_to_its_operating_point(tiny, small_fit):
+    from harness.targets import apply_target, point_summaries
+
+    cfg = RunConfig(modes=("text", "cachegen", "kvtc"), engine="hf", target="kl:0.5")
+    new, rec = apply_target(cfg, tiny, {})     # kvtc has no calibration here: cachegen only
+    table = op.load_table(rec["table"])        # stored in the fresh cache folder
+    want = op.choose_level(table["rows"], "cachegen", op.parse_target("kl:0.5"))["level"]
+    assert new.levels == (want,) and new.kvtc_levels == cfg.kvtc_levels and new.target == "kl:0.5"
+    (point,) = rec["points"]
+    assert point["codec"] == "cachegen" and point["level"] == want and point["table"] == rec["table"]
+    assert point_summaries(rec) == {"cachegen": {"target": "kl:0.5", "codec": "cachegen", "level": want,
+                                                 "hash": point["hash"], "table": rec["table"]}}
+    assert apply_target(RunConfig(), tiny, {}) == (RunConfig(), None)     # no target: nothing fitted
+
+
+def test_unmeetable_target_is_one_line_and_exit_2(tiny, small_fit, monkeypatch, capsys):
+    import harness.lifecycle
+    import harness.run
+
+    monkeypatch.setattr(harness.run, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(harness.run, "cleanup_leftovers", lambda: None)
+    monkeypatch.setattr(harness.lifecycle, "install_signal_handlers", lambda: None)
+    rc = run_benchmarks.main(["--target", "kl:1e-9", "--modes", "text", "cachegen", "--engine", "hf",
+                              "--out", str(small_fit / "r.json")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(err) == 1
+    assert "no level of cachegen meets kl:1e-09" in err[0] and "closest: cachegen" in err[0]
+    assert not (small_fit / "r.json").exists()
+
+
+def test_an_entry_at_an_operating_point_names_it_and_decodes_in_a_fresh_cache(tmp_path, monkeypatch):
+    import torch
+
+    import codec
+    from harness.contexts import Context, populate_store
+    from streaming.store.client import LocalStoreClient
+    from tests.helpers.kv import mixed_kv
+
+    k, v = (x[:, :128].to(torch.bfloat16).contiguous() for x in mixed_kv(2, 128, 2, 8, seed=0))
+    prompt = SimpleNamespace(context_ids=list(range(130)), input_ids=list(range(140)), task="needle")
+    ctx = Context("needle-0", prompt, k, v, 128, dtype_bytes=2 * k.numel() * 2)
+    info = SimpleNamespace(model_id="m", weights_hash="w" * 64, tokenizer_hash="", dtype="bfloat16",
+                           num_layers=2, num_kv_heads=2, head_dim=8)
+    point = {"target": "lmcache", "codec": "cachegen", "level": 3, "hash": "a" * 64, "table": "b" * 64}
+    client = LocalStoreClient(tmp_path / "store")
+    populate_store(RunConfig(chunk_tokens=128, block_tokens=128), client, info, [ctx],
+                   {"cachegen": [3], "raw": [None]}, points={"cachegen": point})
+    # a reader whose cache folder never fitted a table: the chunk's own header suffices
+    monkeypatch.setenv("CACHEGEN_CACHE", str(tmp_path / "fresh"))
+    man = client.get_manifest(ctx.keys["cachegen"])
+    assert man.meta["operating_point"] == point and tuple(man.levels) == (3,)
+    data = client.get_chunk(ctx.keys["cachegen"], 3, 0, man.gen)
+    k2, v2 = codec.decode_kv(data)
+    assert k2.shape == k.shape and codec.peek_header(data)["level"] == 3
+    assert "operating_point" not in client.get_manifest(ctx.keys["raw"]).meta
