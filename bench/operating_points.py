@@ -24,7 +24,7 @@ class TargetError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.operating_points", description=__doc__.split("\n\n")[0])
     flags.add_model(p)
     p.add_argument("--target", nargs="+", default=["lmcache"], metavar="NAME",
                    help="near-lossless, lmcache or kl:X (KL bound in nats/token); default lmcache")

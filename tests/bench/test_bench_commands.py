@@ -10,7 +10,7 @@ import importlib
 import pytest
 
 COMMANDS = ("codec", "triton", "coder", "schedules", "linkcheck", "streaming", "redis", "redis_cluster", "vllm_demo", "vllm_kv_memory",
-            "taskcheck", "lmcache", "store_load", "serve_load")
+            "taskcheck", "lmcache", "store_load", "serve_load", "operating_points")
 
 
 @pytest.mark.parametrize("name", COMMANDS)

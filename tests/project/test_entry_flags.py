@@ -79,6 +79,7 @@ ENTRIES = [
      [(["--rate-mbps", "5", "--method", "netns", "--reps", "1"],
        ["--bandwidth-mbps", "5", "--link-method", "netns", "--repeats", "1"])]),
     ("bench.redis_cluster", "main", [], {"--out"}, []),
+    ("bench.operating_points", "main", [], {"--model", "--out"}, []),
     ("bench.coder", "rans_bench", [], {"--repeats"}, [(["--reps", "2"], ["--repeats", "2"])]),
     ("bench.coder", "entropy_bench", [], {"--repeats"}, [(["--reps", "2"], ["--repeats", "2"])]),
     ("bench.vllm_demo", "main", [], {"--model", "--context-tokens", "--bandwidth-mbps", "--repeats"},
