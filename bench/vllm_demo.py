@@ -58,6 +58,21 @@ def target_points(bundle, target: str, codecs, configs: dict) -> dict:
     return {c: point_summary(p) for c, p in points.items()}
 
 
+def default_points(bundle, codecs) -> dict:
+    """``target_points`` of cachegen's default level (``lmcache``, ``harness.targets``:
+    DEFAULT_TARGET) when cachegen is stored; {} when it is not, or (one line on stderr, the
+    codec's default level then) when the point cannot be resolved."""
+    from harness.targets import DEFAULT_CODECS, DEFAULT_TARGET
+
+    mine = [c for c in DEFAULT_CODECS if c in codecs]
+    try:
+        return target_points(bundle, DEFAULT_TARGET, mine, {}) if mine else {}
+    except (ExtractionError, ValueError) as exc:
+        print(f"default level: no {DEFAULT_TARGET} operating point ({' '.join(str(exc).split())}); "
+              "the codec's default level", file=sys.stderr)
+        return {}
+
+
 def run_demo(args) -> int:
     """TTFT of plain prefill vs. KV loads through the connector on one engine (see
     ``--help``). Modes are interleaved repeat by repeat; repeat 0 is a warm-up, not counted.
@@ -82,7 +97,10 @@ def run_demo(args) -> int:
 
         configs["kvtc"] = KvtcConfig(calibration=load_calibration(default_calibration(
             bundle, log=lambda m: print(m, file=sys.stderr))).hash)
-    points = target_points(bundle, args.target, args.codecs, configs) if args.target else {}
+    if args.target:
+        points = target_points(bundle, args.target, args.codecs, configs)
+    else:   # no --level: cachegen's level is the model's lmcache point (harness.targets.default_point)
+        points = default_points(bundle, args.codecs) if args.level is None else {}
     del bundle  # the HF model is not needed any more; vLLM loads its own copy
     bf16_bytes = 2 * k.numel() * k.element_size()
     print(f"context {len(ctx)} tokens + question {len(q)}; bf16 KV {bf16_bytes / 1e6:.1f} MB")
@@ -181,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                     "bf16 folder)")
     flags.add_context_tokens(p, default=2000, aliases=("--tokens",))
     p.add_argument("--codecs", nargs="+", default=["raw"], help="codecs stored (default raw)")
-    p.add_argument("--level", type=int, default=None, help="cachegen level")
+    p.add_argument("--level", type=int, default=None,
+                   help="cachegen level (default: the model's lmcache operating point, fitted on first use and "
+                        "cached; the codec's default level when it cannot be fitted)")
     p.add_argument("--target", default=None, metavar="NAME",
                    help="store cachegen / kvtc at the model's operating point of a quality target instead "
                         "of a level: near-lossless, lmcache or kl:X (nats/token); excludes --level")

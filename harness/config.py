@@ -53,7 +53,8 @@ class RunConfig:
     levels: tuple[int, ...] | None = (0, 1, 3, 5)
     kvtc_levels: tuple[int, ...] | None = (4,)
     # a quality target instead of levels (codec.operating_points: near-lossless, lmcache, kl:X):
-    # cachegen and kvtc then run at the model's operating point (harness.targets); None = the levels
+    # cachegen and kvtc then run at the model's operating point (harness.targets); None = the levels,
+    # cachegen's default level being the model's lmcache point (resolved and recorded)
     target: str | None = None
     engine: str = "vllm"
     # vLLM only: keep its hybrid KV cache manager on (third_party/vllm/hma_connector.py,

@@ -80,8 +80,16 @@ def mode_key(mode: str, level: Any) -> tuple:
     return (idx, mode, -1 if level is None else level)
 
 
-def mode_default_level(mode: str) -> Any:
-    """The codec's default level (None when unknown or the codec has no levels)."""
+def mode_default_level(mode: str, doc: dict | None = None) -> Any:
+    """The default level of ``mode`` in a run: the level of its default operating point
+    when results.json ``doc`` records one (``operating_points`` with role "default": the
+    model's ``lmcache`` point, what level=None means), else the codec's default level (None
+    when unknown or the codec has no levels)."""
+    ops = (doc or {}).get("operating_points") or {}
+    if ops.get("role") == "default":
+        for p in ops.get("points") or []:
+            if p.get("codec") == mode:
+                return p.get("level")
     try:
         return level_table.default_level(mode)
     except Exception:  # noqa: BLE001 - not a codec (text, adaptive) or codec unavailable

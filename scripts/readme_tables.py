@@ -137,7 +137,7 @@ def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality
         label = plot_label(mode, level)
         if level is not None and mode.startswith("cachegen"):
             label = f"{mode} level {level}"
-            if level == mode_default_level(mode):
+            if level == mode_default_level(mode, doc):
                 label += " (default)"
         if mode == "text":
             label = "text (prefill)"
@@ -217,13 +217,14 @@ def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
              f"({str(doc.get('created_utc', '?'))[:10]}, git {str(doc.get('git_commit') or '?')[:7]})"
              + (f" and `{quality_source}`" if quality is not None else " (no quality.json: KL not yet measured)")
              + f"; {model.get('model_id', '?')} {model.get('dtype', '')}, {f'GPU {gpu}' if gpu else cpu_run}; "
-             f"the full tables, the machine and the n of every cell: [{tables}]({tables}).", "",
+             f"the full tables, the machine and the n of every cell: [{tables}]({tables})."
+             + default_point_note(doc), "",
              "| mode | " + " | ".join(f"median TTFT at {b:g} Mbit/s (s)" for b in ends)
              + f" | ratio vs {model.get('dtype', 'dtype')} | KL (nats/token) [95% CI] (n windows) |",
              "|---" * (len(ends) + 3) + "|"]
     for mode, level in HEADLINE_ROWS:
         if level == "default":
-            level = mode_default_level(mode)
+            level = mode_default_level(mode, doc)
         per = by_label.get((mode, level))
         if not per:
             continue
@@ -239,10 +240,20 @@ def render_headline(doc: dict[str, Any], quality: dict[str, Any] | None = None,
     return "\n".join(lines).rstrip() + "\n"
 
 
+def default_point_note(doc: dict[str, Any]) -> str:
+    """" Default level: ..." naming the run's default operating point (results.json
+    ``operating_points``, role "default": codec, level, target, the point's and the table's
+    sha256 prefixes); "" when the run recorded none."""
+    ops = doc.get("operating_points") or {}
+    pts = [p for p in ops.get("points") or [] if ops.get("role") == "default"]
+    return "".join(f" Default level: {p['codec']} {p['level']}, the model's `{p['target']}` operating point "
+                   f"(point {str(p.get('hash'))[:12]}, table {str(p.get('table'))[:12]})." for p in pts)
+
+
 def _derived(doc, rows, bws, keys, by_label, quality=None) -> list[str]:
     out = []
     cfg = doc.get("config") or {}
-    dl = mode_default_level("cachegen")
+    dl = mode_default_level("cachegen", doc)
     cg = by_label.get(("cachegen", dl))
 
     def ttft(mode, level, b):

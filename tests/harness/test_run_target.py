@@ -59,7 +59,31 @@ def test_apply_target_sets_each_codec_to_its_operating_point(tiny, small_fit):
     assert point["codec"] == "cachegen" and point["level"] == want and point["table"] == rec["table"]
     assert point_summaries(rec) == {"cachegen": {"target": "kl:0.5", "codec": "cachegen", "level": want,
                                                  "hash": point["hash"], "table": rec["table"]}}
-    assert apply_target(RunConfig(), tiny, {}) == (RunConfig(), None)     # no target: nothing fitted
+    no_cachegen = RunConfig(modes=("text", "raw"), engine="hf")
+    assert apply_target(no_cachegen, tiny, {}) == (no_cachegen, None)     # nothing to resolve
+
+
+def test_without_a_target_the_default_level_is_the_lmcache_point(tiny, small_fit, monkeypatch):
+    """level=None: cachegen's lmcache point is resolved and recorded; the levels run as configured."""
+    from harness import targets
+
+    cfg = RunConfig(modes=("text", "cachegen", "kvtc"), engine="hf")
+    new, rec = targets.apply_target(cfg, tiny, {})
+    assert new == cfg and rec["role"] == "default" and rec["target"] == "lmcache"
+    table = op.load_table(rec["table"])
+    want = op.choose_level(table["rows"], "cachegen", op.parse_target("lmcache"))["level"]
+    assert [(p["codec"], p["level"]) for p in rec["points"]] == [("cachegen", want)]
+    assert {r["codec"] for r in table["rows"]} == {"cachegen", "cachegen-ref"}     # kvtc not fitted
+    # a fit that cannot meet the target never stops the run: one logged line, recorded
+
+    def unmet(*a, **k):
+        raise op.TargetUnmet("no level of cachegen meets lmcache; closest: cachegen 5")
+
+    import bench.quality.targets as bqt
+
+    monkeypatch.setattr(bqt, "resolve_target", unmet)
+    new, rec = targets.apply_target(cfg, tiny, {})
+    assert new == cfg and rec["points"] == [] and rec["error"].startswith("no level of cachegen")
 
 
 def test_unmeetable_target_is_one_line_and_exit_2(tiny, small_fit, monkeypatch, capsys):

@@ -471,6 +471,22 @@ def test_headline_rows_and_cells():
     assert "no quality.json" in bare and "| quant8 | 4.00 | 1.50 | 2.00x | - |" in bare
 
 
+def test_headline_default_level_is_the_runs_default_operating_point():
+    """A run that recorded its default operating point (results.json operating_points, role
+    "default") marks that level "(default)" and names the point; other roles do not."""
+    doc = _doc()
+    doc["runs"] += [dict(r, level=3, label="cachegen-l3") for r in doc["runs"] if r["mode"] == "cachegen"]
+    point = {"codec": "cachegen", "level": 3, "target": "lmcache", "hash": "c" * 64, "table": "d" * 64}
+    doc["operating_points"] = {"target": "lmcache", "role": "default", "table": "d" * 64, "points": [point]}
+    out = rt.render_headline(doc)
+    assert "cachegen level 3 (default)" in _table_rows(out) and "cachegen level 1 (default)" not in out
+    assert "Default level: cachegen 3, the model's `lmcache` operating point (point cccccccccccc, " \
+           "table dddddddddddd)." in out
+    assert readme_table_cells.mode_default_level("cachegen", doc) == 3
+    doc["operating_points"]["role"] = "target"
+    assert readme_table_cells.mode_default_level("cachegen", doc) == 1 and "Default level" not in rt.render_headline(doc)
+
+
 def test_headline_failed_row_and_check(tmp_path):
     # a kvtc that failed to encode (results.json `failures`) shows "failed"; --check covers the front README
     doc = _doc()
