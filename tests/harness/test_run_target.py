@@ -126,3 +126,49 @@ def test_an_entry_at_an_operating_point_names_it_and_decodes_in_a_fresh_cache(tm
     k2, v2 = codec.decode_kv(data)
     assert k2.shape == k.shape and codec.peek_header(data)["level"] == 3
     assert "operating_point" not in client.get_manifest(ctx.keys["raw"]).meta
+
+
+def test_a_kvtc_entry_at_an_operating_point_decodes_in_a_fresh_process_and_cache(tmp_path):
+    """kvtc: the entry's calibration is fetched from the store by its hash
+    (streaming.calibrations.ensure_calibrations) in a process whose cache folder never saw it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from codec import kvtc
+    from harness.contexts import Context, populate_store
+    from streaming.store.client import LocalStoreClient
+    from tests.helpers.kv import mixed_kv
+
+    k, v = mixed_kv(2, 256, 2, 8, seed=0)
+    cal = kvtc.fit_calibration(k, v, sink_tokens=0, recent_tokens=0)
+    k, v = (x[:, :128].to(torch.bfloat16).contiguous() for x in (k, v))
+    prompt = SimpleNamespace(context_ids=list(range(130)), input_ids=list(range(140)), task="needle")
+    ctx = Context("needle-0", prompt, k, v, 128, dtype_bytes=2 * k.numel() * 2)
+    info = SimpleNamespace(model_id="m", weights_hash="w" * 64, tokenizer_hash="", dtype="bfloat16",
+                           num_layers=2, num_kv_heads=2, head_dim=8)
+    point = {"target": "kl:0.05", "codec": "kvtc", "level": 3, "hash": "a" * 64, "table": "b" * 64}
+    populate_store(RunConfig(chunk_tokens=128, block_tokens=128), LocalStoreClient(tmp_path / "store"), info,
+                   [ctx], {"kvtc": [3]}, configs={"kvtc": kvtc.KvtcConfig(calibration=cal)},
+                   points={"kvtc": point})
+    script = (
+        "import json, sys, codec\n"
+        "from codec import artifacts\n"
+        "from streaming.calibrations import ensure_calibrations\n"
+        "from streaming.store.client import LocalStoreClient\n"
+        "cl = LocalStoreClient(sys.argv[1]); man = cl.get_manifest(sys.argv[2])\n"
+        "before = [artifacts.has_artifact(h) for h in man.calibrations]\n"
+        "miss = ensure_calibrations(cl, man.calibrations)\n"
+        "k, v = codec.decode_kv(cl.get_chunk(sys.argv[2], 3, 0, man.gen))\n"
+        "print(json.dumps({'before': before, 'miss': miss, 'shape': list(k.shape), 'point': man.meta['operating_point']}))\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, CACHEGEN_CACHE=str(tmp_path / "fresh"), PYTHONPATH=str(root))
+    cp = subprocess.run([sys.executable, "-c", script, str(tmp_path / "store"), ctx.keys["kvtc"]], cwd=root,
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    got = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert got == {"before": [False], "miss": None, "shape": [2, 128, 2, 8], "point": point}
