@@ -65,6 +65,7 @@ from bench.quality.config import (
 )
 from bench.quality.default_level import choose_default_level, print_choice
 from codec.operating_points import REFERENCE
+from bench.quality.checkpoint import CheckpointMismatch, partial_path
 from bench.quality.text import parse_codec_spec, run_text_quality
 from bench.quality.tasks import run_tasks
 from bench.quality.targets import DEFAULT_TARGETS_OUT, parse_targets, print_targets, run_targets
@@ -243,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the target KL <= X nats/token (same as --targets kl:X)")
     p.add_argument("--fit-windows", type=int, default=16,
                    help="calibration windows the operating points are fitted on (default %(default)s)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start the text-fidelity windows over: discard the state a stopped run of these "
+                        "settings left beside --out (<out>.partial; by default it is resumed at its next window)")
+    p.add_argument("--report-partial", action="store_true",
+                   help="write --out from the windows a stopped (or still running) run of these settings has "
+                        "saved in <out>.partial, measuring none; the file names how many windows it holds, and "
+                        "the state stays, to be resumed")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -309,6 +317,11 @@ def _main(args, argv: list[str]) -> int:
         raise QualityError("--kvtc-calibration and --kvtc-calibration-data exclude each other")
     if args.no_tasks and args.tasks_only:
         raise QualityError("--no-tasks and --tasks-only exclude each other")
+    if args.report_partial and (args.no_resume or not args.no_tasks or args.targets or args.target_kl is not None):
+        raise QualityError("--report-partial summarizes saved text windows: it needs --no-tasks and excludes "
+                           "--no-resume and --targets")
+    if args.report_partial and not partial_path(args.out).is_file():
+        raise QualityError(f"--report-partial: no saved windows at {partial_path(args.out)}")
     do_tasks = not args.no_tasks
     targets = parse_targets(args.targets, args.target_kl) if (args.targets or args.target_kl is not None) else []
     if targets:
@@ -403,6 +416,8 @@ def _main(args, argv: list[str]) -> int:
                    codec_workers, configs, ws, wstore, doc)
     doc["tasks_wall_s" if args.tasks_only else "wall_s"] = time.perf_counter() - t_start
     _write_json(args.out, doc)
+    if wt is not None and "partial" not in doc:
+        partial_path(args.out).unlink(missing_ok=True)     # every window is in --out now
     print(f"\nwrote {args.out} ({doc['tasks_wall_s' if args.tasks_only else 'wall_s']:.0f} s)")
     if doc.get("rows") and any(r["codec"] == REFERENCE[0] and r["level"] == REFERENCE[1] for r in doc["rows"]) \
             and any(r["codec"] == FAMILY_DEFAULT for r in doc["rows"]):
@@ -460,6 +475,14 @@ def _targets_part(args, argv, bundle, wt, targets, sizes, batch, codec_workers, 
     print(f"\nwrote {out} ({doc['wall_s']:.0f} s)")
 
 
+def _calibration_hashes(record: Optional[dict]) -> list:
+    """The kvtc calibration hashes a quality doc's ``kvtc_calibration`` record names (one, or
+    one per layer group), without its timings and paths: what a resumed run must share."""
+    if not record:
+        return []
+    return [g.get("hash") for g in record["groups"]] if "groups" in record else [record.get("hash")]
+
+
 def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch: int,
                codec_workers: int, configs: dict, ws, wstore: dict, doc: dict,
                anchor_list: Sequence[tuple[int, int]] = ((0, 0),)) -> None:
@@ -473,19 +496,35 @@ def _text_part(args, bundle, wt, pairs: list, sizes: tuple[int, int, int], batch
           f"{len(pairs)} codec/levels"
           + ("; a smoke run: its CIs are wide, do not rank codecs on it (use >= 32 windows)"
              if windows < 32 else ""))
-    rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
-                                   log=_log, batch=batch, codec_workers=codec_workers,
-                                   configs=configs, windows=ws, anchors=anchor_list)
+    state = partial_path(args.out)
+    if args.no_resume and state.is_file():
+        state.unlink()
+    identity = {"model": doc["model"]["weights_hash"], "data": wt.sha256, "codecs": args.codecs,
+                "kvtc_calibration": _calibration_hashes(doc.get("kvtc_calibration")),
+                "window_storage": wstore}
+    try:
+        rows, info = run_text_quality(bundle, ids, pairs, windows, context, continuation, args.seed,
+                                       log=_log, batch=batch, codec_workers=codec_workers,
+                                       configs=configs, windows=ws, anchors=anchor_list,
+                                       checkpoint=(state, identity, environment()),
+                                       max_new_windows=0 if args.report_partial else None)
+    except CheckpointMismatch as exc:
+        raise QualityError(f"{exc}: pass --no-resume to start over, or another --out") from None
     doc["rows"] = rows
     doc["data"] = dict(wt.record(), tokens=len(ids), corpus="WikiText-2 (Merity et al. 2016), CC BY-SA 3.0")
     doc["config"] = {"n_windows": windows, "context_tokens": context, "continuation_tokens": continuation,
                      "seed": args.seed, "codecs": args.codecs, "quick": bool(args.quick),
                      "window_offsets": info["offsets"], "ci": "95% percentile bootstrap over windows, "
                      "10000 resamples, seed 0 (exact enumeration for n <= 7)", "window_storage": wstore,
-                     "anchors": [list(a) for a in anchor_list]}
+                     "anchors": [list(a) for a in anchor_list], "windows_measured": info["windows_measured"]}
+    if info["windows_measured"] < windows:
+        doc["partial"] = {"windows_measured": info["windows_measured"], "windows_planned": windows,
+                          "state": state.name, "note": "a partial run: its CIs are over the measured windows "
+                          "only; resume it with the same command (without --report-partial)"}
+        print(f"a partial run: {info['windows_measured']} of {windows} windows measured")
     doc["text_info"] = {k: info[k] for k in ("skipped", "lossless_check", "reference_ppl_mean",
                                              "prefill_s", "scores_s", "batch", "batch_exact",
-                                             "codec_workers", "total_s")}
+                                             "codec_workers", "total_s", "resumed_windows", "segments")}
     print()
     print_table(rows)
     chk = info["lossless_check"]

@@ -244,7 +244,9 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
                      log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH,
                      codec_workers: int = DEFAULT_CODEC_WORKERS,
                      configs: Optional[dict] = None, windows=None,
-                     anchors: Sequence[tuple[int, int]] = ((0, 0),)) -> tuple[list[dict], dict]:
+                     anchors: Sequence[tuple[int, int]] = ((0, 0),),
+                     checkpoint: Optional[tuple] = None,
+                     max_new_windows: Optional[int] = None) -> tuple[list[dict], dict]:
     """Paired text-fidelity measurement on ``n_windows`` windows of ``token_ids``.
 
     ``token_ids``: the tokenized corpus; windows of ``context + continuation`` tokens at
@@ -267,6 +269,15 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     anchor settings ``(sink, recent)`` each codec/level is measured at (``codec.anchors``;
     (0, 0) = none, the ordinary container); rows carry ``anchors`` and ``exact_tokens``.
     Anchors other than (0, 0) need the full layout and our own codecs (ValueError).
+    ``checkpoint``: ``(path, identity, environment)`` makes the run resumable
+    (``bench.quality.checkpoint``): the state is saved after every window, and a state of
+    the same run (same identity, codecs, offsets, sizes, seed, anchors) already at ``path`` is
+    resumed at its next window; info then has ``resumed_windows`` and ``segments`` (the
+    window each segment started at, with its environment). Raises
+    ``checkpoint.CheckpointMismatch`` (a ValueError) for a state of another run.
+    ``max_new_windows``: measure at most that many windows in this call (0 with a
+    checkpoint: summarize the saved windows only); info's ``windows_measured`` is the number
+    of windows the rows hold.
     """
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import batch_is_exact, continuation_logits, continuation_logits_batch
@@ -288,7 +299,27 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
     exact_shapes: list[bool] = []        # per batched forward: ran batched (True) or at batch 1
     t_prefill = t_scores = 0.0
     t0 = time.perf_counter()
+    start, earlier_s, segments, key = 0, 0.0, [], None
+    if checkpoint is not None:
+        from bench.quality import checkpoint as ckpt
+
+        path, identity, env = checkpoint
+        key = ckpt.run_key({"identity": identity, "pairs": [[n, lv, list(a)] for n, lv, a in pairs],
+                            "offsets": list(offsets), "context": context, "continuation": continuation,
+                            "seed": seed})
+        state = ckpt.load_state(path, key)
+        if state is not None:
+            start, acc, skipped = state["windows_done"], state["acc"], state["skipped"]
+            ref_ppl, exact_shapes = state["ref_ppl"], state["exact_shapes"]
+            t_prefill, t_scores, earlier_s = state["prefill_s"], state["scores_s"], state["elapsed_s"]
+            segments = state["segments"]
+            log(f"  resuming from {path}: {start}/{len(offsets)} windows done")
+        segments = segments + [{"from_window": start, "environment": env}]
     for w, off in enumerate(offsets):
+        if w < start:
+            continue
+        if max_new_windows is not None and w - start >= max_new_windows:
+            break
         ctx = list(token_ids[off:off + context])
         cont = list(token_ids[off + context:off + context + continuation])
         t = time.perf_counter()
@@ -346,6 +377,10 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
             del group, all_logits
             t_scores += time.perf_counter() - t4
         ref_ppl.append(math.exp(ref["ref_nll"]))
+        if checkpoint is not None:
+            ckpt.save_state(checkpoint[0], key, w + 1, acc, {
+                "skipped": skipped, "ref_ppl": ref_ppl, "exact_shapes": exact_shapes, "prefill_s": t_prefill,
+                "scores_s": t_scores, "elapsed_s": earlier_s + time.perf_counter() - t0, "segments": segments})
         log(f"  window {w + 1}/{len(offsets)} (offset {off}) done, {time.perf_counter() - t0:.0f} s")
     for label in skipped:
         acc = {p: a for p, a in acc.items() if level_label(*p) != label}
@@ -360,7 +395,9 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
             "reference_ppl_mean": float(np.mean(ref_ppl)) if ref_ppl else None,
             "prefill_s": t_prefill, "scores_s": t_scores, "batch": batch,
             "batch_exact": all(exact_shapes) if exact_shapes else None, "codec_workers": codec_workers,
-            "total_s": time.perf_counter() - t0}
+            "total_s": earlier_s + time.perf_counter() - t0, "windows_measured": len(ref_ppl)}
+    if checkpoint is not None:
+        info.update(resumed_windows=start, segments=segments)
     return rows, info
 
 
