@@ -156,7 +156,7 @@ class PolicyInputs:
     measured at start (DecodeTable). engine_queue_tokens: the engine's load at this load's
     start, prompt tokens that requests ahead of this one (arrived earlier, not finished)
     have yet to prefill (the vLLM connector's scheduler side observes it,
-    third_party.vllm.scheduler.engine_queue_tokens); tokens the policy leaves to prefill
+    third_party.vllm.engine_load.engine_queue_tokens); tokens the policy leaves to prefill
     wait behind them, so a plan with any text chunk pays engine_queue_tokens /
     prefill_tokens_per_s seconds more (:attr:`engine_queue_s`). 0 (the default): an idle
     engine, the plans of a policy without this input. Validate with :meth:`checked`

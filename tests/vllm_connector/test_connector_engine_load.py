@@ -1,5 +1,5 @@
 """The engine-load input the connector's scheduler side gives an adaptive policy
-(third_party.vllm.scheduler.engine_queue_tokens, extra config "engine_load"): prompt tokens
+(third_party.vllm.engine_load, extra config "engine_load"): prompt tokens
 the requests ahead of a load have yet to prefill, from the requests vLLM adds
 (on_new_request) in arrival order, put into the load's policy object; a request's own value
 is replaced; off: the request's policy unchanged. vLLM's calls are replayed by hand in the
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from third_party.vllm.scheduler import engine_queue_tokens
+from third_party.vllm.engine_load import EngineLoad, engine_queue_tokens
 
 
 def _r(rid, prompt_n, computed=0, finished=False, params=None):
@@ -70,7 +70,7 @@ def _loads(store, extra, policy):
                                                                   resumed_req_ids=set()))
     meta = c.build_connector_meta(sched)
     c.request_finished(me, [])
-    assert c._arrivals.keys() <= {"busy"}  # finished requests are dropped
+    assert c.engine_load.arrivals.keys() <= {"busy"} and "me" not in c.engine_load.queued  # dropped
     return [lr.params.get("policy") for lr in meta.loads]
 
 
@@ -93,3 +93,17 @@ def test_engine_load_option_must_be_a_bool():
     assert ConnectorSettings.from_extra({}).engine_load is True
     with pytest.raises(ValueError, match="engine_load"):
         ConnectorSettings.from_extra({"engine_load": "yes"})
+
+
+def test_engine_load_tracker_on_and_off():
+    on, off = EngineLoad(True), EngineLoad(False)
+    a, me = _r("a", 1000, computed=100), _r("me", 500)
+    for t in (on, off):
+        t.add(a)
+        t.add(me)
+    assert on.mark(me) == 900 and off.mark(me) == 0
+    assert on.policy({"slo_s": 1.0}, "me") == {"slo_s": 1.0, "engine_queue_tokens": 900}
+    assert on.policy({"slo_s": 1.0}, "never-marked") == {"slo_s": 1.0, "engine_queue_tokens": 0}
+    assert on.policy(None, "me") is None and off.policy({"slo_s": 1.0}, "me") == {"slo_s": 1.0}
+    on.forget("a")
+    assert on.mark(me) == 0 and list(on.arrivals) == ["me"]

@@ -102,7 +102,7 @@ class ConnectorSettings:
         stored prefix up to the prompt's last token) instead of at the last whole block.
     engine_load: extra config "engine_load" (default true): the scheduler side tracks the
         engine's requests and gives an adaptive policy the prefill queued ahead of its load
-        (policy input engine_queue_tokens, third_party.vllm.scheduler.engine_queue_tokens);
+        (policy input engine_queue_tokens, third_party.vllm.engine_load.engine_queue_tokens);
         false: the request's own policy inputs only.
     key_fn: extra config "key_fn" loaded, or None (streaming.store:context_key).
     chunk_hook: test-only extra config "test_chunk_hook" loaded, or None.

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from third_party.vllm.connector_settings import ConnectorSettings
+from third_party.vllm.engine_load import EngineLoad
 from third_party.vllm.metadata import CacheGenConnectorMetadata, LoadRequest, SaveRequest, SaveTrack
 from third_party.vllm.sources import Lookup, SourceError, load_callable, request_partition
 from third_party.vllm.trust import RequestRejected, validate_request
@@ -79,31 +80,6 @@ def no_load_reason(raw: Any, prompt: list[int], extra: dict[str, Any]) -> str | 
             f"{raw.get('source', extra.get('source', 'store'))!r})")
 
 
-def engine_queue_tokens(requests: Iterable[Any], request_id: str) -> int:
-    """The engine's load as the policy's input: prompt tokens that the requests ahead of
-    ``request_id`` have yet to prefill. ``requests``: vLLM Requests in arrival order (the
-    order vLLM's scheduler called on_new_request); those before ``request_id`` (all of them
-    when it is not among them) that are not finished count
-    max(0, num_prompt_tokens - num_computed_tokens) each (vLLM 0.32 v1/request.py; a
-    request's num_computed_tokens includes its local prefix hits and external KV once it is
-    admitted, and is reset to 0 by a preemption). vLLM's scheduler serves waiting requests
-    first come first served and running ones before admitting more, so these tokens are
-    prefilled before the tokens this request leaves to prefill. Decode work is not counted.
-    Pure; returns an int >= 0."""
-    total = 0
-    for r in requests:
-        if getattr(r, "request_id", None) == request_id:
-            break
-        done = getattr(r, "is_finished", None)
-        if callable(done) and done():
-            continue
-        n = getattr(r, "num_prompt_tokens", None)
-        if n is None:
-            n = len(getattr(r, "prompt_token_ids", None) or [])
-        total += max(0, int(n) - int(getattr(r, "num_computed_tokens", 0) or 0))
-    return total
-
-
 class CacheGenScheduler:
     """The connector's scheduler side: one per engine, built from the connector's settings.
 
@@ -137,24 +113,11 @@ class CacheGenScheduler:
         self._async_inflight: set[str] = set()
         self._cancels: list[str] = []
         self._async_gen: dict[str, int] = {}
-        # the engine's requests in arrival order (on_new_request, extra config
-        # "engine_load") and each load's engine_queue_tokens, taken at its allocation
-        self._arrivals: dict[str, "Request"] = {}
-        self._queue_tokens: dict[str, int] = {}
+        self.engine_load = EngineLoad(settings.engine_load)  # the adaptive policy's input
 
     def on_new_request(self, request: "Request") -> None:
-        """vLLM's scheduler added ``request`` (every request, in arrival order): tracked
-        until request_finished for the engine's load (engine_queue_tokens), when extra
-        config "engine_load" is on (the default)."""
-        if self.settings.engine_load:
-            self._arrivals[request.request_id] = request
-
-    def queue_tokens(self, request: "Request") -> int:
-        """engine_queue_tokens of ``request`` over the requests vLLM has added (0 with
-        extra config "engine_load" off)."""
-        if not self.settings.engine_load:
-            return 0
-        return engine_queue_tokens(self._arrivals.values(), request.request_id)
+        """vLLM added ``request``: tracked until request_finished (third_party.vllm.engine_load)."""
+        self.engine_load.add(request)
 
     def alloc_group_ids(self, blocks) -> list[list[int]] | None:
         """Per-group block ids of an allocation for LoadRequest.group_block_ids: None here
@@ -338,8 +301,7 @@ class CacheGenScheduler:
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ):
         if num_external_tokens > 0:
-            # the engine's load when this load is placed: the prefill queued ahead of it
-            self._queue_tokens[request.request_id] = self.queue_tokens(request)
+            self.engine_load.mark(request)  # the prefill queued ahead of this load, now
             # request.num_computed_tokens is not yet updated here: use the local hits seen
             # by get_num_new_matched_tokens (0 with prefix caching off).
             start = self._local_hits.get(request.request_id, 0)
@@ -408,10 +370,8 @@ class CacheGenScheduler:
         lk = self._lookups.get(rid, Lookup(0))
         if not params.get("context_key") and lk.info.get("key"):
             params["context_key"] = lk.info["key"]  # found by the prefix index
-        if isinstance(params.get("policy"), dict) and self.settings.engine_load:
-            # the adaptive policy's engine-load input: observed here, never the request's
-            params["policy"] = {**params["policy"],
-                                "engine_queue_tokens": self._queue_tokens.get(rid, 0)}
+        if "policy" in params:  # the adaptive policy's engine-load input (not the request's)
+            params["policy"] = self.engine_load.policy(params["policy"], rid)
         lr = LoadRequest(rid, start, end, block_ids, self.settings.block_size, params, lk,
                          len(request.prompt_token_ids or []),
                          after_preemption=self._outcome.get(rid) == "load",
@@ -510,7 +470,6 @@ class CacheGenScheduler:
         self._saves.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._async_gen.pop(request.request_id, None)
-        self._arrivals.pop(request.request_id, None)
-        self._queue_tokens.pop(request.request_id, None)
+        self.engine_load.forget(request.request_id)
         return False, None
 
