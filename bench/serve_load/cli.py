@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve_load.client import client_args, run_client, save_command
-from bench.serve_load.dataset import (PREFILL_QUESTION, build_contexts, plan_requests, prefill_prompt,
-                                      resolve_task, reused_count, write_dataset)
+from bench.serve_load.dataset import (PREFILL_QUESTION, build_contexts, context_sizes, plan_requests,
+                                      prefill_prompt, resolve_task, reused_count, write_dataset)
 from bench.serve_load.level_merge import merge_levels
 from bench.serve_load.server import (VllmServer, chat_prompt, connector_extra, post, prefill_store,
                                      read_stats)
@@ -73,6 +73,7 @@ TAIL_CHECK_DEFINITION = (
     "the highest rate); the check is p99 TTFT <= 2 x p50 TTFT at the measured rate nearest half the "
     "saturation rate (bench.serve_load.stats.tail_check). by_throughput: the same with the saturation "
     "where throughput (completed requests/s) falls below 90% of the offered rate")
+MAX_CONTEXT_TOKENS = 7680  # the server's max model length (8192) less the question and template
 QUICK = {"rates": [1.0], "num_requests": 4, "contexts": 4, "context_tokens": 512}
 
 
@@ -104,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="distinct contexts the requests carry (default 8)")
     ap.add_argument("--reused-fraction", type=float, default=0.5, metavar="F",
                     help="share of the contexts whose KV is pre-filled in the store (default 0.5)")
-    flags.add_context_tokens(ap, default=1536, help="context size, tokens (default %(default)s)")
+    flags.add_context_tokens(ap, default=1536, help="context size of the reused contexts (and of the new "
+                             "ones without --new-context-tokens), tokens (default %(default)s)")
+    ap.add_argument("--new-context-tokens", nargs="+", type=int, default=None, metavar="TOKENS",
+                    help="sizes of the new contexts, tokens, taken in turn (e.g. 512 1536: new "
+                         "contexts alternate; a short one's prefill can meet the SLO); default: "
+                         "--context-tokens")
     ap.add_argument("--output-tokens", nargs=2, type=int, default=[1, 8], metavar=("MIN", "MAX"),
                     help="output tokens per request, uniform in [MIN, MAX] (default 1 8)")
     ap.add_argument("--slo", type=float, default=2.0, metavar="SECONDS",
@@ -137,6 +143,7 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
     """The run's settings from parsed arguments; raises UsageError for bad values."""
     cfg = {"modes": list(dict.fromkeys(a.modes)), "rates": list(a.rates), "num_requests": a.num_requests,
            "contexts": a.contexts, "context_tokens": a.context_tokens,
+           "new_context_tokens": None if a.new_context_tokens is None else list(a.new_context_tokens),
            "reused_fraction": a.reused_fraction, "output_tokens": list(a.output_tokens),
            "slo_s": a.slo, "bandwidth_mbps": a.bandwidth_mbps, "link_method": a.link_method,
            "task": a.task, "data_path": a.data_path, "chunk_tokens": a.chunk_tokens,
@@ -150,6 +157,11 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--num-requests and --contexts must be >= 1")
     if cfg["context_tokens"] < 256:
         raise UsageError("--context-tokens must be >= 256 (a stored prefix is whole 128-token blocks)")
+    if cfg["new_context_tokens"] is not None and min(cfg["new_context_tokens"]) < 64:
+        raise UsageError("--new-context-tokens must be >= 64 each")
+    if max([cfg["context_tokens"]] + (cfg["new_context_tokens"] or [])) > MAX_CONTEXT_TOKENS:
+        raise UsageError(f"--context-tokens and --new-context-tokens must be <= {MAX_CONTEXT_TOKENS} "
+                         "(the server's max model length is 8192)")
     if not 0.0 <= cfg["reused_fraction"] <= 1.0:
         raise UsageError("--reused-fraction must be in [0, 1]")
     lo, hi = cfg["output_tokens"]
@@ -251,6 +263,7 @@ def one_run(srv: VllmServer, cfg: dict, model_dir: str, served: str, mode: str, 
         sub = [i for i, p in enumerate(plan) if p.reused == want]
         part = summarize([ttfts[i] for i in sub], [ok[i] for i in sub], float(res["duration"]), cfg["slo_s"])
         row[kind] = {"n": part["n"], "ttft_s": part["ttft_s"], "slo_attainment": part["slo_attainment"]}
+    row["by_context_tokens"] = by_context_tokens(plan, ttfts, ok, float(res["duration"]), cfg["slo_s"])
     row.update(duration_s=float(res["duration"]), client_request_throughput=res.get("request_throughput"),
                output_tokens=sum(res.get("output_lens") or []), input_tokens=res.get("total_input_tokens"),
                max_concurrent_requests=res.get("max_concurrent_requests"),
@@ -260,6 +273,25 @@ def one_run(srv: VllmServer, cfg: dict, model_dir: str, served: str, mode: str, 
                connector=connector_counts(read_stats(stats_path), tag),
                load_avg_before=list(load_before), load_avg_after=list(load_after))
     return row
+
+
+def by_context_tokens(plan: list, ttfts: list, ok: list, duration_s: float, slo_s: float) -> dict[str, Any]:
+    """The requests apart by kind and context size target: ``{"new/512": {n, ttft_s,
+    slo_attainment, slo_attainment_ci95, goodput_rps}, "reused/4096": ...}`` (goodput of that
+    group over the run's duration, requests/s meeting the SLO; the attainment's 95% Wilson
+    interval, evaluation.stats.wilson_ci), keys sorted by kind then size."""
+    from evaluation.stats import wilson_ci
+
+    out: dict[str, Any] = {}
+    groups = sorted({(p.reused, p.context_tokens) for p in plan}, key=lambda g: (not g[0], g[1]))
+    for reused, size in groups:
+        sub = [i for i, p in enumerate(plan) if p.reused == reused and p.context_tokens == size]
+        part = summarize([ttfts[i] for i in sub], [ok[i] for i in sub], duration_s, slo_s)
+        good = round(part["slo_attainment"] * part["n"])
+        out[f"{'reused' if reused else 'new'}/{size}"] = {
+            **{k: part[k] for k in ("n", "ttft_s", "slo_attainment", "goodput_rps")},
+            "slo_attainment_ci95": list(wilson_ci(good, part["n"]))}
+    return out
 
 
 def warm_up(srv: VllmServer, tokenizer, served: str, modes: list[str], prompts: list, n_reused: int,
@@ -368,11 +400,13 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
     model_id, model_dir = resolve_model(a.model, log=log)
     tok = AutoTokenizer.from_pretrained(model_dir)
     task, data_path = resolve_task(cfg["task"], cfg["data_path"])
-    max_len = min(8192, max(2048, cfg["context_tokens"] + 512))
-    prompts = build_contexts(tok, task, cfg["contexts"], cfg["context_tokens"], cfg["seed"], data_path,
+    n_reused = reused_count(cfg["contexts"], cfg["reused_fraction"])
+    sizes = context_sizes(cfg["contexts"], n_reused, cfg["context_tokens"], cfg["new_context_tokens"])
+    max_len = min(8192, max(2048, max(sizes) + 512))
+    prompts = build_contexts(tok, task, cfg["contexts"], sizes, cfg["seed"], data_path,
                              max_prompt_tokens=max_len - 64)
-    n_reused = reused_count(len(prompts), cfg["reused_fraction"])
     doc["prompts"] = {"task": task, "data_path": data_path, "contexts": len(prompts), "reused": n_reused,
+                      "context_size_targets": sizes,
                       "context_tokens": [len(p.context_ids) for p in prompts],
                       "prompt_tokens": [len(tok(chat_prompt(tok, p.context_text + p.question_text),
                                                 add_special_tokens=False)["input_ids"]) for p in prompts],
@@ -385,7 +419,7 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
         plans = {}
         for i, rate in enumerate(cfg["rates"]):
             plans[rate] = plan_requests(prompts, cfg["num_requests"], cfg["reused_fraction"],
-                                        tuple(cfg["output_tokens"]), seed=cfg["seed"] + i)
+                                        tuple(cfg["output_tokens"]), seed=cfg["seed"] + i, sizes=sizes)
             write_dataset(work / f"dataset-{rate:g}.jsonl", plans[rate])
         stats_path = work / "connector.jsonl"
         save_plan = prefill_saves(cfg["modes"], cfg["adaptive_levels"] or [])
@@ -413,7 +447,9 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
                 policy = None
                 if "adaptive" in cfg["modes"]:
                     doc["prefill"]["merged"] = merge_adaptive_entries(store, saves, n_reused)
-                    i = n_reused if n_reused < len(prompts) else 0   # a new context when there is one
+                    # the longest new context when there is one (the closest to a reused
+                    # context's tail), else the first reused one
+                    i = max(range(n_reused, len(prompts)), key=lambda j: sizes[j], default=0)
                     speed = measure_prefill_speed(srv, tok, model_id, prompts[i], doc["prompts"]["prompt_tokens"][i])
                     policy = adaptive_policy(cfg["policy_preset"], cfg["slo_s"], speed["tokens_per_s"],
                                              cfg["bandwidth_mbps"])

@@ -40,6 +40,7 @@ class PlannedRequest:
     reused: bool
     prompt: str
     output_tokens: int
+    context_tokens: int = 0  # the context's size target (context_sizes), 0 when not given
 
 
 def resolve_task(task: str, data_path: str | None) -> tuple[str, str | None]:
@@ -52,33 +53,57 @@ def resolve_task(task: str, data_path: str | None) -> tuple[str, str | None]:
     return "needle", None
 
 
-def build_contexts(tokenizer, task: str, count: int, context_tokens: int, seed: int = 0,
+def context_sizes(count: int, n_reused: int, context_tokens: int,
+                  new_context_tokens: Sequence[int] | None = None) -> list[int]:
+    """The size target (tokens) of each of ``count`` contexts: the first ``n_reused`` (the
+    reused ones, :func:`plan_requests`) ``context_tokens`` each; the new ones take
+    ``new_context_tokens`` in turn (new context j: ``new_context_tokens[j % len]``), or
+    ``context_tokens`` when it is None or empty. A length mix lets a short new context's
+    prefill meet a TTFT SLO that a long one cannot. Raises ValueError on a count below 0,
+    n_reused outside [0, count] or a size < 1."""
+    if count < 0 or not 0 <= n_reused <= count:
+        raise ValueError(f"need 0 <= reused ({n_reused}) <= contexts ({count})")
+    new = list(new_context_tokens or [context_tokens])
+    if min([context_tokens] + new) < 1:
+        raise ValueError("context sizes must be >= 1 token")
+    return [int(context_tokens) if i < n_reused else int(new[(i - n_reused) % len(new)])
+            for i in range(count)]
+
+
+def build_contexts(tokenizer, task: str, count: int, context_tokens: int | Sequence[int], seed: int = 0,
                    data_path: str | None = None, max_prompt_tokens: int | None = None) -> list:
     """``count`` distinct prompts (kv_extraction_hf Prompt: ``context_text``,
     ``question_text``, token ids) of ``task``, contexts of at most ``context_tokens``
-    tokens. Raises kv_extraction_hf.errors.ExtractionError (unknown task, unreadable
-    data, a size too small) and ValueError when two contexts come out identical (a data
-    file with fewer rows than ``count``)."""
+    tokens (one size for all, or one per context: :func:`context_sizes`). Raises
+    kv_extraction_hf.errors.ExtractionError (unknown task, unreadable data, a size too
+    small), ValueError when two contexts come out identical (a data file with fewer rows
+    than ``count``) or when a list of sizes is not ``count`` long."""
     from kv_extraction_hf.prompts import build_prompt
 
+    sizes = [context_tokens] * count if isinstance(context_tokens, int) else list(context_tokens)
+    if len(sizes) != count:
+        raise ValueError(f"{len(sizes)} context sizes for {count} contexts")
     kw: dict[str, Any] = {"data_path": data_path} if data_path else {}
     if max_prompt_tokens:
         kw["max_prompt_tokens"] = max_prompt_tokens
-    out = [build_prompt(task, tokenizer, context_tokens, seed=seed, index=i, **kw) for i in range(count)]
+    out = [build_prompt(task, tokenizer, sizes[i], seed=seed, index=i, **kw) for i in range(count)]
     if len({p.context_text for p in out}) != len(out):
         raise ValueError(f"task {task} gave fewer than {count} distinct contexts (--contexts)")
     return out
 
 
 def plan_requests(prompts: Sequence, num_requests: int, reused_fraction: float,
-                  output_tokens: tuple[int, int], seed: int = 0) -> list[PlannedRequest]:
+                  output_tokens: tuple[int, int], seed: int = 0,
+                  sizes: Sequence[int] | None = None) -> list[PlannedRequest]:
     """The requests of one run, in arrival order.
 
     The first ``round(len(prompts) * reused_fraction)`` contexts are the reused ones (their
     KV is pre-filled), the others new. Request i carries context ``i % len(prompts)``
     (shuffled once with ``seed``; every context appears before any repeats) with its own
     question, and asks for a uniform number of output tokens in ``output_tokens``
-    (inclusive). Raises ValueError for an empty plan or bad bounds."""
+    (inclusive); ``sizes``: each context's size target (:func:`context_sizes`), copied into
+    the requests (default 0). Raises ValueError for an empty plan, bad bounds or sizes not
+    one per prompt."""
     lo, hi = output_tokens
     if num_requests < 1 or not prompts:
         raise ValueError("a run needs at least one request and one context")
@@ -86,6 +111,8 @@ def plan_requests(prompts: Sequence, num_requests: int, reused_fraction: float,
         raise ValueError(f"output tokens must satisfy 1 <= min <= max, got {lo}..{hi}")
     if not 0.0 <= reused_fraction <= 1.0:
         raise ValueError(f"reused fraction must be in [0, 1], got {reused_fraction}")
+    if sizes is not None and len(sizes) != len(prompts):
+        raise ValueError(f"{len(sizes)} context sizes for {len(prompts)} contexts")
     n_reused = reused_count(len(prompts), reused_fraction)
     rng = random.Random(seed)
     order = list(range(len(prompts)))
@@ -95,7 +122,7 @@ def plan_requests(prompts: Sequence, num_requests: int, reused_fraction: float,
         c = order[i % len(order)]
         p = prompts[c]
         out.append(PlannedRequest(c, c < n_reused, p.context_text + p.question_text,
-                                  rng.randint(lo, hi)))
+                                  rng.randint(lo, hi), 0 if sizes is None else int(sizes[c])))
     return out
 
 

@@ -22,6 +22,9 @@ class ClockModel:
     inject_s_per_token: injection of loaded KV; request_overhead_s: per-request latency on
     top of bytes/rate (calibrated from real runs); start_s: manifest lookup before chunk 0.
     utility[level] per token (higher is better; TEXT's utility is `text_utility`).
+    queue_s: the engine's prefill queued ahead of this load (s): a plan that leaves any
+    tokens to prefill finishes queue_s later (its text waits behind that queue); 0.0 = an
+    idle engine, the finish of a model without it.
     """
 
     sizes: dict[int, Sequence[int]]
@@ -33,10 +36,13 @@ class ClockModel:
     start_s: float = 0.0
     utility: dict[int, float] | None = None
     text_utility: float | None = None
+    queue_s: float = 0.0
 
     def __post_init__(self):
         if self.prefill_tps <= 0:
             raise ValueError("prefill_tps must be > 0")
+        if not self.queue_s >= 0:
+            raise ValueError("queue_s must be >= 0")
         self.levels = sorted(int(x) for x in self.sizes)
         self.n = len(self.tokens)
         if self.utility is None:  # ordinal proxy: higher level better, text (exact) best
@@ -71,8 +77,11 @@ class ClockModel:
         return r, d, rc
 
     def finish(self, state: tuple[float, float, float], kv_tokens: int) -> float:
+        """Predicted finish (s): the later clock, injection of kv_tokens, the recompute rc
+        and, when rc > 0 (some tokens are left to prefill), the engine queue queue_s."""
         r, d, rc = state
-        return max(r, d) + kv_tokens * self.inject_s_per_token + rc
+        wait = self.queue_s if rc > 0 else 0.0
+        return max(r, d) + kv_tokens * self.inject_s_per_token + rc + wait
 
     def finish_s(self, options: Sequence[int | None], rates_bytes_s: Sequence[float],
                  start: tuple[float, float, float] | None = None, first: int = 0,

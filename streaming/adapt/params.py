@@ -39,7 +39,7 @@ from typing import Any
 # scalar arguments that are not PolicyParams fields
 POLICY_INPUTS = ("slo_s", "prefill_tokens_per_s", "initial_throughput_mbps", "initial_decode_s",
                  "inject_s_per_token", "burst_bytes", "burst_s", "text_utility",
-                 "request_overhead_s", "min_sample_bytes", "probe_rate_mbps")
+                 "request_overhead_s", "min_sample_bytes", "probe_rate_mbps", "engine_queue_tokens")
 
 
 def _p(default: Any, kind: str, *choices: str):
@@ -153,7 +153,14 @@ class PolicyInputs:
     probe_rate_mbps: the optimistic rate a probe tests (default max(initial, 1000 Mbit/s), the
     top of this project's link range; pass the link's nominal rate). levels: restrict to these
     levels (default: every level of the manifest). decode_s_per_token: {level: s/token}
-    measured at start (DecodeTable). Validate with :meth:`checked` (ValueError)."""
+    measured at start (DecodeTable). engine_queue_tokens: the engine's load at this load's
+    start, prompt tokens that requests ahead of this one (arrived earlier, not finished)
+    have yet to prefill (the vLLM connector's scheduler side observes it,
+    third_party.vllm.engine_load.engine_queue_tokens); tokens the policy leaves to prefill
+    wait behind them, so a plan with any text chunk pays engine_queue_tokens /
+    prefill_tokens_per_s seconds more (:attr:`engine_queue_s`). 0 (the default): an idle
+    engine, the plans of a policy without this input. Validate with :meth:`checked`
+    (ValueError)."""
 
     slo_s: float
     prefill_tokens_per_s: float
@@ -166,16 +173,28 @@ class PolicyInputs:
     request_overhead_s: float = 0.001
     min_sample_bytes: int | None = None
     probe_rate_mbps: float | None = None
+    engine_queue_tokens: int = 0
     levels: tuple[int, ...] | None = None
     decode_s_per_token: dict[int, float] | None = None
     utility: dict[int, float] | None = None
 
+    @property
+    def engine_queue_s(self) -> float:
+        """Seconds the engine needs for the prefill queued ahead of this load
+        (engine_queue_tokens / prefill_tokens_per_s); 0.0 on an idle engine."""
+        return float(self.engine_queue_tokens) / float(self.prefill_tokens_per_s)
+
     def checked(self) -> "PolicyInputs":
-        """self, after checking the speeds: ValueError on a non-positive SLO, prefill speed or
-        initial throughput."""
+        """self, after checking the speeds and the engine load: ValueError on a non-positive
+        SLO, prefill speed or initial throughput, or an engine_queue_tokens that is not a
+        whole number >= 0."""
         bad_init = self.initial_throughput_mbps is not None and self.initial_throughput_mbps <= 0
         if self.slo_s <= 0 or self.prefill_tokens_per_s <= 0 or bad_init:
             raise ValueError("slo_s, prefill_tokens_per_s and initial_throughput_mbps must be > 0")
+        q = self.engine_queue_tokens
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q) \
+                or q < 0 or not float(q).is_integer():
+            raise ValueError(f"engine_queue_tokens must be a whole number >= 0, got {q!r}")
         return self
 
 

@@ -66,6 +66,10 @@ class AdaptivePolicy:
     time x (1 + abandon_margin) + abandon_slack_s (extended by the plan's slack, and for the
     smallest level to the chunk's recompute time), or earlier when should_abandon projects an
     overrun from the bytes already received.
+    The engine's load (inputs.engine_queue_tokens, prompt tokens queued ahead of this load):
+    a plan that leaves tokens to prefill pays their queue at the prefill speed
+    (ClockModel.queue_s), so a loaded engine gets plans that load more chunks (at coarser
+    levels when the SLO requires) instead of counting on an idle engine's prefill.
     Thread-safe. Raises ValueError on non-positive SLO or speeds, a link rate
     (initial_throughput_mbps, probe_rate_mbps; Mbit/s) outside check_bandwidth_mbps's bound,
     or a bad parameter.
@@ -142,7 +146,8 @@ class AdaptivePolicy:
         self.model = ClockModel({x: manifest.sizes[x] for x in self.levels}, tokens, self.decode.table,
                                 self.prefill_tokens_per_s, self.inputs.inject_s_per_token,
                                 self.inputs.request_overhead_s,
-                                0.0, util, None if util is None else self.inputs.text_utility)
+                                0.0, util, None if util is None else self.inputs.text_utility,
+                                queue_s=self.inputs.engine_queue_s)
         self.decisions = []
         self.history = []
         self.recompute_s = 0.0

@@ -3,7 +3,9 @@ benchmark client.
 
 - the custom-dataset file: our writer's lines, read back by vLLM's own CustomDataset in
   file order with each request's output length; the request plan (reused / new contexts,
-  output tokens in range, deterministic);
+  output tokens in range, deterministic); the contexts' size mix (--new-context-tokens:
+  reused at --context-tokens, new ones in turn), the prompts built at those sizes, the
+  run config that records it, and the per-size groups of a run's row;
 - the statistics on hand-made TTFT lists: p50 / p90 / p99, throughput, goodput at the SLO,
   failed requests, reused / new apart;
 - the tail check (p99 <= 2 x p50 at half the saturation rate) on fixed numbers;
@@ -32,8 +34,10 @@ from types import SimpleNamespace
 import pytest
 
 from bench import serve_load
-from bench.serve_load.cli import adaptive_policy, connector_counts, extra_body, prefill_saves
-from bench.serve_load.dataset import PlannedRequest, plan_requests, reused_count, write_dataset
+from bench.serve_load.cli import (adaptive_policy, build_parser, by_context_tokens, config, connector_counts,
+                                  extra_body, prefill_saves)
+from bench.serve_load.dataset import (PlannedRequest, build_contexts, context_sizes, plan_requests, reused_count,
+                                      write_dataset)
 from bench.serve_load.level_merge import merge_levels
 from bench.serve_load.stats import percentiles, saturation_rate, summarize, tail_check
 
@@ -57,6 +61,65 @@ def test_plan_reused_and_new_contexts():
     for bad in ((0, 0.5, (1, 8)), (5, 1.5, (1, 8)), (5, 0.5, (0, 8)), (5, 0.5, (4, 2))):
         with pytest.raises(ValueError):
             plan_requests(prompts, *bad)
+
+
+def test_context_sizes_mix():
+    assert context_sizes(8, 4, 4096, [512, 1536]) == [4096] * 4 + [512, 1536, 512, 1536]
+    assert context_sizes(5, 2, 1536, None) == [1536] * 5 == context_sizes(5, 2, 1536, [])
+    assert context_sizes(3, 0, 4096, [256]) == [256] * 3
+    assert context_sizes(3, 3, 4096, [256]) == [4096] * 3
+    assert context_sizes(0, 0, 1536) == []
+    for bad in ((3, 4, 512, None), (3, -1, 512, None), (3, 1, 512, [0]), (3, 1, 0, None)):
+        with pytest.raises(ValueError):
+            context_sizes(*bad)
+
+
+def test_plan_carries_each_context_size():
+    prompts = _prompts(6)
+    sizes = context_sizes(6, 2, 4096, [512, 1536])
+    plan = plan_requests(prompts, 12, 1 / 3, (1, 8), seed=5, sizes=sizes)
+    assert [(p.context, p.reused, p.context_tokens) for p in plan] == \
+        [(p.context, p.context < 2, sizes[p.context]) for p in plan]
+    assert {p.context_tokens for p in plan if not p.reused} == {512, 1536}
+    assert {p.context_tokens for p in plan if p.reused} == {4096}
+    # the sizes change nothing else: the same contexts, prompts and output tokens in the same order
+    bare = plan_requests(prompts, 12, 1 / 3, (1, 8), seed=5)
+    assert [(p.context, p.prompt, p.output_tokens) for p in plan] == [(p.context, p.prompt, p.output_tokens)
+                                                                       for p in bare]
+    assert all(p.context_tokens == 0 for p in bare)
+    with pytest.raises(ValueError):
+        plan_requests(prompts, 12, 0.5, (1, 8), sizes=[512] * 5)
+
+
+def test_contexts_built_at_their_sizes(default_tokenizer):
+    sizes = context_sizes(4, 2, 1024, [256, 512])
+    prompts = build_contexts(default_tokenizer, "needle", 4, sizes, seed=0)
+    got = [len(p.context_ids) for p in prompts]
+    assert all(s // 2 < g <= s for g, s in zip(got, sizes)), got
+    assert got[2] < got[3] < got[0] and len({p.context_text for p in prompts}) == 4
+    same = build_contexts(default_tokenizer, "needle", 4, 1024, seed=0)
+    assert [p.context_text for p in same[:2]] == [p.context_text for p in prompts[:2]]  # reused: unchanged
+    with pytest.raises(ValueError):
+        build_contexts(default_tokenizer, "needle", 4, [256, 512], seed=0)
+
+
+def test_config_records_the_size_mix():
+    cfg = config(build_parser().parse_args(["--context-tokens", "4096", "--new-context-tokens", "512", "1536"]))
+    assert cfg["context_tokens"] == 4096 and cfg["new_context_tokens"] == [512, 1536]
+    assert config(build_parser().parse_args([]))["new_context_tokens"] is None
+
+
+def test_rows_apart_by_context_size():
+    plan = [PlannedRequest(0, True, "a", 1, 4096), PlannedRequest(1, False, "b", 1, 512),
+            PlannedRequest(2, False, "c", 1, 1536), PlannedRequest(1, False, "b", 1, 512)]
+    got = by_context_tokens(plan, [0.4, 1.0, 3.5, None], [True, True, True, False], 4.0, 2.0)
+    assert list(got) == ["reused/4096", "new/512", "new/1536"]
+    assert got["reused/4096"]["n"] == 1 and got["reused/4096"]["goodput_rps"] == pytest.approx(0.25)
+    assert got["new/512"]["n"] == 2 and got["new/512"]["slo_attainment"] == pytest.approx(0.5)
+    assert got["new/512"]["ttft_s"]["p50"] == pytest.approx(1.0)
+    assert got["new/1536"]["slo_attainment"] == 0.0 and got["new/1536"]["goodput_rps"] == 0.0
+    lo, hi = got["new/512"]["slo_attainment_ci95"]
+    assert 0.0 < lo < 0.5 < hi < 1.0
 
 
 def test_dataset_file_lines(tmp_path):
@@ -266,6 +329,8 @@ def test_goodput_figure_from_a_synthetic_result(tmp_path):
     ["--modes", "adaptive", "--adaptive-levels", "1"], ["--modes", "adaptive", "--adaptive-levels", "1", "1"],
     ["--adaptive-levels", "-1", "2"], ["--policy-preset", "nope"], ["--modes", "bogus"], ["--bogus"],
     ["--rates", "x"], ["--bandwidth-mbps", "-5"],
+    ["--new-context-tokens", "32"], ["--new-context-tokens", "512", "9000"], ["--context-tokens", "9000"],
+    ["--new-context-tokens", "x"], ["--new-context-tokens"],
 ])
 def test_bad_flags_one_line_exit_2(argv, capsys):
     assert serve_load.main(argv) == 2
@@ -304,12 +369,15 @@ def test_quick_run_end_to_end(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["machine"]["cpu_model"] and len(doc["load_avg_before"]) == 3 and len(doc["load_avg_after"]) == 3
     assert doc["link"]["rate_mbps"] == 1000.0 and doc["prompts"]["reused"] == 2
+    assert doc["config"]["new_context_tokens"] is None and doc["prompts"]["context_size_targets"] == [512] * 4
     assert [(r["mode"], r["rate_rps"]) for r in doc["rows"]] == [("text", 1.0), ("cachegen", 1.0), ("adaptive", 1.0)]
     for r in doc["rows"]:
         assert r["n"] == r["completed"] == 4 and r["failed"] == 0, r["errors"]
         assert all(t > 0 for t in r["ttfts_s"]) and r["ttft_s"]["p50"] <= r["ttft_s"]["p99"]
         assert 0 <= r["goodput_rps"] <= r["throughput_rps"]
         assert r["reused"]["n"] + r["new"]["n"] == 4
+        assert set(r["by_context_tokens"]) <= {"reused/512", "new/512"}   # --quick: one size
+        assert sum(g["n"] for g in r["by_context_tokens"].values()) == 4
     text, cg, ad = doc["rows"]
     assert text["connector"]["loads"] == 0 and text["connector"]["misses"] == 0
     assert cg["connector"]["loads"] == cg["reused"]["n"] and cg["connector"]["misses"] == cg["new"]["n"]

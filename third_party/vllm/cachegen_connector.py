@@ -16,7 +16,7 @@ goes to --kv-transfer-config, docs/vllm-connector.md "Running it in vLLM's OpenA
 Trust boundary (third_party/vllm/trust.py): paths, hosts/ports and saving come ONLY from
 the operator's extra config ("stores": {name: "host:port"}, "source_dir", "allow_client_save",
 "prefix_match", "allow_lossy_prefix_cache", "stats_path", "model_id", "weights_hash",
-"warmup", "async_load", "load_partial_block"); a request's kv_transfer_params only choose
+"warmup", "async_load", "load_partial_block", "engine_load"); a request's kv_transfer_params only choose
 among them:
     SamplingParams(extra_args={"kv_transfer_params": {
         "source": "store" | "local",   # default: extra config "source"
@@ -161,6 +161,9 @@ class CacheGenConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: "Request") -> None:
+        self.scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)

@@ -100,6 +100,10 @@ class ConnectorSettings:
     async_load: loads run in a worker background thread (extra config "async_load").
     partial_block: extra config "load_partial_block": the load may end inside a block (the
         stored prefix up to the prompt's last token) instead of at the last whole block.
+    engine_load: extra config "engine_load" (default true): the scheduler side tracks the
+        engine's requests and gives an adaptive policy the prefill queued ahead of its load
+        (policy input engine_queue_tokens, third_party.vllm.engine_load.engine_queue_tokens);
+        false: the request's own policy inputs only.
     key_fn: extra config "key_fn" loaded, or None (streaming.store:context_key).
     chunk_hook: test-only extra config "test_chunk_hook" loaded, or None.
     stats: the stats writer of extra config "stats_path".
@@ -117,6 +121,7 @@ class ConnectorSettings:
     allow_lossy_cache: bool = False
     async_load: bool = False
     partial_block: bool = True
+    engine_load: bool = True
     key_fn: Callable | None = None
     chunk_hook: Callable | None = None
     stats: StatsWriter = field(default_factory=lambda: StatsWriter(None))
@@ -127,7 +132,7 @@ class ConnectorSettings:
                    prefix_caching: bool = False) -> "ConnectorSettings":
         """Settings from the operator's extra config. Raises ValueError (one line) on a
         malformed store list, key bound, "decode_cpus", "async_load",
-        "load_partial_block" or hook."""
+        "load_partial_block", "engine_load" or hook."""
         extra = dict(extra or {})
         allowed_stores(extra)  # a malformed operator store list fails at start, clearly
         max_key_chars(extra)   # so does a key bound above the one every source shares
@@ -151,6 +156,7 @@ class ConnectorSettings:
             # vLLM's scheduler takes a hit that ends inside a block (it only keeps the last
             # prompt token for the forward); false: stop at the last whole block
             partial_block=bool_option(extra, "load_partial_block", True),
+            engine_load=bool_option(extra, "engine_load", True),
             key_fn=load_callable(extra["key_fn"]) if extra.get("key_fn") else None,
             chunk_hook=load_callable(extra["test_chunk_hook"])
             if extra.get("test_chunk_hook") else None,

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from third_party.vllm.connector_settings import ConnectorSettings
+from third_party.vllm.engine_load import EngineLoad
 from third_party.vllm.metadata import CacheGenConnectorMetadata, LoadRequest, SaveRequest, SaveTrack
 from third_party.vllm.sources import Lookup, SourceError, load_callable, request_partition
 from third_party.vllm.trust import RequestRejected, validate_request
@@ -112,6 +113,11 @@ class CacheGenScheduler:
         self._async_inflight: set[str] = set()
         self._cancels: list[str] = []
         self._async_gen: dict[str, int] = {}
+        self.engine_load = EngineLoad(settings.engine_load)  # the adaptive policy's input
+
+    def on_new_request(self, request: "Request") -> None:
+        """vLLM added ``request``: tracked until request_finished (third_party.vllm.engine_load)."""
+        self.engine_load.add(request)
 
     def alloc_group_ids(self, blocks) -> list[list[int]] | None:
         """Per-group block ids of an allocation for LoadRequest.group_block_ids: None here
@@ -295,6 +301,7 @@ class CacheGenScheduler:
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ):
         if num_external_tokens > 0:
+            self.engine_load.mark(request)  # the prefill queued ahead of this load, now
             # request.num_computed_tokens is not yet updated here: use the local hits seen
             # by get_num_new_matched_tokens (0 with prefix caching off).
             start = self._local_hits.get(request.request_id, 0)
@@ -363,6 +370,8 @@ class CacheGenScheduler:
         lk = self._lookups.get(rid, Lookup(0))
         if not params.get("context_key") and lk.info.get("key"):
             params["context_key"] = lk.info["key"]  # found by the prefix index
+        if "policy" in params:  # the adaptive policy's engine-load input (not the request's)
+            params["policy"] = self.engine_load.policy(params["policy"], rid)
         lr = LoadRequest(rid, start, end, block_ids, self.settings.block_size, params, lk,
                          len(request.prompt_token_ids or []),
                          after_preemption=self._outcome.get(rid) == "load",
@@ -461,5 +470,6 @@ class CacheGenScheduler:
         self._saves.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._async_gen.pop(request.request_id, None)
+        self.engine_load.forget(request.request_id)
         return False, None
 
