@@ -239,6 +239,28 @@ def code_one(k: torch.Tensor, v: torch.Tensor, pair: tuple, configs: dict, windo
     return k2.to(k.dtype), v2.to(v.dtype), stats, t2 - t1, t3 - t2
 
 
+def _add_scores(a: dict, s: dict, stats: dict, forward_s: float) -> None:
+    """Add one window's scores ``s`` (``window_scores``) and its codec ``stats`` to the
+    accumulator ``a`` of one codec/level row."""
+    a["kl"].append(s["kl"])
+    a["top1"].append(s["top1"])
+    a["ppl_change_pct"].append(100.0 * (math.exp(s["nll"] - s["ref_nll"]) - 1.0))
+    a["bytes"] += stats["bytes"]
+    a["dtype_bytes"] += stats["dtype_bytes"]
+    a["elements"] += stats["elements"]
+    a["stored_elements"] += stats.get("stored_elements", stats["elements"])
+    a["exact_tokens"].append(stats.get("exact_tokens"))
+    if "levels" in stats:        # a serde row: the levels its objects were coded at
+        sd = a.setdefault("serde", {"levels": {}, "frame_bytes": 0, "coarser": 0, "finer": 0,
+                                    "encodes": 0, "objects": 0})
+        for lv, c in stats["levels"].items():
+            sd["levels"][lv] = sd["levels"].get(lv, 0) + c
+            sd["objects"] += c
+        for f in ("frame_bytes", "coarser", "finer", "encodes"):
+            sd[f] += stats[f]
+    a["forward_s"] += forward_s
+
+
 def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Optional[int]]],
                      n_windows: int, context: int, continuation: int, seed: int = 0,
                      log: Callable[[str], None] = print, batch: int = DEFAULT_BATCH,
@@ -355,25 +377,7 @@ def run_text_quality(bundle, token_ids: Sequence[int], pairs: list[tuple[str, Op
             t4 = time.perf_counter()
             exact_shapes.append(bool(batch_is_exact(len(group), len(ctx), len(cont), k.dtype)))
             for (pair, _, _, stats), logits in zip(group, all_logits):
-                a = acc[pair]
-                s = window_scores(ref, logits, cont)
-                a["kl"].append(s["kl"])
-                a["top1"].append(s["top1"])
-                a["ppl_change_pct"].append(100.0 * (math.exp(s["nll"] - s["ref_nll"]) - 1.0))
-                a["bytes"] += stats["bytes"]
-                a["dtype_bytes"] += stats["dtype_bytes"]
-                a["elements"] += stats["elements"]
-                a["stored_elements"] += stats.get("stored_elements", stats["elements"])
-                a["exact_tokens"].append(stats.get("exact_tokens"))
-                if "levels" in stats:        # a serde row: the levels its objects were coded at
-                    sd = a.setdefault("serde", {"levels": {}, "frame_bytes": 0, "coarser": 0, "finer": 0,
-                                                "encodes": 0, "objects": 0})
-                    for lv, c in stats["levels"].items():
-                        sd["levels"][lv] = sd["levels"].get(lv, 0) + c
-                        sd["objects"] += c
-                    for f in ("frame_bytes", "coarser", "finer", "encodes"):
-                        sd[f] += stats[f]
-                a["forward_s"] += (t4 - t3) / len(group)
+                _add_scores(acc[pair], window_scores(ref, logits, cont), stats, (t4 - t3) / len(group))
             del group, all_logits
             t_scores += time.perf_counter() - t4
         ref_ppl.append(math.exp(ref["ref_nll"]))
