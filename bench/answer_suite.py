@@ -42,7 +42,8 @@ def suite_cells(kinds: Sequence[str], lengths: Sequence[int], contexts: int) -> 
 
 def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tuple[str, int, int]],
               seed: int = 0, haystack=None, haystack_name: str = "offline", answer_bundle=None,
-              configs: Optional[dict] = None, log: Callable[[str], None] = print) -> list[dict]:
+              configs: Optional[dict] = None, log: Callable[[str], None] = print,
+              done: Optional[dict] = None, on_context: Optional[Callable[[str, list], None]] = None) -> list[dict]:
     """Per-question records of the suite.
 
     ``bundle``: the model whose KV is coded (engine dtype); ``answer_bundle``: the model that
@@ -52,7 +53,12 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
     (prefill per context, split over its questions), ``lossless`` {text, ids, correct} and
     ``codecs`` {label: {text, ids, correct, agrees, token_agrees, path}}; ``agrees``: the
     numbers stated equal the lossless answer's (``evaluation.metrics.answer.stated_values``). Raises
-    ExtractionError (a context that does not fit) and the codec's errors."""
+    ExtractionError (a context that does not fit) and the codec's errors.
+
+    Resuming: ``done`` maps :func:`context_hash` (the context's and its questions' token ids)
+    to that context's records from an earlier run of the same model, codecs and answering
+    dtype; such a context is taken from ``done`` and not measured again. ``on_context(hash,
+    records)`` is called after each measured context (to save the state)."""
     import codec as codec_api
     from codec.level_table import label as codec_label
     from evaluation.metrics import all_values_match, stated_values
@@ -67,6 +73,12 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
     t0 = time.perf_counter()
     for c, ctx in enumerate(suite_contexts(bundle.tokenizer, cells, seed, haystack, haystack_name)):
         kind, length, index = cells[c]
+        h = context_hash(ctx)
+        if done and h in done:
+            records.extend(done[h])
+            log(f"  context {c + 1}/{len(cells)} ({kind}, {len(ctx.context_ids)} tokens) from the saved state")
+            continue
+        first = len(records)
         t = time.perf_counter()
         k, v = prefill_kv(bundle, ctx.context_ids)
         prefill_s = time.perf_counter() - t
@@ -95,9 +107,21 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
                                         "token_agrees": got["ids"] == ref_ids}
             records.append(rec)
         del decoded, k_ab, v_ab
+        if on_context is not None:
+            on_context(h, records[first:])
         log(f"  context {c + 1}/{len(cells)} ({kind}, {len(ctx.context_ids)} tokens, {len(ctx.questions)} "
             f"questions) done, {time.perf_counter() - t0:.0f} s")
     return records
+
+
+def context_hash(ctx) -> str:
+    """sha256 (hex) of a suite context's token ids and its questions' token ids: what a saved
+    record set must match to be reused."""
+    import hashlib
+    import json
+
+    doc = [list(map(int, ctx.context_ids)), [list(map(int, q.question_ids)) for q in ctx.questions]]
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
 def suite_rows(records: list[dict], labels: Sequence[str]) -> list[dict]:
@@ -169,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lossless-only", action="store_true", help="answer from lossless KV only")
     p.add_argument("--answer-dtype", choices=("float32", "model"), default="float32",
                    help="activations of the answering model (default float32; the KV stays the model's dtype)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="measure every context again: discard the records a stopped run left in <out>.partial "
+                        "(by default, with --out, each finished context is saved there and a rerun of the same "
+                        "model, codecs, seed and haystack reuses the contexts it has, also from a run with "
+                        "fewer --contexts or --lengths)")
     return p
 
 
@@ -189,6 +218,40 @@ def _haystack(data_path: Optional[str]):
             raise ExtractionError(f"--data-path {path}: no wiki.test.raw or test.txt in the folder")
         path = found[0]
     return haystack_sentences(load_wikitext2(str(path))), f"WikiText-2 test ({path.name})"
+
+
+def _resume(args, bundle, answer_bundle, spec: str, cal: Optional[dict], haystack_name: str):
+    """(saved records by context hash, the callback saving each new context, the state path)
+    of a run with ``--out``; (None, None, None) without one. The state is named by the model,
+    answering dtype, codecs, kvtc calibration, seed and haystack (``bench.quality.checkpoint``);
+    one of other settings is an ExtractionError (one line)."""
+    from pathlib import Path
+
+    from bench.quality.checkpoint import CheckpointMismatch, load_doc, partial_path, run_key, save_doc
+    from kv_extraction_hf.errors import ExtractionError
+
+    if not args.out:
+        return None, None, None
+    state = partial_path(Path(args.out))
+    if args.no_resume:
+        state.unlink(missing_ok=True)
+    key = run_key({"suite": "answer_suite", "model": bundle.info.weights_hash,
+                   "answer_dtype": str(next(answer_bundle.model.parameters()).dtype),
+                   "codecs": [] if args.lossless_only else spec, "kvtc_calibration": (cal or {}).get("hash"),
+                   "seed": args.seed, "haystack": haystack_name})
+    try:
+        doc = load_doc(state, key)
+    except CheckpointMismatch as exc:
+        raise ExtractionError(f"{exc}: pass --no-resume to start over, or another --out") from None
+    saved = dict((doc or {}).get("contexts", {}))
+    if saved:
+        print(f"resuming: {len(saved)} contexts saved in {state}")
+
+    def on_context(h: str, recs: list) -> None:
+        saved[h] = recs
+        save_doc(state, key, {"contexts": saved})
+
+    return saved, on_context, state
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -236,9 +299,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cells = suite_cells(kinds, lengths, contexts)
         print(f"answer suite: {len(cells)} contexts ({', '.join(kinds)} x {lengths} x {contexts}), "
               f"{len(pairs)} codec/levels, haystack {hname}; model {bundle.info.model_id}")
+        done, on_context, state = _resume(args, bundle, ab, spec, cal, hname)
         t0 = time.perf_counter()
         records = run_suite(bundle, pairs, cells, args.seed, haystack, hname, ab, configs,
-                            log=lambda m: print(m, flush=True))
+                            log=lambda m: print(m, flush=True), done=done, on_context=on_context)
         wall = time.perf_counter() - t0
         labels = [codec_label(n, lv) for n, lv in pairs]
         rows = suite_rows(records, labels)
@@ -263,6 +327,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "scorer": "evaluation.metrics.answer.all_values_match (RULER string_match_all)"},
                 "rows": rows, "records": records, "wall_s": wall})
             print(f"wrote {args.out}")
+            if state is not None:
+                state.unlink(missing_ok=True)     # every record is in --out now
 
     return run_cli(run)
 

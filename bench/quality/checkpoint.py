@@ -11,6 +11,9 @@ offsets, context and continuation tokens, seed, codec configs, window storage), 
 whose key differs is refused, never mixed into another run's figures. Windows measured
 before and after a resume are the same windows of the same seeded draw; the state records
 each segment's environment (CPU, load) because they may differ.
+
+``save_doc`` / ``load_doc`` are the same atomic, key-checked state for any other resumable
+run (the answer suite keeps its finished contexts' records in one).
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["STATE_FORMAT", "CheckpointMismatch", "run_key", "save_state", "load_state", "partial_path"]
+__all__ = ["STATE_FORMAT", "CheckpointMismatch", "run_key", "save_doc", "load_doc", "save_state", "load_state",
+           "partial_path"]
 
 STATE_FORMAT = 1
 
@@ -73,8 +77,14 @@ def save_state(path: Path, key: str, windows_done: int, acc: dict, extra: dict) 
     ``acc``: run_text_quality's accumulators ``{(codec, level, (sink, recent)): {...}}``;
     ``extra``: JSON-able run state (skipped codecs, reference perplexities, timings,
     environments). Raises OSError when the folder cannot be written."""
-    doc = {"format": STATE_FORMAT, "key": key, "windows_done": int(windows_done),
-           "acc": _acc_to_json(acc), **extra}
+    save_doc(path, key, {"windows_done": int(windows_done), "acc": _acc_to_json(acc), **extra})
+
+
+def save_doc(path: Path, key: str, payload: dict) -> None:
+    """Write ``payload`` (JSON-able) as the state of the run named ``key``, atomically: a
+    reader sees the previous state or this one, never a part. Raises OSError when the
+    folder cannot be written."""
+    doc = {**payload, "format": STATE_FORMAT, "key": key}
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
     try:
@@ -89,10 +99,10 @@ def save_state(path: Path, key: str, windows_done: int, acc: dict, extra: dict) 
         raise
 
 
-def load_state(path: Path, key: str) -> Optional[dict]:
-    """The saved state of the run named ``key`` (``acc`` rebuilt with tuple keys), or None
-    when ``path`` does not exist. Raises CheckpointMismatch for a file of another run,
-    another format, or one that is not a JSON state."""
+def load_doc(path: Path, key: str) -> Optional[dict]:
+    """The saved state (a dict) of the run named ``key``, or None when ``path`` does not
+    exist. Raises CheckpointMismatch for a file of another run, another format, or one that
+    is not a JSON object."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -100,11 +110,23 @@ def load_state(path: Path, key: str) -> Optional[dict]:
         doc = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
         raise CheckpointMismatch(f"{path} is not a readable run state ({type(exc).__name__})") from None
-    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT or not isinstance(doc.get("acc"), list):
+    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
         raise CheckpointMismatch(f"{path} is not a run state of format {STATE_FORMAT}")
     if doc.get("key") != key:
         raise CheckpointMismatch(f"{path} holds a partial run of other settings (key "
                                  f"{str(doc.get('key'))[:12]}, this run {key[:12]})")
+    return doc
+
+
+def load_state(path: Path, key: str) -> Optional[dict]:
+    """The saved state of the text-fidelity run named ``key`` (``acc`` rebuilt with tuple
+    keys), or None when ``path`` does not exist. Raises CheckpointMismatch as
+    :func:`load_doc`, and for a state without the accumulators."""
+    doc = load_doc(path, key)
+    if doc is None:
+        return None
+    if not isinstance(doc.get("acc"), list):
+        raise CheckpointMismatch(f"{path} is not a run state of format {STATE_FORMAT}")
     try:
         doc["acc"] = _acc_from_json(doc["acc"])
     except (TypeError, ValueError, KeyError, AttributeError):

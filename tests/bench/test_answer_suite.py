@@ -169,6 +169,47 @@ def test_run_suite_lossless_raw_agrees_token_for_token(tiny_qwen2):
     assert rows[("all", "kivi2")]["token_agreement"] < 1.0
 
 
+def test_run_suite_reuses_saved_contexts(tiny_qwen2):
+    from bench.answer_suite import context_hash
+
+    cells = suite_cells(["single", "multivalue"], [400], 1)
+    saved, calls = {}, []
+
+    def keep(h, recs):
+        calls.append(h)
+        saved[h] = recs
+    whole = run_suite(tiny_qwen2, [("kivi2", None)], cells, log=lambda m: None, on_context=keep)
+    assert len(calls) == 2 and sum(len(v) for v in saved.values()) == len(whole) == 1 + 2
+    hashes = [context_hash(c) for c in suite_contexts(tiny_qwen2.tokenizer, cells)]
+    assert calls == hashes and len(set(hashes)) == 2
+    # one context saved: only the other is measured again, and the records are the same
+    logs, again = [], []
+    part = {hashes[0]: saved[hashes[0]]}
+    got = run_suite(tiny_qwen2, [("kivi2", None)], cells, log=logs.append, done=part,
+                    on_context=lambda h, r: again.append(h))
+    assert again == [hashes[1]] and sum("from the saved state" in m for m in logs) == 1
+    def answers(recs):                                   # all but the measured prefill seconds
+        return [{k: v for k, v in r.items() if k != "prefill_s"} for r in recs]
+    assert answers(got) == answers(whole) and got[0] is part[hashes[0]][0]
+    # a saved context of another cell list is not reused for a context it does not match
+    other = run_suite(tiny_qwen2, [("kivi2", None)], suite_cells(["multikey"], [400], 1), log=lambda m: None,
+                      done=saved, on_context=lambda h, r: again.append(h))
+    assert len(again) == 2 and again[1] not in hashes and {r["kind"] for r in other} == {"multikey"}
+
+
+def test_cli_state_of_other_settings_is_one_line(tmp_path):
+    from bench.quality.checkpoint import save_doc
+
+    out = tmp_path / "suite.json"
+    save_doc(tmp_path / "suite.json.partial", "not-this-run", {"contexts": {}})
+    proc = subprocess.run([sys.executable, "-m", "bench.answer_suite", "--quick", "--lossless-only",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "other settings" in lines[-1] and "--no-resume" in lines[-1] and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------- CLI
 @pytest.mark.parametrize("args,match", [
     (["--kinds", "bogus"], "--kinds from single, multikey, multivalue"),
