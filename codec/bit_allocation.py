@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from .config import CodecConfig, QuantizationSpec
 
-__all__ = ["Allocation", "allocate_bins", "estimate", "specs_from_bins", "config_from_bins",
+__all__ = ["Allocation", "allocate_bins", "estimate", "excess_table", "specs_from_bins", "config_from_bins",
            "check_table"]
 
 KINDS = ("k", "v")
@@ -86,6 +86,24 @@ def check_table(table: dict) -> tuple[list[int], int]:
                     if (name == "kl" and x < 0) or (name == "bytes" and x <= 0):
                         raise ValueError(f"sensitivity table {name} value {x!r} out of range")
     return [int(b) for b in bins], len(kl)
+
+
+def excess_table(table: dict) -> dict:
+    """A copy of ``table`` whose KL is each unit's excess over its own smallest KL (over the
+    candidates): the per-unit floor removed before the KLs are summed.
+
+    Why: in a bf16 model ANY change of one layer's KV moves the roundings of every later
+    activation, which alone gives a KL floor (on SmolLM2-135M about 1e-3 nats/token per
+    unit, the size of quant8's whole-cache KL), the same for 128 bins as for 256. That floor
+    does not add over units (quantizing every layer at 128/64 bins costs ~0.004, not 60
+    floors), so summing raw per-unit KLs would count it 2L times; the excess over the
+    floor is the part that adds. ``kl_floor`` ([L][2]) keeps the removed floors. Raises
+    ValueError as ``check_table``."""
+    check_table(table)
+    floors = [[min(float(x) for x in unit) for unit in layer] for layer in table["kl"]]
+    kl = [[[float(x) - floors[i][j] for x in unit] for j, unit in enumerate(layer)]
+          for i, layer in enumerate(table["kl"])]
+    return dict(table, kl=kl, kl_floor=floors)
 
 
 def _hull(points: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:

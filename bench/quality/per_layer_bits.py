@@ -6,7 +6,7 @@ on the calibration table, ``kv_extraction_hf.calibrate.operating_points``), the 
 per-layer K/V sensitivity table (``kv_extraction_hf.calibrate.sensitivity``: forward KL
 when only one layer's K or V is quantized, measured bytes; the fit half of the calibration
 text, or ``--sensitivity-data FILE``) and two allocations of it
-(``codec.bit_allocation``): ``matched-bytes`` (the least summed KL estimate within the
+(``codec.bit_allocation``, on the KL in excess of each unit's floor: ``excess_table``): ``matched-bytes`` (the least summed KL estimate within the
 uniform point's estimated bytes: compare KL at the same ratio) and ``matched-kl`` (the
 fewest bytes whose summed KL estimate is within the uniform point's: compare ratio at the
 same KL). All three and LMCache's schedule are measured on the same held-out WikiText-2
@@ -105,7 +105,8 @@ def run_per_layer_bits(bundle, wt_ids: Sequence[int], targets: list, sizes: tupl
         stab = sens.fit_sensitivity(bundle, text=text, text_record=rec, settings=sensitivity_settings, log=log)
     except ExtractionError as exc:
         raise QualityError(f"per-layer bits: {exc}") from None
-    points = [p for p in fit.fit_operating_points(table, targets, ("cachegen",))]
+    points = fit.fit_operating_points(table, targets, ("cachegen",))
+    etab = ba.excess_table(stab)       # per-unit floors removed: the part of the KL that adds
     plans = []                 # (target, uniform level, {kind: Allocation})
     for p in points:
         if "error" in p:
@@ -113,9 +114,9 @@ def run_per_layer_bits(bundle, wt_ids: Sequence[int], targets: list, sizes: tupl
             continue
         u = p["point"]["level"]
         uni = CodecConfig.for_model(L, u)
-        kl_u, bytes_u = ba.estimate(stab, uni.key_bins, uni.value_bins)
-        allocs = {"matched-bytes": ba.allocate_bins(stab, byte_budget=bytes_u),
-                  "matched-kl": ba.allocate_bins(stab, kl_target=kl_u)}
+        kl_u, bytes_u = ba.estimate(etab, uni.key_bins, uni.value_bins)
+        allocs = {"matched-bytes": ba.allocate_bins(etab, byte_budget=bytes_u),
+                  "matched-kl": ba.allocate_bins(etab, kl_target=kl_u)}
         plans.append((p, u, uni, (kl_u, bytes_u), allocs))
         log(f"target {p['target']}: uniform cachegen {u} (estimate KL {kl_u:.4g}, {bytes_u:.0f} B/window); "
             + "; ".join(f"{k}: K {list(a.key_bins)} V {list(a.value_bins)}" for k, a in allocs.items()))
@@ -144,8 +145,11 @@ def run_per_layer_bits(bundle, wt_ids: Sequence[int], targets: list, sizes: tupl
     return {"rows": rows, "reference": {"codec": op.REFERENCE[0], "level": op.REFERENCE[1],
                                         "heldout": _summary(ref) if ref else None},
             "operating_point_table": {"hash": table["hash"], "text": table["text"], "settings": table["settings"]},
-            "sensitivity": {k: stab[k] for k in ("hash", "text", "settings", "bins", "n", "bytes_basis", "kl", "kl_ci",
-                                                 "bytes", "dtype_bytes", "base")},
+            "sensitivity": dict({k: stab[k] for k in ("hash", "text", "settings", "bins", "n", "bytes_basis", "kl",
+                                                      "kl_ci", "bytes", "dtype_bytes", "base")},
+                                kl_floor=etab["kl_floor"],
+                                estimate="sum over layers and K/V of the KL in excess of each unit's floor "
+                                         "(its smallest KL over the candidates; codec.bit_allocation.excess_table)"),
             "rules": {"matched-bytes": f"least summed KL estimate within the uniform point's estimated bytes; wins "
                                        f"when the paired KL CI is below 0 and the ratio is within {RATIO_SLACK:.0%}",
                       "matched-kl": "fewest bytes with summed KL estimate within the uniform point's; wins when "

@@ -147,3 +147,22 @@ def test_bad_tables_and_bounds_raise_one_line():
         ba.allocate_bins(t, byte_budget=1.0)
     with pytest.raises(ValueError, match="not a candidate"):
         ba.estimate(t, [12], [8])
+
+
+def test_excess_table_removes_each_units_floor():
+    # a per-unit floor (any perturbation's rounding noise) added to a convex table: the
+    # excess is the floorless table again, and the allocation on it is the floorless one
+    t = _convex_table([[3.0, 1.0], [2.0, 5.0]], 2)
+    floors = [[0.01, 0.02], [0.03, 0.04]]
+    noisy = dict(t, kl=[[[x + floors[i][j] for x in unit] for j, unit in enumerate(layer)]
+                        for i, layer in enumerate(t["kl"])])
+    e = ba.excess_table(noisy)
+    for i in range(2):
+        for j in range(2):
+            assert min(e["kl"][i][j]) == 0.0
+            assert e["kl_floor"][i][j] == pytest.approx(floors[i][j] + t["kl"][i][j][-1])   # the finest's KL
+            assert e["kl"][i][j] == pytest.approx([x - t["kl"][i][j][-1] for x in t["kl"][i][j]])
+    target = ba.estimate(e, [16, 32], [16, 64])[0]
+    a, b = ba.allocate_bins(e, kl_target=target), ba.allocate_bins(ba.excess_table(t), kl_target=target)
+    assert (a.key_bins, a.value_bins) == (b.key_bins, b.value_bins)
+    assert noisy["kl"] is not e["kl"] and "kl_floor" not in noisy      # the input is left as it was
