@@ -6,6 +6,7 @@ The command's modules:
 - ``bench.quality.text``: text fidelity on WikiText-2 windows: KL, top-1 agreement, perplexity change;
 - ``bench.quality.default_level``: the --choose-default rule (the smallest cachegen level no worse than LMCache's schedule);
 - ``bench.quality.targets``: --targets: operating points fitted on calibration text, measured on held-out text;
+- ``bench.quality.per_layer_bits``: --targets ... --per-layer-bits: per-layer K/V bins from measured sensitivity against the uniform points at matched bytes;
 - ``bench.quality.tasks``: task answers of each codec and level against the lossless answers;
 - ``bench.quality.report``: the console tables.
 

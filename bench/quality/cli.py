@@ -251,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write --out from the windows a stopped (or still running) run of these settings has "
                         "saved in <out>.partial, measuring none; the file names how many windows it holds, and "
                         "the state stays, to be resumed")
+    p.add_argument("--per-layer-bits", action="store_true",
+                   help="with --targets: per-layer K/V bins allocated from the measured per-layer sensitivity "
+                        "(codec.bit_allocation) against the uniform cachegen operating point at matched bytes "
+                        "and at matched KL, on the same held-out windows; writes "
+                        "benchmarks/quality-per-layer-bits.json unless --out is given. Off by default")
+    p.add_argument("--sensitivity-data", type=Path, default=None, metavar="FILE",
+                   help="with --per-layer-bits: the text the sensitivity is measured on (its first half; e.g. "
+                        "WikiText-2 valid.txt); default: the offline calibration text of the operating points")
     p.add_argument("--choose-default", action="store_true",
                    help="print the default cachegen level chosen by the rule from --out and exit")
     return p
@@ -324,6 +332,12 @@ def _main(args, argv: list[str]) -> int:
         raise QualityError(f"--report-partial: no saved windows at {partial_path(args.out)}")
     do_tasks = not args.no_tasks
     targets = parse_targets(args.targets, args.target_kl) if (args.targets or args.target_kl is not None) else []
+    if (args.per_layer_bits or args.sensitivity_data is not None) and not targets:
+        raise QualityError("--per-layer-bits / --sensitivity-data need --targets (the uniform operating points)")
+    if args.sensitivity_data is not None and not args.per_layer_bits:
+        raise QualityError("--sensitivity-data is read by --per-layer-bits only")
+    if args.sensitivity_data is not None and not args.sensitivity_data.is_file():
+        raise QualityError(f"--sensitivity-data: {args.sensitivity_data} is not a file")
     if targets:
         _positive("--fit-windows", args.fit_windows)
         if args.tasks_only:
@@ -404,6 +418,14 @@ def _main(args, argv: list[str]) -> int:
 
                 configs["kvtc"] = KvtcConfig(calibration=cal_rec["hash"])
                 print(f"kvtc calibration {cal_rec['hash']} ({cal_rec.get('source', 'default')})")
+    if targets and args.per_layer_bits:
+        from bench.quality.per_layer_bits import per_layer_bits_part
+
+        per_layer_bits_part(args, argv, bundle, wt, targets, (windows, context, continuation, args.seed),
+                            lambda b, ids, pairs, n, ctx, cont, seed, cfgs: run_text_quality(
+                                b, ids, pairs, n, ctx, cont, seed, log=_log, batch=batch,
+                                codec_workers=codec_workers, configs=cfgs, windows=ws)[0], doc, t_start, _log)
+        return 0
     if targets:
         _targets_part(args, argv, bundle, wt, targets, (windows, context, continuation), batch, codec_workers,
                       configs, ws, doc, t_start)

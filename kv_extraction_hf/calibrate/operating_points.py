@@ -38,7 +38,8 @@ from typing import Callable, Optional, Sequence
 from kv_extraction_hf.errors import ExtractionError
 
 __all__ = ["FIT_SETTINGS", "FIT_CODECS", "TARGET_FIT_SETTINGS", "fit_table", "fit_operating_points",
-           "resolve_points", "find_table", "point_summary", "split_ids", "heldout_ids", "table_key"]
+           "resolve_points", "find_table", "point_summary", "split_ids", "text_tokens", "resolve_text",
+           "heldout_ids", "table_key", "one_thread"]
 
 # 16 windows x (1024 + 128) tokens: ~18K calibration tokens per level; with the default
 # model's ~50K-token text both halves hold them
@@ -52,7 +53,7 @@ TARGET_FIT_SETTINGS = {"windows": 8, "context_tokens": 256, "continuation_tokens
                        "skip_tokens": 4 * 1024}
 
 
-def _tokens(bundle, text: str, need: int) -> list[int]:
+def text_tokens(bundle, text: str, need: int) -> list[int]:
     """The first tokens of ``text`` (at least ``need`` when it has them), tokenised in
     200K-character blocks."""
     ids: list[int] = []
@@ -74,7 +75,9 @@ def split_ids(ids: Sequence[int], skip_tokens: int) -> tuple[list[int], list[int
     return rest[:half], rest[half:]
 
 
-def _text(text: Optional[str], record: Optional[dict]) -> tuple[str, dict]:
+def resolve_text(text: Optional[str], record: Optional[dict]) -> tuple[str, dict]:
+    """(text, record) of the calibration text: ``text`` with ``record`` (or a "user"
+    record with its sha256), or, ``text`` None, the default calibration text."""
     if text is None:
         from kv_extraction_hf.calibration_text import calibration_text
 
@@ -88,9 +91,9 @@ def heldout_ids(bundle, settings: Optional[dict] = None, text: Optional[str] = N
     """The held-out half of the calibration text's tokens (``split_ids``): the other-domain
     text an operating point is also measured on. Raises ExtractionError as ``split_ids``."""
     s = dict(FIT_SETTINGS, **(settings or {}))
-    text, _ = _text(text, None)
+    text, _ = resolve_text(text, None)
     need = s["skip_tokens"] + 2 * s["windows"] * (s["context_tokens"] + s["continuation_tokens"]) + 1024
-    return split_ids(_tokens(bundle, text, 10 * need), s["skip_tokens"])[1]
+    return split_ids(text_tokens(bundle, text, 10 * need), s["skip_tokens"])[1]
 
 
 def _config_id(cfg) -> str:
@@ -111,7 +114,7 @@ def table_key(weights_hash: str, text_sha256: str, settings: dict, codecs: Seque
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _one_thread(fn: Callable, *args):
+def one_thread(fn: Callable, *args):
     """``fn(*args)`` with torch's intra-op threads set to 1 (restored after): a forward's
     float sums depend on how many threads split them (KL differed in the 6th digit between
     1 and 2 threads on the tiny test model), and the table must not."""
@@ -159,7 +162,7 @@ def fit_table(bundle, measure: Callable, codecs: Sequence[str] = FIT_CODECS,
     for c in codecs:
         if not level_table.levels(c):
             raise ValueError(f"codec {c!r} has no levels to choose from")
-    text, rec = _text(text, text_record)
+    text, rec = resolve_text(text, text_record)
     trec = {k: rec.get(k, "") for k in ("source", "description", "sha256")}
     folder = Path(folder) if folder is not None else op.default_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -171,7 +174,7 @@ def fit_table(bundle, measure: Callable, codecs: Sequence[str] = FIT_CODECS,
                 raw = json.loads(index.read_bytes()[:4096])
                 return op.load_table(raw["hash"], folder)
         win = s["context_tokens"] + s["continuation_tokens"]
-        ids = _tokens(bundle, text, 10 * (s["skip_tokens"] + 2 * s["windows"] * win + 1024))
+        ids = text_tokens(bundle, text, 10 * (s["skip_tokens"] + 2 * s["windows"] * win + 1024))
         fit_ids, _ = split_ids(ids, s["skip_tokens"])
         token_windows(len(fit_ids), win, s["windows"], s["seed"])   # too short: ExtractionError now
         pairs = [(c, lv) for c in codecs for lv in level_table.levels(c)]
@@ -180,7 +183,7 @@ def fit_table(bundle, measure: Callable, codecs: Sequence[str] = FIT_CODECS,
         log(f"[operating points] fitting on {s['windows']} windows x ({s['context_tokens']} + "
             f"{s['continuation_tokens']}) tokens of {trec['source']} (sha256 {trec['sha256'][:12]}), "
             f"{len(pairs)} codec levels (key {key})")
-        rows = _one_thread(measure, bundle, fit_ids, pairs, s["windows"], s["context_tokens"],
+        rows = one_thread(measure, bundle, fit_ids, pairs, s["windows"], s["context_tokens"],
                            s["continuation_tokens"], s["seed"], configs)
         table = {"format": op.TABLE_FORMAT, "version": op.TABLE_VERSION,
                  "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash},
