@@ -261,7 +261,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def run() -> None:
-        from bench.quality.cli import environment, prepare_kvtc
+        from bench.quality.cli import environment
+        from bench.quality.kvtc_setup import prepare_kvtc
         from bench.quality.text import parse_codec_spec
         from cachegen_common.files import atomic_write_json
         from codec.level_table import label as codec_label

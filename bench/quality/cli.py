@@ -52,7 +52,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from cachegen_common import flags
 from cachegen_common.files import atomic_write_json
@@ -66,6 +66,7 @@ from bench.quality.config import (
 from bench.quality.default_level import choose_default_level, print_choice
 from codec.operating_points import REFERENCE
 from bench.quality.checkpoint import CheckpointMismatch, partial_path
+from bench.quality.kvtc_setup import prepare_kvtc, prepare_kvtc_groups
 from bench.quality.text import parse_codec_spec, run_text_quality
 from bench.quality.tasks import run_tasks
 from bench.quality.targets import DEFAULT_TARGETS_OUT, parse_targets, print_targets, run_targets
@@ -78,72 +79,6 @@ def environment() -> dict:
     ``cachegen_common.machine``); computed by :func:`cachegen_common.header.environment`."""
     return header_environment(("python", "torch", "transformers", "numpy", "platform",
                                "cpu_count", "torch_threads", "numerics"))
-
-
-def prepare_kvtc(bundle, data_path: Optional[str], log: Callable[[str], None] = print,
-                 user=None, user_path: Optional[Path] = None) -> dict:
-    """The calibration the kvtc rows encode with (the caller passes its ``hash`` to every
-    kvtc encode, ``KvtcConfig``): ``bundle``'s model's default calibration
-    (``kv_extraction_hf.calibrate.default_calibration``: the default calibration text, the
-    standard library's docstring prose, never the WikiText-2 test split evaluated here;
-    fitted once, then cached; the same calibration as ``run_benchmarks.py``'s), or
-    ``user``, a loaded ``codec.kvtc.KvtcCalibration`` (``--kvtc-calibration``). Both are
-    registered so their chunks decode. Returns a record (``path_name``, ``sha256`` of the
-    artifact file, ``hash`` = the calibration hash the chunks' headers name, ``source``,
-    ``group_layers``, ``text`` = the calibration text's source, description, sha256) or
-    ``{"error": ...}``; a failure only means the kvtc rows are skipped. ``data_path`` is
-    not used for the calibration (kept for callers)."""
-    from kv_extraction_hf.calibrate import calibration_provenance
-
-    if user is not None:
-        from codec import kvtc
-        from kv_extraction_hf.model.fetch import sha256_file
-
-        if (user.num_layers, user.num_heads, user.head_dim) != (
-                bundle.info.num_layers, bundle.info.num_kv_heads, bundle.info.head_dim):
-            raise QualityError(f"--kvtc-calibration {user.hash[:16]} is for L={user.num_layers}, "
-                               f"H={user.num_heads}, D={user.head_dim}, not this model")
-        kvtc.register_calibration(user)
-        return {"path_name": Path(user_path).name, "sha256": sha256_file(user_path),
-                **calibration_provenance(user, "--kvtc-calibration"),
-                "data": user.meta.get("data", "")}
-    try:
-        from kv_extraction_hf.calibrate import default_calibration
-        from kv_extraction_hf.model.fetch import sha256_file
-
-        path = default_calibration(bundle, log=lambda m: None)
-        from codec import kvtc
-
-        cal = kvtc.get_calibration(Path(path).stem)
-        return {"path_name": Path(path).name, "sha256": sha256_file(path),
-                **calibration_provenance(cal, "default")}
-    except Exception as exc:  # noqa: BLE001 - kvtc is optional here
-        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-        log(f"kvtc calibration unavailable ({reason}): kvtc rows will be skipped")
-        return {"error": reason}
-
-
-def prepare_kvtc_groups(bundle, windows, text_path: Optional[Path]) -> tuple[Any, dict]:
-    """(config, record) of the kvtc rows when each layer group gets its own calibration
-    (window storage, ``windows`` one int or None per layer) or when the calibration is
-    fitted on ``text_path`` (``--kvtc-calibration-data``; ``windows`` None = one group of
-    every layer). config: ``{layers: KvtcConfig}`` for ``codec.window`` (a plain
-    ``KvtcConfig`` for one group); record: ``calibrate_groups.groups_record``. Raises
-    QualityError when the calibration cannot be fitted (a named text must be usable)."""
-    from kv_extraction_hf.calibrate.groups import group_calibrations, groups_record
-    from kv_extraction_hf.errors import ExtractionError
-    from codec.kvtc import KvtcConfig
-
-    ws = windows if windows is not None else [None] * bundle.info.num_layers
-    try:
-        hashes = group_calibrations(bundle, ws, str(text_path) if text_path else None, log=_log)
-    except (ExtractionError, OSError) as exc:
-        raise QualityError(f"kvtc calibration: {exc}") from None
-    rec = groups_record(hashes, "--kvtc-calibration-data" if text_path else "default (per layer group)")
-    if windows is None:
-        (h,) = hashes.values()
-        return KvtcConfig(calibration=h), dict(rec, hash=h)
-    return {g: KvtcConfig(calibration=h) for g, h in hashes.items()}, rec
 
 
 def _write_json(path: Path, doc: dict) -> None:
@@ -291,6 +226,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
 
+def _check_exclusions(args) -> None:
+    """The flags that exclude or need each other, checked before the model loads
+    (QualityError, one line)."""
+    if args.kvtc_calibration is not None and args.kvtc_calibration_data is not None:
+        raise QualityError("--kvtc-calibration and --kvtc-calibration-data exclude each other")
+    if args.no_tasks and args.tasks_only:
+        raise QualityError("--no-tasks and --tasks-only exclude each other")
+    has_targets = bool(args.targets) or args.target_kl is not None
+    if args.report_partial and (args.no_resume or not args.no_tasks or has_targets):
+        raise QualityError("--report-partial summarizes saved text windows: it needs --no-tasks and excludes "
+                           "--no-resume and --targets")
+    if args.report_partial and not partial_path(args.out).is_file():
+        raise QualityError(f"--report-partial: no saved windows at {partial_path(args.out)}")
+    if (args.per_layer_bits or args.sensitivity_data is not None) and not has_targets:
+        raise QualityError("--per-layer-bits / --sensitivity-data need --targets (the uniform operating points)")
+    if args.sensitivity_data is not None and not args.per_layer_bits:
+        raise QualityError("--sensitivity-data is read by --per-layer-bits only")
+    if args.sensitivity_data is not None and not args.sensitivity_data.is_file():
+        raise QualityError(f"--sensitivity-data: {args.sensitivity_data} is not a file")
+
+
 def _main(args, argv: list[str]) -> int:
     if args.choose_default:
         if not args.out.is_file():
@@ -321,23 +277,9 @@ def _main(args, argv: list[str]) -> int:
             user_cal = _kvtc.load_calibration(args.kvtc_calibration)
         except CodecError as exc:
             raise QualityError(f"--kvtc-calibration: {exc}") from None
-    if args.kvtc_calibration is not None and args.kvtc_calibration_data is not None:
-        raise QualityError("--kvtc-calibration and --kvtc-calibration-data exclude each other")
-    if args.no_tasks and args.tasks_only:
-        raise QualityError("--no-tasks and --tasks-only exclude each other")
-    if args.report_partial and (args.no_resume or not args.no_tasks or args.targets or args.target_kl is not None):
-        raise QualityError("--report-partial summarizes saved text windows: it needs --no-tasks and excludes "
-                           "--no-resume and --targets")
-    if args.report_partial and not partial_path(args.out).is_file():
-        raise QualityError(f"--report-partial: no saved windows at {partial_path(args.out)}")
+    _check_exclusions(args)
     do_tasks = not args.no_tasks
     targets = parse_targets(args.targets, args.target_kl) if (args.targets or args.target_kl is not None) else []
-    if (args.per_layer_bits or args.sensitivity_data is not None) and not targets:
-        raise QualityError("--per-layer-bits / --sensitivity-data need --targets (the uniform operating points)")
-    if args.sensitivity_data is not None and not args.per_layer_bits:
-        raise QualityError("--sensitivity-data is read by --per-layer-bits only")
-    if args.sensitivity_data is not None and not args.sensitivity_data.is_file():
-        raise QualityError(f"--sensitivity-data: {args.sensitivity_data} is not a file")
     if targets:
         _positive("--fit-windows", args.fit_windows)
         if args.tasks_only:
