@@ -115,12 +115,13 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
 
 
 def context_hash(ctx) -> str:
-    """sha256 (hex) of a suite context's token ids and its questions' token ids: what a saved
-    record set must match to be reused."""
+    """sha256 (hex) of a suite context's token ids and its questions' token ids and generation
+    budgets: what a saved record set must match to be reused."""
     import hashlib
     import json
 
-    doc = [list(map(int, ctx.context_ids)), [list(map(int, q.question_ids)) for q in ctx.questions]]
+    doc = [list(map(int, ctx.context_ids)),
+           [[list(map(int, q.question_ids)), int(q.max_new_tokens)] for q in ctx.questions]]
     return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 

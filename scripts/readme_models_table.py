@@ -16,7 +16,7 @@ from readme_table_cells import fmt_ci, mode_default_level, fmt_g, quality_rows, 
 MODELS_START = "<!-- models-table:start -->"
 MODELS_END = "<!-- models-table:end -->"
 # the other models with a committed quality file: benchmarks/quality-<name>.json
-OTHER_MODELS = ("gemma3-270m",)
+OTHER_MODELS = ("gemma3-270m", "qwen2.5-coder-1.5b")
 # (codec, what the row is called); the level is the codec's default
 ROWS = (("cachegen-ref", "LMCache's schedule"), ("cachegen", "cachegen"), ("kvtc", "kvtc"),
         ("quant8", "quant8"))

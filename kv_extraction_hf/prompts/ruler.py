@@ -36,9 +36,12 @@ from kv_extraction_hf.prompts.base import encode, fit_pieces, seeded_rng, wrap_c
 KINDS = ("single", "multikey", "multivalue")
 # RULER's depths grid: 10%..90% of the haystack
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-# generation budget: a 7-digit value is 7 tokens in digit-split tokenizers (Qwen2, Llama 3),
-# plus the closing words; three values with separators ~30
-MAX_NEW_TOKENS = {"single": 16, "multikey": 16, "multivalue": 40}
+# generation budget (a stop at EOS ends an answer sooner): a 7-digit value is 7 tokens in
+# digit-split tokenizers (Qwen2, Gemma); a model often opens with ":\n\n" or a numbered list, and
+# a multi-value answer often lists the other key's values too (Qwen2.5-Coder-1.5B stated 5-6
+# values as "1. 9451559\n2. ..." and was cut mid-value at 40 tokens), so multivalue gets RULER's
+# own budget for its needle tasks (tokens_to_generate 128)
+MAX_NEW_TOKENS = {"single": 32, "multikey": 32, "multivalue": 128}
 _ADJ = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "ivory", "jolly", "keen",
         "lunar", "mellow", "nimble", "olive", "proud", "quiet", "rusty", "silent", "tidy", "umber", "vivid",
         "windy", "young", "zesty")

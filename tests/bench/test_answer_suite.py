@@ -223,3 +223,29 @@ def test_cli_bad_input_is_one_line_exit_2(args, match):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_context_hash_names_the_generation_budget(tokenizer):
+    """A saved answer made under another generation budget is not reused: the budget is part of
+    the context's identity, beside the token ids."""
+    import dataclasses
+
+    from bench.answer_suite import context_hash
+
+    ctx = suite_context(tokenizer, "multivalue", 400, seed=0, index=0)
+    shorter = dataclasses.replace(ctx, questions=[dataclasses.replace(q, max_new_tokens=q.max_new_tokens - 1)
+                                                  for q in ctx.questions])
+    assert context_hash(ctx) == context_hash(suite_context(tokenizer, "multivalue", 400, seed=0, index=0))
+    assert context_hash(shorter) != context_hash(ctx)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_budget_holds_a_listed_answer_in_a_digit_split_tokenizer(kind):
+    """Each kind's budget holds what a model that splits digits into single tokens (Qwen2,
+    Gemma) states: a list of both keys' values in the multi-value kind (6 values, each 7 digits
+    plus a list marker and a separator, with an opening line), one value otherwise."""
+    from kv_extraction_hf.prompts.ruler import MAX_NEW_TOKENS
+
+    values = 6 if kind == "multivalue" else 1
+    opening, per_value = 3, 7 + 3            # ":\n\n"; 7 digits, "1. " / ", ", newline
+    assert MAX_NEW_TOKENS[kind] >= opening + values * per_value + 1   # + the stop
