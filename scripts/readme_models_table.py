@@ -22,6 +22,17 @@ ROWS = (("cachegen-ref", "LMCache's schedule"), ("cachegen", "cachegen"), ("kvtc
         ("quant8", "quant8"))
 
 
+def results_path(benchmarks: Path, name: str) -> Path:
+    """An other model's TTFT run (``run_benchmarks.py --model NAME --out ...``):
+    ``benchmarks/results-<name>.json``."""
+    return benchmarks / f"results-{name}.json"
+
+
+def model_markers(kind: str, name: str) -> tuple[str, str]:
+    """The markers of an other model's block of ``kind`` (``headline``, ``results``, ``quality``)."""
+    return f"<!-- {kind}-{name}-table:start -->", f"<!-- {kind}-{name}-table:end -->"
+
+
 def quality_paths(benchmarks: Path) -> list[Path]:
     """The quality files of the block, the default model's first (absent ones included)."""
     return [benchmarks / "quality.json"] + [benchmarks / f"quality-{m}.json" for m in OTHER_MODELS]

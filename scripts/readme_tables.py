@@ -73,7 +73,8 @@ from readme_table_cells import (  # noqa: E402
     fmt_ppl, quality_kl_cell, quality_rows, fmt_ratio, load_optional, load_results, summaries,
 )
 from readme_file_tables import render_quality  # noqa: E402
-from readme_models_table import MODELS_END, MODELS_START, OTHER_MODELS, quality_paths, render_models  # noqa: E402
+from readme_models_table import (MODELS_END, MODELS_START, OTHER_MODELS, model_markers, quality_paths,  # noqa: E402
+                                 render_models, results_path)
 from readme_sweep_table import SWEEP_MODELS, render_sweep, sweep_markers, sweep_path  # noqa: E402
 from readme_adapt_table import render_adaptation  # noqa: E402
 
@@ -378,9 +379,21 @@ def main(argv: list[str] | None = None) -> int:
         others = [(name, p, load_optional(p, "quality"))   # each other model's file, read once
                   for name, p in zip(OTHER_MODELS, quality_paths(res_path.parent)[1:])]
         for name, p, odoc in others:   # one block per other model, where its markers are (the repo's are)
-            start, end = f"<!-- quality-{name}-table:start -->", f"<!-- quality-{name}-table:end -->"
+            start, end = model_markers("quality", name)
             if start in new_t:
                 new_t = replace_block(new_t, render_quality(odoc, source=_rel(p)), start, end)
+        other_runs = {}   # each other model's TTFT run, where a block of it is asked for
+        for name, p, odoc in others:
+            rp = results_path(res_path.parent, name)
+            wanted = [model_markers(k, name)[0] for k in ("results", "headline")]
+            if any(m in new_t for m in wanted) or any(m in readme_path.read_text() for m in wanted):
+                other_runs[name] = (rp, load_results(rp) if rp.exists() else None, p, odoc)
+        for name, (rp, rdoc, p, odoc) in other_runs.items():
+            start, end = model_markers("results", name)
+            if start in new_t:
+                block = (render(rdoc, source=_rel(rp), quality=odoc, quality_source=_rel(p)) if rdoc is not None
+                         else f"`{_rel(rp)}`: not yet measured.\n")
+                new_t = replace_block(new_t, block, start, end)
         for name in SWEEP_MODELS:   # the context sweeps, where their markers are (the repo's are)
             start, end = sweep_markers(name)
             if start in new_t:
@@ -391,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
         new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,
                                                            quality_source=_rel(q_path)), HEADLINE_START, HEADLINE_END)
+        for name, (rp, rdoc, p, odoc) in other_runs.items():
+            start, end = model_markers("headline", name)
+            if start in new_r:
+                block = (render_headline(rdoc, odoc, tables=tables_link, source=_rel(rp), quality_source=_rel(p))
+                         if rdoc is not None else f"`{_rel(rp)}`: not yet measured.\n")
+                new_r = replace_block(new_r, block, start, end)
         mdocs = [(_rel(q_path), qdoc)] + [(_rel(p), odoc) for _, p, odoc in others]
         if MODELS_START in new_r:   # optional (README.md has it; tests/project/test_readme_tables.py)
             new_r = replace_block(new_r, render_models(mdocs), MODELS_START, MODELS_END)

@@ -533,3 +533,35 @@ def test_models_block_rows_and_a_missing_file():
     text = M.render_models([("a.json", doc), ("b.json", None)])
     assert "| m (2 layers, bfloat16) | cachegen 1 | 8.00x | 0.04 [0.03, 0.05] | 90.0% [88.0%, 92.0%] | 32 |" in text
     assert "| `b.json` | not yet measured |" in text
+
+
+def test_other_models_run_fills_its_headline_and_results_blocks(tmp_path):
+    """An other model's TTFT run (benchmarks/results-<name>.json) fills the blocks whose markers
+    are in the READMEs: its headline in the front README, its full table in the tables file;
+    without the file both say "not yet measured"."""
+    import readme_models_table as M
+
+    name = M.OTHER_MODELS[-1]
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "results.json").write_text(json.dumps(_doc()))
+    h_start, h_end = M.model_markers("headline", name)
+    r_start, r_end = M.model_markers("results", name)
+    front = tmp_path / "FRONT.md"
+    front.write_text(f"# front\n{rt.HEADLINE_START}\n{rt.HEADLINE_END}\n{h_start}\n{h_end}\n")
+    tables = tmp_path / "T.md"
+    tables.write_text(f"{rt.START}\n{rt.END}\n{_other_markers()}{r_start}\n{r_end}\n")
+    args = ("--root", str(tmp_path), "--results", str(bench / "results.json"), "--tables", str(tables),
+            "--readme", str(front))
+    assert _run(*args).returncode == 0
+    assert f"`benchmarks/results-{name}.json`: not yet measured." in front.read_text()
+    assert f"`benchmarks/results-{name}.json`: not yet measured." in tables.read_text()
+    other = _doc()
+    other["runs"] = [dict(r, ttft_s=r["ttft_s"] * 2) for r in other["runs"]]
+    (bench / f"results-{name}.json").write_text(json.dumps(other))
+    assert _run("--check", *args).returncode == 1          # the blocks are stale now
+    assert _run(*args).returncode == 0 and _run("--check", *args).returncode == 0
+    mine = front.read_text().split(h_start)[1]
+    assert f"from `benchmarks/results-{name}.json`" in mine and "| text (prefill) | 20.00 | 20.00 | - | - |" in mine
+    assert "| text (prefill) | 10.00 | 10.00 | - | - |" in front.read_text().split(h_start)[0]
+    assert "| text (prefill) | 20.00 | 20.00 |" in tables.read_text().split(r_start)[1]
