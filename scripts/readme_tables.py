@@ -76,6 +76,7 @@ from readme_file_tables import render_quality  # noqa: E402
 from readme_models_table import (MODELS_END, MODELS_START, OTHER_MODELS, model_markers, quality_paths,  # noqa: E402
                                  render_models, results_path)
 from readme_sweep_table import SWEEP_MODELS, render_sweep, sweep_markers, sweep_path  # noqa: E402
+from readme_suite_table import SUITE_MODELS, render_suite, suite_markers, suite_path  # noqa: E402
 from readme_adapt_table import render_adaptation  # noqa: E402
 
 def render(doc: dict[str, Any], source: str = "benchmarks/results.json", quality: dict[str, Any] | None = None,
@@ -382,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
             start, end = model_markers("quality", name)
             if start in new_t:
                 new_t = replace_block(new_t, render_quality(odoc, source=_rel(p)), start, end)
+        for name in SUITE_MODELS:   # the answer suites, where their markers are (the repo's are)
+            start, end = suite_markers(name)
+            if start in new_t:
+                sp = suite_path(res_path.parent, name)
+                new_t = replace_block(new_t, render_suite(load_optional(sp, "answer-suite"), source=_rel(sp)),
+                                      start, end)
         other_runs = {}   # each other model's TTFT run, where a block of it is asked for
         for name, p, odoc in others:
             rp = results_path(res_path.parent, name)

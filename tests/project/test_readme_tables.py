@@ -522,6 +522,9 @@ def test_the_repositorys_readmes_hold_the_per_model_blocks():
     for name in M.OTHER_MODELS:
         assert tables.count(f"<!-- quality-{name}-table:start -->") == 1
         assert tables.count(f"<!-- quality-{name}-table:end -->") == 1
+    import readme_suite_table as S
+    for name in S.SUITE_MODELS:
+        assert all(tables.count(m) == 1 for m in S.suite_markers(name))
 
 
 def test_models_block_rows_and_a_missing_file():
@@ -565,3 +568,29 @@ def test_other_models_run_fills_its_headline_and_results_blocks(tmp_path):
     assert f"from `benchmarks/results-{name}.json`" in mine and "| text (prefill) | 20.00 | 20.00 | - | - |" in mine
     assert "| text (prefill) | 10.00 | 10.00 | - | - |" in front.read_text().split(h_start)[0]
     assert "| text (prefill) | 20.00 | 20.00 |" in tables.read_text().split(r_start)[1]
+
+
+def test_answer_suite_block():
+    """The suite block: rows of bench.answer_suite.suite_rows rendered with k/n, Wilson CIs and
+    McNemar; per-length groups only with several lengths; a missing file is one line."""
+    import readme_suite_table as S
+    from bench.answer_suite import suite_rows
+
+    def rec(kind, length, ref, got, agrees):
+        return {"kind": kind, "length": length, "lossless": {"correct": ref},
+                "codecs": {"cachegen 1": {"correct": got, "agrees": agrees, "token_agrees": agrees}}}
+    recs = [rec("single", 1024, True, True, True)] * 8 + [rec("single", 1024, True, False, False)] * 2 \
+        + [rec("multikey", 1024, False, True, False)]
+    doc = {"command": "python -m bench.answer_suite --x", "model": {"id": "m", "dtype": "bfloat16",
+           "answer_dtype": "torch.float32"}, "config": {"kinds": ["single", "multikey"], "lengths": [1024],
+           "contexts": 5, "haystack": "offline"}, "environment": {"cpu_count": 2}, "wall_s": 600,
+           "rows": suite_rows(recs, ["cachegen 1"])}
+    out = S.render_suite(doc, "benchmarks/answer-suite-m.json")
+    assert "(answers in float32)" in out and "10 min wall" in out and "length=" not in out
+    rows = [line for line in out.splitlines() if line.startswith("| all |")]
+    assert rows[0].startswith("| all | lossless | 11 | 10/11 = 0.909 [")
+    assert rows[1].startswith("| all | cachegen 1 | 11 | 9/11 = 0.818 [") and "| 8/11 = 0.727 [" in rows[1]
+    assert rows[1].endswith("| 2 / 1, p = 1 |")
+    doc["config"]["lengths"] = [1024, 2048]
+    assert "| length=1024 | cachegen 1 | 11 |" in S.render_suite(doc, "x.json")
+    assert S.render_suite(None, "x.json").count("\n") == 1 and "Not yet measured" in S.render_suite(None, "x.json")
