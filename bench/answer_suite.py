@@ -43,7 +43,8 @@ def suite_cells(kinds: Sequence[str], lengths: Sequence[int], contexts: int) -> 
 def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tuple[str, int, int]],
               seed: int = 0, haystack=None, haystack_name: str = "offline", answer_bundle=None,
               configs: Optional[dict] = None, log: Callable[[str], None] = print,
-              done: Optional[dict] = None, on_context: Optional[Callable[[str, list], None]] = None) -> list[dict]:
+              done: Optional[dict] = None, on_context: Optional[Callable[[str, list], None]] = None,
+              saved_only: bool = False) -> list[dict]:
     """Per-question records of the suite.
 
     ``bundle``: the model whose KV is coded (engine dtype); ``answer_bundle``: the model that
@@ -77,6 +78,9 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
         if done and h in done:
             records.extend(done[h])
             log(f"  context {c + 1}/{len(cells)} ({kind}, {len(ctx.context_ids)} tokens) from the saved state")
+            continue
+        if saved_only:
+            log(f"  context {c + 1}/{len(cells)} ({kind}) not measured yet: left out")
             continue
         first = len(records)
         t = time.perf_counter()
@@ -199,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default, with --out, each finished context is saved there and a rerun of the same "
                         "model, codecs, seed and haystack reuses the contexts it has, also from a run with "
                         "fewer --contexts or --lengths)")
+    p.add_argument("--report-partial", action="store_true",
+                   help="measure nothing: write --out from the contexts a stopped run saved in <out>.partial "
+                        "(the file is marked partial, n = the questions measured; the state is kept, so the "
+                        "run can still be resumed)")
     return p
 
 
@@ -221,7 +229,7 @@ def _haystack(data_path: Optional[str]):
     return haystack_sentences(load_wikitext2(str(path))), f"WikiText-2 test ({path.name})"
 
 
-def _resume(args, bundle, answer_bundle, spec: str, cal: Optional[dict], haystack_name: str):
+def _resume(args, bundle, answer_dtype: str, spec: str, cal: Optional[dict], haystack_name: str):
     """(saved records by context hash, the callback saving each new context, the state path)
     of a run with ``--out``; (None, None, None) without one. The state is named by the model,
     answering dtype, codecs, kvtc calibration, seed and haystack (``bench.quality.checkpoint``);
@@ -234,10 +242,10 @@ def _resume(args, bundle, answer_bundle, spec: str, cal: Optional[dict], haystac
     if not args.out:
         return None, None, None
     state = partial_path(Path(args.out))
-    if args.no_resume:
+    if args.no_resume and not args.report_partial:
         state.unlink(missing_ok=True)
     key = run_key({"suite": "answer_suite", "model": bundle.info.weights_hash,
-                   "answer_dtype": str(next(answer_bundle.model.parameters()).dtype),
+                   "answer_dtype": answer_dtype,
                    "codecs": [] if args.lossless_only else spec, "kvtc_calibration": (cal or {}).get("hash"),
                    "seed": args.seed, "haystack": haystack_name})
     try:
@@ -288,10 +296,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as exc:
             raise ExtractionError(f"--codecs: {exc}") from None
         haystack, hname = _haystack(args.data_path)
+        if args.report_partial and not args.out:
+            raise ExtractionError("--report-partial reads <out>.partial: give --out")
         bundle = load_model(args.model, log=lambda m: print(m, file=sys.stderr))
         ab = bundle
-        if args.answer_dtype == "float32" and bundle.info.dtype != "float32":
+        if args.answer_dtype == "float32" and bundle.info.dtype != "float32" and not args.report_partial:
             ab = load_model(args.model, dtype="float32", log=lambda m: None)
+        answer_dtype = "torch.float32" if args.answer_dtype == "float32" else str(next(bundle.model.parameters()).dtype)
         configs, cal = {}, None
         if any(n == "kvtc" for n, _ in pairs):
             from codec.kvtc import KvtcConfig
@@ -301,10 +312,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cells = suite_cells(kinds, lengths, contexts)
         print(f"answer suite: {len(cells)} contexts ({', '.join(kinds)} x {lengths} x {contexts}), "
               f"{len(pairs)} codec/levels, haystack {hname}; model {bundle.info.model_id}")
-        done, on_context, state = _resume(args, bundle, ab, spec, cal, hname)
+        done, on_context, state = _resume(args, bundle, answer_dtype, spec, cal, hname)
+        if args.report_partial and not done:
+            raise ExtractionError(f"--report-partial: no saved contexts of these settings in {state}")
         t0 = time.perf_counter()
         records = run_suite(bundle, pairs, cells, args.seed, haystack, hname, ab, configs,
-                            log=lambda m: print(m, flush=True), done=done, on_context=on_context)
+                            log=lambda m: print(m, flush=True), done=done,
+                            on_context=None if args.report_partial else on_context, saved_only=args.report_partial)
         wall = time.perf_counter() - t0
         labels = [codec_label(n, lv) for n, lv in pairs]
         rows = suite_rows(records, labels)
@@ -312,14 +326,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_rows(rows)
         ctx_tokens = {(r["kind"], r["length"], r["index"]): r["context_tokens"] for r in records}
         per_1k = (sum(r["prefill_s"] for r in records) / sum(ctx_tokens.values()) * 1000) if records else math.nan
-        print(f"\n{len(records)} questions from {len(cells)} contexts in {wall:.0f} s "
+        measured = len({(r["kind"], r["length"], r["index"]) for r in records})
+        print(f"\n{len(records)} questions from {measured} of {len(cells)} contexts in {wall:.0f} s "
               f"(prefill ~{per_1k:.2f} s per 1K tokens, bundle dtype {bundle.info.dtype})")
         if args.out:
             atomic_write_json(args.out, {
                 "kind": "answer_suite",
                 "command": " ".join(["python -m bench.answer_suite"] + list(argv or sys.argv[1:])),
+                **({"partial": {"contexts_measured": measured, "contexts": len(cells),
+                                "state": str(state)}} if args.report_partial else {}),
                 "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
-                          "dtype": bundle.info.dtype, "answer_dtype": str(next(ab.model.parameters()).dtype)},
+                          "dtype": bundle.info.dtype, "answer_dtype": answer_dtype},
                 "environment": environment(), "config": {
                     "kinds": kinds, "lengths": lengths, "contexts": contexts, "seed": args.seed, "codecs": spec,
                     "haystack": hname, "kvtc_calibration": cal, "ci": "Wilson 95%",
@@ -329,7 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "scorer": "evaluation.metrics.answer.all_values_match (RULER string_match_all)"},
                 "rows": rows, "records": records, "wall_s": wall})
             print(f"wrote {args.out}")
-            if state is not None:
+            if state is not None and not args.report_partial:
                 state.unlink(missing_ok=True)     # every record is in --out now
 
     return run_cli(run)

@@ -140,10 +140,9 @@ def test_suite_rows_known_counts():
 
 # ----------------------------------------------------------------------------- runner on a tiny Qwen2
 @pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory, tokenizer):
+def tiny_qwen2_dir(tmp_path_factory, tokenizer):
+    """A tiny random Qwen2 (2 KV heads, rope 1e6) saved as an HF folder."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from kv_extraction_hf import model as model_mod
 
     cfg = Qwen2Config(vocab_size=49152, hidden_size=512, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -152,7 +151,14 @@ def tiny_qwen2(tmp_path_factory, tokenizer):
     d = tmp_path_factory.mktemp("suite") / "tiny-qwen2"
     Qwen2ForCausalLM(cfg).save_pretrained(d)
     tokenizer.save_pretrained(d)
-    return model_mod.load_model(str(d), log=lambda m: None)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_qwen2_dir):
+    from kv_extraction_hf import model as model_mod
+
+    return model_mod.load_model(str(tiny_qwen2_dir), log=lambda m: None)
 
 
 def test_run_suite_lossless_raw_agrees_token_for_token(tiny_qwen2):
@@ -249,3 +255,40 @@ def test_budget_holds_a_listed_answer_in_a_digit_split_tokenizer(kind):
     values = 6 if kind == "multivalue" else 1
     opening, per_value = 3, 7 + 3            # ":\n\n"; 7 digits, "1. " / ", ", newline
     assert MAX_NEW_TOKENS[kind] >= opening + values * per_value + 1   # + the stop
+
+
+def test_report_partial_writes_the_saved_contexts_and_keeps_the_state(tiny_qwen2_dir, tmp_path, monkeypatch, capsys):
+    """A run stopped after its contexts were saved: --report-partial writes --out from the saved
+    contexts only (marked partial, n = the questions measured), measures nothing and keeps the
+    state; without --out, or without saved contexts of these settings, one line and exit 2."""
+    import json
+
+    import bench.answer_suite as AS
+
+    out = tmp_path / "suite.json"
+    base = ["--model", str(tiny_qwen2_dir), "--lengths", "400", "--contexts", "1", "--codecs", "kivi2",
+            "--answer-dtype", "model", "--out", str(out)]
+
+    def stop(*a, **k):
+        raise RuntimeError("stopped after the contexts were saved")
+    monkeypatch.setattr(AS, "print_rows", stop)
+    with pytest.raises(RuntimeError):
+        AS.main(base + ["--kinds", "single"])
+    monkeypatch.undo()
+    state = out.with_name(out.name + ".partial")
+    assert state.exists() and not out.exists()
+
+    def no_measuring(*a, **k):
+        raise AssertionError("--report-partial measured a context")
+    monkeypatch.setattr("kv_extraction_hf.extract.prefill_kv", no_measuring)
+    assert AS.main(base + ["--kinds", "single,multikey", "--report-partial"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["partial"]["contexts_measured"] == 1 and doc["partial"]["contexts"] == 2
+    assert state.exists() and len(doc["records"]) == 1 and {r["kind"] for r in doc["records"]} == {"single"}
+    rows = {(r["group"], r["codec"]): r for r in doc["rows"]}
+    assert rows[("all", "lossless")]["n"] == 1 and rows[("all", "kivi2")]["n"] == 1
+    capsys.readouterr()
+    assert AS.main(base[:-2] + ["--report-partial"]) == 2
+    assert AS.main(base[:-1] + [str(tmp_path / "other.json"), "--report-partial"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "give --out" in err[0] and "no saved contexts" in err[-1] and "Traceback" not in "\n".join(err)

@@ -594,3 +594,6 @@ def test_answer_suite_block():
     doc["config"]["lengths"] = [1024, 2048]
     assert "| length=1024 | cachegen 1 | 11 |" in S.render_suite(doc, "x.json")
     assert S.render_suite(None, "x.json").count("\n") == 1 and "Not yet measured" in S.render_suite(None, "x.json")
+    doc["partial"] = {"contexts_measured": 3, "contexts": 10}
+    assert S.render_suite(doc, "x.json").startswith("**PARTIAL**: 3 of 10 contexts measured")
+    assert "min wall" not in S.render_suite(doc, "x.json")
