@@ -329,6 +329,18 @@ def replace_block(readme: str, block: str, start: str = START, end: str = END) -
     return f"{head}{start}\n{block}{end}{tail}"
 
 
+def _fill_blocks(text: str, names, markers_of, path_of, render_fn, what: str, rel) -> str:
+    """``text`` with each of ``names``' blocks (``markers_of(name)``), where its markers are,
+    rendered by ``render_fn(doc or None, source=...)`` from the file ``path_of(name)`` (a
+    missing file gives the renderer's "not yet measured")."""
+    for name in names:
+        start, end = markers_of(name)
+        if start in text:
+            p = path_of(name)
+            text = replace_block(text, render_fn(load_optional(p, what), source=rel(p)), start, end)
+    return text
+
+
 def _rel_to(path: Path, root: Path = ROOT) -> str:
     try:
         return os.path.relpath(Path(path).resolve(), Path(root).resolve())
@@ -383,12 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             start, end = model_markers("quality", name)
             if start in new_t:
                 new_t = replace_block(new_t, render_quality(odoc, source=_rel(p)), start, end)
-        for name in SUITE_MODELS:   # the answer suites, where their markers are (the repo's are)
-            start, end = suite_markers(name)
-            if start in new_t:
-                sp = suite_path(res_path.parent, name)
-                new_t = replace_block(new_t, render_suite(load_optional(sp, "answer-suite"), source=_rel(sp)),
-                                      start, end)
+        new_t = _fill_blocks(new_t, SUITE_MODELS, suite_markers, lambda n: suite_path(res_path.parent, n),
+                             render_suite, "answer-suite", _rel)   # the answer suites
         other_runs = {}   # each other model's TTFT run, where a block of it is asked for
         for name, p, odoc in others:
             rp = results_path(res_path.parent, name)
@@ -401,12 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                 block = (render(rdoc, source=_rel(rp), quality=odoc, quality_source=_rel(p)) if rdoc is not None
                          else f"`{_rel(rp)}`: not yet measured.\n")
                 new_t = replace_block(new_t, block, start, end)
-        for name in SWEEP_MODELS:   # the context sweeps, where their markers are (the repo's are)
-            start, end = sweep_markers(name)
-            if start in new_t:
-                sp = sweep_path(res_path.parent, name)
-                new_t = replace_block(new_t, render_sweep(load_optional(sp, "context-sweep"), source=_rel(sp)),
-                                      start, end)
+        new_t = _fill_blocks(new_t, SWEEP_MODELS, sweep_markers, lambda n: sweep_path(res_path.parent, n),
+                             render_sweep, "context-sweep", _rel)   # the context sweeps
         old_r = readme_path.read_text()
         tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
         new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,
