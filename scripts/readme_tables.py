@@ -397,11 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                 new_t = replace_block(new_t, render_quality(odoc, source=_rel(p)), start, end)
         new_t = _fill_blocks(new_t, SUITE_MODELS, suite_markers, lambda n: suite_path(res_path.parent, n),
                              render_suite, "answer-suite", _rel)   # the answer suites
+        old_r = readme_path.read_text()
         other_runs = {}   # each other model's TTFT run, where a block of it is asked for
         for name, p, odoc in others:
             rp = results_path(res_path.parent, name)
             wanted = [model_markers(k, name)[0] for k in ("results", "headline")]
-            if any(m in new_t for m in wanted) or any(m in readme_path.read_text() for m in wanted):
+            if any(m in new_t or m in old_r for m in wanted):
                 other_runs[name] = (rp, load_results(rp) if rp.exists() else None, p, odoc)
         for name, (rp, rdoc, p, odoc) in other_runs.items():
             start, end = model_markers("results", name)
@@ -411,7 +412,6 @@ def main(argv: list[str] | None = None) -> int:
                 new_t = replace_block(new_t, block, start, end)
         new_t = _fill_blocks(new_t, SWEEP_MODELS, sweep_markers, lambda n: sweep_path(res_path.parent, n),
                              render_sweep, "context-sweep", _rel)   # the context sweeps
-        old_r = readme_path.read_text()
         tables_link = os.path.relpath(tables_path.resolve(), readme_path.resolve().parent)
         new_r = replace_block(old_r, render_headline(doc, qdoc, tables=tables_link, source=source,
                                                            quality_source=_rel(q_path)), HEADLINE_START, HEADLINE_END)
