@@ -326,7 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_rows(rows)
         ctx_tokens = {(r["kind"], r["length"], r["index"]): r["context_tokens"] for r in records}
         per_1k = (sum(r["prefill_s"] for r in records) / sum(ctx_tokens.values()) * 1000) if records else math.nan
-        measured = len({(r["kind"], r["length"], r["index"]) for r in records})
+        measured = len(ctx_tokens)   # contexts with records (all of them unless --report-partial)
         print(f"\n{len(records)} questions from {measured} of {len(cells)} contexts in {wall:.0f} s "
               f"(prefill ~{per_1k:.2f} s per 1K tokens, bundle dtype {bundle.info.dtype})")
         if args.out:
