@@ -34,22 +34,31 @@ def _rows(docs: Sequence[dict]) -> list[dict]:
     return out
 
 
-def fig_goodput_vs_rate(docs: Sequence[dict]):
-    """Goodput (req/s) vs offered rate (req/s) per mode, from serve-load result dicts
-    (each with ``rows``: ``mode``, ``rate_rps``, ``goodput_rps``, optional
-    ``throughput_rps``, ``n``, ``slo_s``, ``load_avg_before`` / ``load_avg_after``). A
-    (mode, rate) measured in several files is drawn as each point, the line through their
-    mean. Raises SkipFigure when no row has a mode, rate and goodput."""
-    rows = _rows(docs)
-    if not rows:
-        raise SkipFigure("the serve-load files have no rows with mode, rate_rps and goodput_rps")
-    modes = sorted({r["mode"] for r in rows}, key=lambda m: (SERVE_MODES.index(m) if m in SERVE_MODES else 99, m))
-    colors = label_colors(modes)
-    fig = new_figure(6.4, 4.6)
-    ax = fig.subplots()
+WORKLOAD_KEYS = ("context_tokens", "new_context_tokens", "reused_fraction", "contexts", "slo_s",
+                 "bandwidth_mbps", "chunk_tokens")   # what makes two files' rows one experiment
+
+
+def workload(doc: dict) -> tuple:
+    """The workload of a serve-load file: its model and the ``WORKLOAD_KEYS`` of its
+    config (rates, modes and request counts may differ between files of one workload)."""
+    cfg = doc.get("config") or {}
+    model = (doc.get("model") or {}).get("model_id", "?")
+    return (model,) + tuple(repr(cfg.get(k)) for k in WORKLOAD_KEYS)
+
+
+def _workload_label(doc: dict) -> str:
+    cfg = doc.get("config") or {}
+    new = cfg.get("new_context_tokens") or [cfg.get("context_tokens", "?")]
+    reused = cfg.get("reused_fraction")
+    share = f"{reused:.0%} " if isinstance(reused, (int, float)) else ""
+    return (f"{share}reused {cfg.get('context_tokens', '?')}-token contexts, new "
+            f"{'/'.join(str(x) for x in new)} tokens")
+
+
+def _panel(ax, rows: list[dict], modes: list[str], colors: dict) -> None:
     rates = sorted({float(r["rate_rps"]) for r in rows})
     ax.plot(rates, rates, color="grey", linestyle="--", linewidth=1, label="offered (all within SLO)")
-    for m in modes:
+    for m in [m for m in modes if any(r["mode"] == m for r in rows)]:
         mine = [r for r in rows if r["mode"] == m]
         xs = sorted({float(r["rate_rps"]) for r in mine})
         good = [np.mean([r["goodput_rps"] for r in mine if float(r["rate_rps"]) == x]) for x in xs]
@@ -68,19 +77,44 @@ def fig_goodput_vs_rate(docs: Sequence[dict]):
     ax.set_ylabel("req/s")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
+
+
+def fig_goodput_vs_rate(docs: Sequence[dict]):
+    """Goodput (req/s) vs offered rate (req/s) per mode, from serve-load result dicts
+    (each with ``rows``: ``mode``, ``rate_rps``, ``goodput_rps``, optional
+    ``throughput_rps``, ``n``, ``slo_s``, ``load_avg_before`` / ``load_avg_after``; and
+    ``config`` / ``model``, which name the workload). One panel per workload (``workload``:
+    files of different context sizes or SLOs are different experiments and never share a
+    line); inside a panel a (mode, rate) measured in several files is drawn as each point,
+    the line through their mean. Raises SkipFigure when no row has a mode, rate and goodput."""
+    groups: dict[tuple, list[dict]] = {}
+    for doc in docs:
+        if _rows([doc]):
+            groups.setdefault(workload(doc), []).append(doc)
+    if not groups:
+        raise SkipFigure("the serve-load files have no rows with mode, rate_rps and goodput_rps")
+    rows = _rows(docs)
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: (SERVE_MODES.index(m) if m in SERVE_MODES else 99, m))
+    colors = label_colors(modes)
+    fig = new_figure(6.4 * len(groups), 4.8)
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    for ax, group in zip(axes, groups.values()):
+        mine = _rows(group)
+        _panel(ax, mine, modes, colors)
+        ns = sorted({int(r["n"]) for r in mine if isinstance(r.get("n"), int)})
+        loads = [x for r in mine for k in ("load_avg_before", "load_avg_after")
+                 if isinstance(r.get(k), list) and r[k] for x in r[k][:1]]
+        note = f"n = {'/'.join(map(str, ns)) or '?'} requests per point, one run each"
+        if loads:
+            note += f"; load {min(loads):.1f}-{max(loads):.1f}"
+        ax.set_title(f"{_workload_label(group[0])}\n{note}", fontsize=8)
     slos = sorted({float(r["slo_s"]) for r in rows if isinstance(r.get("slo_s"), (int, float))})
-    ns = sorted({int(r["n"]) for r in rows if isinstance(r.get("n"), int)})
-    loads = [x for r in rows for k in ("load_avg_before", "load_avg_after")
-             if isinstance(r.get(k), list) and r[k] for x in r[k][:1]]
-    cfg = (docs[0].get("config") or {}) if docs else {}
-    model = (docs[0].get("model") or {}).get("model_id", "?") if docs else "?"
+    models = sorted({(d.get("model") or {}).get("model_id", "?") for d in docs})
     slo = "/".join(f"{s:g}" for s in slos) or "?"
-    bw = cfg.get("bandwidth_mbps")
-    note = f"n = {'/'.join(map(str, ns)) or '?'} requests per point, one run each"
-    if loads:
-        note += f"; 1-min load average {min(loads):.1f}-{max(loads):.1f} during the runs (shared machine)"
-    fig.suptitle(f"Goodput at a {slo} s TTFT SLO vs offered rate: {model}, "
-                 f"{f'{bw:g}' if isinstance(bw, (int, float)) else '?'} Mbit/s link\n{note}", fontsize=9)
+    bws = sorted({(d.get("config") or {}).get("bandwidth_mbps") for d in docs} - {None}, key=float)
+    bw = "/".join(f"{b:g}" for b in bws) or "?"
+    fig.suptitle(f"Goodput at a {slo} s TTFT SLO vs offered rate: {', '.join(models)}, {bw} Mbit/s link "
+                 f"(1-min load average of the shared 2-core machine per panel)", fontsize=9)
     return fig
 
 

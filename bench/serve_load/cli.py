@@ -72,7 +72,10 @@ TAIL_CHECK_DEFINITION = (
     "is below 90% of the offered rate (none: above every rate measured, and the target below is half "
     "the highest rate); the check is p99 TTFT <= 2 x p50 TTFT at the measured rate nearest half the "
     "saturation rate (bench.serve_load.stats.tail_check). by_throughput: the same with the saturation "
-    "where throughput (completed requests/s) falls below 90% of the offered rate")
+    "where throughput (completed requests/s) falls below 90% of the offered rate. reused, "
+    "reused_by_throughput: the same two checks on the reused requests' TTFTs alone (the mode's "
+    "saturation rate; on a mix of reused and new contexts the p99 of all requests is a new "
+    "context's prefill and the p50 a reused load, so the all-requests check measures the mix)")
 MAX_CONTEXT_TOKENS = 7680  # the server's max model length (8192) less the question and template
 QUICK = {"rates": [1.0], "num_requests": 4, "contexts": 4, "context_tokens": 512}
 
@@ -355,6 +358,20 @@ def merge_adaptive_entries(store, saves: list[dict], n_reused: int) -> list[dict
     return out
 
 
+# key in the result's tail_check -> (saturation basis, kind of request whose TTFTs are checked)
+TAIL_CHECKS = {"modes": ("goodput_rps", None), "by_throughput": ("throughput_rps", None),
+               "reused": ("goodput_rps", "reused"), "reused_by_throughput": ("throughput_rps", "reused")}
+
+
+def tail_checks(rows: list[dict], modes: list[str]) -> dict[str, Any]:
+    """The result file's ``tail_check``: its definition and, per ``TAIL_CHECKS`` key, each
+    mode's stats.tail_check (text has no reused loads but its reused requests are checked
+    the same way: they are the same prompts)."""
+    return {"definition": TAIL_CHECK_DEFINITION, **{
+        key: {m: tail_check([r for r in rows if r["mode"] == m], basis=basis, kind=kind) for m in modes}
+        for key, (basis, kind) in TAIL_CHECKS.items()}}
+
+
 def print_tail_checks(checks: dict[str, dict]) -> None:
     """One line per mode: the tail check (stats.tail_check)."""
     def f(x):
@@ -363,7 +380,8 @@ def print_tail_checks(checks: dict[str, dict]) -> None:
         sat = f"{c['saturation_rps']:g} req/s" if c["saturated"] else "not reached (above every rate)"
         verdict = "no TTFTs" if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
         basis = "goodput" if c["basis"] == "goodput_rps" else "throughput"
-        print(f"tail check {mode} ({basis} saturation): {sat}; at {c['rate_rps']:g} req/s (target {c['target_rps']:g}) "
+        who = "" if c.get("kind", "all") == "all" else f", {c['kind']} requests"
+        print(f"tail check {mode} ({basis} saturation{who}): {sat}; at {c['rate_rps']:g} req/s (target {c['target_rps']:g}) "
               f"p99/p50 = {f(c['p99_s'])}/{f(c['p50_s'])} = {f(c['ratio'])} (<= {c['max_ratio']:g}: {verdict})")
 
 
@@ -496,11 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     doc["wall_s"] = time.perf_counter() - t0
     print_table(doc["rows"], cfg["slo_s"])
     measured = [m for m in cfg["modes"] if any(r["mode"] == m for r in doc["rows"])]
-    doc["tail_check"] = {"definition": TAIL_CHECK_DEFINITION, **{
-        key: {m: tail_check([r for r in doc["rows"] if r["mode"] == m], basis=basis) for m in measured}
-        for key, basis in (("modes", "goodput_rps"), ("by_throughput", "throughput_rps"))}}
-    print_tail_checks(doc["tail_check"]["modes"])
-    print_tail_checks(doc["tail_check"]["by_throughput"])
+    doc["tail_check"] = tail_checks(doc["rows"], measured)
+    for key in TAIL_CHECKS:
+        print_tail_checks(doc["tail_check"][key])
     atomic_write_json(a.out, doc)
     print(f"wrote {a.out} ({len(doc['rows'])} runs; load average {doc['load_avg_before'][0]:.2f} before, "
           f"{doc['load_avg_after'][0]:.2f} after; 2-core machine shared with other jobs: timings are noisy)")

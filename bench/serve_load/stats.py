@@ -78,7 +78,8 @@ def saturation_rate(rows: Sequence[dict], fraction: float = SATURATION_FRACTION,
 
 
 def tail_check(rows: Sequence[dict], fraction: float = SATURATION_FRACTION,
-               max_ratio: float = TAIL_RATIO_MAX, basis: str = "goodput_rps") -> dict[str, Any]:
+               max_ratio: float = TAIL_RATIO_MAX, basis: str = "goodput_rps",
+               kind: str | None = None) -> dict[str, Any]:
     """The tail-latency check of one mode: p99 TTFT <= ``max_ratio`` x p50 TTFT at half the
     mode's saturation rate.
 
@@ -91,15 +92,23 @@ def tail_check(rows: Sequence[dict], fraction: float = SATURATION_FRACTION,
     highest rate measured (``saturated`` False: the true target is higher). The check uses
     the measured rate nearest the target (the lower one on a tie). Returns {saturation_rps
     (None: not reached), saturated, target_rps, rate_rps, p50_s, p99_s, ratio (p99 / p50;
-    None without TTFTs), max_ratio, passed (ratio <= max_ratio; None without a ratio)}.
-    Raises ValueError for an empty list."""
+    None without TTFTs), max_ratio, passed (ratio <= max_ratio; None without a ratio), kind}.
+    ``kind`` "reused" or "new" takes p50 and p99 of that kind of request only (the row's
+    ``reused`` / ``new`` summary; the saturation stays the mode's): on a mix of reused contexts
+    (a KV load, well under a second) and new ones (a prefill of seconds) the p99 of all
+    requests is a new context's and the p50 a reused one's whenever more than 1% are new, so
+    the check of all requests measures the mix; the check of one kind measures queueing.
+    Raises ValueError for an empty list or an unknown kind."""
+    if kind not in (None, "reused", "new"):
+        raise ValueError(f"kind must be None, 'reused' or 'new', not {kind!r}")
     sat = saturation_rate(rows, fraction, basis)
     rates = sorted({float(r["rate_rps"]) for r in rows})
     target = (sat if sat is not None else rates[-1]) / 2
     rate = min(rates, key=lambda x: (round(abs(x - target), 9), x))   # a tie (to 1e-9 req/s): the lower
     row = next(r for r in rows if float(r["rate_rps"]) == rate)
-    p50, p99 = row["ttft_s"].get("p50"), row["ttft_s"].get("p99")
+    ttft = row["ttft_s"] if kind is None else (row.get(kind) or {}).get("ttft_s", {})
+    p50, p99 = ttft.get("p50"), ttft.get("p99")
     ratio = p99 / p50 if p50 and p99 is not None else None
     return {"basis": basis, "saturation_rps": sat, "saturated": sat is not None, "target_rps": target, "rate_rps": rate,
             "p50_s": p50, "p99_s": p99, "ratio": ratio, "max_ratio": max_ratio,
-            "passed": None if ratio is None else ratio <= max_ratio}
+            "passed": None if ratio is None else ratio <= max_ratio, "kind": kind or "all"}

@@ -286,6 +286,28 @@ def test_tail_check_on_fixed_numbers():
     assert c5["ratio"] == pytest.approx(4.5) and c5["passed"] is False
 
 
+def test_tail_check_of_one_kind_of_request():
+    """On a mix of fast reused loads and slow new prefills the check of all requests
+    fails by the mix; the check of the reused ones alone measures their queueing."""
+    rows = [_row("cachegen", r, g, p50, p99) for r, g, p50, p99 in
+            ((0.25, 0.15, 0.9, 4.7), (0.5, 0.28, 1.4, 5.5), (1.0, 0.0, 4.9, 7.9))]
+    for r, (rp50, rp99) in zip(rows, ((0.5, 0.9), (0.6, 3.7), (4.6, 7.9))):
+        r["reused"] = {"n": 10, "ttft_s": {"p50": rp50, "p90": rp99, "p99": rp99}}
+    rows[0]["new"] = {"n": 10, "ttft_s": {"p50": None, "p99": None}}
+    everything = tail_check(rows, basis="throughput_rps")
+    reused = tail_check(rows, basis="throughput_rps", kind="reused")
+    assert everything["kind"] == "all" and reused["kind"] == "reused"
+    assert everything["rate_rps"] == reused["rate_rps"] == 0.5     # the mode's saturation either way
+    assert everything["ratio"] == pytest.approx(5.5 / 1.4) and everything["passed"] is False
+    assert reused["ratio"] == pytest.approx(3.7 / 0.6) and reused["passed"] is False
+    low = tail_check(rows, kind="reused")                             # goodput basis: 0.25 saturates
+    assert low["rate_rps"] == 0.25 and low["ratio"] == pytest.approx(1.8) and low["passed"] is True
+    new = tail_check(rows, kind="new")                                # a kind without TTFTs: no verdict
+    assert new["ratio"] is None and new["passed"] is None
+    with pytest.raises(ValueError, match="kind"):
+        tail_check(rows, kind="old")
+
+
 def test_goodput_figure_from_a_synthetic_result(tmp_path):
     import matplotlib
 
@@ -297,8 +319,10 @@ def test_goodput_figure_from_a_synthetic_result(tmp_path):
     doc = {"config": {"bandwidth_mbps": 1000.0}, "model": {"model_id": "M"},
            "rows": [_row("text", 0.25, 0.0, 4, 9), _row("cachegen", 0.25, 0.1, 1, 3),
                     _row("text", 0.5, 0.0, 9, 20), _row("cachegen", 0.5, 0.07, 4, 8)]}
-    other = {"rows": [_row("cachegen", 0.5, 0.09, 3, 8), _row("adaptive", 0.1, 0.05, 1, 2), {"mode": "x"}]}
+    other = {"config": {"bandwidth_mbps": 1000.0}, "model": {"model_id": "M"},
+             "rows": [_row("cachegen", 0.5, 0.09, 3, 8), _row("adaptive", 0.1, 0.05, 1, 2), {"mode": "x"}]}
     fig = fig_goodput_vs_rate([doc, other])
+    assert len(fig.axes) == 1          # one workload: one panel
     ax = fig.axes[0]
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
     assert list(lines["offered (all within SLO)"].get_xdata()) == [0.1, 0.25, 0.5]
@@ -307,7 +331,14 @@ def test_goodput_figure_from_a_synthetic_result(tmp_path):
     assert list(lines["text goodput"].get_ydata()) == [0.0, 0.0]
     assert list(lines["cachegen throughput"].get_ydata()) == pytest.approx([0.25, 0.5])
     assert "adaptive goodput" in lines and "2 s TTFT SLO" in fig._suptitle.get_text()
-    assert "load average 3.0-5.0" in fig._suptitle.get_text()
+    assert "load 3.0-5.0" in ax.get_title()
+    # another workload (longer contexts) is another panel: its rows never join this line
+    longer = {"config": {"bandwidth_mbps": 1000.0, "context_tokens": 4096}, "model": {"model_id": "M"},
+              "rows": [_row("cachegen", 0.5, 0.3, 1, 2)]}
+    fig2 = fig_goodput_vs_rate([doc, other, longer])
+    assert len(fig2.axes) == 2 and "4096-token" in fig2.axes[1].get_title()
+    lines2 = {ln.get_label(): ln for ln in fig2.axes[0].get_lines()}
+    assert list(lines2["cachegen goodput"].get_ydata()) == pytest.approx([0.1, 0.08])
     (tmp_path / "a.json").write_text(json.dumps(doc))
     written = render_serve_load([tmp_path / "a.json"], tmp_path, ["png", "svg"])
     assert [p.name for p in written] == ["goodput_vs_rate.png", "goodput_vs_rate.svg"]
