@@ -18,19 +18,23 @@ import numpy as np
 from visualize.data import SkipFigure, label_colors, new_figure, save_formats
 from visualize.loading import ResultsError, read_json_doc
 
-SERVE_MODES = ("text", "cachegen", "kvtc", "adaptive")
+SERVE_MODES = ("text", "cachegen", "kvtc", "adaptive (idle prefill)", "adaptive (tail prefill)")
 DEFAULT_SERVE_LOAD_GLOB = "serve_load*.json"   # in the benchmarks folder
 
 
 def _rows(docs: Sequence[dict]) -> list[dict]:
-    """Every row of every file with a mode, a positive offered rate and a goodput."""
+    """Every row of every file with a mode, a positive offered rate and a goodput. An
+    adaptive row's mode names the prefill speed its policy was given (the file's
+    ``config.adaptive_prefill``; a file without it measured the idle, from-scratch speed), so
+    runs of two policies never share a line."""
     out = []
     for doc in docs:
+        prefill = (doc.get("config") or {}).get("adaptive_prefill") or "idle"
         for r in doc.get("rows") or []:
             if isinstance(r, dict) and isinstance(r.get("mode"), str) and \
                     isinstance(r.get("rate_rps"), (int, float)) and r["rate_rps"] > 0 and \
                     isinstance(r.get("goodput_rps"), (int, float)):
-                out.append(r)
+                out.append(r if r["mode"] != "adaptive" else {**r, "mode": f"adaptive ({prefill} prefill)"})
     return out
 
 

@@ -24,8 +24,10 @@ output tokens) at that rate. Modes are per-request ``kv_transfer_params`` on one
               pre-fill saves each level, bench.serve_load.level_merge joins them into one
               entry); the connector's adaptive policy (streaming.adapt, a ``policy`` in
               kv_transfer_params: --policy-preset, the SLO, the engine's measured prefill
-              speed and the link rate as the first throughput estimate) picks a level or
-              text per chunk from the throughput it measures on the shared link
+              speed (--adaptive-prefill: by default of a reused context's tail behind its
+              loaded prefix, where text fallback pays it) and the link rate as the first
+              throughput estimate) picks a level or text per chunk from the throughput it
+              measures on the shared link
 Reported per (mode, rate): n, TTFT p50/p90/p99 (all requests, and reused / new apart),
 throughput, goodput at ``--slo``, the connector's loads and misses (``chunk_levels``: the
 level or text the policy chose per chunk), and the load average before and after; per mode
@@ -76,6 +78,9 @@ TAIL_CHECK_DEFINITION = (
     "reused_by_throughput: the same two checks on the reused requests' TTFTs alone (the mode's "
     "saturation rate; on a mix of reused and new contexts the p99 of all requests is a new "
     "context's prefill and the p50 a reused load, so the all-requests check measures the mix)")
+# the adaptive policy's prefill speed: where it is measured (measure_prefill_speed, measure_tail_prefill_speed)
+ADAPTIVE_PREFILL = ("tail", "idle")
+TAIL_FRACTION = 4      # the tail measured: the last 1/TAIL_FRACTION of a reused context, whole chunks
 MAX_CONTEXT_TOKENS = 7680  # the server's max model length (8192) less the question and template
 QUICK = {"rates": [1.0], "num_requests": 4, "contexts": 4, "context_tokens": 512}
 
@@ -123,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy-preset", default=DEFAULT_PRESET, choices=list(POLICY_PRESETS),
                     help="the adaptive mode's policy parameters, a streaming.adapt.params preset "
                          "(default %(default)s)")
+    ap.add_argument("--adaptive-prefill", default="tail", choices=list(ADAPTIVE_PREFILL),
+                    help="the prefill speed the adaptive policy is given (the cost of its text "
+                         "fallback): tail = measured on a reused context's last quarter behind "
+                         "its loaded prefix, idle = a new prompt prefilled from scratch "
+                         "(default %(default)s)")
     flags.add_bandwidth(ap, default=1000.0, help="the store's link rate, Mbit/s (default %(default)s)")
     flags.add_link_method(ap)
     ap.add_argument("--task", default="auto",
@@ -151,7 +161,8 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
            "slo_s": a.slo, "bandwidth_mbps": a.bandwidth_mbps, "link_method": a.link_method,
            "task": a.task, "data_path": a.data_path, "chunk_tokens": a.chunk_tokens,
            "kv_cache_gib": a.kv_cache_gib, "seed": a.seed, "quick": a.quick,
-           "adaptive_levels": a.adaptive_levels, "policy_preset": a.policy_preset}
+           "adaptive_levels": a.adaptive_levels, "policy_preset": a.policy_preset,
+           "adaptive_prefill": a.adaptive_prefill}
     if a.quick:
         cfg.update(QUICK)
     if any(not (math.isfinite(r) and r > 0) for r in cfg["rates"]):
@@ -328,6 +339,54 @@ def measure_prefill_speed(srv: VllmServer, tokenizer, served: str, prompt, promp
     return {"prompt_tokens": prompt_tokens, "seconds": times, "tokens_per_s": prompt_tokens / min(times)}
 
 
+def tail_tokens(context_tokens: int, chunk_tokens: int) -> int:
+    """The tail measure_tail_prefill_speed leaves to prefill: the context's last
+    ``max(1, chunks // TAIL_FRACTION)`` chunks of ``chunk_tokens`` (the last one may be
+    partial), as the adaptive policy's text fallback leaves them; never the whole context
+    (0 when the context has one chunk or less: nothing to measure)."""
+    chunks = -(-context_tokens // chunk_tokens)
+    if chunks < 2:
+        return 0
+    return context_tokens - (chunks - min(chunks - 1, max(1, chunks // TAIL_FRACTION))) * chunk_tokens
+
+
+def measure_tail_prefill_speed(srv: VllmServer, tokenizer, served: str, prompt, context_tokens: int,
+                               chunk_tokens: int, repeats: int = 3, send=None) -> dict[str, Any]:
+    """The prefill speed the adaptive policy's text fallback really gets, tokens/s: on a
+    reused context (its cachegen entry in the store), the fastest of ``repeats`` 1-token
+    requests that load the whole context minus the fastest of ``repeats`` that load all but
+    the last :func:`tail_tokens` (kv_transfer_params ``load_tokens``), over those tail tokens.
+    The policy falls back to text for the last chunks of a context, after a loaded prefix;
+    on vLLM CPU those tokens cost more per token than a new prompt's prefill from scratch
+    (measured: ~190 tokens/s behind a 3.3K prefix vs 540 from scratch), so an idle,
+    from-scratch speed makes the policy promise an SLO the tail then misses. The two loads
+    differ only in bytes (the tail's chunks) that the link moves in a few ms at the rates
+    measured here; the difference is charged to the prefill. ``send`` (default
+    bench.serve_load.server.post) posts a body. Returns {tail_tokens, load_tokens,
+    seconds_full, seconds_tail, tokens_per_s (None when the tail request was not slower:
+    nothing measured)}. Raises ValueError when the context has fewer than two chunks,
+    OSError when a request fails."""
+    send = send or post
+    tail = tail_tokens(context_tokens, chunk_tokens)
+    if tail == 0:
+        raise ValueError(f"a tail prefill needs a reused context of >= 2 chunks, got {context_tokens} tokens")
+    load = context_tokens - tail
+    body = {"model": served, "prompt": chat_prompt(tokenizer, prompt.context_text + prompt.question_text),
+            "max_tokens": 1, "temperature": 0.0}
+    times: dict[str, list[float]] = {"full": [], "tail": []}
+    for i in range(repeats):
+        for kind in ("full", "tail"):
+            kv = extra_body("cachegen", f"tail-prefill/{kind}/{i}")["kv_transfer_params"]
+            if kind == "tail":
+                kv["load_tokens"] = load
+            t0 = time.perf_counter()
+            send(f"{srv.base_url}/v1/completions", {**body, "kv_transfer_params": kv})
+            times[kind].append(time.perf_counter() - t0)
+    extra = min(times["tail"]) - min(times["full"])
+    return {"tail_tokens": tail, "load_tokens": load, "seconds_full": times["full"], "seconds_tail": times["tail"],
+            "tokens_per_s": tail / extra if extra > 0 else None}
+
+
 def prefill_saves(modes: list[str], adaptive_levels: list[int]) -> list[tuple[str, int | None]]:
     """The (codec, level) saves the pre-fill makes per reused context: kvtc at its default
     level (None); cachegen at every ``adaptive_levels`` level with the adaptive mode (then
@@ -469,11 +528,21 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
                     # context's tail), else the first reused one
                     i = max(range(n_reused, len(prompts)), key=lambda j: sizes[j], default=0)
                     speed = measure_prefill_speed(srv, tok, model_id, prompts[i], doc["prompts"]["prompt_tokens"][i])
-                    policy = adaptive_policy(cfg["policy_preset"], cfg["slo_s"], speed["tokens_per_s"],
-                                             cfg["bandwidth_mbps"])
-                    doc["adaptive"] = {"prefill_speed": speed, "policy": policy}
+                    doc["adaptive"] = {"prefill_speed": speed}
+                    use = speed["tokens_per_s"]
+                    if n_reused and tail_tokens(len(prompts[0].context_ids), cfg["chunk_tokens"]):
+                        tail = measure_tail_prefill_speed(srv, tok, model_id, prompts[0], len(prompts[0].context_ids),
+                                                          cfg["chunk_tokens"])
+                        doc["adaptive"]["tail_prefill_speed"] = tail
+                        if cfg["adaptive_prefill"] == "tail" and tail["tokens_per_s"]:
+                            use = tail["tokens_per_s"]
+                    policy = adaptive_policy(cfg["policy_preset"], cfg["slo_s"], use, cfg["bandwidth_mbps"])
+                    doc["adaptive"]["policy"] = policy
+                    tail_s = (doc["adaptive"].get("tail_prefill_speed") or {}).get("tokens_per_s")
                     print(f"adaptive: {len(doc['prefill']['merged'])} entries of levels "
-                          f"{cfg['adaptive_levels']}; prefill {speed['tokens_per_s']:.0f} tokens/s", flush=True)
+                          f"{cfg['adaptive_levels']}; prefill {speed['tokens_per_s']:.0f} tokens/s from scratch, "
+                          f"{'-' if tail_s is None else f'{tail_s:.0f}'} tokens/s as a reused context's tail; "
+                          f"the policy gets {use:.0f} ({cfg['adaptive_prefill']})", flush=True)
                 warm_up(srv, tok, model_id, cfg["modes"], prompts, n_reused, policy)
                 for rate in cfg["rates"]:
                     for mode in cfg["modes"]:

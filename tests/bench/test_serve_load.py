@@ -330,11 +330,16 @@ def test_goodput_figure_from_a_synthetic_result(tmp_path):
     assert list(lines["cachegen goodput"].get_ydata()) == pytest.approx([0.1, 0.08])
     assert list(lines["text goodput"].get_ydata()) == [0.0, 0.0]
     assert list(lines["cachegen throughput"].get_ydata()) == pytest.approx([0.25, 0.5])
-    assert "adaptive goodput" in lines and "2 s TTFT SLO" in fig._suptitle.get_text()
+    assert "adaptive (idle prefill) goodput" in lines and "2 s TTFT SLO" in fig._suptitle.get_text()
     assert "load 3.0-5.0" in ax.get_title()
     # another workload (longer contexts) is another panel: its rows never join this line
     longer = {"config": {"bandwidth_mbps": 1000.0, "context_tokens": 4096}, "model": {"model_id": "M"},
               "rows": [_row("cachegen", 0.5, 0.3, 1, 2)]}
+    # an adaptive run given the tail's prefill speed is a line of its own
+    tail = {"config": {"bandwidth_mbps": 1000.0, "adaptive_prefill": "tail"}, "model": {"model_id": "M"},
+            "rows": [_row("adaptive", 0.1, 0.08, 1, 2)]}
+    labels = {ln.get_label() for ln in fig_goodput_vs_rate([other, tail]).axes[0].get_lines()}
+    assert {"adaptive (idle prefill) goodput", "adaptive (tail prefill) goodput"} <= labels
     fig2 = fig_goodput_vs_rate([doc, other, longer])
     assert len(fig2.axes) == 2 and "4096-token" in fig2.axes[1].get_title()
     lines2 = {ln.get_label(): ln for ln in fig2.axes[0].get_lines()}
@@ -420,9 +425,52 @@ def test_quick_run_end_to_end(tmp_path):
     # it picks depends on this machine's prefill speed against the SLO
     assert [m["levels"] for m in doc["prefill"]["merged"]] == [[0, 1, 2, 3, 4, 5]] * 2
     assert doc["adaptive"]["policy"]["prefill_tokens_per_s"] > 0
+    # the tail's prefill behind a loaded prefix was measured (6 cachegen loads, 3 of them partial)
+    tail = doc["adaptive"]["tail_prefill_speed"]
+    assert tail["load_tokens"] == 256 and 0 < tail["tail_tokens"] <= 256
+    assert len(tail["seconds_full"]) == len(tail["seconds_tail"]) == 3
+    pol = doc["adaptive"]["policy"]["prefill_tokens_per_s"]
+    assert pol == (tail["tokens_per_s"] or doc["adaptive"]["prefill_speed"]["tokens_per_s"])
     assert ad["connector"]["decided"] == ad["reused"]["n"] and ad["connector"]["load_errors"] == 0
     assert ad["connector"]["loads"] + ad["connector"]["misses"] == 4
     assert set(doc["tail_check"]["modes"]) == {"text", "cachegen", "adaptive"}
     assert all(c["rate_rps"] == 1.0 for c in doc["tail_check"]["modes"].values())
     assert set(doc["tail_check"]["by_throughput"]) == {"text", "cachegen", "adaptive"}
     assert "goodput/s" in proc.stdout and "tail check adaptive (goodput saturation)" in proc.stdout
+
+
+@pytest.mark.parametrize("context,chunk,want", [
+    (4094, 256, 1022), (4096, 256, 1024), (1536, 256, 256), (512, 256, 256), (257, 256, 1),
+    (256, 256, 0), (100, 256, 0), (1000, 256, 232)])
+def test_tail_tokens_are_whole_last_chunks(context, chunk, want):
+    got = serve_load.cli.tail_tokens(context, chunk)
+    assert got == want
+    if got:   # what is loaded is whole chunks, and something is
+        assert (context - got) % chunk == 0 and context - got >= chunk
+
+
+def test_tail_prefill_speed_from_two_kinds_of_load(monkeypatch):
+    """The tail's tokens over the extra time of a load that leaves them to prefill; each
+    request is a 1-token cachegen load of the same prompt, the tail one with load_tokens."""
+    from types import SimpleNamespace
+
+    from bench.serve_load.cli import measure_tail_prefill_speed
+
+    sent = []
+    clock = {"t": 0.0}
+
+    def send(url, body):
+        sent.append(body)
+        clock["t"] += 3.0 if "load_tokens" in body["kv_transfer_params"] else 0.5
+
+    srv = SimpleNamespace(base_url="http://x")
+    tok = SimpleNamespace(apply_chat_template=lambda msgs, **k: msgs[0]["content"])
+    prompt = SimpleNamespace(context_text="ctx ", question_text="q?")
+    monkeypatch.setattr(serve_load.cli.time, "perf_counter", lambda: clock["t"])
+    got = measure_tail_prefill_speed(srv, tok, "M", prompt, 4094, 256, repeats=2, send=send)
+    assert got["tail_tokens"] == 1022 and got["load_tokens"] == 3072
+    assert got["tokens_per_s"] == pytest.approx(1022 / 2.5)
+    assert [b["kv_transfer_params"].get("load_tokens") for b in sent] == [None, 3072, None, 3072]
+    assert all(b["kv_transfer_params"]["mode"] == "cachegen" and b["max_tokens"] == 1 for b in sent)
+    with pytest.raises(ValueError, match="2 chunks"):
+        measure_tail_prefill_speed(srv, tok, "M", prompt, 200, 256, send=send)
