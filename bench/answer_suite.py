@@ -11,10 +11,17 @@ once and its KV coded once per codec; every question of the context is answered 
 ``kv_extraction_hf.inject.answer_from_kv``: the same ids as greedy generation, cheaper where
 they agree). Contexts come from ``kv_extraction_hf.prompts.ruler`` (a distinct haystack and
 needle draw per cell). A request is one question; n per codec/level is the number of questions.
+With ``--longchat FILE`` the CacheGen artifact's LongChat rows (LongEval topic retrieval, Li et
+al. 2023; read from the file given, never committed) are asked at full length after the RULER
+cells: kind ``longchat``, one question per row, scored as LongEval scores them
+(``evaluation.retrieval_accuracy`` against the first label), an answer agreeing with the
+lossless one when both name the same labels (``evaluation.metrics.stated_topics``); a row
+longer than the model's context is cut in the middle (recorded).
 
     python -m bench.answer_suite --model qwen2.5-coder-1.5b --contexts 6 --out /tmp/suite.json
     python -m bench.answer_suite --quick          # a smoke run: 1K tokens, one context per kind
     python -m bench.answer_suite --lossless-only --contexts 2 --lengths 1024   # the model's own score
+    python -m bench.answer_suite --model qwen2.5-coder-1.5b --longchat ../shared/data/cachegen-artifact/longchat.jsonl
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
               seed: int = 0, haystack=None, haystack_name: str = "offline", answer_bundle=None,
               configs: Optional[dict] = None, log: Callable[[str], None] = print,
               done: Optional[dict] = None, on_context: Optional[Callable[[str, list], None]] = None,
-              saved_only: bool = False) -> list[dict]:
+              saved_only: bool = False, extra_contexts: Sequence = ()) -> list[dict]:
     """Per-question records of the suite.
 
     ``bundle``: the model whose KV is coded (engine dtype); ``answer_bundle``: the model that
@@ -59,10 +66,16 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
     Resuming: ``done`` maps :func:`context_hash` (the context's and its questions' token ids)
     to that context's records from an earlier run of the same model, codecs and answering
     dtype; such a context is taken from ``done`` and not measured again. ``on_context(hash,
-    records)`` is called after each measured context (to save the state)."""
+    records)`` is called after each measured context (to save the state).
+
+    ``extra_contexts``: contexts measured after the cells (:func:`longchat_contexts`: kind
+    ``longchat``, ``length`` None in their records, scored by ``retrieval_accuracy`` against
+    the first answer, agreement by ``stated_topics`` over all answers)."""
+    import itertools
+
     import codec as codec_api
     from codec.level_table import label as codec_label
-    from evaluation.metrics import all_values_match, stated_values
+    from evaluation.metrics import all_values_match, retrieval_accuracy, stated_topics, stated_values
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import answer_from_kv, generate_from_kv_margin, teacher_forcing_margin
     from kv_extraction_hf.prompts.ruler import suite_contexts
@@ -72,15 +85,27 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
     margin = teacher_forcing_margin(adt)
     records = []
     t0 = time.perf_counter()
-    for c, ctx in enumerate(suite_contexts(bundle.tokenizer, cells, seed, haystack, haystack_name)):
-        kind, length, index = cells[c]
+    every = list(cells) + [(x.kind, None, x.meta.get("row", i)) for i, x in enumerate(extra_contexts)]
+    contexts = itertools.chain(suite_contexts(bundle.tokenizer, cells, seed, haystack, haystack_name),
+                               extra_contexts)
+
+    def scored(kind, text, ref_text, answers):
+        """(correct, agrees with the lossless answer ``ref_text``; None for lossless itself)."""
+        if kind == "longchat":
+            return (retrieval_accuracy(text, answers[0]),
+                    None if ref_text is None else stated_topics(text, answers) == stated_topics(ref_text, answers))
+        return (all_values_match(text, answers),
+                None if ref_text is None else stated_values(text) == stated_values(ref_text))
+
+    for c, ctx in enumerate(contexts):
+        kind, length, index = every[c]
         h = context_hash(ctx)
         if done and h in done:
             records.extend(done[h])
-            log(f"  context {c + 1}/{len(cells)} ({kind}, {len(ctx.context_ids)} tokens) from the saved state")
+            log(f"  context {c + 1}/{len(every)} ({kind}, {len(ctx.context_ids)} tokens) from the saved state")
             continue
         if saved_only:
-            log(f"  context {c + 1}/{len(cells)} ({kind}) not measured yet: left out")
+            log(f"  context {c + 1}/{len(every)} ({kind}) not measured yet: left out")
             continue
         first = len(records)
         t = time.perf_counter()
@@ -99,23 +124,59 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
                    "redraw": ctx.meta["redraw"],
                    "depth": q.depth, "key": q.key, "answers": q.answers,
                    "prefill_s": prefill_s / len(ctx.questions),
-                   "lossless": {"text": ref_text, "ids": ref_ids, "correct": all_values_match(ref_text, q.answers)},
+                   "lossless": {"text": ref_text, "ids": ref_ids,
+                                "correct": scored(kind, ref_text, None, q.answers)[0]},
                    "codecs": {}}
+            if kind == "longchat":
+                rec["truncated_from_tokens"] = ctx.meta.get("truncated_from_tokens")
             for label, (k2, v2) in decoded.items():
                 got = answer_from_kv(ab, k2, v2, ctx.context_ids, q.question_ids, ref_ids, q.max_new_tokens,
                                      min_margin=margin)
                 text = bundle.tokenizer.decode(got["ids"], skip_special_tokens=True)
+                correct, agrees = scored(kind, text, ref_text, q.answers)
                 rec["codecs"][label] = {"text": text, "ids": got["ids"], "path": got["path"],
-                                        "correct": all_values_match(text, q.answers),
-                                        "agrees": stated_values(text) == stated_values(ref_text),
+                                        "correct": correct, "agrees": agrees,
                                         "token_agrees": got["ids"] == ref_ids}
             records.append(rec)
         del decoded, k_ab, v_ab
         if on_context is not None:
             on_context(h, records[first:])
-        log(f"  context {c + 1}/{len(cells)} ({kind}, {len(ctx.context_ids)} tokens, {len(ctx.questions)} "
+        log(f"  context {c + 1}/{len(every)} ({kind}, {len(ctx.context_ids)} tokens, {len(ctx.questions)} "
             f"questions) done, {time.perf_counter() - t0:.0f} s")
     return records
+
+
+def longchat_contexts(tokenizer, path: str, rows: Optional[int] = None,
+                      max_prompt_tokens: Optional[int] = None) -> list:
+    """The LongChat rows of ``path`` (the CacheGen artifact's ``longchat.jsonl``: ``test_id``,
+    ``prompt``, ``label``) as answer-suite contexts of kind ``longchat``, in file order, the
+    first ``rows`` (None: all): each row's whole conversation as the context (the task
+    ``longchat`` prompt of ``kv_extraction_hf.prompts``, the chat template applied), its
+    question, every label as ``answers`` (the first is the gold topic) and LongChat's
+    budget of 32 new tokens. A context longer than ``max_prompt_tokens`` (the model's
+    context) less the question and budget is cut in the middle (LongBench's rule) and its
+    meta records ``truncated_from_tokens``. Raises ExtractionError for a missing or malformed
+    file, or ``rows`` < 1."""
+    from kv_extraction_hf.errors import ExtractionError
+    from kv_extraction_hf.prompts import build_prompt
+    from kv_extraction_hf.prompts.ruler import SuiteContext, SuiteQuestion
+
+    if rows is not None and rows < 1:
+        raise ExtractionError(f"--longchat-rows must be >= 1, got {rows}")
+    from kv_extraction_hf.datasets_loaders import load_user_data
+
+    n = len(load_user_data("longchat", path))
+    out = []
+    for i in range(n if rows is None else min(rows, n)):
+        p = build_prompt("longchat", tokenizer, 1 << 20, index=i, data_path=path,
+                         max_prompt_tokens=max_prompt_tokens)
+        q = SuiteQuestion(question_ids=list(p.question_ids), answers=list(p.answers), key=str(p.meta["row_id"]),
+                          depth=None, max_new_tokens=p.max_new_tokens)
+        out.append(SuiteContext(name=f"longchat-{p.meta['row_id']}", kind="longchat",
+                                context_ids=list(p.context_ids), questions=[q],
+                                meta={"row": i, "row_id": p.meta["row_id"], "redraw": 0, "source": str(path),
+                                      "truncated_from_tokens": p.meta.get("truncated_from_tokens")}))
+    return out
 
 
 def context_hash(ctx) -> str:
@@ -142,7 +203,7 @@ def suite_rows(records: list[dict], labels: Sequence[str]) -> list[dict]:
     groups = [("all", records)]
     groups += [(f"kind={k}", [r for r in records if r["kind"] == k]) for k in dict.fromkeys(r["kind"] for r in records)]
     groups += [(f"length={n}", [r for r in records if r["length"] == n])
-               for n in sorted({r["length"] for r in records})]
+               for n in sorted({r["length"] for r in records if r["length"] is not None})]
     rows = []
     for group, recs in groups:
         if not recs:
@@ -195,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="contexts per kind and length (default %(default)s)")
     p.add_argument("--codecs", default=DEFAULT_CODECS, help="codecs/levels, bench.quality's syntax "
                    "(default %(default)s)")
+    p.add_argument("--longchat", metavar="FILE", default=None,
+                   help="also ask the LongChat rows of FILE (the CacheGen artifact's longchat.jsonl) at full "
+                        "length, one question each, after the RULER cells")
+    p.add_argument("--longchat-rows", type=int, default=None, metavar="N",
+                   help="only the first N rows of --longchat (default: all)")
     p.add_argument("--lossless-only", action="store_true", help="answer from lossless KV only")
     p.add_argument("--answer-dtype", choices=("float32", "model"), default="float32",
                    help="activations of the answering model (default float32; the KV stays the model's dtype)")
@@ -310,15 +376,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cal = prepare_kvtc(bundle, None, log=lambda m: print(m, file=sys.stderr))
             configs["kvtc"] = KvtcConfig(calibration=cal["hash"])
         cells = suite_cells(kinds, lengths, contexts)
-        print(f"answer suite: {len(cells)} contexts ({', '.join(kinds)} x {lengths} x {contexts}), "
-              f"{len(pairs)} codec/levels, haystack {hname}; model {bundle.info.model_id}")
+        extra = []
+        if args.longchat_rows is not None and not args.longchat:
+            raise ExtractionError("--longchat-rows needs --longchat FILE")
+        if args.longchat:
+            extra = longchat_contexts(bundle.tokenizer, args.longchat, args.longchat_rows,
+                                      getattr(bundle.model.config, "max_position_embeddings", None))
+        print(f"answer suite: {len(cells)} contexts ({', '.join(kinds)} x {lengths} x {contexts})"
+              + (f" + {len(extra)} LongChat rows" if extra else "")
+              + f", {len(pairs)} codec/levels, haystack {hname}; model {bundle.info.model_id}")
         done, on_context, state = _resume(args, bundle, answer_dtype, spec, cal, hname)
         if args.report_partial and not done:
             raise ExtractionError(f"--report-partial: no saved contexts of these settings in {state}")
         t0 = time.perf_counter()
         records = run_suite(bundle, pairs, cells, args.seed, haystack, hname, ab, configs,
                             log=lambda m: print(m, flush=True), done=done,
-                            on_context=None if args.report_partial else on_context, saved_only=args.report_partial)
+                            on_context=None if args.report_partial else on_context, saved_only=args.report_partial,
+                            extra_contexts=extra)
         wall = time.perf_counter() - t0
         labels = [codec_label(n, lv) for n, lv in pairs]
         rows = suite_rows(records, labels)
@@ -327,18 +401,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ctx_tokens = {(r["kind"], r["length"], r["index"]): r["context_tokens"] for r in records}
         per_1k = (sum(r["prefill_s"] for r in records) / sum(ctx_tokens.values()) * 1000) if records else math.nan
         measured = len(ctx_tokens)   # contexts with records (all of them unless --report-partial)
-        print(f"\n{len(records)} questions from {measured} of {len(cells)} contexts in {wall:.0f} s "
+        print(f"\n{len(records)} questions from {measured} of {len(cells) + len(extra)} contexts in {wall:.0f} s "
               f"(prefill ~{per_1k:.2f} s per 1K tokens, bundle dtype {bundle.info.dtype})")
         if args.out:
             atomic_write_json(args.out, {
                 "kind": "answer_suite",
                 "command": " ".join(["python -m bench.answer_suite"] + list(argv or sys.argv[1:])),
-                **({"partial": {"contexts_measured": measured, "contexts": len(cells),
+                **({"partial": {"contexts_measured": measured, "contexts": len(cells) + len(extra),
                                 "state": str(state)}} if args.report_partial else {}),
                 "model": {"id": bundle.info.model_id, "weights_hash": bundle.info.weights_hash,
                           "dtype": bundle.info.dtype, "answer_dtype": answer_dtype},
                 "environment": environment(), "config": {
                     "kinds": kinds, "lengths": lengths, "contexts": contexts, "seed": args.seed, "codecs": spec,
+                    "longchat": None if not extra else {
+                        "path": str(args.longchat), "rows": len(extra),
+                        "truncated": sum(x.meta["truncated_from_tokens"] is not None for x in extra),
+                        "scorer": "evaluation.retrieval_accuracy vs the first label (LongEval)",
+                        "agreement": "the same labels named (evaluation.metrics.stated_topics)"},
                     "haystack": hname, "kvtc_calibration": cal, "ci": "Wilson 95%",
                     "paired_test": "McNemar exact (binomial), two-sided, vs lossless",
                     "agreement": "the numbers stated equal the lossless answer's "

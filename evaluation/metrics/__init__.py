@@ -34,6 +34,7 @@ from evaluation.metrics.answer import (
     qa_f1,
     retrieval_accuracy,
     scored_answer,
+    stated_topics,
     stated_values,
 )
 from evaluation.metrics.generation import bleu, rouge_l
@@ -61,6 +62,7 @@ __all__ = [
     "retrieval_accuracy",
     "all_values_match",
     "stated_values",
+    "stated_topics",
     "qa_f1",
     "rouge_l",
     "bleu",

@@ -125,6 +125,17 @@ def stated_values(prediction: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in _DIGITS.findall(check_str(prediction, "prediction"))}))
 
 
+def stated_topics(prediction: str, topics: Sequence[str]) -> tuple[str, ...]:
+    """Which of ``topics`` ``prediction`` names, as sorted distinct normalised topics
+    (:func:`normalize_answer`; a topic is named when its normalised form occurs in the
+    normalised prediction): what two LongChat answers must share to agree, as
+    :func:`stated_values` for numbers ("the first topic was Kyoto's temples" and "Kyoto's
+    temples." agree). Raises ValueError for a non-str prediction or topic."""
+    text = normalize_answer(check_str(prediction, "prediction"))
+    norm = {normalize_answer(check_str(t, "topic")) for t in topics}
+    return tuple(sorted(t for t in norm if t and t in text))
+
+
 def _last_number(text: str) -> int | None:
     """The last run of digits in ``text`` as an int (LongEval's ``re.findall(r"\\d+",
     output)[-1]``), or None when there is none."""

@@ -292,3 +292,82 @@ def test_report_partial_writes_the_saved_contexts_and_keeps_the_state(tiny_qwen2
     assert AS.main(base[:-1] + [str(tmp_path / "other.json"), "--report-partial"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "give --out" in err[0] and "no saved contexts" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+# ----------------------------------------------------------------------------- LongChat rows
+_TOPICS = (["Kyoto temples", "jazz history", "tidal energy"], ["sourdough baking", "chess openings"])
+
+
+def _longchat_file(tmp_path, words: int = 60) -> Path:
+    """A LongChat-format file (the artifact's fields): two rows whose conversations name
+    their topics in order, then LongEval's question."""
+    import json
+
+    rows = []
+    for i, topics in enumerate(_TOPICS):
+        talk = " ".join(f"USER: I would like to discuss the topic of {t}. ASSISTANT: Sure, " + "more " * words
+                        for t in topics)
+        rows.append({"test_id": f"t{i}", "label": topics,
+                     "prompt": f"A chat between a user and an assistant. {talk} Now the record ends. "
+                               "What is the first topic we discussed? Only give me the topic name."})
+    path = tmp_path / "longchat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_stated_topics_names_the_labels_an_answer_states():
+    from evaluation.metrics import stated_topics
+
+    labels = _TOPICS[0]
+    assert stated_topics("The first topic was Kyoto Temples.", labels) == ("kyoto temples",)
+    assert stated_topics("kyoto temples, then the Jazz history", labels) == ("jazz history", "kyoto temples")
+    assert stated_topics("cats", labels) == () and stated_topics("", labels) == ()
+    with pytest.raises(ValueError):
+        stated_topics(None, labels)
+
+
+def test_longchat_rows_are_asked_after_the_cells(tiny_qwen2, tmp_path):
+    from bench.answer_suite import longchat_contexts
+
+    path = _longchat_file(tmp_path)
+    ctxs = longchat_contexts(tiny_qwen2.tokenizer, str(path))
+    assert [c.kind for c in ctxs] == ["longchat", "longchat"] and [c.meta["row_id"] for c in ctxs] == ["t0", "t1"]
+    assert all(len(c.questions) == 1 and c.questions[0].answers == list(t) and c.questions[0].max_new_tokens == 32
+               for c, t in zip(ctxs, _TOPICS))
+    assert all(c.meta["truncated_from_tokens"] is None for c in ctxs)
+    assert len(longchat_contexts(tiny_qwen2.tokenizer, str(path), rows=1)) == 1
+    recs = run_suite(tiny_qwen2, [("raw", None), ("kivi2", None)], suite_cells(["single"], [400], 1),
+                     log=lambda m: None, extra_contexts=ctxs)
+    assert [r["kind"] for r in recs] == ["single", "longchat", "longchat"]
+    lc = [r for r in recs if r["kind"] == "longchat"]
+    assert [r["length"] for r in lc] == [None, None] and [r["index"] for r in lc] == [0, 1]
+    for r in lc:   # lossless raw gives the lossless answer, which agrees with itself
+        raw = r["codecs"]["raw"]
+        assert raw["token_agrees"] and raw["agrees"] is True and raw["correct"] == r["lossless"]["correct"]
+        assert isinstance(r["lossless"]["correct"], bool)
+    rows = {(x["group"], x["codec"]): x for x in suite_rows(recs, ["raw", "kivi2"])}
+    assert rows[("kind=longchat", "raw")]["n"] == 2 and rows[("all", "raw")]["n"] == 3
+    assert rows[("length=400", "raw")]["n"] == 1 and not any(g.startswith("length=None") for g, _ in rows)
+
+
+def test_longchat_row_longer_than_the_model_is_cut_in_the_middle(tiny_qwen2, tmp_path):
+    from bench.answer_suite import longchat_contexts
+
+    path = _longchat_file(tmp_path, words=400)
+    whole = longchat_contexts(tiny_qwen2.tokenizer, str(path))
+    cut = longchat_contexts(tiny_qwen2.tokenizer, str(path), max_prompt_tokens=400)
+    for w, c in zip(whole, cut):
+        assert c.meta["truncated_from_tokens"] == len(w.context_ids) > len(c.context_ids)
+        assert len(c.context_ids) + len(c.questions[0].question_ids) + 32 <= 400
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--longchat-rows", "2"], "--longchat-rows needs --longchat"),
+    (["--longchat", "/nonexistent/longchat.jsonl"], "longchat"),
+])
+def test_cli_longchat_bad_input_is_one_line_exit_2(args, match):
+    proc = subprocess.run([sys.executable, "-m", "bench.answer_suite", "--quick", "--lossless-only", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert match in lines[-1] and "Traceback" not in proc.stderr
