@@ -34,6 +34,15 @@ def _share(r: dict, key: str) -> str:
     return cell
 
 
+def _longchat_note(lc: Any) -> str:
+    """The sentence on the LongChat rows of a run with ``--longchat`` ('' without)."""
+    if not isinstance(lc, dict):
+        return ""
+    return (f" Plus {lc.get('rows', '?')} LongChat rows of the CacheGen artifact at full length (kind longchat, "
+            f"{lc.get('truncated', 0)} cut in the middle to fit the model): correct when the answer holds the first "
+            "label (LongEval's scorer), agreeing when it names the same labels as the lossless answer.")
+
+
 def render_suite(doc: Optional[dict[str, Any]], source: str) -> str:
     """The block (without the markers), Markdown; one line "not yet measured" without a file.
     Groups by length are shown only when the run has several lengths."""
@@ -56,7 +65,8 @@ def render_suite(doc: Optional[dict[str, Any]], source: str) -> str:
              f"{cfg.get('contexts', '?')} contexts per kind and length; haystack {cfg.get('haystack', '?')}; "
              f"{cpu}, {env.get('cpu_count', '?')} CPUs" + (f", {wall / 60:.0f} min wall" if isinstance(wall, (int, float)) and not part else "")
              + ". Accuracy: every gold value stated (RULER's string_match_all); agreement: the numbers stated "
-             "equal the lossless answer's; McNemar: b = lossless right and codec wrong, c = the reverse, exact two-sided p.",
+             "equal the lossless answer's; McNemar: b = lossless right and codec wrong, c = the reverse, exact two-sided p."
+             + _longchat_note(cfg.get("longchat")),
              "",
              "| group | codec / level | n | accuracy [Wilson 95% CI] | agreement with lossless [Wilson 95% CI] | McNemar b / c, p |",
              "|---|---|---|---|---|---|"]

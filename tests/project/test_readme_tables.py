@@ -597,3 +597,6 @@ def test_answer_suite_block():
     doc["partial"] = {"contexts_measured": 3, "contexts": 10}
     assert S.render_suite(doc, "x.json").startswith("**PARTIAL**: 3 of 10 contexts measured")
     assert "min wall" not in S.render_suite(doc, "x.json")
+    assert "LongChat" not in S.render_suite(doc, "x.json")
+    doc["config"]["longchat"] = {"path": "longchat.jsonl", "rows": 50, "truncated": 0}
+    assert "Plus 50 LongChat rows of the CacheGen artifact at full length" in S.render_suite(doc, "x.json")
