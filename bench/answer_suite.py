@@ -75,7 +75,6 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
 
     import codec as codec_api
     from codec.level_table import label as codec_label
-    from evaluation.metrics import all_values_match, retrieval_accuracy, stated_topics, stated_values
     from kv_extraction_hf.extract import prefill_kv
     from kv_extraction_hf.inject import answer_from_kv, generate_from_kv_margin, teacher_forcing_margin
     from kv_extraction_hf.prompts.ruler import suite_contexts
@@ -88,14 +87,6 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
     every = list(cells) + [(x.kind, None, x.meta.get("row", i)) for i, x in enumerate(extra_contexts)]
     contexts = itertools.chain(suite_contexts(bundle.tokenizer, cells, seed, haystack, haystack_name),
                                extra_contexts)
-
-    def scored(kind, text, ref_text, answers):
-        """(correct, agrees with the lossless answer ``ref_text``; None for lossless itself)."""
-        if kind == "longchat":
-            return (retrieval_accuracy(text, answers[0]),
-                    None if ref_text is None else stated_topics(text, answers) == stated_topics(ref_text, answers))
-        return (all_values_match(text, answers),
-                None if ref_text is None else stated_values(text) == stated_values(ref_text))
 
     for c, ctx in enumerate(contexts):
         kind, length, index = every[c]
@@ -125,7 +116,7 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
                    "depth": q.depth, "key": q.key, "answers": q.answers,
                    "prefill_s": prefill_s / len(ctx.questions),
                    "lossless": {"text": ref_text, "ids": ref_ids,
-                                "correct": scored(kind, ref_text, None, q.answers)[0]},
+                                "correct": score_answer(kind, ref_text, None, q.answers)[0]},
                    "codecs": {}}
             if kind == "longchat":
                 rec["truncated_from_tokens"] = ctx.meta.get("truncated_from_tokens")
@@ -133,7 +124,7 @@ def run_suite(bundle, pairs: list[tuple[str, Optional[int]]], cells: Sequence[tu
                 got = answer_from_kv(ab, k2, v2, ctx.context_ids, q.question_ids, ref_ids, q.max_new_tokens,
                                      min_margin=margin)
                 text = bundle.tokenizer.decode(got["ids"], skip_special_tokens=True)
-                correct, agrees = scored(kind, text, ref_text, q.answers)
+                correct, agrees = score_answer(kind, text, ref_text, q.answers)
                 rec["codecs"][label] = {"text": text, "ids": got["ids"], "path": got["path"],
                                         "correct": correct, "agrees": agrees,
                                         "token_agrees": got["ids"] == ref_ids}
@@ -176,6 +167,54 @@ def longchat_contexts(tokenizer, path: str, rows: Optional[int] = None,
                                 context_ids=list(p.context_ids), questions=[q],
                                 meta={"row": i, "row_id": p.meta["row_id"], "redraw": 0, "source": str(path),
                                       "truncated_from_tokens": p.meta.get("truncated_from_tokens")}))
+    return out
+
+
+def score_answer(kind: str, text: str, ref_text: Optional[str], answers: Sequence[str]) -> tuple[bool, Optional[bool]]:
+    """(correct, agrees with the lossless answer ``ref_text``; None when ``ref_text`` is None,
+    i.e. for the lossless answer itself). RULER kinds: every gold value stated
+    (``evaluation.all_values_match``), agreement when the same numbers are stated
+    (``evaluation.metrics.stated_values``); ``longchat``: LongEval's ``retrieval_accuracy``
+    against the first answer, agreement when the same answers (labels) are named
+    (``evaluation.metrics.stated_topics``). Raises ValueError for non-str texts."""
+    from evaluation.metrics import all_values_match, retrieval_accuracy, stated_topics, stated_values
+
+    if kind == "longchat":
+        return (retrieval_accuracy(text, answers[0]),
+                None if ref_text is None else stated_topics(text, answers) == stated_topics(ref_text, answers))
+    return (all_values_match(text, answers),
+            None if ref_text is None else stated_values(text) == stated_values(ref_text))
+
+
+def rescore(doc: dict) -> dict:
+    """``doc`` (an answer-suite file) with every record's ``correct`` and ``agrees`` scored
+    again from its stored answer texts by :func:`score_answer` (the scorers of this
+    version), the rows recomputed, and ``rescored`` {``utc``, ``changed`` (verdicts that
+    differ from the file's)}. Answers are not generated again: the texts are what the run
+    measured. Raises ValueError for a file without records."""
+    import copy
+    import datetime
+
+    recs = doc.get("records")
+    if not isinstance(recs, list) or not recs:
+        raise ValueError("the answer-suite file has no records to score")
+    out = copy.deepcopy(doc)
+    changed = 0
+    labels = list(dict.fromkeys(r["codec"] for r in doc.get("rows") or [] if r.get("codec") != "lossless"))
+    for r in out["records"]:
+        ref = r["lossless"]["text"]
+        ok = score_answer(r["kind"], ref, None, r["answers"])[0]
+        changed += ok != r["lossless"]["correct"]
+        r["lossless"]["correct"] = ok
+        for label, g in r["codecs"].items():
+            correct, agrees = score_answer(r["kind"], g["text"], ref, r["answers"])
+            changed += (correct != g["correct"]) + (agrees != g["agrees"])
+            g["correct"], g["agrees"] = correct, agrees
+            if label not in labels:
+                labels.append(label)
+    out["rows"] = suite_rows(out["records"], labels)
+    out["rescored"] = {"utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                       "changed": changed}
     return out
 
 
@@ -262,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--longchat-rows", type=int, default=None, metavar="N",
                    help="only the first N rows of --longchat (default: all)")
     p.add_argument("--lossless-only", action="store_true", help="answer from lossless KV only")
+    p.add_argument("--rescore", action="store_true",
+                   help="measure nothing: score the answers stored in --out again with this version's scorers "
+                        "(correct, agreement), recompute its rows and write it back")
     p.add_argument("--answer-dtype", choices=("float32", "model"), default="float32",
                    help="activations of the answering model (default float32; the KV stays the model's dtype)")
     p.add_argument("--no-resume", action="store_true",
@@ -334,6 +376,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from kv_extraction_hf.errors import ExtractionError, run_cli
 
     args = build_parser().parse_args(argv)
+
+    def run_rescore() -> None:
+        import json
+        from pathlib import Path
+
+        from cachegen_common.files import atomic_write_json
+
+        if not args.out:
+            raise ExtractionError("--rescore reads and rewrites --out FILE: give --out")
+        path = Path(args.out)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ExtractionError(f"--rescore: cannot read {path}: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("kind") != "answer_suite":
+            raise ExtractionError(f"--rescore: {path} is not an answer-suite file")
+        try:
+            new = rescore(doc)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ExtractionError(f"--rescore: {path}: {exc}") from None
+        print_rows(new["rows"])
+        atomic_write_json(path, new)
+        print(f"rescored {path}: {new['rescored']['changed']} verdicts changed")
+
+    if args.rescore:
+        return run_cli(run_rescore)
 
     def run() -> None:
         from bench.quality.cli import environment

@@ -43,6 +43,14 @@ def _longchat_note(lc: Any) -> str:
             "label (LongEval's scorer), agreeing when it names the same labels as the lossless answer.")
 
 
+def _rescored_note(rs: Any) -> str:
+    """The sentence on a file whose stored answers were scored again (``--rescore``)."""
+    if not isinstance(rs, dict):
+        return ""
+    return (f" The stored answers were scored again by `--rescore` ({rs.get('utc', '?')}, "
+            f"{rs.get('changed', '?')} verdicts changed; no answer was generated again).")
+
+
 def render_suite(doc: Optional[dict[str, Any]], source: str) -> str:
     """The block (without the markers), Markdown; one line "not yet measured" without a file.
     Groups by length are shown only when the run has several lengths."""
@@ -66,7 +74,7 @@ def render_suite(doc: Optional[dict[str, Any]], source: str) -> str:
              f"{cpu}, {env.get('cpu_count', '?')} CPUs" + (f", {wall / 60:.0f} min wall" if isinstance(wall, (int, float)) and not part else "")
              + ". Accuracy: every gold value stated (RULER's string_match_all); agreement: the numbers stated "
              "equal the lossless answer's; McNemar: b = lossless right and codec wrong, c = the reverse, exact two-sided p."
-             + _longchat_note(cfg.get("longchat")),
+             + _longchat_note(cfg.get("longchat")) + _rescored_note(doc.get("rescored")),
              "",
              "| group | codec / level | n | accuracy [Wilson 95% CI] | agreement with lossless [Wilson 95% CI] | McNemar b / c, p |",
              "|---|---|---|---|---|---|"]

@@ -20,6 +20,8 @@ from evaluation.metrics.registry import register_metric
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = frozenset(string.punctuation)
 _DIGITS = re.compile(r"\d+")
+# a list item's number at the start of a line: "1. ", "2) ", "(3) ", "- 4. " (then a blank or the end)
+_LIST_MARKER = re.compile(r"^[ \t]*(?:[-*+][ \t]+)?\(?\d{1,3}[.)](?=[ \t]|$)", re.M)
 
 
 def normalize_answer(text: str) -> str:
@@ -121,8 +123,12 @@ def all_values_match(prediction: str, answers: Sequence[str]) -> bool:
 def stated_values(prediction: str) -> tuple[int, ...]:
     """The numbers ``prediction`` states, as sorted distinct ints: what two answers of the
     answer suite must share to agree (``"5, 12 and 5"`` and ``"12, 5"`` agree; an answer
-    that adds or drops a number does not). Raises ValueError for a non-str prediction."""
-    return tuple(sorted({int(x) for x in _DIGITS.findall(check_str(prediction, "prediction"))}))
+    that adds or drops a number does not). The number of a list item that opens a line
+    (``"1. "``, ``"2) "``, ``"(3) "``, ``"- 4. "``) is formatting, not a stated value: a list
+    written ``"1. 9868160"`` and ``"- 9868160"`` states the same values. Raises ValueError
+    for a non-str prediction."""
+    text = _LIST_MARKER.sub(" ", check_str(prediction, "prediction"))
+    return tuple(sorted({int(x) for x in _DIGITS.findall(text)}))
 
 
 def stated_topics(prediction: str, topics: Sequence[str]) -> tuple[str, ...]:

@@ -371,3 +371,59 @@ def test_cli_longchat_bad_input_is_one_line_exit_2(args, match):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert match in lines[-1] and "Traceback" not in proc.stderr
+
+
+def _suite_doc():
+    """An answer-suite file whose stored verdicts came from an older scorer: the codec's
+    list numbering ("1. ") was counted as stated values."""
+    ref = ":\n\n- 9868160\n- 6971908"
+    rec = {"kind": "multivalue", "length": 1024, "answers": ["6971908", "9868160"], "lossless":
+           {"text": ref, "ids": [1], "correct": True},
+           "codecs": {"quant8": {"text": ":\n\n1. 9868160\n2. 6971908", "ids": [2], "correct": True,
+                                 "agrees": False, "token_agrees": False},
+                      "cachegen 1": {"text": ": 9868160 only", "ids": [3], "correct": False,
+                                     "agrees": False, "token_agrees": False}}}
+    lc = {"kind": "longchat", "length": None, "answers": ["Kyoto temples", "jazz"], "lossless":
+          {"text": "Kyoto Temples", "ids": [1], "correct": True},
+          "codecs": {"quant8": {"text": "the kyoto temples.", "ids": [4], "correct": True, "agrees": True,
+                                "token_agrees": False},
+                     "cachegen 1": {"text": "jazz", "ids": [5], "correct": False, "agrees": False,
+                                    "token_agrees": False}}}
+    recs = [rec, lc]
+    return {"kind": "answer_suite", "records": recs, "rows": suite_rows(recs, ["quant8", "cachegen 1"])}
+
+
+def test_rescore_scores_the_stored_answers_again():
+    from bench.answer_suite import rescore
+
+    doc = _suite_doc()
+    new = rescore(doc)
+    assert new["rescored"]["changed"] == 1 and doc["records"][0]["codecs"]["quant8"]["agrees"] is False
+    q = new["records"][0]["codecs"]["quant8"]
+    assert q["agrees"] is True and q["correct"] is True and q["text"] == doc["records"][0]["codecs"]["quant8"]["text"]
+    assert new["records"][0]["codecs"]["cachegen 1"]["agrees"] is False
+    rows = {(r["group"], r["codec"]): r for r in new["rows"]}
+    assert rows[("all", "quant8")]["agreement"] == 1.0 and rows[("all", "cachegen 1")]["agreement"] == 0.0
+    assert [r["codec"] for r in new["rows"] if r["group"] == "all"] == ["lossless", "quant8", "cachegen 1"]
+    assert rescore(new)["rescored"]["changed"] == 0          # scoring again changes nothing
+    with pytest.raises(ValueError, match="no records"):
+        rescore({"kind": "answer_suite", "records": []})
+
+
+def test_cli_rescore_rewrites_the_file(tmp_path):
+    import json
+
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(_suite_doc()))
+    proc = subprocess.run([sys.executable, "-m", "bench.answer_suite", "--rescore", "--out", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 verdicts changed" in proc.stdout and json.loads(path.read_text())["rescored"]["changed"] == 1
+    for args, match in ((["--rescore"], "give --out"), (["--rescore", "--out", str(tmp_path / "no.json")], "cannot read")):
+        bad = subprocess.run([sys.executable, "-m", "bench.answer_suite", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+        assert bad.returncode == 2 and match in bad.stderr.strip().splitlines()[-1] and "Traceback" not in bad.stderr
+    (tmp_path / "other.json").write_text(json.dumps({"kind": "quality"}))
+    bad = subprocess.run([sys.executable, "-m", "bench.answer_suite", "--rescore", "--out", str(tmp_path / "other.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not an answer-suite file" in bad.stderr

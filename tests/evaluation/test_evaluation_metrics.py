@@ -335,3 +335,22 @@ def test_stated_values_is_what_agreement_compares():
     assert M.stated_values("5, 12 and 5") == M.stated_values("12, then 5") == (5, 12)
     assert M.stated_values("no number") == ()
     assert M.stated_values("1234567 and 7") != M.stated_values("1234567")
+
+
+@pytest.mark.parametrize("listed", [
+    ":\n\n1. 9868160\n2. 6971908\n3. 5148657", ":\n\n- 9868160\n- 6971908\n- 5148657",
+    "1) 9868160\n2) 6971908\n3) 5148657", "  (1) 9868160\n  (2) 6971908\n  (3) 5148657",
+    "- 1. 9868160\n- 2. 6971908\n- 3. 5148657", "9868160, 6971908 and 5148657.",
+    "1.\n9868160\n2.\n6971908\n3.\n5148657"])
+def test_stated_values_ignore_the_numbers_of_list_items(listed):
+    """A list's item numbers are formatting: the same values listed with numbers, bullets or
+    in a sentence are the same stated values."""
+    assert M.stated_values(listed) == (5148657, 6971908, 9868160)
+
+
+def test_stated_values_keep_numbers_that_are_values():
+    # a number inside a line, or opening a line but not followed by "." / ")" and a blank, is stated
+    assert M.stated_values("The values are 1. 2 and 3") == (1, 2, 3)
+    assert M.stated_values("12 apples\n3.5 pears") == (3, 5, 12)
+    assert M.stated_values("1.5\n2)x") == (1, 2, 5)
+    assert M.stated_values("1234. 9868160") == (1234, 9868160)   # 4 digits: not a list number

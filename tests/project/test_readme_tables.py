@@ -600,3 +600,6 @@ def test_answer_suite_block():
     assert "LongChat" not in S.render_suite(doc, "x.json")
     doc["config"]["longchat"] = {"path": "longchat.jsonl", "rows": 50, "truncated": 0}
     assert "Plus 50 LongChat rows of the CacheGen artifact at full length" in S.render_suite(doc, "x.json")
+    assert "--rescore" not in S.render_suite(doc, "x.json")
+    doc["rescored"] = {"utc": "2026-12-07T18:00:00Z", "changed": 23}
+    assert "scored again by `--rescore` (2026-12-07T18:00:00Z, 23 verdicts changed" in S.render_suite(doc, "x.json")
