@@ -55,6 +55,8 @@ def _workload_label(doc: dict) -> str:
     new = cfg.get("new_context_tokens") or [cfg.get("context_tokens", "?")]
     reused = cfg.get("reused_fraction")
     share = f"{reused:.0%} " if isinstance(reused, (int, float)) else ""
+    if isinstance(reused, (int, float)) and reused >= 1:   # no new contexts in the workload
+        return f"all reused {cfg.get('context_tokens', '?')}-token contexts"
     return (f"{share}reused {cfg.get('context_tokens', '?')}-token contexts, new "
             f"{'/'.join(str(x) for x in new)} tokens")
 

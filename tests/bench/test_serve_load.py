@@ -342,6 +342,11 @@ def test_goodput_figure_from_a_synthetic_result(tmp_path):
     assert {"adaptive (idle prefill) goodput", "adaptive (tail prefill) goodput"} <= labels
     fig2 = fig_goodput_vs_rate([doc, other, longer])
     assert len(fig2.axes) == 2 and "4096-token" in fig2.axes[1].get_title()
+    # a workload of reused contexts only says so (it has no new contexts to name)
+    only = {"config": {"bandwidth_mbps": 1000.0, "context_tokens": 4096, "reused_fraction": 1.0},
+            "model": {"model_id": "M"}, "rows": [_row("cachegen", 1.0, 0.9, 1, 2)]}
+    titles = [ax.get_title() for ax in fig_goodput_vs_rate([doc, only]).axes]
+    assert len(titles) == 2 and "all reused 4096-token contexts" in titles[1] and "new" not in titles[1]
     lines2 = {ln.get_label(): ln for ln in fig2.axes[0].get_lines()}
     assert list(lines2["cachegen goodput"].get_ydata()) == pytest.approx([0.1, 0.08])
     (tmp_path / "a.json").write_text(json.dumps(doc))
