@@ -21,7 +21,11 @@ Default where it builds with AVX2 (``CACHEGEN_NATIVE`` read at each decode): uns
 native kernel decodes when the library builds and has its AVX2 lanes (measured faster than
 numba, docs/notes/2026-12-07-simd-rans-decode.md); ``CACHEGEN_NATIVE=0`` forces the numba
 kernel; ``CACHEGEN_NATIVE=1`` takes the native kernel even without AVX2 (its scalar loop).
-``CACHEGEN_NATIVE_SIMD=0`` runs the native scalar loop (side-by-side checks). No compiler,
+``CACHEGEN_NATIVE_SIMD=0`` runs the native scalar loop (side-by-side checks).
+2-byte outputs (bf16/fp16) of the vector lanes go through a per-worker tile (one vector
+store per step, then 16 x 16 transposes into whole output rows: the lanes decode down the
+columns of the token-major output); ``CACHEGEN_NATIVE_TILE=0`` stores straight into the
+output instead (the same values; side-by-side checks). No compiler,
 or a failed build or load: the numba kernel, with one warning line per process saying why.
 
 Run it: .venv/bin/python -m codec.entropy.rans_native   (builds, prints the library's path)

@@ -59,11 +59,16 @@ def _models(rng, L, T, C, nk=6, nv=4):
     (1, 7, 3, 16, 5),        # one partial group (single lane), two blocks
     (2, 64, 192, 16, 64),    # the default model's channels (3 heads x 64): 8 + 4 lanes
     (2, 50, 40, 1, 7),       # one channel per stream: many 8-lane items
+    (3, 37, 192, 16, 16),    # 16-channel groups in token blocks of 16 and a last one of 5
 ])
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
-def test_native_equals_numba_into_tables(L, T, C, G, B, dtype, monkeypatch):
+@pytest.mark.parametrize("tile", ["1", "0"])
+def test_native_equals_numba_into_tables(L, T, C, G, B, dtype, tile, monkeypatch):
     """Fused decode + table lookup: every element size, per-token and per-chunk tables,
-    a token offset, K and V tables of different sizes: identical outputs, untouched rest."""
+    a token offset, K and V tables of different sizes: identical outputs, untouched rest;
+    2-byte outputs through the per-worker tile (16 x 16 transposes when 16 channels per
+    stream, a scalar copy otherwise) and without it (CACHEGEN_NATIVE_TILE=0)."""
+    monkeypatch.setenv("CACHEGEN_NATIVE_TILE", tile)
     rng = np.random.default_rng(L * 1000 + C)
     sk, sv, ms = _models(rng, L, T, C)
     pay, lens = rans_cpu.encode_streams(sk, sv, ms.cum, ms.model_index, G, B)

@@ -18,6 +18,11 @@
  * n_workers - 1 pthreads) take items from one atomic counter (dynamic scheduling: a
  * thread slowed by other work holds no share).
  *
+ * 2-byte outputs of the vector lanes go to a per-worker tile [channel in group][token][lane]
+ * (one vector store of the 16 lanes per step) and, after the item, into the output in whole
+ * 16-channel runs (transpose16); CACHEGEN_NATIVE_TILE=0 or a tile over 8 MiB: the lanes
+ * store each value into the output directly (one 2-byte store per symbol, down a column).
+ *
  * Symbol s of (kv, layer, t, c) is written as
  *   out[layer, t_off + t, c] = deq[layer, t * t_stride + c / hd, s]
  * with out [L, T_out, C] and deq [L, R, NS] of one element size (1, 2 or 4 bytes).
@@ -53,6 +58,7 @@ typedef struct {
     int vec;                 /* 1: the AVX2 lanes for quad items (offsets fit int32) */
     const uint8_t *vlut;     /* the vector lanes' LUT: [n_models, 65536 >> vshift] */
     int vshift;              /* 4 (fine LUT built here) or 8 (the caller's coarse LUT) */
+    size_t tile_bytes;       /* per-worker tile of the 2-byte vector path (0: none) */
 } job_t;
 
 typedef struct {
@@ -153,6 +159,35 @@ DEFINE_DECODE(uint32_t, decode_item_u32)
 
 
 #ifdef __AVX2__
+/* out[n][off + i] = src[i * stride + n] for i, n < 16: one token's 16 channels x 16 lanes of
+ * the tile written as 16 contiguous runs (a 16 x 16 transpose of 16-bit values in four
+ * rounds of unpacks: 16-, 32-, 64-bit, then 128-bit halves). */
+static inline void transpose16(const uint16_t *src, int64_t stride, uint16_t *const *out,
+                               int64_t off) {
+    __m256i r[16], a[16], b[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(src + i * stride));
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm256_unpacklo_epi32(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm256_unpackhi_epi32(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm256_unpacklo_epi32(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm256_unpackhi_epi32(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m256i cl = _mm256_unpacklo_epi64(b[m], b[4 + m]);
+        const __m256i ch = _mm256_unpackhi_epi64(b[m], b[4 + m]);
+        const __m256i dl = _mm256_unpacklo_epi64(b[8 + m], b[12 + m]);
+        const __m256i dh = _mm256_unpackhi_epi64(b[8 + m], b[12 + m]);
+        _mm256_storeu_si256((__m256i *)(out[2 * m] + off), _mm256_permute2x128_si256(cl, dl, 0x20));
+        _mm256_storeu_si256((__m256i *)(out[2 * m + 8] + off), _mm256_permute2x128_si256(cl, dl, 0x31));
+        _mm256_storeu_si256((__m256i *)(out[2 * m + 1] + off), _mm256_permute2x128_si256(ch, dh, 0x20));
+        _mm256_storeu_si256((__m256i *)(out[2 * m + 9] + off), _mm256_permute2x128_si256(ch, dh, 0x31));
+    }
+}
+
 /* The hot loop in AVX2 lanes: up to NQ quads of one kv and one token-block length (any
  * layers, groups and blocks), lane 4u + k = stream qs[u] + k * n_blocks, in NV vectors of
  * 8 lanes (NL rANS states: NV independent chains of gathers in flight). 32 bits per lane are exact:
@@ -169,13 +204,18 @@ DEFINE_DECODE(uint32_t, decode_item_u32)
  * state is reported as the scalar loop does (2 for the bad lanes, 0 for the others); its
  * lanes still run (reads stay bounded: symbols have cum <= slot < 2^16, one word each). */
 #define DEFINE_VEC(TYPE, NAME)                                                              \
-static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                                 \
+static void NAME(job_t *j, const int64_t *qs, int64_t nq, uint16_t *tile) {                 \
     const int64_t C = j->C, G = j->G, B = j->B, T = j->T, L = j->L;                         \
     const int64_t n_groups = (C + G - 1) / G, n_blocks = (T + B - 1) / B;                   \
     const int64_t kv = (qs[0] / n_blocks / n_groups) / L;                                   \
     const int64_t nt = (qs[0] % n_blocks) * B + B < T ? B : T - (qs[0] % n_blocks) * B;     \
     const int64_t NS = j->NS[kv], R = j->R[kv], rs = j->t_stride * NS;                      \
     TYPE *outb = (TYPE *)(kv == 0 ? j->out_k : j->out_v);                                   \
+    /* 2-byte elements with a tile: each step's 16 values go to tile[kc][t][lane] in one  \
+     * vector store, and the tile is copied out row by row after the item (the lanes     \
+     * decode down columns of the token-major output) */                                  \
+    const int tiled = sizeof(TYPE) == 2 && tile != NULL && NL == 16;                        \
+    TYPE *obase[NL];                                                                        \
     const TYPE *dq = (const TYPE *)(kv == 0 ? j->deq_k : j->deq_v);                         \
     const uint8_t *lut4 = (const uint8_t *)((uintptr_t)j->vlut & ~(uintptr_t)3);            \
     const uint8_t *dq4 = (const uint8_t *)((uintptr_t)dq & ~(uintptr_t)3);                  \
@@ -224,6 +264,7 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
             ro[n] = (int32_t)(dmis + (lay[n] * R * NS + (c / j->hd) * NS + tb[n] * rs)      \
                               * (int64_t)sizeof(TYPE));                                     \
             ov[n] = outb + (lay[n] * j->T_out + j->t_off + tb[n]) * C + c;                  \
+            if (kc == 0) obase[n] = ov[n];                                                  \
         }                                                                                   \
         __m256i vlo[NV], vco[NV], vpo[NV], vro[NV];                                             \
         for (int v = 0; v < NV; v++) {                                                       \
@@ -276,6 +317,7 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
                                                    _mm256_add_epi32(vpo[v], sy[v]), 4);     \
             }                                                                               \
             uint32_t st[NL];                                                                \
+            __m256i dvs[NV];                                                                \
             _Pragma("GCC unroll 4")                                                         \
             for (int v = 0; v < NV; v++) {                                                   \
                 __m256i y = _mm256_mullo_epi32(_mm256_and_si256(pv[v], m16),                \
@@ -292,12 +334,30 @@ static void NAME(job_t *j, const int64_t *qs, int64_t nq) {                     
                                                     _mm256_and_si256(eb, n3), 1);           \
                 dv = _mm256_and_si256(_mm256_srlv_epi32(                                    \
                     dv, _mm256_slli_epi32(_mm256_and_si256(eb, m3), 3)), emask);            \
-                _mm256_storeu_si256((__m256i *)(st + 8 * v), dv);                           \
+                dvs[v] = dv;                                                                \
+                if (!tiled) _mm256_storeu_si256((__m256i *)(st + 8 * v), dv);               \
             }                                                                               \
-            _Pragma("GCC unroll 32")                                                        \
-            for (int n = 0; n < NL; n++) ov[n][orow] = (TYPE)st[n];                         \
+            if (tiled) {                                                                    \
+                /* lanes 0-15 in order: packus interleaves the 128-bit halves, the permute \
+                 * puts them back (values fit 16 bits, no saturation) */                    \
+                _mm256_storeu_si256((__m256i *)(tile + (kc * nt + t) * 16),                 \
+                    _mm256_permute4x64_epi64(_mm256_packus_epi32(dvs[0], dvs[NV - 1]), 0xD8)); \
+            } else {                                                                        \
+                _Pragma("GCC unroll 32")                                                    \
+                for (int n = 0; n < NL; n++) ov[n][orow] = (TYPE)st[n];                     \
+            }                                                                               \
         }                                                                                   \
     }                                                                                       \
+    if (tiled && G == 16)                                                                   \
+        for (int64_t t = 0; t < nt; t++) transpose16(tile + t * 16, nt * 16,                \
+                                                     (uint16_t **)obase, t * C);            \
+    else if (tiled)                                                                         \
+        for (int64_t t = 0; t < nt; t++)                                                    \
+            for (int n = 0; n < NL; n++) {                                                  \
+                TYPE *o = obase[n] + t * C;                                                 \
+                const uint16_t *src = tile + t * 16 + n;                                    \
+                for (int64_t kc = 0; kc < G; kc++) o[kc] = (TYPE)src[kc * nt * 16];         \
+            }                                                                               \
     for (int v = 0; v < NV; v++) {                                                           \
         _mm256_storeu_si256((__m256i *)(xs + 8 * v), vx[v]);                                \
         _mm256_storeu_si256((__m256i *)(qv + 8 * v), vq[v]);                                \
@@ -320,13 +380,13 @@ DEFINE_VEC(uint32_t, decode_vec_u32)
 /* Item it: items[5 * it] = nq, the number of quads (0: one single-lane stream), then the
  * first streams of its quads (or the single stream). Vector lanes when j->vec, else each
  * quad (merged in pairs where they are consecutive groups of one row) in the scalar loop. */
-static void run_item(job_t *j, int64_t it) {
+static void run_item(job_t *j, int64_t it, uint16_t *tile) {
     const int64_t *e = j->items + (NQ + 1) * it, nq = e[0];
 #ifdef __AVX2__
     if (j->vec && nq > 0) {
-        if (j->esize == 1) decode_vec_u8(j, e + 1, nq);
-        else if (j->esize == 2) decode_vec_u16(j, e + 1, nq);
-        else decode_vec_u32(j, e + 1, nq);
+        if (j->esize == 1) decode_vec_u8(j, e + 1, nq, NULL);
+        else if (j->esize == 2) decode_vec_u16(j, e + 1, nq, tile);
+        else decode_vec_u32(j, e + 1, nq, NULL);
         return;
     }
 #endif
@@ -347,11 +407,14 @@ static void run_item(job_t *j, int64_t it) {
 
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
+    /* this worker's tile (2-byte outputs in vector lanes); none: scalar stores */
+    uint16_t *tile = j->tile_bytes ? (uint16_t *)malloc(j->tile_bytes) : NULL;
     for (;;) {
         int64_t it = __atomic_fetch_add(&j->counter, 1, __ATOMIC_RELAXED);
         if (it >= j->n_items) break;
-        run_item(j, it);
+        run_item(j, it, tile);
     }
+    free(tile);
     return NULL;
 }
 
@@ -373,10 +436,20 @@ int cg_rans_decode(const uint16_t *words, const int64_t *w_off, const uint32_t *
     if (n_workers > 64) n_workers = 64;
     job_t j = {words, w_off, packed, cum, lut, mi, items, n_items, L, T, C, G, B, T_out,
                {R_k, R_v}, {NS_k, NS_v}, t_stride, hd, t_off, out_k, out_v, deq_k, deq_v, err, 0, esize, 0,
-               lut, 8};
+               lut, 8, 0};
     uint8_t *fine = NULL;
 #ifdef __AVX2__
     j.vec = vec != 0;
+    /* A tile of G channels x (one token block) x 16 lanes per worker for 2-byte outputs, at
+     * most 8 MiB (else, and with CACHEGEN_NATIVE_TILE=0, the lanes store straight into the
+     * output). */
+    {
+        const int64_t bt = B < T ? B : T;
+        const size_t tb = (size_t)G * (size_t)bt * 16 * sizeof(uint16_t);
+        const char *tv = getenv("CACHEGEN_NATIVE_TILE");
+        if (j.vec && esize == 2 && NL == 16 && tb <= ((size_t)8 << 20) && !(tv && tv[0] == '0'))
+            j.tile_bytes = tb;
+    }
     /* The vector lanes' LUT at 16-slot resolution (first candidate s with cum[s] <= 16 i
      * for bucket i; the forward scan then rarely runs): 4 KiB per model, built here when
      * the models are few (at most FINE_LUT_MODELS); else the caller's 256-slot LUT. */
