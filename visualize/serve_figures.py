@@ -26,15 +26,20 @@ def _rows(docs: Sequence[dict]) -> list[dict]:
     """Every row of every file with a mode, a positive offered rate and a goodput. An
     adaptive row's mode names the prefill speed its policy was given (the file's
     ``config.adaptive_prefill``; a file without it measured the idle, from-scratch speed), so
-    runs of two policies never share a line."""
+    runs of two policies never share a line; a run with asynchronous loads (``config.async_load``)
+    names that in its KV modes' labels, so it never shares a line with synchronous loads."""
     out = []
     for doc in docs:
-        prefill = (doc.get("config") or {}).get("adaptive_prefill") or "idle"
+        cfg = doc.get("config") or {}
+        prefill = cfg.get("adaptive_prefill") or "idle"
         for r in doc.get("rows") or []:
             if isinstance(r, dict) and isinstance(r.get("mode"), str) and \
                     isinstance(r.get("rate_rps"), (int, float)) and r["rate_rps"] > 0 and \
                     isinstance(r.get("goodput_rps"), (int, float)):
-                out.append(r if r["mode"] != "adaptive" else {**r, "mode": f"adaptive ({prefill} prefill)"})
+                mode = r["mode"] if r["mode"] != "adaptive" else f"adaptive ({prefill} prefill)"
+                if cfg.get("async_load") is True and r["mode"] != "text":   # another connector set-up
+                    mode += " (async load)"
+                out.append(r if mode == r["mode"] else {**r, "mode": mode})
     return out
 
 

@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "fallback): tail = measured on a reused context's last quarter behind "
                          "its loaded prefix, idle = a new prompt prefilled from scratch "
                          "(default %(default)s)")
+    ap.add_argument("--async-load", action="store_true",
+                    help="the connector loads KV asynchronously (extra config async_load: a worker "
+                         "thread loads while the engine runs other requests; default: synchronous "
+                         "loads that finish before the forward)")
     flags.add_bandwidth(ap, default=1000.0, help="the store's link rate, Mbit/s (default %(default)s)")
     flags.add_link_method(ap)
     ap.add_argument("--task", default="auto",
@@ -162,7 +166,7 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
            "task": a.task, "data_path": a.data_path, "chunk_tokens": a.chunk_tokens,
            "kv_cache_gib": a.kv_cache_gib, "seed": a.seed, "quick": a.quick,
            "adaptive_levels": a.adaptive_levels, "policy_preset": a.policy_preset,
-           "adaptive_prefill": a.adaptive_prefill}
+           "adaptive_prefill": a.adaptive_prefill, "async_load": bool(a.async_load)}
     if a.quick:
         cfg.update(QUICK)
     if any(not (math.isfinite(r) and r > 0) for r in cfg["rates"]):
@@ -503,7 +507,8 @@ def run(cfg: dict, a: argparse.Namespace, doc: dict) -> None:
         with ShapedLink(cfg["bandwidth_mbps"], method=cfg["link_method"]) as link, \
                 start_store_server(work / "store", link=link) as store:
             doc["link"] = {"method": link.method, "rate_mbps": cfg["bandwidth_mbps"]}
-            extra = connector_extra(f"{store.host}:{store.port}", stats_path, model_id)
+            extra = connector_extra(f"{store.host}:{store.port}", stats_path, model_id,
+                                    async_load=cfg["async_load"])
             print(f"store at {store.host}:{store.port} behind {link.method} {cfg['bandwidth_mbps']:g} Mbit/s; "
                   f"starting vLLM's OpenAI server ...", flush=True)
             with VllmServer(str(model_dir), model_id, extra, max_len, work / "server.log",

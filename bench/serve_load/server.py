@@ -50,13 +50,18 @@ def post(url: str, body: dict, timeout: float = 600.0) -> dict:
         return json.loads(r.read())
 
 
-def connector_extra(store: str, stats_path: Path, model_id: str) -> dict[str, Any]:
+def connector_extra(store: str, stats_path: Path, model_id: str, async_load: bool = False
+                    ) -> dict[str, Any]:
     """The operator's ``kv_connector_extra_config``: one store named ``main`` at ``store``
     (host:port), prefix matching for requests with ``kv_transfer_params``, saves allowed
     (the pre-fill), the model id (saved entries get a full identity, hence are indexed by
-    prefix) and the stats file (one JSON line per load, miss and save)."""
-    return {"stores": {STORE_NAME: store}, "prefix_match": "params", "allow_client_save": True,
-            "model_id": model_id, "stats_path": str(stats_path)}
+    prefix), the stats file (one JSON line per load, miss and save) and, with
+    ``async_load``, asynchronous loads (docs/vllm-connector.md, "Aborted requests")."""
+    extra = {"stores": {STORE_NAME: store}, "prefix_match": "params", "allow_client_save": True,
+             "model_id": model_id, "stats_path": str(stats_path)}
+    if async_load:
+        extra["async_load"] = True
+    return extra
 
 
 def server_command(model_dir: str, served_name: str, port: int, extra: dict[str, Any],

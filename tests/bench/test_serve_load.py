@@ -109,6 +109,16 @@ def test_config_records_the_size_mix():
     assert config(build_parser().parse_args([]))["new_context_tokens"] is None
 
 
+def test_async_load_reaches_the_connector_config():
+    from bench.serve_load.server import connector_extra
+
+    assert config(build_parser().parse_args([]))["async_load"] is False
+    assert config(build_parser().parse_args(["--async-load"]))["async_load"] is True
+    assert "async_load" not in connector_extra("h:1", Path("s.jsonl"), "m")
+    extra = connector_extra("h:1", Path("s.jsonl"), "m", async_load=True)
+    assert extra["async_load"] is True and extra["stores"] == {"main": "h:1"}
+
+
 def test_rows_apart_by_context_size():
     plan = [PlannedRequest(0, True, "a", 1, 4096), PlannedRequest(1, False, "b", 1, 512),
             PlannedRequest(2, False, "c", 1, 1536), PlannedRequest(1, False, "b", 1, 512)]
@@ -345,6 +355,10 @@ def test_goodput_figure_from_a_synthetic_result(tmp_path):
     # a workload of reused contexts only says so (it has no new contexts to name)
     only = {"config": {"bandwidth_mbps": 1000.0, "context_tokens": 4096, "reused_fraction": 1.0},
             "model": {"model_id": "M"}, "rows": [_row("cachegen", 1.0, 0.9, 1, 2)]}
+    asyn = {"config": {**only["config"], "async_load": True}, "model": {"model_id": "M"},
+            "rows": [_row("cachegen", 1.0, 0.5, 1, 2), _row("text", 1.0, 0.0, 1, 2)]}
+    labels = {ln.get_label() for ln in fig_goodput_vs_rate([only, asyn]).axes[0].get_lines()}
+    assert {"cachegen goodput", "cachegen (async load) goodput", "text goodput"} <= labels
     titles = [ax.get_title() for ax in fig_goodput_vs_rate([doc, only]).axes]
     assert len(titles) == 2 and "all reused 4096-token contexts" in titles[1] and "new" not in titles[1]
     lines2 = {ln.get_label(): ln for ln in fig2.axes[0].get_lines()}
