@@ -197,7 +197,7 @@ static inline void transpose16(const uint16_t *src, int64_t stride, uint16_t *co
  * packed freq | cum << 16 gather, the state update, the renormalisation (a gather of each
  * lane's next 16-bit word; a lane takes it and advances its word index only when its
  * state fell below 2^16), the table gather (the aligned 4 bytes holding the element) and
- * 16 scalar stores. Every gather reads an aligned 32-bit word holding a valid element, or
+ * 16 stores (one vector store into the tile for 2-byte outputs, else 16 scalar stores). Every gather reads an aligned 32-bit word holding a valid element, or
  * (for the words) one word past an index the scalar loop reads, which the payload's zero
  * padding (max symbols per stream + 4 words) covers. A missing quad repeats quad 0 (same
  * values to the same places; its error codes are not written). A quad with a bad initial
