@@ -7,11 +7,13 @@ channel) as LMCache does costs ~13% of the output at 256 tokens; instead we clus
 per-(kv, layer, channel) histograms of each distinct `nbins` into K centroid
 distributions (K-means under cross-entropy, i.e. the KL-divergence "Bregman" K-means
 of Banerjee et al., JMLR 2005, with a deterministic farthest-point initialisation) and
-store K frequency tables + one small index per (kv, layer, channel). K is chosen per
+store K frequency tables + one small index per (kv, layer, channel); the groups are
+fitted side by side in threads when numba has several workers. K is chosen per
 `nbins` group among {1, 4, 16, ..., 2048} (capped by the number of models) to minimise
 the group's description length: payload + codebook + index bits (Rissanen's minimum
 description length principle), unless that leaves the cross-entropy more than
-XENT_TARGET over the empirical entropy and a larger K meets it within MDL_SLACK bytes.
+XENT_TARGET over the empirical entropy and a larger K meets it within MDL_SLACK bytes;
+K above K_SIZE_MAX is tried for that target only.
 The codebook is sent compactly (format version 4): each table as codes
 q = round(64 * sqrt(p)) (w = q^2, normalised to 16 bits) over its nonzero range (first
 symbol and span), Rice-coded (R. F. Rice, JPL 79-22, 1979) as zigzag deltas along the
@@ -29,12 +31,13 @@ Run: imported by codec/entropy/__init__.py; tests: .venv/bin/python -m pytest te
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 
 from ..scratch import np_empty
-from ..threads import run_kernel
+from ..threads import num_workers, run_kernel
 
 try:
     from numba import njit, prange
@@ -51,7 +54,12 @@ from .codebook_codes import (MAX_K, MAX_MODELS, entropy_bits_of_counts,  # noqa:
 from .codebook import ModelSet, assemble_models, layer_nbins  # noqa: E402
 
 K_LADDER = (1, 4, 16, 64, 256, 512, 768, 1024, 1536, 2048)  # candidate codebook sizes per nbins group
+# Rungs above K_SIZE_MAX are tried only while no K tried so far meets XENT_TARGET (within
+# MDL_SLACK): on real KV they lower the description by 0.01-0.02% of a chunk and took a
+# third of the encode time (docs/codec.md section 5.1), so they serve the target only.
+K_SIZE_MAX = 512
 SPARSE_SEED_DENSITY = 0.15  # nonzero share below which _seed_kernel sums sparsely (same results, faster)
+GROUP_THREADS = True   # fit the nbins groups side by side when numba has several workers
 LLOYD_ITERS = 3  # fixed K-means iterations: 3 is within 0.05% of 6 on real KV at half the time
 # Codebook size (docs/bitstream.md 4.3, informative): K minimises the group's description
 # length (MDL); where that K leaves the cross-entropy more than XENT_TARGET above the
@@ -299,6 +307,11 @@ def _cluster_group(H: np.ndarray, ladder: Sequence[int]) -> tuple[np.ndarray, np
     choices = []   # (codes, freqs, assign, bits, est) per K tried
     trials = []
     for K in ks:
+        if K > K_SIZE_MAX and choices:
+            min_est = min(c[4] for c in choices)
+            if any(c[3] <= (1 + XENT_TARGET) * ideal and c[4] <= (1 + MDL_SLACK) * min_est
+                   for c in choices):
+                break   # the target is met: larger K would only trim the description
         n_seeds = _seed_kernel(Hi, *forms, sparse, own_bits, best, seed_nlq, n_seeds, K)
         k_eff = min(K, n_seeds)
         if k_eff == 1:
@@ -404,10 +417,21 @@ def build_models(hist_k: np.ndarray, hist_v: np.ndarray, nbins_k: Sequence[int],
     ladder = [min(int(k), kcap) for k in ladder]
     groups, freqs_list, codes_list, trials = [], [], [], []
     coded = ideal = 0.0
+    work = []   # (nb, the group's (kv, layer) pairs, its histograms [len(sel) * C, nb])
     for nb in sorted(set(nb_layer.reshape(-1).tolist())):
         sel = [(kv, layer) for kv in range(2) for layer in range(L) if nb_layer[kv, layer] == nb]
-        H = np.concatenate([hists[kv][layer, :, :nb] for kv, layer in sel])  # [len(sel) * C, nb]
-        cd, fr, assign, bits, tr = _cluster_group(H, ladder)
+        work.append((nb, sel, np.concatenate([hists[kv][layer, :, :nb] for kv, layer in sel])))
+    # the groups are independent: with several numba workers they are fitted side by side
+    # (each fit is deterministic, so the codebook does not depend on the thread count)
+    n_threads = min(len(work), num_workers()) if GROUP_THREADS else 1
+    if n_threads > 1:
+        order = sorted(range(len(work)), key=lambda g: -work[g][2].size)   # largest first
+        with ThreadPoolExecutor(max_workers=n_threads) as ex:
+            futs = {g: ex.submit(_cluster_group, work[g][2], ladder) for g in order}
+            fits = [futs[g].result() for g in range(len(work))]
+    else:
+        fits = [_cluster_group(H, ladder) for _, _, H in work]
+    for (nb, sel, H), (cd, fr, assign, bits, tr) in zip(work, fits):
         for j, (kv, layer) in enumerate(sel):
             local[kv, layer] = assign[j * C : (j + 1) * C]
         groups.append((int(nb), int(fr.shape[0])))

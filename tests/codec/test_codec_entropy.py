@@ -83,6 +83,56 @@ def test_models_are_valid_tables_and_codebook_beats_budget():
     assert np.array_equal(cum2, ms.cum) and np.array_equal(mi2, ms.model_index)
 
 
+def _three_group_histograms():
+    rng = np.random.default_rng(7)
+    L, T, C = 6, 256, 48
+    scale = rng.uniform(0.3, 6.0, (2, L, C))
+    sym = np.clip(np.round(rng.laplace(0, scale[:, :, None, :], (2, L, T, C)) + 16), 0, 31).astype(np.uint8)
+    nbk, nbv = [32] * L, [32, 32, 16, 16, 8, 8]
+    sym[1, 2:4] = np.minimum(sym[1, 2:4], 15)
+    sym[1, 4:] = np.minimum(sym[1, 4:], 7)
+    return prob.histograms(sym[0]), prob.histograms(sym[1]), nbk, nbv
+
+
+def _same_models(a, b):
+    assert a.groups == b.groups and a.trials == b.trials
+    assert np.array_equal(a.cum, b.cum) and np.array_equal(a.model_index, b.model_index)
+    assert all(np.array_equal(x, y) for x, y in zip(a.codes, b.codes))
+    assert a.coded_bits == b.coded_bits and a.ideal_bits == b.ideal_bits
+
+
+def test_models_do_not_depend_on_fitting_the_groups_side_by_side(monkeypatch):
+    """The nbins groups fitted in a thread pool give the codebook of the groups fitted in
+    turn (each fit is deterministic), at any numba thread count."""
+    import numba
+
+    hk, hv, nbk, nbv = _three_group_histograms()
+    monkeypatch.setattr(prob, "GROUP_THREADS", False)
+    ref = prob.build_models(hk, hv, nbk, nbv)
+    monkeypatch.setattr(prob, "GROUP_THREADS", True)
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            _same_models(prob.build_models(hk, hv, nbk, nbv), ref)
+    finally:
+        numba.set_num_threads(before)
+    assert len(ref.groups) == 3
+
+
+def test_large_codebooks_are_tried_only_for_the_entropy_target(monkeypatch):
+    """K above K_SIZE_MAX is tried only while no K tried meets XENT_TARGET: with a loose
+    target the ladder stops at K_SIZE_MAX; with an unreachable one it goes past it."""
+    hk, hv, nbk, nbv = _three_group_histograms()
+    monkeypatch.setattr(prob, "K_SIZE_MAX", 4)
+    monkeypatch.setattr(prob, "XENT_TARGET", 10.0)          # met by every K
+    loose = prob.build_models(hk, hv, nbk, nbv)
+    assert all(k <= 4 for _, tr in loose.trials for k, _ in tr)
+    monkeypatch.setattr(prob, "XENT_TARGET", 0.0)           # met by none
+    strict = prob.build_models(hk, hv, nbk, nbv)
+    assert any(k > 4 for _, tr in strict.trials for k, _ in tr)
+
+
 # ---------------------------------------------------------------------------------------
 # rANS: reference vs numba, exact bytes
 # ---------------------------------------------------------------------------------------
