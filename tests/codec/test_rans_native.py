@@ -185,10 +185,10 @@ def test_vector_lane_edge_cases(L, T, C, G, B, monkeypatch):
 
 
 def test_many_models_coarse_lut(monkeypatch):
-    """More models than the kernel builds its fine (16-slot) LUT for: the vector lanes use
-    the caller's 256-slot LUT and still match the scalar loop and numba."""
+    """More models than the kernel builds its fine (32-slot) LUT for (4096): the vector
+    lanes use the caller's 256-slot LUT and still match the scalar loop and numba."""
     rng = np.random.default_rng(11)
-    L, T, C, G, B = 3, 32, 192, 16, 32
+    L, T, C, G, B = 12, 32, 192, 16, 32                  # 4,608 models
     sk = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
     sv = rng.integers(0, 40, (L, T, C)).astype(np.uint8)
     n_models = 2 * L * C                                 # one random model per (kv, layer, channel)

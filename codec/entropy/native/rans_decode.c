@@ -39,7 +39,16 @@
 #endif
 #define NL (8 * NV)     /* lanes (rANS states) of an item */
 #define NQ (2 * NV)     /* quads of an item */
-#define FINE_LUT_MODELS 1024
+/* The vector lanes' fine LUT: one byte per 2^FINE_SHIFT slots (2 KiB per model), built per
+ * call for at most FINE_LUT_MODELS models (8 MiB); measured against 16- and 64-slot buckets
+ * and a 1024-model limit in docs/notes/2026-12-07-encode-ladder-and-groups.md. */
+#ifndef FINE_LUT_MODELS
+#define FINE_LUT_MODELS 4096
+#endif
+#ifndef FINE_SHIFT
+#define FINE_SHIFT 5
+#endif
+#define FINE_ROW (65536 >> FINE_SHIFT)
 
 typedef struct {
     const uint16_t *words;   /* payload as u16, zero padded */
@@ -57,7 +66,7 @@ typedef struct {
     int esize;               /* 1, 2 or 4 bytes per element */
     int vec;                 /* 1: the AVX2 lanes for quad items (offsets fit int32) */
     const uint8_t *vlut;     /* the vector lanes' LUT: [n_models, 65536 >> vshift] */
-    int vshift;              /* 4 (fine LUT built here) or 8 (the caller's coarse LUT) */
+    int vshift;              /* FINE_SHIFT (fine LUT built here) or 8 (the caller's coarse LUT) */
     size_t tile_bytes;       /* per-worker tile of the 2-byte vector path (0: none) */
 } job_t;
 
@@ -450,22 +459,24 @@ int cg_rans_decode(const uint16_t *words, const int64_t *w_off, const uint32_t *
         if (j.vec && esize == 2 && NL == 16 && tb <= ((size_t)8 << 20) && !(tv && tv[0] == '0'))
             j.tile_bytes = tb;
     }
-    /* The vector lanes' LUT at 16-slot resolution (first candidate s with cum[s] <= 16 i
-     * for bucket i; the forward scan then rarely runs): 4 KiB per model, built here when
-     * the models are few (at most FINE_LUT_MODELS); else the caller's 256-slot LUT. */
+    /* The vector lanes' LUT at 2^FINE_SHIFT-slot resolution (bucket i: the first candidate
+     * s with cum[s] <= i << FINE_SHIFT; the forward scan then rarely runs), 65536 >>
+     * FINE_SHIFT bytes per model, built here for at most FINE_LUT_MODELS models; else the
+     * caller's 256-slot LUT. */
     if (j.vec && n_models >= 1 && n_models <= FINE_LUT_MODELS
-        && (fine = (uint8_t *)calloc((size_t)n_models, 4096)) != NULL) {
+        && (fine = (uint8_t *)calloc((size_t)n_models, FINE_ROW)) != NULL) {
         for (int64_t m = 0; m < n_models; m++) {
             const uint32_t *cm = cum + m * 257;
-            uint8_t *row = fine + m * 4096;
+            uint8_t *row = fine + m * FINE_ROW;
             for (int sy = 0; sy < 256; sy++) {
-                uint32_t a = (cm[sy] + 15) >> 4, b = (cm[sy + 1] + 15) >> 4;
-                if (b > 4096) b = 4096;
+                uint32_t a = (cm[sy] + (1u << FINE_SHIFT) - 1) >> FINE_SHIFT;
+                uint32_t b = (cm[sy + 1] + (1u << FINE_SHIFT) - 1) >> FINE_SHIFT;
+                if (b > FINE_ROW) b = FINE_ROW;
                 for (uint32_t i = a; i < b; i++) row[i] = (uint8_t)sy;
             }
         }
         j.vlut = fine;
-        j.vshift = 4;
+        j.vshift = FINE_SHIFT;
     }
 #else
     (void)vec; (void)n_models;
