@@ -98,10 +98,17 @@ def dual_build(fn: Callable) -> tuple[Any, Any]:
 
 
 def num_workers() -> int:
-    """numba's current thread count (the parallel kernels' prange workers); 1 without numba."""
+    """numba's current thread count (the parallel kernels' prange workers); 1 without numba.
+
+    ``numba.get_num_threads()`` launches numba's thread pool, and with it numba picks its
+    threading layer: the layer is configured first (``configure_threading_layer``), else
+    numba takes OpenMP, which in a process that also runs torch resizes torch's own OpenMP
+    team (measured in vLLM's CPU worker, one OpenMP thread bound to one core: a second
+    OpenMP thread spun at that core's barrier and every forward ran ~10x slower)."""
     try:
         import numba
 
+        configure_threading_layer()
         return max(1, int(numba.get_num_threads()))
     except Exception:  # noqa: BLE001 - no numba / pool not available: one worker
         return 1

@@ -126,3 +126,45 @@ def test_run_kernel_falls_back_to_serial_when_busy():
         T.run_kernel(boom, ser, True, 4)
     assert not T.PARALLEL_LOCK.locked()
     assert calls == [("par", 1), ("ser", 2), ("ser", 3)]
+
+
+LAYER_CHILD = textwrap.dedent(r"""
+    import sys
+
+    import torch
+
+    first = sys.argv[1]
+    if first == "num_workers":
+        from codec.threads import num_workers
+        num_workers()
+    elif first == "encode":      # the first codec call of a process: an encode (save path)
+        import codec
+        k = torch.randn(4, 256, 2, 64).to(torch.bfloat16)
+        codec.encode_kv(k, k.clone(), codec="cachegen", level=1)
+    elif first == "decode":
+        import codec
+        k = torch.randn(4, 256, 2, 64).to(torch.bfloat16)
+        data = codec.encode_kv(k, k.clone(), codec="cachegen", level=1)
+        codec.decode_kv(data)
+    elif first == "decode_cpus_probe":   # the vLLM connector's record of the decode's threads
+        import numba  # noqa: F401  (imported, no kernel run yet)
+        from third_party.vllm import decode_cpus
+        decode_cpus.thread_probe()
+    import numba
+    print("LAYER", numba.threading_layer(), "TORCH", torch.get_num_threads())
+""")
+
+
+@pytest.mark.parametrize("first", ["num_workers", "encode", "decode", "decode_cpus_probe"])
+def test_numba_never_takes_the_openmp_layer(first):
+    """Whatever the process asks numba first (its thread count, an encode, a decode, the
+    connector's thread probe), numba's pool runs on the "workqueue" layer: OpenMP would
+    share torch's OpenMP runtime and resize its team (in vLLM's CPU worker, one OpenMP
+    thread bound to one core, a second thread then spun at the barrier and every forward
+    ran ~10x slower)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", LAYER_CHILD, first], cwd=str(ROOT), env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LAYER workqueue" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from codec.threads import num_workers
+
 
 def decode_cpus(setting: Any = "all") -> set[int] | None:
     """CPUs the connector's load (receive + decode) may run on, from the extra-config key
@@ -91,7 +93,9 @@ def thread_probe() -> dict[str, Any]:
         out["threads_by_cpus"] = None
     nb = sys.modules.get("numba")
     if nb is not None:
-        out["numba_threads"] = nb.get_num_threads()
+        # through codec.threads: numba's own get_num_threads would launch its pool with
+        # the OpenMP layer if no kernel has chosen the layer yet
+        out["numba_threads"] = num_workers()
         try:
             out["numba_layer"] = nb.threading_layer()
         except ValueError:   # no parallel kernel has run yet in this process
